@@ -1,1 +1,36 @@
-//! lantern-attn
+//! lantern-attn: attention metadata, KV cache layouts and attention backends over the
+//! paged KV cache.
+//!
+//! - [`layout`]: the logical shape and stride order of a layer's cache tensor; every
+//!   reader of the cache asks the layout where an element lives.
+//! - [`cache`]: one layer's cache tensor (f32/f16/bf16), the slot-mapped write and the
+//!   read helpers shared by backends and attention capture.
+//! - [`metadata`]: per-step [`CommonAttentionMetadata`] for a mixed prefill/decode
+//!   batch, built once per KV cache group, plus the decode/prefill batch helpers.
+//! - [`layer`]: the one description of a layer's attention (mask, scale, soft-cap,
+//!   sinks) used by every backend and by capture.
+//! - [`backend`]: the device-agnostic [`AttentionBackend`] trait and backend lookup.
+//! - [`backends`]: `cpu-reference` (the oracle) and `cpu-flash` (the default on CPU).
+
+pub mod backend;
+pub mod backends;
+pub mod cache;
+pub mod error;
+pub mod layer;
+pub mod layout;
+pub mod metadata;
+
+pub use backend::{
+    backend_by_name, validate_forward_inputs, AttentionBackend, AttentionMetadata, BACKEND_NAMES,
+    CPU_FLASH, CPU_REFERENCE, DECODE_THRESHOLD,
+};
+pub use backends::cpu_flash::{CpuFlashBackend, FlashTuning};
+pub use backends::cpu_reference::CpuReferenceBackend;
+pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
+pub use error::AttnError;
+pub use layer::AttentionLayerSpec;
+pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};
+pub use metadata::{
+    reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
+    BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,
+};

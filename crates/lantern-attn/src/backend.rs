@@ -1,0 +1,167 @@
+//! The attention backend interface, device-agnostic.
+//!
+//! A backend declares the layout of the cache it wants, builds its per-step metadata
+//! once per KV cache group, and runs one layer's attention: write this step's K/V into
+//! the cache by slot mapping, then attend over each request's keys read back from the
+//! paged cache. Nothing here assumes a CPU: buffers cross the trait as host slices only
+//! because the CPU backends are the ones that exist; CPU specifics live in `backends/`.
+
+use std::sync::Arc;
+
+use crate::backends::cpu_flash::CpuFlashBackend;
+use crate::backends::cpu_reference::CpuReferenceBackend;
+use crate::cache::PagedKvCache;
+use crate::error::AttnError;
+use crate::layer::AttentionLayerSpec;
+use crate::layout::KvCacheLayout;
+use crate::metadata::{split_decodes_and_prefills, CommonAttentionMetadata, DecodePrefillSplit};
+
+/// Name of the plain, obviously correct f32 backend (the oracle for the others).
+pub const CPU_REFERENCE: &str = "cpu-reference";
+/// Name of the default CPU backend (tiled online softmax, multi-threaded).
+pub const CPU_FLASH: &str = "cpu-flash";
+/// Every name [`backend_by_name`] accepts.
+pub const BACKEND_NAMES: &[&str] = &[CPU_REFERENCE, CPU_FLASH];
+
+/// Query length up to which a request counts as a decode in [`AttentionMetadata::split`].
+pub const DECODE_THRESHOLD: usize = 1;
+
+/// A backend's metadata for one step of one KV cache group, shared by all its layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionMetadata {
+    pub common: Arc<CommonAttentionMetadata>,
+    /// Decode/prefill boundary (meaningful when the batch was reordered decodes first).
+    pub split: DecodePrefillSplit,
+}
+
+impl AttentionMetadata {
+    /// Metadata with the split computed for `decode_threshold`.
+    pub fn new(common: Arc<CommonAttentionMetadata>, decode_threshold: usize) -> Self {
+        let split = split_decodes_and_prefills(&common, decode_threshold);
+        Self { common, split }
+    }
+}
+
+/// One way of computing attention over the paged KV cache.
+pub trait AttentionBackend: Send + Sync {
+    /// The name [`backend_by_name`] knows it by.
+    fn name(&self) -> &'static str;
+
+    /// The layout caches for this backend must be allocated with.
+    fn kv_cache_layout(&self) -> KvCacheLayout;
+
+    /// Built once per step per KV cache group, shared by all layers of the group.
+    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata;
+
+    /// q: `[num_tokens, num_heads, head_dim]`; k, v: `[num_tokens, num_kv_heads,
+    /// head_dim]` for this step's tokens. Writes k, v into `cache` by the slot mapping,
+    /// then computes attention for every query token over the request's keys (from the
+    /// cache, through the layout) with the layer's mask/scale/soft-cap/sinks.
+    /// out: `[num_tokens, num_heads, head_dim]`.
+    ///
+    /// Tokens of this step whose slot is padding (see `ScheduledSeq::slot_window`) are
+    /// not in the cache; their K/V are taken from `k`/`v`, rounded to the cache's type.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut PagedKvCache,
+        out: &mut [f32],
+    ) -> Result<(), AttnError>;
+}
+
+/// The backend called `name` with its default layout.
+pub fn backend_by_name(name: &str) -> Result<Box<dyn AttentionBackend>, AttnError> {
+    match name {
+        CPU_REFERENCE => Ok(Box::new(CpuReferenceBackend::new())),
+        CPU_FLASH => Ok(Box::new(CpuFlashBackend::new())),
+        _ => Err(AttnError::UnknownBackend {
+            name: name.to_string(),
+            known: BACKEND_NAMES.join(", "),
+        }),
+    }
+}
+
+/// Checks everything a backend relies on before it touches a buffer: the layer spec,
+/// the cache's layout and geometry against the backend and the layer, the metadata's
+/// consistency, block ids inside the cache, and the lengths of `q`, `k`, `v`, `out`.
+/// After this returns `Ok`, indexing by the metadata cannot go out of bounds.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_forward_inputs(
+    backend_layout: &KvCacheLayout,
+    layer: &AttentionLayerSpec,
+    common: &CommonAttentionMetadata,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    cache: &PagedKvCache,
+    out: &[f32],
+) -> Result<(), AttnError> {
+    layer.validate()?;
+    if cache.layout() != backend_layout {
+        return Err(AttnError::LayoutMismatch {
+            expected: *backend_layout,
+            got: *cache.layout(),
+        });
+    }
+    let geom = cache.geometry();
+    if geom.num_kv_heads != layer.num_kv_heads || geom.head_dim != layer.head_dim {
+        return Err(AttnError::Mismatch(format!(
+            "layer has {} kv heads of dim {}, cache has {} of dim {}",
+            layer.num_kv_heads, layer.head_dim, geom.num_kv_heads, geom.head_dim
+        )));
+    }
+    if geom.block_size != common.block_size {
+        return Err(AttnError::Mismatch(format!(
+            "metadata block_size {} != cache block_size {}",
+            common.block_size, geom.block_size
+        )));
+    }
+    if !common.causal {
+        return Err(AttnError::Unsupported("non-causal attention".into()));
+    }
+    common.validate()?;
+    for r in 0..common.num_reqs {
+        let used = common.seq_lens[r].div_ceil(common.block_size);
+        if let Some(&b) = common
+            .block_table
+            .row(r)
+            .iter()
+            .take(used)
+            .find(|&&b| b as usize >= geom.num_blocks)
+        {
+            return Err(AttnError::BlockOutOfRange {
+                block: u64::from(b),
+                num_blocks: geom.num_blocks,
+            });
+        }
+    }
+    let t = common.num_actual_tokens;
+    let q_len = layer
+        .num_heads
+        .checked_mul(layer.head_dim)
+        .and_then(|n| n.checked_mul(t));
+    let kv_len = layer
+        .num_kv_heads
+        .checked_mul(layer.head_dim)
+        .and_then(|n| n.checked_mul(t));
+    for (what, got, expected) in [
+        ("q", q.len(), q_len),
+        ("k", k.len(), kv_len),
+        ("v", v.len(), kv_len),
+        ("out", out.len(), q_len),
+    ] {
+        if Some(got) != expected {
+            return Err(AttnError::LengthMismatch {
+                what,
+                expected: expected.unwrap_or(usize::MAX),
+                got,
+            });
+        }
+    }
+    Ok(())
+}

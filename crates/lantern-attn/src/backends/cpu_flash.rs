@@ -1,0 +1,490 @@
+//! `cpu-flash`: the default CPU backend. Tiled online softmax over the paged cache,
+//! multi-threaded with rayon, f32/f16/bf16 caches.
+//!
+//! Work is cut into items of (request, kv head, tile of query tokens, range of keys):
+//! - every item handles all query heads of one GQA group, so each K/V tile is read from
+//!   the cache (and converted to f32) once for the whole group and all its query tokens;
+//! - long prefills are cut into query tiles, so they spread over threads;
+//! - long key ranges are split into pieces at fixed positions (multiples of
+//!   `split_keys`, whole blocks) whose partial softmax states are merged afterwards in
+//!   order (flash-decoding), so a few decodes over long contexts still use every thread.
+//!
+//! The cut depends only on a row's own positions, never on the rest of the batch or on the
+//! thread count: a row gets bit-identical output alone or in any batch (batch invariance,
+//! which makes greedy decoding independent of what else the server is running).
+//!
+//! Inside an item, keys are visited block by block in the order of the request's block
+//! table. Each query row keeps a running max `m`, a running sum `l` and an unnormalized
+//! output `acc`; a new tile rescales them by `exp(m_old - m_new)`. The sink joins only
+//! when a row is finalized, as one more term of the denominator.
+//!
+//! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
+//! are one contiguous `block_size x head_dim` tile that an f32 cache lends without a copy.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::backend::{
+    validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_FLASH, DECODE_THRESHOLD,
+};
+use crate::backends::kernels::{axpy, dots, exp_f32, exp_shifted_sum, scale, weighted_sum};
+use crate::backends::{load_step_row, RequestView};
+use crate::cache::{PagedKvCache, KEY, VALUE};
+use crate::error::AttnError;
+use crate::layer::AttentionLayerSpec;
+use crate::layout::{KvCacheLayout, KvCacheShape};
+use crate::metadata::CommonAttentionMetadata;
+
+/// How the flash backend cuts work into items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashTuning {
+    /// Query tokens of one request per work item.
+    pub query_tile: usize,
+    /// Key ranges are cut at multiples of this many keys (rounded up to whole blocks).
+    pub split_keys: usize,
+}
+
+impl Default for FlashTuning {
+    fn default() -> Self {
+        Self {
+            query_tile: 16,
+            split_keys: 512,
+        }
+    }
+}
+
+/// The tiled, multi-threaded CPU backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuFlashBackend {
+    layout: KvCacheLayout,
+    tuning: FlashTuning,
+}
+
+impl Default for CpuFlashBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuFlashBackend {
+    /// The backend with its default layout (`BlocksFirst`, HND order) and tuning.
+    pub fn new() -> Self {
+        Self {
+            layout: KvCacheLayout::hnd(KvCacheShape::BlocksFirst),
+            tuning: FlashTuning::default(),
+        }
+    }
+
+    /// The backend declaring `layout` instead. Any valid layout is correct; layouts
+    /// whose rows are not packed are slower (each tile is gathered).
+    pub fn with_layout(layout: KvCacheLayout) -> Result<Self, AttnError> {
+        layout.validate()?;
+        Ok(Self {
+            layout,
+            tuning: FlashTuning::default(),
+        })
+    }
+
+    /// The same backend with other tuning; every field must be non-zero.
+    pub fn with_tuning(self, tuning: FlashTuning) -> Result<Self, AttnError> {
+        if tuning.query_tile == 0 || tuning.split_keys == 0 {
+            return Err(AttnError::Unsupported(format!(
+                "flash tuning fields must be non-zero: {tuning:?}"
+            )));
+        }
+        Ok(Self { tuning, ..self })
+    }
+
+    /// The tuning in use.
+    pub fn tuning(&self) -> FlashTuning {
+        self.tuning
+    }
+}
+
+impl AttentionBackend for CpuFlashBackend {
+    fn name(&self) -> &'static str {
+        CPU_FLASH
+    }
+
+    fn kv_cache_layout(&self) -> KvCacheLayout {
+        self.layout
+    }
+
+    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
+        AttentionMetadata::new(common, DECODE_THRESHOLD)
+    }
+
+    fn forward(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut PagedKvCache,
+        out: &mut [f32],
+    ) -> Result<(), AttnError> {
+        let common = &*meta.common;
+        validate_forward_inputs(&self.layout, layer, common, q, k, v, cache, out)?;
+        cache.write(k, v, &common.slot_mapping)?;
+        let items = plan(common, layer, &self.tuning, cache.geometry().block_size);
+        let ctx = Ctx {
+            common,
+            layer,
+            cache,
+            q,
+            k,
+            v,
+        };
+        let partials: Vec<Partial> = items
+            .par_iter()
+            .map_init(
+                || Scratch::new(&ctx),
+                |scratch, item| run_item(&ctx, item, scratch),
+            )
+            .collect();
+        merge_and_store(&items, partials, layer, out);
+        Ok(())
+    }
+}
+
+/// Everything a work item reads.
+struct Ctx<'a> {
+    common: &'a CommonAttentionMetadata,
+    layer: &'a AttentionLayerSpec,
+    cache: &'a PagedKvCache,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+/// One unit of parallel work: the query rows `rows` (batch token indices) of request
+/// `req`, all query heads of `kv_head`'s group, over the key positions `keys`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct WorkItem {
+    req: usize,
+    kv_head: usize,
+    rows: (usize, usize),
+    keys: (usize, usize),
+    /// Items with the same `output` cover the same query rows and must be merged.
+    output: usize,
+}
+
+/// Cuts the batch into work items (see the module docs).
+fn plan(
+    common: &CommonAttentionMetadata,
+    layer: &AttentionLayerSpec,
+    tuning: &FlashTuning,
+    block_size: usize,
+) -> Vec<WorkItem> {
+    // Query tiles with the union of their rows' visible key ranges. Visible ranges start
+    // at a position that never decreases with the query position, so the union is
+    // [start of the first row's range, last row + 1).
+    let mut tiles = Vec::new();
+    for r in 0..common.num_reqs {
+        let req = RequestView::new(common, r);
+        let mut a = req.tokens.0;
+        while a < req.tokens.1 {
+            let b = (a + tuning.query_tile).min(req.tokens.1);
+            let first = layer.visible_key_range(req.position(a)).start;
+            tiles.push((r, (a, b), (first, req.position(b - 1) + 1)));
+            a = b;
+        }
+    }
+    let piece_len = tuning.split_keys.div_ceil(block_size) * block_size;
+    let mut items = Vec::with_capacity(tiles.len() * layer.num_kv_heads);
+    let mut output = 0;
+    for (req, rows, keys) in tiles {
+        let pieces = split_keys(keys, piece_len);
+        for kv_head in 0..layer.num_kv_heads {
+            for &keys in &pieces {
+                items.push(WorkItem {
+                    req,
+                    kv_head,
+                    rows,
+                    keys,
+                    output,
+                });
+            }
+            output += 1;
+        }
+    }
+    items
+}
+
+/// Cuts `keys` at the multiples of `piece_len` (a whole number of blocks) inside it.
+fn split_keys(keys: (usize, usize), piece_len: usize) -> Vec<(usize, usize)> {
+    let mut pieces = Vec::new();
+    let mut start = keys.0;
+    while start < keys.1 {
+        let end = ((start / piece_len + 1) * piece_len).min(keys.1);
+        pieces.push((start, end));
+        start = end;
+    }
+    pieces
+}
+
+/// Per-thread buffers for tiles converted to f32 and for one row's logits.
+struct Scratch {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(ctx: &Ctx<'_>) -> Self {
+        let geom = ctx.cache.geometry();
+        Self {
+            keys: vec![0.0; geom.block_size * geom.head_dim],
+            values: vec![0.0; geom.block_size * geom.head_dim],
+            logits: vec![0.0; geom.block_size],
+        }
+    }
+}
+
+/// Online-softmax state of an item's query rows (row `i * group + j` is the item's
+/// `i`-th token and the `j`-th head of the group), not yet normalized.
+#[derive(Debug, Default)]
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
+    let layer = ctx.layer;
+    let (d, group) = (layer.head_dim, layer.group_size());
+    let block_size = ctx.cache.geometry().block_size;
+    let req = RequestView::new(ctx.common, item.req);
+    let n_rows = (item.rows.1 - item.rows.0) * group;
+    let mut state = Partial {
+        max: vec![f32::NEG_INFINITY; n_rows],
+        sum: vec![0.0; n_rows],
+        acc: vec![0.0; n_rows * d],
+    };
+    let Scratch {
+        keys,
+        values,
+        logits,
+    } = scratch;
+    let mut bi = item.keys.0 / block_size;
+    while bi * block_size < item.keys.1 {
+        let tile = (
+            item.keys.0.max(bi * block_size),
+            item.keys.1.min((bi + 1) * block_size),
+        );
+        let block = req.table[bi] as usize;
+        let in_block = tile.0 - bi * block_size..tile.1 - bi * block_size;
+        let k_tile = load_tile(
+            ctx,
+            &req,
+            KEY,
+            block,
+            item.kv_head,
+            in_block.clone(),
+            tile.0,
+            keys,
+        );
+        let v_tile = load_tile(
+            ctx,
+            &req,
+            VALUE,
+            block,
+            item.kv_head,
+            in_block,
+            tile.0,
+            values,
+        );
+        for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
+            let visible = layer.visible_key_range(req.position(row));
+            let (lo, hi) = (visible.start.max(tile.0), visible.end.min(tile.1));
+            if lo >= hi {
+                continue;
+            }
+            let (k_rows, v_rows) = (
+                &k_tile[(lo - tile.0) * d..(hi - tile.0) * d],
+                &v_tile[(lo - tile.0) * d..(hi - tile.0) * d],
+            );
+            for j in 0..group {
+                let h = item.kv_head * group + j;
+                let q_row = &ctx.q[(row * layer.num_heads + h) * d..][..d];
+                let r = ti * group + j;
+                update_row(
+                    layer,
+                    q_row,
+                    k_rows,
+                    v_rows,
+                    &mut logits[..hi - lo],
+                    &mut state.max[r],
+                    &mut state.sum[r],
+                    &mut state.acc[r * d..(r + 1) * d],
+                );
+            }
+        }
+        bi += 1;
+    }
+    state
+}
+
+/// One online-softmax step for one query row over a tile's visible keys.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn update_row(
+    layer: &AttentionLayerSpec,
+    q_row: &[f32],
+    k_rows: &[f32],
+    v_rows: &[f32],
+    logits: &mut [f32],
+    max: &mut f32,
+    sum: &mut f32,
+    acc: &mut [f32],
+) {
+    let d = q_row.len();
+    dots(q_row, k_rows, d, logits);
+    let mut tile_max = f32::NEG_INFINITY;
+    for s in logits.iter_mut() {
+        *s = layer.transform_score(*s);
+        tile_max = tile_max.max(*s);
+    }
+    let new_max = max.max(tile_max);
+    let alpha = exp_f32(*max - new_max);
+    if alpha != 1.0 {
+        scale(acc, alpha);
+    }
+    let tile_sum = exp_shifted_sum(logits, new_max);
+    weighted_sum(acc, logits, v_rows, d);
+    *sum = *sum * alpha + tile_sum;
+    *max = new_max;
+}
+
+/// Rows `in_block` of one head's K or V in `block` as f32: borrowed from an f32 cache
+/// when packed, converted into `buf` otherwise. Rows of step tokens that were not
+/// written (padding slots) come from the step's inputs. `first_pos` is the position of
+/// the first row.
+#[allow(clippy::too_many_arguments)]
+fn load_tile<'a>(
+    ctx: &'a Ctx<'_>,
+    req: &RequestView<'_>,
+    kv: usize,
+    block: usize,
+    head: usize,
+    in_block: std::ops::Range<usize>,
+    first_pos: usize,
+    buf: &'a mut [f32],
+) -> &'a [f32] {
+    let n = in_block.len();
+    let padded = req.any_padded(first_pos..first_pos + n);
+    if !padded {
+        if let Some(tile) = ctx.cache.tile_f32(kv, block, head, in_block.clone()) {
+            return tile;
+        }
+    }
+    let d = ctx.layer.head_dim;
+    let buf = &mut buf[..n * d];
+    ctx.cache
+        .load_rows_unchecked(kv, block, head, in_block, buf);
+    if padded {
+        let src = if kv == KEY { ctx.k } else { ctx.v };
+        for (i, row_buf) in buf.chunks_exact_mut(d).enumerate() {
+            if let Some(row) = req.padded_step_row(first_pos + i) {
+                load_step_row(
+                    src,
+                    row,
+                    head,
+                    ctx.layer.num_kv_heads,
+                    ctx.cache.dtype(),
+                    row_buf,
+                );
+            }
+        }
+    }
+    buf
+}
+
+/// Merges the partial states of items that share an output (key-range splits),
+/// normalizes with the layer's sinks, and writes the rows into `out`.
+fn merge_and_store(
+    items: &[WorkItem],
+    partials: Vec<Partial>,
+    layer: &AttentionLayerSpec,
+    out: &mut [f32],
+) {
+    let (d, group) = (layer.head_dim, layer.group_size());
+    let mut iter = items.iter().zip(partials).peekable();
+    while let Some((item, mut merged)) = iter.next() {
+        while let Some((_, next)) = iter.next_if(|(it, _)| it.output == item.output) {
+            merge_into(&mut merged, &next, d);
+        }
+        for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
+            for j in 0..group {
+                let h = item.kv_head * group + j;
+                let r = ti * group + j;
+                let dst = &mut out[(row * layer.num_heads + h) * d..][..d];
+                finalize_row(
+                    merged.max[r],
+                    merged.sum[r],
+                    &merged.acc[r * d..(r + 1) * d],
+                    layer.sink_logit(h),
+                    dst,
+                );
+            }
+        }
+    }
+}
+
+/// Folds `other` into `into`: both are online-softmax states over disjoint keys.
+fn merge_into(into: &mut Partial, other: &Partial, d: usize) {
+    for r in 0..into.max.len() {
+        let (m1, m2) = (into.max[r], other.max[r]);
+        let m = m1.max(m2);
+        if m == f32::NEG_INFINITY {
+            continue;
+        }
+        let (a1, a2) = ((m1 - m).exp(), (m2 - m).exp());
+        into.sum[r] = into.sum[r] * a1 + other.sum[r] * a2;
+        let acc = &mut into.acc[r * d..(r + 1) * d];
+        scale(acc, a1);
+        axpy(acc, a2, &other.acc[r * d..(r + 1) * d]);
+        into.max[r] = m;
+    }
+}
+
+/// `acc / sum`, with the sink (if any) as one more term of the denominator.
+fn finalize_row(max: f32, sum: f32, acc: &[f32], sink: Option<f32>, dst: &mut [f32]) {
+    let (max_all, sum_all, acc_scale) = match sink {
+        Some(s) => {
+            let m = max.max(s);
+            let a = (max - m).exp();
+            (m, sum * a + (s - m).exp(), a)
+        }
+        None => (max, sum, 1.0),
+    };
+    if max_all == f32::NEG_INFINITY || sum_all == 0.0 {
+        dst.fill(0.0);
+        return;
+    }
+    let inv = acc_scale / sum_all;
+    for (o, a) in dst.iter_mut().zip(acc) {
+        *o = a * inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_keys_cuts_at_fixed_positions_and_covers() {
+        assert_eq!(split_keys((0, 10), 16), vec![(0, 10)]);
+        assert_eq!(split_keys((0, 10), 4), vec![(0, 4), (4, 8), (8, 10)]);
+        assert_eq!(split_keys((5, 10), 4), vec![(5, 8), (8, 10)]);
+        let pieces = split_keys((3, 1000), 128);
+        assert_eq!(pieces.first().unwrap().0, 3);
+        assert_eq!(pieces.last().unwrap().1, 1000);
+        for w in pieces.windows(2) {
+            assert_eq!(w[0].1, w[1].0);
+            assert_eq!(w[0].1 % 128, 0);
+        }
+    }
+}

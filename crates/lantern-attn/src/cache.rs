@@ -1,0 +1,426 @@
+//! One layer's paged KV cache tensor: its values, in the element type and layout it was
+//! allocated with.
+//!
+//! Every access goes through the cache's [`KvCacheLayout`]; nothing here infers the
+//! layout from a shape. Writes follow a slot mapping (`slot = block * block_size +
+//! offset`, negative slots are padding and skipped). Reads come in two flavours:
+//! per-token helpers ([`PagedKvCache::read_key`], [`PagedKvCache::read_value`]) that
+//! any reader such as attention capture can use, and tile loads
+//! ([`PagedKvCache::load_tile`], [`PagedKvCache::tile_f32`]) that backends use to read
+//! one head's rows of a block at once.
+
+use std::ops::Range;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use lantern_kv::KvDtype;
+
+use crate::error::AttnError;
+use crate::layout::{CacheGeometry, KvCacheLayout, NamedStrides};
+
+/// Index of the K plane in the `kv` dimension.
+pub const KEY: usize = 0;
+/// Index of the V plane in the `kv` dimension.
+pub const VALUE: usize = 1;
+
+/// The values of a cache tensor in its element type, in physical memory order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CacheStorage {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl CacheStorage {
+    fn zeros(dtype: KvDtype, len: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => CacheStorage::F32(vec![0.0; len]),
+            KvDtype::F16 => CacheStorage::F16(vec![f16::ZERO; len]),
+            KvDtype::BF16 => CacheStorage::BF16(vec![bf16::ZERO; len]),
+        }
+    }
+
+    /// Element type of the storage.
+    pub fn dtype(&self) -> KvDtype {
+        match self {
+            CacheStorage::F32(_) => KvDtype::F32,
+            CacheStorage::F16(_) => KvDtype::F16,
+            CacheStorage::BF16(_) => KvDtype::BF16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CacheStorage::F32(s) => s.len(),
+            CacheStorage::F16(s) => s.len(),
+            CacheStorage::BF16(s) => s.len(),
+        }
+    }
+
+    /// True when the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Converts `src.len()` contiguous elements starting at `start` into `dst`.
+    /// Callers guarantee the range is inside the storage.
+    #[inline]
+    fn load_contiguous(&self, start: usize, dst: &mut [f32]) {
+        let end = start + dst.len();
+        match self {
+            CacheStorage::F32(s) => dst.copy_from_slice(&s[start..end]),
+            CacheStorage::F16(s) => s[start..end].convert_to_f32_slice(dst),
+            CacheStorage::BF16(s) => s[start..end].convert_to_f32_slice(dst),
+        }
+    }
+
+    /// Reads one element as f32. Callers guarantee `i` is inside the storage.
+    #[inline]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            CacheStorage::F32(s) => s[i],
+            CacheStorage::F16(s) => s[i].to_f32(),
+            CacheStorage::BF16(s) => s[i].to_f32(),
+        }
+    }
+
+    /// Stores `src` at `start..start + src.len()`, converting to the element type.
+    #[inline]
+    fn store_contiguous(&mut self, start: usize, src: &[f32]) {
+        let end = start + src.len();
+        match self {
+            CacheStorage::F32(s) => s[start..end].copy_from_slice(src),
+            CacheStorage::F16(s) => s[start..end].convert_from_f32_slice(src),
+            CacheStorage::BF16(s) => s[start..end].convert_from_f32_slice(src),
+        }
+    }
+
+    #[inline]
+    fn set(&mut self, i: usize, x: f32) {
+        match self {
+            CacheStorage::F32(s) => s[i] = x,
+            CacheStorage::F16(s) => s[i] = f16::from_f32(x),
+            CacheStorage::BF16(s) => s[i] = bf16::from_f32(x),
+        }
+    }
+}
+
+/// Rounds `values` in place to what a cache of element type `dtype` would hold (a no-op
+/// for f32). Used where a key or value must be taken from somewhere other than the
+/// cache but has to match what the cache would have returned.
+pub fn round_to_dtype(values: &mut [f32], dtype: KvDtype) {
+    match dtype {
+        KvDtype::F32 => {}
+        KvDtype::F16 => values
+            .iter_mut()
+            .for_each(|x| *x = f16::from_f32(*x).to_f32()),
+        KvDtype::BF16 => values
+            .iter_mut()
+            .for_each(|x| *x = bf16::from_f32(*x).to_f32()),
+    }
+}
+
+/// One layer's KV cache tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PagedKvCache {
+    geometry: CacheGeometry,
+    layout: KvCacheLayout,
+    strides: NamedStrides,
+    num_slots: usize,
+    storage: CacheStorage,
+}
+
+impl PagedKvCache {
+    /// A zero-filled cache of `geometry` laid out as `layout` with elements of `dtype`.
+    pub fn new(
+        geometry: CacheGeometry,
+        layout: KvCacheLayout,
+        dtype: KvDtype,
+    ) -> Result<Self, AttnError> {
+        geometry.validate()?;
+        layout.validate()?;
+        let len = geometry.num_elements()?;
+        Ok(Self {
+            geometry,
+            layout,
+            strides: layout.named_strides(&geometry),
+            num_slots: geometry.num_slots()?,
+            storage: CacheStorage::zeros(dtype, len),
+        })
+    }
+
+    /// Element type of the cache.
+    pub fn dtype(&self) -> KvDtype {
+        self.storage.dtype()
+    }
+
+    /// The layout the cache was allocated with.
+    pub fn layout(&self) -> &KvCacheLayout {
+        &self.layout
+    }
+
+    /// The cache's sizes.
+    pub fn geometry(&self) -> &CacheGeometry {
+        &self.geometry
+    }
+
+    /// Element strides by dimension name.
+    pub fn strides(&self) -> &NamedStrides {
+        &self.strides
+    }
+
+    /// Number of token slots (`num_blocks * block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// Bytes held by the tensor.
+    pub fn size_bytes(&self) -> usize {
+        self.storage.len() * self.dtype().size_bytes()
+    }
+
+    /// The raw values in physical order (for backends on other devices and for tests).
+    pub fn storage(&self) -> &CacheStorage {
+        &self.storage
+    }
+
+    /// Splits a slot into `(block, in_block)`, checking it is inside the cache.
+    pub fn slot_position(&self, slot: i64) -> Result<(usize, usize), AttnError> {
+        match usize::try_from(slot) {
+            Ok(s) if s < self.num_slots => {
+                Ok((s / self.geometry.block_size, s % self.geometry.block_size))
+            }
+            _ => Err(AttnError::SlotOutOfRange {
+                slot,
+                num_slots: self.num_slots,
+            }),
+        }
+    }
+
+    /// Writes this step's keys and values by slot mapping.
+    ///
+    /// `k` and `v` are `[num_tokens, num_kv_heads, head_dim]` row-major, one token per
+    /// slot mapping entry. Negative slots (`PAD_SLOT_ID`) are skipped. Every slot is
+    /// checked before anything is written, so an error leaves the cache untouched.
+    pub fn write(&mut self, k: &[f32], v: &[f32], slot_mapping: &[i64]) -> Result<(), AttnError> {
+        let row = self.geometry.token_row_len();
+        // Saturates on overflow: no buffer can have that length, so it is a mismatch.
+        let expected = slot_mapping.len().saturating_mul(row);
+        for (what, buf) in [("k", k), ("v", v)] {
+            if buf.len() != expected {
+                return Err(AttnError::LengthMismatch {
+                    what,
+                    expected,
+                    got: buf.len(),
+                });
+            }
+        }
+        for &slot in slot_mapping {
+            if slot >= 0 {
+                self.slot_position(slot)?;
+            }
+        }
+        let (hd, nh) = (self.geometry.head_dim, self.geometry.num_kv_heads);
+        for (t, &slot) in slot_mapping.iter().enumerate() {
+            let Ok((block, pos)) = self.slot_position(slot) else {
+                continue;
+            };
+            for h in 0..nh {
+                let src = t * row + h * hd..t * row + (h + 1) * hd;
+                self.store_row(KEY, block, pos, h, &k[src.clone()]);
+                self.store_row(VALUE, block, pos, h, &v[src]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores one head's row; indices were checked by the caller.
+    fn store_row(&mut self, kv: usize, block: usize, pos: usize, head: usize, src: &[f32]) {
+        let base = self.strides.offset(kv, block, pos, head, 0);
+        if self.strides.dim == 1 {
+            self.storage.store_contiguous(base, src);
+        } else {
+            for (d, &x) in src.iter().enumerate() {
+                self.storage.set(base + d * self.strides.dim, x);
+            }
+        }
+    }
+
+    /// Reads the key of `slot` for kv head `head` into `out` (`head_dim` long), as f32.
+    pub fn read_key(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<(), AttnError> {
+        self.read_row(KEY, slot, head, out)
+    }
+
+    /// Reads the value of `slot` for kv head `head` into `out` (`head_dim` long), as f32.
+    pub fn read_value(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<(), AttnError> {
+        self.read_row(VALUE, slot, head, out)
+    }
+
+    fn read_row(
+        &self,
+        kv: usize,
+        slot: usize,
+        head: usize,
+        out: &mut [f32],
+    ) -> Result<(), AttnError> {
+        let (block, pos) = self.slot_position(i64::try_from(slot).unwrap_or(i64::MAX))?;
+        self.check_head(head)?;
+        self.check_len("read output", out.len(), self.geometry.head_dim)?;
+        self.load_rows_unchecked(kv, block, head, pos..pos + 1, out);
+        Ok(())
+    }
+
+    /// Loads rows `rows` (in-block positions) of kv head `head` of `block` from plane
+    /// `kv` into `out` as f32, `[rows.len(), head_dim]` row-major.
+    pub fn load_tile(
+        &self,
+        kv: usize,
+        block: usize,
+        head: usize,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), AttnError> {
+        if kv > VALUE {
+            return Err(AttnError::InvalidLayout(format!(
+                "kv index {kv} is not 0 (K) or 1 (V)"
+            )));
+        }
+        if block >= self.geometry.num_blocks {
+            return Err(AttnError::BlockOutOfRange {
+                block: block as u64,
+                num_blocks: self.geometry.num_blocks,
+            });
+        }
+        self.check_head(head)?;
+        if rows.start > rows.end || rows.end > self.geometry.block_size {
+            return Err(AttnError::InvalidLayout(format!(
+                "rows {rows:?} outside block_size {}",
+                self.geometry.block_size
+            )));
+        }
+        self.check_len(
+            "tile output",
+            out.len(),
+            rows.len() * self.geometry.head_dim,
+        )?;
+        self.load_rows_unchecked(kv, block, head, rows, out);
+        Ok(())
+    }
+
+    /// Zero-copy view of a tile when the cache is f32 and the tile's rows are
+    /// contiguous and packed (HND-style layouts); `None` otherwise, or when any index is
+    /// out of range. Backends fall back to [`Self::load_tile`] on `None`.
+    pub fn tile_f32(
+        &self,
+        kv: usize,
+        block: usize,
+        head: usize,
+        rows: Range<usize>,
+    ) -> Option<&[f32]> {
+        let CacheStorage::F32(s) = &self.storage else {
+            return None;
+        };
+        let hd = self.geometry.head_dim;
+        let packed = self.strides.dim == 1 && (self.strides.in_block == hd || rows.len() <= 1);
+        if !packed
+            || kv > VALUE
+            || block >= self.geometry.num_blocks
+            || head >= self.geometry.num_kv_heads
+            || rows.start > rows.end
+            || rows.end > self.geometry.block_size
+        {
+            return None;
+        }
+        let start = self.strides.offset(kv, block, rows.start, head, 0);
+        s.get(start..start + rows.len() * hd)
+    }
+
+    /// Tile load without range checks: callers (the backends, after validating the
+    /// metadata against the geometry, and the checked wrappers above) guarantee that
+    /// every index is in range, so slice indexing below cannot fail.
+    pub(crate) fn load_rows_unchecked(
+        &self,
+        kv: usize,
+        block: usize,
+        head: usize,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let hd = self.geometry.head_dim;
+        let st = &self.strides;
+        let base = st.offset(kv, block, rows.start, head, 0);
+        let n = rows.len();
+        if st.dim == 1 && (st.in_block == hd || n <= 1) {
+            self.storage.load_contiguous(base, &mut out[..n * hd]);
+        } else if st.dim == 1 {
+            for (i, dst) in out.chunks_exact_mut(hd).take(n).enumerate() {
+                self.storage.load_contiguous(base + i * st.in_block, dst);
+            }
+        } else {
+            for (i, dst) in out.chunks_exact_mut(hd).take(n).enumerate() {
+                let row = base + i * st.in_block;
+                for (d, x) in dst.iter_mut().enumerate() {
+                    *x = self.storage.get(row + d * st.dim);
+                }
+            }
+        }
+    }
+
+    fn check_head(&self, head: usize) -> Result<(), AttnError> {
+        if head >= self.geometry.num_kv_heads {
+            return Err(AttnError::HeadOutOfRange {
+                head,
+                num_kv_heads: self.geometry.num_kv_heads,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_len(&self, what: &'static str, got: usize, expected: usize) -> Result<(), AttnError> {
+        if got != expected {
+            return Err(AttnError::LengthMismatch {
+                what,
+                expected,
+                got,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::KvCacheShape;
+
+    #[test]
+    fn write_then_read_back() {
+        let geom = CacheGeometry {
+            num_blocks: 2,
+            block_size: 3,
+            num_kv_heads: 2,
+            head_dim: 4,
+        };
+        let mut cache = PagedKvCache::new(
+            geom,
+            KvCacheLayout::hnd(KvCacheShape::BlocksFirst),
+            KvDtype::F32,
+        )
+        .unwrap();
+        assert_eq!(cache.size_bytes(), 2 * 2 * 3 * 2 * 4 * 4);
+        let k: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        let v: Vec<f32> = (0..8).map(|x| -(x as f32)).collect();
+        cache.write(&k, &v, &[4]).unwrap();
+        let mut out = [0.0; 4];
+        cache.read_key(4, 1, &mut out).unwrap();
+        assert_eq!(out, [4.0, 5.0, 6.0, 7.0]);
+        cache.read_value(4, 0, &mut out).unwrap();
+        assert_eq!(out, [0.0, -1.0, -2.0, -3.0]);
+        assert!(cache.read_key(6, 0, &mut out).is_err());
+        assert!(cache.read_key(0, 2, &mut out).is_err());
+        assert!(cache.read_key(0, 0, &mut out[..3]).is_err());
+        assert!(cache.write(&k, &v, &[6]).is_err());
+        assert!(cache.write(&k[..4], &v, &[0]).is_err());
+    }
+}

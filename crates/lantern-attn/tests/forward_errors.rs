@@ -1,0 +1,170 @@
+//! Bad inputs to `forward` are errors, never panics, for every backend.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use lantern_attn::{
+    backend_by_name, AttentionLayerSpec, AttnError, CacheGeometry, CommonAttentionMetadata,
+    KvCacheLayout, KvCacheShape, PagedKvCache, ScheduledSeq, BACKEND_NAMES,
+};
+use lantern_kv::KvDtype;
+
+struct Setup {
+    layer: AttentionLayerSpec,
+    common: CommonAttentionMetadata,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    out: Vec<f32>,
+}
+
+fn setup() -> Setup {
+    let layer = AttentionLayerSpec::new(4, 2, 8);
+    let table = [3, 1];
+    let seqs = [ScheduledSeq {
+        num_computed_tokens: 2,
+        num_scheduled_tokens: 3,
+        block_table: &table,
+        slot_window: None,
+    }];
+    let common = CommonAttentionMetadata::build(&seqs, 4).unwrap();
+    Setup {
+        q: vec![0.1; 3 * 4 * 8],
+        kv: vec![0.2; 3 * 2 * 8],
+        out: vec![0.0; 3 * 4 * 8],
+        layer,
+        common,
+    }
+}
+
+fn geom(num_blocks: usize) -> CacheGeometry {
+    CacheGeometry {
+        num_blocks,
+        block_size: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+    }
+}
+
+#[test]
+fn forward_rejects_bad_input() {
+    for name in BACKEND_NAMES {
+        let backend = backend_by_name(name).unwrap();
+        let layout = backend.kv_cache_layout();
+        let fresh = || PagedKvCache::new(geom(4), layout, KvDtype::F32).unwrap();
+        let run = |s: &mut Setup, cache: &mut PagedKvCache| {
+            let meta = backend.build_metadata(Arc::new(s.common.clone()));
+            backend.forward(&s.layer, &meta, &s.q, &s.kv, &s.kv, cache, &mut s.out)
+        };
+
+        let mut s = setup();
+        run(&mut s, &mut fresh()).unwrap();
+        assert!(s.out.iter().all(|x| x.is_finite()));
+
+        let mut s = setup();
+        s.q.pop();
+        assert!(matches!(
+            run(&mut s, &mut fresh()),
+            Err(AttnError::LengthMismatch { what: "q", .. })
+        ));
+
+        let mut s = setup();
+        s.out.push(0.0);
+        assert!(matches!(
+            run(&mut s, &mut fresh()),
+            Err(AttnError::LengthMismatch { what: "out", .. })
+        ));
+
+        let mut s = setup();
+        s.kv.truncate(8);
+        assert!(run(&mut s, &mut fresh()).is_err());
+
+        let mut s = setup();
+        s.layer.num_kv_heads = 4;
+        assert!(run(&mut s, &mut fresh()).is_err());
+
+        let mut s = setup();
+        s.layer.num_heads = 3;
+        assert!(matches!(
+            run(&mut s, &mut fresh()),
+            Err(AttnError::InvalidLayerSpec(_))
+        ));
+
+        let mut s = setup();
+        s.common.causal = false;
+        assert!(matches!(
+            run(&mut s, &mut fresh()),
+            Err(AttnError::Unsupported(_))
+        ));
+
+        let mut s = setup();
+        s.common.seq_lens[0] = 9;
+        assert!(matches!(
+            run(&mut s, &mut fresh()),
+            Err(AttnError::InvalidMetadata(_))
+        ));
+
+        let mut s = setup();
+        s.common.query_start_loc = vec![0, 7];
+        assert!(run(&mut s, &mut fresh()).is_err());
+
+        // Block 3 does not exist in a 3-block cache.
+        let mut s = setup();
+        let mut small = PagedKvCache::new(geom(3), layout, KvDtype::F32).unwrap();
+        assert!(matches!(
+            run(&mut s, &mut small),
+            Err(AttnError::BlockOutOfRange { block: 3, .. })
+        ));
+
+        // A cache allocated with another layout.
+        let other = if layout == KvCacheLayout::contiguous(KvCacheShape::KvFirst) {
+            KvCacheLayout::hnd(KvCacheShape::BlocksFirst)
+        } else {
+            KvCacheLayout::contiguous(KvCacheShape::KvFirst)
+        };
+        let mut s = setup();
+        let mut wrong = PagedKvCache::new(geom(4), other, KvDtype::F32).unwrap();
+        assert!(matches!(
+            run(&mut s, &mut wrong),
+            Err(AttnError::LayoutMismatch { .. })
+        ));
+
+        // Block size of the metadata differs from the cache's.
+        let mut s = setup();
+        let mut other_bs = PagedKvCache::new(
+            CacheGeometry {
+                block_size: 8,
+                ..geom(4)
+            },
+            layout,
+            KvDtype::F32,
+        )
+        .unwrap();
+        assert!(matches!(
+            run(&mut s, &mut other_bs),
+            Err(AttnError::Mismatch(_))
+        ));
+    }
+}
+
+#[test]
+fn empty_batch_is_fine() {
+    for name in BACKEND_NAMES {
+        let backend = backend_by_name(name).unwrap();
+        let layer = AttentionLayerSpec::new(2, 1, 4);
+        let common = CommonAttentionMetadata::build(&[], 4).unwrap();
+        let meta = backend.build_metadata(Arc::new(common));
+        let g = CacheGeometry {
+            num_blocks: 1,
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 4,
+        };
+        let mut cache = PagedKvCache::new(g, backend.kv_cache_layout(), KvDtype::F16).unwrap();
+        backend
+            .forward(&layer, &meta, &[], &[], &[], &mut cache, &mut [])
+            .unwrap();
+        let _ = rng(0);
+    }
+}

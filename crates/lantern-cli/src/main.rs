@@ -1,1 +1,57 @@
-fn main() {}
+//! The `lantern` binary.
+
+mod args;
+mod generate;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "lantern",
+    version,
+    about = "An LLM serving engine with exact per-request attention capture"
+)]
+struct Cli {
+    /// Log more (CPU level, KV cache size, timings) to stderr.
+    #[arg(long, short, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text for one or more prompts, batched together.
+    Generate(generate::GenerateArgs),
+}
+
+fn main() {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Generate(args) => {
+            let sub = matches
+                .subcommand_matches("generate")
+                .expect("generate was parsed");
+            generate::run(args, sub, cli.verbose)
+        }
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(verbose: bool) {
+    let default = if verbose { "info" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LANTERN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,1 +1,16 @@
-//! lantern-engine
+//! The lantern engine: requests and their states, the scheduler, the model runner, the
+//! sampler, and the loop that ties them together. This is lantern's public Rust API.
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod request;
+pub mod runner;
+pub mod sampling;
+pub mod scheduler;
+
+pub use config::EngineConfig;
+pub use engine::{Completion, Engine, RequestOutput};
+pub use error::{EngineError, Result};
+pub use request::{FinishReason, RequestStatus};
+pub use sampling::SamplingParams;

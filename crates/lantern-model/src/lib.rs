@@ -1,1 +1,169 @@
-//! lantern-model
+//! Models for lantern: GGUF weights, the tokenizer and chat template stored in the model
+//! file, and model families written against `lantern-attn`'s attention layer.
+
+pub mod chat;
+pub mod config;
+pub mod cpu;
+pub mod default_model;
+pub mod error;
+pub mod gguf;
+pub mod linear;
+pub mod llama;
+pub mod ops;
+pub mod rope;
+pub mod synthetic;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use cpu::{simd_level, SimdLevel};
+pub use error::{ModelError, Result};
+pub use gguf::GgufFile;
+pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
+
+use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionMetadata, PagedKvCache};
+use std::path::Path;
+
+/// What the engine needs to know about a model to schedule it and size its KV cache.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub name: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    /// The attention of every layer: heads, scale, masks. Backends and capture read these.
+    pub attention: Vec<AttentionLayerSpec>,
+}
+
+/// One step's flattened batch: the tokens of every scheduled request, back to back.
+pub struct ForwardBatch<'a> {
+    pub token_ids: &'a [u32],
+    pub positions: &'a [usize],
+    /// Attention metadata of each KV cache group, built once for this step.
+    pub attention: &'a [AttentionMetadata],
+    /// The KV cache group of each layer (an index into `attention`).
+    pub layer_group: &'a [usize],
+    /// Rows (token indices) whose logits are wanted, in output order.
+    pub logits_rows: &'a [usize],
+}
+
+impl ForwardBatch<'_> {
+    fn validate(&self, info: &ModelInfo, num_caches: usize) -> Result<()> {
+        let problem = if self.positions.len() != self.token_ids.len() {
+            Some("positions and token ids differ in length".to_string())
+        } else if self.layer_group.len() != info.num_layers || num_caches != info.num_layers {
+            Some(format!(
+                "{} layer groups and {num_caches} caches for {} layers",
+                self.layer_group.len(),
+                info.num_layers
+            ))
+        } else if self.layer_group.iter().any(|&g| g >= self.attention.len()) {
+            Some("a layer names a KV cache group without metadata".to_string())
+        } else if self.logits_rows.iter().any(|&r| r >= self.token_ids.len()) {
+            Some("a logits row is outside the batch".to_string())
+        } else {
+            None
+        };
+        match problem {
+            Some(p) => Err(ModelError::Compute(p)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A decoder-only language model.
+pub trait CausalLm: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    /// Runs one step: writes this step's K/V into `caches` (one per layer) and returns the
+    /// logits of `batch.logits_rows`, `[logits_rows.len(), vocab_size]`.
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        backend: &dyn AttentionBackend,
+        caches: &mut [PagedKvCache],
+    ) -> Result<Vec<f32>>;
+}
+
+/// A model with its tokenizer and chat template, as loaded from one file.
+pub struct LoadedModel {
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: ModelTokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// A progress bar over the tensors being loaded (hidden when not wanted).
+pub struct LoadProgress {
+    bar: indicatif::ProgressBar,
+}
+
+impl LoadProgress {
+    pub fn new(visible: bool) -> Self {
+        let bar = if visible {
+            indicatif::ProgressBar::new(0)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        Self { bar }
+    }
+
+    fn start(&self, total: usize) {
+        self.bar.set_length(total as u64);
+    }
+
+    fn advance(&self) {
+        self.bar.inc(1);
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// How to load a model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Show a progress bar while tensors load.
+    pub progress: bool,
+    /// Dequantize every weight matrix to f32 at load time, so that matrix products take
+    /// f32 activations as they are (as transformers computes on dequantized weights)
+    /// instead of quantizing them to 8 bits. Slower and ~8x the weight memory; for
+    /// comparisons that need the reference's arithmetic.
+    pub f32_weights: bool,
+}
+
+/// Loads a GGUF model file: weights, tokenizer and chat template.
+pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
+    let mut gguf = GgufFile::open(path)?;
+    let progress = LoadProgress::new(options.progress);
+    progress.bar.set_message(
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
+    let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
+    let chat_template = match gguf.opt_string("tokenizer.chat_template")? {
+        Some(source) => Some(ChatTemplate::new(
+            source,
+            tokenizer.bos_token().unwrap_or_default(),
+            tokenizer.eos_token().unwrap_or_default(),
+        )?),
+        None => None,
+    };
+    let architecture = gguf.get_string("general.architecture")?.to_string();
+    let model: Box<dyn CausalLm> = match architecture.as_str() {
+        "llama" => Box::new(llama::Llama::load(&mut gguf, &progress, options)?),
+        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
+    };
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+    })
+}

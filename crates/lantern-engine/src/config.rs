@@ -1,0 +1,34 @@
+//! Engine configuration.
+
+use lantern_kv::KvDtype;
+
+/// How the engine sizes its KV cache and batches.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Bytes of KV cache memory, over all layers.
+    pub kv_cache_memory: usize,
+    /// Tokens per KV cache block.
+    pub block_size: usize,
+    pub kv_cache_dtype: KvDtype,
+    /// Attention backend by name (`cpu-flash`, `cpu-reference`).
+    pub attention_backend: String,
+    /// Most tokens computed in one step (all requests together).
+    pub max_num_batched_tokens: usize,
+    /// Most requests running at once.
+    pub max_num_seqs: usize,
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_cache_memory: 1 << 30,
+            block_size: 16,
+            kv_cache_dtype: KvDtype::F32,
+            attention_backend: "cpu-flash".to_string(),
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            enable_prefix_caching: true,
+        }
+    }
+}

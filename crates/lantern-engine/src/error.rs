@@ -1,0 +1,18 @@
+//! Engine errors.
+
+/// What can go wrong while accepting or running requests.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("invalid engine configuration: {0}")]
+    InvalidConfig(String),
+    #[error(transparent)]
+    Model(#[from] lantern_model::ModelError),
+    #[error(transparent)]
+    Attention(#[from] lantern_attn::AttnError),
+    #[error(transparent)]
+    KvCache(#[from] lantern_kv::KvError),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

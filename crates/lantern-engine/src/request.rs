@@ -1,0 +1,112 @@
+//! Requests and their states.
+
+use crate::sampling::{Sampler, SamplingParams};
+use lantern_kv::RequestId;
+use lantern_model::IncrementalDecoder;
+use std::time::Instant;
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token.
+    Stop,
+    /// `max_tokens` or the model's context length.
+    Length,
+    /// Cancelled by its client.
+    Abort,
+}
+
+impl FinishReason {
+    /// The name OpenAI's API uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    /// Its blocks were taken back; it waits to be recomputed.
+    Preempted,
+    Finished(FinishReason),
+}
+
+/// Timestamps of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestTimes {
+    pub arrival: Instant,
+    pub first_scheduled: Option<Instant>,
+    pub first_token: Option<Instant>,
+    pub finished: Option<Instant>,
+}
+
+/// One generation request inside the engine.
+pub struct Request {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// Prompt followed by the generated tokens.
+    pub token_ids: Vec<u32>,
+    /// Tokens whose K/V are in the cache.
+    pub num_computed_tokens: usize,
+    pub params: SamplingParams,
+    pub status: RequestStatus,
+    pub sampler: Sampler,
+    pub decoder: IncrementalDecoder,
+    pub text: String,
+    pub times: RequestTimes,
+    pub num_preemptions: usize,
+    pub num_cached_prompt_tokens: usize,
+    /// `[prompt_len, vocab]` once complete, when the request asked for them.
+    pub prompt_logits: Vec<f32>,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            id,
+            prompt_len: prompt.len(),
+            token_ids: prompt,
+            num_computed_tokens: 0,
+            sampler: Sampler::new(params.seed),
+            params,
+            status: RequestStatus::Waiting,
+            decoder: IncrementalDecoder::default(),
+            text: String::new(),
+            times: RequestTimes {
+                arrival: Instant::now(),
+                first_scheduled: None,
+                first_token: None,
+                finished: None,
+            },
+            num_preemptions: 0,
+            num_cached_prompt_tokens: 0,
+            prompt_logits: Vec::new(),
+        }
+    }
+
+    pub fn prompt(&self) -> &[u32] {
+        &self.token_ids[..self.prompt_len]
+    }
+
+    pub fn output_ids(&self) -> &[u32] {
+        &self.token_ids[self.prompt_len..]
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.prompt_len
+    }
+
+    /// Tokens still to compute before the next token can be sampled.
+    pub fn num_pending_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_computed_tokens
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, RequestStatus::Finished(_))
+    }
+}

@@ -1,0 +1,188 @@
+//! The model runner: turns a scheduler plan into one flattened forward pass.
+
+use crate::error::Result;
+use crate::request::Request;
+use crate::scheduler::SchedulerOutput;
+use lantern_attn::{
+    backend_by_name, AttentionBackend, AttentionMetadata, CacheGeometry, CommonAttentionMetadata,
+    PagedKvCache, ScheduledSeq,
+};
+use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
+use lantern_model::{CausalLm, ForwardBatch};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The logits rows of one request in a step.
+pub struct RequestRows {
+    pub id: RequestId,
+    /// First row of this request in `StepLogits::logits`.
+    pub first_row: usize,
+    /// Rows for prompt positions (requests that asked for prompt logits).
+    pub num_prompt_rows: usize,
+    /// Whether the last row is the one the next token is sampled from.
+    pub samples: bool,
+}
+
+/// The logits a step computed: the rows each request needs, in plan order.
+pub struct StepLogits {
+    pub requests: Vec<RequestRows>,
+    /// `[rows, vocab]`
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+}
+
+impl StepLogits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn rows(&self, first: usize, count: usize) -> &[f32] {
+        &self.logits[first * self.vocab..(first + count) * self.vocab]
+    }
+}
+
+pub struct ModelRunner {
+    backend: Box<dyn AttentionBackend>,
+    caches: Vec<PagedKvCache>,
+    /// KV cache group of each layer.
+    layer_group: Vec<usize>,
+    /// Sliding window of each group, for padding slots of prompt tokens outside it.
+    group_window: Vec<Option<usize>>,
+    block_size: usize,
+}
+
+impl ModelRunner {
+    pub fn new(
+        config: &KvCacheConfig,
+        num_layers: usize,
+        dtype: KvDtype,
+        backend_name: &str,
+    ) -> Result<Self> {
+        let backend = backend_by_name(backend_name)?;
+        let layout = backend.kv_cache_layout();
+        let mut layer_group = vec![0; num_layers];
+        let mut caches = Vec::with_capacity(num_layers);
+        let mut group_window = Vec::new();
+        let mut block_size = 0;
+        for (g, group) in config.groups.iter().enumerate() {
+            for &l in &group.layer_ids {
+                layer_group[l] = g;
+            }
+            group_window.push(match group.spec.kind {
+                AttentionKind::SlidingWindow { window } => Some(window),
+                _ => None,
+            });
+            block_size = group.spec.block_size;
+        }
+        for &group in &layer_group {
+            let spec = &config.groups[group].spec;
+            let geometry = CacheGeometry {
+                num_blocks: config.num_blocks,
+                block_size: spec.block_size,
+                num_kv_heads: spec.num_kv_heads,
+                head_dim: spec.head_size,
+            };
+            caches.push(PagedKvCache::new(geometry, layout, dtype)?);
+        }
+        Ok(Self {
+            backend,
+            caches,
+            layer_group,
+            group_window,
+            block_size,
+        })
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    pub fn caches(&self) -> &[PagedKvCache] {
+        &self.caches
+    }
+
+    /// Runs the planned step and returns the logits of requests whose next token is due.
+    pub fn execute(
+        &mut self,
+        model: &dyn CausalLm,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+    ) -> Result<StepLogits> {
+        let num_tokens = plan.num_tokens();
+        let mut token_ids = Vec::with_capacity(num_tokens);
+        let mut positions = Vec::with_capacity(num_tokens);
+        let mut logits_rows = Vec::new();
+        let mut rows = Vec::new();
+        for s in &plan.scheduled {
+            let req = &requests[&s.id];
+            let start = req.num_computed_tokens;
+            let first_token_row = token_ids.len();
+            token_ids.extend_from_slice(&req.token_ids[start..start + s.num_tokens]);
+            positions.extend(start..start + s.num_tokens);
+            let samples = start + s.num_tokens == req.token_ids.len();
+            // Prompt logits: every prompt position computed in this step, except the last
+            // one when it is also the sampling row (it is counted once, as that).
+            let prompt_end = (start + s.num_tokens).min(req.prompt_len);
+            let num_prompt_rows = if req.params.prompt_logits && prompt_end > start {
+                prompt_end - start - usize::from(samples && prompt_end == start + s.num_tokens)
+            } else {
+                0
+            };
+            let first_row = logits_rows.len();
+            logits_rows.extend(first_token_row..first_token_row + num_prompt_rows);
+            if samples {
+                logits_rows.push(token_ids.len() - 1);
+            }
+            if samples || num_prompt_rows > 0 {
+                rows.push(RequestRows {
+                    id: s.id,
+                    first_row,
+                    num_prompt_rows,
+                    samples,
+                });
+            }
+        }
+        let attention = (0..self.group_window.len())
+            .map(|g| self.group_metadata(g, plan, requests, kv))
+            .collect::<Result<Vec<_>>>()?;
+        let batch = ForwardBatch {
+            token_ids: &token_ids,
+            positions: &positions,
+            attention: &attention,
+            layer_group: &self.layer_group,
+            logits_rows: &logits_rows,
+        };
+        let logits = model.forward(&batch, self.backend.as_ref(), &mut self.caches)?;
+        Ok(StepLogits {
+            requests: rows,
+            logits,
+            vocab: model.info().vocab_size,
+        })
+    }
+
+    /// Metadata of one KV cache group, built once and shared by all its layers.
+    fn group_metadata(
+        &self,
+        group: usize,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+    ) -> Result<AttentionMetadata> {
+        let seqs: Vec<ScheduledSeq> = plan
+            .scheduled
+            .iter()
+            .map(|s| {
+                let req = &requests[&s.id];
+                ScheduledSeq {
+                    num_computed_tokens: req.num_computed_tokens,
+                    num_scheduled_tokens: s.num_tokens,
+                    block_table: kv.block_table(s.id, group),
+                    slot_window: self.group_window[group],
+                }
+            })
+            .collect();
+        let common = CommonAttentionMetadata::build(&seqs, self.block_size)?;
+        Ok(self.backend.build_metadata(Arc::new(common)))
+    }
+}

@@ -1,0 +1,156 @@
+//! The scheduler: which requests compute how many tokens in the next step.
+//!
+//! Each step fills a token budget: running requests first (decodes cost one token each,
+//! a continuing chunked prefill takes what is left), then waiting requests are admitted
+//! while blocks and budget allow. When the block pool runs dry, the most recently admitted
+//! running request is preempted: its blocks go back and it is recomputed later.
+
+use crate::request::{Request, RequestStatus};
+use lantern_kv::{KvCacheManager, RequestId};
+use std::collections::{HashMap, VecDeque};
+
+/// One request's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    pub num_tokens: usize,
+}
+
+/// The plan of one step. Decodes (one token) come before prefills, as the attention
+/// metadata's decode/prefill split requires.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledRequest>,
+    pub preempted: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn num_tokens(&self) -> usize {
+        self.scheduled.iter().map(|s| s.num_tokens).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+    }
+}
+
+pub struct Scheduler {
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    /// Waiting and preempted requests, oldest first (preempted ones go to the front).
+    waiting: VecDeque<RequestId>,
+    /// Running requests in admission order.
+    running: Vec<RequestId>,
+    pub num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(max_num_batched_tokens: usize, max_num_seqs: usize) -> Self {
+        Self {
+            max_num_batched_tokens,
+            max_num_seqs,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn add(&mut self, id: RequestId) {
+        self.waiting.push_back(id);
+    }
+
+    /// Forgets a request (finished or aborted); the caller frees its blocks.
+    pub fn remove(&mut self, id: RequestId) {
+        self.waiting.retain(|&r| r != id);
+        self.running.retain(|&r| r != id);
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Plans the next step, allocating the blocks it needs.
+    pub fn schedule(
+        &mut self,
+        requests: &mut HashMap<RequestId, Request>,
+        kv: &mut KvCacheManager,
+    ) -> SchedulerOutput {
+        let mut budget = self.max_num_batched_tokens;
+        let mut out = SchedulerOutput::default();
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &requests[&id];
+            let num_tokens = req.num_pending_tokens().min(budget);
+            let total = req.num_computed_tokens + num_tokens;
+            if kv.allocate_slots(id, total).is_ok() {
+                out.scheduled.push(ScheduledRequest { id, num_tokens });
+                budget -= num_tokens;
+                i += 1;
+                continue;
+            }
+            // Out of blocks: preempt the most recently admitted request and retry.
+            let victim = *self.running.last().expect("running is not empty here");
+            self.preempt(victim, requests, kv);
+            out.preempted.push(victim);
+            out.scheduled.retain(|s| s.id != victim);
+            if victim == id {
+                break;
+            }
+        }
+        // Admit new requests only when nobody had to be preempted this step.
+        while out.preempted.is_empty() && budget > 0 && self.running.len() < self.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let req = requests.get_mut(&id).expect("waiting requests exist");
+            // Prompt logits need every prompt position computed: no prefix-cache lookup.
+            if req.num_computed_tokens == 0 && !req.params.prompt_logits {
+                let cached = kv.get_computed_blocks(id, &req.token_ids, &[]);
+                req.num_computed_tokens = cached;
+                if req.status == RequestStatus::Waiting {
+                    req.num_cached_prompt_tokens = cached;
+                }
+            }
+            let num_tokens = req.num_pending_tokens().min(budget);
+            if kv
+                .allocate_slots(id, req.num_computed_tokens + num_tokens)
+                .is_err()
+            {
+                // Leave it waiting (keeping any prefix hit is harmless: it holds references).
+                break;
+            }
+            self.waiting.pop_front();
+            req.status = RequestStatus::Running;
+            if req.times.first_scheduled.is_none() {
+                req.times.first_scheduled = Some(std::time::Instant::now());
+            }
+            self.running.push(id);
+            out.scheduled.push(ScheduledRequest { id, num_tokens });
+            budget -= num_tokens;
+        }
+        // Decodes first, keeping admission order within each kind.
+        out.scheduled.sort_by_key(|s| s.num_tokens > 1);
+        out
+    }
+
+    fn preempt(
+        &mut self,
+        id: RequestId,
+        requests: &mut HashMap<RequestId, Request>,
+        kv: &mut KvCacheManager,
+    ) {
+        self.running.retain(|&r| r != id);
+        kv.free(id);
+        let req = requests.get_mut(&id).expect("running requests exist");
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+}

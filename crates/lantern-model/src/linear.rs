@@ -1,0 +1,156 @@
+//! Matrix products against (quantized) weight matrices.
+
+use crate::error::{ModelError, Result};
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+/// A weight matrix `[out_features, in_features]` and the product `x · Wᵀ` against it.
+pub struct Linear {
+    name: String,
+    out_features: usize,
+    in_features: usize,
+    dtype: GgmlDType,
+    weight: QMatMul,
+}
+
+impl Linear {
+    pub fn new(name: &str, tensor: QTensor) -> Result<Self> {
+        let dims = tensor.shape().dims().to_vec();
+        let [out_features, in_features] = dims[..] else {
+            return Err(ModelError::BadShape {
+                name: name.to_string(),
+                actual: dims,
+                expected: vec![0, 0],
+            });
+        };
+        let dtype = tensor.dtype();
+        let weight = QMatMul::from_qtensor(tensor).map_err(|source| ModelError::Tensor {
+            name: name.to_string(),
+            source,
+        })?;
+        Ok(Self {
+            name: name.to_string(),
+            out_features,
+            in_features,
+            dtype,
+            weight,
+        })
+    }
+
+    /// Stacks matrices that share `in_features` and a type into one, so that one product
+    /// computes them all (q/k/v, gate/up): quantized rows are independent, so stacking the
+    /// raw blocks of each matrix is exact.
+    pub fn stacked(name: &str, parts: Vec<QTensor>) -> Result<Self> {
+        let first = parts
+            .first()
+            .ok_or_else(|| ModelError::InvalidConfig(format!("nothing to stack for `{name}`")))?;
+        let dtype = first.dtype();
+        let in_features = first.shape().dims().last().copied().unwrap_or(0);
+        let mut rows = 0;
+        let mut bytes = Vec::new();
+        for part in &parts {
+            let dims = part.shape().dims();
+            if part.dtype() != dtype || dims.len() != 2 || dims[1] != in_features {
+                return Err(ModelError::InvalidConfig(format!(
+                    "cannot stack `{name}`: parts differ in type or input size"
+                )));
+            }
+            rows += dims[0];
+            let data = part.data().map_err(|source| ModelError::Tensor {
+                name: name.to_string(),
+                source,
+            })?;
+            bytes.extend_from_slice(&data);
+        }
+        let tensor = qtensor_from_ggml(dtype, &bytes, vec![rows, in_features], &Device::Cpu)
+            .map_err(|source| ModelError::Tensor {
+                name: name.to_string(),
+                source,
+            })?;
+        Self::new(name, tensor)
+    }
+
+    /// The same matrix dequantized to f32 (products then take activations unquantized).
+    pub fn into_f32(self) -> Result<Self> {
+        let wrap = |source| ModelError::Tensor {
+            name: self.name.clone(),
+            source,
+        };
+        let dense = match &self.weight {
+            QMatMul::QTensor(t) => t.dequantize(&Device::Cpu),
+            QMatMul::Tensor(t) => Ok(t.clone()),
+            QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32),
+        }
+        .map_err(wrap)?;
+        Ok(Self {
+            weight: QMatMul::Tensor(dense),
+            ..self
+        })
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        self.dtype
+    }
+
+    /// `x` is `[rows, in_features]` row-major; returns `[rows, out_features]`.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        if x.len() != rows * self.in_features {
+            return Err(ModelError::Compute(format!(
+                "`{}`: input has {} values, expected {} rows of {}",
+                self.name,
+                x.len(),
+                rows,
+                self.in_features
+            )));
+        }
+        let wrap = |source| ModelError::Tensor {
+            name: self.name.clone(),
+            source,
+        };
+        let input = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu).map_err(wrap)?;
+        let output = self.weight.forward(&input).map_err(wrap)?;
+        output
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(wrap)
+    }
+
+    /// Rows of the matrix selected by `ids`, dequantized (an embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.out_features) {
+            return Err(ModelError::Compute(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.out_features
+            )));
+        }
+        let wrap = |source| ModelError::Tensor {
+            name: self.name.clone(),
+            source,
+        };
+        let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu).map_err(wrap)?;
+        let rows = self.weight.embedding(&ids).map_err(wrap)?;
+        rows.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(wrap)
+    }
+}
+
+/// Converts a small tensor (norm weights) to f32 values.
+pub fn tensor_to_vec(name: &str, tensor: &QTensor) -> Result<Vec<f32>> {
+    tensor
+        .dequantize(&Device::Cpu)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|source| ModelError::Tensor {
+            name: name.to_string(),
+            source,
+        })
+}

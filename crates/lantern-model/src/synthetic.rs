@@ -1,0 +1,169 @@
+//! Tiny GGUF model files with random weights, written on the fly for tests: an engine
+//! test needs a real file to load, not the 100 MB default model, and a broken-file test
+//! needs a file it can break in one precise way.
+
+use crate::error::{ModelError, Result};
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use std::path::Path;
+
+/// A tiny Llama and the ways a test may spoil it.
+#[derive(Debug, Clone)]
+pub struct TinyLlama {
+    pub architecture: String,
+    pub num_layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    /// Weight type of the matrices (F32, or a quantized type whose block divides `hidden`).
+    pub dtype: GgmlDType,
+    /// Tensors to leave out of the file.
+    pub omit_tensors: Vec<String>,
+    /// Metadata keys to leave out.
+    pub omit_keys: Vec<String>,
+    pub seed: u64,
+}
+
+impl Default for TinyLlama {
+    fn default() -> Self {
+        Self {
+            architecture: "llama".to_string(),
+            num_layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 128,
+            dtype: GgmlDType::F32,
+            omit_tensors: Vec::new(),
+            omit_keys: Vec::new(),
+            seed: 1,
+        }
+    }
+}
+
+/// Byte-level vocabulary: the 256 GPT-2 byte symbols, then two specials.
+fn vocabulary() -> Vec<String> {
+    let mut tokens: Vec<String> = (0u32..256)
+        .map(|b| gpt2_byte_symbol(b as u8).to_string())
+        .collect();
+    tokens.push("<|im_start|>".to_string());
+    tokens.push("<|im_end|>".to_string());
+    tokens
+}
+
+/// GPT-2's printable stand-in for a byte.
+fn gpt2_byte_symbol(b: u8) -> char {
+    let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    if printable {
+        return b as char;
+    }
+    // Non-printable bytes map, in order, to code points from 256 on.
+    let rank = (0..b)
+        .filter(|&x| !((b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE))
+        .count() as u32;
+    char::from_u32(256 + rank).unwrap_or('?')
+}
+
+impl TinyLlama {
+    pub fn vocab_size(&self) -> usize {
+        vocabulary().len()
+    }
+
+    /// Writes the model file.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let err = |e: candle_core::Error| ModelError::InvalidConfig(format!("writing tiny model: {e}"));
+        let tokens = vocabulary();
+        let vocab = tokens.len();
+        let head_dim = self.hidden / self.heads;
+        let arch = self.architecture.as_str();
+        let key = |k: &str| format!("{arch}.{k}");
+        let mut metadata: Vec<(String, Value)> = vec![
+            ("general.architecture".into(), Value::String(arch.into())),
+            ("general.name".into(), Value::String("tiny-llama".into())),
+            (key("block_count"), Value::U32(self.num_layers as u32)),
+            (key("context_length"), Value::U32(256)),
+            (key("embedding_length"), Value::U32(self.hidden as u32)),
+            (key("feed_forward_length"), Value::U32(self.ffn as u32)),
+            (key("attention.head_count"), Value::U32(self.heads as u32)),
+            (key("attention.head_count_kv"), Value::U32(self.kv_heads as u32)),
+            (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+            (key("rope.freq_base"), Value::F32(10000.0)),
+            ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), Value::String("gpt2".into())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect()),
+            ),
+            ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(
+                    (0..vocab)
+                        .map(|i| Value::I32(if i >= 256 { 3 } else { 1 }))
+                        .collect(),
+                ),
+            ),
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(256)),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(257)),
+            (
+                "tokenizer.chat_template".into(),
+                Value::String(
+                    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
+                ),
+            ),
+        ];
+        metadata.retain(|(k, _)| !self.omit_keys.contains(k));
+
+        let mut seed = self.seed;
+        let mut random = |rows: usize, cols: usize, scale: f32| -> candle_core::Result<Tensor> {
+            // A small xorshift keeps the file reproducible without a random-number crate.
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+                })
+                .collect();
+            Tensor::from_vec(values, (rows, cols), &Device::Cpu)
+        };
+        let (h, kv) = (self.hidden, self.kv_heads * head_dim);
+        let matrix_dtype = self.dtype;
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut add = |name: String, t: Tensor, dtype: GgmlDType| -> candle_core::Result<()> {
+            tensors.push((name, QTensor::quantize(&t, dtype)?));
+            Ok(())
+        };
+        add("token_embd.weight".into(), random(vocab, h, 1.0).map_err(err)?, matrix_dtype).map_err(err)?;
+        for l in 0..self.num_layers {
+            let n = |t: &str| format!("blk.{l}.{t}.weight");
+            let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
+            add(n("attn_norm"), ones.clone(), GgmlDType::F32).map_err(err)?;
+            add(n("ffn_norm"), ones, GgmlDType::F32).map_err(err)?;
+            let s = 1.0 / (h as f32).sqrt();
+            add(n("attn_q"), random(h, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(n("attn_k"), random(kv, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(n("attn_v"), random(kv, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(n("attn_output"), random(h, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(n("ffn_gate"), random(self.ffn, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(n("ffn_up"), random(self.ffn, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            let s2 = 1.0 / (self.ffn as f32).sqrt();
+            add(n("ffn_down"), random(h, self.ffn, s2).map_err(err)?, matrix_dtype).map_err(err)?;
+        }
+        let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
+        add("output_norm.weight".into(), ones, GgmlDType::F32).map_err(err)?;
+        tensors.retain(|(name, _)| !self.omit_tensors.contains(name));
+
+        let mut file = std::fs::File::create(path).map_err(|source| ModelError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let metadata_refs: Vec<(&str, &Value)> =
+            metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensor_refs: Vec<(&str, &QTensor)> =
+            tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        gguf_file::write(&mut file, &metadata_refs, &tensor_refs).map_err(err)
+    }
+}

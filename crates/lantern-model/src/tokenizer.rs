@@ -1,0 +1,226 @@
+//! The tokenizer stored in a GGUF file, rebuilt as a `tokenizers::Tokenizer`.
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// A model's tokenizer with the special tokens the model defines.
+pub struct ModelTokenizer {
+    inner: Tokenizer,
+    tokens: Vec<String>,
+    bos: Option<(u32, String)>,
+    eos: Option<(u32, String)>,
+    stop_ids: Vec<u32>,
+    add_bos: bool,
+    special: Vec<bool>,
+}
+
+impl ModelTokenizer {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let kind = gguf.get_string("tokenizer.ggml.model")?;
+        let tokens = gguf.string_array("tokenizer.ggml.tokens")?;
+        let token_types = gguf
+            .opt_int_array("tokenizer.ggml.token_type")?
+            .unwrap_or_default();
+        let inner = match kind {
+            "gpt2" => byte_level_bpe(gguf, &tokens)?,
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "tokenizer model `{other}` is not supported (supported: gpt2)"
+                )))
+            }
+        };
+        let mut tokenizer = Self::with_specials(inner, tokens, &token_types)?;
+        let id_of = |key: &str| gguf.opt_usize(key).map(|v| v.map(|v| v as u32));
+        let named = |id: Option<u32>, tokens: &[String]| {
+            id.and_then(|id| tokens.get(id as usize).map(|t| (id, t.clone())))
+        };
+        tokenizer.bos = named(id_of("tokenizer.ggml.bos_token_id")?, &tokenizer.tokens);
+        tokenizer.eos = named(id_of("tokenizer.ggml.eos_token_id")?, &tokenizer.tokens);
+        tokenizer.add_bos = gguf
+            .opt_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(false);
+        tokenizer.stop_ids = [
+            id_of("tokenizer.ggml.eos_token_id")?,
+            id_of("tokenizer.ggml.eot_token_id")?,
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        tokenizer.stop_ids.dedup();
+        Ok(tokenizer)
+    }
+
+    fn with_specials(
+        mut inner: Tokenizer,
+        tokens: Vec<String>,
+        token_types: &[i64],
+    ) -> Result<Self> {
+        let mut special = vec![false; tokens.len()];
+        let mut added = Vec::new();
+        for (id, &ty) in token_types.iter().enumerate() {
+            if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+                special[id] = ty == TOKEN_TYPE_CONTROL;
+                added.push(AddedToken::from(
+                    tokens[id].clone(),
+                    ty == TOKEN_TYPE_CONTROL,
+                ));
+            }
+        }
+        inner
+            .add_special_tokens(added)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(Self {
+            inner,
+            tokens,
+            bos: None,
+            eos: None,
+            stop_ids: Vec::new(),
+            add_bos: false,
+            special,
+        })
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
+    /// ids; `add_special_tokens` adds BOS when the model asks for it.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_special_tokens && self.add_bos {
+            if let Some((bos, _)) = &self.bos {
+                ids.push(*bos);
+            }
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.tokens.len()) {
+            return Err(ModelError::Tokenizer(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.tokens.len()
+            )));
+        }
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+
+    /// The text of a single token as it would be printed (special tokens included).
+    pub fn token_text(&self, id: u32) -> String {
+        self.decode(&[id], false).unwrap_or_default()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos.as_ref().map(|(_, t)| t.as_str())
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos.as_ref().map(|(_, t)| t.as_str())
+    }
+
+    /// Ids that end a generation (EOS, and EOT where the model has one).
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+}
+
+/// GPT-2 style byte-level BPE, with the pre-tokenizer named by `tokenizer.ggml.pre`.
+fn byte_level_bpe(gguf: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges = gguf
+        .string_array("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| ModelError::Tokenizer(format!("invalid merge entry `{m}`")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let pre = gguf.opt_string("tokenizer.ggml.pre")?.unwrap_or("gpt2");
+    tokenizer.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(tokenizer)
+}
+
+/// The pre-tokenizers of the byte-level BPE vocabularies lantern knows, as their
+/// `tokenizer.json` files define them.
+fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
+    Ok(match pre {
+        "gpt2" | "default" => byte_level(true).into(),
+        // SmolLM: every digit on its own, then GPT-2's byte-level split.
+        "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
+        "llama3" | "llama-bpe" | "smaug-bpe" => {
+            let split = Split::new(
+                SplitPattern::Regex(LLAMA3.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Sequence::new(vec![split.into(), byte_level(false).into()]).into()
+        }
+        other => {
+            return Err(ModelError::Tokenizer(format!(
+                "pre-tokenizer `{other}` is not supported (supported: gpt2, smollm, llama3)"
+            )))
+        }
+    })
+}
+
+/// Turns a growing list of token ids into text pieces as they become complete, holding back
+/// bytes of a multi-byte character until its last byte arrives.
+#[derive(Debug, Default, Clone)]
+pub struct IncrementalDecoder {
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    /// New text made printable by the last token of `ids`.
+    pub fn step(&mut self, tokenizer: &ModelTokenizer, ids: &[u32]) -> Result<String> {
+        let prefix = tokenizer.decode(&ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tokenizer.decode(&ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            let piece = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+}

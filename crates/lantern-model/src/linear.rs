@@ -3,6 +3,7 @@
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use lantern_quant::{PackedMatrix, QuantType};
 
 /// A weight matrix `[out_features, in_features]` and the product `x · Wᵀ` against it.
 pub struct Linear {
@@ -10,7 +11,23 @@ pub struct Linear {
     out_features: usize,
     in_features: usize,
     dtype: GgmlDType,
-    weight: QMatMul,
+    weight: Weight,
+}
+
+/// Where the product runs: lantern's repacked VNNI kernels for the types they cover
+/// (candle has no fast Q4_1 path, and its x86 repacked kernels need K % 256 == 0),
+/// candle's kernels for every other type.
+enum Weight {
+    Packed(PackedMatrix),
+    Candle(QMatMul),
+}
+
+fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
+    match dtype {
+        GgmlDType::Q4_1 => Some(QuantType::Q4_1),
+        GgmlDType::Q8_0 => Some(QuantType::Q8_0),
+        _ => None,
+    }
 }
 
 impl Linear {
@@ -24,10 +41,20 @@ impl Linear {
             });
         };
         let dtype = tensor.dtype();
-        let weight = QMatMul::from_qtensor(tensor).map_err(|source| ModelError::Tensor {
+        let wrap = |source| ModelError::Tensor {
             name: name.to_string(),
             source,
-        })?;
+        };
+        let weight = match packed_type(dtype) {
+            Some(ty) => {
+                let bytes = tensor.data().map_err(wrap)?;
+                let packed =
+                    PackedMatrix::from_gguf_bytes(ty, &bytes, out_features, in_features)
+                        .map_err(|e| ModelError::InvalidConfig(format!("tensor `{name}`: {e}")))?;
+                Weight::Packed(packed)
+            }
+            None => Weight::Candle(QMatMul::from_qtensor(tensor).map_err(wrap)?),
+        };
         Ok(Self {
             name: name.to_string(),
             out_features,
@@ -77,13 +104,21 @@ impl Linear {
             source,
         };
         let dense = match &self.weight {
-            QMatMul::QTensor(t) => t.dequantize(&Device::Cpu),
-            QMatMul::Tensor(t) => Ok(t.clone()),
-            QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32),
+            Weight::Packed(p) => {
+                let mut values = vec![0f32; self.out_features * self.in_features];
+                for (r, row) in values.chunks_exact_mut(self.in_features).enumerate() {
+                    p.dequantize_row(r, row)
+                        .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))?;
+                }
+                Tensor::from_vec(values, (self.out_features, self.in_features), &Device::Cpu)
+            }
+            Weight::Candle(QMatMul::QTensor(t)) => t.dequantize(&Device::Cpu),
+            Weight::Candle(QMatMul::Tensor(t)) => Ok(t.clone()),
+            Weight::Candle(QMatMul::TensorF16(t)) => t.to_dtype(candle_core::DType::F32),
         }
         .map_err(wrap)?;
         Ok(Self {
-            weight: QMatMul::Tensor(dense),
+            weight: Weight::Candle(QMatMul::Tensor(dense)),
             ..self
         })
     }
@@ -115,12 +150,23 @@ impl Linear {
             name: self.name.clone(),
             source,
         };
-        let input = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu).map_err(wrap)?;
-        let output = self.weight.forward(&input).map_err(wrap)?;
-        output
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(wrap)
+        match &self.weight {
+            Weight::Packed(p) => {
+                let mut out = vec![0f32; rows * self.out_features];
+                p.matmul(x, rows, &mut out)
+                    .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))?;
+                Ok(out)
+            }
+            Weight::Candle(w) => {
+                let input =
+                    Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu).map_err(wrap)?;
+                let output = w.forward(&input).map_err(wrap)?;
+                output
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(wrap)
+            }
+        }
     }
 
     /// Rows of the matrix selected by `ids`, dequantized (an embedding lookup).
@@ -135,11 +181,23 @@ impl Linear {
             name: self.name.clone(),
             source,
         };
-        let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu).map_err(wrap)?;
-        let rows = self.weight.embedding(&ids).map_err(wrap)?;
-        rows.flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(wrap)
+        match &self.weight {
+            Weight::Packed(p) => {
+                let mut out = vec![0f32; ids.len() * self.in_features];
+                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.in_features)) {
+                    p.dequantize_row(id as usize, row)
+                        .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))?;
+                }
+                Ok(out)
+            }
+            Weight::Candle(w) => {
+                let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu).map_err(wrap)?;
+                let rows = w.embedding(&ids).map_err(wrap)?;
+                rows.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(wrap)
+            }
+        }
     }
 }
 

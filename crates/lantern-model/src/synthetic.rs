@@ -73,7 +73,8 @@ impl TinyLlama {
 
     /// Writes the model file.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let err = |e: candle_core::Error| ModelError::InvalidConfig(format!("writing tiny model: {e}"));
+        let err =
+            |e: candle_core::Error| ModelError::InvalidConfig(format!("writing tiny model: {e}"));
         let tokens = vocabulary();
         let vocab = tokens.len();
         let head_dim = self.hidden / self.heads;
@@ -136,7 +137,12 @@ impl TinyLlama {
             tensors.push((name, QTensor::quantize(&t, dtype)?));
             Ok(())
         };
-        add("token_embd.weight".into(), random(vocab, h, 1.0).map_err(err)?, matrix_dtype).map_err(err)?;
+        add(
+            "token_embd.weight".into(),
+            random(vocab, h, 1.0).map_err(err)?,
+            matrix_dtype,
+        )
+        .map_err(err)?;
         for l in 0..self.num_layers {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
@@ -146,11 +152,31 @@ impl TinyLlama {
             add(n("attn_q"), random(h, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
             add(n("attn_k"), random(kv, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
             add(n("attn_v"), random(kv, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
-            add(n("attn_output"), random(h, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
-            add(n("ffn_gate"), random(self.ffn, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
-            add(n("ffn_up"), random(self.ffn, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(
+                n("attn_output"),
+                random(h, h, s).map_err(err)?,
+                matrix_dtype,
+            )
+            .map_err(err)?;
+            add(
+                n("ffn_gate"),
+                random(self.ffn, h, s).map_err(err)?,
+                matrix_dtype,
+            )
+            .map_err(err)?;
+            add(
+                n("ffn_up"),
+                random(self.ffn, h, s).map_err(err)?,
+                matrix_dtype,
+            )
+            .map_err(err)?;
             let s2 = 1.0 / (self.ffn as f32).sqrt();
-            add(n("ffn_down"), random(h, self.ffn, s2).map_err(err)?, matrix_dtype).map_err(err)?;
+            add(
+                n("ffn_down"),
+                random(h, self.ffn, s2).map_err(err)?,
+                matrix_dtype,
+            )
+            .map_err(err)?;
         }
         let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
         add("output_norm.weight".into(), ones, GgmlDType::F32).map_err(err)?;

@@ -20,12 +20,17 @@ fn a_whole_tiny_model_loads() {
     let path = tiny(dir.path(), "ok.gguf", &TinyLlama::default());
     let loaded = load_model(&path, &LoadOptions::default()).unwrap();
     assert_eq!(loaded.model.info().num_layers, 2);
-    assert_eq!(loaded.tokenizer.encode("hi", false).unwrap(), vec![b'h' as u32, b'i' as u32]);
+    assert_eq!(
+        loaded.tokenizer.encode("hi", false).unwrap(),
+        vec![b'h' as u32, b'i' as u32]
+    );
 }
 
 #[test]
 fn a_missing_file_names_the_path() {
-    let err = load(Path::new("/nonexistent/model.gguf")).unwrap_err().to_string();
+    let err = load(Path::new("/nonexistent/model.gguf"))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("/nonexistent/model.gguf"), "{err}");
 }
 
@@ -47,7 +52,9 @@ fn a_truncated_file_names_the_tensor_it_cuts() {
         let cut = dir.path().join(format!("cut{keep}.gguf"));
         std::fs::write(&cut, &bytes[..keep]).unwrap();
         match load(&cut).unwrap_err() {
-            ModelError::Truncated { tensor, file_len, .. } => {
+            ModelError::Truncated {
+                tensor, file_len, ..
+            } => {
                 assert!(!tensor.is_empty());
                 assert_eq!(file_len, keep as u64);
             }
@@ -59,7 +66,10 @@ fn a_truncated_file_names_the_tensor_it_cuts() {
         let cut = dir.path().join(format!("head{keep}.gguf"));
         std::fs::write(&cut, &bytes[..keep]).unwrap();
         let err = load(&cut).unwrap_err();
-        assert!(matches!(err, ModelError::InvalidGguf { .. }), "cut at {keep}: {err}");
+        assert!(
+            matches!(err, ModelError::InvalidGguf { .. }),
+            "cut at {keep}: {err}"
+        );
     }
 }
 
@@ -109,7 +119,10 @@ fn a_missing_metadata_key_is_named() {
         ..TinyLlama::default()
     };
     let err = load(&tiny(dir.path(), "m.gguf", &model)).unwrap_err();
-    assert!(err.to_string().contains("llama.attention.head_count"), "{err}");
+    assert!(
+        err.to_string().contains("llama.attention.head_count"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -120,7 +133,10 @@ fn an_unsupported_architecture_is_named() {
         ..TinyLlama::default()
     };
     let err = load(&tiny(dir.path(), "m.gguf", &model)).unwrap_err();
-    assert!(matches!(&err, ModelError::UnsupportedArchitecture(a) if a == "mamba"), "{err}");
+    assert!(
+        matches!(&err, ModelError::UnsupportedArchitecture(a) if a == "mamba"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -135,12 +151,19 @@ fn a_tensor_of_the_wrong_shape_is_named() {
     let bytes = std::fs::read(&path).unwrap();
     // Re-declare two KV heads in the metadata of a file whose k/v have four.
     let needle = b"llama.attention.head_count_kv";
-    let at = bytes.windows(needle.len()).position(|w| w == needle).unwrap() + needle.len();
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap()
+        + needle.len();
     let mut broken = bytes.clone();
     // The value follows its type tag (u32 = 4): 4 bytes of type, then the value.
     broken[at + 4] = 2;
     let p = dir.path().join("shape.gguf");
     std::fs::write(&p, &broken).unwrap();
     let err = load(&p).unwrap_err();
-    assert!(matches!(&err, ModelError::BadShape { name, .. } if name.contains("attn_k")), "{err}");
+    assert!(
+        matches!(&err, ModelError::BadShape { name, .. } if name.contains("attn_k")),
+        "{err}"
+    );
 }

@@ -1,0 +1,165 @@
+//! Throughput of the repacked Q4_1 / Q8_0 matrix products, VNNI vs scalar in one run.
+//!
+//! `cargo run -p lantern-quant --release --example quant_bench [-- --quick]`
+//! (threads: `RAYON_NUM_THREADS`, default all cores).
+//!
+//! Prints GFLOP/s (2·m·n·k per call) and GB/s (repacked weight bytes per call / time) for
+//! m = 1 and m = 512 at n x k = 1536 x 576 and 49152 x 576, then the matmuls of a whole
+//! SmolLM2-135M forward pass (30 layers of Q4_1 + the Q8_0 output matrix): decode
+//! tokens/s at m = 1 and prefill tokens/s at m = 512.
+
+use half::f16;
+use lantern_quant::{kernel_level, Kernel, PackedMatrix, QuantType};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::time::{Duration, Instant};
+
+fn random_matrix(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> PackedMatrix {
+    let mut bytes = Vec::with_capacity(n * k / 32 * ty.block_bytes());
+    for _ in 0..n * k / 32 {
+        let d = rng.gen_range(1e-3f32..2e-2);
+        bytes.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        let q = match ty {
+            QuantType::Q4_1 => {
+                bytes.extend_from_slice(&f16::from_f32(-7.5 * d).to_le_bytes());
+                16
+            }
+            QuantType::Q8_0 => 32,
+        };
+        bytes.extend((0..q).map(|_| rng.gen::<u8>()));
+    }
+    PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap()
+}
+
+/// Runs `f` repeatedly for about `budget`; returns (median, best) seconds per call.
+fn time<F: FnMut()>(budget: Duration, mut f: F) -> (f64, f64) {
+    f(); // warm-up
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 3 || (start.elapsed() < budget && times.len() < 10_000) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (times[times.len() / 2], times[0])
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let budget = Duration::from_millis(if quick { 200 } else { 1000 });
+    let mut rng = StdRng::seed_from_u64(1);
+    println!(
+        "kernel level: {}, rayon threads: {}",
+        kernel_level(),
+        rayon::current_num_threads()
+    );
+    let kernels: Vec<Kernel> = if Kernel::detect() == Kernel::Scalar {
+        vec![Kernel::Scalar]
+    } else {
+        vec![Kernel::Avx512Vnni, Kernel::Scalar]
+    };
+    println!(
+        "{:<5} {:>6} {:>5} {:>4} {:<12} {:>10} {:>10} {:>9} {:>9}",
+        "type", "n", "k", "m", "kernel", "median us", "best us", "GFLOP/s", "GB/s"
+    );
+    for ty in [QuantType::Q4_1, QuantType::Q8_0] {
+        for (n, k) in [(1536, 576), (49152, 576)] {
+            let w = random_matrix(&mut rng, ty, n, k);
+            for m in [1usize, 512] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1f32..1.0)).collect();
+                let mut dst = vec![0f32; m * n];
+                for &kernel in &kernels {
+                    let b = if kernel == Kernel::Scalar && m > 1 {
+                        budget / 4
+                    } else {
+                        budget
+                    };
+                    let (med, best) = time(b, || w.matmul_with(kernel, &x, m, &mut dst).unwrap());
+                    let flops = 2.0 * (m * n * k) as f64;
+                    println!(
+                        "{:<5} {:>6} {:>5} {:>4} {:<12} {:>10.1} {:>10.1} {:>9.1} {:>9.1}",
+                        format!("{ty:?}"),
+                        n,
+                        k,
+                        m,
+                        kernel.name(),
+                        med * 1e6,
+                        best * 1e6,
+                        flops / med / 1e9,
+                        w.packed_bytes() as f64 / med / 1e9,
+                    );
+                }
+            }
+        }
+    }
+
+    // SmolLM2-135M: 30 layers x (q, k, v, o, gate, up, down) in Q4_1 + Q8_0 output.
+    let (hidden, kv, inter, vocab, layers) = (576, 192, 1536, 49152, 30);
+    let mut mats = Vec::new();
+    for _ in 0..layers {
+        for (n, k) in [
+            (hidden, hidden),
+            (kv, hidden),
+            (kv, hidden),
+            (hidden, hidden),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+        ] {
+            mats.push(random_matrix(&mut rng, QuantType::Q4_1, n, k));
+        }
+    }
+    let output = random_matrix(&mut rng, QuantType::Q8_0, vocab, hidden);
+    let bytes: usize = mats.iter().map(|w| w.packed_bytes()).sum::<usize>() + output.packed_bytes();
+    println!(
+        "\nSmolLM2-135M matmuls only ({} Q4_1 matrices + Q8_0 output, {:.1} MB repacked)",
+        mats.len(),
+        bytes as f64 / 1e6
+    );
+    let max_elems = 512 * vocab;
+    let x: Vec<f32> = (0..512 * inter)
+        .map(|_| rng.gen_range(-1f32..1.0))
+        .collect();
+    let mut dst = vec![0f32; max_elems];
+    for &kernel in &kernels {
+        for m in [1usize, 512] {
+            if kernel == Kernel::Scalar && m > 1 && quick {
+                continue;
+            }
+            // Prefill computes the logits of the last token only (as an engine does).
+            let pass = |dst: &mut [f32]| {
+                for w in &mats {
+                    let (n, k) = (w.rows(), w.cols());
+                    w.matmul_with(kernel, &x[..m * k], m, &mut dst[..m * n])
+                        .unwrap();
+                }
+                output
+                    .matmul_with(kernel, &x[..hidden], 1, &mut dst[..vocab])
+                    .unwrap();
+            };
+            // Called from the main thread (rayon injects each matmul into its pool) and
+            // from inside a rayon worker (as an engine running its step in the pool).
+            for in_pool in [false, true] {
+                let (med, best) = if in_pool {
+                    rayon::scope(|_| time(budget, || pass(&mut dst)))
+                } else {
+                    time(budget, || pass(&mut dst))
+                };
+                println!(
+                    "{:<12} m = {m:>3} {:<11}: {:>8.2} ms/pass (best {:>7.2}), {:>8.1} tokens/s{}",
+                    kernel.name(),
+                    if in_pool { "(in pool)" } else { "(main)" },
+                    med * 1e3,
+                    best * 1e3,
+                    m as f64 / med,
+                    if m == 1 {
+                        format!(", {:.1} GB/s", bytes as f64 / med / 1e9)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
+    }
+}

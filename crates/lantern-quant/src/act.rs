@@ -1,0 +1,94 @@
+//! Activation quantization (per 32-value block, to int8, like ggml's `Q8_1`).
+
+use crate::{AlignedBuf, Kernel, BLOCK};
+use rayon::prelude::*;
+
+/// Quantized activations of `m` tokens: token `t`, block `b` lives at index `t · nb + b`.
+pub(crate) struct QuantAct {
+    /// int8 values, 32 per block, in natural k order.
+    pub q: AlignedBuf,
+    /// Block scale `d_a = amax / 127`.
+    pub d: Vec<f32>,
+    /// `d_a · Σ q_a` (for `Q4_1`'s `m_w` term).
+    pub s: Vec<f32>,
+    /// `-128 · Σ q_a` (initial accumulator for `Q8_0`'s biased weights).
+    pub corr: Vec<i32>,
+}
+
+/// One token's input and outputs: ((x, q), d), (s, corr).
+type TokenSlices<'a> = (
+    ((&'a [f32], &'a mut [u8]), &'a mut [f32]),
+    (&'a mut [f32], &'a mut [i32]),
+);
+
+/// Below this many values the quantization runs on the calling thread.
+const SERIAL_VALUES: usize = 1 << 15;
+
+impl QuantAct {
+    pub(crate) fn quantize(kernel: Kernel, x: &[f32], m: usize, k: usize, parallel: bool) -> Self {
+        let nb = k / BLOCK;
+        let mut q = AlignedBuf::zeroed(m * k);
+        let mut d = vec![0f32; m * nb];
+        let mut s = vec![0f32; m * nb];
+        let mut corr = vec![0i32; m * nb];
+        let one_token = |(((xr, qr), dr), (sr, cr)): TokenSlices<'_>| {
+            for b in 0..nb {
+                let xb: &[f32; BLOCK] = xr[b * BLOCK..(b + 1) * BLOCK].try_into().unwrap();
+                let qb: &mut [u8; BLOCK] =
+                    (&mut qr[b * BLOCK..(b + 1) * BLOCK]).try_into().unwrap();
+                let (db, isum) = quantize_block(kernel, xb, qb);
+                dr[b] = db;
+                sr[b] = db * isum as f32;
+                cr[b] = -128 * isum;
+            }
+        };
+        let qs = q.as_mut_slice();
+        if parallel && m > 1 && m * k >= SERIAL_VALUES {
+            x.par_chunks(k)
+                .zip(qs.par_chunks_mut(k))
+                .zip(d.par_chunks_mut(nb))
+                .zip(s.par_chunks_mut(nb).zip(corr.par_chunks_mut(nb)))
+                .for_each(one_token);
+        } else {
+            x.chunks(k)
+                .zip(qs.chunks_mut(k))
+                .zip(d.chunks_mut(nb))
+                .zip(s.chunks_mut(nb).zip(corr.chunks_mut(nb)))
+                .for_each(one_token);
+        }
+        QuantAct { q, d, s, corr }
+    }
+}
+
+/// Quantizes one block into `q` (int8 stored as bytes); returns `(d, Σ q)`.
+#[inline]
+fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernel::Avx512Vnni` is only used once the CPU features were detected.
+        Kernel::Avx512Vnni => unsafe { crate::x86::quantize_block(x, q) },
+        _ => quantize_block_scalar(x, q),
+    }
+}
+
+/// The block scale and its inverse: `d = amax / 127`, `id = 1 / d` (0 for an all-zero
+/// block).
+#[inline]
+pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    (d, id)
+}
+
+/// Portable activation quantization; the SIMD version performs the same operations.
+pub(crate) fn quantize_block_scalar(x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let (d, id) = block_scale(amax);
+    let mut isum = 0i32;
+    for (qj, &xj) in q.iter_mut().zip(x) {
+        let v = (xj * id).round_ties_even().clamp(-127.0, 127.0) as i32;
+        isum += v;
+        *qj = v as i8 as u8;
+    }
+    (d, isum)
+}

@@ -197,6 +197,14 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         let plan = self.scheduler.schedule(&mut self.requests, &mut self.kv);
         if plan.is_empty() {
+            if self.has_unfinished() {
+                // Admission checks that every request fits the pool alone, so an empty
+                // plan with work left means the scheduler lost track of blocks.
+                return Err(EngineError::Stalled {
+                    waiting: self.scheduler.num_waiting(),
+                    free_blocks: self.kv.num_free_blocks(),
+                });
+            }
             return Ok(Vec::new());
         }
         let logits =

@@ -7,6 +7,8 @@ pub enum EngineError {
     InvalidRequest(String),
     #[error("invalid engine configuration: {0}")]
     InvalidConfig(String),
+    #[error("the scheduler cannot make progress: {waiting} requests wait with {free_blocks} free blocks")]
+    Stalled { waiting: usize, free_blocks: usize },
     #[error(transparent)]
     Model(#[from] lantern_model::ModelError),
     #[error(transparent)]

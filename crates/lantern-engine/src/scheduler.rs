@@ -121,7 +121,10 @@ impl Scheduler {
                 .allocate_slots(id, req.num_computed_tokens + num_tokens)
                 .is_err()
             {
-                // Leave it waiting (keeping any prefix hit is harmless: it holds references).
+                // Leave it waiting, and give back the references its prefix hit took:
+                // blocks held by waiting requests could starve the running ones.
+                kv.free(id);
+                req.num_computed_tokens = 0;
                 break;
             }
             self.waiting.pop_front();

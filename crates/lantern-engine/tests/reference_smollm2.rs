@@ -160,14 +160,17 @@ fn check_teacher_forced(p: &ReferencePrompt, rows: &[f32], tolerance: f32) -> us
     let mut checked = 0;
     for step in 0..steps {
         let row = &rows[(first + step) * vocab..(first + step + 1) * vocab];
-        let top = &p.gen_top_ids[step * 20..step * 20 + 2];
-        let vals = &p.gen_top_vals[step * 20..step * 20 + 2];
+        let top = &p.gen_top_ids[step * 20..(step + 1) * 20];
+        let vals = &p.gen_top_vals[step * 20..(step + 1) * 20];
         let ours = lantern_engine::sampling::argmax(row);
         let margin = vals[0] - vals[1];
         if margin < tolerance {
+            // A near tie: any token the reference scores within the tolerance of its best
+            // is a legitimate pick.
+            let ours_in_reference = top.iter().position(|&t| t == ours).map(|i| vals[i]);
             assert!(
-                top.contains(&ours),
-                "{} step {step}: {ours} is neither of {top:?}",
+                ours_in_reference.is_some_and(|v| vals[0] - v < tolerance),
+                "{} step {step}: {ours} is not within {tolerance} of the reference's best {top:?} {vals:?}",
                 p.id
             );
             continue;

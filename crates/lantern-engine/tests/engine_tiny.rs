@@ -1,0 +1,210 @@
+//! Engine behaviour on a tiny random model written on the fly: fast, and exact about
+//! scheduling (chunking, preemption, prefix caching, aborts, block accounting).
+
+use candle_core::quantized::GgmlDType;
+use lantern_engine::{Engine, EngineConfig, FinishReason, SamplingParams};
+use lantern_model::synthetic::TinyLlama;
+use lantern_model::{load_model, LoadOptions};
+
+fn tiny_engine(config: EngineConfig) -> (Engine, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let model = TinyLlama {
+        dtype: GgmlDType::Q8_0,
+        ..TinyLlama::default()
+    };
+    model.write(&path).unwrap();
+    let loaded = load_model(&path, &LoadOptions::default()).unwrap();
+    (Engine::new(loaded, config).unwrap(), dir)
+}
+
+/// Token ids in the byte range with a deterministic pattern per request.
+fn prompts(count: usize) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|i| {
+            (0..(5 + 13 * i % 70))
+                .map(|j| ((i * 31 + j * 7) % 250) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn run(config: EngineConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    let (mut engine, _dir) = tiny_engine(config);
+    let requests = prompts
+        .iter()
+        .map(|p| {
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(max_tokens)
+            };
+            (p.clone(), params)
+        })
+        .collect();
+    let out = engine.generate(requests).unwrap();
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+    out.into_iter().map(|c| c.token_ids).collect()
+}
+
+fn config(kv_blocks_bytes: usize) -> EngineConfig {
+    EngineConfig {
+        kv_cache_memory: kv_blocks_bytes,
+        block_size: 4,
+        ..EngineConfig::default()
+    }
+}
+
+/// Bytes of `blocks` blocks of the tiny model (2 layers, 2 KV heads of 16, f32, block 4).
+fn blocks(blocks: usize) -> usize {
+    blocks * 2 * (2 * 4 * 2 * 16 * 4)
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_tokens() {
+    let p = prompts(6);
+    let whole = run(config(blocks(512)), &p, 12);
+    let chunked = run(
+        EngineConfig {
+            max_num_batched_tokens: 7,
+            ..config(blocks(512))
+        },
+        &p,
+        12,
+    );
+    assert_eq!(whole, chunked);
+}
+
+#[test]
+fn preemption_gives_the_same_tokens_and_frees_every_block() {
+    let p = prompts(8);
+    let roomy = run(config(blocks(512)), &p, 20);
+    // 40 blocks of 4 tokens cannot hold 8 requests of up to ~90 tokens at once.
+    let (mut engine, _dir) = tiny_engine(config(blocks(40)));
+    let ids: Vec<_> = p
+        .iter()
+        .map(|prompt| {
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(20)
+            };
+            engine.add_request(prompt.clone(), params).unwrap()
+        })
+        .collect();
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+    }
+    assert!(
+        engine.num_preemptions() > 0,
+        "the pool was large enough: no preemption"
+    );
+    let tight: Vec<Vec<u32>> = ids
+        .into_iter()
+        .map(|id| engine.take_completion(id).unwrap().token_ids)
+        .collect();
+    assert_eq!(roomy, tight);
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}
+
+#[test]
+fn prefix_caching_on_and_off_give_the_same_tokens() {
+    let shared: Vec<u32> = (0..40).map(|j| (j * 3 % 250) as u32).collect();
+    let p: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut v = shared.clone();
+            v.extend((0..i + 1).map(|j| (100 + i * 10 + j) as u32));
+            v
+        })
+        .collect();
+    let off = run(
+        EngineConfig {
+            enable_prefix_caching: false,
+            ..config(blocks(512))
+        },
+        &p,
+        10,
+    );
+    // One at a time, so later requests find the shared prefix cached.
+    let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+    let mut on = Vec::new();
+    let mut cached = Vec::new();
+    for prompt in &p {
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(10)
+        };
+        let c = engine
+            .generate(vec![(prompt.clone(), params)])
+            .unwrap()
+            .remove(0);
+        cached.push(c.num_cached_prompt_tokens);
+        on.push(c.token_ids);
+    }
+    assert_eq!(off, on);
+    assert_eq!(cached[0], 0);
+    assert!(
+        cached[1..].iter().all(|&c| c >= 40),
+        "cached tokens: {cached:?}"
+    );
+}
+
+#[test]
+fn abort_frees_blocks_and_reports_abort() {
+    let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+    let id = engine
+        .add_request(prompts(1).remove(0), SamplingParams::greedy(50))
+        .unwrap();
+    engine.step().unwrap();
+    assert!(engine.kv_cache().num_free_blocks() < engine.kv_cache().num_blocks());
+    engine.abort(id);
+    assert!(!engine.has_unfinished());
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+    assert_eq!(
+        engine.take_completion(id).unwrap().finish_reason,
+        FinishReason::Abort
+    );
+}
+
+#[test]
+fn bad_requests_are_refused_with_a_reason() {
+    let (mut engine, _dir) = tiny_engine(config(blocks(8)));
+    let err = |r: lantern_engine::Result<u64>| r.unwrap_err().to_string();
+    assert!(err(engine.add_request(vec![], SamplingParams::greedy(4))).contains("empty"));
+    assert!(
+        err(engine.add_request(vec![100_000], SamplingParams::greedy(4))).contains("vocabulary")
+    );
+    let zero = SamplingParams::greedy(0);
+    assert!(err(engine.add_request(vec![1], zero)).contains("max_tokens"));
+    // 8 blocks of 4 tokens can never hold 40 tokens.
+    assert!(err(engine.add_request(vec![1; 30], SamplingParams::greedy(10))).contains("never fit"));
+    assert!(!engine.has_unfinished());
+}
+
+#[test]
+fn sampling_with_a_seed_is_reproducible() {
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(5),
+        ignore_eos: true,
+        max_tokens: 16,
+        ..SamplingParams::default()
+    };
+    let once = |params: &SamplingParams| {
+        let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+        engine
+            .generate(vec![(prompts(1).remove(0), params.clone())])
+            .unwrap()
+            .remove(0)
+            .token_ids
+    };
+    assert_eq!(once(&params), once(&params));
+}

@@ -1,7 +1,9 @@
 //! The `lantern` binary.
 
 mod args;
+mod bench;
 mod generate;
+mod serve;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -23,6 +25,10 @@ struct Cli {
 enum Command {
     /// Generate text for one or more prompts, batched together.
     Generate(generate::GenerateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
+    /// Measure prefill and decode throughput.
+    Bench(bench::BenchArgs),
 }
 
 fn main() {
@@ -39,6 +45,8 @@ fn main() {
                 .expect("generate was parsed");
             generate::run(args, sub, cli.verbose)
         }
+        Command::Serve(args) => serve::run(args, cli.verbose),
+        Command::Bench(args) => bench::run(args, cli.verbose),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,708 @@
+//! The engine on its own OS thread, fed by a channel of commands.
+//!
+//! The engine is single-threaded (`&mut self`), so one thread owns it. It drains the
+//! command channel, runs a step while there is work, and sends each request's new text
+//! to that request's event channel; when there is no work it blocks on the channel.
+//! A request whose event channel is closed (its client went away) is aborted, so its KV
+//! blocks are freed.
+
+use crate::error::ApiError;
+use crate::metrics::{EngineMetrics, EngineStats};
+use crate::stop::StopMatcher;
+use lantern_engine::{Engine, EngineError, FinishReason, RequestOutput, SamplingParams};
+use lantern_kv::RequestId;
+use lantern_model::ChatMessage;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// A prompt as the client gave it; the engine thread renders and tokenizes it.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// Raw text, tokenized as is (BOS added when the model asks for it).
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+    /// A conversation, rendered through the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// One sequence to generate (one choice of a response).
+#[derive(Debug, Clone)]
+pub struct GenerationItem {
+    pub prompt: PromptInput,
+    /// `max_tokens` is overwritten by [`Self::max_tokens`] once the prompt's length is known.
+    pub params: SamplingParams,
+    /// `None`: as many as the context (and the KV cache) allow.
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    /// Return the prompt's text (completions' `echo`).
+    pub echo: bool,
+    /// Which field holds the prompt, for error messages (`prompt` or `messages`).
+    pub prompt_field: &'static str,
+}
+
+/// A request the engine took.
+#[derive(Debug, Clone)]
+pub struct Accepted {
+    pub id: RequestId,
+    pub prompt_tokens: usize,
+    /// The prompt's text, when the item asked for `echo`.
+    pub prompt_text: Option<String>,
+}
+
+/// Why a sequence stopped: the stop string or stop token id that ended it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+/// The end of one sequence.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// `stop`, `length`, `abort` or `error`.
+    pub reason: &'static str,
+    pub stop_reason: Option<StopReason>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    /// Set when `reason` is `error`.
+    pub error: Option<String>,
+}
+
+/// New output of one sequence, tagged with its choice index.
+#[derive(Debug, Clone)]
+pub struct ChoiceEvent {
+    pub index: usize,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub finish: Option<Finish>,
+}
+
+/// What the model is, as the HTTP side needs to know it.
+#[derive(Debug, Clone)]
+pub struct ModelMeta {
+    pub name: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
+
+enum Command {
+    /// Sequences to add together: all are taken or none is.
+    Add {
+        items: Vec<GenerationItem>,
+        events: tmpsc::UnboundedSender<ChoiceEvent>,
+        reply: AddReply,
+    },
+    Abort(Vec<RequestId>),
+    Stats(oneshot::Sender<EngineStats>),
+    Tokenize {
+        prompt: PromptInput,
+        add_special_tokens: bool,
+        reply: oneshot::Sender<Result<Vec<u32>, ApiError>>,
+    },
+    Detokenize {
+        tokens: Vec<u32>,
+        reply: oneshot::Sender<Result<String, ApiError>>,
+    },
+    /// Abort everything and end the thread.
+    Shutdown,
+}
+
+/// A cloneable handle on the engine thread, for the HTTP handlers.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    meta: Arc<ModelMeta>,
+    alive: Arc<AtomicBool>,
+}
+
+/// The engine thread itself: join it after [`EngineHandle::shutdown`].
+pub struct EngineThread {
+    join: Option<JoinHandle<()>>,
+}
+
+impl EngineThread {
+    /// Waits for the thread to end.
+    pub fn join(mut self) {
+        if let Some(join) = self.join.take() {
+            let _ = join.join();
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Builds the engine on a new thread (so the engine never has to be `Send`) and starts
+    /// its loop. Returns once the engine is built, or with the builder's error.
+    pub fn start<F, E>(build: F) -> Result<(EngineHandle, EngineThread), E>
+    where
+        F: FnOnce() -> Result<Engine, E> + Send + 'static,
+        E: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<ModelMeta, E>>();
+        let alive = Arc::new(AtomicBool::new(true));
+        let alive_in_thread = alive.clone();
+        let join = std::thread::Builder::new()
+            .name("lantern-engine".to_string())
+            .spawn(move || {
+                let engine = match build() {
+                    Ok(engine) => engine,
+                    Err(e) => {
+                        alive_in_thread.store(false, Ordering::SeqCst);
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let info = engine.model_info();
+                let meta = ModelMeta {
+                    name: info.name.clone(),
+                    context_length: info.context_length,
+                    vocab_size: info.vocab_size,
+                    num_blocks: engine.kv_cache().num_blocks(),
+                    block_size: engine.config().block_size,
+                };
+                let _ = ready_tx.send(Ok(meta));
+                EngineLoop::new(engine, rx).run();
+                alive_in_thread.store(false, Ordering::SeqCst);
+            })
+            .expect("spawning the engine thread");
+        let thread = EngineThread { join: Some(join) };
+        match ready_rx.recv() {
+            Ok(Ok(meta)) => Ok((
+                EngineHandle {
+                    tx,
+                    meta: Arc::new(meta),
+                    alive,
+                },
+                thread,
+            )),
+            Ok(Err(e)) => {
+                thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                // The builder panicked; the join reports nothing more useful.
+                thread.join();
+                panic!("the engine thread died while building the engine");
+            }
+        }
+    }
+
+    pub fn meta(&self) -> &ModelMeta {
+        &self.meta
+    }
+
+    /// Whether the engine thread is still running.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Submits sequences; their events arrive on the returned receiver, tagged with their
+    /// index in `items`.
+    pub async fn add(
+        &self,
+        items: Vec<GenerationItem>,
+    ) -> Result<(Vec<Accepted>, tmpsc::UnboundedReceiver<ChoiceEvent>), ApiError> {
+        let (events, rx) = tmpsc::unbounded_channel();
+        let (reply, reply_rx) = oneshot::channel();
+        self.tx
+            .send(Command::Add {
+                items,
+                events,
+                reply,
+            })
+            .map_err(|_| ApiError::unavailable())?;
+        let accepted = reply_rx.await.map_err(|_| ApiError::unavailable())??;
+        Ok((accepted, rx))
+    }
+
+    /// Cancels requests (finished or unknown ids are ignored).
+    pub fn abort(&self, ids: Vec<RequestId>) {
+        if !ids.is_empty() {
+            let _ = self.tx.send(Command::Abort(ids));
+        }
+    }
+
+    /// A view of the engine taken between two steps.
+    pub async fn stats(&self) -> Result<EngineStats, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Stats(reply))
+            .map_err(|_| ApiError::unavailable())?;
+        rx.await.map_err(|_| ApiError::unavailable())
+    }
+
+    /// The token ids of a prompt, as a generation request would see them.
+    pub async fn tokenize(
+        &self,
+        prompt: PromptInput,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Tokenize {
+                prompt,
+                add_special_tokens,
+                reply,
+            })
+            .map_err(|_| ApiError::unavailable())?;
+        rx.await.map_err(|_| ApiError::unavailable())?
+    }
+
+    /// The text of token ids (special tokens included).
+    pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Detokenize { tokens, reply })
+            .map_err(|_| ApiError::unavailable())?;
+        rx.await.map_err(|_| ApiError::unavailable())?
+    }
+
+    /// Asks the engine thread to abort every request and end.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// Book-keeping of one live sequence.
+struct Live {
+    index: usize,
+    events: tmpsc::UnboundedSender<ChoiceEvent>,
+    stop: Option<StopMatcher>,
+    stop_token_ids: Vec<u32>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    arrival: Instant,
+    last_token: Option<Instant>,
+}
+
+struct EngineLoop {
+    engine: Engine,
+    rx: mpsc::Receiver<Command>,
+    live: HashMap<RequestId, Live>,
+    metrics: EngineMetrics,
+    shutting_down: bool,
+}
+
+impl EngineLoop {
+    fn new(engine: Engine, rx: mpsc::Receiver<Command>) -> Self {
+        Self {
+            engine,
+            rx,
+            live: HashMap::new(),
+            metrics: EngineMetrics::default(),
+            shutting_down: false,
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            if !self.engine.has_unfinished() {
+                // Idle: sleep until a command arrives; every handle gone ends the thread.
+                match self.rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            if self.shutting_down {
+                break;
+            }
+            if self.engine.has_unfinished() {
+                let started = Instant::now();
+                match self.engine.step() {
+                    Ok(outputs) => {
+                        if outputs.is_empty() && started.elapsed() < Duration::from_micros(50) {
+                            // Nothing could be scheduled: wait for a command rather than
+                            // spin (the scheduler should never get here).
+                            if let Ok(cmd) = self.rx.recv_timeout(Duration::from_millis(1)) {
+                                self.handle(cmd);
+                            }
+                        }
+                        self.dispatch(outputs);
+                    }
+                    Err(e) => self.fail_all(&e),
+                }
+            }
+        }
+        self.abort_all();
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add {
+                items,
+                events,
+                reply,
+            } => {
+                let result = self.add(items, &events);
+                let _ = reply.send(result);
+            }
+            Command::Abort(ids) => {
+                for id in ids {
+                    if self.live.remove(&id).is_some() {
+                        self.engine.abort(id);
+                        self.finish_in_engine(id, "abort");
+                    }
+                }
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(self.stats());
+            }
+            Command::Tokenize {
+                prompt,
+                add_special_tokens,
+                reply,
+            } => {
+                let _ = reply.send(self.tokenize(&prompt, add_special_tokens, "prompt"));
+            }
+            Command::Detokenize { tokens, reply } => {
+                let result = self
+                    .engine
+                    .tokenizer()
+                    .decode(&tokens, false)
+                    .map_err(|e| ApiError::field("tokens", e.to_string()));
+                let _ = reply.send(result);
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    fn stats(&self) -> EngineStats {
+        let kv = self.engine.kv_cache();
+        let prefix = kv.prefix_cache_stats();
+        EngineStats {
+            num_requests_running: self.engine.num_running(),
+            num_requests_waiting: self.engine.num_waiting(),
+            num_preemptions: self.engine.num_preemptions(),
+            kv_cache_usage: kv.usage(),
+            kv_cache_free_blocks: kv.num_free_blocks(),
+            kv_cache_total_blocks: kv.num_blocks(),
+            prefix_cache_queries: prefix.queries,
+            prefix_cache_hits: prefix.hits,
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// Tokenizes and checks every item, then adds them all (or none).
+    fn add(
+        &mut self,
+        items: Vec<GenerationItem>,
+        events: &tmpsc::UnboundedSender<ChoiceEvent>,
+    ) -> Result<Vec<Accepted>, ApiError> {
+        if self.shutting_down {
+            return Err(ApiError::unavailable());
+        }
+        let mut prepared = Vec::with_capacity(items.len());
+        for item in items {
+            prepared.push(self.prepare(item)?);
+        }
+        let mut accepted: Vec<Accepted> = Vec::with_capacity(prepared.len());
+        let now = Instant::now();
+        let mut new_live = Vec::with_capacity(prepared.len());
+        for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
+            let prompt_tokens = prompt_ids.len();
+            let stop_token_ids = item.params.stop_token_ids.clone();
+            match self.engine.add_request(prompt_ids, item.params) {
+                Ok(id) => {
+                    accepted.push(Accepted {
+                        id,
+                        prompt_tokens,
+                        prompt_text,
+                    });
+                    new_live.push((
+                        id,
+                        Live {
+                            index,
+                            events: events.clone(),
+                            stop: StopMatcher::new(&item.stop, item.include_stop_str_in_output),
+                            stop_token_ids,
+                            prompt_tokens,
+                            completion_tokens: 0,
+                            arrival: now,
+                            last_token: None,
+                        },
+                    ));
+                }
+                Err(e) => {
+                    for a in &accepted {
+                        self.engine.abort(a.id);
+                        let _ = self.engine.take_completion(a.id);
+                    }
+                    return Err(engine_error(item.prompt_field, &e));
+                }
+            }
+        }
+        for (id, live) in new_live {
+            self.metrics.prompt_tokens_total += live.prompt_tokens as u64;
+            self.live.insert(id, live);
+        }
+        Ok(accepted)
+    }
+
+    /// Renders (chat) and tokenizes a prompt.
+    fn tokenize(
+        &self,
+        prompt: &PromptInput,
+        add_special_tokens: bool,
+        field: &'static str,
+    ) -> Result<Vec<u32>, ApiError> {
+        let encode = |text: &str| {
+            self.engine
+                .tokenizer()
+                .encode(text, add_special_tokens)
+                .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}")))
+        };
+        match prompt {
+            PromptInput::Text(text) => encode(text),
+            PromptInput::Chat(messages) => {
+                let rendered = self
+                    .engine
+                    .apply_chat_template(messages)
+                    .map_err(|e| engine_error(field, &e))?;
+                encode(&rendered)
+            }
+            PromptInput::Tokens(ids) => Ok(ids.clone()),
+        }
+    }
+
+    /// Renders and tokenizes one item's prompt and settles its `max_tokens`.
+    fn prepare(
+        &self,
+        mut item: GenerationItem,
+    ) -> Result<(GenerationItem, Vec<u32>, Option<String>), ApiError> {
+        let field = item.prompt_field;
+        let ids = self.tokenize(&item.prompt, true, field)?;
+        let text = match &item.prompt {
+            PromptInput::Text(text) => Some(text.clone()),
+            _ => None,
+        };
+        let info = self.engine.model_info();
+        if ids.is_empty() {
+            return Err(ApiError::field(field, "the prompt is empty"));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "token id {bad} is outside the vocabulary of {} tokens",
+                    info.vocab_size
+                ),
+            ));
+        }
+        let context = info.context_length;
+        if ids.len() >= context {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "the prompt has {} tokens; this model's context is {context} tokens (the prompt must leave room for at least one generated token)",
+                    ids.len()
+                ),
+            ));
+        }
+        let room = context - ids.len();
+        let max_tokens = match item.max_tokens {
+            Some(m) if m > room => {
+                return Err(ApiError::field(
+                    "max_tokens",
+                    format!(
+                        "max_tokens is {m}, but the prompt has {} tokens and this model's context is {context} tokens: at most {room} tokens can be generated",
+                        ids.len()
+                    ),
+                ))
+            }
+            Some(m) => m,
+            None => {
+                // As many as the context allows and the KV cache could ever hold.
+                let kv = self.engine.kv_cache();
+                let (mut lo, mut hi) = (0usize, room);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if kv.can_fit_ever(ids.len() + mid) {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                lo.max(1)
+            }
+        };
+        item.params.max_tokens = max_tokens;
+        let echo_text = if item.echo {
+            Some(match text {
+                Some(t) => t,
+                None => self
+                    .engine
+                    .tokenizer()
+                    .decode(&ids, false)
+                    .map_err(|e| ApiError::field(field, e.to_string()))?,
+            })
+        } else {
+            None
+        };
+        Ok((item, ids, echo_text))
+    }
+
+    /// Sends each request's new output to its client.
+    fn dispatch(&mut self, outputs: Vec<RequestOutput>) {
+        let now = Instant::now();
+        for out in outputs {
+            let Some(live) = self.live.get_mut(&out.id) else {
+                // Aborted while its step ran.
+                continue;
+            };
+            if !out.new_token_ids.is_empty() {
+                match live.last_token {
+                    None => self
+                        .metrics
+                        .time_to_first_token
+                        .observe(now.duration_since(live.arrival).as_secs_f64()),
+                    Some(last) => self
+                        .metrics
+                        .inter_token_latency
+                        .observe(now.duration_since(last).as_secs_f64()),
+                }
+                live.last_token = Some(now);
+                live.completion_tokens += out.new_token_ids.len();
+                self.metrics.generation_tokens_total += out.new_token_ids.len() as u64;
+            }
+            let (mut text, matched) = match &mut live.stop {
+                Some(stop) => {
+                    let o = stop.push(&out.new_text);
+                    (o.text, o.matched)
+                }
+                None => (out.new_text, None),
+            };
+            let finish = if let Some(stop) = matched {
+                // The stop string ends it; the engine has not finished it yet.
+                self.engine.abort(out.id);
+                Some(("stop", Some(StopReason::Text(stop))))
+            } else if let Some(reason) = out.finished {
+                if let Some(stop) = &mut live.stop {
+                    text.push_str(&stop.flush());
+                }
+                let stop_reason = match reason {
+                    FinishReason::Stop => out
+                        .new_token_ids
+                        .last()
+                        .filter(|t| live.stop_token_ids.contains(t))
+                        .map(|&t| StopReason::Token(t)),
+                    _ => None,
+                };
+                Some((reason.as_str(), stop_reason))
+            } else {
+                None
+            };
+            let id = out.id;
+            let event = ChoiceEvent {
+                index: live.index,
+                text,
+                token_ids: out.new_token_ids,
+                finish: None,
+            };
+            match finish {
+                None => {
+                    if live.events.send(event).is_err() {
+                        // The client is gone: free its blocks now.
+                        self.live.remove(&id);
+                        self.engine.abort(id);
+                        self.finish_in_engine(id, "abort");
+                    }
+                }
+                Some((reason, stop_reason)) => {
+                    let live = self.live.remove(&id).expect("live request");
+                    let completion = self.engine.take_completion(id);
+                    self.metrics
+                        .e2e_request_latency
+                        .observe(now.duration_since(live.arrival).as_secs_f64());
+                    self.metrics.count_finished(reason);
+                    let finish = Finish {
+                        reason,
+                        stop_reason,
+                        prompt_tokens: live.prompt_tokens,
+                        completion_tokens: completion
+                            .as_ref()
+                            .map_or(live.completion_tokens, |c| c.token_ids.len()),
+                        cached_tokens: completion
+                            .as_ref()
+                            .map_or(0, |c| c.num_cached_prompt_tokens),
+                        error: None,
+                    };
+                    let _ = live.events.send(ChoiceEvent {
+                        finish: Some(finish),
+                        ..event
+                    });
+                }
+            }
+        }
+    }
+
+    /// Takes a finished (or aborted) request out of the engine and counts it.
+    fn finish_in_engine(&mut self, id: RequestId, reason: &'static str) {
+        if let Some(c) = self.engine.take_completion(id) {
+            self.metrics
+                .e2e_request_latency
+                .observe(c.total_time.as_secs_f64());
+            self.metrics.count_finished(reason);
+        }
+    }
+
+    /// A step failed: every live request ends with the error.
+    fn fail_all(&mut self, error: &EngineError) {
+        tracing::error!(%error, "engine step failed; aborting every running request");
+        self.end_all("error", Some(error.to_string()));
+    }
+
+    fn abort_all(&mut self) {
+        self.end_all("abort", None);
+    }
+
+    fn end_all(&mut self, reason: &'static str, error: Option<String>) {
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            let live = self.live.remove(&id).expect("live request");
+            self.engine.abort(id);
+            let completion = self.engine.take_completion(id);
+            self.metrics.count_finished(reason);
+            let mut text = String::new();
+            if let Some(mut stop) = live.stop {
+                text = stop.flush();
+            }
+            let _ = live.events.send(ChoiceEvent {
+                index: live.index,
+                text,
+                token_ids: Vec::new(),
+                finish: Some(Finish {
+                    reason,
+                    stop_reason: None,
+                    prompt_tokens: live.prompt_tokens,
+                    completion_tokens: completion
+                        .as_ref()
+                        .map_or(live.completion_tokens, |c| c.token_ids.len()),
+                    cached_tokens: completion.map_or(0, |c| c.num_cached_prompt_tokens),
+                    error: error.clone(),
+                }),
+            });
+        }
+    }
+}
+
+fn engine_error(field: &'static str, e: &EngineError) -> ApiError {
+    let message = match e {
+        EngineError::InvalidRequest(m) => m.clone(),
+        other => other.to_string(),
+    };
+    ApiError::field(field, message)
+}

@@ -1,0 +1,126 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+/// An error answered to a client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, ...
+    pub kind: &'static str,
+    /// The request field at fault, when there is one.
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn invalid(param: impl Into<Option<String>>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.into(),
+            code: None,
+        }
+    }
+
+    /// A 400 about `field`.
+    pub fn field(field: &str, message: impl Into<String>) -> Self {
+        Self::invalid(Some(field.to_string()), message)
+    }
+
+    /// A 400 for a feature lantern does not offer yet.
+    pub fn unsupported(field: &str, what: &str) -> Self {
+        Self {
+            code: Some("unsupported_parameter"),
+            ..Self::field(field, format!("{what} is not supported yet"))
+        }
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            kind: "invalid_request_error",
+            param: Some("model".to_string()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_status(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind: if status.is_server_error() {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            },
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The engine thread is gone (the server is shutting down).
+    pub fn unavailable() -> Self {
+        Self::with_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine is not running (the server is shutting down)",
+        )
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::with_status(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    /// The JSON body, also sent as an SSE event when a stream fails midway.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.status)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,195 @@
+//! lantern's OpenAI-compatible HTTP server (axum + tokio).
+//!
+//! The engine runs on its own thread ([`EngineHandle`]); the HTTP handlers validate
+//! requests, submit them through the handle and turn the engine's events into OpenAI
+//! responses, whole or streamed as server-sent events.
+//!
+//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+//! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`, `GET /metrics` (Prometheus text, vLLM's
+//! metric names with the prefix `lantern:`). With an API key, `/v1/*` and the tokenizer
+//! endpoints want
+//! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
+
+pub mod engine_thread;
+pub mod error;
+pub mod metrics;
+mod openai;
+pub mod protocol;
+pub mod stop;
+
+pub use engine_thread::{EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput};
+pub use error::ApiError;
+
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use std::future::Future;
+use std::sync::Arc;
+
+/// Default limit on a request body.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// How the server answers.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
+    pub api_key: Option<String>,
+    /// The name clients use for the model (default: the model's own name).
+    pub served_model_name: Option<String>,
+    /// Larger bodies are refused with 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            served_model_name: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub served_model_name: Arc<str>,
+    api_key: Option<Arc<str>>,
+    created: u64,
+}
+
+/// The server's routes, on an engine already running.
+pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
+    let served_model_name: Arc<str> = config
+        .served_model_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| engine.meta().name.clone())
+        .into();
+    let state = AppState {
+        engine,
+        served_model_name,
+        api_key: config
+            .api_key
+            .clone()
+            .filter(|k| !k.is_empty())
+            .map(Into::into),
+        created: openai::unix_now(),
+    };
+    let v1 = Router::new()
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*model}", get(get_model))
+        .route("/tokenize", post(openai::tokenize))
+        .route("/detokenize", post(openai::detokenize))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then lets open responses end.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Compares without stopping at the first difference.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let Some(key) = &state.api_key else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    match given {
+        Some(given) if same_secret(given.as_bytes(), key.as_bytes()) => next.run(request).await,
+        Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
+        None => ApiError::unauthorized(
+            "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
+        )
+        .into_response(),
+    }
+}
+
+fn model_card(state: &AppState) -> serde_json::Value {
+    json!({
+        "id": &*state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "lantern",
+        "root": state.engine.meta().name,
+        "max_model_len": state.engine.meta().context_length,
+    })
+}
+
+async fn list_models(State(state): State<AppState>) -> Response {
+    Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+}
+
+async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+    if model == *state.served_model_name {
+        Json(model_card(&state)).into_response()
+    } else {
+        ApiError::model_not_found(&model).into_response()
+    }
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_alive() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        ApiError::unavailable().into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    match state.engine.stats().await {
+        Ok(stats) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            metrics::render(&stats, &state.served_model_name),
+        )
+            .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn not_found(request: Request) -> Response {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+    .into_response()
+}

@@ -1,0 +1,495 @@
+//! The OpenAI endpoints: completions and chat completions, whole or streamed (SSE).
+
+use crate::engine_thread::{Accepted, ChoiceEvent, EngineHandle, Finish, StopReason};
+use crate::error::ApiError;
+use crate::protocol::{self, GenerationRequest, ModelLimits};
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use lantern_kv::RequestId;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+
+    fn object(self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn response_id(kind: Kind) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{}-{nanos:x}{n:06x}", kind.id_prefix())
+}
+
+/// Aborts the requests of a response that is dropped before they finish (the client went
+/// away), so their KV blocks are freed at once.
+struct AbortGuard {
+    engine: EngineHandle,
+    pending: Vec<RequestId>,
+}
+
+impl AbortGuard {
+    fn finished(&mut self, id: RequestId) {
+        self.pending.retain(|&p| p != id);
+    }
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        self.engine.abort(std::mem::take(&mut self.pending));
+    }
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is too large".to_string()
+        } else {
+            format!("could not read the request body: {}", rejection.body_text())
+        };
+        ApiError::with_status(status, message)
+    })
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, body, Kind::Completion)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn tokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let value = protocol::parse_body(&body_bytes(body)?)?;
+        let limits = ModelLimits {
+            served_name: &state.served_model_name,
+        };
+        let (prompt, add_special_tokens) = protocol::tokenize_request(&value, &limits)?;
+        let tokens = state.engine.tokenize(prompt, add_special_tokens).await?;
+        Ok::<_, ApiError>(Json(json!({
+            "count": tokens.len(),
+            "max_model_len": state.engine.meta().context_length,
+            "tokens": tokens,
+        })))
+    };
+    result
+        .await
+        .map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+pub async fn detokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let value = protocol::parse_body(&body_bytes(body)?)?;
+        let limits = ModelLimits {
+            served_name: &state.served_model_name,
+        };
+        let tokens = protocol::detokenize_request(&value, &limits)?;
+        let text = state.engine.detokenize(tokens).await?;
+        Ok::<_, ApiError>(Json(json!({"prompt": text})))
+    };
+    result
+        .await
+        .map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+async fn generate(
+    state: AppState,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let bytes = body_bytes(body)?;
+    let value = protocol::parse_body(&bytes)?;
+    let limits = ModelLimits {
+        served_name: &state.served_model_name,
+    };
+    let mut request = match kind {
+        Kind::Chat => protocol::chat_request(&value, &limits)?,
+        Kind::Completion => protocol::completion_request(&value, &limits)?,
+    };
+    let items = std::mem::take(&mut request.items);
+    let num_choices = items.len();
+    let (accepted, events) = state.engine.add(items).await?;
+    let guard = AbortGuard {
+        engine: state.engine.clone(),
+        pending: accepted.iter().map(|a| a.id).collect(),
+    };
+    let response = ResponseBuilder {
+        kind,
+        id: response_id(kind),
+        created: unix_now(),
+        model: state.served_model_name.to_string(),
+        n: request.n,
+        accepted,
+        finishes: vec![None; num_choices],
+    };
+    if request.stream {
+        Ok(stream_response(response, request, events, guard))
+    } else {
+        whole_response(response, request, events, guard).await
+    }
+}
+
+/// What a response needs to know to write its chunks.
+struct ResponseBuilder {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    /// Samples per prompt.
+    n: usize,
+    accepted: Vec<Accepted>,
+    finishes: Vec<Option<Finish>>,
+}
+
+fn stop_reason_json(reason: &Option<StopReason>) -> Value {
+    match reason {
+        None => Value::Null,
+        Some(StopReason::Text(s)) => json!(s),
+        Some(StopReason::Token(t)) => json!(t),
+    }
+}
+
+impl ResponseBuilder {
+    fn all_finished(&self) -> bool {
+        self.finishes.iter().all(Option::is_some)
+    }
+
+    /// Usage over all choices: each prompt counted once, however many samples it has.
+    fn usage(&self) -> Value {
+        let mut prompt_tokens = 0;
+        let mut cached_tokens = 0;
+        let mut completion_tokens = 0;
+        for (i, f) in self.finishes.iter().enumerate() {
+            let prompt = self.accepted[i].prompt_tokens;
+            let (completion, cached) = f
+                .as_ref()
+                .map_or((0, 0), |f| (f.completion_tokens, f.cached_tokens));
+            completion_tokens += completion;
+            if i % self.n == 0 {
+                prompt_tokens += prompt;
+                cached_tokens += cached;
+            }
+        }
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        })
+    }
+
+    fn envelope(&self, stream: bool, choices: Vec<Value>) -> serde_json::Map<String, Value> {
+        let mut obj = serde_json::Map::new();
+        obj.insert("id".into(), json!(self.id));
+        obj.insert("object".into(), json!(self.kind.object(stream)));
+        obj.insert("created".into(), json!(self.created));
+        obj.insert("model".into(), json!(self.model));
+        obj.insert("choices".into(), Value::Array(choices));
+        if self.kind == Kind::Chat {
+            obj.insert("system_fingerprint".into(), Value::Null);
+        }
+        obj
+    }
+
+    /// A streamed chunk of one choice.
+    fn chunk(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&Finish>,
+        include_usage: bool,
+    ) -> Value {
+        let finish_reason = finish.map_or(Value::Null, |f| json!(f.reason));
+        let stop_reason = finish.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(text) = text {
+                    delta.insert("content".into(), json!(text));
+                }
+                json!({
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                })
+            }
+            Kind::Completion => json!({
+                "index": index,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }),
+        };
+        let mut obj = self.envelope(true, vec![choice]);
+        if include_usage {
+            obj.insert("usage".into(), Value::Null);
+        }
+        Value::Object(obj)
+    }
+
+    fn usage_chunk(&self) -> Value {
+        let mut obj = self.envelope(true, Vec::new());
+        obj.insert("usage".into(), self.usage());
+        Value::Object(obj)
+    }
+
+    /// The whole, non-streamed response.
+    fn whole(&self, texts: &[String]) -> Value {
+        let choices = texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let f = self.finishes[i].as_ref();
+                let finish_reason = f.map_or(Value::Null, |f| json!(f.reason));
+                let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
+                match self.kind {
+                    Kind::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
+                    }),
+                    Kind::Completion => json!({
+                        "index": i,
+                        "text": text,
+                        "logprobs": null,
+                        "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
+                    }),
+                }
+            })
+            .collect();
+        let mut obj = self.envelope(false, choices);
+        obj.insert("usage".into(), self.usage());
+        Value::Object(obj)
+    }
+}
+
+fn engine_failure(finish: &Finish) -> Option<ApiError> {
+    (finish.reason == "error").then(|| {
+        ApiError::internal(format!(
+            "the engine failed while generating: {}",
+            finish.error.as_deref().unwrap_or("unknown error")
+        ))
+    })
+}
+
+async fn whole_response(
+    mut response: ResponseBuilder,
+    request: GenerationRequest,
+    mut events: UnboundedReceiver<ChoiceEvent>,
+    mut guard: AbortGuard,
+) -> Result<Response, ApiError> {
+    let mut texts: Vec<String> = response
+        .accepted
+        .iter()
+        .map(|a| {
+            if request.echo {
+                a.prompt_text.clone().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .collect();
+    while !response.all_finished() {
+        let Some(event) = events.recv().await else {
+            return Err(ApiError::unavailable());
+        };
+        texts[event.index].push_str(&event.text);
+        if let Some(finish) = event.finish {
+            if let Some(error) = engine_failure(&finish) {
+                return Err(error);
+            }
+            guard.finished(response.accepted[event.index].id);
+            response.finishes[event.index] = Some(finish);
+        }
+    }
+    Ok(Json(response.whole(&texts)).into_response())
+}
+
+/// The state of an SSE stream.
+struct StreamState {
+    response: ResponseBuilder,
+    events: UnboundedReceiver<ChoiceEvent>,
+    guard: AbortGuard,
+    include_usage: bool,
+    /// Events ready to send.
+    queue: VecDeque<Event>,
+    /// `[DONE]` was queued: the stream ends once the queue is empty.
+    done: bool,
+}
+
+fn data(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+impl StreamState {
+    fn start(&mut self, echo: bool) {
+        for i in 0..self.response.accepted.len() {
+            let chunk = match self.response.kind {
+                Kind::Chat => {
+                    Some(
+                        self.response
+                            .chunk(i, Some(""), true, None, self.include_usage),
+                    )
+                }
+                Kind::Completion if echo => {
+                    let prompt = self.response.accepted[i].prompt_text.clone();
+                    Some(
+                        self.response
+                            .chunk(i, prompt.as_deref(), false, None, self.include_usage),
+                    )
+                }
+                Kind::Completion => None,
+            };
+            if let Some(chunk) = chunk {
+                self.queue.push_back(data(&chunk));
+            }
+        }
+    }
+
+    fn on_event(&mut self, event: ChoiceEvent) {
+        if let Some(finish) = &event.finish {
+            if let Some(error) = engine_failure(finish) {
+                self.queue.push_back(data(&error.body()));
+                self.finish_stream();
+                return;
+            }
+        }
+        if event.text.is_empty() && event.finish.is_none() {
+            return;
+        }
+        let text = (!event.text.is_empty() || self.response.kind == Kind::Completion)
+            .then_some(event.text.as_str());
+        let chunk = self.response.chunk(
+            event.index,
+            text,
+            false,
+            event.finish.as_ref(),
+            self.include_usage,
+        );
+        self.queue.push_back(data(&chunk));
+        if let Some(finish) = event.finish {
+            let id = self.response.accepted[event.index].id;
+            self.guard.finished(id);
+            self.response.finishes[event.index] = Some(finish);
+            if self.response.all_finished() {
+                if self.include_usage {
+                    let usage = self.response.usage_chunk();
+                    self.queue.push_back(data(&usage));
+                }
+                self.finish_stream();
+            }
+        }
+    }
+
+    fn finish_stream(&mut self) {
+        self.queue.push_back(Event::default().data("[DONE]"));
+        self.done = true;
+    }
+}
+
+fn stream_response(
+    response: ResponseBuilder,
+    request: GenerationRequest,
+    events: UnboundedReceiver<ChoiceEvent>,
+    guard: AbortGuard,
+) -> Response {
+    let mut state = StreamState {
+        response,
+        events,
+        guard,
+        include_usage: request.include_usage,
+        queue: VecDeque::new(),
+        done: false,
+    };
+    state.start(request.echo);
+    let events = sse_events(state);
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn sse_events(state: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
+    stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(event) = state.queue.pop_front() {
+                return Some((Ok(event), state));
+            }
+            if state.done {
+                return None;
+            }
+            match state.events.recv().await {
+                Some(event) => state.on_event(event),
+                None => {
+                    // The engine thread ended without finishing the request.
+                    state.queue.push_back(data(&ApiError::unavailable().body()));
+                    state.finish_stream();
+                }
+            }
+        }
+    })
+}

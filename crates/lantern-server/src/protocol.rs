@@ -1,0 +1,672 @@
+//! OpenAI request bodies: parsing and validation into engine work.
+//!
+//! Bodies are parsed by hand from JSON values so that every error names its field. Fields
+//! lantern does not know are ignored (OpenAI clients' `extra_body` puts extensions at the
+//! top level); fields it knows but cannot honour yet are refused with a 400 rather than
+//! silently ignored.
+
+use crate::engine_thread::{GenerationItem, PromptInput};
+use crate::error::ApiError;
+use lantern_engine::SamplingParams;
+use lantern_model::ChatMessage;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Most sequences one request may ask for (prompts × n).
+pub const MAX_SEQUENCES_PER_REQUEST: usize = 256;
+
+/// Parses a body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid(
+            None,
+            "the body must be a JSON object".to_string(),
+        ));
+    }
+    Ok(value)
+}
+
+/// Deserializes `value` into `T`; a type error names the field's path.
+fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            ApiError::invalid(None, inner.to_string())
+        } else {
+            let field = path.split(['.', '[']).next().unwrap_or("").to_string();
+            ApiError::invalid(Some(field), format!("{path}: {inner}"))
+        }
+    })
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Fields shared by completions and chat completions.
+#[derive(Debug, Default, Deserialize)]
+struct CommonFields {
+    model: Option<String>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    min_p: Option<f64>,
+    seed: Option<i64>,
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    include_stop_str_in_output: Option<bool>,
+    n: Option<i64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    prompt_logprobs: Option<i64>,
+    min_tokens: Option<i64>,
+    best_of: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ChatFields {
+    messages: Option<Value>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    tools: Option<Vec<Value>>,
+    response_format: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct CompletionFields {
+    prompt: Option<Value>,
+    logprobs: Option<i64>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+}
+
+/// A validated request: what to submit, and how to answer.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// `prompts × n` sequences; choice `i` is prompt `i / n`, sample `i % n`.
+    pub items: Vec<GenerationItem>,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub echo: bool,
+}
+
+/// The served model's name and limits, as validation needs them.
+#[derive(Debug, Clone)]
+pub struct ModelLimits<'a> {
+    pub served_name: &'a str,
+}
+
+/// Settings common to both endpoints, validated.
+struct Common {
+    params: SamplingParams,
+    max_tokens: Option<usize>,
+    stop: Vec<String>,
+    include_stop: bool,
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != limits.served_name => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, ApiError> {
+    let wrong = || ApiError::field("stop", "stop must be a string or a list of strings");
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(wrong))
+            .collect(),
+        Some(_) => Err(wrong()),
+    }
+}
+
+fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Common, ApiError> {
+    let (max_field, max_value) = match (fields.max_completion_tokens, fields.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max_value {
+        Some(m) if m <= 0 => {
+            return Err(ApiError::field(
+                max_field,
+                format!("{max_field} must be at least 1, got {m}"),
+            ))
+        }
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        None => default_max_tokens,
+    };
+    let temperature = fields.temperature.unwrap_or(1.0);
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(ApiError::field(
+            "temperature",
+            format!("temperature must be >= 0, got {temperature}"),
+        ));
+    }
+    let top_p = fields.top_p.unwrap_or(1.0);
+    if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::field(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match fields.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => {
+            return Err(ApiError::field(
+                "top_k",
+                format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}"),
+            ))
+        }
+    };
+    let min_p = fields.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::field(
+            "min_p",
+            format!("min_p must be in [0, 1], got {min_p}"),
+        ));
+    }
+    let n = fields.n.unwrap_or(1);
+    if n < 1 {
+        return Err(ApiError::field(
+            "n",
+            format!("n must be at least 1, got {n}"),
+        ));
+    }
+    if n as usize > MAX_SEQUENCES_PER_REQUEST {
+        return Err(ApiError::field(
+            "n",
+            format!("n must be at most {MAX_SEQUENCES_PER_REQUEST}, got {n}"),
+        ));
+    }
+    if let Some(best_of) = fields.best_of {
+        if best_of != n {
+            return Err(ApiError::unsupported("best_of", "best_of other than n"));
+        }
+    }
+    for (name, value) in [
+        ("presence_penalty", fields.presence_penalty),
+        ("frequency_penalty", fields.frequency_penalty),
+    ] {
+        if let Some(v) = value {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::field(
+                    name,
+                    format!("{name} must be in [-2, 2], got {v}"),
+                ));
+            }
+            if v != 0.0 {
+                return Err(ApiError::unsupported(name, name));
+            }
+        }
+    }
+    if let Some(v) = fields.repetition_penalty {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(ApiError::field(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0, got {v}"),
+            ));
+        }
+        if v != 1.0 {
+            return Err(ApiError::unsupported(
+                "repetition_penalty",
+                "repetition_penalty",
+            ));
+        }
+    }
+    if fields.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::unsupported("logit_bias", "logit_bias"));
+    }
+    if fields.prompt_logprobs.is_some() {
+        return Err(ApiError::unsupported("prompt_logprobs", "prompt_logprobs"));
+    }
+    if fields.min_tokens.is_some_and(|m| m > 0) {
+        return Err(ApiError::unsupported("min_tokens", "min_tokens"));
+    }
+    let stream = fields.stream.unwrap_or(false);
+    let params = SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        min_p: min_p as f32,
+        seed: fields.seed.map(|s| s as u64),
+        max_tokens: max_tokens.unwrap_or(1),
+        ignore_eos: fields.ignore_eos.unwrap_or(false),
+        stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default(),
+        ..SamplingParams::default()
+    };
+    Ok(Common {
+        params,
+        max_tokens,
+        stop: parse_stop(&fields.stop)?,
+        include_stop: fields.include_stop_str_in_output.unwrap_or(false),
+        n: n as usize,
+        stream,
+        include_usage: stream
+            && fields
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+    })
+}
+
+/// `n` items per prompt; sample `i` of a prompt gets seed `seed + i`.
+fn expand(
+    common: &Common,
+    prompts: Vec<PromptInput>,
+    prompt_field: &'static str,
+    echo: bool,
+) -> Result<Vec<GenerationItem>, ApiError> {
+    let total = prompts.len().saturating_mul(common.n);
+    if total > MAX_SEQUENCES_PER_REQUEST {
+        return Err(ApiError::field(
+            prompt_field,
+            format!(
+                "{} prompts × n = {} sequences; at most {MAX_SEQUENCES_PER_REQUEST} per request",
+                prompts.len(),
+                total
+            ),
+        ));
+    }
+    let mut items = Vec::with_capacity(total);
+    for prompt in prompts {
+        for i in 0..common.n {
+            let mut params = common.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            items.push(GenerationItem {
+                prompt: prompt.clone(),
+                params,
+                max_tokens: common.max_tokens,
+                stop: common.stop.clone(),
+                include_stop_str_in_output: common.include_stop,
+                echo,
+                prompt_field,
+            });
+        }
+    }
+    Ok(items)
+}
+
+/// Validates a `POST /v1/chat/completions` body.
+pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequest, ApiError> {
+    let fields: CommonFields = typed(body)?;
+    check_model(&fields.model, limits)?;
+    let chat: ChatFields = typed(body)?;
+    let messages = parse_messages(&chat.messages)?;
+    if chat.logprobs == Some(true) {
+        return Err(ApiError::unsupported("logprobs", "logprobs"));
+    }
+    if chat.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(ApiError::unsupported("top_logprobs", "top_logprobs"));
+    }
+    if chat.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::unsupported("tools", "tool calling"));
+    }
+    if let Some(format) = &chat.response_format {
+        let kind = format.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind != "text" {
+            return Err(ApiError::unsupported(
+                "response_format",
+                &format!("response_format of type `{kind}`"),
+            ));
+        }
+    }
+    let common = common(&fields, None)?;
+    let items = expand(
+        &common,
+        vec![PromptInput::Chat(messages)],
+        "messages",
+        false,
+    )?;
+    Ok(GenerationRequest {
+        items,
+        n: common.n,
+        stream: common.stream,
+        include_usage: common.include_usage,
+        echo: false,
+    })
+}
+
+fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match value {
+        None | Some(Value::Null) => {
+            return Err(ApiError::field("messages", "messages is required"))
+        }
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(ApiError::field(
+                "messages",
+                "messages must be a list of messages",
+            ))
+        }
+    };
+    if items.is_empty() {
+        return Err(ApiError::field(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect()
+}
+
+fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
+    let at = |what: &str| ApiError::field("messages", format!("messages[{i}]: {what}"));
+    let obj = m
+        .as_object()
+        .ok_or_else(|| at("a message must be an object with `role` and `content`"))?;
+    let role = match obj.get("role") {
+        Some(Value::String(r)) => r.as_str(),
+        None | Some(Value::Null) => return Err(at("`role` is required")),
+        Some(_) => return Err(at("`role` must be a string")),
+    };
+    let role = match role {
+        "system" | "user" | "assistant" => role,
+        // OpenAI's newer name for system instructions.
+        "developer" => "system",
+        other => {
+            return Err(at(&format!(
+                "unknown role `{other}` (expected system, user or assistant)"
+            )))
+        }
+    };
+    let content = match obj.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => {
+            if role == "assistant" {
+                String::new()
+            } else {
+                return Err(at("`content` is required"));
+            }
+        }
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), _) => {
+                        return Err(at(&format!(
+                            "content[{j}]: a text part needs a `text` string"
+                        )))
+                    }
+                    (Some(other), _) => {
+                        return Err(ApiError::unsupported(
+                            "messages",
+                            &format!(
+                                "messages[{i}].content[{j}]: content of type `{other}` (text only)"
+                            ),
+                        ))
+                    }
+                    (None, _) => {
+                        return Err(at(&format!("content[{j}]: a content part needs a `type`")))
+                    }
+                }
+            }
+            text
+        }
+        Some(_) => return Err(at("`content` must be a string or a list of content parts")),
+    };
+    Ok(ChatMessage::new(role, &content))
+}
+
+/// Validates a `POST /v1/completions` body.
+pub fn completion_request(
+    body: &Value,
+    limits: &ModelLimits,
+) -> Result<GenerationRequest, ApiError> {
+    let fields: CommonFields = typed(body)?;
+    check_model(&fields.model, limits)?;
+    let completion: CompletionFields = typed(body)?;
+    let prompts = parse_prompts(&completion.prompt)?;
+    if completion.logprobs.is_some() {
+        return Err(ApiError::unsupported("logprobs", "logprobs"));
+    }
+    if completion.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix", "suffix"));
+    }
+    let echo = completion.echo.unwrap_or(false);
+    // OpenAI's (and vLLM's) default for completions.
+    let common = common(&fields, Some(16))?;
+    let items = expand(&common, prompts, "prompt", echo)?;
+    Ok(GenerationRequest {
+        items,
+        n: common.n,
+        stream: common.stream,
+        include_usage: common.include_usage,
+        echo,
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct TokenizeFields {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Value>,
+    add_special_tokens: Option<bool>,
+}
+
+/// Validates a `POST /tokenize` body (vLLM's): a `prompt` string or chat `messages`.
+pub fn tokenize_request(
+    body: &Value,
+    limits: &ModelLimits,
+) -> Result<(PromptInput, bool), ApiError> {
+    let fields: TokenizeFields = typed(body)?;
+    check_model(&fields.model, limits)?;
+    let add_special_tokens = fields.add_special_tokens.unwrap_or(true);
+    match (&fields.prompt, &fields.messages) {
+        (Some(prompt), None) => Ok((PromptInput::Text(prompt.clone()), add_special_tokens)),
+        (None, Some(_)) => Ok((
+            PromptInput::Chat(parse_messages(&fields.messages)?),
+            add_special_tokens,
+        )),
+        _ => Err(ApiError::field(
+            "prompt",
+            "give either `prompt` (a string) or `messages`",
+        )),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct DetokenizeFields {
+    model: Option<String>,
+    tokens: Option<Vec<u32>>,
+}
+
+/// Validates a `POST /detokenize` body (vLLM's).
+pub fn detokenize_request(body: &Value, limits: &ModelLimits) -> Result<Vec<u32>, ApiError> {
+    let fields: DetokenizeFields = typed(body)?;
+    check_model(&fields.model, limits)?;
+    fields
+        .tokens
+        .ok_or_else(|| ApiError::field("tokens", "tokens is required"))
+}
+
+fn parse_prompts(value: &Option<Value>) -> Result<Vec<PromptInput>, ApiError> {
+    let wrong = || {
+        ApiError::field(
+            "prompt",
+            "prompt must be a string, a list of token ids, a list of strings or a list of lists of token ids",
+        )
+    };
+    let token_ids = |items: &[Value]| -> Option<Vec<u32>> {
+        items
+            .iter()
+            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    match value {
+        None | Some(Value::Null) => Err(ApiError::field("prompt", "prompt is required")),
+        Some(Value::String(s)) => Ok(vec![PromptInput::Text(s.clone())]),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(ApiError::field("prompt", "prompt must not be empty"))
+        }
+        Some(Value::Array(items)) => match &items[0] {
+            Value::Number(_) => Ok(vec![PromptInput::Tokens(
+                token_ids(items).ok_or_else(wrong)?,
+            )]),
+            Value::String(_) => items
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(|s| PromptInput::Text(s.to_string()))
+                        .ok_or_else(wrong)
+                })
+                .collect(),
+            Value::Array(_) => items
+                .iter()
+                .map(|v| {
+                    v.as_array()
+                        .and_then(|ids| token_ids(ids))
+                        .map(PromptInput::Tokens)
+                        .ok_or_else(wrong)
+                })
+                .collect(),
+            _ => Err(wrong()),
+        },
+        Some(_) => Err(wrong()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const LIMITS: ModelLimits = ModelLimits { served_name: "m" };
+
+    fn chat_err(body: Value) -> ApiError {
+        chat_request(&body, &LIMITS).unwrap_err()
+    }
+
+    fn completion_err(body: Value) -> ApiError {
+        completion_request(&body, &LIMITS).unwrap_err()
+    }
+
+    #[test]
+    fn chat_accepts_text_parts_and_unknown_fields() {
+        let r = chat_request(
+            &json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}
+                ],
+                "max_tokens": 5, "n": 2, "seed": 7, "stop": "\n", "attn_capture": true, "user": "u"
+            }),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.items.len(), 2);
+        assert_eq!(r.items[0].params.seed, Some(7));
+        assert_eq!(r.items[1].params.seed, Some(8));
+        assert_eq!(r.items[0].max_tokens, Some(5));
+        assert_eq!(r.items[0].stop, vec!["\n".to_string()]);
+        match &r.items[0].prompt {
+            PromptInput::Chat(m) => assert_eq!(m[1].content, "Hi!"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn chat_errors_name_the_field() {
+        let e = chat_err(json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}));
+        assert_eq!(e.status, 404);
+        assert_eq!(e.code, Some("model_not_found"));
+        assert_eq!(chat_err(json!({})).param.as_deref(), Some("messages"));
+        assert_eq!(
+            chat_err(json!({"messages": []})).param.as_deref(),
+            Some("messages")
+        );
+        let e = chat_err(json!({"messages": [{"role": "wizard", "content": "x"}]}));
+        assert!(e.message.contains("wizard"), "{}", e.message);
+        let msg = json!([{"role": "user", "content": "x"}]);
+        for (body, field) in [
+            (json!({"messages": msg, "max_tokens": 0}), "max_tokens"),
+            (
+                json!({"messages": msg, "max_completion_tokens": -3}),
+                "max_completion_tokens",
+            ),
+            (json!({"messages": msg, "temperature": -0.5}), "temperature"),
+            (json!({"messages": msg, "top_p": 0}), "top_p"),
+            (json!({"messages": msg, "top_p": 1.5}), "top_p"),
+            (json!({"messages": msg, "n": 0}), "n"),
+            (json!({"messages": msg, "stop": 5}), "stop"),
+            (json!({"messages": msg, "stop": ["a", 1]}), "stop"),
+            (
+                json!({"messages": msg, "temperature": "hot"}),
+                "temperature",
+            ),
+            (json!({"messages": msg, "logprobs": true}), "logprobs"),
+            (
+                json!({"messages": msg, "presence_penalty": 0.5}),
+                "presence_penalty",
+            ),
+        ] {
+            let e = chat_err(body.clone());
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+            assert!(e.message.contains(field), "{body}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let r = completion_request(&json!({"prompt": [1, 2, 3]}), &LIMITS).unwrap();
+        assert!(matches!(&r.items[0].prompt, PromptInput::Tokens(t) if t == &[1, 2, 3]));
+        assert_eq!(r.items[0].max_tokens, Some(16));
+        let r = completion_request(&json!({"prompt": ["a", "b"], "n": 2}), &LIMITS).unwrap();
+        assert_eq!(r.items.len(), 4);
+        let r = completion_request(&json!({"prompt": [[1], [2, 3]]}), &LIMITS).unwrap();
+        assert_eq!(r.items.len(), 2);
+        assert_eq!(completion_err(json!({})).param.as_deref(), Some("prompt"));
+        assert_eq!(
+            completion_err(json!({"prompt": [1, "a"]})).param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            completion_err(json!({"prompt": [-1]})).param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            completion_err(json!({"prompt": "x", "logprobs": 1}))
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
+    }
+
+    #[test]
+    fn bodies_must_be_json_objects() {
+        assert!(parse_body(b"{not json")
+            .unwrap_err()
+            .message
+            .contains("JSON"));
+        assert!(parse_body(b"[1]").is_err());
+        assert!(parse_body(b"{}").is_ok());
+    }
+}

@@ -1,0 +1,115 @@
+"""Bad input gets a 4xx naming the problem, as the openai client's exceptions; the
+server keeps serving."""
+
+import openai
+import pytest
+import requests
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def _message(exc_info) -> str:
+    body = exc_info.value.body
+    assert isinstance(body, dict), body
+    # The openai client hands over the `error` object of the body.
+    error = body.get("error", body)
+    assert {"message", "type", "param", "code"} <= set(error), error
+    return error["message"]
+
+
+def test_unknown_model_is_not_found(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-imaginary", messages=USER, max_tokens=2)
+    assert "gpt-imaginary" in _message(e)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-imaginary", prompt="Hi", max_tokens=2)
+
+
+def test_bad_api_key(server):
+    bad = server.client(api_key="not-the-key")
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=server.model, messages=USER, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = requests.post(server.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=10)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    # /health and /metrics stay open.
+    assert requests.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert requests.get(server.base_url + "/metrics", timeout=10).status_code == 200
+
+
+CHAT_CASES = [
+    ("missing messages", {}, "messages"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("unknown role", {"messages": [{"role": "robot", "content": "Hi"}]}, "robot"),
+    ("max_tokens 0", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens negative", {"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ("max_tokens past context", {"messages": USER, "max_tokens": 10**7}, "max_tokens"),
+    ("temperature < 0", {"messages": USER, "temperature": -1}, "temperature"),
+    ("top_p 0", {"messages": USER, "top_p": 0}, "top_p"),
+    ("top_p > 1", {"messages": USER, "top_p": 1.5}, "top_p"),
+    ("n 0", {"messages": USER, "n": 0}, "n must"),
+    ("stop number", {"messages": USER, "stop": 3}, "stop"),
+    ("stop list of numbers", {"messages": USER, "stop": [1, 2]}, "stop"),
+    ("logprobs", {"messages": USER, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("name,fields,needle", CHAT_CASES, ids=[c[0] for c in CHAT_CASES])
+def test_chat_bad_input(server, client, name, fields, needle):
+    body = {"model": server.model, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        # extra_body sends the fields exactly as given, past the client's own typing.
+        client.chat.completions.create(
+            model=server.model, messages=body.pop("messages", openai.NOT_GIVEN), extra_body=body
+        )
+    assert needle in _message(e)
+
+
+def test_prompt_longer_than_context(server, client):
+    long_ids = [42] * (server.context_length + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt=long_ids, max_tokens=1)
+    assert "context" in _message(e)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "word " * (server.context_length + 10)}],
+            max_tokens=1,
+        )
+    assert "context" in _message(e)
+
+
+def test_completion_bad_input(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="Hi", max_tokens=0)
+    assert "max_tokens" in _message(e)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="Hi", n=0)
+    assert "n must" in _message(e)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="Hi", logprobs=1)
+    assert "logprobs" in _message(e)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt=[10**9], max_tokens=1)
+    assert "vocabulary" in _message(e)
+
+
+def test_invalid_json_and_oversized_body(server):
+    url = server.base_url + "/v1/chat/completions"
+    headers = {**server.headers(), "Content-Type": "application/json"}
+    r = requests.post(url, data=b'{"messages": [', headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+    big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    r = requests.post(server.base_url + "/v1/completions", data=big, headers=headers, timeout=60)
+    assert r.status_code == 413
+    assert "too large" in r.json()["error"]["message"]
+
+
+def test_still_serving_after_errors(server, client):
+    r = client.chat.completions.create(model=server.model, messages=USER, max_tokens=3)
+    assert r.choices[0].message.content is not None
+    server.wait_idle()

@@ -1,0 +1,89 @@
+"""The paged KV cache under a server: prefix-cache hits give identical tokens, and a pool
+too small for all requests at once preempts and recomputes without changing results."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import start_server, stop_server
+
+LONG_PREFIX = (
+    "You are a careful assistant. Here is a list of facts to keep in mind: "
+    + " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 30))
+)
+
+
+def test_prefix_cache_hit_gives_identical_tokens(server, client):
+    before = server.metrics()
+    prompt = LONG_PREFIX + "\nQuestion: what comes after 7?\nAnswer:"
+    kwargs = dict(
+        model=server.model, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    first = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens >= 256 + 16, first.usage
+    second = client.completions.create(**kwargs)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256, second.usage
+    # Another question after the same prefix shares its full blocks.
+    other = client.completions.create(
+        **{**kwargs, "prompt": LONG_PREFIX + "\nQuestion: what comes after 3?\nAnswer:"}
+    )
+    assert other.usage.prompt_tokens_details.cached_tokens >= 256
+    after = server.metrics()
+    hits = after["lantern:prefix_cache_hits_total"] - before["lantern:prefix_cache_hits_total"]
+    assert hits >= 2 * 256
+    assert after["lantern:prefix_cache_queries_total"] > before["lantern:prefix_cache_queries_total"]
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    # 40 blocks of 16 tokens (SmolLM2-135M, f32 cache: 720 KiB a block): room for about
+    # three of the requests below at once.
+    srv = start_server(kv_cache_memory=str(40 * 737280))
+    yield srv
+    stop_server(srv)
+
+
+def _requests():
+    return [
+        dict(
+            prompt=f"Story number {i}: "
+            + "Once upon a time in a land far away, " * (6 + i % 3)
+            + "there lived",
+            max_tokens=64,
+        )
+        for i in range(8)
+    ]
+
+
+def _complete(srv, fields):
+    r = srv.client(timeout=90).completions.create(
+        model=srv.model, temperature=0, extra_body={"ignore_eos": True}, **fields
+    )
+    return r.choices[0].text, r.usage.completion_tokens
+
+
+def test_preemption_gives_the_same_results(server, small_server):
+    reqs = _requests()
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        reference = list(pool.map(lambda f: _complete(server, f), reqs))
+        before = small_server.metrics()
+        futures = [pool.submit(_complete, small_server, f) for f in reqs]
+        # Fail fast if the engine stalls: requests wait, none runs, for seconds on end.
+        stalled_since = None
+        while not all(f.done() for f in futures):
+            m = small_server.metrics()
+            if m["lantern:num_requests_running"] == 0 and m["lantern:num_requests_waiting"] > 0:
+                stalled_since = stalled_since or time.monotonic()
+                if time.monotonic() - stalled_since > 5:
+                    stop_server(small_server)
+                    raise AssertionError(f"the engine stalled with requests waiting: {m}")
+            else:
+                stalled_since = None
+            time.sleep(0.2)
+        constrained = [f.result() for f in futures]
+    after = small_server.wait_idle()
+    assert after["lantern:num_preemptions_total"] > before["lantern:num_preemptions_total"]
+    assert constrained == reference

@@ -208,3 +208,52 @@ fn sampling_with_a_seed_is_reproducible() {
     };
     assert_eq!(once(&params), once(&params));
 }
+
+/// Every supported weight type loads, and its products (quantized activations against the
+/// type's own kernel) agree with the same weights dequantized to f32 up to activation
+/// quantization error.
+#[test]
+fn every_weight_type_computes_what_its_dequantized_weights_compute() {
+    use GgmlDType::*;
+    let prompt: Vec<u32> = (0..24).map(|j| (j * 11 % 250) as u32).collect();
+    for dtype in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4K, Q5K, Q6K] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        // K-quants pack 256 values per block, so every matrix dimension is a multiple.
+        let model = TinyLlama {
+            dtype,
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 512,
+            ..TinyLlama::default()
+        };
+        model.write(&path).unwrap();
+        let logits = |f32_weights: bool| {
+            let options = LoadOptions {
+                progress: false,
+                f32_weights,
+            };
+            let loaded = load_model(&path, &options).unwrap();
+            let mut engine = Engine::new(loaded, config(blocks(512))).unwrap();
+            let params = SamplingParams {
+                prompt_logits: true,
+                ..SamplingParams::greedy(1)
+            };
+            engine
+                .generate(vec![(prompt.clone(), params)])
+                .unwrap()
+                .remove(0)
+                .prompt_logits
+                .unwrap()
+        };
+        let (fast, exact) = (logits(false), logits(true));
+        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let diff: Vec<f32> = fast.iter().zip(&exact).map(|(a, b)| a - b).collect();
+        let rel = norm(&diff) / norm(&exact);
+        eprintln!("{dtype:?}: relative difference to f32 weights {rel:.2e}");
+        // 8-bit activation quantization over two layers: ~5e-3 measured for every
+        // quantized type, exactly 0 for the float types (dequantized at load either way).
+        assert!(rel < 2e-2, "{dtype:?}: relative difference {rel}");
+    }
+}

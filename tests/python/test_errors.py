@@ -53,7 +53,10 @@ CHAT_CASES = [
     ("n 0", {"messages": USER, "n": 0}, "n must"),
     ("stop number", {"messages": USER, "stop": 3}, "stop"),
     ("stop list of numbers", {"messages": USER, "stop": [1, 2]}, "stop"),
-    ("logprobs", {"messages": USER, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("top_logprobs > 20", {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("presence_penalty > 2", {"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty < -2", {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+    ("repetition_penalty 0", {"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
 ]
 
 
@@ -90,7 +93,7 @@ def test_completion_bad_input(server, client):
         client.completions.create(model=server.model, prompt="Hi", n=0)
     assert "n must" in _message(e)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=server.model, prompt="Hi", logprobs=1)
+        client.completions.create(model=server.model, prompt="Hi", logprobs=6)
     assert "logprobs" in _message(e)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt=[10**9], max_tokens=1)

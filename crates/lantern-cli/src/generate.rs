@@ -65,6 +65,7 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
         ignore_eos: args.ignore_eos,
         stop_token_ids: Vec::new(),
         prompt_logits: false,
+        ..SamplingParams::default()
     };
     let mut ids = Vec::with_capacity(inputs.len());
     for input in &inputs {

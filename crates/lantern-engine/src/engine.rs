@@ -4,7 +4,7 @@ use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::runner::ModelRunner;
-use crate::sampling::SamplingParams;
+use crate::sampling::{apply_penalties, token_logprobs, SamplingParams, TokenLogprobs};
 use crate::scheduler::Scheduler;
 use lantern_attn::AttentionLayerSpec;
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, RequestId};
@@ -29,6 +29,8 @@ pub struct RequestOutput {
     /// Text made printable by the new tokens.
     pub new_text: String,
     pub finished: Option<FinishReason>,
+    /// Log-probabilities of the new token, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// A finished request, all of it.
@@ -233,6 +235,7 @@ impl Engine {
                     let last = rows.first_row + rows.num_prompt_rows;
                     req.prompt_logits.extend_from_slice(logits.row(last));
                 }
+                req.prompt_logits_complete = req.prompt_logits.len() == wanted;
             }
             if rows.samples {
                 let row = logits.row(rows.first_row + rows.num_prompt_rows);
@@ -245,7 +248,21 @@ impl Engine {
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
         let context_length = self.loaded.model.info().context_length;
         let req = self.requests.get_mut(&id).expect("sampled requests exist");
+        let penalized;
+        let logits = if req.params.has_penalties() {
+            let mut row = logits.to_vec();
+            let (prompt, output) = req.token_ids.split_at(req.prompt_len);
+            apply_penalties(&mut row, &req.params, prompt, output);
+            penalized = row;
+            &penalized[..]
+        } else {
+            logits
+        };
         let token = req.sampler.sample(logits, &req.params);
+        let logprobs = req
+            .params
+            .logprobs
+            .map(|k| token_logprobs(logits, token, k));
         req.token_ids.push(token);
         let now = Instant::now();
         req.times.first_token.get_or_insert(now);
@@ -277,6 +294,7 @@ impl Engine {
             new_token_ids: vec![token],
             new_text,
             finished,
+            logprobs,
         })
     }
 

@@ -13,4 +13,4 @@ pub use config::EngineConfig;
 pub use engine::{Completion, Engine, RequestOutput};
 pub use error::{EngineError, Result};
 pub use request::{FinishReason, RequestStatus};
-pub use sampling::SamplingParams;
+pub use sampling::{SamplingParams, TokenLogprobs};

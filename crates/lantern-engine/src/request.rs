@@ -63,6 +63,9 @@ pub struct Request {
     pub num_cached_prompt_tokens: usize,
     /// `[prompt_len, vocab]` once complete, when the request asked for them.
     pub prompt_logits: Vec<f32>,
+    /// Whether `prompt_logits` holds every prompt row (a preemption before that point
+    /// recomputes the prompt from its start, so partial rows are dropped).
+    pub prompt_logits_complete: bool,
 }
 
 impl Request {
@@ -86,6 +89,7 @@ impl Request {
             num_preemptions: 0,
             num_cached_prompt_tokens: 0,
             prompt_logits: Vec::new(),
+            prompt_logits_complete: false,
         }
     }
 

@@ -24,6 +24,19 @@ pub struct SamplingParams {
     /// Keep the logits of every prompt position (`[prompt_len, vocab]`, the last row being
     /// the one the first token is sampled from): scoring, teacher forcing, prompt logprobs.
     pub prompt_logits: bool,
+    /// OpenAI's `presence_penalty`: subtracted once from the logit of every token that
+    /// occurs among the generated tokens. In [-2, 2]; 0 disables it.
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per occurrence
+    /// among the generated tokens. In [-2, 2]; 0 disables it.
+    pub frequency_penalty: f32,
+    /// vLLM/HF `repetition_penalty` over prompt and generated tokens: the logit of a token
+    /// seen is divided by it when positive, multiplied when negative. > 0; 1 disables it.
+    pub repetition_penalty: f32,
+    /// Report log-probabilities of each sampled token and of this many most likely
+    /// alternatives (0: the sampled token only). They are the log-softmax of the logits
+    /// after penalties and before temperature, top-k, top-p and min-p.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +51,10 @@ impl Default for SamplingParams {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             prompt_logits: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logprobs: None,
         }
     }
 }
@@ -65,11 +82,116 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(format!("{name} must be in [-2, 2], got {value}"));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
         if self.max_tokens == 0 {
             return Err("max_tokens must be at least 1".to_string());
         }
         Ok(())
     }
+
+    /// Whether any penalty changes the logits.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+}
+
+/// Applies the penalties of `params` to one row of logits, in place: the repetition
+/// penalty over `prompt` and `output` tokens, then the frequency and presence penalties
+/// over `output` tokens. Token ids outside the row are ignored.
+pub fn apply_penalties(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+) {
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; logits.len()];
+        for &t in prompt.iter().chain(output) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        for (logit, _) in logits.iter_mut().zip(&seen).filter(|(_, &s)| s) {
+            if *logit > 0.0 {
+                *logit /= params.repetition_penalty;
+            } else {
+                *logit *= params.repetition_penalty;
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, count) in counts {
+            if let Some(logit) = logits.get_mut(t as usize) {
+                *logit -= params.frequency_penalty * count as f32 + params.presence_penalty;
+            }
+        }
+    }
+}
+
+/// Log-probability of the sampled token and of the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// The `k` most likely tokens, most likely first (the lowest id first on ties).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-softmax of a row of logits.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_sum = max + sum.ln() as f32;
+    logits.iter().map(|&l| l - log_sum).collect()
+}
+
+/// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
+pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    let logprobs = log_softmax(logits);
+    TokenLogprobs {
+        token_id: token,
+        logprob: logprobs[token as usize],
+        top: top_k_logprobs(&logprobs, k),
+    }
+}
+
+/// The `k` largest entries of a row of logprobs, most likely first.
+pub fn top_k_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> = logprobs
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = k.min(all.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < all.len() {
+        all.select_nth_unstable_by(k - 1, by_desc);
+        all.truncate(k);
+    }
+    all.sort_unstable_by(by_desc);
+    all
 }
 
 /// Per-request sampling state: its random stream.
@@ -209,5 +331,71 @@ mod tests {
             ..SamplingParams::default()
         };
         assert!(p.validate().unwrap_err().contains("top_p"));
+        for (p, field) in [
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..SamplingParams::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -2.1,
+                    ..SamplingParams::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..SamplingParams::default()
+                },
+                "repetition_penalty",
+            ),
+        ] {
+            assert!(p.validate().unwrap_err().contains(field), "{field}");
+        }
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_generated_tokens() {
+        let mut logits = vec![1.0, 2.0, 3.0, 4.0];
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SamplingParams::default()
+        };
+        // Prompt tokens do not count; token 1 twice, token 3 once among the output.
+        apply_penalties(&mut logits, &p, &[0, 2], &[1, 3, 1]);
+        // 2 - 0.5*2 - 0.25 = 0.75; 4 - 0.5 - 0.25 = 3.25.
+        assert_eq!(logits, vec![1.0, 0.75, 3.0, 3.25]);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative() {
+        let mut logits = vec![2.0, -1.0, 3.0, -4.0, 5.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        };
+        // Prompt and output both count, each token once however often it occurs.
+        apply_penalties(&mut logits, &p, &[0, 1, 0], &[1, 4]);
+        assert_eq!(logits, vec![1.0, -2.0, 3.0, -4.0, 2.5]);
+        assert!(!SamplingParams::default().has_penalties());
+        assert!(p.has_penalties());
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_sorted_top() {
+        // ln(1 + e + e^2) = 2.40760596
+        let lp = token_logprobs(&[0.0, 1.0, 2.0], 0, 2);
+        assert!((lp.logprob - (0.0 - 2.407_606)).abs() < 1e-5);
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!(lp.top[0].0, 2);
+        assert!((lp.top[0].1 - (2.0 - 2.407_606)).abs() < 1e-5);
+        assert_eq!(lp.top[1].0, 1);
+        assert!(token_logprobs(&[0.0, 1.0], 1, 0).top.is_empty());
+        assert_eq!(token_logprobs(&[0.0, 1.0], 1, 10).top.len(), 2);
     }
 }

@@ -152,6 +152,9 @@ impl Scheduler {
         let req = requests.get_mut(&id).expect("running requests exist");
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
+        if !req.prompt_logits_complete {
+            req.prompt_logits.clear();
+        }
         req.num_preemptions += 1;
         self.num_preemptions += 1;
         self.waiting.push_front(id);

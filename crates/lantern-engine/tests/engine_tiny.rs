@@ -257,3 +257,137 @@ fn every_weight_type_computes_what_its_dequantized_weights_compute() {
         assert!(rel < 2e-2, "{dtype:?}: relative difference {rel}");
     }
 }
+
+#[test]
+fn greedy_logprobs_match_the_prompt_logits() {
+    let (mut engine, _dir) = tiny_engine(config(blocks(64)));
+    let prompt: Vec<u32> = (0..11).map(|j| (j * 17 % 250) as u32).collect();
+    let params = SamplingParams {
+        prompt_logits: true,
+        logprobs: Some(3),
+        ignore_eos: true,
+        ..SamplingParams::greedy(1)
+    };
+    let id = engine.add_request(prompt.clone(), params).unwrap();
+    let mut outputs = Vec::new();
+    while engine.has_unfinished() {
+        outputs.extend(engine.step().unwrap());
+    }
+    assert_eq!(outputs.len(), 1);
+    let lp = outputs[0]
+        .logprobs
+        .clone()
+        .expect("logprobs were asked for");
+    let completion = engine.take_completion(id).unwrap();
+    assert_eq!(lp.token_id, completion.token_ids[0]);
+    let all = completion.prompt_logits.unwrap();
+    let vocab = all.len() / prompt.len();
+    let last = &all[(prompt.len() - 1) * vocab..];
+    // log_softmax computed here, in f64.
+    let max = last.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_sum = max
+        + last
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    let expected = last[lp.token_id as usize] as f64 - log_sum;
+    assert!(
+        (lp.logprob as f64 - expected).abs() < 1e-4,
+        "{} vs {expected}",
+        lp.logprob
+    );
+    assert!(lp.logprob <= 0.0);
+    assert_eq!(lp.top.len(), 3);
+    // Greedy: the chosen token is the most likely one.
+    assert_eq!(lp.top[0].0, lp.token_id);
+    assert_eq!(lp.top[0].1, lp.logprob);
+    assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    for &(t, l) in &lp.top {
+        let e = last[t as usize] as f64 - log_sum;
+        assert!((l as f64 - e).abs() < 1e-4);
+    }
+}
+
+#[test]
+fn penalties_change_greedy_decoding() {
+    let (mut engine, _dir) = tiny_engine(config(blocks(64)));
+    let prompt: Vec<u32> = (0..9).map(|j| (j * 13 % 250) as u32).collect();
+    let run = |engine: &mut Engine, params: SamplingParams| {
+        engine
+            .generate(vec![(prompt.clone(), params)])
+            .unwrap()
+            .remove(0)
+            .token_ids
+    };
+    let greedy = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let penalized = run(
+        &mut engine,
+        SamplingParams {
+            frequency_penalty: 2.0,
+            presence_penalty: 2.0,
+            ..greedy.clone()
+        },
+    );
+    let repetition = run(
+        &mut engine,
+        SamplingParams {
+            repetition_penalty: 50.0,
+            ..greedy.clone()
+        },
+    );
+    let plain = run(&mut engine, greedy);
+    let distinct = |t: &[u32]| t.iter().collect::<std::collections::HashSet<_>>().len();
+    // The tiny random model repeats one token greedily; penalties break the loop.
+    assert_eq!(distinct(&plain), 1, "{plain:?}");
+    assert!(distinct(&penalized) > 1, "{penalized:?}");
+    assert!(distinct(&repetition) > 1, "{repetition:?}");
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}
+
+/// Prompt logits survive chunked prefill and preemption: the same rows as a roomy run.
+#[test]
+fn prompt_logits_are_whole_under_chunking_and_preemption() {
+    let p = prompts(8);
+    let collect = |config: EngineConfig| {
+        let (mut engine, _dir) = tiny_engine(config);
+        let requests = p
+            .iter()
+            .map(|prompt| {
+                let params = SamplingParams {
+                    prompt_logits: true,
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(20)
+                };
+                (prompt.clone(), params)
+            })
+            .collect();
+        let out = engine.generate(requests).unwrap();
+        (
+            engine.num_preemptions(),
+            out.into_iter()
+                .map(|c| c.prompt_logits.unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (_, roomy) = collect(config(blocks(512)));
+    let (preemptions, tight) = collect(EngineConfig {
+        max_num_batched_tokens: 9,
+        ..config(blocks(40))
+    });
+    assert!(preemptions > 0);
+    for (i, (a, b)) in roomy.iter().zip(&tight).enumerate() {
+        assert_eq!(
+            a.len(),
+            p[i].len() * 258,
+            "request {i}: one row per prompt token"
+        );
+        assert_eq!(a, b, "request {i}");
+    }
+}

@@ -75,12 +75,23 @@ pub struct Finish {
     pub error: Option<String>,
 }
 
+/// The log-probability of one generated token and its most likely alternatives, with
+/// each token as text (the token decoded alone, special tokens included).
+#[derive(Debug, Clone)]
+pub struct LogprobEntry {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
 /// New output of one sequence, tagged with its choice index.
 #[derive(Debug, Clone)]
 pub struct ChoiceEvent {
     pub index: usize,
     pub text: String,
     pub token_ids: Vec<u32>,
+    /// One entry per new token, when the request asked for logprobs.
+    pub logprobs: Vec<LogprobEntry>,
     pub finish: Option<Finish>,
 }
 
@@ -606,10 +617,23 @@ impl EngineLoop {
                 None
             };
             let id = out.id;
+            let logprobs = out
+                .logprobs
+                .map(|lp| {
+                    let tokenizer = self.engine.tokenizer();
+                    let text = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
+                    vec![LogprobEntry {
+                        token: text(lp.token_id),
+                        logprob: lp.logprob,
+                        top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
+                    }]
+                })
+                .unwrap_or_default();
             let event = ChoiceEvent {
                 index: live.index,
                 text,
                 token_ids: out.new_token_ids,
+                logprobs,
                 finish: None,
             };
             match finish {
@@ -684,6 +708,7 @@ impl EngineLoop {
                 index: live.index,
                 text,
                 token_ids: Vec::new(),
+                logprobs: Vec::new(),
                 finish: Some(Finish {
                     reason,
                     stop_reason: None,

@@ -1,6 +1,6 @@
 //! The OpenAI endpoints: completions and chat completions, whole or streamed (SSE).
 
-use crate::engine_thread::{Accepted, ChoiceEvent, EngineHandle, Finish, StopReason};
+use crate::engine_thread::{Accepted, ChoiceEvent, EngineHandle, Finish, LogprobEntry, StopReason};
 use crate::error::ApiError;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
 use crate::AppState;
@@ -176,6 +176,8 @@ async fn generate(
         n: request.n,
         accepted,
         finishes: vec![None; num_choices],
+        logprobs: request.logprobs,
+        text_offsets: vec![0; num_choices],
     };
     if request.stream {
         Ok(stream_response(response, request, events, guard))
@@ -194,6 +196,50 @@ struct ResponseBuilder {
     n: usize,
     accepted: Vec<Accepted>,
     finishes: Vec<Option<Finish>>,
+    /// Whether choices carry logprobs.
+    logprobs: bool,
+    /// Characters of each choice's text so far, for completions' `text_offset`.
+    text_offsets: Vec<usize>,
+}
+
+/// Chat's `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+    let token = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = token(&e.token, e.logprob);
+            let top: Vec<Value> = e.top.iter().map(|(t, l)| token(t, *l)).collect();
+            v["top_logprobs"] = Value::Array(top);
+            v
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions' `logprobs` object: `{tokens, token_logprobs, top_logprobs, text_offset}`;
+/// `offset` is the choice's text length (in characters) before these tokens, advanced past
+/// them.
+fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in entries {
+        text_offset.push(*offset);
+        *offset += e.token.chars().count();
+    }
+    let top: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let map: serde_json::Map<String, Value> =
+                e.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect();
+            Value::Object(map)
+        })
+        .collect();
+    json!({
+        "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    })
 }
 
 fn stop_reason_json(reason: &Option<StopReason>) -> Value {
@@ -205,6 +251,17 @@ fn stop_reason_json(reason: &Option<StopReason>) -> Value {
 }
 
 impl ResponseBuilder {
+    /// The `logprobs` value of one choice's new tokens (null when not asked for).
+    fn logprobs_json(&mut self, index: usize, entries: &[LogprobEntry]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => chat_logprobs(entries),
+            Kind::Completion => completion_logprobs(entries, &mut self.text_offsets[index]),
+        }
+    }
+
     fn all_finished(&self) -> bool {
         self.finishes.iter().all(Option::is_some)
     }
@@ -253,6 +310,7 @@ impl ResponseBuilder {
         text: Option<&str>,
         role: bool,
         finish: Option<&Finish>,
+        logprobs: Value,
         include_usage: bool,
     ) -> Value {
         let finish_reason = finish.map_or(Value::Null, |f| json!(f.reason));
@@ -269,7 +327,7 @@ impl ResponseBuilder {
                 json!({
                     "index": index,
                     "delta": delta,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                     "stop_reason": stop_reason,
                 })
@@ -277,7 +335,7 @@ impl ResponseBuilder {
             Kind::Completion => json!({
                 "index": index,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }),
@@ -296,11 +354,17 @@ impl ResponseBuilder {
     }
 
     /// The whole, non-streamed response.
-    fn whole(&self, texts: &[String]) -> Value {
-        let choices = texts
+    fn whole(&mut self, texts: &[String], logprobs: &[Vec<LogprobEntry>]) -> Value {
+        let logprobs: Vec<Value> = logprobs
             .iter()
             .enumerate()
-            .map(|(i, text)| {
+            .map(|(i, entries)| self.logprobs_json(i, entries))
+            .collect();
+        let choices = texts
+            .iter()
+            .zip(logprobs)
+            .enumerate()
+            .map(|(i, (text, logprobs))| {
                 let f = self.finishes[i].as_ref();
                 let finish_reason = f.map_or(Value::Null, |f| json!(f.reason));
                 let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
@@ -308,14 +372,14 @@ impl ResponseBuilder {
                     Kind::Chat => json!({
                         "index": i,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
                     }),
                     Kind::Completion => json!({
                         "index": i,
                         "text": text,
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
                     }),
@@ -354,11 +418,13 @@ async fn whole_response(
             }
         })
         .collect();
+    let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); texts.len()];
     while !response.all_finished() {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         texts[event.index].push_str(&event.text);
+        logprobs[event.index].extend(event.logprobs);
         if let Some(finish) = event.finish {
             if let Some(error) = engine_failure(&finish) {
                 return Err(error);
@@ -367,7 +433,7 @@ async fn whole_response(
             response.finishes[event.index] = Some(finish);
         }
     }
-    Ok(Json(response.whole(&texts)).into_response())
+    Ok(Json(response.whole(&texts, &logprobs)).into_response())
 }
 
 /// The state of an SSE stream.
@@ -390,18 +456,24 @@ impl StreamState {
     fn start(&mut self, echo: bool) {
         for i in 0..self.response.accepted.len() {
             let chunk = match self.response.kind {
-                Kind::Chat => {
-                    Some(
-                        self.response
-                            .chunk(i, Some(""), true, None, self.include_usage),
-                    )
-                }
+                Kind::Chat => Some(self.response.chunk(
+                    i,
+                    Some(""),
+                    true,
+                    None,
+                    Value::Null,
+                    self.include_usage,
+                )),
                 Kind::Completion if echo => {
                     let prompt = self.response.accepted[i].prompt_text.clone();
-                    Some(
-                        self.response
-                            .chunk(i, prompt.as_deref(), false, None, self.include_usage),
-                    )
+                    Some(self.response.chunk(
+                        i,
+                        prompt.as_deref(),
+                        false,
+                        None,
+                        Value::Null,
+                        self.include_usage,
+                    ))
                 }
                 Kind::Completion => None,
             };
@@ -419,16 +491,23 @@ impl StreamState {
                 return;
             }
         }
-        if event.text.is_empty() && event.finish.is_none() {
+        let has_logprobs = self.response.logprobs && !event.logprobs.is_empty();
+        if event.text.is_empty() && event.finish.is_none() && !has_logprobs {
             return;
         }
         let text = (!event.text.is_empty() || self.response.kind == Kind::Completion)
             .then_some(event.text.as_str());
+        let logprobs = if has_logprobs {
+            self.response.logprobs_json(event.index, &event.logprobs)
+        } else {
+            Value::Null
+        };
         let chunk = self.response.chunk(
             event.index,
             text,
             false,
             event.finish.as_ref(),
+            logprobs,
             self.include_usage,
         );
         self.queue.push_back(data(&chunk));

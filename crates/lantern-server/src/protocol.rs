@@ -15,6 +15,10 @@ use serde_json::Value;
 
 /// Most sequences one request may ask for (prompts × n).
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 256;
+/// Most alternatives per token: chat's `top_logprobs` (OpenAI's limit).
+const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
+/// Most alternatives per token: completions' `logprobs` (OpenAI's limit).
+const MAX_COMPLETION_LOGPROBS: i64 = 5;
 
 /// Parses a body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
@@ -102,6 +106,8 @@ pub struct GenerationRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub echo: bool,
+    /// Whether the response carries logprobs (the number of alternatives is in the items).
+    pub logprobs: bool,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -216,9 +222,6 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
                     format!("{name} must be in [-2, 2], got {v}"),
                 ));
             }
-            if v != 0.0 {
-                return Err(ApiError::unsupported(name, name));
-            }
         }
     }
     if let Some(v) = fields.repetition_penalty {
@@ -226,12 +229,6 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
             return Err(ApiError::field(
                 "repetition_penalty",
                 format!("repetition_penalty must be > 0, got {v}"),
-            ));
-        }
-        if v != 1.0 {
-            return Err(ApiError::unsupported(
-                "repetition_penalty",
-                "repetition_penalty",
             ));
         }
     }
@@ -254,6 +251,9 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         max_tokens: max_tokens.unwrap_or(1),
         ignore_eos: fields.ignore_eos.unwrap_or(false),
         stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default(),
+        presence_penalty: fields.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: fields.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition_penalty: fields.repetition_penalty.unwrap_or(1.0) as f32,
         ..SamplingParams::default()
     };
     Ok(Common {
@@ -314,12 +314,23 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
     check_model(&fields.model, limits)?;
     let chat: ChatFields = typed(body)?;
     let messages = parse_messages(&chat.messages)?;
-    if chat.logprobs == Some(true) {
-        return Err(ApiError::unsupported("logprobs", "logprobs"));
-    }
-    if chat.top_logprobs.is_some_and(|n| n > 0) {
-        return Err(ApiError::unsupported("top_logprobs", "top_logprobs"));
-    }
+    let logprobs = chat.logprobs.unwrap_or(false);
+    let top_logprobs = match chat.top_logprobs {
+        Some(n) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
+            return Err(ApiError::field(
+                "top_logprobs",
+                format!("top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {n}"),
+            ))
+        }
+        Some(n) if n > 0 && !logprobs => {
+            return Err(ApiError::field(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            ))
+        }
+        Some(n) => n as usize,
+        None => 0,
+    };
     if chat.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::unsupported("tools", "tool calling"));
     }
@@ -332,7 +343,8 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
             ));
         }
     }
-    let common = common(&fields, None)?;
+    let mut common = common(&fields, None)?;
+    common.params.logprobs = logprobs.then_some(top_logprobs);
     let items = expand(
         &common,
         vec![PromptInput::Chat(messages)],
@@ -345,6 +357,7 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         stream: common.stream,
         include_usage: common.include_usage,
         echo: false,
+        logprobs,
     })
 }
 
@@ -443,15 +456,26 @@ pub fn completion_request(
     check_model(&fields.model, limits)?;
     let completion: CompletionFields = typed(body)?;
     let prompts = parse_prompts(&completion.prompt)?;
-    if completion.logprobs.is_some() {
-        return Err(ApiError::unsupported("logprobs", "logprobs"));
-    }
+    let logprobs = match completion.logprobs {
+        Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
+            return Err(ApiError::field(
+                "logprobs",
+                format!("logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {n}"),
+            ))
+        }
+        Some(n) => Some(n as usize),
+        None => None,
+    };
     if completion.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
     let echo = completion.echo.unwrap_or(false);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::unsupported("echo", "echo together with logprobs"));
+    }
     // OpenAI's (and vLLM's) default for completions.
-    let common = common(&fields, Some(16))?;
+    let mut common = common(&fields, Some(16))?;
+    common.params.logprobs = logprobs;
     let items = expand(&common, prompts, "prompt", echo)?;
     Ok(GenerationRequest {
         items,
@@ -459,6 +483,7 @@ pub fn completion_request(
         stream: common.stream,
         include_usage: common.include_usage,
         echo,
+        logprobs: logprobs.is_some(),
     })
 }
 
@@ -621,10 +646,22 @@ mod tests {
                 json!({"messages": msg, "temperature": "hot"}),
                 "temperature",
             ),
-            (json!({"messages": msg, "logprobs": true}), "logprobs"),
             (
-                json!({"messages": msg, "presence_penalty": 0.5}),
+                json!({"messages": msg, "logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (json!({"messages": msg, "top_logprobs": 2}), "top_logprobs"),
+            (
+                json!({"messages": msg, "presence_penalty": 2.5}),
                 "presence_penalty",
+            ),
+            (
+                json!({"messages": msg, "frequency_penalty": -3}),
+                "frequency_penalty",
+            ),
+            (
+                json!({"messages": msg, "repetition_penalty": 0}),
+                "repetition_penalty",
             ),
         ] {
             let e = chat_err(body.clone());
@@ -653,11 +690,39 @@ mod tests {
             Some("prompt")
         );
         assert_eq!(
-            completion_err(json!({"prompt": "x", "logprobs": 1}))
+            completion_err(json!({"prompt": "x", "logprobs": 6}))
                 .param
                 .as_deref(),
             Some("logprobs")
         );
+        let r = completion_request(&json!({"prompt": "x", "logprobs": 2}), &LIMITS).unwrap();
+        assert_eq!(r.items[0].params.logprobs, Some(2));
+        assert!(r.logprobs);
+    }
+
+    #[test]
+    fn penalties_and_logprobs_reach_the_params() {
+        let r = chat_request(
+            &json!({
+                "messages": [{"role": "user", "content": "x"}],
+                "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+                "logprobs": true, "top_logprobs": 3
+            }),
+            &LIMITS,
+        )
+        .unwrap();
+        let p = &r.items[0].params;
+        assert_eq!(p.presence_penalty, 0.5);
+        assert_eq!(p.frequency_penalty, -1.0);
+        assert_eq!(p.repetition_penalty, 1.3);
+        assert_eq!(p.logprobs, Some(3));
+        assert!(r.logprobs);
+        let r = chat_request(
+            &json!({"messages": [{"role": "user", "content": "x"}], "logprobs": false}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.items[0].params.logprobs, None);
     }
 
     #[test]

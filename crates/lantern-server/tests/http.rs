@@ -322,13 +322,23 @@ fn bad_input_is_refused_with_4xx_naming_the_problem() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": user("Hi"), "logprobs": true}),
+            json!({"messages": user("Hi"), "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "logprobs": 6}),
             "logprobs",
         ),
         (
             "/v1/completions",
-            json!({"prompt": "Hi", "logprobs": 2}),
-            "logprobs",
+            json!({"prompt": "Hi", "presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("Hi"), "repetition_penalty": -1}),
+            "repetition_penalty",
         ),
         (
             "/v1/chat/completions",

@@ -10,6 +10,7 @@
 //! - [`layer`]: the one description of a layer's attention (mask, scale, soft-cap,
 //!   sinks) used by every backend and by capture.
 //! - [`backend`]: the device-agnostic [`AttentionBackend`] trait and backend lookup.
+//! - [`tap`]: the hook that hands query rows to attention capture.
 //! - [`backends`]: `cpu-reference` (the oracle) and `cpu-flash` (the default on CPU).
 
 pub mod backend;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod layer;
 pub mod layout;
 pub mod metadata;
+pub mod tap;
 
 pub use backend::{
     backend_by_name, validate_forward_inputs, AttentionBackend, AttentionMetadata, BACKEND_NAMES,
@@ -34,3 +36,4 @@ pub use metadata::{
     reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
     BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,
 };
+pub use tap::AttentionTap;

@@ -7,6 +7,9 @@ use crate::runner::ModelRunner;
 use crate::sampling::{apply_penalties, token_logprobs, SamplingParams, TokenLogprobs};
 use crate::scheduler::Scheduler;
 use lantern_attn::AttentionLayerSpec;
+use lantern_capture::{
+    keys_needed, snapshot_layer, CaptureSpec, PendingCapture, QueryRowBuffer, StepTap, TokenInfo,
+};
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, RequestId};
 use lantern_model::{ChatMessage, LoadedModel, ModelInfo, ModelTokenizer};
 use std::collections::HashMap;
@@ -42,8 +45,14 @@ pub struct Completion {
     pub text: String,
     pub finish_reason: FinishReason,
     pub num_cached_prompt_tokens: usize,
+    /// Times the request was preempted and recomputed.
+    pub num_preemptions: usize,
     /// `[prompt_len, vocab]` when the request asked for prompt logits.
     pub prompt_logits: Option<Vec<f32>>,
+    /// A capturing request's capture, ready for [`PendingCapture::finalize`] on any
+    /// thread (its blocks are already free), or why it could not be taken. `None` for
+    /// requests that did not ask, and for aborted ones.
+    pub capture: Option<std::result::Result<PendingCapture, String>>,
     /// Arrival to first token.
     pub time_to_first_token: Duration,
     /// Arrival to finish.
@@ -131,6 +140,31 @@ impl Engine {
 
     /// Queues a request; it runs from the next step on.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
+        self.add_request_with_capture(prompt, params, None)
+    }
+
+    /// Checks a capture request against the model (layers and heads in range) and
+    /// normalizes it (sorted, without repeats).
+    pub fn validate_capture(&self, spec: &mut CaptureSpec) -> Result<()> {
+        let info = self.loaded.model.info();
+        let heads = info
+            .attention
+            .iter()
+            .map(|a| a.num_heads)
+            .min()
+            .unwrap_or(0);
+        Ok(spec.validate(info.num_layers, heads)?)
+    }
+
+    /// Queues a request that captures its attention as `capture` says (see
+    /// `lantern-capture`): it skips the prefix-cache lookup and computes every position
+    /// itself, so each query row pairs only with its own keys.
+    pub fn add_request_with_capture(
+        &mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        capture: Option<CaptureSpec>,
+    ) -> Result<RequestId> {
         params.validate().map_err(EngineError::InvalidRequest)?;
         let info = self.loaded.model.info();
         if prompt.is_empty() {
@@ -159,24 +193,114 @@ impl Engine {
                 self.config.block_size
             )));
         }
+        let buffer = match capture {
+            Some(mut spec) => {
+                self.validate_capture(&mut spec)?;
+                let first = &info.attention[spec.layers[0]];
+                Some(Box::new(QueryRowBuffer::new(
+                    spec,
+                    info.num_layers,
+                    first.num_heads,
+                    first.head_dim,
+                    prompt.len(),
+                    params.max_tokens,
+                )))
+            }
+            None => None,
+        };
         let id = self.next_id;
         self.next_id += 1;
-        self.requests.insert(id, Request::new(id, prompt, params));
+        let mut request = Request::new(id, prompt, params);
+        request.capture = buffer;
+        self.requests.insert(id, request);
         self.scheduler.add(id);
         Ok(id)
     }
 
-    /// Cancels a request and gives its blocks back.
+    /// Cancels a request and gives its blocks back (a capture is dropped).
     pub fn abort(&mut self, id: RequestId) {
-        if let Some(req) = self.requests.get_mut(&id) {
-            if !req.is_finished() {
-                req.status = RequestStatus::Finished(FinishReason::Abort);
-                req.times.finished = Some(Instant::now());
-                self.scheduler.remove(id);
-                self.kv.free(id);
-                self.finished.push(id);
+        self.finish(id, FinishReason::Abort);
+    }
+
+    /// Ends a running request early as finished for `reason` (e.g. a stop string the
+    /// caller matched on the text): unlike an abort, its capture is taken.
+    pub fn finish_early(&mut self, id: RequestId, reason: FinishReason) {
+        self.finish(id, reason);
+    }
+
+    /// Marks a request finished, takes its capture while its blocks still hold its
+    /// keys, then gives the blocks back.
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return;
+        };
+        if req.is_finished() {
+            return;
+        }
+        req.status = RequestStatus::Finished(reason);
+        req.times.finished.get_or_insert_with(Instant::now);
+        self.scheduler.remove(id);
+        if reason != FinishReason::Abort {
+            self.take_capture(id);
+        }
+        self.kv.free(id);
+        self.finished.push(id);
+    }
+
+    /// Copies a finishing capturing request's keys (and values, when verification
+    /// asked for them) out of the cache, so its blocks can be freed right away and the
+    /// maps computed later, off the step loop.
+    fn take_capture(&mut self, id: RequestId) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let Some(buffer) = req.capture.take() else {
+            return;
+        };
+        let info = self.loaded.model.info();
+        let tokenizer = &self.loaded.tokenizer;
+        let total = req.token_ids.len();
+        let num_computed = req.num_computed_tokens;
+        let spec = buffer.spec();
+        let rows = spec.rows.positions(req.prompt_len, total);
+        let rows = rows.start..rows.end.min(num_computed).max(rows.start);
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        let mut failure = None;
+        for &l in &spec.layers {
+            let layer = &info.attention[l];
+            let group = self.runner.layer_group(l);
+            let keys = keys_needed(layer, rows.clone(), num_computed);
+            match snapshot_layer(
+                &self.runner.caches()[l],
+                self.kv.block_table(id, group),
+                keys,
+                spec.keep_attention_output,
+            ) {
+                Ok(snapshot) => layers.push((layer.clone(), snapshot)),
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    break;
+                }
             }
         }
+        let tokens = req
+            .token_ids
+            .iter()
+            .map(|&t| TokenInfo {
+                id: t,
+                text: tokenizer.decode(&[t], false).unwrap_or_default(),
+            })
+            .collect();
+        req.pending_capture = Some(match failure {
+            Some(e) => Err(e),
+            None => Ok(PendingCapture {
+                buffer: *buffer,
+                layers,
+                prompt_len: req.prompt_len,
+                tokens,
+                num_computed,
+            }),
+        });
     }
 
     pub fn has_unfinished(&self) -> bool {
@@ -209,9 +333,7 @@ impl Engine {
             }
             return Ok(Vec::new());
         }
-        let logits =
-            self.runner
-                .execute(self.loaded.model.as_ref(), &plan, &self.requests, &self.kv)?;
+        let logits = self.execute_plan(&plan)?;
         for s in &plan.scheduled {
             let req = self
                 .requests
@@ -243,6 +365,52 @@ impl Engine {
             }
         }
         Ok(outputs)
+    }
+
+    /// Runs the plan's forward pass, handing the query rows of capturing requests to
+    /// their buffers. Steps without a capturing request pass no tap at all.
+    fn execute_plan(
+        &mut self,
+        plan: &crate::scheduler::SchedulerOutput,
+    ) -> Result<crate::runner::StepLogits> {
+        let mut buffers = Vec::new();
+        let mut batch_row = 0;
+        for s in &plan.scheduled {
+            let req = self
+                .requests
+                .get_mut(&s.id)
+                .expect("scheduled requests exist");
+            if let Some(buffer) = req.capture.take() {
+                buffers.push((
+                    s.id,
+                    batch_row,
+                    s.num_tokens,
+                    req.num_computed_tokens,
+                    buffer,
+                ));
+            }
+            batch_row += s.num_tokens;
+        }
+        let model = self.loaded.model.as_ref();
+        let result = if buffers.is_empty() {
+            self.runner
+                .execute(model, plan, &self.requests, &self.kv, None)
+        } else {
+            let info = model.info();
+            let first = &info.attention[0];
+            let mut tap = StepTap::new(info.num_layers, first.num_heads, first.head_dim);
+            for (_, row, n, pos, buffer) in &mut buffers {
+                tap.add(*row, *n, *pos, buffer);
+            }
+            self.runner
+                .execute(model, plan, &self.requests, &self.kv, Some(&mut tap))
+        };
+        for (id, _, _, _, buffer) in buffers {
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.capture = Some(buffer);
+            }
+        }
+        result
     }
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
@@ -283,11 +451,8 @@ impl Engine {
             .step(tokenizer, &req.token_ids[req.prompt_len..])?;
         req.text.push_str(&new_text);
         if let Some(reason) = finished {
-            req.status = RequestStatus::Finished(reason);
             req.times.finished = Some(now);
-            self.scheduler.remove(id);
-            self.kv.free(id);
-            self.finished.push(id);
+            self.finish(id, reason);
         }
         Ok(RequestOutput {
             id,
@@ -316,7 +481,9 @@ impl Engine {
             text: req.text,
             finish_reason,
             num_cached_prompt_tokens: req.num_cached_prompt_tokens,
+            num_preemptions: req.num_preemptions,
             prompt_logits: req.params.prompt_logits.then_some(req.prompt_logits),
+            capture: req.pending_capture,
             time_to_first_token: req
                 .times
                 .first_token

@@ -14,6 +14,8 @@ pub enum EngineError {
     #[error(transparent)]
     Attention(#[from] lantern_attn::AttnError),
     #[error(transparent)]
+    Capture(#[from] lantern_capture::CaptureError),
+    #[error(transparent)]
     KvCache(#[from] lantern_kv::KvError),
 }
 

@@ -12,5 +12,6 @@ pub mod scheduler;
 pub use config::EngineConfig;
 pub use engine::{Completion, Engine, RequestOutput};
 pub use error::{EngineError, Result};
+pub use lantern_capture;
 pub use request::{FinishReason, RequestStatus};
 pub use sampling::{SamplingParams, TokenLogprobs};

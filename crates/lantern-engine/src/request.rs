@@ -1,6 +1,7 @@
 //! Requests and their states.
 
 use crate::sampling::{Sampler, SamplingParams};
+use lantern_capture::{PendingCapture, QueryRowBuffer};
 use lantern_kv::RequestId;
 use lantern_model::IncrementalDecoder;
 use std::time::Instant;
@@ -66,6 +67,10 @@ pub struct Request {
     /// Whether `prompt_logits` holds every prompt row (a preemption before that point
     /// recomputes the prompt from its start, so partial rows are dropped).
     pub prompt_logits_complete: bool,
+    /// Query rows of a capturing request, filled while it runs.
+    pub capture: Option<Box<QueryRowBuffer>>,
+    /// A finished capturing request's capture, ready to finalize (or why it failed).
+    pub pending_capture: Option<std::result::Result<PendingCapture, String>>,
 }
 
 impl Request {
@@ -90,6 +95,8 @@ impl Request {
             num_cached_prompt_tokens: 0,
             prompt_logits: Vec::new(),
             prompt_logits_complete: false,
+            capture: None,
+            pending_capture: None,
         }
     }
 
@@ -108,6 +115,12 @@ impl Request {
     /// Tokens still to compute before the next token can be sampled.
     pub fn num_pending_tokens(&self) -> usize {
         self.token_ids.len() - self.num_computed_tokens
+    }
+
+    /// Whether every position must be computed by this request itself (prompt logits
+    /// or attention capture), so a prefix-cache hit cannot stand in for it.
+    pub fn computes_every_position(&self) -> bool {
+        self.params.prompt_logits || self.capture.is_some()
     }
 
     pub fn is_finished(&self) -> bool {

@@ -4,8 +4,8 @@ use crate::error::Result;
 use crate::request::Request;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
-    backend_by_name, AttentionBackend, AttentionMetadata, CacheGeometry, CommonAttentionMetadata,
-    PagedKvCache, ScheduledSeq,
+    backend_by_name, AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry,
+    CommonAttentionMetadata, PagedKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{CausalLm, ForwardBatch};
@@ -101,6 +101,11 @@ impl ModelRunner {
         &self.caches
     }
 
+    /// The KV cache group of layer `layer`.
+    pub fn layer_group(&self, layer: usize) -> usize {
+        self.layer_group[layer]
+    }
+
     /// Runs the planned step and returns the logits of requests whose next token is due.
     pub fn execute(
         &mut self,
@@ -108,6 +113,7 @@ impl ModelRunner {
         plan: &SchedulerOutput,
         requests: &HashMap<RequestId, Request>,
         kv: &KvCacheManager,
+        tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogits> {
         let num_tokens = plan.num_tokens();
         let mut token_ids = Vec::with_capacity(num_tokens);
@@ -153,7 +159,7 @@ impl ModelRunner {
             layer_group: &self.layer_group,
             logits_rows: &logits_rows,
         };
-        let logits = model.forward(&batch, self.backend.as_ref(), &mut self.caches)?;
+        let logits = model.forward(&batch, self.backend.as_ref(), &mut self.caches, tap)?;
         Ok(StepLogits {
             requests: rows,
             logits,

@@ -108,8 +108,10 @@ impl Scheduler {
                 break;
             };
             let req = requests.get_mut(&id).expect("waiting requests exist");
-            // Prompt logits need every prompt position computed: no prefix-cache lookup.
-            if req.num_computed_tokens == 0 && !req.params.prompt_logits {
+            // Prompt logits and attention capture need every position computed by this
+            // request (a capture's query rows exist only for what it computes itself):
+            // no prefix-cache lookup for them.
+            if req.num_computed_tokens == 0 && !req.computes_every_position() {
                 let cached = kv.get_computed_blocks(id, &req.token_ids, &[]);
                 req.num_computed_tokens = cached;
                 if req.status == RequestStatus::Waiting {

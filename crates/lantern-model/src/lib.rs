@@ -20,7 +20,9 @@ pub use error::{ModelError, Result};
 pub use gguf::GgufFile;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
 
-use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionMetadata, PagedKvCache};
+use lantern_attn::{
+    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap, PagedKvCache,
+};
 use std::path::Path;
 
 /// What the engine needs to know about a model to schedule it and size its KV cache.
@@ -77,12 +79,14 @@ pub trait CausalLm: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
     /// Runs one step: writes this step's K/V into `caches` (one per layer) and returns the
-    /// logits of `batch.logits_rows`, `[logits_rows.len(), vocab_size]`.
+    /// logits of `batch.logits_rows`, `[logits_rows.len(), vocab_size]`. With a `tap`,
+    /// each layer the tap wants hands it its query rows and attention output.
     fn forward(
         &self,
         batch: &ForwardBatch,
         backend: &dyn AttentionBackend,
         caches: &mut [PagedKvCache],
+        tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>>;
 }
 

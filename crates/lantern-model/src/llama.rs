@@ -8,7 +8,7 @@ use crate::ops;
 use crate::rope::{Rope, RopePairs};
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
 use candle_core::quantized::QTensor;
-use lantern_attn::{AttentionBackend, AttentionLayerSpec, PagedKvCache};
+use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
 
 struct LlamaLayer {
     attn_norm: Vec<f32>,
@@ -171,6 +171,7 @@ impl CausalLm for Llama {
         batch: &ForwardBatch,
         backend: &dyn AttentionBackend,
         caches: &mut [PagedKvCache],
+        mut tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>> {
         batch.validate(&self.info, caches.len())?;
         let c = &self.config;
@@ -195,6 +196,9 @@ impl CausalLm for Llama {
                 &mut caches[l],
                 &mut attn_out,
             )?;
+            if let Some(tap) = tap.as_deref_mut().filter(|t| t.wants_layer(l)) {
+                tap.record(l, &q, &attn_out);
+            }
             ops::add_in_place(&mut x, &layer.attn_output.forward(&attn_out, tokens)?);
 
             let h = ops::rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps);

@@ -1,0 +1,16 @@
+//! A hook through which an attention layer hands its query rows (and its output) to
+//! whoever captures attention for some requests of the step.
+//!
+//! The model asks [`AttentionTap::wants_layer`] once per layer per step; a step with no
+//! capturing request passes no tap at all, so capture costs nothing when unused.
+
+/// Receives a layer's query rows after RoPE (exactly what the backend scored with) and
+/// the backend's output, for the whole step's batch.
+pub trait AttentionTap {
+    /// Whether any request of this step captures `layer`.
+    fn wants_layer(&self, layer: usize) -> bool;
+
+    /// `q`: `[num_tokens, num_heads, head_dim]`; `attn_out`: the backend's output,
+    /// same shape. Rows are the step's tokens in batch order.
+    fn record(&mut self, layer: usize, q: &[f32], attn_out: &[f32]);
+}

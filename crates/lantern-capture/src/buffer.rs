@@ -1,0 +1,310 @@
+//! The per-request buffer of query rows, and the tap that fills it during a step.
+//!
+//! Rows are indexed by absolute token position, so a chunked prefill, a decode and a
+//! recomputation after preemption all write to the same place: recomputing a position
+//! overwrites its row with the same values. Copies are per contiguous range of a
+//! request's tokens, never per-token map inserts.
+
+use std::ops::Range;
+
+use lantern_attn::AttentionTap;
+
+use crate::spec::CaptureSpec;
+
+/// Query rows (and optionally attention outputs) of the captured layers and heads of one
+/// request, for the positions its row selection can reach.
+#[derive(Debug, Clone)]
+pub struct QueryRowBuffer {
+    spec: CaptureSpec,
+    /// Query heads per token in the model's q (all heads, before selection).
+    num_heads: usize,
+    head_dim: usize,
+    /// Positions whose rows are kept (`start..` capacity end).
+    positions: Range<usize>,
+    /// `layer_slot[l]`: index of layer `l` in `spec.layers`, if captured.
+    layer_slot: Vec<Option<usize>>,
+    /// Per captured layer: `[positions, spec.heads, head_dim]`.
+    q: Vec<Vec<f32>>,
+    /// Per captured layer, same shape, when `spec.keep_attention_output`.
+    out: Vec<Vec<f32>>,
+    /// One past the highest position written.
+    filled_to: usize,
+}
+
+impl QueryRowBuffer {
+    /// A buffer for a request of `prompt_len` prompt tokens and up to `max_tokens`
+    /// generated ones, in a model of `num_layers` layers whose captured layers have
+    /// `num_heads` query heads of `head_dim`. Memory grows as rows arrive.
+    pub fn new(
+        spec: CaptureSpec,
+        num_layers: usize,
+        num_heads: usize,
+        head_dim: usize,
+        prompt_len: usize,
+        max_tokens: usize,
+    ) -> Self {
+        let positions = spec.rows.positions(prompt_len, prompt_len + max_tokens);
+        let mut layer_slot = vec![None; num_layers];
+        for (i, &l) in spec.layers.iter().enumerate() {
+            if let Some(slot) = layer_slot.get_mut(l) {
+                *slot = Some(i);
+            }
+        }
+        let n = spec.layers.len();
+        let keep_out = spec.keep_attention_output;
+        Self {
+            spec,
+            num_heads,
+            head_dim,
+            positions,
+            layer_slot,
+            q: vec![Vec::new(); n],
+            out: if keep_out {
+                vec![Vec::new(); n]
+            } else {
+                Vec::new()
+            },
+            filled_to: 0,
+        }
+    }
+
+    pub fn spec(&self) -> &CaptureSpec {
+        &self.spec
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Positions this buffer keeps rows for.
+    pub fn positions(&self) -> Range<usize> {
+        self.positions.clone()
+    }
+
+    /// One past the highest position recorded so far.
+    pub fn filled_to(&self) -> usize {
+        self.filled_to
+    }
+
+    fn row_len(&self) -> usize {
+        self.spec.heads.len() * self.head_dim
+    }
+
+    pub fn captures_layer(&self, layer: usize) -> bool {
+        matches!(self.layer_slot.get(layer), Some(Some(_)))
+    }
+
+    /// The query row of position `pos` for the `i`-th captured head of captured layer
+    /// slot `slot`; `None` when it was never recorded.
+    pub fn query(&self, slot: usize, pos: usize, head_index: usize) -> Option<&[f32]> {
+        Self::row_of(&self.q, slot, pos, head_index, self)
+    }
+
+    /// The attention output recorded beside the query (with `keep_attention_output`).
+    pub fn attention_output(&self, slot: usize, pos: usize, head_index: usize) -> Option<&[f32]> {
+        Self::row_of(&self.out, slot, pos, head_index, self)
+    }
+
+    fn row_of<'a>(
+        planes: &'a [Vec<f32>],
+        slot: usize,
+        pos: usize,
+        head_index: usize,
+        this: &Self,
+    ) -> Option<&'a [f32]> {
+        if !this.positions.contains(&pos) || pos >= this.filled_to {
+            return None;
+        }
+        let start = (pos - this.positions.start) * this.row_len() + head_index * this.head_dim;
+        planes.get(slot)?.get(start..start + this.head_dim)
+    }
+
+    /// Copies the rows of tokens `first_pos..first_pos + num_tokens` of layer `layer`
+    /// from `q` / `out` (`[num_tokens, num_heads, head_dim]`, this request's part of the
+    /// batch) into the buffer.
+    pub fn record(&mut self, layer: usize, first_pos: usize, q: &[f32], out: &[f32]) {
+        let Some(Some(slot)) = self.layer_slot.get(layer).copied() else {
+            return;
+        };
+        let token_len = self.num_heads * self.head_dim;
+        let num_tokens = q.len() / token_len.max(1);
+        let wanted =
+            first_pos.max(self.positions.start)..(first_pos + num_tokens).min(self.positions.end);
+        if wanted.is_empty() {
+            return;
+        }
+        let row_len = self.row_len();
+        let needed = (wanted.end - self.positions.start) * row_len;
+        let all_heads = self.spec.heads.len() == self.num_heads;
+        let keep_out = self.spec.keep_attention_output;
+        for (plane, src) in [(&mut self.q[slot], q)]
+            .into_iter()
+            .chain(keep_out.then(|| (&mut self.out[slot], out)))
+        {
+            if plane.len() < needed {
+                plane.resize(needed, 0.0);
+            }
+            let dst_start = (wanted.start - self.positions.start) * row_len;
+            let src_rows = wanted.start - first_pos..wanted.end - first_pos;
+            if all_heads {
+                // One contiguous copy for the whole range.
+                plane[dst_start..dst_start + wanted.len() * row_len]
+                    .copy_from_slice(&src[src_rows.start * token_len..src_rows.end * token_len]);
+            } else {
+                for (i, t) in src_rows.enumerate() {
+                    for (hi, &h) in self.spec.heads.iter().enumerate() {
+                        let s = t * token_len + h * self.head_dim;
+                        let d = dst_start + i * row_len + hi * self.head_dim;
+                        plane[d..d + self.head_dim].copy_from_slice(&src[s..s + self.head_dim]);
+                    }
+                }
+            }
+        }
+        self.filled_to = self.filled_to.max(wanted.end);
+    }
+
+    /// Bytes held by the buffered rows.
+    pub fn size_bytes(&self) -> usize {
+        (self.q.iter().chain(&self.out).map(Vec::len).sum::<usize>()) * 4
+    }
+}
+
+/// One capturing request's part of a step's batch.
+struct TapTarget<'a> {
+    /// First row of the request's tokens in the batch.
+    batch_row: usize,
+    num_tokens: usize,
+    /// Absolute position of its first token in this step.
+    first_pos: usize,
+    buffer: &'a mut QueryRowBuffer,
+}
+
+/// The [`AttentionTap`] of one step: copies each capturing request's query rows into
+/// its buffer, by contiguous range.
+pub struct StepTap<'a> {
+    targets: Vec<TapTarget<'a>>,
+    /// `wanted[l]`: some target captures layer `l`.
+    wanted: Vec<bool>,
+    /// Elements per token row of q (`num_heads * head_dim`).
+    token_len: usize,
+}
+
+impl<'a> StepTap<'a> {
+    pub fn new(num_layers: usize, num_heads: usize, head_dim: usize) -> Self {
+        Self {
+            targets: Vec::new(),
+            wanted: vec![false; num_layers],
+            token_len: num_heads * head_dim,
+        }
+    }
+
+    /// Adds a request whose `num_tokens` tokens start at batch row `batch_row` and
+    /// absolute position `first_pos`.
+    pub fn add(
+        &mut self,
+        batch_row: usize,
+        num_tokens: usize,
+        first_pos: usize,
+        buffer: &'a mut QueryRowBuffer,
+    ) {
+        for (l, w) in self.wanted.iter_mut().enumerate() {
+            *w |= buffer.captures_layer(l);
+        }
+        self.targets.push(TapTarget {
+            batch_row,
+            num_tokens,
+            first_pos,
+            buffer,
+        });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.targets.is_empty()
+    }
+}
+
+impl AttentionTap for StepTap<'_> {
+    fn wants_layer(&self, layer: usize) -> bool {
+        self.wanted.get(layer).copied().unwrap_or(false)
+    }
+
+    fn record(&mut self, layer: usize, q: &[f32], attn_out: &[f32]) {
+        let n = self.token_len;
+        for t in &mut self.targets {
+            let rows = t.batch_row * n..(t.batch_row + t.num_tokens) * n;
+            if let (Some(q), Some(out)) = (q.get(rows.clone()), attn_out.get(rows)) {
+                t.buffer.record(layer, t.first_pos, q, out);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::RowSelection;
+
+    fn spec(layers: Vec<usize>, heads: Vec<usize>, rows: RowSelection) -> CaptureSpec {
+        let mut s = CaptureSpec::everything(4, 3);
+        s.layers = layers;
+        s.heads = heads;
+        s.rows = rows;
+        s.keep_attention_output = true;
+        s
+    }
+
+    /// q value encoding (token position, head, dim) so rows can be checked.
+    fn batch(first_pos: usize, num_tokens: usize, heads: usize, dim: usize) -> Vec<f32> {
+        let mut v = Vec::new();
+        for t in 0..num_tokens {
+            for h in 0..heads {
+                for d in 0..dim {
+                    v.push(((first_pos + t) * 100 + h * 10 + d) as f32);
+                }
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn chunks_and_decodes_land_by_position() {
+        let mut b =
+            QueryRowBuffer::new(spec(vec![1], vec![0, 2], RowSelection::All), 4, 3, 2, 5, 3);
+        // Prefill in two chunks, then a decode, through a step tap with another request
+        // occupying the first rows of the batch.
+        for (first, n) in [(0, 3), (3, 2), (5, 1)] {
+            let mut q = batch(900, 2, 3, 2); // someone else's rows
+            q.extend(batch(first, n, 3, 2));
+            let out: Vec<f32> = q.iter().map(|x| -x).collect();
+            let mut tap = StepTap::new(4, 3, 2);
+            tap.add(2, n, first, &mut b);
+            assert!(tap.wants_layer(1) && !tap.wants_layer(0));
+            tap.record(1, &q, &out);
+        }
+        assert_eq!(b.filled_to(), 6);
+        for pos in 0..6 {
+            for (hi, h) in [0, 2].into_iter().enumerate() {
+                let want = [(pos * 100 + h * 10) as f32, (pos * 100 + h * 10 + 1) as f32];
+                assert_eq!(b.query(0, pos, hi).unwrap(), want);
+                assert_eq!(
+                    b.attention_output(0, pos, hi).unwrap(),
+                    [-want[0], -want[1]]
+                );
+            }
+        }
+        assert!(b.query(0, 6, 0).is_none());
+    }
+
+    #[test]
+    fn keeps_only_selected_rows_and_recompute_overwrites() {
+        let rows = RowSelection::Range { start: 2, end: 4 };
+        let mut b = QueryRowBuffer::new(spec(vec![0], vec![0, 1, 2], rows), 4, 3, 2, 6, 2);
+        let q = batch(0, 6, 3, 2);
+        b.record(0, 0, &q, &q);
+        assert_eq!(b.size_bytes(), 2 * 2 * 3 * 2 * 4);
+        assert!(b.query(0, 1, 0).is_none());
+        assert_eq!(b.query(0, 3, 1).unwrap(), [310.0, 311.0]);
+        b.record(0, 0, &q, &q);
+        assert_eq!(b.query(0, 3, 1).unwrap(), [310.0, 311.0]);
+    }
+}

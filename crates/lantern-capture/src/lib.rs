@@ -1,0 +1,24 @@
+//! lantern-capture: exact per-request attention capture.
+//!
+//! - [`spec`]: what a request asked for (layers, heads, rows, reduction, top-k, dtype)
+//!   and the size of the result, known before any work starts.
+//! - [`buffer`]: the per-request buffer of query rows, filled by contiguous ranges while
+//!   the request runs (chunked prefill and decode alike).
+//! - [`finalize`]: the attention probabilities from the buffered queries and the keys
+//!   read back from the paged KV cache through its layout, with the layer's own
+//!   description (scale, masks, soft-cap, sinks, GQA mapping).
+//! - [`result`]: the finished capture and its token metadata.
+//! - [`wire`]: JSON (gzip+base64 per layer) and safetensors encodings, both ways.
+
+pub mod buffer;
+pub mod error;
+pub mod finalize;
+pub mod result;
+pub mod spec;
+pub mod wire;
+
+pub use buffer::{QueryRowBuffer, StepTap};
+pub use error::CaptureError;
+pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
+pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
+pub use spec::{CaptureDtype, CaptureSpec, HeadReduce, RowSelection};

@@ -1,0 +1,325 @@
+//! What a request asks to capture, checked against the model, and how big the result
+//! will be — known before any work starts.
+
+use std::ops::Range;
+
+use crate::error::CaptureError;
+
+/// Which query rows (absolute positions) to capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowSelection {
+    All,
+    Prompt,
+    Generated,
+    /// `start..end` over absolute positions.
+    Range {
+        start: usize,
+        end: usize,
+    },
+}
+
+impl RowSelection {
+    /// Parses `all`, `prompt`, `generated` or `start:end` (either side may be empty).
+    pub fn parse(s: &str) -> Result<Self, CaptureError> {
+        let bad = |message: String| CaptureError::InvalidField {
+            field: "attn_capture_rows",
+            message,
+        };
+        match s.trim() {
+            "all" => Ok(Self::All),
+            "prompt" => Ok(Self::Prompt),
+            "generated" => Ok(Self::Generated),
+            other => {
+                let Some((a, b)) = other.split_once(':') else {
+                    return Err(bad(format!(
+                        "{other:?} is not \"all\", \"prompt\", \"generated\" or \"start:end\""
+                    )));
+                };
+                let num = |x: &str, default: usize| -> Result<usize, CaptureError> {
+                    let x = x.trim();
+                    if x.is_empty() {
+                        Ok(default)
+                    } else {
+                        x.parse()
+                            .map_err(|_| bad(format!("{x:?} in {other:?} is not a position")))
+                    }
+                };
+                let (start, end) = (num(a, 0)?, num(b, usize::MAX)?);
+                if start >= end {
+                    return Err(bad(format!("{other:?} is an empty range")));
+                }
+                Ok(Self::Range { start, end })
+            }
+        }
+    }
+
+    /// The positions selected in a sequence whose first `prompt_len` of `total_len`
+    /// tokens are the prompt.
+    pub fn positions(&self, prompt_len: usize, total_len: usize) -> Range<usize> {
+        let r = match *self {
+            Self::All => 0..total_len,
+            Self::Prompt => 0..prompt_len,
+            Self::Generated => prompt_len..total_len,
+            Self::Range { start, end } => start..end,
+        };
+        r.start.min(total_len)..r.end.min(total_len).max(r.start.min(total_len))
+    }
+
+    /// The name used on the wire.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::All => "all".into(),
+            Self::Prompt => "prompt".into(),
+            Self::Generated => "generated".into(),
+            Self::Range { start, end } if *end == usize::MAX => format!("{start}:"),
+            Self::Range { start, end } => format!("{start}:{end}"),
+        }
+    }
+}
+
+/// How heads are combined into one map, if at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadReduce {
+    None,
+    MeanHeads,
+    MaxHeads,
+}
+
+impl HeadReduce {
+    pub fn parse(s: &str) -> Result<Self, CaptureError> {
+        match s.trim() {
+            "none" => Ok(Self::None),
+            "mean_heads" => Ok(Self::MeanHeads),
+            "max_heads" => Ok(Self::MaxHeads),
+            other => Err(CaptureError::InvalidField {
+                field: "attn_capture_reduce",
+                message: format!("{other:?} is not \"none\", \"mean_heads\" or \"max_heads\""),
+            }),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::MeanHeads => "mean_heads",
+            Self::MaxHeads => "max_heads",
+        }
+    }
+}
+
+/// Element type of the delivered maps (computation is always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureDtype {
+    Float32,
+    Float16,
+}
+
+impl CaptureDtype {
+    pub fn parse(s: &str) -> Result<Self, CaptureError> {
+        match s.trim() {
+            "float32" => Ok(Self::Float32),
+            "float16" => Ok(Self::Float16),
+            other => Err(CaptureError::InvalidField {
+                field: "attn_capture_dtype",
+                message: format!("{other:?} is not \"float32\" or \"float16\""),
+            }),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Float32 => "float32",
+            Self::Float16 => "float16",
+        }
+    }
+
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            Self::Float32 => 4,
+            Self::Float16 => 2,
+        }
+    }
+}
+
+/// What one request captures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaptureSpec {
+    /// Layer indices, ascending, without repeats.
+    pub layers: Vec<usize>,
+    /// Query heads, ascending, without repeats.
+    pub heads: Vec<usize>,
+    pub rows: RowSelection,
+    pub reduce: HeadReduce,
+    /// Keep the `k` largest keys per row (values and key positions).
+    pub top_k: Option<usize>,
+    pub dtype: CaptureDtype,
+    /// Also keep each captured row's attention output (the backend's result), so that
+    /// `P · V` can be checked against what the model used. For verification.
+    pub keep_attention_output: bool,
+}
+
+impl CaptureSpec {
+    /// Every layer and head, every row, full maps in f32.
+    pub fn everything(num_layers: usize, num_heads: usize) -> Self {
+        Self {
+            layers: (0..num_layers).collect(),
+            heads: (0..num_heads).collect(),
+            rows: RowSelection::All,
+            reduce: HeadReduce::None,
+            top_k: None,
+            dtype: CaptureDtype::Float32,
+            keep_attention_output: false,
+        }
+    }
+
+    /// Checks layers and heads against the model (`num_heads` is the smallest query
+    /// head count of the captured layers), sorts and dedups them.
+    pub fn validate(&mut self, num_layers: usize, num_heads: usize) -> Result<(), CaptureError> {
+        self.layers.sort_unstable();
+        self.layers.dedup();
+        self.heads.sort_unstable();
+        self.heads.dedup();
+        if self.layers.is_empty() {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_layers",
+                message: "no layer selected".into(),
+            });
+        }
+        if let Some(&l) = self.layers.iter().find(|&&l| l >= num_layers) {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_layers",
+                message: format!(
+                    "layer {l} is out of range: the model has {num_layers} layers (0..{})",
+                    num_layers.saturating_sub(1)
+                ),
+            });
+        }
+        if self.heads.is_empty() {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_heads",
+                message: "no head selected".into(),
+            });
+        }
+        if let Some(&h) = self.heads.iter().find(|&&h| h >= num_heads) {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_heads",
+                message: format!(
+                    "head {h} is out of range: the model has {num_heads} query heads (0..{})",
+                    num_heads.saturating_sub(1)
+                ),
+            });
+        }
+        if self.top_k == Some(0) {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_top_k",
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Heads per map after the reduction.
+    pub fn output_heads(&self) -> usize {
+        match self.reduce {
+            HeadReduce::None => self.heads.len(),
+            HeadReduce::MeanHeads | HeadReduce::MaxHeads => 1,
+        }
+    }
+
+    /// Upper bound of the delivered size in bytes for a prompt of `prompt_len` tokens
+    /// and up to `max_tokens` generated ones (the maps and top-k indices, before
+    /// compression).
+    pub fn estimate_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        let total = prompt_len + max_tokens;
+        let rows = self.rows.positions(prompt_len, total).len() as u64;
+        let keys = total as u64;
+        let per_row_head = match self.top_k {
+            Some(k) => (k as u64).min(keys) * (self.dtype.size_bytes() + 4),
+            None => keys * self.dtype.size_bytes(),
+        };
+        (self.layers.len() as u64)
+            .saturating_mul(self.output_heads() as u64)
+            .saturating_mul(rows)
+            .saturating_mul(per_row_head)
+    }
+
+    /// Refuses a capture whose estimate is over `limit_bytes`.
+    pub fn check_size(
+        &self,
+        prompt_len: usize,
+        max_tokens: usize,
+        limit_bytes: u64,
+    ) -> Result<(), CaptureError> {
+        let estimate_bytes = self.estimate_bytes(prompt_len, max_tokens);
+        if estimate_bytes > limit_bytes {
+            return Err(CaptureError::TooLarge {
+                estimate_bytes,
+                limit_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_row_selections() {
+        assert_eq!(RowSelection::parse("all").unwrap(), RowSelection::All);
+        assert_eq!(RowSelection::parse("prompt").unwrap(), RowSelection::Prompt);
+        assert_eq!(
+            RowSelection::parse("3:7").unwrap(),
+            RowSelection::Range { start: 3, end: 7 }
+        );
+        assert_eq!(
+            RowSelection::parse("5:").unwrap(),
+            RowSelection::Range {
+                start: 5,
+                end: usize::MAX
+            }
+        );
+        for bad in ["", "7:3", "3:3", "x:4", "rows", "1:2:3"] {
+            assert!(RowSelection::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn row_positions_clip_to_the_sequence() {
+        assert_eq!(RowSelection::All.positions(4, 10), 0..10);
+        assert_eq!(RowSelection::Prompt.positions(4, 10), 0..4);
+        assert_eq!(RowSelection::Generated.positions(4, 10), 4..10);
+        let r = RowSelection::Range { start: 8, end: 20 };
+        assert_eq!(r.positions(4, 10), 8..10);
+        let r = RowSelection::Range { start: 12, end: 20 };
+        assert!(r.positions(4, 10).is_empty());
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let mut s = CaptureSpec::everything(30, 9);
+        s.validate(30, 9).unwrap();
+        s.layers = vec![3, 30];
+        let e = s.clone().validate(30, 9).unwrap_err().to_string();
+        assert!(e.contains("attn_capture_layers") && e.contains("30"), "{e}");
+        s.layers = vec![1];
+        s.heads = vec![9];
+        let e = s.validate(30, 9).unwrap_err().to_string();
+        assert!(e.contains("attn_capture_heads"), "{e}");
+    }
+
+    #[test]
+    fn estimate_counts_layers_heads_rows_keys() {
+        let mut s = CaptureSpec::everything(2, 3);
+        // 2 layers x 3 heads x 10 rows x 10 keys x 4 bytes
+        assert_eq!(s.estimate_bytes(6, 4), 2 * 3 * 10 * 10 * 4);
+        s.reduce = HeadReduce::MeanHeads;
+        s.dtype = CaptureDtype::Float16;
+        assert_eq!(s.estimate_bytes(6, 4), 2 * 10 * 10 * 2);
+        s.top_k = Some(3);
+        assert_eq!(s.estimate_bytes(6, 4), 2 * 10 * 3 * (2 + 4));
+        assert!(s.check_size(6, 4, 10).is_err());
+        assert!(s.check_size(6, 4, 1000).is_ok());
+    }
+}

@@ -1,6 +1,7 @@
 //! The `lantern` binary.
 
 mod args;
+mod attn;
 mod bench;
 mod generate;
 mod serve;
@@ -29,6 +30,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure prefill and decode throughput.
     Bench(bench::BenchArgs),
+    /// Look at an attention capture (an HTML heatmap) or convert it (npy, safetensors).
+    Attn(attn::AttnArgs),
 }
 
 fn main() {
@@ -47,6 +50,7 @@ fn main() {
         }
         Command::Serve(args) => serve::run(args, cli.verbose),
         Command::Bench(args) => bench::run(args, cli.verbose),
+        Command::Attn(args) => attn::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

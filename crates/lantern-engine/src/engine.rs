@@ -228,6 +228,22 @@ impl Engine {
         self.finish(id, reason);
     }
 
+    /// Takes the prompt logits (`[prompt_len, vocab]`, as [`Completion::prompt_logits`])
+    /// of a request that asked for them, as soon as every prompt row is in (from the step
+    /// that samples its first token), so they can be used while the request still runs.
+    /// The request stops keeping them: a later preemption recomputes without them (and
+    /// may use the prefix cache), and its completion carries none. `None` before the
+    /// rows are complete, for requests that did not ask, and after the first take.
+    pub fn take_prompt_logits(&mut self, id: RequestId) -> Option<Vec<f32>> {
+        let req = self.requests.get_mut(&id)?;
+        if !req.params.prompt_logits || !req.prompt_logits_complete {
+            return None;
+        }
+        req.params.prompt_logits = false;
+        req.prompt_logits_complete = false;
+        Some(std::mem::take(&mut req.prompt_logits))
+    }
+
     /// Marks a request finished, takes its capture while its blocks still hold its
     /// keys, then gives the blocks back.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {

@@ -391,3 +391,56 @@ fn prompt_logits_are_whole_under_chunking_and_preemption() {
         assert_eq!(a, b, "request {i}");
     }
 }
+
+/// Prompt logits taken with the first token are the whole rows; the request then runs on
+/// without them, through chunking and preemption, to the same tokens.
+#[test]
+fn prompt_logits_can_be_taken_with_the_first_token() {
+    let p = prompts(8);
+    let params = SamplingParams {
+        prompt_logits: true,
+        ignore_eos: true,
+        ..SamplingParams::greedy(20)
+    };
+    let (mut roomy, _dir) = tiny_engine(config(blocks(512)));
+    let reference = roomy
+        .generate(p.iter().map(|x| (x.clone(), params.clone())).collect())
+        .unwrap();
+    let (mut engine, _dir2) = tiny_engine(EngineConfig {
+        max_num_batched_tokens: 9,
+        ..config(blocks(40))
+    });
+    let ids: Vec<_> = p
+        .iter()
+        .map(|x| engine.add_request(x.clone(), params.clone()).unwrap())
+        .collect();
+    for &id in &ids {
+        assert!(engine.take_prompt_logits(id).is_none(), "not computed yet");
+    }
+    let mut taken: Vec<Option<Vec<f32>>> = vec![None; ids.len()];
+    while engine.has_unfinished() {
+        for out in engine.step().unwrap() {
+            let i = ids.iter().position(|&id| id == out.id).unwrap();
+            if taken[i].is_none() {
+                let logits = engine.take_prompt_logits(out.id);
+                taken[i] = Some(logits.expect("complete with the first token"));
+                assert!(engine.take_prompt_logits(out.id).is_none(), "taken once");
+            }
+        }
+    }
+    assert!(engine.num_preemptions() > 0);
+    for (i, &id) in ids.iter().enumerate() {
+        let completion = engine.take_completion(id).unwrap();
+        assert!(completion.prompt_logits.is_none(), "request {i}");
+        assert_eq!(completion.token_ids, reference[i].token_ids, "request {i}");
+        assert_eq!(
+            taken[i].as_ref(),
+            reference[i].prompt_logits.as_ref(),
+            "request {i}"
+        );
+    }
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}

@@ -9,9 +9,10 @@
 use crate::error::ApiError;
 use crate::metrics::{EngineMetrics, EngineStats};
 use crate::stop::StopMatcher;
+use lantern_engine::sampling::{log_softmax, top_k_logprobs};
 use lantern_engine::{Engine, EngineError, FinishReason, RequestOutput, SamplingParams};
 use lantern_kv::RequestId;
-use lantern_model::ChatMessage;
+use lantern_model::{ChatMessage, ModelTokenizer};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -44,6 +45,9 @@ pub struct GenerationItem {
     pub echo: bool,
     /// Which field holds the prompt, for error messages (`prompt` or `messages`).
     pub prompt_field: &'static str,
+    /// Prompt logprobs with this many alternatives per token (completions' `echo` with
+    /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logits` must be set too.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A request the engine took.
@@ -84,6 +88,21 @@ pub struct LogprobEntry {
     pub top: Vec<(String, f32)>,
 }
 
+/// One prompt token with its log-probability given the tokens before it: the log-softmax
+/// of the raw logits (no penalties, no temperature).
+#[derive(Debug, Clone)]
+pub struct PromptLogprobEntry {
+    pub token_id: u32,
+    /// The token decoded alone (special tokens included).
+    pub token: String,
+    /// `None` for the first prompt token: nothing predicts it.
+    pub logprob: Option<f32>,
+    /// 1 + how many tokens are more likely (0 for the first prompt token).
+    pub rank: usize,
+    /// The most likely tokens (id, text, logprob), most likely first; empty for the first.
+    pub top: Vec<(u32, String, f32)>,
+}
+
 /// New output of one sequence, tagged with its choice index.
 #[derive(Debug, Clone)]
 pub struct ChoiceEvent {
@@ -92,6 +111,8 @@ pub struct ChoiceEvent {
     pub token_ids: Vec<u32>,
     /// One entry per new token, when the request asked for logprobs.
     pub logprobs: Vec<LogprobEntry>,
+    /// One entry per prompt token, on the first event of a sequence that asked for them.
+    pub prompt_logprobs: Option<Vec<PromptLogprobEntry>>,
     pub finish: Option<Finish>,
 }
 
@@ -295,6 +316,8 @@ struct Live {
     completion_tokens: usize,
     arrival: Instant,
     last_token: Option<Instant>,
+    /// Alternatives per token and the prompt, while its prompt logprobs are still due.
+    prompt_logprobs: Option<(usize, Vec<u32>)>,
 }
 
 struct EngineLoop {
@@ -426,6 +449,7 @@ impl EngineLoop {
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
             let stop_token_ids = item.params.stop_token_ids.clone();
+            let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             match self.engine.add_request(prompt_ids, item.params) {
                 Ok(id) => {
                     accepted.push(Accepted {
@@ -444,6 +468,7 @@ impl EngineLoop {
                             completion_tokens: 0,
                             arrival: now,
                             last_token: None,
+                            prompt_logprobs,
                         },
                     ));
                 }
@@ -617,6 +642,19 @@ impl EngineLoop {
                 None
             };
             let id = out.id;
+            // Every prompt row is in once the first token is sampled.
+            let mut prompt_logprobs = None;
+            if let Some((k, prompt)) = &live.prompt_logprobs {
+                if let Some(logits) = self.engine.take_prompt_logits(id) {
+                    prompt_logprobs = Some(prompt_logprob_entries(
+                        self.engine.tokenizer(),
+                        prompt,
+                        &logits,
+                        *k,
+                    ));
+                    live.prompt_logprobs = None;
+                }
+            }
             let logprobs = out
                 .logprobs
                 .map(|lp| {
@@ -634,6 +672,7 @@ impl EngineLoop {
                 text,
                 token_ids: out.new_token_ids,
                 logprobs,
+                prompt_logprobs,
                 finish: None,
             };
             match finish {
@@ -709,6 +748,7 @@ impl EngineLoop {
                 text,
                 token_ids: Vec::new(),
                 logprobs: Vec::new(),
+                prompt_logprobs: None,
                 finish: Some(Finish {
                     reason,
                     stop_reason: None,
@@ -722,6 +762,46 @@ impl EngineLoop {
             });
         }
     }
+}
+
+/// The prompt logprobs of `prompt` from its logits (`[prompt_len, vocab]`, row `i`
+/// predicting token `i + 1`), with `k` alternatives per token. The logits are read once;
+/// the caller drops them.
+fn prompt_logprob_entries(
+    tokenizer: &ModelTokenizer,
+    prompt: &[u32],
+    logits: &[f32],
+    k: usize,
+) -> Vec<PromptLogprobEntry> {
+    let text = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
+    let vocab = logits.len() / prompt.len().max(1);
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &token_id)| {
+            let mut entry = PromptLogprobEntry {
+                token_id,
+                token: text(token_id),
+                logprob: None,
+                rank: 0,
+                top: Vec::new(),
+            };
+            let row = i
+                .checked_sub(1)
+                .and_then(|r| logits.get(r * vocab..(r + 1) * vocab));
+            if let Some(row) = row.filter(|_| (token_id as usize) < vocab) {
+                let logprobs = log_softmax(row);
+                let logprob = logprobs[token_id as usize];
+                entry.logprob = Some(logprob);
+                entry.rank = 1 + logprobs.iter().filter(|&&l| l > logprob).count();
+                entry.top = top_k_logprobs(&logprobs, k)
+                    .into_iter()
+                    .map(|(t, l)| (t, text(t), l))
+                    .collect();
+            }
+            entry
+        })
+        .collect()
 }
 
 fn engine_error(field: &'static str, e: &EngineError) -> ApiError {

@@ -1,6 +1,8 @@
 //! The OpenAI endpoints: completions and chat completions, whole or streamed (SSE).
 
-use crate::engine_thread::{Accepted, ChoiceEvent, EngineHandle, Finish, LogprobEntry, StopReason};
+use crate::engine_thread::{
+    Accepted, ChoiceEvent, EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
+};
 use crate::error::ApiError;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
 use crate::AppState;
@@ -177,6 +179,8 @@ async fn generate(
         accepted,
         finishes: vec![None; num_choices],
         logprobs: request.logprobs,
+        echo_logprobs: request.echo_logprobs,
+        prompt_logprobs: request.prompt_logprobs,
         text_offsets: vec![0; num_choices],
     };
     if request.stream {
@@ -198,6 +202,10 @@ struct ResponseBuilder {
     finishes: Vec<Option<Finish>>,
     /// Whether choices carry logprobs.
     logprobs: bool,
+    /// Completions' `echo` with `logprobs`: alternatives per echoed prompt token.
+    echo_logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token.
+    prompt_logprobs: Option<usize>,
     /// Characters of each choice's text so far, for completions' `text_offset`.
     text_offsets: Vec<usize>,
 }
@@ -217,29 +225,84 @@ fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
     json!({ "content": content })
 }
 
-/// Completions' `logprobs` object: `{tokens, token_logprobs, top_logprobs, text_offset}`;
-/// `offset` is the choice's text length (in characters) before these tokens, advanced past
-/// them.
-fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
-    let mut text_offset = Vec::with_capacity(entries.len());
-    for e in entries {
+/// An echoed prompt's part of completions' `logprobs`: its tokens, `top` alternatives
+/// each, and the length (in characters) of the prompt's text as echoed.
+struct EchoedPrompt<'a> {
+    entries: &'a [PromptLogprobEntry],
+    top: usize,
+    text_chars: usize,
+}
+
+/// Completions' `logprobs` object: `{tokens, token_logprobs, top_logprobs, text_offset}`,
+/// over an echoed prompt's tokens (the first with null logprob and alternatives: nothing
+/// predicts it), then the generated `entries`. `offset` is the choice's text length (in
+/// characters) before these tokens, advanced past them; generated tokens start after the
+/// echoed prompt's text.
+fn completion_logprobs(
+    prompt: Option<EchoedPrompt>,
+    entries: &[LogprobEntry],
+    offset: &mut usize,
+) -> Value {
+    let len = prompt.as_ref().map_or(0, |p| p.entries.len()) + entries.len();
+    let mut tokens = Vec::with_capacity(len);
+    let mut token_logprobs = Vec::with_capacity(len);
+    let mut top_logprobs = Vec::with_capacity(len);
+    let mut text_offset = Vec::with_capacity(len);
+    let mut push = |offset: &mut usize, token: &str, logprob: Option<f32>, top: Option<Value>| {
+        tokens.push(json!(token));
+        token_logprobs.push(json!(logprob));
+        top_logprobs.push(top.unwrap_or(Value::Null));
         text_offset.push(*offset);
-        *offset += e.token.chars().count();
+        *offset += token.chars().count();
+    };
+    let map = |top: &mut dyn Iterator<Item = (&String, f32)>| {
+        Value::Object(top.map(|(t, l)| (t.clone(), json!(l))).collect())
+    };
+    if let Some(prompt) = prompt {
+        for e in prompt.entries {
+            let top = e
+                .logprob
+                .map(|_| map(&mut e.top.iter().take(prompt.top).map(|(_, t, l)| (t, *l))));
+            push(offset, &e.token, e.logprob, top);
+        }
+        // The echoed text, not its tokens decoded one by one, is what generation follows.
+        *offset = prompt.text_chars;
     }
-    let top: Vec<Value> = entries
-        .iter()
-        .map(|e| {
-            let map: serde_json::Map<String, Value> =
-                e.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect();
-            Value::Object(map)
-        })
-        .collect();
+    for e in entries {
+        let top = map(&mut e.top.iter().map(|(t, l)| (t, *l)));
+        push(offset, &e.token, Some(e.logprob), Some(top));
+    }
     json!({
-        "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
-        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
-        "top_logprobs": top,
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": text_offset,
     })
+}
+
+/// vLLM's `prompt_logprobs`: per prompt token, null for the first, then
+/// `{token_id: {logprob, rank, decoded_token}}` for the token itself and the `top` most
+/// likely ones.
+fn vllm_prompt_logprobs(entries: Option<&[PromptLogprobEntry]>, top: usize) -> Value {
+    let Some(entries) = entries else {
+        return Value::Null;
+    };
+    let entry = |logprob: f32, rank: usize, token: &str| json!({"logprob": logprob, "rank": rank, "decoded_token": token});
+    entries
+        .iter()
+        .map(|e| {
+            let Some(logprob) = e.logprob else {
+                return Value::Null;
+            };
+            let mut map = serde_json::Map::new();
+            map.insert(e.token_id.to_string(), entry(logprob, e.rank, &e.token));
+            for (i, (id, token, l)) in e.top.iter().take(top).enumerate() {
+                map.entry(id.to_string())
+                    .or_insert_with(|| entry(*l, i + 1, token));
+            }
+            Value::Object(map)
+        })
+        .collect()
 }
 
 fn stop_reason_json(reason: &Option<StopReason>) -> Value {
@@ -251,14 +314,33 @@ fn stop_reason_json(reason: &Option<StopReason>) -> Value {
 }
 
 impl ResponseBuilder {
-    /// The `logprobs` value of one choice's new tokens (null when not asked for).
-    fn logprobs_json(&mut self, index: usize, entries: &[LogprobEntry]) -> Value {
+    /// The `logprobs` value of one choice's new tokens (null when not asked for), after
+    /// its echoed prompt's tokens when they are given and asked for.
+    fn logprobs_json(
+        &mut self,
+        index: usize,
+        prompt: Option<&[PromptLogprobEntry]>,
+        entries: &[LogprobEntry],
+    ) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
         match self.kind {
             Kind::Chat => chat_logprobs(entries),
-            Kind::Completion => completion_logprobs(entries, &mut self.text_offsets[index]),
+            Kind::Completion => {
+                let prompt = match (prompt, self.echo_logprobs) {
+                    (Some(entries), Some(top)) => Some(EchoedPrompt {
+                        entries,
+                        top,
+                        text_chars: self.accepted[index]
+                            .prompt_text
+                            .as_ref()
+                            .map_or(0, |t| t.chars().count()),
+                    }),
+                    _ => None,
+                };
+                completion_logprobs(prompt, entries, &mut self.text_offsets[index])
+            }
         }
     }
 
@@ -354,11 +436,16 @@ impl ResponseBuilder {
     }
 
     /// The whole, non-streamed response.
-    fn whole(&mut self, texts: &[String], logprobs: &[Vec<LogprobEntry>]) -> Value {
+    fn whole(
+        &mut self,
+        texts: &[String],
+        logprobs: &[Vec<LogprobEntry>],
+        prompts: &[Option<Vec<PromptLogprobEntry>>],
+    ) -> Value {
         let logprobs: Vec<Value> = logprobs
             .iter()
             .enumerate()
-            .map(|(i, entries)| self.logprobs_json(i, entries))
+            .map(|(i, entries)| self.logprobs_json(i, prompts[i].as_deref(), entries))
             .collect();
         let choices = texts
             .iter()
@@ -376,17 +463,29 @@ impl ResponseBuilder {
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
                     }),
-                    Kind::Completion => json!({
-                        "index": i,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                        "stop_reason": stop_reason,
-                    }),
+                    Kind::Completion => {
+                        let mut choice = json!({
+                            "index": i,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason,
+                            "stop_reason": stop_reason,
+                        });
+                        if let Some(top) = self.prompt_logprobs {
+                            choice["prompt_logprobs"] =
+                                vllm_prompt_logprobs(prompts[i].as_deref(), top);
+                        }
+                        choice
+                    }
                 }
             })
             .collect();
         let mut obj = self.envelope(false, choices);
+        if let (Kind::Chat, Some(top)) = (self.kind, self.prompt_logprobs) {
+            // vLLM's chat: one prompt, so one list, beside the choices.
+            let first = prompts.first().and_then(Option::as_deref);
+            obj.insert("prompt_logprobs".into(), vllm_prompt_logprobs(first, top));
+        }
         obj.insert("usage".into(), self.usage());
         Value::Object(obj)
     }
@@ -419,12 +518,16 @@ async fn whole_response(
         })
         .collect();
     let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); texts.len()];
+    let mut prompts: Vec<Option<Vec<PromptLogprobEntry>>> = vec![None; texts.len()];
     while !response.all_finished() {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         texts[event.index].push_str(&event.text);
         logprobs[event.index].extend(event.logprobs);
+        if event.prompt_logprobs.is_some() {
+            prompts[event.index] = event.prompt_logprobs;
+        }
         if let Some(finish) = event.finish {
             if let Some(error) = engine_failure(&finish) {
                 return Err(error);
@@ -433,7 +536,7 @@ async fn whole_response(
             response.finishes[event.index] = Some(finish);
         }
     }
-    Ok(Json(response.whole(&texts, &logprobs)).into_response())
+    Ok(Json(response.whole(&texts, &logprobs, &prompts)).into_response())
 }
 
 /// The state of an SSE stream.
@@ -446,6 +549,8 @@ struct StreamState {
     queue: VecDeque<Event>,
     /// `[DONE]` was queued: the stream ends once the queue is empty.
     done: bool,
+    /// Choices whose echoed prompt waits for its logprobs (it goes with the first token).
+    echo_due: Vec<bool>,
 }
 
 fn data(value: &Value) -> Event {
@@ -464,6 +569,10 @@ impl StreamState {
                     Value::Null,
                     self.include_usage,
                 )),
+                Kind::Completion if echo && self.response.echo_logprobs.is_some() => {
+                    self.echo_due[i] = true;
+                    None
+                }
                 Kind::Completion if echo => {
                     let prompt = self.response.accepted[i].prompt_text.clone();
                     Some(self.response.chunk(
@@ -491,14 +600,24 @@ impl StreamState {
                 return;
             }
         }
-        let has_logprobs = self.response.logprobs && !event.logprobs.is_empty();
-        if event.text.is_empty() && event.finish.is_none() && !has_logprobs {
+        let prompt = event.prompt_logprobs.as_deref();
+        let has_logprobs =
+            self.response.logprobs && (!event.logprobs.is_empty() || prompt.is_some());
+        // An echoed prompt that waited for its logprobs goes out before the first token.
+        let echoed = std::mem::take(&mut self.echo_due[event.index])
+            .then(|| self.response.accepted[event.index].prompt_text.clone())
+            .flatten()
+            .map(|p| p + &event.text);
+        if event.text.is_empty() && event.finish.is_none() && !has_logprobs && echoed.is_none() {
             return;
         }
-        let text = (!event.text.is_empty() || self.response.kind == Kind::Completion)
-            .then_some(event.text.as_str());
+        let text = echoed.as_deref().or_else(|| {
+            (!event.text.is_empty() || self.response.kind == Kind::Completion)
+                .then_some(event.text.as_str())
+        });
         let logprobs = if has_logprobs {
-            self.response.logprobs_json(event.index, &event.logprobs)
+            self.response
+                .logprobs_json(event.index, prompt, &event.logprobs)
         } else {
             Value::Null
         };
@@ -537,6 +656,7 @@ fn stream_response(
     events: UnboundedReceiver<ChoiceEvent>,
     guard: AbortGuard,
 ) -> Response {
+    let num_choices = response.accepted.len();
     let mut state = StreamState {
         response,
         events,
@@ -544,6 +664,7 @@ fn stream_response(
         include_usage: request.include_usage,
         queue: VecDeque::new(),
         done: false,
+        echo_due: vec![false; num_choices],
     };
     state.start(request.echo);
     let events = sse_events(state);

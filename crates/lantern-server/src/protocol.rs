@@ -108,6 +108,12 @@ pub struct GenerationRequest {
     pub echo: bool,
     /// Whether the response carries logprobs (the number of alternatives is in the items).
     pub logprobs: bool,
+    /// Completions' `echo` with `logprobs`: the `logprobs` cover the prompt tokens first,
+    /// with this many alternatives each.
+    pub echo_logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token in a `prompt_logprobs`
+    /// field (whole responses only).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -125,6 +131,8 @@ struct Common {
     n: usize,
     stream: bool,
     include_usage: bool,
+    /// vLLM's `prompt_logprobs`, validated (`None` when streaming: vLLM sends none then).
+    prompt_logprobs: Option<usize>,
 }
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), ApiError> {
@@ -235,13 +243,34 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
     if fields.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
         return Err(ApiError::unsupported("logit_bias", "logit_bias"));
     }
-    if fields.prompt_logprobs.is_some() {
-        return Err(ApiError::unsupported("prompt_logprobs", "prompt_logprobs"));
-    }
     if fields.min_tokens.is_some_and(|m| m > 0) {
         return Err(ApiError::unsupported("min_tokens", "min_tokens"));
     }
     let stream = fields.stream.unwrap_or(false);
+    let prompt_logprobs = match fields.prompt_logprobs {
+        None => None,
+        Some(-1) => {
+            return Err(ApiError::unsupported(
+                "prompt_logprobs",
+                "prompt_logprobs of -1 (the whole vocabulary)",
+            ))
+        }
+        Some(k) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&k) => {
+            return Err(ApiError::field(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {k}"),
+            ))
+        }
+        // As vLLM: refused with `stream` when it would return anything.
+        Some(k) if stream && k > 0 => {
+            return Err(ApiError::field(
+                "prompt_logprobs",
+                "prompt_logprobs are not available when streaming (stream is true)",
+            ))
+        }
+        Some(_) if stream => None,
+        Some(k) => Some(k as usize),
+    };
     let params = SamplingParams {
         temperature: temperature as f32,
         top_p: top_p as f32,
@@ -263,6 +292,7 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         include_stop: fields.include_stop_str_in_output.unwrap_or(false),
         n: n as usize,
         stream,
+        prompt_logprobs,
         include_usage: stream
             && fields
                 .stream_options
@@ -271,12 +301,14 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
     })
 }
 
-/// `n` items per prompt; sample `i` of a prompt gets seed `seed + i`.
+/// `n` items per prompt; sample `i` of a prompt gets seed `seed + i`. Items compute prompt
+/// logprobs with `prompt_logprobs` alternatives when it is set.
 fn expand(
     common: &Common,
     prompts: Vec<PromptInput>,
     prompt_field: &'static str,
     echo: bool,
+    prompt_logprobs: Option<usize>,
 ) -> Result<Vec<GenerationItem>, ApiError> {
     let total = prompts.len().saturating_mul(common.n);
     if total > MAX_SEQUENCES_PER_REQUEST {
@@ -294,6 +326,7 @@ fn expand(
         for i in 0..common.n {
             let mut params = common.params.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            params.prompt_logits = prompt_logprobs.is_some();
             items.push(GenerationItem {
                 prompt: prompt.clone(),
                 params,
@@ -302,6 +335,7 @@ fn expand(
                 include_stop_str_in_output: common.include_stop,
                 echo,
                 prompt_field,
+                prompt_logprobs,
             });
         }
     }
@@ -350,6 +384,7 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         vec![PromptInput::Chat(messages)],
         "messages",
         false,
+        common.prompt_logprobs,
     )?;
     Ok(GenerationRequest {
         items,
@@ -358,6 +393,8 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         include_usage: common.include_usage,
         echo: false,
         logprobs,
+        echo_logprobs: None,
+        prompt_logprobs: common.prompt_logprobs,
     })
 }
 
@@ -470,13 +507,16 @@ pub fn completion_request(
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
     let echo = completion.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        return Err(ApiError::unsupported("echo", "echo together with logprobs"));
-    }
+    let echo_logprobs = logprobs.filter(|_| echo);
     // OpenAI's (and vLLM's) default for completions.
     let mut common = common(&fields, Some(16))?;
     common.params.logprobs = logprobs;
-    let items = expand(&common, prompts, "prompt", echo)?;
+    // One computation serves both: the most alternatives either asks for.
+    let prompt_top = match (echo_logprobs, common.prompt_logprobs) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    let items = expand(&common, prompts, "prompt", echo, prompt_top)?;
     Ok(GenerationRequest {
         items,
         n: common.n,
@@ -484,6 +524,8 @@ pub fn completion_request(
         include_usage: common.include_usage,
         echo,
         logprobs: logprobs.is_some(),
+        echo_logprobs,
+        prompt_logprobs: common.prompt_logprobs,
     })
 }
 
@@ -698,6 +740,60 @@ mod tests {
         let r = completion_request(&json!({"prompt": "x", "logprobs": 2}), &LIMITS).unwrap();
         assert_eq!(r.items[0].params.logprobs, Some(2));
         assert!(r.logprobs);
+    }
+
+    #[test]
+    fn prompt_logprobs_ask_for_prompt_logits() {
+        let r = completion_request(&json!({"prompt": "x"}), &LIMITS).unwrap();
+        assert!(!r.items[0].params.prompt_logits);
+        assert_eq!(r.items[0].prompt_logprobs, None);
+        // Logprobs without echo need no prompt logits.
+        let r = completion_request(&json!({"prompt": "x", "logprobs": 2}), &LIMITS).unwrap();
+        assert!(!r.items[0].params.prompt_logits);
+        assert_eq!(r.echo_logprobs, None);
+        let r = completion_request(
+            &json!({"prompt": ["x", "y"], "n": 2, "echo": true, "logprobs": 3}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.echo_logprobs, Some(3));
+        assert_eq!(r.prompt_logprobs, None);
+        for item in &r.items {
+            assert!(item.params.prompt_logits);
+            assert_eq!(item.prompt_logprobs, Some(3));
+            assert_eq!(item.params.logprobs, Some(3));
+        }
+        let r = completion_request(
+            &json!({"prompt": "x", "echo": true, "logprobs": 1, "prompt_logprobs": 4}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.items[0].prompt_logprobs, Some(4), "the larger of the two");
+        assert_eq!((r.echo_logprobs, r.prompt_logprobs), (Some(1), Some(4)));
+        let r = chat_request(
+            &json!({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.prompt_logprobs, Some(0));
+        assert!(r.items[0].params.prompt_logits);
+        // Streaming: as vLLM, refused when it would return anything, else ignored.
+        let r = completion_request(
+            &json!({"prompt": "x", "stream": true, "prompt_logprobs": 0}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.prompt_logprobs, None);
+        assert!(!r.items[0].params.prompt_logits);
+        for body in [
+            json!({"prompt": "x", "stream": true, "prompt_logprobs": 1}),
+            json!({"prompt": "x", "prompt_logprobs": -1}),
+            json!({"prompt": "x", "prompt_logprobs": 21}),
+        ] {
+            let e = completion_err(body.clone());
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some("prompt_logprobs"), "{body}");
+        }
     }
 
     #[test]

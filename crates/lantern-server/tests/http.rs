@@ -434,6 +434,41 @@ fn token_id_prompt_matches_text_prompt() {
 }
 
 #[test]
+fn echo_with_logprobs_covers_the_prompt() {
+    let _shared = QUIET.read().unwrap();
+    let r = ok_json(post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "ignore_eos": true,
+                "echo": true, "logprobs": 1, "prompt_logprobs": 0}),
+    ));
+    let choice = &r["choices"][0];
+    let n_prompt = r["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    let lp = &choice["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), n_prompt + 2);
+    let prompt: String = tokens[..n_prompt]
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(prompt, "Once upon a time");
+    assert!(choice["text"].as_str().unwrap().starts_with(&prompt));
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["text_offset"][n_prompt], prompt.len());
+    let vllm = choice["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(vllm.len(), n_prompt);
+    assert!(vllm[0].is_null());
+    for i in 1..n_prompt {
+        let logprob = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(logprob <= 0.0);
+        let entries = vllm[i].as_object().unwrap();
+        assert_eq!(entries.len(), 1, "the prompt token alone");
+        let own = entries.values().next().unwrap();
+        assert_eq!(own["logprob"].as_f64().unwrap(), logprob);
+        assert_eq!(own["decoded_token"], tokens[i]);
+    }
+}
+
+#[test]
 fn chat_whole_and_streamed_agree() {
     let _shared = QUIET.read().unwrap();
     let body = json!({

@@ -198,10 +198,11 @@ impl PendingCapture {
                 })?;
                 let kv_head = layer.kv_head_for(h);
                 logits.clear();
-                logits.extend(visible.clone().map(|j| {
-                    let dot: f32 = q.iter().zip(keys.key(j, kv_head)).map(|(a, b)| a * b).sum();
-                    layer.transform_score(dot)
-                }));
+                logits.extend(
+                    visible
+                        .clone()
+                        .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
+                );
                 layer.softmax_in_place(h, &mut logits);
                 let base = (ri * heads.len() + hi) * num_keys;
                 out[base + visible.start..base + visible.end].copy_from_slice(&logits);
@@ -273,6 +274,24 @@ impl PendingCapture {
     }
 }
 
+/// `a · b` in f32 over eight partial sums, which the compiler turns into SIMD lanes.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// `[rows, heads, keys]` → `[rows, 1, keys]` by mean or max over heads (or unchanged).
 fn reduce_heads(
     dense: Vec<f32>,
@@ -327,6 +346,20 @@ fn top_k(values: &[f32], keys: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_matches_a_plain_sum() {
+        for n in [1, 7, 8, 9, 64, 67] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let plain: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
+            let fast = f64::from(dot(&a, &b));
+            assert!(
+                (fast - plain).abs() <= 1e-5 * plain.abs().max(1.0),
+                "{n}: {fast} vs {plain}"
+            );
+        }
+    }
 
     #[test]
     fn reductions() {

@@ -8,6 +8,7 @@
 //!   read back from the paged KV cache through its layout, with the layer's own
 //!   description (scale, masks, soft-cap, sinks, GQA mapping).
 //! - [`result`]: the finished capture and its token metadata.
+//! - [`worker`]: the low-priority thread that finalizes captures off the step loop.
 //! - [`wire`]: JSON (gzip+base64 per layer) and safetensors encodings, both ways.
 
 pub mod buffer;
@@ -16,9 +17,11 @@ pub mod finalize;
 pub mod result;
 pub mod spec;
 pub mod wire;
+pub mod worker;
 
 pub use buffer::{QueryRowBuffer, StepTap};
 pub use error::CaptureError;
 pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
 pub use spec::{CaptureDtype, CaptureSpec, HeadReduce, RowSelection};
+pub use worker::CaptureWorker;

@@ -30,10 +30,17 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure attention capture instead: its decode overhead, finalize time per layer
+    /// and memory against prompt length, and others' decode rate while it finalizes.
+    #[arg(long)]
+    pub capture: bool,
+    /// Prompt lengths of the capture figures.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
+    pub capture_prompt_tokens: Vec<usize>,
 }
 
 /// Deterministic token ids that avoid the first 256 ids (specials and raw bytes).
-fn synthetic_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
+pub(crate) fn synthetic_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
     let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03);
     (0..len)
         .map(|_| {
@@ -45,7 +52,7 @@ fn synthetic_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn decode_params(tokens: usize) -> SamplingParams {
+pub(crate) fn decode_params(tokens: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(tokens)
@@ -94,7 +101,7 @@ fn decode_rate(engine: &mut Engine, prompts: Vec<Vec<u32>>, tokens: usize) -> Re
     Ok(decoded as f64 / elapsed.as_secs_f64().max(1e-9))
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
@@ -111,6 +118,10 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     args.engine.no_prefix_caching = true;
     let repeat = args.repeat.max(1);
     let mut engine = args.engine.build_engine(verbose)?;
+    if args.capture {
+        println!("simd               {}", lantern_model::simd_level());
+        return crate::bench_capture::run(&mut engine, repeat, &args.capture_prompt_tokens);
+    }
     let vocab = engine.model_info().vocab_size;
     let mut salt = 0u64;
     let mut next_prompt = |len: usize| {

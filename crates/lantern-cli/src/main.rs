@@ -3,6 +3,7 @@
 mod args;
 mod attn;
 mod bench;
+mod bench_capture;
 mod generate;
 mod serve;
 

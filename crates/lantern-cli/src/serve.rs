@@ -3,7 +3,7 @@
 use crate::args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use lantern_server::{EngineHandle, ServerConfig};
+use lantern_server::{CaptureSettings, EngineHandle, ServerConfig};
 use std::io::Write;
 
 #[derive(Args, Debug)]
@@ -16,25 +16,98 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the "listening on" line shows it).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* (default: $LANTERN_API_KEY).
+    /// Require `Authorization: Bearer KEY` on /v1/* (default: $LANTERN_API_KEY). Repeat
+    /// for several clients; a stored capture is readable only with the key that made it.
     #[arg(long)]
-    pub api_key: Option<String>,
+    pub api_key: Vec<String>,
     /// The model name clients send (default: the model's own name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Let requests ask for their attention maps (`attn_capture`); off by default.
+    #[arg(long)]
+    pub enable_attention_capture: bool,
+    /// Layers captured when a request names none: `all` or a list like `0,7,15`.
+    #[arg(long, default_value = "all", value_parser = parse_layer_list)]
+    pub attention_capture_layers: LayerList,
+    /// Largest capture one request may ask for, in bytes (`256M`, `1G`); larger
+    /// requests are refused with the estimate before any work.
+    #[arg(long, default_value = "256M", value_parser = crate::args::parse_bytes)]
+    pub max_capture_bytes: usize,
+    /// Seconds a capture delivered by reference or file is kept.
+    #[arg(long, default_value_t = 600)]
+    pub capture_ttl: u64,
+    /// Directory for captures delivered as files (e.g. a tmpfs such as /dev/shm, for
+    /// clients on this host that memory-map large captures); enables delivery "file".
+    #[arg(long)]
+    pub capture_dir: Option<std::path::PathBuf>,
+}
+
+/// `all`, or a list of layer indices.
+#[derive(Debug, Clone)]
+pub struct LayerList(Option<Vec<usize>>);
+
+fn parse_layer_list(s: &str) -> Result<LayerList, String> {
+    if s.trim() == "all" {
+        return Ok(LayerList(None));
+    }
+    s.split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("{p:?} is not a layer index (give `all` or e.g. `0,7,15`)"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(|layers| LayerList(Some(layers)))
 }
 
 pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
-    let api_key = args
+    let mut api_keys: Vec<String> = args
         .api_key
-        .clone()
-        .or_else(|| std::env::var("LANTERN_API_KEY").ok())
-        .filter(|k| !k.is_empty());
+        .iter()
+        .filter(|k| !k.is_empty())
+        .cloned()
+        .collect();
+    if api_keys.is_empty() {
+        api_keys.extend(
+            std::env::var("LANTERN_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty()),
+        );
+    }
+    if let Some(dir) = &args.capture_dir {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--capture-dir {} is not a directory",
+            dir.display()
+        );
+    }
     let engine_args = args.engine.clone();
     let (engine, engine_thread) = EngineHandle::start(move || engine_args.build_engine(verbose))?;
+    let meta = engine.meta();
+    if let Some(bad) = args
+        .attention_capture_layers
+        .0
+        .iter()
+        .flatten()
+        .find(|&&l| l >= meta.num_layers)
+    {
+        engine.shutdown();
+        engine_thread.join();
+        anyhow::bail!(
+            "--attention-capture-layers names layer {bad}, but the model has {} layers",
+            meta.num_layers
+        );
+    }
     let config = ServerConfig {
-        api_key,
+        api_keys,
         served_model_name: args.served_model_name.clone(),
+        capture: CaptureSettings {
+            enabled: args.enable_attention_capture,
+            default_layers: args.attention_capture_layers.0.clone(),
+            max_bytes: args.max_capture_bytes as u64,
+            ttl: std::time::Duration::from_secs(args.capture_ttl),
+            dir: args.capture_dir.clone(),
+        },
         ..ServerConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -47,7 +120,8 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
-        let router = lantern_server::router(engine.clone(), &config);
+        let router = lantern_server::router(engine.clone(), &config)
+            .context("starting the capture worker")?;
         let name = engine.meta().name.clone();
         println!("lantern: serving {name}");
         println!("lantern: listening on http://{addr}");

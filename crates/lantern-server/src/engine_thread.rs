@@ -9,6 +9,7 @@
 use crate::error::ApiError;
 use crate::metrics::{EngineMetrics, EngineStats};
 use crate::stop::StopMatcher;
+use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
 use lantern_engine::sampling::{log_softmax, top_k_logprobs};
 use lantern_engine::{Engine, EngineError, FinishReason, RequestOutput, SamplingParams};
 use lantern_kv::RequestId;
@@ -45,9 +46,18 @@ pub struct GenerationItem {
     pub echo: bool,
     /// Which field holds the prompt, for error messages (`prompt` or `messages`).
     pub prompt_field: &'static str,
+    /// Attention capture, when the request asked for it.
+    pub capture: Option<ItemCapture>,
     /// Prompt logprobs with this many alternatives per token (completions' `echo` with
     /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logits` must be set too.
     pub prompt_logprobs: Option<usize>,
+}
+
+/// What a sequence captures, and the most bytes it may take.
+#[derive(Debug, Clone)]
+pub struct ItemCapture {
+    pub spec: CaptureSpec,
+    pub max_bytes: u64,
 }
 
 /// A request the engine took.
@@ -77,6 +87,8 @@ pub struct Finish {
     pub cached_tokens: usize,
     /// Set when `reason` is `error`.
     pub error: Option<String>,
+    /// A capturing sequence's capture, to finalize off the engine thread.
+    pub capture: Option<Result<PendingCapture, String>>,
 }
 
 /// The log-probability of one generated token and its most likely alternatives, with
@@ -124,6 +136,9 @@ pub struct ModelMeta {
     pub vocab_size: usize,
     pub num_blocks: usize,
     pub block_size: usize,
+    pub num_layers: usize,
+    /// Query heads per layer (the smallest, if layers differ).
+    pub num_heads: usize,
 }
 
 type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
@@ -202,6 +217,13 @@ impl EngineHandle {
                     vocab_size: info.vocab_size,
                     num_blocks: engine.kv_cache().num_blocks(),
                     block_size: engine.config().block_size,
+                    num_layers: info.num_layers,
+                    num_heads: info
+                        .attention
+                        .iter()
+                        .map(|a| a.num_heads)
+                        .min()
+                        .unwrap_or(0),
                 };
                 let _ = ready_tx.send(Ok(meta));
                 EngineLoop::new(engine, rx).run();
@@ -450,7 +472,11 @@ impl EngineLoop {
             let prompt_tokens = prompt_ids.len();
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
-            match self.engine.add_request(prompt_ids, item.params) {
+            let capture = item.capture.map(|c| c.spec);
+            match self
+                .engine
+                .add_request_with_capture(prompt_ids, item.params, capture)
+            {
                 Ok(id) => {
                     accepted.push(Accepted {
                         id,
@@ -576,6 +602,14 @@ impl EngineLoop {
             }
         };
         item.params.max_tokens = max_tokens;
+        if let Some(capture) = &item.capture {
+            crate::capture::check_capture_size(
+                &capture.spec,
+                ids.len(),
+                max_tokens,
+                capture.max_bytes,
+            )?;
+        }
         let echo_text = if item.echo {
             Some(match text {
                 Some(t) => t,
@@ -623,7 +657,7 @@ impl EngineLoop {
             };
             let finish = if let Some(stop) = matched {
                 // The stop string ends it; the engine has not finished it yet.
-                self.engine.abort(out.id);
+                self.engine.finish_early(out.id, FinishReason::Stop);
                 Some(("stop", Some(StopReason::Text(stop))))
             } else if let Some(reason) = out.finished {
                 if let Some(stop) = &mut live.stop {
@@ -702,6 +736,7 @@ impl EngineLoop {
                             .as_ref()
                             .map_or(0, |c| c.num_cached_prompt_tokens),
                         error: None,
+                        capture: completion.and_then(|c| c.capture),
                     };
                     let _ = live.events.send(ChoiceEvent {
                         finish: Some(finish),
@@ -758,6 +793,7 @@ impl EngineLoop {
                         .map_or(live.completion_tokens, |c| c.token_ids.len()),
                     cached_tokens: completion.map_or(0, |c| c.num_cached_prompt_tokens),
                     error: error.clone(),
+                    capture: None,
                 }),
             });
         }

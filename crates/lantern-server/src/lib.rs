@@ -10,6 +10,7 @@
 //! endpoints want
 //! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
 
+pub mod capture;
 pub mod engine_thread;
 pub mod error;
 pub mod metrics;
@@ -17,6 +18,7 @@ mod openai;
 pub mod protocol;
 pub mod stop;
 
+pub use capture::{CaptureSettings, CaptureStore};
 pub use engine_thread::{EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput};
 pub use error::ApiError;
 
@@ -36,20 +38,25 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// How the server answers.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
-    pub api_key: Option<String>,
+    /// When not empty, `/v1/*` requires `Authorization: Bearer KEY` with one of these.
+    /// Each key is its own client: a stored capture can be read only with the key
+    /// that made it.
+    pub api_keys: Vec<String>,
     /// The name clients use for the model (default: the model's own name).
     pub served_model_name: Option<String>,
     /// Larger bodies are refused with 413.
     pub max_body_bytes: usize,
+    /// Attention capture: off unless enabled.
+    pub capture: CaptureSettings,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            api_key: None,
+            api_keys: Vec::new(),
             served_model_name: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            capture: CaptureSettings::default(),
         }
     }
 }
@@ -59,12 +66,16 @@ impl Default for ServerConfig {
 pub struct AppState {
     pub engine: EngineHandle,
     pub served_model_name: Arc<str>,
-    api_key: Option<Arc<str>>,
+    api_keys: Arc<[String]>,
     created: u64,
+    pub capture: Arc<CaptureSettings>,
+    pub captures: Arc<CaptureStore>,
+    pub capture_worker: Arc<lantern_engine::lantern_capture::CaptureWorker>,
 }
 
-/// The server's routes, on an engine already running.
-pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
+/// The server's routes, on an engine already running. Fails only when the capture
+/// worker thread cannot be started.
+pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
     let served_model_name: Arc<str> = config
         .served_model_name
         .clone()
@@ -74,12 +85,16 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
     let state = AppState {
         engine,
         served_model_name,
-        api_key: config
-            .api_key
-            .clone()
+        api_keys: config
+            .api_keys
+            .iter()
             .filter(|k| !k.is_empty())
-            .map(Into::into),
+            .cloned()
+            .collect(),
         created: openai::unix_now(),
+        capture: Arc::new(config.capture.clone()),
+        captures: Arc::new(CaptureStore::default()),
+        capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start()?),
     };
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))
@@ -88,17 +103,18 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> Router {
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
+        .route("/v1/captures/{id}", get(get_capture).delete(delete_capture))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
-    Router::new()
+    Ok(Router::new()
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
-        .with_state(state)
+        .with_state(state))
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then lets open responses end.
@@ -117,21 +133,66 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let Some(key) = &state.api_key else {
-        return next.run(request).await;
-    };
-    let given = request
-        .headers()
+/// The bearer token of a request, if it sent one.
+pub(crate) fn bearer_token(headers: &axum::http::HeaderMap) -> Option<String> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
-        .map(str::trim);
+        .map(|v| v.trim().to_string())
+}
+
+/// `GET /v1/captures/{id}`: a stored capture as a safetensors file.
+async fn get_capture(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    match state.captures.get(&id, &bearer_token(&headers)) {
+        Ok(bytes) => (
+            [
+                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                (
+                    header::CONTENT_DISPOSITION,
+                    format!("attachment; filename=\"{id}.safetensors\""),
+                ),
+            ],
+            bytes.as_ref().clone(),
+        )
+            .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/captures/{id}`: frees a stored capture.
+async fn delete_capture(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    match state.captures.remove(&id, &bearer_token(&headers)) {
+        Ok(()) => Json(json!({"id": id, "object": "capture", "deleted": true})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if state.api_keys.is_empty() {
+        return next.run(request).await;
+    }
+    let given = bearer_token(request.headers());
     match given {
-        Some(given) if same_secret(given.as_bytes(), key.as_bytes()) => next.run(request).await,
+        Some(given)
+            if state
+                .api_keys
+                .iter()
+                .any(|key| same_secret(given.as_bytes(), key.as_bytes())) =>
+        {
+            next.run(request).await
+        }
         Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
         None => ApiError::unauthorized(
             "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",

@@ -1,7 +1,9 @@
 //! The OpenAI endpoints: completions and chat completions, whole or streamed (SSE).
 
+use crate::capture::{self, CaptureRequest};
 use crate::engine_thread::{
-    Accepted, ChoiceEvent, EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
+    Accepted, ChoiceEvent, EngineHandle, Finish, ItemCapture, LogprobEntry, PromptLogprobEntry,
+    StopReason,
 };
 use crate::error::ApiError;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
@@ -9,10 +11,12 @@ use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
+use lantern_engine::lantern_capture::PendingCapture;
 use lantern_kv::RequestId;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -93,18 +97,20 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 
 pub async fn chat_completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(state, body, Kind::Chat)
+    generate(state, &headers, body, Kind::Chat)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(state, body, Kind::Completion)
+    generate(state, &headers, body, Kind::Completion)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -149,8 +155,68 @@ pub async fn detokenize(
         .map_or_else(IntoResponse::into_response, IntoResponse::into_response)
 }
 
+/// How a response delivers its capture, when its request asked for one.
+struct CaptureDelivery {
+    request: CaptureRequest,
+    /// The bearer token of the request: only it can read a stored capture.
+    owner: Option<String>,
+    state: AppState,
+}
+
+impl CaptureDelivery {
+    async fn fields(
+        &self,
+        pending: Option<Result<PendingCapture, String>>,
+    ) -> serde_json::Map<String, Value> {
+        let pending = pending.unwrap_or_else(|| Err("the request ended without a capture".into()));
+        capture::deliver(
+            pending,
+            &self.request,
+            self.state.captures.clone(),
+            self.owner.clone(),
+            &self.state.capture,
+            &self.state.capture_worker,
+        )
+        .await
+    }
+}
+
+/// Reads the capture fields of a request and attaches them to its one sequence.
+fn attach_capture(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &Value,
+    request: &mut GenerationRequest,
+) -> Result<Option<CaptureDelivery>, ApiError> {
+    let meta = state.engine.meta();
+    let Some(capture) =
+        capture::parse_capture_request(body, &state.capture, meta.num_layers, meta.num_heads)?
+    else {
+        return Ok(None);
+    };
+    if request.items.len() != 1 {
+        return Err(ApiError::field(
+            "attn_capture",
+            format!(
+                "a capturing request must generate exactly one sequence (n = 1 and one prompt); this one asks for {}",
+                request.items.len()
+            ),
+        ));
+    }
+    request.items[0].capture = Some(ItemCapture {
+        spec: capture.spec.clone(),
+        max_bytes: state.capture.max_bytes,
+    });
+    Ok(Some(CaptureDelivery {
+        request: capture,
+        owner: crate::bearer_token(headers),
+        state: state.clone(),
+    }))
+}
+
 async fn generate(
     state: AppState,
+    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
@@ -163,6 +229,7 @@ async fn generate(
         Kind::Chat => protocol::chat_request(&value, &limits)?,
         Kind::Completion => protocol::completion_request(&value, &limits)?,
     };
+    let capture = attach_capture(&state, headers, &value, &mut request)?;
     let items = std::mem::take(&mut request.items);
     let num_choices = items.len();
     let (accepted, events) = state.engine.add(items).await?;
@@ -184,9 +251,9 @@ async fn generate(
         text_offsets: vec![0; num_choices],
     };
     if request.stream {
-        Ok(stream_response(response, request, events, guard))
+        Ok(stream_response(response, request, events, guard, capture))
     } else {
-        whole_response(response, request, events, guard).await
+        whole_response(response, request, events, guard, capture).await
     }
 }
 
@@ -505,7 +572,9 @@ async fn whole_response(
     request: GenerationRequest,
     mut events: UnboundedReceiver<ChoiceEvent>,
     mut guard: AbortGuard,
+    capture: Option<CaptureDelivery>,
 ) -> Result<Response, ApiError> {
+    let mut pending_capture = None;
     let mut texts: Vec<String> = response
         .accepted
         .iter()
@@ -528,15 +597,20 @@ async fn whole_response(
         if event.prompt_logprobs.is_some() {
             prompts[event.index] = event.prompt_logprobs;
         }
-        if let Some(finish) = event.finish {
+        if let Some(mut finish) = event.finish {
             if let Some(error) = engine_failure(&finish) {
                 return Err(error);
             }
             guard.finished(response.accepted[event.index].id);
+            pending_capture = finish.capture.take();
             response.finishes[event.index] = Some(finish);
         }
     }
-    Ok(Json(response.whole(&texts, &logprobs, &prompts)).into_response())
+    let mut whole = response.whole(&texts, &logprobs, &prompts);
+    if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
+        obj.extend(capture.fields(pending_capture).await);
+    }
+    Ok(Json(whole).into_response())
 }
 
 /// The state of an SSE stream.
@@ -551,6 +625,9 @@ struct StreamState {
     done: bool,
     /// Choices whose echoed prompt waits for its logprobs (it goes with the first token).
     echo_due: Vec<bool>,
+    capture: Option<CaptureDelivery>,
+    /// Every choice finished and the capture is still to be delivered.
+    capture_due: Option<Option<Result<PendingCapture, String>>>,
 }
 
 fn data(value: &Value) -> Event {
@@ -630,16 +707,22 @@ impl StreamState {
             self.include_usage,
         );
         self.queue.push_back(data(&chunk));
-        if let Some(finish) = event.finish {
+        if let Some(mut finish) = event.finish {
             let id = self.response.accepted[event.index].id;
             self.guard.finished(id);
+            let pending_capture = finish.capture.take();
             self.response.finishes[event.index] = Some(finish);
             if self.response.all_finished() {
                 if self.include_usage {
                     let usage = self.response.usage_chunk();
                     self.queue.push_back(data(&usage));
                 }
-                self.finish_stream();
+                if self.capture.is_some() {
+                    // The capture goes in the last chunk, once it is computed.
+                    self.capture_due = Some(pending_capture);
+                } else {
+                    self.finish_stream();
+                }
             }
         }
     }
@@ -655,6 +738,7 @@ fn stream_response(
     request: GenerationRequest,
     events: UnboundedReceiver<ChoiceEvent>,
     guard: AbortGuard,
+    capture: Option<CaptureDelivery>,
 ) -> Response {
     let num_choices = response.accepted.len();
     let mut state = StreamState {
@@ -665,6 +749,8 @@ fn stream_response(
         queue: VecDeque::new(),
         done: false,
         echo_due: vec![false; num_choices],
+        capture,
+        capture_due: None,
     };
     state.start(request.echo);
     let events = sse_events(state);
@@ -681,6 +767,16 @@ fn sse_events(state: StreamState) -> impl Stream<Item = Result<Event, Infallible
             }
             if state.done {
                 return None;
+            }
+            if let Some(pending) = state.capture_due.take() {
+                if let Some(capture) = &state.capture {
+                    let fields = capture.fields(pending).await;
+                    let mut chunk = state.response.envelope(true, Vec::new());
+                    chunk.extend(fields);
+                    state.queue.push_back(data(&Value::Object(chunk)));
+                }
+                state.finish_stream();
+                continue;
             }
             match state.events.recv().await {
                 Some(event) => state.on_event(event),

@@ -335,6 +335,7 @@ fn expand(
                 include_stop_str_in_output: common.include_stop,
                 echo,
                 prompt_field,
+                capture: None,
                 prompt_logprobs,
             });
         }

@@ -56,14 +56,15 @@ fn server() -> &'static TestServer {
                     context_length: meta.context_length,
                 })
                 .unwrap();
-                let open_router = router(engine.clone(), &ServerConfig::default());
+                let open_router = router(engine.clone(), &ServerConfig::default()).unwrap();
                 let keyed_router = router(
                     engine.clone(),
                     &ServerConfig {
-                        api_key: Some(API_KEY.to_string()),
+                        api_keys: vec![API_KEY.to_string()],
                         ..ServerConfig::default()
                     },
-                );
+                )
+                .unwrap();
                 let never = std::future::pending::<()>;
                 let (a, b) = tokio::join!(
                     serve(open, open_router, never()),

@@ -1,0 +1,152 @@
+//! `lantern bench --capture`: what attention capture costs.
+//!
+//! - the aggregate decode rate of a batch with no capturing request, and with one of its
+//!   requests capturing every layer (the Q-row copies ride along in each step);
+//! - finalize time per layer and the memory a capture holds, against prompt length;
+//! - the decode rate of a batch while another thread finalizes a large capture (what
+//!   other requests lose while a capture is computed off the step loop).
+
+use crate::bench::{decode_params, median, synthetic_prompt};
+use anyhow::{Context, Result};
+use lantern_engine::lantern_capture::{CaptureSpec, CaptureWorker, PendingCapture, RowSelection};
+use lantern_engine::Engine;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Tokens each decode figure generates per request.
+const DECODE_TOKENS: usize = 64;
+/// Requests in the batch of the decode figures.
+const BATCH: usize = 8;
+/// Prompt length of the decode figures' requests.
+const DECODE_PROMPT: usize = 128;
+
+fn everything(engine: &Engine) -> CaptureSpec {
+    let info = engine.model_info();
+    CaptureSpec::everything(info.num_layers, info.attention[0].num_heads)
+}
+
+/// Aggregate tokens/s of `BATCH` requests, the first capturing with `capture`, counted
+/// once every request has its first token.
+fn decode_rate(engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>) -> Result<f64> {
+    let vocab = engine.model_info().vocab_size;
+    let mut ids = Vec::new();
+    for i in 0..BATCH {
+        *salt += 1;
+        let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
+        let spec = if i == 0 { capture.clone() } else { None };
+        ids.push(engine.add_request_with_capture(prompt, decode_params(DECODE_TOKENS), spec)?);
+    }
+    let mut started = std::collections::HashSet::new();
+    let mut decode_start: Option<Instant> = None;
+    let mut decoded = 0usize;
+    while engine.has_unfinished() {
+        let outputs = engine.step()?;
+        if decode_start.is_some() {
+            decoded += outputs.len();
+        } else {
+            started.extend(outputs.iter().map(|o| o.id));
+            if started.len() == ids.len() {
+                decode_start = Some(Instant::now());
+            }
+        }
+    }
+    for id in ids {
+        engine.take_completion(id);
+    }
+    let elapsed = decode_start.map_or(Duration::ZERO, |s| s.elapsed());
+    Ok(decoded as f64 / elapsed.as_secs_f64().max(1e-9))
+}
+
+/// A finished capture of every layer, head and row of a `prompt_len`-token prompt.
+fn capture_of(engine: &mut Engine, salt: &mut u64, prompt_len: usize) -> Result<PendingCapture> {
+    *salt += 1;
+    let prompt = synthetic_prompt(prompt_len, *salt, engine.model_info().vocab_size);
+    let mut spec = everything(engine);
+    spec.rows = RowSelection::Prompt;
+    let id = engine.add_request_with_capture(prompt, decode_params(1), Some(spec))?;
+    while engine.has_unfinished() {
+        engine.step()?;
+    }
+    let completion = engine
+        .take_completion(id)
+        .context("capture request finished")?;
+    completion
+        .capture
+        .context("a capture")?
+        .map_err(anyhow::Error::msg)
+}
+
+pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Result<()> {
+    let mut salt = 1_000u64;
+    let num_layers = engine.model_info().num_layers;
+    decode_rate(engine, &mut salt, None)?; // warm-up
+    let runs = |engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>| {
+        (0..repeat)
+            .map(|_| decode_rate(engine, salt, capture.clone()))
+            .collect::<Result<Vec<_>>>()
+            .map(median)
+    };
+    let plain = runs(engine, &mut salt, None)?;
+    let capturing = runs(engine, &mut salt, Some(everything(engine)))?;
+    println!("capture: decode, batch {BATCH} ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each)");
+    println!("  no capturing request            {plain:8.1} tokens/s");
+    println!(
+        "  one capturing all {num_layers} layers    {capturing:8.1} tokens/s  ({:+.1}% change)",
+        100.0 * (capturing / plain - 1.0)
+    );
+
+    println!("capture: finalize (every layer and head, prompt rows), per prompt length");
+    let mut largest = None;
+    for &len in prompt_lengths {
+        let pending = capture_of(engine, &mut salt, len)?;
+        let seconds = median(
+            (0..repeat)
+                .map(|_| {
+                    let start = Instant::now();
+                    pending.finalize().map(|_| start.elapsed().as_secs_f64())
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        );
+        let result = pending.finalize()?;
+        let out_bytes: usize = result.layers.iter().map(|m| m.values.len() * 4).sum();
+        println!(
+            "  {len:5} tokens: {:8.2} ms per layer, held while pending {:7.1} MiB, maps {:8.1} MiB (f32)",
+            seconds * 1e3 / num_layers as f64,
+            pending.size_bytes() as f64 / (1 << 20) as f64,
+            out_bytes as f64 / (1 << 20) as f64,
+        );
+        largest = Some(pending);
+    }
+
+    if let Some(pending) = largest {
+        // The server's arrangement: finalization on the low-priority capture worker,
+        // kept busy with back-to-back captures for the whole measurement.
+        let pending = Arc::new(pending);
+        let stop = Arc::new(AtomicBool::new(false));
+        let finalized = Arc::new(AtomicUsize::new(0));
+        let worker = CaptureWorker::start()?;
+        {
+            let (pending, stop, finalized) = (pending.clone(), stop.clone(), finalized.clone());
+            worker.submit(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if pending.finalize().is_ok() {
+                        finalized.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        let during = runs(engine, &mut salt, None)?;
+        stop.store(true, Ordering::Relaxed);
+        drop(worker);
+        let after = runs(engine, &mut salt, None)?;
+        println!("capture: others' decode rate while captures finalize on the capture worker");
+        println!("  alone                           {after:8.1} tokens/s");
+        println!(
+            "  during finalization             {during:8.1} tokens/s  ({:+.1}% change; {} captures finalized meanwhile)",
+            100.0 * (during / after - 1.0),
+            finalized.load(Ordering::Relaxed)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,531 @@
+//! Attention capture over HTTP: the request fields, the server's limits, and delivery
+//! of a finished capture (inline JSON, a stored reference, or a file).
+//!
+//! Finalization (the maps) and encoding run on the capture worker, a low-priority
+//! thread of their own, never on the engine thread or the async workers, so other
+//! requests keep running at full speed while a capture is computed.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use lantern_engine::lantern_capture::{
+    wire, CaptureDtype, CaptureError, CaptureSpec, CaptureWorker, HeadReduce, PendingCapture,
+    RowSelection,
+};
+use rand::RngCore;
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// Default cap on one capture's size (the maps before compression).
+pub const DEFAULT_MAX_CAPTURE_BYTES: u64 = 256 << 20;
+/// Default time a stored capture is kept.
+pub const DEFAULT_CAPTURE_TTL: Duration = Duration::from_secs(600);
+
+/// The server's capture settings.
+#[derive(Debug, Clone)]
+pub struct CaptureSettings {
+    /// Off by default: a request that asks for capture gets a 400 saying so.
+    pub enabled: bool,
+    /// Layers captured when a request names none (`None`: every layer).
+    pub default_layers: Option<Vec<usize>>,
+    /// Largest capture one request may ask for, in bytes.
+    pub max_bytes: u64,
+    /// How long references and files are kept.
+    pub ttl: Duration,
+    /// Where delivery `"file"` writes (only when set).
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for CaptureSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            default_layers: None,
+            max_bytes: DEFAULT_MAX_CAPTURE_BYTES,
+            ttl: DEFAULT_CAPTURE_TTL,
+            dir: None,
+        }
+    }
+}
+
+/// How a finished capture reaches the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// In the response, gzip+base64 per layer.
+    Inline,
+    /// Stored; the response carries an id for `GET /v1/captures/{id}`.
+    Reference,
+    /// A safetensors file in the server's capture directory.
+    File,
+}
+
+/// What one request asked to capture, validated against the model.
+#[derive(Debug, Clone)]
+pub struct CaptureRequest {
+    pub spec: CaptureSpec,
+    pub delivery: Delivery,
+}
+
+fn field_error(e: CaptureError) -> ApiError {
+    match e {
+        CaptureError::InvalidField { field, message } => ApiError::field(field, message),
+        other => ApiError::invalid(None, other.to_string()),
+    }
+}
+
+/// A list of indices from `"all"`, `"0,7,15"`, a list of integers or one integer.
+fn parse_indices(field: &'static str, value: &Value, all: usize) -> Result<Vec<usize>, ApiError> {
+    let bad = || {
+        ApiError::field(
+            field,
+            format!("{field} must be \"all\", a comma-separated string like \"0,7,15\" or a list of integers"),
+        )
+    };
+    let index = |v: &Value| v.as_u64().map(|i| i as usize).ok_or_else(bad);
+    match value {
+        Value::String(s) if s.trim() == "all" => Ok((0..all).collect()),
+        Value::String(s) => s
+            .split(',')
+            .map(|part| part.trim().parse::<usize>().map_err(|_| bad()))
+            .collect(),
+        Value::Array(items) => items.iter().map(index).collect(),
+        Value::Number(_) => Ok(vec![index(value)?]),
+        _ => Err(bad()),
+    }
+}
+
+fn string_field<'a>(body: &'a Value, field: &'static str) -> Result<Option<&'a str>, ApiError> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::field(field, format!("{field} must be a string"))),
+    }
+}
+
+/// Whether the body asks for capture: `attn_capture` true or 1.
+fn wants_capture(body: &Value) -> Result<bool, ApiError> {
+    match body.get("attn_capture") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(Value::Number(n)) if n.as_u64() == Some(0) => Ok(false),
+        Some(Value::Number(n)) if n.as_u64() == Some(1) => Ok(true),
+        Some(_) => Err(ApiError::field(
+            "attn_capture",
+            "attn_capture must be true/false or 1/0",
+        )),
+    }
+}
+
+/// Reads the capture fields of a request body (top level, where the `openai` client's
+/// `extra_body` puts them). `None` when the request does not ask for capture.
+pub fn parse_capture_request(
+    body: &Value,
+    settings: &CaptureSettings,
+    num_layers: usize,
+    num_heads: usize,
+) -> Result<Option<CaptureRequest>, ApiError> {
+    if !wants_capture(body)? {
+        return Ok(None);
+    }
+    if !settings.enabled {
+        return Err(ApiError::field(
+            "attn_capture",
+            "attention capture is disabled on this server; start it with --enable-attention-capture",
+        ));
+    }
+    let layers = match body.get("attn_capture_layers") {
+        None | Some(Value::Null) => settings
+            .default_layers
+            .clone()
+            .unwrap_or_else(|| (0..num_layers).collect()),
+        Some(v) => parse_indices("attn_capture_layers", v, num_layers)?,
+    };
+    let heads = match body.get("attn_capture_heads") {
+        None | Some(Value::Null) => (0..num_heads).collect(),
+        Some(v) => parse_indices("attn_capture_heads", v, num_heads)?,
+    };
+    let rows = match string_field(body, "attn_capture_rows")? {
+        None => RowSelection::All,
+        Some(s) => RowSelection::parse(s).map_err(field_error)?,
+    };
+    let reduce = match string_field(body, "attn_capture_reduce")? {
+        None => HeadReduce::None,
+        Some(s) => HeadReduce::parse(s).map_err(field_error)?,
+    };
+    let dtype = match string_field(body, "attn_capture_dtype")? {
+        None => CaptureDtype::Float32,
+        Some(s) => CaptureDtype::parse(s).map_err(field_error)?,
+    };
+    let top_k = match body.get("attn_capture_top_k") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(k) if k >= 1 => Some(k as usize),
+            _ => {
+                return Err(ApiError::field(
+                    "attn_capture_top_k",
+                    "attn_capture_top_k must be a positive integer",
+                ))
+            }
+        },
+    };
+    let delivery = match string_field(body, "attn_capture_delivery")? {
+        None | Some("inline") => Delivery::Inline,
+        Some("reference") => Delivery::Reference,
+        Some("file") if settings.dir.is_some() => Delivery::File,
+        Some("file") => {
+            return Err(ApiError::field(
+                "attn_capture_delivery",
+                "delivery \"file\" needs the server to run with --capture-dir DIR",
+            ))
+        }
+        Some(other) => {
+            return Err(ApiError::field(
+                "attn_capture_delivery",
+                format!("{other:?} is not \"inline\", \"reference\" or \"file\""),
+            ))
+        }
+    };
+    let mut spec = CaptureSpec {
+        layers,
+        heads,
+        rows,
+        reduce,
+        top_k,
+        dtype,
+        keep_attention_output: false,
+    };
+    spec.validate(num_layers, num_heads).map_err(field_error)?;
+    Ok(Some(CaptureRequest { spec, delivery }))
+}
+
+/// Refuses a capture whose estimated size is over the server's cap, before any work.
+pub fn check_capture_size(
+    spec: &CaptureSpec,
+    prompt_len: usize,
+    max_tokens: usize,
+    limit: u64,
+) -> Result<(), ApiError> {
+    spec.check_size(prompt_len, max_tokens, limit)
+        .map_err(|e| ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code: Some("capture_too_large"),
+            ..ApiError::field("attn_capture", e.to_string())
+        })
+}
+
+/// One stored capture.
+struct Stored {
+    bytes: Arc<Vec<u8>>,
+    /// The bearer token that made it (`None` on a server without keys).
+    owner: Option<String>,
+    expires: Instant,
+}
+
+/// Captures delivered by reference, and files written for delivery `"file"`, until
+/// they expire.
+#[derive(Default)]
+pub struct CaptureStore {
+    entries: Mutex<HashMap<String, Stored>>,
+    files: Mutex<Vec<(PathBuf, Instant)>>,
+}
+
+/// 128 random bits as hex: ids and file names nobody can guess.
+fn unguessable() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn same_owner(stored: &Option<String>, asking: &Option<String>) -> bool {
+    match (stored, asking) {
+        (None, _) => true,
+        (Some(a), Some(b)) => crate::same_secret(a.as_bytes(), b.as_bytes()),
+        (Some(_), None) => false,
+    }
+}
+
+impl CaptureStore {
+    /// Drops expired entries and deletes expired files.
+    fn purge(&self) {
+        let now = Instant::now();
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.retain(|_, s| s.expires > now);
+        }
+        if let Ok(mut files) = self.files.lock() {
+            files.retain(|(path, expires)| {
+                if *expires > now {
+                    return true;
+                }
+                let _ = std::fs::remove_file(path);
+                false
+            });
+        }
+    }
+
+    fn insert(&self, bytes: Vec<u8>, owner: Option<String>, ttl: Duration) -> String {
+        self.purge();
+        let id = format!("cap-{}", unguessable());
+        let stored = Stored {
+            bytes: Arc::new(bytes),
+            owner,
+            expires: Instant::now() + ttl,
+        };
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.insert(id.clone(), stored);
+        }
+        id
+    }
+
+    fn not_found(id: &str) -> ApiError {
+        ApiError::not_found(format!(
+            "no capture `{id}`: it never existed, expired, was deleted, or belongs to another API key"
+        ))
+    }
+
+    /// The safetensors bytes of capture `id`, for the key that made it.
+    pub fn get(&self, id: &str, asking: &Option<String>) -> Result<Arc<Vec<u8>>, ApiError> {
+        self.purge();
+        let entries = self.entries.lock().map_err(|_| ApiError::unavailable())?;
+        match entries.get(id) {
+            Some(s) if same_owner(&s.owner, asking) => Ok(s.bytes.clone()),
+            _ => Err(Self::not_found(id)),
+        }
+    }
+
+    /// Frees capture `id`.
+    pub fn remove(&self, id: &str, asking: &Option<String>) -> Result<(), ApiError> {
+        self.purge();
+        let mut entries = self.entries.lock().map_err(|_| ApiError::unavailable())?;
+        match entries.get(id) {
+            Some(s) if same_owner(&s.owner, asking) => {
+                entries.remove(id);
+                Ok(())
+            }
+            _ => Err(Self::not_found(id)),
+        }
+    }
+
+    /// Number of stored captures (expired ones excluded).
+    pub fn len(&self) -> usize {
+        self.purge();
+        self.entries.lock().map_or(0, |e| e.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn track_file(&self, path: PathBuf, ttl: Duration) {
+        if let Ok(mut files) = self.files.lock() {
+            files.push((path, Instant::now() + ttl));
+        }
+    }
+}
+
+/// Writes `bytes` to a new file with an unguessable name, readable by its owner only.
+fn write_private_file(dir: &std::path::Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
+    let path = dir.join(format!("lantern-capture-{}.safetensors", unguessable()));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options.open(&path)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    Ok(path)
+}
+
+/// Finalizes a capture on the capture worker and turns it into the response fields of
+/// its delivery. A capture that fails yields `attn_capture_error` instead: the
+/// generated text is still good.
+pub async fn deliver(
+    pending: Result<PendingCapture, String>,
+    request: &CaptureRequest,
+    store: Arc<CaptureStore>,
+    owner: Option<String>,
+    settings: &CaptureSettings,
+    worker: &CaptureWorker,
+) -> Map<String, Value> {
+    let delivery = request.delivery;
+    let dtype = request.spec.dtype;
+    let ttl = settings.ttl;
+    let dir = settings.dir.clone();
+    let work = move || -> Result<Map<String, Value>, String> {
+        let result = pending?.finalize().map_err(|e| e.to_string())?;
+        let meta = serde_json::to_value(&result.meta).map_err(|e| e.to_string())?;
+        let mut fields = Map::new();
+        match delivery {
+            Delivery::Inline => {
+                if let Value::Object(inline) = wire::to_json(&result, dtype) {
+                    fields.extend(inline);
+                }
+            }
+            Delivery::Reference => {
+                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
+                let id = store.insert(bytes, owner, ttl);
+                fields.insert("attn_capture_id".into(), json!(id));
+                fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
+                fields.insert("attn_capture_meta".into(), meta);
+            }
+            Delivery::File => {
+                let dir = dir.ok_or("the server has no capture directory")?;
+                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
+                let path = write_private_file(&dir, &bytes)
+                    .map_err(|e| format!("could not write the capture file: {e}"))?;
+                store.track_file(path.clone(), ttl);
+                fields.insert("attn_capture_path".into(), json!(path));
+                fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
+                fields.insert("attn_capture_meta".into(), meta);
+            }
+        }
+        Ok(fields)
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let outcome = if worker.submit(move || {
+        let _ = tx.send(work());
+    }) {
+        rx.await
+            .unwrap_or_else(|_| Err("the capture worker stopped".to_string()))
+    } else {
+        Err("the capture worker is not running".to_string())
+    };
+    outcome.unwrap_or_else(|error| {
+        tracing::warn!(%error, "attention capture failed");
+        let mut fields = Map::new();
+        fields.insert("attn_capture_error".into(), json!(error));
+        fields
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enabled() -> CaptureSettings {
+        CaptureSettings {
+            enabled: true,
+            ..CaptureSettings::default()
+        }
+    }
+
+    fn parse(body: Value) -> Result<Option<CaptureRequest>, ApiError> {
+        parse_capture_request(&body, &enabled(), 30, 9)
+    }
+
+    #[test]
+    fn no_capture_unless_asked() {
+        assert!(parse(json!({})).unwrap().is_none());
+        assert!(parse(json!({"attn_capture": false})).unwrap().is_none());
+        assert!(parse(json!({"attn_capture": 0})).unwrap().is_none());
+    }
+
+    #[test]
+    fn disabled_server_refuses() {
+        let e = parse_capture_request(
+            &json!({"attn_capture": true}),
+            &CaptureSettings::default(),
+            30,
+            9,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("attn_capture"));
+        assert!(e.message.contains("--enable-attention-capture"));
+    }
+
+    #[test]
+    fn layer_forms() {
+        let layers = |v: Value| {
+            parse(json!({"attn_capture": 1, "attn_capture_layers": v}))
+                .unwrap()
+                .unwrap()
+                .spec
+                .layers
+        };
+        assert_eq!(layers(json!("all")).len(), 30);
+        assert_eq!(layers(json!("15, 0,7")), vec![0, 7, 15]);
+        assert_eq!(layers(json!([3, 1, 3])), vec![1, 3]);
+        assert_eq!(layers(json!(4)), vec![4]);
+    }
+
+    #[test]
+    fn malformed_fields_name_themselves() {
+        for (body, field) in [
+            (json!({"attn_capture": "yes"}), "attn_capture"),
+            (json!({"attn_capture": 2}), "attn_capture"),
+            (
+                json!({"attn_capture": true, "attn_capture_layers": "0,x"}),
+                "attn_capture_layers",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_layers": [30]}),
+                "attn_capture_layers",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_heads": [9]}),
+                "attn_capture_heads",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_rows": "middle"}),
+                "attn_capture_rows",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_reduce": "sum"}),
+                "attn_capture_reduce",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_top_k": 0}),
+                "attn_capture_top_k",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_dtype": "int8"}),
+                "attn_capture_dtype",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_delivery": "file"}),
+                "attn_capture_delivery",
+            ),
+            (
+                json!({"attn_capture": true, "attn_capture_delivery": "email"}),
+                "attn_capture_delivery",
+            ),
+        ] {
+            let e = parse(body.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        }
+    }
+
+    #[test]
+    fn size_cap_gives_the_estimate() {
+        let spec = parse(json!({"attn_capture": true})).unwrap().unwrap().spec;
+        let e = check_capture_size(&spec, 100, 100, 1000).unwrap_err();
+        let estimate = 30 * 9 * 200 * 200 * 4;
+        assert!(e.message.contains(&estimate.to_string()), "{}", e.message);
+    }
+
+    #[test]
+    fn store_is_per_owner_and_expires() {
+        let store = CaptureStore::default();
+        let owner = Some("key-a".to_string());
+        let id = store.insert(vec![1, 2, 3], owner.clone(), Duration::from_secs(60));
+        assert!(id.starts_with("cap-") && id.len() == 36);
+        assert_eq!(*store.get(&id, &owner).unwrap(), vec![1, 2, 3]);
+        assert!(store.get(&id, &Some("key-b".into())).is_err());
+        assert!(store.get(&id, &None).is_err());
+        assert!(store.remove(&id, &Some("key-b".into())).is_err());
+        store.remove(&id, &owner).unwrap();
+        assert!(store.get(&id, &owner).is_err());
+        let short = store.insert(vec![0], None, Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(store.get(&short, &None).is_err());
+        assert!(store.is_empty());
+    }
+}

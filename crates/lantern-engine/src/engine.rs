@@ -143,6 +143,29 @@ impl Engine {
         self.add_request_with_capture(prompt, params, None)
     }
 
+    /// Queues a request whose prompt equals `leader`'s (one of `n` samples of a
+    /// prompt): it is admitted once the leader's prompt is computed and takes the
+    /// prompt's full blocks from the prefix cache, sharing them by reference count.
+    /// Without prefix caching it runs like any request.
+    pub fn add_sibling_request(
+        &mut self,
+        leader: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RequestId> {
+        let same_prompt = self
+            .requests
+            .get(&leader)
+            .is_some_and(|l| l.prompt() == prompt.as_slice());
+        let id = self.add_request(prompt, params)?;
+        if same_prompt {
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.prompt_leader = Some(leader);
+            }
+        }
+        Ok(id)
+    }
+
     /// Checks a capture request against the model (layers and heads in range) and
     /// normalizes it (sorted, without repeats).
     pub fn validate_capture(&self, spec: &mut CaptureSpec) -> Result<()> {

@@ -67,6 +67,10 @@ pub struct Request {
     /// Whether `prompt_logits` holds every prompt row (a preemption before that point
     /// recomputes the prompt from its start, so partial rows are dropped).
     pub prompt_logits_complete: bool,
+    /// A sibling with the same prompt (`n > 1`): this request waits until the leader's
+    /// prompt is in the cache, then takes its full blocks from the prefix cache, sharing
+    /// them by reference count instead of computing the prompt again.
+    pub prompt_leader: Option<RequestId>,
     /// Query rows of a capturing request, filled while it runs.
     pub capture: Option<Box<QueryRowBuffer>>,
     /// A finished capturing request's capture, ready to finalize (or why it failed).
@@ -95,6 +99,7 @@ impl Request {
             num_cached_prompt_tokens: 0,
             prompt_logits: Vec::new(),
             prompt_logits_complete: false,
+            prompt_leader: None,
             capture: None,
             pending_capture: None,
         }

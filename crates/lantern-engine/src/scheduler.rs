@@ -103,10 +103,15 @@ impl Scheduler {
             }
         }
         // Admit new requests only when nobody had to be preempted this step.
+        let mut next = 0;
         while out.preempted.is_empty() && budget > 0 && self.running.len() < self.max_num_seqs {
-            let Some(&id) = self.waiting.front() else {
+            let Some(&id) = self.waiting.get(next) else {
                 break;
             };
+            if waits_for_leader(id, requests, kv) {
+                next += 1;
+                continue;
+            }
             let req = requests.get_mut(&id).expect("waiting requests exist");
             // Prompt logits and attention capture need every position computed by this
             // request (a capture's query rows exist only for what it computes itself):
@@ -129,7 +134,7 @@ impl Scheduler {
                 req.num_computed_tokens = 0;
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(next);
             req.status = RequestStatus::Running;
             if req.times.first_scheduled.is_none() {
                 req.times.first_scheduled = Some(std::time::Instant::now());
@@ -161,4 +166,33 @@ impl Scheduler {
         self.num_preemptions += 1;
         self.waiting.push_front(id);
     }
+}
+
+/// Whether a waiting sibling should keep waiting for its leader: the leader is running
+/// and has not finished computing the prompt yet. Once the leader's prompt is in (or the
+/// leader is gone or preempted), the sibling is admitted and finds the prompt's full
+/// blocks in the prefix cache.
+fn waits_for_leader(
+    id: RequestId,
+    requests: &mut HashMap<RequestId, Request>,
+    kv: &KvCacheManager,
+) -> bool {
+    let Some(leader) = requests
+        .get(&id)
+        .filter(|r| !r.computes_every_position())
+        .and_then(|r| r.prompt_leader)
+    else {
+        return false;
+    };
+    let waiting = kv.prefix_caching_enabled()
+        && requests.get(&leader).is_some_and(|l| {
+            matches!(l.status, RequestStatus::Running | RequestStatus::Waiting)
+                && l.num_computed_tokens < l.prompt_len
+        });
+    if !waiting {
+        if let Some(r) = requests.get_mut(&id) {
+            r.prompt_leader = None;
+        }
+    }
+    waiting
 }

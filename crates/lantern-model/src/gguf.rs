@@ -176,6 +176,24 @@ impl GgufFile {
             .map(Some)
     }
 
+    pub fn opt_f32_array(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        let Some(value) = self.metadata(key) else {
+            return Ok(None);
+        };
+        let values = value
+            .to_vec()
+            .map_err(|_| wrong_type(key, "array of numbers"))?;
+        values
+            .iter()
+            .map(|v| {
+                value_to_f64(v)
+                    .map(|x| x as f32)
+                    .ok_or_else(|| wrong_type(key, "array of numbers"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// Shape of a tensor in GGUF order reversed to row-major (`[rows, cols]` for a matrix),
     /// and its type, or `None` when the file lacks it.
     pub fn tensor_info(&self, name: &str) -> Option<(Vec<usize>, GgmlDType)> {

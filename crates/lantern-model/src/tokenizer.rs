@@ -2,18 +2,26 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::NormalizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_NORMAL: i64 = 1;
 
 /// A model's tokenizer with the special tokens the model defines.
 pub struct ModelTokenizer {
@@ -35,9 +43,10 @@ impl ModelTokenizer {
             .unwrap_or_default();
         let inner = match kind {
             "gpt2" => byte_level_bpe(gguf, &tokens)?,
+            "llama" => sentencepiece_bpe(gguf, &tokens, &token_types)?,
             other => {
                 return Err(ModelError::Tokenizer(format!(
-                    "tokenizer model `{other}` is not supported (supported: gpt2)"
+                    "tokenizer model `{other}` is not supported (supported: gpt2, llama)"
                 )))
             }
         };
@@ -72,10 +81,12 @@ impl ModelTokenizer {
         for (id, &ty) in token_types.iter().enumerate() {
             if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
                 special[id] = ty == TOKEN_TYPE_CONTROL;
-                added.push(AddedToken::from(
-                    tokens[id].clone(),
-                    ty == TOKEN_TYPE_CONTROL,
-                ));
+                // Matched in the raw text, before any normalizer (SentencePiece's
+                // user-defined symbols, such as Gemma's runs of spaces and newlines).
+                added.push(
+                    AddedToken::from(tokens[id].clone(), ty == TOKEN_TYPE_CONTROL)
+                        .normalized(false),
+                );
             }
         }
         inner
@@ -172,6 +183,96 @@ fn byte_level_bpe(gguf: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
     let pre = gguf.opt_string("tokenizer.ggml.pre")?.unwrap_or("gpt2");
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(tokenizer)
+}
+
+/// SentencePiece BPE (`tokenizer.ggml.model` = `llama`: Llama 2, Gemma): spaces become `▁`,
+/// adjacent pieces merge while their concatenation is a token, the highest-scoring
+/// concatenation first (the file's scores rank the merges), and characters outside the
+/// vocabulary fall back to their `<0xXX>` byte tokens.
+fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Result<Tokenizer> {
+    let scores = gguf
+        .opt_f32_array("tokenizer.ggml.scores")?
+        .ok_or_else(|| ModelError::Tokenizer("`tokenizer.ggml.scores` is missing".into()))?;
+    if scores.len() != tokens.len()
+        || (!token_types.is_empty() && token_types.len() != tokens.len())
+    {
+        return Err(ModelError::Tokenizer(format!(
+            "{} tokens but {} scores and {} token types",
+            tokens.len(),
+            scores.len(),
+            token_types.len()
+        )));
+    }
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    // Every split of a normal token into two tokens is a merge, ranked by the token's score.
+    let mut ranked: Vec<(f32, u32, &str, &str)> = Vec::new();
+    for (id, token) in tokens.iter().enumerate() {
+        let normal = token_types
+            .get(id)
+            .is_none_or(|&ty| ty == TOKEN_TYPE_NORMAL);
+        if !normal {
+            continue;
+        }
+        for (at, _) in token.char_indices().skip(1) {
+            let (left, right) = token.split_at(at);
+            if vocab.contains_key(left) && vocab.contains_key(right) {
+                ranked.push((scores[id], id as u32, left, right));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let merges = ranked
+        .into_iter()
+        .map(|(_, _, l, r)| (l.to_string(), r.to_string()))
+        .collect();
+    let unk = gguf
+        .opt_usize("tokenizer.ggml.unknown_token_id")?
+        .and_then(|id| tokens.get(id).cloned());
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk);
+    }
+    let bpe = builder
+        .build()
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+    if gguf
+        .opt_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true)
+    {
+        normalizers.push(Prepend::new("▁".into()).into());
+    }
+    normalizers.push(
+        Replace::new(" ", "▁")
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?
+            .into(),
+    );
+    tokenizer
+        .with_normalizer(Some(NormalizerSequence::new(normalizers)))
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("▁", " ")
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?
+            .into(),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ];
+    if gguf
+        .opt_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true)
+    {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tokenizer)
 }
 

@@ -127,12 +127,18 @@ pub fn validate_forward_inputs(
     common.validate()?;
     for r in 0..common.num_reqs {
         let used = common.seq_lens[r].div_ceil(common.block_size);
-        if let Some(&b) = common
+        // Released blocks (NULL_BLOCK) may only precede every key this step can see.
+        let first_visible = layer.visible_key_range(common.num_computed_tokens[r]).start;
+        let released_ok = first_visible / common.block_size;
+        if let Some((_, &b)) = common
             .block_table
             .row(r)
             .iter()
             .take(used)
-            .find(|&&b| b as usize >= geom.num_blocks)
+            .enumerate()
+            .find(|&(i, &b)| {
+                b as usize >= geom.num_blocks && !(b == lantern_kv::NULL_BLOCK && i < released_ok)
+            })
         {
             return Err(AttnError::BlockOutOfRange {
                 block: u64::from(b),

@@ -168,3 +168,41 @@ fn empty_batch_is_fine() {
         let _ = rng(0);
     }
 }
+
+/// A released block (`NULL_BLOCK`) is accepted only where no query of the step can see
+/// it; anywhere else it is an error, never an out-of-bounds read.
+#[test]
+fn released_blocks_only_behind_the_window() {
+    for name in BACKEND_NAMES {
+        let backend = backend_by_name(name).unwrap();
+        let layout = backend.kv_cache_layout();
+        let mut layer = AttentionLayerSpec::new(4, 2, 8);
+        layer.sliding_window = Some(4);
+        let run = |table: &[u32], layer: &AttentionLayerSpec| {
+            // Positions 0..12 computed, one decode at 12: it sees keys 9..=12.
+            let seqs = [ScheduledSeq {
+                num_computed_tokens: 12,
+                num_scheduled_tokens: 1,
+                block_table: table,
+                slot_window: None,
+            }];
+            let common = CommonAttentionMetadata::build(&seqs, 4).unwrap();
+            let meta = backend.build_metadata(Arc::new(common));
+            let mut cache = PagedKvCache::new(geom(4), layout, KvDtype::F32).unwrap();
+            let (q, kv) = (vec![0.1; 4 * 8], vec![0.2; 2 * 8]);
+            let mut out = vec![0.0; 4 * 8];
+            backend.forward(layer, &meta, &q, &kv, &kv, &mut cache, &mut out)
+        };
+        let null = lantern_kv::NULL_BLOCK;
+        run(&[null, null, 0, 1], &layer).unwrap();
+        assert!(matches!(
+            run(&[null, null, null, 1], &layer),
+            Err(AttnError::BlockOutOfRange { .. })
+        ));
+        layer.sliding_window = None;
+        assert!(matches!(
+            run(&[null, null, 0, 1], &layer),
+            Err(AttnError::BlockOutOfRange { .. })
+        ));
+    }
+}

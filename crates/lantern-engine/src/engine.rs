@@ -381,6 +381,11 @@ impl Engine {
             req.num_computed_tokens += s.num_tokens;
             self.kv
                 .cache_blocks(s.id, &req.token_ids[..req.num_computed_tokens], &[])?;
+            // Sliding-window blocks no later query can see go back to the pool; a
+            // capturing request keeps them, since its early rows read them at the end.
+            if req.capture.is_none() {
+                self.kv.release_out_of_reach(s.id, req.num_computed_tokens);
+            }
         }
         let mut outputs = Vec::with_capacity(logits.requests.len());
         for rows in &logits.requests {

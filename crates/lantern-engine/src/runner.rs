@@ -7,7 +7,7 @@ use lantern_attn::{
     backend_by_name, AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry,
     CommonAttentionMetadata, PagedKvCache, ScheduledSeq,
 };
-use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
+use lantern_kv::{KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{CausalLm, ForwardBatch};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -46,8 +46,7 @@ pub struct ModelRunner {
     caches: Vec<PagedKvCache>,
     /// KV cache group of each layer.
     layer_group: Vec<usize>,
-    /// Sliding window of each group, for padding slots of prompt tokens outside it.
-    group_window: Vec<Option<usize>>,
+    num_groups: usize,
     block_size: usize,
 }
 
@@ -62,16 +61,11 @@ impl ModelRunner {
         let layout = backend.kv_cache_layout();
         let mut layer_group = vec![0; num_layers];
         let mut caches = Vec::with_capacity(num_layers);
-        let mut group_window = Vec::new();
         let mut block_size = 0;
         for (g, group) in config.groups.iter().enumerate() {
             for &l in &group.layer_ids {
                 layer_group[l] = g;
             }
-            group_window.push(match group.spec.kind {
-                AttentionKind::SlidingWindow { window } => Some(window),
-                _ => None,
-            });
             block_size = group.spec.block_size;
         }
         for &group in &layer_group {
@@ -88,7 +82,7 @@ impl ModelRunner {
             backend,
             caches,
             layer_group,
-            group_window,
+            num_groups: config.groups.len(),
             block_size,
         })
     }
@@ -149,7 +143,7 @@ impl ModelRunner {
                 });
             }
         }
-        let attention = (0..self.group_window.len())
+        let attention = (0..self.num_groups)
             .map(|g| self.group_metadata(g, plan, requests, kv))
             .collect::<Result<Vec<_>>>()?;
         let batch = ForwardBatch {
@@ -184,7 +178,11 @@ impl ModelRunner {
                     num_computed_tokens: req.num_computed_tokens,
                     num_scheduled_tokens: s.num_tokens,
                     block_table: kv.block_table(s.id, group),
-                    slot_window: self.group_window[group],
+                    // Every position is written, even one a sliding window has already
+                    // left behind: padding would leave holes in blocks that the prefix
+                    // cache then offers under their full content's key. Out-of-reach
+                    // blocks are given back after the step instead.
+                    slot_window: None,
                 }
             })
             .collect();

@@ -55,6 +55,12 @@ pub use spec::{AttentionKind, KvCacheSpec};
 /// Index of one block (page) of the KV cache.
 pub type BlockId = u32;
 
+/// Block-table entry of a block given back because no query can reach it any more
+/// (sliding-window and chunked-local groups). It keeps the table's positions aligned
+/// and is never read: attention reads only keys its layer's mask makes visible, and
+/// those never lie in a released block.
+pub const NULL_BLOCK: BlockId = BlockId::MAX;
+
 /// Slot id given to a token whose K/V must not be written (e.g. prompt tokens that
 /// fall outside a sliding window). Backends skip these slots when writing the cache.
 pub const PAD_SLOT_ID: i64 = -1;

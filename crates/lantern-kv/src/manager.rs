@@ -7,8 +7,12 @@
 //!
 //! Prefix caching keys a full block by its chained content hash ([`crate::hash`]) in
 //! its group. A prompt hits a prefix only as far as *every* group has the block cached,
-//! because every layer must find its keys. Sliding-window and chunked-local groups keep
-//! all their blocks for now (see [`crate::policy`]), which makes that rule exact.
+//! because every layer must find its keys — except that a sliding-window or
+//! chunked-local group needs only the blocks the first computed query can still reach.
+//!
+//! [`KvCacheManager::release_out_of_reach`] gives back the leading blocks of such groups
+//! that no future query of the request can see, leaving [`NULL_BLOCK`] in their place,
+//! so a long request's sliding-window memory stays bounded by the window plus a block.
 //!
 //! Do not combine prefix caching with sliding-window padding in the slot mapping
 //! ([`crate::slot::compute_slot_mapping`] with a window): a padded position is never
@@ -22,7 +26,7 @@ use crate::error::KvError;
 use crate::hash::{extend_block_hashes, BlockHash};
 use crate::policy::BlockRetention;
 use crate::spec::KvCacheSpec;
-use crate::BlockId;
+use crate::{BlockId, NULL_BLOCK};
 
 /// The engine's request id.
 pub type RequestId = u64;
@@ -69,8 +73,7 @@ impl RequestBlocks {
 pub struct KvCacheManager {
     pool: BlockPool,
     specs: Vec<KvCacheSpec>,
-    /// Per-group rule for dropping out-of-reach blocks; not applied yet (see
-    /// [`crate::policy`]).
+    /// Per-group rule for dropping out-of-reach blocks (see [`crate::policy`]).
     retention: Vec<BlockRetention>,
     /// The block size shared by all groups (0 without groups).
     block_size: usize,
@@ -161,7 +164,12 @@ impl KvCacheManager {
         let longest = r.tables.iter().map(Vec::len).max().unwrap_or(0);
         let mut ids = Vec::with_capacity(r.tables.iter().map(Vec::len).sum());
         for i in (0..longest).rev() {
-            ids.extend(r.tables.iter().filter_map(|t| t.get(i).copied()));
+            ids.extend(
+                r.tables
+                    .iter()
+                    .filter_map(|t| t.get(i).copied())
+                    .filter(|&b| b != NULL_BLOCK),
+            );
         }
         // Only fails if the manager's own books are wrong, which the invariant tests
         // rule out; the pool rejects such a call whole, so state stays consistent.
@@ -170,6 +178,39 @@ impl KvCacheManager {
             freed.is_ok(),
             "KV manager freed blocks it did not hold: {freed:?}"
         );
+    }
+
+    /// Gives back the leading blocks of `req`'s sliding-window and chunked-local groups
+    /// that no query from position `num_computed_tokens` on can see, leaving
+    /// [`NULL_BLOCK`] in their place. Call after the step's [`Self::cache_blocks`], so
+    /// a released full block stays in the prefix cache until it is evicted. Returns the
+    /// number of blocks given back. A request whose keys must stay readable after it
+    /// runs (attention capture) should not call this.
+    pub fn release_out_of_reach(&mut self, req: RequestId, num_computed_tokens: usize) -> usize {
+        let Some(r) = self.requests.get_mut(&req) else {
+            return 0;
+        };
+        let mut released = Vec::new();
+        for (table, retention) in r.tables.iter_mut().zip(&self.retention) {
+            let out = retention.blocks_out_of_reach(num_computed_tokens, self.block_size);
+            for b in table.iter_mut().take(out) {
+                if *b != NULL_BLOCK {
+                    released.push(*b);
+                    *b = NULL_BLOCK;
+                }
+            }
+        }
+        let freed = self.pool.free(&released);
+        debug_assert!(freed.is_ok(), "released blocks it did not hold: {freed:?}");
+        released.len()
+    }
+
+    /// Blocks `req` holds in `group` (released ones not counted).
+    pub fn num_held_blocks(&self, req: RequestId, group: usize) -> usize {
+        self.block_table(req, group)
+            .iter()
+            .filter(|&&b| b != NULL_BLOCK)
+            .count()
     }
 
     /// Looks up the longest cached prefix of a new request's prompt and takes it: the
@@ -205,21 +246,45 @@ impl KvCacheManager {
         let max_hit_blocks = token_ids.len().saturating_sub(1) / bs;
 
         let num_groups = self.specs.len();
-        let mut hit_tables: Vec<Vec<BlockId>> = vec![Vec::new(); num_groups];
-        'blocks: for hash in hashes.iter().take(max_hit_blocks) {
-            let mut row = Vec::with_capacity(num_groups);
-            for g in 0..num_groups {
-                match self.pool.lookup_in_group(g, hash) {
-                    Some(b) => row.push(b),
-                    None => break 'blocks,
-                }
-            }
-            for (table, b) in hit_tables.iter_mut().zip(row) {
-                table.push(b);
-            }
-        }
-        let hit_blocks = hit_tables.first().map_or(0, Vec::len);
-        let all_hits: Vec<BlockId> = hit_tables.iter().flatten().copied().collect();
+        // found[g][i]: group g has block i of the prompt cached.
+        let found: Vec<Vec<Option<BlockId>>> = (0..num_groups)
+            .map(|g| {
+                hashes
+                    .iter()
+                    .take(max_hit_blocks)
+                    .map(|h| self.pool.lookup_in_group(g, h))
+                    .collect()
+            })
+            .collect();
+        // The longest hit of `n` blocks for which every group has every block the first
+        // computed query (at position n * bs) can reach.
+        let valid = |n: usize| {
+            (0..num_groups).all(|g| {
+                let first = self.retention[g].blocks_out_of_reach(n * bs, bs).min(n);
+                found[g][first..n].iter().all(Option::is_some)
+            })
+        };
+        let hit_blocks = (0..=max_hit_blocks.min(hashes.len()))
+            .rev()
+            .find(|&n| valid(n))
+            .unwrap_or(0);
+        let hit_tables: Vec<Vec<BlockId>> = (0..num_groups)
+            .map(|g| {
+                let first = self.retention[g].blocks_out_of_reach(hit_blocks * bs, bs);
+                (0..hit_blocks)
+                    .map(|i| match found[g][i] {
+                        Some(b) if i >= first => b,
+                        _ => NULL_BLOCK,
+                    })
+                    .collect()
+            })
+            .collect();
+        let all_hits: Vec<BlockId> = hit_tables
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|&b| b != NULL_BLOCK)
+            .collect();
         if self.pool.touch(&all_hits).is_err() {
             // Unreachable: the map only names blocks of this pool. Serve nothing.
             return 0;
@@ -260,8 +325,10 @@ impl KvCacheManager {
             let upto = full.min(table.len());
             while r.num_cached[g] < upto {
                 let i = r.num_cached[g];
-                self.pool
-                    .cache_full_block_in_group(table[i], g, r.hashes[i])?;
+                if table[i] != NULL_BLOCK {
+                    self.pool
+                        .cache_full_block_in_group(table[i], g, r.hashes[i])?;
+                }
                 r.num_cached[g] = i + 1;
             }
         }
@@ -303,6 +370,7 @@ impl KvCacheManager {
             .tables
             .iter()
             .flat_map(|t| t[..k].iter().copied())
+            .filter(|&b| b != NULL_BLOCK)
             .collect();
         let child_blocks = RequestBlocks {
             tables: p.tables.iter().map(|t| t[..k].to_vec()).collect(),
@@ -360,7 +428,7 @@ impl KvCacheManager {
         self.specs.get(group)
     }
 
-    /// The group's rule for out-of-reach blocks (not applied yet).
+    /// The group's rule for out-of-reach blocks.
     pub fn group_retention(&self, group: usize) -> Option<BlockRetention> {
         self.retention.get(group).copied()
     }
@@ -415,7 +483,7 @@ impl KvCacheManager {
                 if r.num_cached[g] > table.len() {
                     return fail(format!("request {req} group {g} cached past its table"));
                 }
-                for &b in table {
+                for &b in table.iter().filter(|&&b| b != NULL_BLOCK) {
                     match holders.get_mut(b as usize) {
                         Some(h) => *h += 1,
                         None => return fail(format!("request {req} holds unknown block {b}")),
@@ -603,8 +671,52 @@ mod tests {
         m.cache_blocks(1, &prompt, b"").unwrap();
         assert_eq!(m.get_computed_blocks(2, &prompt, b""), 12);
         assert_eq!(m.block_table(2, 0), &m.block_table(1, 0)[..3]);
-        assert_eq!(m.block_table(2, 1), &m.block_table(1, 1)[..3]);
+        // The window group (window 8) needs only what the query at 12 sees: 5..=12.
+        assert_eq!(m.block_table(2, 1)[0], NULL_BLOCK);
+        assert_eq!(&m.block_table(2, 1)[1..], &m.block_table(1, 1)[1..3]);
         m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn released_window_blocks_bound_a_long_request() {
+        let mut m = hybrid(64);
+        let tokens: Vec<u32> = (0..200).collect();
+        for n in 1..=tokens.len() {
+            m.allocate_slots(1, n).unwrap();
+            m.cache_blocks(1, &tokens[..n], b"").unwrap();
+            m.release_out_of_reach(1, n);
+            // Window 8 over blocks of 4: the next query's 8 keys span at most 3 blocks.
+            assert!(
+                m.num_held_blocks(1, 1) <= 8 / BS + 1,
+                "{n}: {:?}",
+                m.block_table(1, 1)
+            );
+            assert_eq!(m.num_held_blocks(1, 0), n.div_ceil(BS));
+            assert_eq!(m.block_table(1, 1).len(), n.div_ceil(BS));
+            m.check_invariants().unwrap();
+        }
+        m.free(1);
+        assert_eq!(m.num_free_blocks(), m.num_blocks());
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_released_prefix_still_hits_where_the_window_reaches() {
+        let mut m = hybrid(64);
+        let prompt: Vec<u32> = (0..40).collect();
+        m.allocate_slots(1, 40).unwrap();
+        m.cache_blocks(1, &prompt, b"").unwrap();
+        m.release_out_of_reach(1, 40);
+        m.free(1);
+        // Blocks of a finished request stay cached until evicted: the full group has
+        // them all, the window group needs only those the query at 36 reaches (29..).
+        assert_eq!(m.get_computed_blocks(2, &prompt, b""), 36);
+        let window = m.block_table(2, 1);
+        assert!(window[..7].iter().all(|&b| b == NULL_BLOCK), "{window:?}");
+        assert!(window[7..].iter().all(|&b| b != NULL_BLOCK), "{window:?}");
+        m.check_invariants().unwrap();
+        m.free(2);
+        assert_eq!(m.num_free_blocks(), m.num_blocks());
     }
 
     #[test]

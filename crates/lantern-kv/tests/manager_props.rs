@@ -10,8 +10,8 @@
 use std::collections::{HashMap, HashSet};
 
 use lantern_kv::{
-    compute_slot_mapping, BlockId, KvCacheConfig, KvCacheManager, KvCacheSpec, KvDtype, KvError,
-    RequestId,
+    compute_slot_mapping, AttentionKind, BlockId, KvCacheConfig, KvCacheManager, KvCacheSpec,
+    KvDtype, KvError, RequestId, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -110,7 +110,17 @@ impl World {
         for g in 0..self.m.num_groups() {
             let table = self.m.block_table(id, g);
             assert_eq!(table.len(), hit / BS);
+            let out_of_reach = self
+                .m
+                .group_retention(g)
+                .unwrap()
+                .blocks_out_of_reach(hit, BS);
             for (i, &b) in table.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    // Only a block the first computed query cannot see may be left out.
+                    assert!(i < out_of_reach, "group {g} lacks reachable block {i}");
+                    continue;
+                }
                 let want = (salt, toks[..(i + 1) * BS].to_vec());
                 assert_eq!(self.shadow.get(&(g, b)), Some(&want), "hit block {b}");
             }
@@ -126,6 +136,7 @@ impl World {
             Ok(()) => {
                 self.compute(id, &toks, salt, hit, toks.len());
                 self.m.cache_blocks(id, &toks, &[salt]).unwrap();
+                self.m.release_out_of_reach(id, toks.len());
                 self.history.push((toks.clone(), salt));
                 self.live.push(Live {
                     id,
@@ -169,6 +180,7 @@ impl World {
                     Ok(()) => {
                         self.compute(id, &toks, salt, from, toks.len());
                         self.m.cache_blocks(id, &toks, &[salt]).unwrap();
+                        self.m.release_out_of_reach(id, toks.len());
                         self.live[i].tokens = toks;
                     }
                     Err(KvError::OutOfBlocks { .. }) => {
@@ -228,7 +240,12 @@ impl World {
             for (g, t) in self.m.block_tables(l.id).iter().enumerate() {
                 let spec = self.m.group_spec(g).unwrap();
                 assert_eq!(t.len(), spec.blocks_for_tokens(l.tokens.len()));
-                distinct.extend(t.iter().copied());
+                distinct.extend(t.iter().copied().filter(|&b| b != NULL_BLOCK));
+                if let AttentionKind::SlidingWindow { window } = spec.kind {
+                    // Released blocks keep the window's memory bounded.
+                    let held = self.m.num_held_blocks(l.id, g);
+                    assert!(held <= window.div_ceil(BS) + 1, "{held} blocks: {t:?}");
+                }
             }
         }
         assert_eq!(distinct.len() + self.m.num_free_blocks(), NUM_BLOCKS);

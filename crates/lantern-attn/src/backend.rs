@@ -6,7 +6,7 @@
 //! paged cache. Nothing here assumes a CPU: buffers cross the trait as host slices only
 //! because the CPU backends are the ones that exist; CPU specifics live in `backends/`.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::backends::cpu_flash::CpuFlashBackend;
 use crate::backends::cpu_reference::CpuReferenceBackend;
@@ -14,6 +14,7 @@ use crate::cache::PagedKvCache;
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
 use crate::layout::KvCacheLayout;
+use crate::local::{make_local_attention_virtual_batches, LocalVirtualBatch};
 use crate::metadata::{split_decodes_and_prefills, CommonAttentionMetadata, DecodePrefillSplit};
 
 /// Name of the plain, obviously correct f32 backend (the oracle for the others).
@@ -27,18 +28,85 @@ pub const BACKEND_NAMES: &[&str] = &[CPU_REFERENCE, CPU_FLASH];
 pub const DECODE_THRESHOLD: usize = 1;
 
 /// A backend's metadata for one step of one KV cache group, shared by all its layers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// For chunked-local layers it also holds the group's [`LocalVirtualBatch`]: built
+/// eagerly by [`Self::with_chunked_local`] (or [`AttentionBackend::build_metadata_for`]),
+/// or lazily by the first chunked-local layer that runs on it
+/// ([`Self::local_virtual_batch`]), and then shared by every later layer of the step.
+#[derive(Debug, Clone)]
 pub struct AttentionMetadata {
     pub common: Arc<CommonAttentionMetadata>,
     /// Decode/prefill boundary (meaningful when the batch was reordered decodes first).
     pub split: DecodePrefillSplit,
+    /// The virtual batch of `common` for one chunk size, once built.
+    local: OnceLock<LocalEntry>,
 }
+
+/// A cached virtual batch and what it was built from.
+#[derive(Debug, Clone)]
+struct LocalEntry {
+    /// The `common` it was cut from: `common` is a public field, so a replaced one must
+    /// not be served a stale virtual batch.
+    source: Arc<CommonAttentionMetadata>,
+    batch: Arc<LocalVirtualBatch>,
+}
+
+/// Equal when `common` and `split` are; the cached virtual batch is derived from them.
+impl PartialEq for AttentionMetadata {
+    fn eq(&self, other: &Self) -> bool {
+        self.common == other.common && self.split == other.split
+    }
+}
+
+impl Eq for AttentionMetadata {}
 
 impl AttentionMetadata {
     /// Metadata with the split computed for `decode_threshold`.
     pub fn new(common: Arc<CommonAttentionMetadata>, decode_threshold: usize) -> Self {
         let split = split_decodes_and_prefills(&common, decode_threshold);
-        Self { common, split }
+        Self {
+            common,
+            split,
+            local: OnceLock::new(),
+        }
+    }
+
+    /// The same metadata with the chunked-local virtual batch for `chunk_size` built
+    /// now (once per step per group), so no layer builds it on the step's path.
+    ///
+    /// Errors as [`make_local_attention_virtual_batches`] does (e.g. `chunk_size` not a
+    /// multiple of the block size).
+    pub fn with_chunked_local(self, chunk_size: usize) -> Result<Self, AttnError> {
+        self.local_virtual_batch(chunk_size)?;
+        Ok(self)
+    }
+
+    /// The chunked-local virtual batch of `common` for `chunk_size`.
+    ///
+    /// The first call builds it (`O(num_tokens + num_virtual * chunk_size /
+    /// block_size)`) and caches it; later calls with the same chunk size return the
+    /// cached one. A group's layers share one KV cache spec and so one chunk size; a
+    /// call with another chunk size than the cached one builds a fresh batch every time
+    /// without caching it.
+    pub fn local_virtual_batch(
+        &self,
+        chunk_size: usize,
+    ) -> Result<Arc<LocalVirtualBatch>, AttnError> {
+        if let Some(e) = self.local.get() {
+            if e.batch.chunk_size == chunk_size && Arc::ptr_eq(&e.source, &self.common) {
+                return Ok(Arc::clone(&e.batch));
+            }
+        }
+        let batch = Arc::new(make_local_attention_virtual_batches(
+            chunk_size,
+            &self.common,
+        )?);
+        // Lost races and a cache already holding another chunk size leave it as it is.
+        let _ = self.local.set(LocalEntry {
+            source: Arc::clone(&self.common),
+            batch: Arc::clone(&batch),
+        });
+        Ok(batch)
     }
 }
 
@@ -52,6 +120,21 @@ pub trait AttentionBackend: Send + Sync {
 
     /// Built once per step per KV cache group, shared by all layers of the group.
     fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata;
+
+    /// [`Self::build_metadata`] for a group whose layers are chunked-local with
+    /// `chunk_size` (`None`: not chunked-local): the virtual batch is built here, once
+    /// per step per group, instead of by the group's first layer.
+    fn build_metadata_for(
+        &self,
+        common: Arc<CommonAttentionMetadata>,
+        chunk_size: Option<usize>,
+    ) -> Result<AttentionMetadata, AttnError> {
+        let meta = self.build_metadata(common);
+        match chunk_size {
+            Some(c) => meta.with_chunked_local(c),
+            None => Ok(meta),
+        }
+    }
 
     /// q: `[num_tokens, num_heads, head_dim]`; k, v: `[num_tokens, num_kv_heads,
     /// head_dim]` for this step's tokens. Writes k, v into `cache` by the slot mapping,

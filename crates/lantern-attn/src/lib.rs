@@ -7,6 +7,9 @@
 //!   read helpers shared by backends and attention capture.
 //! - [`metadata`]: per-step [`CommonAttentionMetadata`] for a mixed prefill/decode
 //!   batch, built once per KV cache group, plus the decode/prefill batch helpers.
+//! - [`local`]: chunked-local attention as a virtual batch (vLLM's
+//!   `make_local_attention_virtual_batches`): each request's queries cut at chunk
+//!   boundaries, so the backends run chunked-local layers as plain causal attention.
 //! - [`layer`]: the one description of a layer's attention (mask, scale, soft-cap,
 //!   sinks) used by every backend and by capture.
 //! - [`backend`]: the device-agnostic [`AttentionBackend`] trait and backend lookup.
@@ -19,6 +22,7 @@ pub mod cache;
 pub mod error;
 pub mod layer;
 pub mod layout;
+pub mod local;
 pub mod metadata;
 pub mod tap;
 
@@ -32,6 +36,7 @@ pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
 pub use error::AttnError;
 pub use layer::AttentionLayerSpec;
 pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};
+pub use local::{make_local_attention_virtual_batches, LocalVirtualBatch};
 pub use metadata::{
     reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
     BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,

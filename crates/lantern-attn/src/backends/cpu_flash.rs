@@ -18,6 +18,10 @@
 //! output `acc`; a new tile rescales them by `exp(m_old - m_new)`. The sink joins only
 //! when a row is finalized, as one more term of the denominator.
 //!
+//! Chunked-local layers run over the step's virtual batch ([`crate::local`]): each
+//! virtual request lies inside one chunk, so the kernel needs no chunk mask, and a long
+//! prefill over many chunks becomes many short requests that spread over threads.
+//!
 //! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
 //! are one contiguous `block_size x head_dim` tile that an f32 cache lends without a copy.
 
@@ -29,7 +33,7 @@ use crate::backend::{
     validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_FLASH, DECODE_THRESHOLD,
 };
 use crate::backends::kernels::{axpy, dots, exp_f32, exp_shifted_sum, scale, weighted_sum};
-use crate::backends::{load_step_row, RequestView};
+use crate::backends::{load_step_row, KernelView, RequestView};
 use crate::cache::{PagedKvCache, KEY, VALUE};
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
@@ -125,9 +129,11 @@ impl AttentionBackend for CpuFlashBackend {
         cache: &mut PagedKvCache,
         out: &mut [f32],
     ) -> Result<(), AttnError> {
-        let common = &*meta.common;
-        validate_forward_inputs(&self.layout, layer, common, q, k, v, cache, out)?;
-        cache.write(k, v, &common.slot_mapping)?;
+        validate_forward_inputs(&self.layout, layer, &meta.common, q, k, v, cache, out)?;
+        // Chunked-local layers run as causal attention over the virtual batch.
+        let view = KernelView::new(meta, layer)?;
+        cache.write(k, v, &meta.common.slot_mapping)?;
+        let (common, layer) = (view.common(), view.layer());
         let items = plan(common, layer, &self.tuning, cache.geometry().block_size);
         let ctx = Ctx {
             common,

@@ -4,13 +4,15 @@
 //! For every query token and head: gather the visible keys (one at a time, through the
 //! cache's per-token read helpers), turn dot products into logits with the layer's
 //! transform, softmax with the layer's sink, and sum the values with those weights.
+//! Chunked-local layers run over the step's virtual batch ([`crate::local`]), so the
+//! visible keys are always a causal (and windowed) prefix of the request's keys.
 
 use std::sync::Arc;
 
 use crate::backend::{
     validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_REFERENCE, DECODE_THRESHOLD,
 };
-use crate::backends::{load_step_row, RequestView};
+use crate::backends::{load_step_row, KernelView, RequestView};
 use crate::cache::PagedKvCache;
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
@@ -68,9 +70,11 @@ impl AttentionBackend for CpuReferenceBackend {
         cache: &mut PagedKvCache,
         out: &mut [f32],
     ) -> Result<(), AttnError> {
-        let common = &*meta.common;
-        validate_forward_inputs(&self.layout, layer, common, q, k, v, cache, out)?;
-        cache.write(k, v, &common.slot_mapping)?;
+        validate_forward_inputs(&self.layout, layer, &meta.common, q, k, v, cache, out)?;
+        // Chunked-local layers run as causal attention over the virtual batch.
+        let view = KernelView::new(meta, layer)?;
+        cache.write(k, v, &meta.common.slot_mapping)?;
+        let (common, layer) = (view.common(), view.layer());
         let cache = &*cache;
         let d = layer.head_dim;
         let (mut keys, mut values, mut logits) = (Vec::new(), Vec::new(), Vec::new());

@@ -4,17 +4,85 @@
 //! the cache through the block table, except for this step's tokens whose slot is
 //! padding, which were never written and are taken from the step's own K/V (rounded to
 //! the cache's element type so the result matches what the cache would have held).
+//!
+//! Neither kernel knows chunked-local attention: [`KernelView`] hands them, for a
+//! chunked-local layer, the step's virtual batch (see [`crate::local`]) and the layer
+//! without its chunk, and plain causal attention over that is the chunked-local result.
 
 pub mod cpu_flash;
 pub mod cpu_reference;
 pub(crate) mod kernels;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use lantern_kv::{BlockId, KvDtype};
 
+use crate::backend::AttentionMetadata;
 use crate::cache::round_to_dtype;
+use crate::error::AttnError;
+use crate::layer::AttentionLayerSpec;
+use crate::local::LocalVirtualBatch;
 use crate::metadata::CommonAttentionMetadata;
+
+/// The metadata and layer a kernel runs on for one layer of one step.
+///
+/// - A layer without `chunk_size`: the step's metadata and the layer as they are.
+/// - A chunked-local layer: the group's [`LocalVirtualBatch`] (built once per step per
+///   group and cached in the [`AttentionMetadata`]) and a copy of the layer with
+///   `chunk_size: None`. Every virtual request lies inside one chunk and counts positions
+///   from the chunk's start, so causal attention (with the layer's window, scale,
+///   soft-cap and sinks, all unchanged by the shift) over it sees exactly the keys
+///   [`AttentionLayerSpec::key_visible`] allows. The batch rows and the slot mapping are
+///   the original ones, so `q`, `k`, `v` and `out` are used as they are.
+pub(crate) enum KernelView<'a> {
+    Plain {
+        common: &'a CommonAttentionMetadata,
+        layer: &'a AttentionLayerSpec,
+    },
+    ChunkedLocal {
+        batch: Arc<LocalVirtualBatch>,
+        layer: AttentionLayerSpec,
+    },
+}
+
+impl<'a> KernelView<'a> {
+    /// The view for `layer` over `meta`, which must have passed `validate_forward_inputs`
+    /// with this layer. Errors (before anything is written) when the layer's chunk size
+    /// is not a multiple of the block size.
+    pub fn new(
+        meta: &'a AttentionMetadata,
+        layer: &'a AttentionLayerSpec,
+    ) -> Result<Self, AttnError> {
+        Ok(match layer.chunk_size {
+            None => Self::Plain {
+                common: &meta.common,
+                layer,
+            },
+            Some(c) => Self::ChunkedLocal {
+                batch: meta.local_virtual_batch(c)?,
+                layer: AttentionLayerSpec {
+                    chunk_size: None,
+                    ..layer.clone()
+                },
+            },
+        })
+    }
+
+    pub fn common(&self) -> &CommonAttentionMetadata {
+        match self {
+            Self::Plain { common, .. } => common,
+            Self::ChunkedLocal { batch, .. } => &batch.common,
+        }
+    }
+
+    pub fn layer(&self) -> &AttentionLayerSpec {
+        match self {
+            Self::Plain { layer, .. } => layer,
+            Self::ChunkedLocal { layer, .. } => layer,
+        }
+    }
+}
 
 /// One request's slice of validated metadata.
 #[derive(Debug, Clone, Copy)]

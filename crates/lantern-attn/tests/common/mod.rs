@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use lantern_attn::{
-    round_to_dtype, slot_for_position, AttentionBackend, AttentionLayerSpec, AttnError,
-    CacheGeometry, CommonAttentionMetadata, KvCacheLayout, KvCacheShape, PagedKvCache,
+    round_to_dtype, slot_for_position, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
+    AttnError, CacheGeometry, CommonAttentionMetadata, KvCacheLayout, KvCacheShape, PagedKvCache,
     ScheduledSeq,
 };
 use lantern_kv::{BlockId, KvDtype};
@@ -113,6 +113,20 @@ pub fn run_backend(
     dtype: KvDtype,
     slot_window: Option<usize>,
 ) -> Result<(Vec<f32>, PagedKvCache), AttnError> {
+    run_backend_with(backend, layer, batch, dtype, slot_window, |common| {
+        Ok(backend.build_metadata(common))
+    })
+}
+
+/// [`run_backend`] with the step's metadata built by `build` from the common metadata.
+pub fn run_backend_with(
+    backend: &dyn AttentionBackend,
+    layer: &AttentionLayerSpec,
+    batch: &Batch,
+    dtype: KvDtype,
+    slot_window: Option<usize>,
+    build: impl FnOnce(Arc<CommonAttentionMetadata>) -> Result<AttentionMetadata, AttnError>,
+) -> Result<(Vec<f32>, PagedKvCache), AttnError> {
     let geom = CacheGeometry {
         num_blocks: batch.num_blocks,
         block_size: batch.block_size,
@@ -138,7 +152,7 @@ pub fn run_backend(
         })
         .collect();
     let common = CommonAttentionMetadata::build(&seqs, batch.block_size)?;
-    let meta = backend.build_metadata(Arc::new(common));
+    let meta = build(Arc::new(common))?;
     let mut out = vec![f32::NAN; batch.q.len()];
     backend.forward(
         layer, &meta, &batch.q, &batch.k, &batch.v, &mut cache, &mut out,

@@ -84,6 +84,17 @@ impl Engine {
                 dtype: config.kv_cache_dtype,
             })
             .collect();
+        if let Some(chunk) = info
+            .attention
+            .iter()
+            .filter_map(|a| a.chunk_size)
+            .find(|c| config.block_size == 0 || c % config.block_size != 0)
+        {
+            return Err(EngineError::InvalidConfig(format!(
+                "the model's chunked-local attention uses chunks of {chunk} tokens, which is not a multiple of the KV cache block size {}; choose a --block-size that divides it",
+                config.block_size
+            )));
+        }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
         let runner = ModelRunner::new(
             &kv_config,

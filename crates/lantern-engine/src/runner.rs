@@ -7,7 +7,7 @@ use lantern_attn::{
     backend_by_name, AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry,
     CommonAttentionMetadata, PagedKvCache, ScheduledSeq,
 };
-use lantern_kv::{KvCacheConfig, KvCacheManager, KvDtype, RequestId};
+use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{CausalLm, ForwardBatch};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -46,7 +46,9 @@ pub struct ModelRunner {
     caches: Vec<PagedKvCache>,
     /// KV cache group of each layer.
     layer_group: Vec<usize>,
-    num_groups: usize,
+    /// Chunk size of each group's chunked-local attention (`None` for other kinds): its
+    /// virtual batch is built with the group's metadata, once per step.
+    group_chunk: Vec<Option<usize>>,
     block_size: usize,
 }
 
@@ -82,7 +84,14 @@ impl ModelRunner {
             backend,
             caches,
             layer_group,
-            num_groups: config.groups.len(),
+            group_chunk: config
+                .groups
+                .iter()
+                .map(|g| match g.spec.kind {
+                    AttentionKind::ChunkedLocal { chunk_size } => Some(chunk_size),
+                    _ => None,
+                })
+                .collect(),
             block_size,
         })
     }
@@ -143,7 +152,7 @@ impl ModelRunner {
                 });
             }
         }
-        let attention = (0..self.num_groups)
+        let attention = (0..self.group_chunk.len())
             .map(|g| self.group_metadata(g, plan, requests, kv))
             .collect::<Result<Vec<_>>>()?;
         let batch = ForwardBatch {
@@ -187,6 +196,8 @@ impl ModelRunner {
             })
             .collect();
         let common = CommonAttentionMetadata::build(&seqs, self.block_size)?;
-        Ok(self.backend.build_metadata(Arc::new(common)))
+        Ok(self
+            .backend
+            .build_metadata_for(Arc::new(common), self.group_chunk[group])?)
     }
 }

@@ -96,3 +96,161 @@ impl LlamaConfig {
         Ok(config)
     }
 }
+
+/// Hyper-parameters of a Gemma 3 text decoder (`general.architecture` = `gemma3`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma3Config {
+    pub architecture: String,
+    pub name: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rms_norm_eps: f32,
+    /// RoPE base of the global (full-attention) layers.
+    pub rope_global_base: f32,
+    /// RoPE base of the sliding-window layers.
+    pub rope_local_base: f32,
+    /// Linear RoPE scaling of the global layers (positions divided by it); local layers
+    /// are never scaled.
+    pub rope_global_linear_factor: f32,
+    /// Multiplies `q . k`: `query_pre_attn_scalar ^ -0.5`.
+    pub attention_scale: f32,
+    /// `Some(w)` on the layers that see at most `w` keys, `None` on the global ones.
+    pub layer_window: Vec<Option<usize>>,
+    pub attn_logit_softcap: Option<f32>,
+    pub final_logit_softcap: Option<f32>,
+}
+
+impl Gemma3Config {
+    /// Every `GEMMA3_GLOBAL_EVERY`-th layer (5, 11, 17, …) attends to the whole context
+    /// when the file does not give the pattern (the architecture's default, as llama.cpp
+    /// and transformers apply it).
+    pub const GLOBAL_EVERY: usize = 6;
+    /// Local RoPE base when the file does not give one.
+    pub const DEFAULT_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        // The shared hyper-parameters read exactly as for Llama (heads, head size, …).
+        let base = LlamaConfig::from_gguf(gguf)?;
+        let arch = base.architecture.clone();
+        let key = |k: &str| format!("{arch}.{k}");
+        if let Some(v) = gguf.opt_usize(&key("attention.value_length"))? {
+            if v != base.head_dim {
+                return Err(ModelError::InvalidConfig(format!(
+                    "value head size {v} differs from key head size {}",
+                    base.head_dim
+                )));
+            }
+        }
+        if base.rope_dim != base.head_dim {
+            return Err(ModelError::InvalidConfig(format!(
+                "partial rotary dimension {} of {} is not supported for Gemma 3",
+                base.rope_dim, base.head_dim
+            )));
+        }
+        let window = gguf.opt_usize(&key("attention.sliding_window"))?;
+        if window == Some(0) {
+            return Err(ModelError::InvalidConfig(
+                "sliding window of 0 tokens".into(),
+            ));
+        }
+        let sliding = sliding_layers(
+            gguf,
+            &key("attention.sliding_window_pattern"),
+            base.num_layers,
+        )?;
+        let layer_window = sliding
+            .iter()
+            .map(|&s| if s { window } else { None })
+            .collect();
+        // transformers' `query_pre_attn_scalar`: the head size, except Gemma 3 27B (62
+        // layers), which uses hidden / heads (llama.cpp does the same).
+        let query_pre_attn_scalar = match gguf.opt_f32(&key("attention.query_pre_attn_scalar"))? {
+            Some(s) => s,
+            None if base.num_layers == 62 => (base.hidden_size / base.num_heads) as f32,
+            None => base.head_dim as f32,
+        };
+        if !query_pre_attn_scalar.is_finite() || query_pre_attn_scalar <= 0.0 {
+            return Err(ModelError::InvalidConfig(format!(
+                "query_pre_attn_scalar {query_pre_attn_scalar} is not positive"
+            )));
+        }
+        let positive = |name: &str, v: Option<f32>| match v {
+            Some(v) if !v.is_finite() || v <= 0.0 => Err(ModelError::InvalidConfig(format!(
+                "`{name}` is {v}, expected a positive number"
+            ))),
+            other => Ok(other),
+        };
+        Ok(Self {
+            name: base.name,
+            num_layers: base.num_layers,
+            hidden_size: base.hidden_size,
+            intermediate_size: base.intermediate_size,
+            num_heads: base.num_heads,
+            num_kv_heads: base.num_kv_heads,
+            head_dim: base.head_dim,
+            vocab_size: base.vocab_size,
+            context_length: base.context_length,
+            rms_norm_eps: gguf
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-6),
+            rope_global_base: base.rope_theta,
+            rope_local_base: gguf
+                .opt_f32(&key("rope.freq_base_swa"))?
+                .unwrap_or(Self::DEFAULT_LOCAL_ROPE_BASE),
+            rope_global_linear_factor: base.rope_linear_factor,
+            attention_scale: query_pre_attn_scalar.powf(-0.5),
+            layer_window,
+            attn_logit_softcap: positive(
+                "attn_logit_softcapping",
+                gguf.opt_f32(&key("attn_logit_softcapping"))?,
+            )?,
+            final_logit_softcap: positive(
+                "final_logit_softcapping",
+                gguf.opt_f32(&key("final_logit_softcapping"))?,
+            )?,
+            architecture: arch,
+        })
+    }
+}
+
+/// Which layers use the sliding window: from `key` when the file has it (a period `n`:
+/// every `n`-th layer is global; or one boolean per layer, true where sliding), else the
+/// architecture's default period.
+fn sliding_layers(gguf: &GgufFile, key: &str, num_layers: usize) -> Result<Vec<bool>> {
+    use candle_core::quantized::gguf_file::Value;
+    let by_period = |n: usize| (0..num_layers).map(|l| (l + 1) % n != 0).collect();
+    let Some(value) = gguf.metadata(key) else {
+        return Ok(by_period(Gemma3Config::GLOBAL_EVERY));
+    };
+    let wrong = || ModelError::WrongType {
+        key: key.to_string(),
+        expected: "positive integer or array of booleans",
+    };
+    match value {
+        Value::Array(items) => {
+            if items.len() != num_layers {
+                return Err(ModelError::InvalidConfig(format!(
+                    "`{key}` has {} entries for {num_layers} layers",
+                    items.len()
+                )));
+            }
+            items
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    _ => Err(wrong()),
+                })
+                .collect()
+        }
+        _ => match gguf.opt_usize(key) {
+            Ok(Some(n)) if n > 0 => Ok(by_period(n)),
+            _ => Err(wrong()),
+        },
+    }
+}

@@ -33,7 +33,7 @@ pub enum ModelError {
     },
     #[error("tensor `{name}` has type {dtype}, which lantern does not support here")]
     UnsupportedTensorType { name: String, dtype: String },
-    #[error("unsupported model architecture `{0}` (supported: llama)")]
+    #[error("unsupported model architecture `{0}` (supported: llama, gemma3)")]
     UnsupportedArchitecture(String),
     #[error("invalid model configuration: {0}")]
     InvalidConfig(String),

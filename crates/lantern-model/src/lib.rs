@@ -6,6 +6,7 @@ pub mod config;
 pub mod cpu;
 pub mod default_model;
 pub mod error;
+pub mod gemma3;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
@@ -163,6 +164,7 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
     let architecture = gguf.get_string("general.architecture")?.to_string();
     let model: Box<dyn CausalLm> = match architecture.as_str() {
         "llama" => Box::new(llama::Llama::load(&mut gguf, &progress, options)?),
+        "gemma3" => Box::new(gemma3::Gemma3::load(&mut gguf, &progress, options)?),
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     };
     Ok(LoadedModel {

@@ -158,13 +158,25 @@ impl Linear {
                 Ok(out)
             }
             Weight::Candle(w) => {
-                let input =
-                    Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu).map_err(wrap)?;
+                // candle's x86 kernels take their repacked path for Q6_K only when there is
+                // more than one row, and the two paths round differently: a lone row goes in
+                // twice so that a request decoding alone gets the bits it gets in a batch.
+                let pad =
+                    rows == 1 && self.dtype == GgmlDType::Q6K && matches!(w, QMatMul::QTensor(_));
+                let input = if pad {
+                    Tensor::from_iter(x.iter().chain(x).copied(), &Device::Cpu)
+                        .and_then(|t| t.reshape((2, self.in_features)))
+                } else {
+                    Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)
+                }
+                .map_err(wrap)?;
                 let output = w.forward(&input).map_err(wrap)?;
-                output
+                let mut values = output
                     .flatten_all()
                     .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(wrap)
+                    .map_err(wrap)?;
+                values.truncate(rows * self.out_features);
+                Ok(values)
             }
         }
     }

@@ -43,6 +43,10 @@ impl Default for TinyLlama {
     }
 }
 
+/// The sliding window of a tiny model written with `architecture: "gemma3"` (which also
+/// gets Gemma 3's QK and sandwich norm tensors).
+pub const GEMMA3_TINY_WINDOW: usize = 8;
+
 /// Byte-level vocabulary: the 256 GPT-2 byte symbols, then two specials.
 fn vocabulary() -> Vec<String> {
     let mut tokens: Vec<String> = (0u32..256)
@@ -115,6 +119,14 @@ impl TinyLlama {
                 ),
             ),
         ];
+        if arch == "gemma3" {
+            // Gemma 3: every 6th layer global, the others see `GEMMA3_TINY_WINDOW` keys.
+            metadata.push((
+                key("attention.sliding_window"),
+                Value::U32(GEMMA3_TINY_WINDOW as u32),
+            ));
+            metadata.push((key("attention.key_length"), Value::U32(head_dim as u32)));
+        }
         metadata.retain(|(k, _)| !self.omit_keys.contains(k));
 
         let mut seed = self.seed;
@@ -147,7 +159,15 @@ impl TinyLlama {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
             add(n("attn_norm"), ones.clone(), GgmlDType::F32).map_err(err)?;
-            add(n("ffn_norm"), ones, GgmlDType::F32).map_err(err)?;
+            add(n("ffn_norm"), ones.clone(), GgmlDType::F32).map_err(err)?;
+            if arch == "gemma3" {
+                let head_ones =
+                    Tensor::ones(head_dim, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
+                add(n("attn_q_norm"), head_ones.clone(), GgmlDType::F32).map_err(err)?;
+                add(n("attn_k_norm"), head_ones, GgmlDType::F32).map_err(err)?;
+                add(n("post_attention_norm"), ones.clone(), GgmlDType::F32).map_err(err)?;
+                add(n("post_ffw_norm"), ones, GgmlDType::F32).map_err(err)?;
+            }
             let s = 1.0 / (h as f32).sqrt();
             add(n("attn_q"), random(h, h, s).map_err(err)?, matrix_dtype).map_err(err)?;
             add(n("attn_k"), random(kv, h, s).map_err(err)?, matrix_dtype).map_err(err)?;

@@ -46,3 +46,55 @@ fn the_tokenizer_matches_the_reference() {
         assert_eq!(tokenizer.decode(&ids, false).unwrap(), text, "{ids:?}");
     }
 }
+
+mod tiny {
+    use lantern_model::synthetic::{TinyLlama, GEMMA3_TINY_WINDOW};
+    use lantern_model::{load_model, LoadOptions, ModelError};
+
+    fn tiny(layers: usize) -> TinyLlama {
+        TinyLlama {
+            architecture: "gemma3".into(),
+            num_layers: layers,
+            ..TinyLlama::default()
+        }
+    }
+
+    fn load(model: &TinyLlama) -> Result<lantern_model::LoadedModel, ModelError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny-gemma3.gguf");
+        model.write(&path).unwrap();
+        load_model(&path, &LoadOptions::default())
+    }
+
+    #[test]
+    fn every_sixth_layer_is_global_and_the_others_slide() {
+        let loaded = load(&tiny(7)).unwrap();
+        let info = loaded.model.info();
+        assert_eq!(info.architecture, "gemma3");
+        let windows: Vec<_> = info.attention.iter().map(|a| a.sliding_window).collect();
+        let w = Some(GEMMA3_TINY_WINDOW);
+        assert_eq!(windows, vec![w, w, w, w, w, None, w]);
+        // head_dim 16: scale 16^-0.5.
+        assert_eq!(info.attention[0].scale, 0.25);
+    }
+
+    #[test]
+    fn a_missing_qk_norm_is_named() {
+        let model = TinyLlama {
+            omit_tensors: vec!["blk.1.attn_k_norm.weight".into()],
+            ..tiny(2)
+        };
+        let err = load(&model).err().expect("refused").to_string();
+        assert!(err.contains("blk.1.attn_k_norm.weight"), "{err}");
+    }
+
+    #[test]
+    fn missing_hyper_parameters_are_named() {
+        let model = TinyLlama {
+            omit_keys: vec!["gemma3.attention.head_count".into()],
+            ..tiny(2)
+        };
+        let err = load(&model).err().expect("refused").to_string();
+        assert!(err.contains("gemma3.attention.head_count"), "{err}");
+    }
+}

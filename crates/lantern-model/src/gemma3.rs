@@ -92,13 +92,23 @@ impl Gemma3 {
             let down = tensor(&name("ffn_down"), &[h, ff])?;
             layers.push(Gemma3Layer {
                 attn_norm,
-                qkv: Projections::new(options, &name("attn_qkv"), vec![q, k, v])?,
+                qkv: Projections::new(
+                    options,
+                    vec![
+                        (name("attn_q"), q),
+                        (name("attn_k"), k),
+                        (name("attn_v"), v),
+                    ],
+                )?,
                 q_norm,
                 k_norm,
                 attn_output: linear(options, &name("attn_output"), attn_output)?,
                 post_attention_norm,
                 ffn_norm,
-                gate_up: Projections::new(options, &name("ffn_gate_up"), vec![gate, up])?,
+                gate_up: Projections::new(
+                    options,
+                    vec![(name("ffn_gate"), gate), (name("ffn_up"), up)],
+                )?,
                 ffn_down: linear(options, &name("ffn_down"), down)?,
                 post_ffw_norm,
             });
@@ -193,22 +203,30 @@ struct Projections {
 }
 
 impl Projections {
-    fn new(options: &LoadOptions, name: &str, parts: Vec<QTensor>) -> Result<Self> {
-        let mut runs: Vec<Vec<QTensor>> = Vec::new();
+    /// `parts`: each matrix with its tensor name (errors name the tensors involved).
+    fn new(options: &LoadOptions, parts: Vec<(String, QTensor)>) -> Result<Self> {
+        let mut runs: Vec<Vec<(String, QTensor)>> = Vec::new();
         for part in parts {
             match runs.last_mut() {
-                Some(run) if run[0].dtype() == part.dtype() => run.push(part),
+                Some(run) if run.last().is_some_and(|(_, t)| t.dtype() == part.1.dtype()) => {
+                    run.push(part)
+                }
                 _ => runs.push(vec![part]),
             }
         }
         let stacks = runs
             .into_iter()
             .map(|run| {
-                let widths = run.iter().map(|t| t.shape().dims()[0]).collect();
-                let product = if run.len() == 1 {
-                    Linear::new(name, run.into_iter().next().expect("one part"))?
-                } else {
-                    Linear::stacked(name, run)?
+                let widths = run.iter().map(|(_, t)| t.shape().dims()[0]).collect();
+                let name = run
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" + ");
+                let mut tensors: Vec<QTensor> = run.into_iter().map(|(_, t)| t).collect();
+                let product = match tensors.len() {
+                    1 => Linear::new(&name, tensors.remove(0))?,
+                    _ => Linear::stacked(&name, tensors)?,
                 };
                 let product = if options.f32_weights {
                     product.into_f32()?

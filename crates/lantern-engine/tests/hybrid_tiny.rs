@@ -133,3 +133,64 @@ fn chunking_backends_and_prefix_hits_agree() {
     assert!(second.num_cached_prompt_tokens > 0);
     assert_eq!(first.token_ids, second.token_ids);
 }
+
+/// A long request holds, in its sliding-window group, only the blocks the window still
+/// reaches (window 8 over blocks of 4: at most 3), while the global group holds them
+/// all; the generated tokens are those of an engine that keeps every block (a
+/// capturing request keeps its blocks, so capturing it gives the reference).
+#[test]
+fn sliding_window_memory_stays_bounded_and_tokens_unchanged() {
+    use lantern_engine::lantern_capture::CaptureSpec;
+    use lantern_kv::AttentionKind;
+    let (mut engine, _dir) = engine(7, config());
+    let sliding = (0..engine.kv_cache().num_groups())
+        .find(|&g| {
+            matches!(
+                engine.kv_cache().group_spec(g).unwrap().kind,
+                AttentionKind::SlidingWindow { .. }
+            )
+        })
+        .unwrap();
+    let global = 1 - sliding;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(150)
+    };
+    let p = prompt(30, 9);
+    let id = engine.add_request(p.clone(), params.clone()).unwrap();
+    let mut steps = 0;
+    let mut most_sliding = 0;
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+        steps += 1;
+        if !engine.has_unfinished() {
+            break;
+        }
+        let kv = engine.kv_cache();
+        let held = kv.num_held_blocks(id, sliding);
+        most_sliding = most_sliding.max(held);
+        assert!(
+            held <= GEMMA3_TINY_WINDOW / 4 + 1,
+            "step {steps}: {held} sliding blocks"
+        );
+        assert_eq!(
+            kv.block_table(id, global).len(),
+            kv.num_held_blocks(id, global)
+        );
+    }
+    eprintln!("sliding group: at most {most_sliding} blocks over {steps} steps (180 tokens)");
+    let bounded = engine.take_completion(id).unwrap().token_ids;
+    // The same request, keeping every block because it captures.
+    let spec = CaptureSpec::everything(7, engine.model_info().attention[0].num_heads);
+    let id = engine
+        .add_request_with_capture(p, params, Some(spec))
+        .unwrap();
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+    }
+    assert_eq!(engine.take_completion(id).unwrap().token_ids, bounded);
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}

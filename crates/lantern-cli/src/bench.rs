@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// and memory against prompt length, and others' decode rate while it finalizes.
     #[arg(long)]
     pub capture: bool,
+    /// Also measure the KV cache memory one request of this many tokens holds, with
+    /// sliding-window blocks given back as the window moves and without (0: skip).
+    #[arg(long, default_value_t = 0)]
+    pub kv_memory_tokens: usize,
     /// Prompt lengths of the capture figures.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
     pub capture_prompt_tokens: Vec<usize>,
@@ -101,6 +105,51 @@ fn decode_rate(engine: &mut Engine, prompts: Vec<Vec<u32>>, tokens: usize) -> Re
     Ok(decoded as f64 / elapsed.as_secs_f64().max(1e-9))
 }
 
+/// KV cache bytes one request of `tokens` tokens (a prompt of `tokens - 8`, then 8
+/// generated) holds at its largest: as measured, with out-of-reach sliding-window blocks
+/// given back, and as it would hold keeping every block. Each group's blocks count the
+/// pages of that group's layers only.
+fn kv_memory_of_one_request(engine: &mut Engine, tokens: usize) -> Result<(usize, usize)> {
+    use lantern_kv::AttentionKind;
+    let info = engine.model_info().clone();
+    let kv = engine.kv_cache();
+    let group_bytes: Vec<usize> = (0..kv.num_groups())
+        .map(|g| {
+            let spec = kv.group_spec(g).expect("group exists");
+            let layers = info
+                .attention
+                .iter()
+                .filter(|a| {
+                    let kind = match (a.sliding_window, a.chunk_size) {
+                        (Some(window), _) => AttentionKind::SlidingWindow { window },
+                        (None, Some(chunk_size)) => AttentionKind::ChunkedLocal { chunk_size },
+                        (None, None) => AttentionKind::FullAttention,
+                    };
+                    kind == spec.kind
+                })
+                .count();
+            spec.page_size_bytes() * layers
+        })
+        .collect();
+    let prompt = synthetic_prompt(tokens.saturating_sub(8).max(1), 77, info.vocab_size);
+    let id = engine.add_request(prompt, decode_params(8))?;
+    let mut most = 0;
+    while engine.has_unfinished() {
+        engine.step()?;
+        let kv = engine.kv_cache();
+        let held: usize = (0..kv.num_groups())
+            .map(|g| kv.num_held_blocks(id, g) * group_bytes[g])
+            .sum();
+        most = most.max(held);
+    }
+    engine.take_completion(id);
+    let kv = engine.kv_cache();
+    let all = (0..kv.num_groups())
+        .map(|g| kv.group_spec(g).map_or(0, |s| s.blocks_for_tokens(tokens)) * group_bytes[g])
+        .sum();
+    Ok((most, all))
+}
+
 pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -155,6 +204,9 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         .iter()
         .map(|&b| rate(b, 16).map(|r| (b, r)))
         .collect::<Result<_>>()?;
+    let kv_memory = (args.kv_memory_tokens > 0)
+        .then(|| kv_memory_of_one_request(&mut engine, args.kv_memory_tokens))
+        .transpose()?;
     let peak = peak_memory_bytes();
     let info = engine.model_info();
     let level = lantern_model::simd_level();
@@ -177,6 +229,11 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
                 "peak_memory_bytes": peak,
+                "kv_memory_bytes": kv_memory.map(|(held, all)| json!({
+                    "tokens": args.kv_memory_tokens,
+                    "with_window_release": held,
+                    "keeping_every_block": all,
+                })),
             })
         );
     } else {
@@ -198,6 +255,15 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         );
         for (b, r) in &batched {
             println!("decode, batch {b:<4} {r:8.1} tokens/s  (aggregate)");
+        }
+        if let Some((held, all)) = kv_memory {
+            let mib = |b: usize| b as f64 / (1 << 20) as f64;
+            println!(
+                "KV memory          {:8.1} MiB  (one {}-token request; {:.1} MiB keeping every block)",
+                mib(held),
+                args.kv_memory_tokens,
+                mib(all)
+            );
         }
         if let Some(p) = peak {
             println!("peak memory        {:8.1} MiB", p as f64 / (1 << 20) as f64);

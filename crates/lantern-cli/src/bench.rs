@@ -7,6 +7,7 @@
 use crate::args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
+use lantern_engine::lantern_capture::CaptureSpec;
 use lantern_engine::{Engine, SamplingParams};
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -80,9 +81,19 @@ fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
 /// Aggregate decode tokens/s of `prompts` generating `tokens` each: tokens sampled after
 /// every request has its first token, over the time that took.
 fn decode_rate(engine: &mut Engine, prompts: Vec<Vec<u32>>, tokens: usize) -> Result<f64> {
-    let ids: Vec<_> = prompts
+    let requests = prompts.into_iter().map(|p| (p, None)).collect();
+    decode_rate_with_capture(engine, requests, tokens)
+}
+
+/// [`decode_rate`] of requests that may capture their attention.
+pub(crate) fn decode_rate_with_capture(
+    engine: &mut Engine,
+    requests: Vec<(Vec<u32>, Option<CaptureSpec>)>,
+    tokens: usize,
+) -> Result<f64> {
+    let ids: Vec<_> = requests
         .into_iter()
-        .map(|p| engine.add_request(p, decode_params(tokens)))
+        .map(|(p, capture)| engine.add_request_with_capture(p, decode_params(tokens), capture))
         .collect::<Result<_, _>>()?;
     let mut started = std::collections::HashSet::new();
     let mut decode_start: Option<Instant> = None;

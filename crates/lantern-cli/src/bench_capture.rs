@@ -6,13 +6,13 @@
 //! - the decode rate of a batch while another thread finalizes a large capture (what
 //!   other requests lose while a capture is computed off the step loop).
 
-use crate::bench::{decode_params, median, synthetic_prompt};
+use crate::bench::{decode_params, decode_rate_with_capture, median, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::lantern_capture::{CaptureSpec, CaptureWorker, PendingCapture, RowSelection};
 use lantern_engine::Engine;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Tokens each decode figure generates per request.
 const DECODE_TOKENS: usize = 64;
@@ -26,36 +26,17 @@ fn everything(engine: &Engine) -> CaptureSpec {
     CaptureSpec::everything(info.num_layers, info.attention[0].num_heads)
 }
 
-/// Aggregate tokens/s of `BATCH` requests, the first capturing with `capture`, counted
-/// once every request has its first token.
+/// Aggregate tokens/s of `BATCH` requests, the first capturing with `capture`.
 fn decode_rate(engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>) -> Result<f64> {
     let vocab = engine.model_info().vocab_size;
-    let mut ids = Vec::new();
-    for i in 0..BATCH {
-        *salt += 1;
-        let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
-        let spec = if i == 0 { capture.clone() } else { None };
-        ids.push(engine.add_request_with_capture(prompt, decode_params(DECODE_TOKENS), spec)?);
-    }
-    let mut started = std::collections::HashSet::new();
-    let mut decode_start: Option<Instant> = None;
-    let mut decoded = 0usize;
-    while engine.has_unfinished() {
-        let outputs = engine.step()?;
-        if decode_start.is_some() {
-            decoded += outputs.len();
-        } else {
-            started.extend(outputs.iter().map(|o| o.id));
-            if started.len() == ids.len() {
-                decode_start = Some(Instant::now());
-            }
-        }
-    }
-    for id in ids {
-        engine.take_completion(id);
-    }
-    let elapsed = decode_start.map_or(Duration::ZERO, |s| s.elapsed());
-    Ok(decoded as f64 / elapsed.as_secs_f64().max(1e-9))
+    let requests = (0..BATCH)
+        .map(|i| {
+            *salt += 1;
+            let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
+            (prompt, if i == 0 { capture.clone() } else { None })
+        })
+        .collect();
+    decode_rate_with_capture(engine, requests, DECODE_TOKENS)
 }
 
 /// A finished capture of every layer, head and row of a `prompt_len`-token prompt.

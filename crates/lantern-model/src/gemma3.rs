@@ -64,7 +64,7 @@ impl Gemma3 {
             progress.advance();
             t
         };
-        let token_embd = linear(
+        let token_embd = Linear::load(
             options,
             "token_embd.weight",
             tensor("token_embd.weight", &[c.vocab_size, h])?,
@@ -102,14 +102,14 @@ impl Gemma3 {
                 )?,
                 q_norm,
                 k_norm,
-                attn_output: linear(options, &name("attn_output"), attn_output)?,
+                attn_output: Linear::load(options, &name("attn_output"), attn_output)?,
                 post_attention_norm,
                 ffn_norm,
                 gate_up: Projections::new(
                     options,
                     vec![(name("ffn_gate"), gate), (name("ffn_up"), up)],
                 )?,
-                ffn_down: linear(options, &name("ffn_down"), down)?,
+                ffn_down: Linear::load(options, &name("ffn_down"), down)?,
                 post_ffw_norm,
             });
         }
@@ -118,7 +118,7 @@ impl Gemma3 {
             tensor_to_vec("output_norm.weight", &tensor("output_norm.weight", &[h])?)?,
         )?;
         let output = if has_output {
-            Some(linear(
+            Some(Linear::load(
                 options,
                 "output.weight",
                 tensor("output.weight", &[c.vocab_size, h])?,
@@ -185,15 +185,6 @@ fn finite(name: &str, values: Vec<f32>) -> Result<Vec<f32>> {
     }
 }
 
-fn linear(options: &LoadOptions, name: &str, tensor: QTensor) -> Result<Linear> {
-    let linear = Linear::new(name, tensor)?;
-    if options.f32_weights {
-        linear.into_f32()
-    } else {
-        Ok(linear)
-    }
-}
-
 /// Several matrices applied to the same input (q/k/v, gate/up). Neighbours of one type are
 /// stacked into one product; Gemma's GGUF files mix types (q, k in Q5_0, v in Q8_0), so a
 /// single stack is not always possible.
@@ -225,13 +216,8 @@ impl Projections {
                     .join(" + ");
                 let mut tensors: Vec<QTensor> = run.into_iter().map(|(_, t)| t).collect();
                 let product = match tensors.len() {
-                    1 => Linear::new(&name, tensors.remove(0))?,
-                    _ => Linear::stacked(&name, tensors)?,
-                };
-                let product = if options.f32_weights {
-                    product.into_f32()?
-                } else {
-                    product
+                    1 => Linear::load(options, &name, tensors.remove(0))?,
+                    _ => Linear::load_stacked(options, &name, tensors)?,
                 };
                 Ok((product, widths))
             })

@@ -31,6 +31,29 @@ fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
 }
 
 impl Linear {
+    /// `tensor` as a product, dequantized to f32 when `options` ask for it.
+    pub fn load(options: &crate::LoadOptions, name: &str, tensor: QTensor) -> Result<Self> {
+        Self::new(name, tensor)?.in_precision_of(options)
+    }
+
+    /// Several matrices of one type stacked into one product (see [`Self::stacked`]),
+    /// dequantized to f32 when `options` ask for it.
+    pub fn load_stacked(
+        options: &crate::LoadOptions,
+        name: &str,
+        parts: Vec<QTensor>,
+    ) -> Result<Self> {
+        Self::stacked(name, parts)?.in_precision_of(options)
+    }
+
+    fn in_precision_of(self, options: &crate::LoadOptions) -> Result<Self> {
+        if options.f32_weights {
+            self.into_f32()
+        } else {
+            Ok(self)
+        }
+    }
+
     pub fn new(name: &str, tensor: QTensor) -> Result<Self> {
         let dims = tensor.shape().dims().to_vec();
         let [out_features, in_features] = dims[..] else {

@@ -7,7 +7,6 @@ use crate::linear::{tensor_to_vec, Linear};
 use crate::ops;
 use crate::rope::{Rope, RopePairs};
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
-use candle_core::quantized::QTensor;
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
 
 struct LlamaLayer {
@@ -51,7 +50,7 @@ impl Llama {
             progress.advance();
             t
         };
-        let token_embd = linear(
+        let token_embd = Linear::load(
             options,
             "token_embd.weight",
             tensor("token_embd.weight", &[c.vocab_size, h])?,
@@ -68,15 +67,15 @@ impl Llama {
             let up = tensor(&name("ffn_up"), &[c.intermediate_size, h])?;
             layers.push(LlamaLayer {
                 attn_norm,
-                qkv: stacked(options, &name("attn_qkv"), vec![q, k, v])?,
-                attn_output: linear(
+                qkv: Linear::load_stacked(options, &name("attn_qkv"), vec![q, k, v])?,
+                attn_output: Linear::load(
                     options,
                     &name("attn_output"),
                     tensor(&name("attn_output"), &[h, q_dim])?,
                 )?,
                 ffn_norm,
-                gate_up: stacked(options, &name("ffn_gate_up"), vec![gate, up])?,
-                ffn_down: linear(
+                gate_up: Linear::load_stacked(options, &name("ffn_gate_up"), vec![gate, up])?,
+                ffn_down: Linear::load(
                     options,
                     &name("ffn_down"),
                     tensor(&name("ffn_down"), &[h, c.intermediate_size])?,
@@ -86,7 +85,7 @@ impl Llama {
         let output_norm =
             tensor_to_vec("output_norm.weight", &tensor("output_norm.weight", &[h])?)?;
         let output = if has_output {
-            Some(linear(
+            Some(Linear::load(
                 options,
                 "output.weight",
                 tensor("output.weight", &[c.vocab_size, h])?,
@@ -140,24 +139,6 @@ impl Llama {
 
     pub fn config(&self) -> &LlamaConfig {
         &self.config
-    }
-}
-
-fn linear(options: &LoadOptions, name: &str, tensor: QTensor) -> Result<Linear> {
-    let linear = Linear::new(name, tensor)?;
-    if options.f32_weights {
-        linear.into_f32()
-    } else {
-        Ok(linear)
-    }
-}
-
-fn stacked(options: &LoadOptions, name: &str, parts: Vec<QTensor>) -> Result<Linear> {
-    let linear = Linear::stacked(name, parts)?;
-    if options.f32_weights {
-        linear.into_f32()
-    } else {
-        Ok(linear)
     }
 }
 

@@ -213,6 +213,15 @@ impl PendingCapture {
 
     /// Computes the maps: probabilities, then the head reduction, then top-k.
     pub fn finalize(&self) -> Result<CaptureResult, CaptureError> {
+        self.finalize_with(|| {})
+    }
+
+    /// [`Self::finalize`], calling `after_layer` once each layer's map is done (the
+    /// capture worker paces itself there).
+    pub fn finalize_with(
+        &self,
+        mut after_layer: impl FnMut(),
+    ) -> Result<CaptureResult, CaptureError> {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
         let num_keys = self.num_computed;
@@ -240,6 +249,7 @@ impl PendingCapture {
                 }
             };
             maps.push(map);
+            after_layer();
         }
         let meta = CaptureMeta {
             format: CAPTURE_FORMAT.to_string(),

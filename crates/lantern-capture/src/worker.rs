@@ -3,14 +3,59 @@
 //!
 //! Finalization is pure CPU work with no deadline the engine cares about; at normal
 //! priority it would take a core from the step loop (on a 2-core machine, about half
-//! the decode rate). At nice 19 the scheduler gives it the cycles the engine leaves
-//! idle, and about 1.5% of a core when both want it, so a capture still finishes under
-//! sustained load.
+//! the decode rate). Nice 19 is not enough: the engine's worker threads meet at many
+//! short barriers per step, and each wake-up waited for the nice-19 thread's time
+//! slice (measured: a third of the decode rate lost). In `SCHED_IDLE` a waking engine
+//! thread preempts the worker at once, so the worker runs only in the cycles the engine
+//! leaves idle. Even so, every time it runs it delays the engine's next wake-up a
+//! little and takes cache, so while requests are running it also keeps itself to
+//! [`BUSY_DUTY_CYCLE`] of a core ([`Pacer`]); when the engine is idle it runs flat out.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-type Job = Box<dyn FnOnce() + Send + 'static>;
+type Job = Box<dyn FnOnce(&Pacer) + Send + 'static>;
+
+/// Share of one core the worker takes while the engine is busy.
+pub const BUSY_DUTY_CYCLE: f64 = 0.05;
+
+/// Keeps a job to [`BUSY_DUTY_CYCLE`] of a core while the engine has requests running:
+/// after each piece of work it sleeps long enough for the piece to be that share of the
+/// time. While the engine is idle it does not wait at all.
+pub struct Pacer {
+    engine_busy: Arc<AtomicBool>,
+    since: std::cell::Cell<Instant>,
+}
+
+impl Pacer {
+    fn new(engine_busy: Arc<AtomicBool>) -> Self {
+        Self {
+            engine_busy,
+            since: std::cell::Cell::new(Instant::now()),
+        }
+    }
+
+    /// Marks the start of a piece of work.
+    pub fn start(&self) {
+        self.since.set(Instant::now());
+    }
+
+    /// Called between pieces of work: sleeps while the engine is busy, then starts the
+    /// next piece.
+    pub fn pause(&self) {
+        if self.engine_busy.load(Ordering::Relaxed) {
+            let worked = self.since.get().elapsed();
+            std::thread::sleep(
+                worked
+                    .mul_f64(1.0 / BUSY_DUTY_CYCLE - 1.0)
+                    .min(Duration::from_secs(5)),
+            );
+        }
+        self.start();
+    }
+}
 
 /// A background thread that runs capture jobs in order.
 pub struct CaptureWorker {
@@ -18,28 +63,36 @@ pub struct CaptureWorker {
     join: Option<JoinHandle<()>>,
 }
 
-/// Lowers the calling thread's CPU priority to nice 19 (Linux: niceness is per thread).
+/// Puts the calling thread in Linux's `SCHED_IDLE` class (scheduling policy is per
+/// thread), falling back to nice 19.
 fn lower_own_priority() {
     #[cfg(target_os = "linux")]
-    // SAFETY: plain system calls on the calling thread's own id; no memory is shared.
+    // SAFETY: plain system calls on the calling thread itself (id 0 / its own tid), with
+    // a parameter struct that lives across the call; no memory is shared.
     unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        if libc::setpriority(libc::PRIO_PROCESS, tid, 19) != 0 {
-            tracing::debug!("could not lower the capture worker's priority");
+        let param = libc::sched_param { sched_priority: 0 };
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            if libc::setpriority(libc::PRIO_PROCESS, tid, 19) != 0 {
+                tracing::debug!("could not lower the capture worker's priority");
+            }
         }
     }
 }
 
 impl CaptureWorker {
-    /// Starts the worker thread.
-    pub fn start() -> std::io::Result<Self> {
+    /// Starts the worker thread; `engine_busy` says when requests are running, so that
+    /// jobs pace themselves (see [`Pacer`]).
+    pub fn start(engine_busy: Arc<AtomicBool>) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let join = std::thread::Builder::new()
             .name("lantern-capture".to_string())
             .spawn(move || {
                 lower_own_priority();
+                let pacer = Pacer::new(engine_busy);
                 for job in rx {
-                    job();
+                    pacer.start();
+                    job(&pacer);
                 }
             })?;
         Ok(Self {
@@ -49,7 +102,7 @@ impl CaptureWorker {
     }
 
     /// Queues `job`; returns `false` when the worker is gone.
-    pub fn submit(&self, job: impl FnOnce() + Send + 'static) -> bool {
+    pub fn submit(&self, job: impl FnOnce(&Pacer) + Send + 'static) -> bool {
         self.tx
             .as_ref()
             .is_some_and(|tx| tx.send(Box::new(job)).is_ok())
@@ -74,10 +127,13 @@ mod tests {
     fn runs_jobs_in_order_and_drains_on_drop() {
         let (tx, rx) = mpsc::channel();
         {
-            let worker = CaptureWorker::start().unwrap();
+            let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true))).unwrap();
             for i in 0..5 {
                 let tx = tx.clone();
-                assert!(worker.submit(move || tx.send(i).unwrap()));
+                assert!(worker.submit(move |pacer| {
+                    pacer.pause();
+                    tx.send(i).unwrap()
+                }));
             }
         }
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);

@@ -106,12 +106,13 @@ pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Resu
         let pending = Arc::new(pending);
         let stop = Arc::new(AtomicBool::new(false));
         let finalized = Arc::new(AtomicUsize::new(0));
-        let worker = CaptureWorker::start()?;
+        // The engine is busy throughout: the worker keeps to its duty cycle.
+        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)))?;
         {
             let (pending, stop, finalized) = (pending.clone(), stop.clone(), finalized.clone());
-            worker.submit(move || {
+            worker.submit(move |pacer| {
                 while !stop.load(Ordering::Relaxed) {
-                    if pending.finalize().is_ok() {
+                    if pending.finalize_with(|| pacer.pause()).is_ok() {
                         finalized.fetch_add(1, Ordering::Relaxed);
                     }
                 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
-    wire, CaptureDtype, CaptureError, CaptureSpec, CaptureWorker, HeadReduce, PendingCapture,
-    RowSelection,
+    wire, CaptureDtype, CaptureError, CaptureSpec, CaptureWorker, HeadReduce, Pacer,
+    PendingCapture, RowSelection,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
@@ -358,8 +358,10 @@ pub async fn deliver(
     let dtype = request.spec.dtype;
     let ttl = settings.ttl;
     let dir = settings.dir.clone();
-    let work = move || -> Result<Map<String, Value>, String> {
-        let result = pending?.finalize().map_err(|e| e.to_string())?;
+    let work = move |pacer: &Pacer| -> Result<Map<String, Value>, String> {
+        let result = pending?
+            .finalize_with(|| pacer.pause())
+            .map_err(|e| e.to_string())?;
         let meta = serde_json::to_value(&result.meta).map_err(|e| e.to_string())?;
         let mut fields = Map::new();
         match delivery {
@@ -389,8 +391,8 @@ pub async fn deliver(
         Ok(fields)
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let outcome = if worker.submit(move || {
-        let _ = tx.send(work());
+    let outcome = if worker.submit(move |pacer| {
+        let _ = tx.send(work(pacer));
     }) {
         rx.await
             .unwrap_or_else(|_| Err("the capture worker stopped".to_string()))

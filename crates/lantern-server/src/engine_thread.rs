@@ -171,6 +171,7 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     meta: Arc<ModelMeta>,
     alive: Arc<AtomicBool>,
+    busy: Arc<AtomicBool>,
 }
 
 /// The engine thread itself: join it after [`EngineHandle::shutdown`].
@@ -199,6 +200,8 @@ impl EngineHandle {
         let (ready_tx, ready_rx) = mpsc::channel::<Result<ModelMeta, E>>();
         let alive = Arc::new(AtomicBool::new(true));
         let alive_in_thread = alive.clone();
+        let busy = Arc::new(AtomicBool::new(false));
+        let busy_in_thread = busy.clone();
         let join = std::thread::Builder::new()
             .name("lantern-engine".to_string())
             .spawn(move || {
@@ -226,7 +229,7 @@ impl EngineHandle {
                         .unwrap_or(0),
                 };
                 let _ = ready_tx.send(Ok(meta));
-                EngineLoop::new(engine, rx).run();
+                EngineLoop::new(engine, rx, busy_in_thread).run();
                 alive_in_thread.store(false, Ordering::SeqCst);
             })
             .expect("spawning the engine thread");
@@ -237,6 +240,7 @@ impl EngineHandle {
                     tx,
                     meta: Arc::new(meta),
                     alive,
+                    busy,
                 },
                 thread,
             )),
@@ -254,6 +258,11 @@ impl EngineHandle {
 
     pub fn meta(&self) -> &ModelMeta {
         &self.meta
+    }
+
+    /// Set while the engine has requests to run (background work paces itself by it).
+    pub fn busy_flag(&self) -> Arc<AtomicBool> {
+        self.busy.clone()
     }
 
     /// Whether the engine thread is still running.
@@ -348,21 +357,25 @@ struct EngineLoop {
     live: HashMap<RequestId, Live>,
     metrics: EngineMetrics,
     shutting_down: bool,
+    busy: Arc<AtomicBool>,
 }
 
 impl EngineLoop {
-    fn new(engine: Engine, rx: mpsc::Receiver<Command>) -> Self {
+    fn new(engine: Engine, rx: mpsc::Receiver<Command>, busy: Arc<AtomicBool>) -> Self {
         Self {
             engine,
             rx,
             live: HashMap::new(),
             metrics: EngineMetrics::default(),
             shutting_down: false,
+            busy,
         }
     }
 
     fn run(mut self) {
         loop {
+            self.busy
+                .store(self.engine.has_unfinished(), Ordering::Relaxed);
             if !self.engine.has_unfinished() {
                 // Idle: sleep until a command arrives; every handle gone ends the thread.
                 match self.rx.recv() {

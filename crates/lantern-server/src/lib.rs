@@ -76,6 +76,7 @@ pub struct AppState {
 /// The server's routes, on an engine already running. Fails only when the capture
 /// worker thread cannot be started.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
+    let busy = engine.busy_flag();
     let served_model_name: Arc<str> = config
         .served_model_name
         .clone()
@@ -94,7 +95,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         created: openai::unix_now(),
         capture: Arc::new(config.capture.clone()),
         captures: Arc::new(CaptureStore::default()),
-        capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start()?),
+        capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start(busy)?),
     };
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))

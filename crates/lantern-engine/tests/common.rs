@@ -81,3 +81,60 @@ pub fn reference_prompts(model: &str) -> Vec<ReferencePrompt> {
         })
         .collect()
 }
+
+/// Checks capture invariant (a) for every captured layer, head and row of a dense
+/// capture: the row sums to 1 over the keys its layer's mask lets it see, every other
+/// key is exactly 0, and P·V, with V read back from the cache, is the attention output
+/// the model used for that row (`keep_attention_output`). Returns the worst relative
+/// error of P·V.
+pub fn check_capture_invariants(
+    pending: &lantern_capture::PendingCapture,
+    result: &lantern_capture::CaptureResult,
+) -> f32 {
+    let meta = &result.meta;
+    let keys = meta.key_positions.len();
+    let mut worst_rel = 0f32;
+    for (slot, map) in result.layers.iter().enumerate() {
+        let heads = map.shape[1];
+        let (layer, snapshot) = &pending.layers[slot];
+        for (r, &pos) in meta.row_positions.iter().enumerate() {
+            for h in 0..heads {
+                let row = &map.values[(r * heads + h) * keys..(r * heads + h + 1) * keys];
+                let sum: f64 = row.iter().map(|&x| f64::from(x)).sum();
+                assert!(
+                    (sum - 1.0).abs() < 1e-5,
+                    "layer {slot} row {pos} head {h}: sum {sum}"
+                );
+                for (k, &p) in row.iter().enumerate() {
+                    if !layer.key_visible(pos, k) {
+                        assert!(
+                            p == 0.0,
+                            "layer {slot} row {pos} head {h}: masked key {k} is {p}"
+                        );
+                    }
+                }
+                let kv_head = layer.kv_head_for(h);
+                let mut pv = vec![0f32; snapshot.head_dim];
+                for (j, &p) in row
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| layer.key_visible(pos, j))
+                {
+                    for (acc, &v) in pv.iter_mut().zip(snapshot.value(j, kv_head).unwrap()) {
+                        *acc += p * v;
+                    }
+                }
+                let used = pending.buffer.attention_output(slot, pos, h).unwrap();
+                let err: f32 = pv.iter().zip(used).map(|(a, b)| (a - b) * (a - b)).sum();
+                let norm: f32 = used.iter().map(|b| b * b).sum();
+                let rel = (err / norm).sqrt();
+                worst_rel = worst_rel.max(rel);
+                assert!(
+                    rel < 1e-4,
+                    "layer {slot} row {pos} head {h}: P·V off by {rel}"
+                );
+            }
+        }
+    }
+    worst_rel
+}

@@ -238,6 +238,7 @@ fn the_long_prompt_is_served_exactly_with_prefix_caching() {
         start: n - 8,
         end: n,
     };
+    spec.keep_attention_output = true;
     let id = engine
         .add_request_with_capture(p.prompt_ids.clone(), greedy(1), Some(spec))
         .unwrap();
@@ -245,12 +246,11 @@ fn the_long_prompt_is_served_exactly_with_prefix_caching() {
         engine.step().unwrap();
     }
     let done = engine.take_completion(id).unwrap();
-    let result = done
-        .capture
-        .expect("asked for a capture")
-        .unwrap()
-        .finalize()
-        .unwrap();
+    let pending = done.capture.expect("asked for a capture").unwrap();
+    let result = pending.finalize().unwrap();
+    // Rows sum to 1, keys outside the window are exactly 0, P·V is the layer's output.
+    let worst_rel = common::check_capture_invariants(&pending, &result);
+    eprintln!("capture: worst relative error of P·V {worst_rel:.2e}");
     assert_eq!(result.meta.row_positions, (n - 8..n).collect::<Vec<_>>());
     assert_eq!(result.meta.key_positions.len(), n);
     let mut archive = npyz::npz::NpzArchive::open(&p.npz).unwrap();

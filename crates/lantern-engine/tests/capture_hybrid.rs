@@ -9,26 +9,14 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use lantern_capture::{CaptureResult, CaptureSpec, PendingCapture};
 use lantern_engine::{Completion, Engine, EngineConfig, SamplingParams};
-use lantern_model::synthetic::{TinyLlama, GEMMA3_TINY_WINDOW};
-use lantern_model::{load_model, LoadOptions};
+use lantern_model::synthetic::GEMMA3_TINY_WINDOW;
 
 const LAYERS: usize = 7;
 
 fn engine(config: EngineConfig) -> (Engine, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-gemma3.gguf");
     // Q8_0 weights go through lantern's repacked kernels, whose results do not depend
     // on how many rows share a product (batch invariance is what is compared here).
-    TinyLlama {
-        architecture: "gemma3".into(),
-        num_layers: LAYERS,
-        dtype: GgmlDType::Q8_0,
-        ..TinyLlama::default()
-    }
-    .write(&path)
-    .unwrap();
-    let loaded = load_model(&path, &LoadOptions::default()).unwrap();
-    (Engine::new(loaded, config).unwrap(), dir)
+    common::tiny_gemma3(LAYERS, GgmlDType::Q8_0, config)
 }
 
 fn config() -> EngineConfig {
@@ -63,20 +51,7 @@ fn run(
     engine: &mut Engine,
     requests: Vec<(Vec<u32>, SamplingParams, Option<CaptureSpec>)>,
 ) -> Vec<Completion> {
-    let ids: Vec<_> = requests
-        .into_iter()
-        .map(|(p, s, c)| engine.add_request_with_capture(p, s, c).unwrap())
-        .collect();
-    while engine.has_unfinished() {
-        engine.step().unwrap();
-    }
-    assert_eq!(
-        engine.kv_cache().num_free_blocks(),
-        engine.kv_cache().num_blocks()
-    );
-    ids.into_iter()
-        .map(|id| engine.take_completion(id).unwrap())
-        .collect()
+    common::run_to_completion(engine, requests)
 }
 
 fn pending(c: &Completion) -> &PendingCapture {

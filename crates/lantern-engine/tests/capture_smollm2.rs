@@ -20,21 +20,7 @@ fn run(
     engine: &mut Engine,
     requests: Vec<(Vec<u32>, SamplingParams, Option<CaptureSpec>)>,
 ) -> Vec<Completion> {
-    let ids: Vec<_> = requests
-        .into_iter()
-        .map(|(p, s, c)| engine.add_request_with_capture(p, s, c).unwrap())
-        .collect();
-    while engine.has_unfinished() {
-        engine.step().unwrap();
-    }
-    assert_eq!(
-        engine.kv_cache().num_free_blocks(),
-        engine.kv_cache().num_blocks(),
-        "every block is free once the requests are done"
-    );
-    ids.into_iter()
-        .map(|id| engine.take_completion(id).unwrap())
-        .collect()
+    common::run_to_completion(engine, requests)
 }
 
 fn pending(c: &Completion) -> &PendingCapture {

@@ -138,3 +138,51 @@ pub fn check_capture_invariants(
     }
     worst_rel
 }
+
+/// A tiny random Gemma 3 of `layers` layers (window 8, every 6th layer global) with
+/// weights of `dtype`, written to a temporary directory that must outlive the engine.
+pub fn tiny_gemma3(
+    layers: usize,
+    dtype: candle_core::quantized::GgmlDType,
+    config: EngineConfig,
+) -> (Engine, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-gemma3.gguf");
+    lantern_model::synthetic::TinyLlama {
+        architecture: "gemma3".into(),
+        num_layers: layers,
+        dtype,
+        ..lantern_model::synthetic::TinyLlama::default()
+    }
+    .write(&path)
+    .unwrap();
+    let loaded = lantern_model::load_model(&path, &lantern_model::LoadOptions::default()).unwrap();
+    (Engine::new(loaded, config).unwrap(), dir)
+}
+
+/// Runs requests (each may capture) to completion, checks that every block is free
+/// afterwards, and returns their completions in order.
+pub fn run_to_completion(
+    engine: &mut Engine,
+    requests: Vec<(
+        Vec<u32>,
+        lantern_engine::SamplingParams,
+        Option<lantern_capture::CaptureSpec>,
+    )>,
+) -> Vec<lantern_engine::Completion> {
+    let ids: Vec<_> = requests
+        .into_iter()
+        .map(|(p, s, c)| engine.add_request_with_capture(p, s, c).unwrap())
+        .collect();
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+    }
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks(),
+        "every block is free once the requests are done"
+    );
+    ids.into_iter()
+        .map(|id| engine.take_completion(id).unwrap())
+        .collect()
+}

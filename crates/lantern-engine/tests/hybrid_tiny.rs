@@ -2,22 +2,14 @@
 //! through the engine: two KV cache groups with their own block tables and metadata,
 //! prompts several windows long, small blocks.
 
+mod common;
+
+use candle_core::quantized::GgmlDType;
 use lantern_engine::{Engine, EngineConfig, SamplingParams};
-use lantern_model::synthetic::{TinyLlama, GEMMA3_TINY_WINDOW};
-use lantern_model::{load_model, LoadOptions};
+use lantern_model::synthetic::GEMMA3_TINY_WINDOW;
 
 fn engine(layers: usize, config: EngineConfig) -> (Engine, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-gemma3.gguf");
-    TinyLlama {
-        architecture: "gemma3".into(),
-        num_layers: layers,
-        ..TinyLlama::default()
-    }
-    .write(&path)
-    .unwrap();
-    let loaded = load_model(&path, &LoadOptions::default()).unwrap();
-    (Engine::new(loaded, config).unwrap(), dir)
+    common::tiny_gemma3(layers, GgmlDType::F32, config)
 }
 
 fn config() -> EngineConfig {

@@ -202,6 +202,15 @@ def test_oversized_capture_is_refused_with_the_estimate(cap_server, cap_client):
     cap_server.wait_idle()
 
 
+def test_metrics_count_captures(cap_server, cap_client):
+    before = cap_server.metrics()["lantern:attention_captures_total"]
+    complete(cap_client, cap_server, attn_capture_layers="0")
+    after = cap_server.metrics()
+    assert after["lantern:attention_captures_total"] == before + 1
+    assert after["lantern:attention_capture_failures_total"] == 0
+    assert after["lantern:attention_captures_stored"] >= 0
+
+
 def test_references_expire_after_the_ttl():
     srv = start_server("--enable-attention-capture", "--capture-ttl", "1")
     try:

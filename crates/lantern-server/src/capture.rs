@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -232,6 +233,8 @@ struct Stored {
 pub struct CaptureStore {
     entries: Mutex<HashMap<String, Stored>>,
     files: Mutex<Vec<(PathBuf, Instant)>>,
+    delivered: AtomicU64,
+    failed: AtomicU64,
 }
 
 /// 128 random bits as hex: ids and file names nobody can guess.
@@ -320,6 +323,15 @@ impl CaptureStore {
         self.len() == 0
     }
 
+    /// Counts of delivered and failed captures and the stored ones, for `/metrics`.
+    pub fn stats(&self) -> crate::metrics::CaptureStats {
+        crate::metrics::CaptureStats {
+            delivered: self.delivered.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            stored: self.len(),
+        }
+    }
+
     fn track_file(&self, path: PathBuf, ttl: Duration) {
         if let Ok(mut files) = self.files.lock() {
             files.push((path, Instant::now() + ttl));
@@ -358,6 +370,7 @@ pub async fn deliver(
     let dtype = request.spec.dtype;
     let ttl = settings.ttl;
     let dir = settings.dir.clone();
+    let counters = store.clone();
     let work = move |pacer: &Pacer| -> Result<Map<String, Value>, String> {
         let result = pending?
             .finalize_with(|| pacer.pause())
@@ -399,6 +412,12 @@ pub async fn deliver(
     } else {
         Err("the capture worker is not running".to_string())
     };
+    let counter = if outcome.is_ok() {
+        &counters.delivered
+    } else {
+        &counters.failed
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
     outcome.unwrap_or_else(|error| {
         tracing::warn!(%error, "attention capture failed");
         let mut fields = Map::new();

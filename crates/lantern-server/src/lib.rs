@@ -240,7 +240,8 @@ async fn metrics(State(state): State<AppState>) -> Response {
                 header::CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8",
             )],
-            metrics::render(&stats, &state.served_model_name),
+            metrics::render(&stats, &state.served_model_name)
+                + &metrics::render_captures(&state.captures.stats(), &state.served_model_name),
         )
             .into_response(),
         Err(e) => e.into_response(),

@@ -280,3 +280,43 @@ mod tests {
         assert!(text.contains("# TYPE lantern:e2e_request_latency_seconds histogram\n"));
     }
 }
+
+/// Attention captures delivered, failed and stored, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CaptureStats {
+    pub delivered: u64,
+    pub failed: u64,
+    /// Captures held for `GET /v1/captures/{id}` (expired ones excluded).
+    pub stored: usize,
+}
+
+/// The capture metrics in Prometheus text format.
+pub fn render_captures(stats: &CaptureStats, model_name: &str) -> String {
+    let label = format!("model_name=\"{}\"", escape_label(model_name));
+    let mut out = String::new();
+    for (name, kind, help, value) in [
+        (
+            "attention_captures_total",
+            "counter",
+            "Attention captures delivered (inline, by reference or as a file).",
+            stats.delivered as f64,
+        ),
+        (
+            "attention_capture_failures_total",
+            "counter",
+            "Attention captures that could not be delivered (the text still was).",
+            stats.failed as f64,
+        ),
+        (
+            "attention_captures_stored",
+            "gauge",
+            "Attention captures stored for GET /v1/captures/{id}.",
+            stats.stored as f64,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP lantern:{name} {help}");
+        let _ = writeln!(out, "# TYPE lantern:{name} {kind}");
+        let _ = writeln!(out, "lantern:{name}{{{label}}} {}", format_value(value));
+    }
+    out
+}

@@ -81,6 +81,20 @@ impl QueryRowBuffer {
         self.positions.clone()
     }
 
+    /// The requested rows of a sequence of `total_len` tokens (the first `prompt_len`
+    /// the prompt) that have a recorded query and keys, `num_computed` of them having
+    /// keys in the cache: the rows a capture delivers.
+    pub fn rows_present(
+        &self,
+        prompt_len: usize,
+        total_len: usize,
+        num_computed: usize,
+    ) -> Range<usize> {
+        let requested = self.spec.rows.positions(prompt_len, total_len);
+        let end = requested.end.min(num_computed).min(self.filled_to);
+        requested.start..end.max(requested.start)
+    }
+
     /// One past the highest position recorded so far.
     pub fn filled_to(&self) -> usize {
         self.filled_to
@@ -97,26 +111,26 @@ impl QueryRowBuffer {
     /// The query row of position `pos` for the `i`-th captured head of captured layer
     /// slot `slot`; `None` when it was never recorded.
     pub fn query(&self, slot: usize, pos: usize, head_index: usize) -> Option<&[f32]> {
-        Self::row_of(&self.q, slot, pos, head_index, self)
+        self.row_of(&self.q, slot, pos, head_index)
     }
 
     /// The attention output recorded beside the query (with `keep_attention_output`).
     pub fn attention_output(&self, slot: usize, pos: usize, head_index: usize) -> Option<&[f32]> {
-        Self::row_of(&self.out, slot, pos, head_index, self)
+        self.row_of(&self.out, slot, pos, head_index)
     }
 
     fn row_of<'a>(
+        &self,
         planes: &'a [Vec<f32>],
         slot: usize,
         pos: usize,
         head_index: usize,
-        this: &Self,
     ) -> Option<&'a [f32]> {
-        if !this.positions.contains(&pos) || pos >= this.filled_to {
+        if !self.positions.contains(&pos) || pos >= self.filled_to {
             return None;
         }
-        let start = (pos - this.positions.start) * this.row_len() + head_index * this.head_dim;
-        planes.get(slot)?.get(start..start + this.head_dim)
+        let start = (pos - self.positions.start) * self.row_len() + head_index * self.head_dim;
+        planes.get(slot)?.get(start..start + self.head_dim)
     }
 
     /// Copies the rows of tokens `first_pos..first_pos + num_tokens` of layer `layer`

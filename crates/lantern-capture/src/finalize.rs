@@ -150,11 +150,9 @@ impl PendingCapture {
     pub fn row_plan(&self) -> (Range<usize>, Vec<AbsentRow>) {
         let total = self.tokens.len();
         let requested = self.buffer.spec().rows.positions(self.prompt_len, total);
-        let present_end = requested
-            .end
-            .min(self.num_computed)
-            .min(self.buffer.filled_to());
-        let present = requested.start..present_end.max(requested.start);
+        let present = self
+            .buffer
+            .rows_present(self.prompt_len, total, self.num_computed);
         let absent = (present.end..requested.end)
             .map(|position| AbsentRow {
                 position,

@@ -312,8 +312,7 @@ impl Engine {
         let total = req.token_ids.len();
         let num_computed = req.num_computed_tokens;
         let spec = buffer.spec();
-        let rows = spec.rows.positions(req.prompt_len, total);
-        let rows = rows.start..rows.end.min(num_computed).max(rows.start);
+        let rows = buffer.rows_present(req.prompt_len, total, num_computed);
         let mut layers = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
         for &l in &spec.layers {

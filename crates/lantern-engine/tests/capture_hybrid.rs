@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::quantized::GgmlDType;
-use lantern_capture::{CaptureResult, CaptureSpec, PendingCapture};
+use lantern_capture::{CaptureSpec, PendingCapture};
 use lantern_engine::{Completion, Engine, EngineConfig, SamplingParams};
 use lantern_model::synthetic::GEMMA3_TINY_WINDOW;
 
@@ -56,23 +56,6 @@ fn run(
 
 fn pending(c: &Completion) -> &PendingCapture {
     c.capture.as_ref().unwrap().as_ref().unwrap()
-}
-
-fn same(a: &CaptureResult, b: &CaptureResult) {
-    assert_eq!(a.meta, b.meta);
-    for (x, y) in a.layers.iter().zip(&b.layers) {
-        let diff = x
-            .values
-            .iter()
-            .zip(&y.values)
-            .map(|(p, q)| (p - q).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            diff == 0.0,
-            "layer {}: captures differ by {diff}",
-            x.layer_idx
-        );
-    }
 }
 
 #[test]
@@ -129,7 +112,7 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
         ],
     );
     assert_eq!(batch[0].token_ids, plain[0].token_ids);
-    same(&pending(&batch[1]).finalize().unwrap(), &reference);
+    common::assert_same_capture(&pending(&batch[1]).finalize().unwrap(), &reference);
 
     // With the prompt in the prefix cache.
     let warm = run(&mut e, vec![(p.clone(), params(10), None)]);
@@ -137,7 +120,7 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
     assert!(again[0].num_cached_prompt_tokens > 0);
     assert_eq!(warm[0].token_ids, alone[0].token_ids);
     let hit = run(&mut e, vec![(p.clone(), params(10), Some(spec()))]);
-    same(&pending(&hit[0]).finalize().unwrap(), &reference);
+    common::assert_same_capture(&pending(&hit[0]).finalize().unwrap(), &reference);
 
     // Preempted and resumed: a pool too small for four requests at once.
     let (mut tight, _d2) = engine(EngineConfig {
@@ -155,5 +138,5 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
         out[3].num_preemptions > 0,
         "the capturing request was not preempted"
     );
-    same(&pending(&out[3]).finalize().unwrap(), &reference);
+    common::assert_same_capture(&pending(&out[3]).finalize().unwrap(), &reference);
 }

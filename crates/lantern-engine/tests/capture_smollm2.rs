@@ -5,7 +5,7 @@
 mod common;
 
 use common::{engine_with, engine_with_options, reference_prompts};
-use lantern_capture::{CaptureResult, CaptureSpec, PendingCapture, RowSelection};
+use lantern_capture::{CaptureSpec, PendingCapture, RowSelection};
 use lantern_engine::{Completion, Engine, EngineConfig, SamplingParams};
 use lantern_model::LoadOptions;
 
@@ -182,24 +182,6 @@ fn prompt_rows_match_transformers_on_the_served_path() {
     assert!(mean < 5e-4, "mean difference {mean}");
 }
 
-fn equal_results(a: &CaptureResult, b: &CaptureResult) {
-    assert_eq!(a.meta, b.meta);
-    for (x, y) in a.layers.iter().zip(&b.layers) {
-        assert_eq!(x.shape, y.shape);
-        let diff = x
-            .values
-            .iter()
-            .zip(&y.values)
-            .map(|(p, q)| (p - q).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            diff == 0.0,
-            "layer {}: captures differ by {diff}",
-            x.layer_idx
-        );
-    }
-}
-
 fn some_layers(heads: usize) -> CaptureSpec {
     let mut spec = CaptureSpec::everything(30, heads);
     spec.layers = vec![0, 14, 29];
@@ -232,7 +214,7 @@ fn capture_in_a_batch_changes_nothing_and_is_unchanged() {
     assert_eq!(together[0].token_ids, alone_plain[0].token_ids);
     assert!(together[0].capture.is_none());
     assert_eq!(together[1].token_ids, alone_capture[0].token_ids);
-    equal_results(
+    common::assert_same_capture(
         &pending(&together[1]).finalize().unwrap(),
         &pending(&alone_capture[0]).finalize().unwrap(),
     );
@@ -269,7 +251,7 @@ fn prefix_cache_hit_gives_the_same_capture_as_a_miss() {
         "a capture recomputes its prompt"
     );
     assert_eq!(hit[0].token_ids, plain[0].token_ids);
-    equal_results(
+    common::assert_same_capture(
         &pending(&hit[0]).finalize().unwrap(),
         &pending(&miss[0]).finalize().unwrap(),
     );
@@ -316,7 +298,7 @@ fn preempted_and_resumed_capture_equals_an_uninterrupted_one() {
     for (a, b) in uninterrupted.iter().zip(&interrupted) {
         assert_eq!(a.token_ids, b.token_ids);
     }
-    equal_results(
+    common::assert_same_capture(
         &pending(&interrupted[last]).finalize().unwrap(),
         &pending(&uninterrupted[last]).finalize().unwrap(),
     );

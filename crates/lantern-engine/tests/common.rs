@@ -186,3 +186,22 @@ pub fn run_to_completion(
         .map(|id| engine.take_completion(id).unwrap())
         .collect()
 }
+
+/// Asserts that two captures are the same: equal metadata and bit-identical maps.
+pub fn assert_same_capture(a: &lantern_capture::CaptureResult, b: &lantern_capture::CaptureResult) {
+    assert_eq!(a.meta, b.meta);
+    for (x, y) in a.layers.iter().zip(&b.layers) {
+        assert_eq!(x.shape, y.shape);
+        let diff = x
+            .values
+            .iter()
+            .zip(&y.values)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff == 0.0,
+            "layer {}: captures differ by {diff}",
+            x.layer_idx
+        );
+    }
+}

@@ -187,6 +187,10 @@ impl KvCacheManager {
     /// number of blocks given back. A request whose keys must stay readable after it
     /// runs (attention capture) should not call this.
     pub fn release_out_of_reach(&mut self, req: RequestId, num_computed_tokens: usize) -> usize {
+        // Full attention only (most models): nothing can ever be released.
+        if self.retention.iter().all(|r| *r == BlockRetention::KeepAll) {
+            return 0;
+        }
         let Some(r) = self.requests.get_mut(&req) else {
             return 0;
         };

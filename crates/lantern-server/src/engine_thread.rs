@@ -481,7 +481,9 @@ impl EngineLoop {
         let mut accepted: Vec<Accepted> = Vec::with_capacity(prepared.len());
         let now = Instant::now();
         let mut new_live = Vec::with_capacity(prepared.len());
-        let mut leader_prompts: Vec<Vec<u32>> = Vec::with_capacity(prepared.len());
+        // The first sample of the current prompt, and that prompt (items come as `n`
+        // consecutive samples of each prompt).
+        let mut leader: Option<(RequestId, Vec<u32>)> = None;
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
             let stop_token_ids = item.params.stop_token_ids.clone();
@@ -489,13 +491,12 @@ impl EngineLoop {
             let capture = item.capture.map(|c| c.spec);
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache.
-            let leader = accepted
-                .iter()
-                .zip(&leader_prompts)
-                .find(|(_, p)| **p == prompt_ids)
-                .map(|(a, _)| a.id);
-            leader_prompts.push(prompt_ids.clone());
-            let added = match (leader, capture) {
+            let sibling_of = leader
+                .as_ref()
+                .filter(|(_, p)| *p == prompt_ids)
+                .map(|&(id, _)| id);
+            let new_leader_prompt = sibling_of.is_none().then(|| prompt_ids.clone());
+            let added = match (sibling_of, capture) {
                 (Some(leader), None) => {
                     self.engine
                         .add_sibling_request(leader, prompt_ids, item.params)
@@ -507,6 +508,9 @@ impl EngineLoop {
             };
             match added {
                 Ok(id) => {
+                    if let Some(prompt) = new_leader_prompt {
+                        leader = Some((id, prompt));
+                    }
                     accepted.push(Accepted {
                         id,
                         prompt_tokens,

@@ -3,7 +3,7 @@
 use crate::args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use lantern_server::{CaptureSettings, EngineHandle, ServerConfig};
+use lantern_server::{CaptureSettings, ConnectionLimits, EngineHandle, ServerConfig};
 use std::io::Write;
 
 #[derive(Args, Debug)]
@@ -36,6 +36,21 @@ pub struct ServeArgs {
     /// Seconds a capture delivered by reference or file is kept.
     #[arg(long, default_value_t = 600)]
     pub capture_ttl: u64,
+    /// Origins a browser may call the API from (repeat or comma-separate; `*` for any).
+    /// Without it the server sends no CORS headers, so pages of other origins cannot
+    /// read its answers (and their JSON POSTs are stopped at the preflight).
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Most connections open at once; past it a new one is answered 503.
+    #[arg(long, default_value_t = lantern_server::connections::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (an idle keep-alive connection
+    /// is closed after as long).
+    #[arg(long, default_value_t = 30.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a client has to send a whole request body (else 408).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_read_timeout: f64,
     /// Directory for captures delivered as files (e.g. a tmpfs such as /dev/shm, for
     /// clients on this host that memory-map large captures); enables delivery "file".
     #[arg(long)]
@@ -81,6 +96,19 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
             dir.display()
         );
     }
+    let seconds = |flag: &str, s: f64| {
+        anyhow::ensure!(
+            s.is_finite() && s > 0.0 && s < 1e9,
+            "--{flag} must be a positive number of seconds, got {s}"
+        );
+        Ok(std::time::Duration::from_secs_f64(s))
+    };
+    let header_read_timeout = seconds("header-read-timeout", args.header_read_timeout)?;
+    let body_read_timeout = seconds("body-read-timeout", args.body_read_timeout)?;
+    anyhow::ensure!(
+        args.max_connections > 0,
+        "--max-connections must be at least 1"
+    );
     let engine_args = args.engine.clone();
     let (engine, engine_thread) = EngineHandle::start(move || engine_args.build_engine(verbose))?;
     let meta = engine.meta();
@@ -108,6 +136,12 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
             ttl: std::time::Duration::from_secs(args.capture_ttl),
             dir: args.capture_dir.clone(),
         },
+        body_read_timeout,
+        allowed_origins: args.allowed_origins.clone(),
+        connections: ConnectionLimits {
+            header_read_timeout,
+            max_connections: args.max_connections,
+        },
         ..ServerConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -127,7 +161,7 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
         println!("lantern: listening on http://{addr}");
         std::io::stdout().flush().ok();
         let on_signal = engine.clone();
-        lantern_server::serve(listener, router, async move {
+        lantern_server::serve_with_limits(listener, router, config.connections, async move {
             shutdown_signal().await;
             eprintln!("lantern: shutting down");
             // Ends every request (their streams finish with `abort`), so the graceful

@@ -11,14 +11,17 @@
 //! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
 
 pub mod capture;
+pub mod connections;
 pub mod engine_thread;
 pub mod error;
 pub mod metrics;
 mod openai;
 pub mod protocol;
+pub mod request_guards;
 pub mod stop;
 
 pub use capture::{CaptureSettings, CaptureStore};
+pub use connections::{serve_with_limits, ConnectionLimits};
 pub use engine_thread::{EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput};
 pub use error::ApiError;
 
@@ -48,6 +51,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Attention capture: off unless enabled.
     pub capture: CaptureSettings,
+    /// A POST body must arrive within this time (else `408`).
+    pub body_read_timeout: std::time::Duration,
+    /// Origins a browser may call the API from (`*`: any); empty: no CORS at all.
+    pub allowed_origins: Vec<String>,
+    /// Header read timeout and connection limit (applied by [`serve_with_limits`]).
+    pub connections: ConnectionLimits,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +66,9 @@ impl Default for ServerConfig {
             served_model_name: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             capture: CaptureSettings::default(),
+            body_read_timeout: request_guards::DEFAULT_BODY_READ_TIMEOUT,
+            allowed_origins: Vec::new(),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -109,24 +121,33 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             state.clone(),
             require_api_key,
         ));
+    let guards = Arc::new(request_guards::GuardSettings {
+        max_body_bytes: config.max_body_bytes,
+        body_read_timeout: config.body_read_timeout,
+        allowed_origins: config.allowed_origins.clone(),
+    });
     Ok(Router::new()
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            guards.clone(),
+            request_guards::json_body_in_time,
+        ))
+        .layer(middleware::from_fn_with_state(guards, request_guards::cors))
         .with_state(state))
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then lets open responses end.
+/// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`
+/// resolves, then lets open responses end.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with_limits(listener, router, ConnectionLimits::default(), shutdown).await
 }
 
 /// Compares without stopping at the first difference.

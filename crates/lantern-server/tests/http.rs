@@ -1,12 +1,16 @@
 //! The server with the real default model, on 127.0.0.1, driven over HTTP: bad input
 //! answered with 4xx, authentication, generation whole and streamed, stop strings,
-//! client disconnects and `/metrics`.
+//! client disconnects and `/metrics`, and the HTTP limits (timeouts, connection limit,
+//! `415`, CORS) over raw sockets.
 
 use lantern_engine::{Engine, EngineConfig};
-use lantern_server::{router, serve, EngineHandle, ServerConfig};
+use lantern_server::{
+    router, serve, serve_with_limits, ConnectionLimits, EngineHandle, ServerConfig,
+};
 use reqwest::blocking::{Client, Response};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::sync::{OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -19,6 +23,7 @@ struct TestServer {
     keyed: String,
     model: String,
     context_length: usize,
+    engine: EngineHandle,
 }
 
 /// One engine for the whole file, served twice: without and with an API key.
@@ -54,6 +59,7 @@ fn server() -> &'static TestServer {
                     keyed: format!("http://{}", keyed.local_addr().unwrap()),
                     model: meta.name.clone(),
                     context_length: meta.context_length,
+                    engine: engine.clone(),
                 })
                 .unwrap();
                 let open_router = router(engine.clone(), &ServerConfig::default()).unwrap();
@@ -681,4 +687,203 @@ fn disconnect_aborts_and_metrics_show_an_idle_engine() {
     }
     assert!(text.contains("# TYPE lantern:time_to_first_token_seconds histogram"));
     assert!(metric(&text, "lantern:e2e_request_latency_seconds_count") >= 1.0);
+}
+
+/// Serves the shared engine with `config` on a new port of its own; returns its address
+/// (`127.0.0.1:PORT`).
+fn serve_with(config: ServerConfig) -> String {
+    let engine = server().engine.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap().to_string()).unwrap();
+            let app = router(engine, &config).unwrap();
+            serve_with_limits(listener, app, config.connections, std::future::pending())
+                .await
+                .unwrap();
+        });
+    });
+    rx.recv().expect("the server starts")
+}
+
+/// Reads from `stream` until the server closes it (or `limit` passes); returns what came
+/// and whether the server closed it in time.
+fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> (String, bool) {
+    stream.set_read_timeout(Some(limit)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            // A reset also means the server closed it.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (String::from_utf8_lossy(&got).into_owned(), true)
+            }
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), false),
+        }
+    }
+}
+
+fn short_timeouts() -> ServerConfig {
+    ServerConfig {
+        body_read_timeout: Duration::from_millis(500),
+        connections: ConnectionLimits {
+            header_read_timeout: Duration::from_millis(500),
+            ..ConnectionLimits::default()
+        },
+        ..ServerConfig::default()
+    }
+}
+
+#[test]
+fn half_sent_headers_are_closed_after_the_header_timeout() {
+    let addr = serve_with(short_timeouts());
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    stream
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: applic")
+        .unwrap();
+    let started = Instant::now();
+    let (_, closed) = read_until_closed(&mut stream, Duration::from_secs(20));
+    assert!(closed, "a half-sent request kept its connection");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    // An idle connection that never sends anything is closed as well.
+    let mut idle = TcpStream::connect(&addr).unwrap();
+    let (_, closed) = read_until_closed(&mut idle, Duration::from_secs(20));
+    assert!(closed, "an idle connection stayed open");
+}
+
+#[test]
+fn a_body_that_does_not_arrive_gets_408() {
+    let addr = serve_with(short_timeouts());
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    stream
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\": ",
+        )
+        .unwrap();
+    let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(20));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive"), "{answer}");
+}
+
+#[test]
+fn connections_past_the_limit_get_503() {
+    let addr = serve_with(ServerConfig {
+        connections: ConnectionLimits {
+            max_connections: 2,
+            ..ConnectionLimits::default()
+        },
+        ..ServerConfig::default()
+    });
+    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    // The accept loop takes connections in order: the first two hold the permits.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = TcpStream::connect(&addr).unwrap();
+    let (answer, closed) = read_until_closed(&mut third, Duration::from_secs(20));
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("too many open connections"), "{answer}");
+    assert!(closed);
+    // Once one closes, a new connection is served.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = client().get(format!("http://{addr}/health")).send();
+        if r.as_ref().is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no connection served after the others closed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn post_bodies_must_be_declared_json() {
+    let s = server();
+    let url = format!("{}/v1/completions", s.open);
+    let body = r#"{"prompt": "Hi", "max_tokens": 1}"#;
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        let mut request = client().post(&url).body(body);
+        if let Some(t) = content_type {
+            request = request.header("content-type", t);
+        }
+        let r = request.send().unwrap();
+        assert_error(r, 415, "JSON");
+    }
+    // JSON with parameters is JSON.
+    let r = client()
+        .post(format!("{}/tokenize", s.open))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(r#"{"prompt": "Hi"}"#)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[test]
+fn cors_is_off_unless_origins_are_allowed() {
+    let s = server();
+    let preflight = |base: &str, origin: &str| {
+        client()
+            .request(reqwest::Method::OPTIONS, format!("{base}/v1/completions"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "content-type")
+            .send()
+            .unwrap()
+    };
+    let tokenize = |base: &str, origin: &str| {
+        client()
+            .post(format!("{base}/tokenize"))
+            .header("origin", origin)
+            .json(&json!({"prompt": "Hi"}))
+            .send()
+            .unwrap()
+    };
+    // Off: no CORS header anywhere, preflights refused.
+    let r = preflight(&s.open, "http://evil.example");
+    assert_eq!(r.status(), 403);
+    assert!(r.headers().get("access-control-allow-origin").is_none());
+    let r = tokenize(&s.open, "http://evil.example");
+    assert!(r.headers().get("access-control-allow-origin").is_none());
+    // Allowed origins only.
+    let addr = serve_with(ServerConfig {
+        allowed_origins: vec!["http://app.example".to_string()],
+        ..ServerConfig::default()
+    });
+    let base = format!("http://{addr}");
+    let r = preflight(&base, "http://app.example");
+    assert_eq!(r.status(), 204);
+    assert_eq!(
+        r.headers()["access-control-allow-origin"],
+        "http://app.example"
+    );
+    let methods = r.headers()["access-control-allow-methods"]
+        .to_str()
+        .unwrap();
+    assert!(methods.contains("POST"), "{methods}");
+    let r = tokenize(&base, "http://app.example");
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["access-control-allow-origin"],
+        "http://app.example"
+    );
+    let r = preflight(&base, "http://evil.example");
+    assert_eq!(r.status(), 403);
+    let r = tokenize(&base, "http://evil.example");
+    assert!(r.headers().get("access-control-allow-origin").is_none());
 }

@@ -1,7 +1,7 @@
 //! Model hyper-parameters read from GGUF metadata.
 
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
+use crate::source::WeightSource;
 
 /// Hyper-parameters of a Llama-family decoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,7 +24,7 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+    pub fn from_gguf(gguf: &dyn WeightSource) -> Result<Self> {
         let arch = gguf.get_string("general.architecture")?.to_string();
         let key = |k: &str| format!("{arch}.{k}");
         let hidden_size = gguf.get_usize(&key("embedding_length"))?;
@@ -134,7 +134,7 @@ impl Gemma3Config {
     /// Local RoPE base when the file does not give one.
     pub const DEFAULT_LOCAL_ROPE_BASE: f32 = 10_000.0;
 
-    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+    pub fn from_gguf(gguf: &dyn WeightSource) -> Result<Self> {
         // The shared hyper-parameters read exactly as for Llama (heads, head size, …).
         let base = LlamaConfig::from_gguf(gguf)?;
         let arch = base.architecture.clone();
@@ -222,7 +222,7 @@ impl Gemma3Config {
 /// Which layers use the sliding window: from `key` when the file has it (a period `n`:
 /// every `n`-th layer is global; or one boolean per layer, true where sliding), else the
 /// architecture's default period.
-fn sliding_layers(gguf: &GgufFile, key: &str, num_layers: usize) -> Result<Vec<bool>> {
+fn sliding_layers(gguf: &dyn WeightSource, key: &str, num_layers: usize) -> Result<Vec<bool>> {
     use candle_core::quantized::gguf_file::Value;
     let by_period = |n: usize| (0..num_layers).map(|l| (l + 1) % n != 0).collect();
     let Some(value) = gguf.metadata(key) else {

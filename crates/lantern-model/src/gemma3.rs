@@ -7,10 +7,10 @@
 
 use crate::config::Gemma3Config;
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
 use crate::linear::{tensor_to_vec, Linear};
 use crate::ops;
 use crate::rope::{Rope, RopePairs};
+use crate::source::WeightSource;
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
 use candle_core::quantized::QTensor;
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
@@ -44,7 +44,7 @@ pub struct Gemma3 {
 
 impl Gemma3 {
     pub fn load(
-        gguf: &mut GgufFile,
+        gguf: &mut dyn WeightSource,
         progress: &LoadProgress,
         options: &LoadOptions,
     ) -> Result<Self> {
@@ -57,7 +57,7 @@ impl Gemma3 {
             c.num_kv_heads * c.head_dim,
             c.intermediate_size,
         );
-        progress.start(gguf.tensor_names().count());
+        progress.start(gguf.tensor_names().len());
         let has_output = gguf.has_tensor("output.weight");
         let mut tensor = |name: &str, shape: &[usize]| {
             let t = gguf.tensor_with_shape(name, shape);

@@ -12,6 +12,7 @@ pub mod linear;
 pub mod llama;
 pub mod ops;
 pub mod rope;
+pub mod source;
 pub mod synthetic;
 pub mod tokenizer;
 
@@ -19,6 +20,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;
+pub use source::WeightSource;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
 
 use lantern_attn::{
@@ -161,15 +163,24 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
         )?),
         None => None,
     };
-    let architecture = gguf.get_string("general.architecture")?.to_string();
-    let model: Box<dyn CausalLm> = match architecture.as_str() {
-        "llama" => Box::new(llama::Llama::load(&mut gguf, &progress, options)?),
-        "gemma3" => Box::new(gemma3::Gemma3::load(&mut gguf, &progress, options)?),
-        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
-    };
+    let model = load_architecture(&mut gguf, &progress, options)?;
     Ok(LoadedModel {
         model,
         tokenizer,
         chat_template,
+    })
+}
+
+/// Builds the model `source` describes (`general.architecture` picks the family).
+pub fn load_architecture(
+    source: &mut dyn WeightSource,
+    progress: &LoadProgress,
+    options: &LoadOptions,
+) -> Result<Box<dyn CausalLm>> {
+    let architecture = source.get_string("general.architecture")?.to_string();
+    Ok(match architecture.as_str() {
+        "llama" => Box::new(llama::Llama::load(source, progress, options)?),
+        "gemma3" => Box::new(gemma3::Gemma3::load(source, progress, options)?),
+        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     })
 }

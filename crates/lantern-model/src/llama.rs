@@ -2,10 +2,10 @@
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
-use crate::gguf::GgufFile;
 use crate::linear::{tensor_to_vec, Linear};
 use crate::ops;
 use crate::rope::{Rope, RopePairs};
+use crate::source::WeightSource;
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
 
@@ -31,7 +31,7 @@ pub struct Llama {
 
 impl Llama {
     pub fn load(
-        gguf: &mut GgufFile,
+        gguf: &mut dyn WeightSource,
         progress: &LoadProgress,
         options: &LoadOptions,
     ) -> Result<Self> {
@@ -42,7 +42,7 @@ impl Llama {
             c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
         );
-        progress.start(gguf.tensor_names().count());
+        progress.start(gguf.tensor_names().len());
         let has_output = gguf.has_tensor("output.weight");
         let has_rope_freqs = gguf.has_tensor("rope_freqs.weight");
         let mut tensor = |name: &str, shape: &[usize]| {

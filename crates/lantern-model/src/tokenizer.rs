@@ -2,6 +2,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::source::WeightSource;
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;

@@ -2,7 +2,7 @@
 //! and tokenizes as the reference does.
 
 use lantern_model::default_model::ensure_gemma3_270m;
-use lantern_model::{GgufFile, ModelTokenizer};
+use lantern_model::{GgufFile, ModelTokenizer, WeightSource};
 use std::path::Path;
 
 fn summary() -> serde_json::Value {

@@ -25,6 +25,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Why the model file's template cannot be used: every render fails with it.
+    broken: Option<String>,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -48,12 +50,39 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            broken: None,
         })
+    }
+
+    /// A model file's template: one that does not compile is kept as broken, so that chat
+    /// requests fail with the reason while raw prompts still work.
+    pub fn from_model_file(source: &str, bos_token: &str, eos_token: &str) -> Self {
+        Self::new(source, bos_token, eos_token).unwrap_or_else(|e| Self::broken(e.to_string()))
+    }
+
+    /// A template that fails every render with `reason`.
+    pub fn broken(reason: String) -> Self {
+        Self {
+            env: Environment::new(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+            broken: Some(reason),
+        }
+    }
+
+    /// Why this template cannot render, if it cannot.
+    pub fn problem(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// The prompt for `messages`, ending with the assistant's turn when
     /// `add_generation_prompt` is set.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        if let Some(reason) = &self.broken {
+            return Err(ModelError::ChatTemplate(format!(
+                "the model's chat template is broken: {reason}"
+            )));
+        }
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -90,6 +119,18 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "", "").unwrap();
         let err = t.render(&[], false).unwrap_err().to_string();
         assert!(err.contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn a_template_that_does_not_compile_fails_every_render_with_the_reason() {
+        let t = ChatTemplate::from_model_file("{% for m in messages %}{{ m.content }}", "", "");
+        let problem = t.problem().expect("kept as broken").to_string();
+        let err = t
+            .render(&[ChatMessage::new("user", "hi")], true)
+            .unwrap_err();
+        assert!(matches!(&err, ModelError::ChatTemplate(_)), "{err}");
+        assert!(err.to_string().contains("broken"), "{err}");
+        assert!(err.to_string().contains(&problem), "{err}");
     }
 
     #[test]

@@ -93,7 +93,60 @@ impl LlamaConfig {
                 "layers, hidden size and vocabulary must be non-zero".into(),
             ));
         }
+        config.check_fits(gguf)?;
         Ok(config)
+    }
+
+    /// The sizes the metadata declares must fit the tensors the file has (each layer has
+    /// tensors of its own; each matrix is at most the largest tensor), so that nothing
+    /// sized by them — per-layer tables, RoPE tables — is allocated for a file that lies.
+    fn check_fits(&self, source: &dyn WeightSource) -> Result<()> {
+        let names = source.tensor_names();
+        if self.num_layers > names.len() {
+            return Err(ModelError::InvalidConfig(format!(
+                "`{}.block_count` is {}, but the file has only {} tensors",
+                self.architecture,
+                self.num_layers,
+                names.len()
+            )));
+        }
+        let largest = names
+            .iter()
+            .filter_map(|n| source.tensor_info(n))
+            .map(|(dims, _)| dims.iter().fold(1usize, |a, &d| a.saturating_mul(d)))
+            .max()
+            .unwrap_or(0);
+        let h = self.hidden_size;
+        let matrices = [
+            (
+                "vocab_size x embedding_length",
+                self.vocab_size.checked_mul(h),
+            ),
+            (
+                "head_count x key_length x embedding_length",
+                self.num_heads
+                    .checked_mul(self.head_dim)
+                    .and_then(|q| q.checked_mul(h)),
+            ),
+            (
+                "head_count_kv x key_length x embedding_length",
+                self.num_kv_heads
+                    .checked_mul(self.head_dim)
+                    .and_then(|kv| kv.checked_mul(h)),
+            ),
+            (
+                "feed_forward_length x embedding_length",
+                self.intermediate_size.checked_mul(h),
+            ),
+        ];
+        for (what, elements) in matrices {
+            if elements.is_none_or(|n| n > largest) {
+                return Err(ModelError::InvalidConfig(format!(
+                    "{what} from the metadata exceeds the largest tensor in the file ({largest} elements)"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 

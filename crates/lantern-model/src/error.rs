@@ -10,8 +10,11 @@ pub enum ModelError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path} is not a valid GGUF file: {reason}")]
-    InvalidGguf { path: PathBuf, reason: String },
+    #[error("{path} is not a valid GGUF file: {problem}")]
+    InvalidGguf {
+        path: PathBuf,
+        problem: crate::gguf_header::GgufProblem,
+    },
     #[error("{path} is truncated: tensor `{tensor}` needs bytes up to {needed}, the file has {file_len}")]
     Truncated {
         path: PathBuf,

@@ -8,6 +8,7 @@ pub mod default_model;
 pub mod error;
 pub mod gemma3;
 pub mod gguf;
+pub mod gguf_header;
 pub mod linear;
 pub mod llama;
 pub mod ops;
@@ -155,14 +156,7 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
             .unwrap_or_default(),
     );
     let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
-    let chat_template = match gguf.opt_string("tokenizer.chat_template")? {
-        Some(source) => Some(ChatTemplate::new(
-            source,
-            tokenizer.bos_token().unwrap_or_default(),
-            tokenizer.eos_token().unwrap_or_default(),
-        )?),
-        None => None,
-    };
+    let chat_template = chat_template(&gguf, &tokenizer);
     let model = load_architecture(&mut gguf, &progress, options)?;
     Ok(LoadedModel {
         model,
@@ -183,4 +177,26 @@ pub fn load_architecture(
         "gemma3" => Box::new(gemma3::Gemma3::load(source, progress, options)?),
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     })
+}
+
+/// The file's chat template. One that cannot be used (not a string, does not compile) is
+/// kept as broken, with a warning: chat requests then fail with the reason, raw prompts
+/// still work.
+fn chat_template(gguf: &GgufFile, tokenizer: &ModelTokenizer) -> Option<ChatTemplate> {
+    let template = match gguf.opt_string("tokenizer.chat_template") {
+        Ok(None) => return None,
+        Ok(Some(source)) => ChatTemplate::from_model_file(
+            source,
+            tokenizer.bos_token().unwrap_or_default(),
+            tokenizer.eos_token().unwrap_or_default(),
+        ),
+        Err(e) => ChatTemplate::broken(e.to_string()),
+    };
+    if let Some(problem) = template.problem() {
+        tracing::warn!(
+            "{}: the chat template cannot be used, chat requests will fail: {problem}",
+            gguf.path().display()
+        );
+    }
+    Some(template)
 }

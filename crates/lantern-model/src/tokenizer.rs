@@ -42,6 +42,7 @@ impl ModelTokenizer {
         let token_types = gguf
             .opt_int_array("tokenizer.ggml.token_type")?
             .unwrap_or_default();
+        check_vocabulary(&tokens, &token_types)?;
         let inner = match kind {
             "gpt2" => byte_level_bpe(gguf, &tokens)?,
             "llama" => sentencepiece_bpe(gguf, &tokens, &token_types)?,
@@ -52,7 +53,8 @@ impl ModelTokenizer {
             }
         };
         let mut tokenizer = Self::with_specials(inner, tokens, &token_types)?;
-        let id_of = |key: &str| gguf.opt_usize(key).map(|v| v.map(|v| v as u32));
+        let vocab = tokenizer.tokens.len();
+        let id_of = |key: &str| special_id(gguf, key, vocab);
         let named = |id: Option<u32>, tokens: &[String]| {
             id.and_then(|id| tokens.get(id as usize).map(|t| (id, t.clone())))
         };
@@ -79,14 +81,14 @@ impl ModelTokenizer {
     ) -> Result<Self> {
         let mut special = vec![false; tokens.len()];
         let mut added = Vec::new();
-        for (id, &ty) in token_types.iter().enumerate() {
+        // `check_vocabulary` made the two arrays equally long (or the types empty).
+        for ((token, &ty), is_special) in tokens.iter().zip(token_types).zip(&mut special) {
             if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
-                special[id] = ty == TOKEN_TYPE_CONTROL;
+                *is_special = ty == TOKEN_TYPE_CONTROL;
                 // Matched in the raw text, before any normalizer (SentencePiece's
                 // user-defined symbols, such as Gemma's runs of spaces and newlines).
                 added.push(
-                    AddedToken::from(tokens[id].clone(), ty == TOKEN_TYPE_CONTROL)
-                        .normalized(false),
+                    AddedToken::from(token.clone(), ty == TOKEN_TYPE_CONTROL).normalized(false),
                 );
             }
         }
@@ -160,6 +162,45 @@ impl ModelTokenizer {
     }
 }
 
+/// Work (bytes hashed) that building SentencePiece merges may take: the sum over normal
+/// tokens of their squared length. Real vocabularies need a few times 10^7.
+const MAX_MERGE_WORK: u64 = 1 << 30;
+
+/// A vocabulary lantern can build a tokenizer from: some tokens, and a type for each token
+/// when the file gives types.
+fn check_vocabulary(tokens: &[String], token_types: &[i64]) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(ModelError::Tokenizer(
+            "`tokenizer.ggml.tokens` is empty".into(),
+        ));
+    }
+    if !token_types.is_empty() && token_types.len() != tokens.len() {
+        return Err(ModelError::Tokenizer(format!(
+            "`tokenizer.ggml.token_type` has {} entries for {} tokens",
+            token_types.len(),
+            tokens.len()
+        )));
+    }
+    if u32::try_from(tokens.len()).is_err() {
+        return Err(ModelError::Tokenizer(format!(
+            "{} tokens do not fit 32-bit token ids",
+            tokens.len()
+        )));
+    }
+    Ok(())
+}
+
+/// A special token's id from `key`, which must name a token of the vocabulary.
+fn special_id(gguf: &GgufFile, key: &str, vocab: usize) -> Result<Option<u32>> {
+    match gguf.opt_usize(key)? {
+        Some(id) if id < vocab => Ok(Some(id as u32)),
+        Some(id) => Err(ModelError::Tokenizer(format!(
+            "`{key}` is {id}, outside the vocabulary of {vocab} tokens"
+        ))),
+        None => Ok(None),
+    }
+}
+
 /// GPT-2 style byte-level BPE, with the pre-tokenizer named by `tokenizer.ggml.pre`.
 fn byte_level_bpe(gguf: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
     let vocab: tokenizers::models::bpe::Vocab = tokens
@@ -195,14 +236,28 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
     let scores = gguf
         .opt_f32_array("tokenizer.ggml.scores")?
         .ok_or_else(|| ModelError::Tokenizer("`tokenizer.ggml.scores` is missing".into()))?;
-    if scores.len() != tokens.len()
-        || (!token_types.is_empty() && token_types.len() != tokens.len())
-    {
+    if scores.len() != tokens.len() {
         return Err(ModelError::Tokenizer(format!(
-            "{} tokens but {} scores and {} token types",
-            tokens.len(),
+            "`tokenizer.ggml.scores` has {} entries for {} tokens",
             scores.len(),
-            token_types.len()
+            tokens.len()
+        )));
+    }
+    let is_normal = |id: usize| {
+        token_types
+            .get(id)
+            .is_none_or(|&ty| ty == TOKEN_TYPE_NORMAL)
+    };
+    let work = tokens
+        .iter()
+        .enumerate()
+        .filter(|&(id, _)| is_normal(id))
+        .map(|(_, t)| (t.len() as u64).saturating_mul(t.len() as u64))
+        .fold(0u64, u64::saturating_add);
+    if work > MAX_MERGE_WORK {
+        return Err(ModelError::Tokenizer(format!(
+            "the tokens of `tokenizer.ggml.tokens` are too long to build merges from \
+             (the sum of their squared lengths is {work}, lantern's limit {MAX_MERGE_WORK})"
         )));
     }
     let vocab: tokenizers::models::bpe::Vocab = tokens
@@ -212,17 +267,14 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
         .collect();
     // Every split of a normal token into two tokens is a merge, ranked by the token's score.
     let mut ranked: Vec<(f32, u32, &str, &str)> = Vec::new();
-    for (id, token) in tokens.iter().enumerate() {
-        let normal = token_types
-            .get(id)
-            .is_none_or(|&ty| ty == TOKEN_TYPE_NORMAL);
-        if !normal {
+    for ((id, token), &score) in tokens.iter().enumerate().zip(&scores) {
+        if !is_normal(id) {
             continue;
         }
         for (at, _) in token.char_indices().skip(1) {
             let (left, right) = token.split_at(at);
             if vocab.contains_key(left) && vocab.contains_key(right) {
-                ranked.push((scores[id], id as u32, left, right));
+                ranked.push((score, id as u32, left, right));
             }
         }
     }
@@ -231,9 +283,8 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
         .into_iter()
         .map(|(_, _, l, r)| (l.to_string(), r.to_string()))
         .collect();
-    let unk = gguf
-        .opt_usize("tokenizer.ggml.unknown_token_id")?
-        .and_then(|id| tokens.get(id).cloned());
+    let unk = special_id(gguf, "tokenizer.ggml.unknown_token_id", tokens.len())?
+        .and_then(|id| tokens.get(id as usize).cloned());
     let mut builder = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .byte_fallback(true)

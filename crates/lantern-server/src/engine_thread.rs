@@ -165,6 +165,29 @@ enum Command {
     Shutdown,
 }
 
+/// Building the engine panicked; the panic's message.
+#[derive(Debug, Clone)]
+pub struct EngineBuildPanicked(pub String);
+
+impl std::fmt::Display for EngineBuildPanicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "building the engine panicked: {}", self.0)
+    }
+}
+
+impl std::error::Error for EngineBuildPanicked {}
+
+impl EngineBuildPanicked {
+    fn from_payload(payload: Box<dyn std::any::Any + Send>) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_string());
+        Self(message)
+    }
+}
+
 /// A cloneable handle on the engine thread, for the HTTP handlers.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -191,10 +214,12 @@ impl EngineThread {
 impl EngineHandle {
     /// Builds the engine on a new thread (so the engine never has to be `Send`) and starts
     /// its loop. Returns once the engine is built, or with the builder's error.
+    /// A builder that panics (it should not: a bad model file is an error) is reported as
+    /// [`EngineBuildPanicked`], never as a second panic here.
     pub fn start<F, E>(build: F) -> Result<(EngineHandle, EngineThread), E>
     where
         F: FnOnce() -> Result<Engine, E> + Send + 'static,
-        E: Send + 'static,
+        E: From<EngineBuildPanicked> + Send + 'static,
     {
         let (tx, rx) = mpsc::channel::<Command>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<ModelMeta, E>>();
@@ -205,7 +230,9 @@ impl EngineHandle {
         let join = std::thread::Builder::new()
             .name("lantern-engine".to_string())
             .spawn(move || {
-                let engine = match build() {
+                let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(build))
+                    .unwrap_or_else(|panic| Err(EngineBuildPanicked::from_payload(panic).into()));
+                let engine = match built {
                     Ok(engine) => engine,
                     Err(e) => {
                         alive_in_thread.store(false, Ordering::SeqCst);
@@ -249,9 +276,9 @@ impl EngineHandle {
                 Err(e)
             }
             Err(_) => {
-                // The builder panicked; the join reports nothing more useful.
+                // The thread ended without an answer (it cannot, short of an abort).
                 thread.join();
-                panic!("the engine thread died while building the engine");
+                Err(EngineBuildPanicked("the engine thread ended without a result".into()).into())
             }
         }
     }
@@ -879,4 +906,20 @@ fn engine_error(field: &'static str, e: &EngineError) -> ApiError {
         other => other.to_string(),
     };
     ApiError::field(field, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_builder_that_panics_is_an_error_naming_the_panic() {
+        let result = EngineHandle::start(|| -> Result<Engine, EngineBuildPanicked> {
+            panic!("tensor table is nonsense")
+        });
+        match result {
+            Err(e) => assert!(e.to_string().contains("tensor table is nonsense"), "{e}"),
+            Ok(_) => panic!("a panicking builder started an engine"),
+        }
+    }
 }

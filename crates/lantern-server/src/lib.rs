@@ -22,7 +22,9 @@ pub mod stop;
 
 pub use capture::{CaptureSettings, CaptureStore};
 pub use connections::{serve_with_limits, ConnectionLimits};
-pub use engine_thread::{EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput};
+pub use engine_thread::{
+    EngineBuildPanicked, EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput,
+};
 pub use error::ApiError;
 
 use axum::extract::{DefaultBodyLimit, Path, Request, State};

@@ -36,13 +36,12 @@ fn server() -> &'static TestServer {
         std::thread::spawn(move || {
             let (engine, _thread) = EngineHandle::start(move || {
                 let loaded =
-                    lantern_model::load_model(&path, &lantern_model::LoadOptions::default())
-                        .map_err(|e| e.to_string())?;
+                    lantern_model::load_model(&path, &lantern_model::LoadOptions::default())?;
                 let config = EngineConfig {
                     kv_cache_memory: 128 << 20,
                     ..EngineConfig::default()
                 };
-                Engine::new(loaded, config).map_err(|e| e.to_string())
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Engine::new(loaded, config)?)
             })
             .expect("engine starts");
             let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -69,13 +69,12 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
     };
     let mut ids = Vec::with_capacity(inputs.len());
     for input in &inputs {
-        let text = match input {
-            PromptInput::Raw(text) => text.clone(),
+        let prompt = match input {
+            PromptInput::Raw(text) => engine.tokenizer().encode(text, true)?,
             PromptInput::Chat(text) => {
-                engine.apply_chat_template(&[ChatMessage::new("user", text)])?
+                engine.tokenize_chat(&[ChatMessage::new("user", text)], true)?
             }
         };
-        let prompt = engine.tokenizer().encode(&text, true)?;
         ids.push(engine.add_request(prompt, params.clone())?);
     }
     // A single prompt in text mode streams as it is produced; otherwise results are

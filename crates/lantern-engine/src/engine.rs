@@ -149,6 +149,37 @@ impl Engine {
         Ok(template.render(messages, true)?)
     }
 
+    /// Token ids of a conversation rendered through the chat template, ready for the
+    /// assistant: control tokens come only from the template's own text, never from
+    /// message contents (see [`ModelTokenizer::encode_chat`]).
+    pub fn tokenize_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let template = self.loaded.chat_template.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest("this model has no chat template".to_string())
+        })?;
+        let rendered = template.render_parts(messages, true)?;
+        let tokenizer = &self.loaded.tokenizer;
+        Ok(match rendered.segments {
+            Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
+            None => {
+                // The template changes contents, so they cannot be told apart from its
+                // own text: safe only while no content spells a control token.
+                if let Some(i) = messages
+                    .iter()
+                    .position(|m| tokenizer.contains_control_text(&m.content))
+                {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "messages[{i}] contains the text of a control token, which this model's chat template does not keep apart from its own markup"
+                    )));
+                }
+                tokenizer.encode(&rendered.text, add_special_tokens)?
+            }
+        })
+    }
+
     /// Queues a request; it runs from the next step on.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
         self.add_request_with_capture(prompt, params, None)

@@ -17,7 +17,7 @@ pub mod source;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatSegment, ChatTemplate, RenderedChat};
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;

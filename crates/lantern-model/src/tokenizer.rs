@@ -1,8 +1,11 @@
 //! The tokenizer stored in a GGUF file, rebuilt as a `tokenizers::Tokenizer`.
 
+use crate::chat::ChatSegment;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::source::WeightSource;
+use aho_corasick::{AhoCorasick, MatchKind};
+use std::sync::OnceLock;
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
@@ -33,6 +36,43 @@ pub struct ModelTokenizer {
     stop_ids: Vec<u32>,
     add_bos: bool,
     special: Vec<bool>,
+    /// Finds control tokens written in text (leftmost-longest, as the tokenizer does).
+    control: Option<ControlTokens>,
+    /// The tokenizer with control-token parsing off, built the first time text that
+    /// spells a control token has to be tokenized as text.
+    plain: OnceLock<Tokenizer>,
+}
+
+/// The control tokens of a vocabulary and a matcher over their texts.
+struct ControlTokens {
+    matcher: AhoCorasick,
+    ids: Vec<u32>,
+}
+
+impl ControlTokens {
+    fn new(tokens: &[String], special: &[bool]) -> Result<Option<Self>> {
+        let (ids, texts): (Vec<u32>, Vec<&str>) = tokens
+            .iter()
+            .zip(special)
+            .enumerate()
+            .filter(|(_, (text, &is_special))| is_special && !text.is_empty())
+            .map(|(id, (text, _))| (id as u32, text.as_str()))
+            .unzip();
+        if ids.is_empty() {
+            return Ok(None);
+        }
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(&texts)
+            .map_err(|e| ModelError::Tokenizer(format!("control tokens: {e}")))?;
+        Ok(Some(Self { matcher, ids }))
+    }
+}
+
+/// A stretch of a prompt to tokenize: ordinary text, or one control token.
+enum Piece {
+    Text(String),
+    Control(u32),
 }
 
 impl ModelTokenizer {
@@ -95,6 +135,7 @@ impl ModelTokenizer {
         inner
             .add_special_tokens(added)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let control = ControlTokens::new(&tokens, &special)?;
         Ok(Self {
             inner,
             tokens,
@@ -102,6 +143,8 @@ impl ModelTokenizer {
             eos: None,
             stop_ids: Vec::new(),
             add_bos: false,
+            control,
+            plain: OnceLock::new(),
             special,
         })
     }
@@ -120,6 +163,80 @@ impl ModelTokenizer {
             }
         }
         ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Whether `text` spells a control token somewhere.
+    pub fn contains_control_text(&self, text: &str) -> bool {
+        self.control
+            .as_ref()
+            .is_some_and(|c| c.matcher.is_match(text))
+    }
+
+    /// Token ids of `text` with every character taken as text: a control token written
+    /// in it stays text (`<|im_start|>` becomes `<`, `|`, `im`, ...).
+    pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>> {
+        if !self.contains_control_text(text) {
+            return self.encode(text, false);
+        }
+        let plain = self.plain.get_or_init(|| {
+            let mut plain = self.inner.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        });
+        let encoding = plain
+            .encode(text, false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of a rendered conversation: control tokens are recognized only in the
+    /// template's own text; message contents are text through and through, so a user
+    /// cannot write `<|im_start|>system` and forge a turn. Without control text in the
+    /// contents this is exactly [`Self::encode`] of the whole prompt.
+    pub fn encode_chat(
+        &self,
+        segments: &[ChatSegment],
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let mut pieces = Vec::new();
+        let mut text = String::new();
+        for segment in segments {
+            match segment {
+                ChatSegment::Content(content) => text.push_str(content),
+                ChatSegment::Template(template) => {
+                    let Some(control) = &self.control else {
+                        text.push_str(template);
+                        continue;
+                    };
+                    let mut at = 0;
+                    for m in control.matcher.find_iter(template.as_str()) {
+                        text.push_str(&template[at..m.start()]);
+                        if !text.is_empty() {
+                            pieces.push(Piece::Text(std::mem::take(&mut text)));
+                        }
+                        pieces.push(Piece::Control(control.ids[m.pattern().as_usize()]));
+                        at = m.end();
+                    }
+                    text.push_str(&template[at..]);
+                }
+            }
+        }
+        if !text.is_empty() {
+            pieces.push(Piece::Text(text));
+        }
+        let mut ids = Vec::new();
+        if add_special_tokens && self.add_bos {
+            if let Some((bos, _)) = &self.bos {
+                ids.push(*bos);
+            }
+        }
+        for piece in pieces {
+            match piece {
+                Piece::Control(id) => ids.push(id),
+                Piece::Text(text) => ids.extend(self.encode_as_text(&text)?),
+            }
+        }
         Ok(ids)
     }
 

@@ -589,13 +589,10 @@ impl EngineLoop {
         };
         match prompt {
             PromptInput::Text(text) => encode(text),
-            PromptInput::Chat(messages) => {
-                let rendered = self
-                    .engine
-                    .apply_chat_template(messages)
-                    .map_err(|e| engine_error(field, &e))?;
-                encode(&rendered)
-            }
+            PromptInput::Chat(messages) => self
+                .engine
+                .tokenize_chat(messages, add_special_tokens)
+                .map_err(|e| engine_error(field, &e)),
             PromptInput::Tokens(ids) => Ok(ids.clone()),
         }
     }

@@ -3,7 +3,7 @@
 //! Checked on both real models (SmolLM2's ChatML, Gemma 3's turns).
 
 use lantern_model::default_model::{ensure_default_model, ensure_gemma3_270m};
-use lantern_model::{ChatMessage, ChatTemplate, GgufFile, ModelTokenizer};
+use lantern_model::{ChatMessage, ChatTemplate, GgufFile, ModelTokenizer, WeightSource};
 use std::path::Path;
 
 /// Gemma 3's chat template (its `tokenizer_config.json`); the GGUF file here has none.

@@ -14,9 +14,8 @@ pub struct Linear {
     weight: Weight,
 }
 
-/// Where the product runs: lantern's repacked VNNI kernels for the types they cover
-/// (candle has no fast Q4_1 path, and its x86 repacked kernels need K % 256 == 0),
-/// candle's kernels for every other type.
+/// Where the product runs: lantern's repacked kernels (dispatched at run time to the
+/// CPU's level) for the types they cover, candle's kernels for every other type.
 enum Weight {
     Packed(PackedMatrix),
     Candle(QMatMul),
@@ -24,8 +23,14 @@ enum Weight {
 
 fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
     match dtype {
+        GgmlDType::Q4_0 => Some(QuantType::Q4_0),
         GgmlDType::Q4_1 => Some(QuantType::Q4_1),
+        GgmlDType::Q5_0 => Some(QuantType::Q5_0),
+        GgmlDType::Q5_1 => Some(QuantType::Q5_1),
         GgmlDType::Q8_0 => Some(QuantType::Q8_0),
+        GgmlDType::Q4K => Some(QuantType::Q4K),
+        GgmlDType::Q5K => Some(QuantType::Q5K),
+        GgmlDType::Q6K => Some(QuantType::Q6K),
         _ => None,
     }
 }

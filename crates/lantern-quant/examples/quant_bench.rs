@@ -1,10 +1,11 @@
-//! Throughput of the repacked Q4_1 / Q8_0 matrix products, VNNI vs scalar in one run.
+//! Throughput of the repacked matrix products of every weight type at every kernel level
+//! this CPU runs, in one run.
 //!
 //! `cargo run -p lantern-quant --release --example quant_bench [-- --quick]`
 //! (threads: `RAYON_NUM_THREADS`, default all cores).
 //!
 //! Prints GFLOP/s (2·m·n·k per call) and GB/s (repacked weight bytes per call / time) for
-//! m = 1 and m = 512 at n x k = 1536 x 576 and 49152 x 576, then the matmuls of a whole
+//! m = 1 and m = 128 at n x k = 1536 x 1024 for every type, then the matmuls of a whole
 //! SmolLM2-135M forward pass (30 layers of Q4_1 + the Q8_0 output matrix): decode
 //! tokens/s at m = 1 and prefill tokens/s at m = 512.
 
@@ -15,18 +16,19 @@ use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 fn random_matrix(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> PackedMatrix {
-    let mut bytes = Vec::with_capacity(n * k / 32 * ty.block_bytes());
-    for _ in 0..n * k / 32 {
+    let blocks = n * k / ty.block_values();
+    let mut bytes: Vec<u8> = (0..blocks * ty.block_bytes()).map(|_| rng.gen()).collect();
+    // Valid, quantizer-like f16 scales where each type keeps them.
+    let scale_at: &[usize] = match ty {
+        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
+        QuantType::Q6K => &[208],
+        _ => &[0, 2],
+    };
+    for block in bytes.chunks_mut(ty.block_bytes()) {
         let d = rng.gen_range(1e-3f32..2e-2);
-        bytes.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        let q = match ty {
-            QuantType::Q4_1 => {
-                bytes.extend_from_slice(&f16::from_f32(-7.5 * d).to_le_bytes());
-                16
-            }
-            QuantType::Q8_0 => 32,
-        };
-        bytes.extend((0..q).map(|_| rng.gen::<u8>()));
+        for &at in scale_at {
+            block[at..at + 2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        }
     }
     PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap()
 }
@@ -54,19 +56,19 @@ fn main() {
         kernel_level(),
         rayon::current_num_threads()
     );
-    let kernels: Vec<Kernel> = if Kernel::detect() == Kernel::Scalar {
-        vec![Kernel::Scalar]
-    } else {
-        vec![Kernel::Avx512Vnni, Kernel::Scalar]
-    };
+    let kernels: Vec<Kernel> = Kernel::ALL
+        .into_iter()
+        .rev()
+        .filter(|k| k.available())
+        .collect();
     println!(
         "{:<5} {:>6} {:>5} {:>4} {:<12} {:>10} {:>10} {:>9} {:>9}",
         "type", "n", "k", "m", "kernel", "median us", "best us", "GFLOP/s", "GB/s"
     );
-    for ty in [QuantType::Q4_1, QuantType::Q8_0] {
-        for (n, k) in [(1536, 576), (49152, 576)] {
+    for ty in QuantType::ALL {
+        for (n, k) in [(1536, 1024)] {
             let w = random_matrix(&mut rng, ty, n, k);
-            for m in [1usize, 512] {
+            for m in [1usize, 128] {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1f32..1.0)).collect();
                 let mut dst = vec![0f32; m * n];
                 for &kernel in &kernels {
@@ -79,7 +81,7 @@ fn main() {
                     let flops = 2.0 * (m * n * k) as f64;
                     println!(
                         "{:<5} {:>6} {:>5} {:>4} {:<12} {:>10.1} {:>10.1} {:>9.1} {:>9.1}",
-                        format!("{ty:?}"),
+                        ty.name(),
                         n,
                         k,
                         m,

@@ -9,16 +9,17 @@ pub(crate) struct QuantAct {
     pub q: AlignedBuf,
     /// Block scale `d_a = amax / 127`.
     pub d: Vec<f32>,
-    /// `d_a · Σ q_a` (for `Q4_1`'s `m_w` term).
+    /// `d_a · Σ q_a` (for the `m_w` term of the types with a minimum).
     pub s: Vec<f32>,
-    /// `-128 · Σ q_a` (initial accumulator for `Q8_0`'s biased weights).
-    pub corr: Vec<i32>,
+    /// `[Σ q_a, Σ q_a over the first 16 values]`: the offsets' corrections are exact
+    /// integer multiples of these.
+    pub isum: Vec<[i32; 2]>,
 }
 
-/// One token's input and outputs: ((x, q), d), (s, corr).
+/// One token's input and outputs: ((x, q), d), (s, isum).
 type TokenSlices<'a> = (
     ((&'a [f32], &'a mut [u8]), &'a mut [f32]),
-    (&'a mut [f32], &'a mut [i32]),
+    (&'a mut [f32], &'a mut [[i32; 2]]),
 );
 
 /// Below this many values the quantization runs on the calling thread.
@@ -30,16 +31,17 @@ impl QuantAct {
         let mut q = AlignedBuf::zeroed(m * k);
         let mut d = vec![0f32; m * nb];
         let mut s = vec![0f32; m * nb];
-        let mut corr = vec![0i32; m * nb];
+        let mut isum = vec![[0i32; 2]; m * nb];
         let one_token = |(((xr, qr), dr), (sr, cr)): TokenSlices<'_>| {
             for b in 0..nb {
                 let xb: &[f32; BLOCK] = xr[b * BLOCK..(b + 1) * BLOCK].try_into().unwrap();
                 let qb: &mut [u8; BLOCK] =
                     (&mut qr[b * BLOCK..(b + 1) * BLOCK]).try_into().unwrap();
-                let (db, isum) = quantize_block(kernel, xb, qb);
+                let (db, sum) = quantize_block(kernel, xb, qb);
                 dr[b] = db;
-                sr[b] = db * isum as f32;
-                cr[b] = -128 * isum;
+                sr[b] = db * sum as f32;
+                let lo: i32 = qb[..16].iter().map(|&v| v as i8 as i32).sum();
+                cr[b] = [sum, lo];
             }
         };
         let qs = q.as_mut_slice();
@@ -47,16 +49,16 @@ impl QuantAct {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(k))
                 .zip(d.par_chunks_mut(nb))
-                .zip(s.par_chunks_mut(nb).zip(corr.par_chunks_mut(nb)))
+                .zip(s.par_chunks_mut(nb).zip(isum.par_chunks_mut(nb)))
                 .for_each(one_token);
         } else {
             x.chunks(k)
                 .zip(qs.chunks_mut(k))
                 .zip(d.chunks_mut(nb))
-                .zip(s.chunks_mut(nb).zip(corr.chunks_mut(nb)))
+                .zip(s.chunks_mut(nb).zip(isum.chunks_mut(nb)))
                 .for_each(one_token);
         }
-        QuantAct { q, d, s, corr }
+        QuantAct { q, d, s, isum }
     }
 }
 
@@ -64,9 +66,11 @@ impl QuantAct {
 #[inline]
 fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
     match kernel {
+        // SAFETY: the SIMD levels are only used once the CPU features were detected.
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Kernel::Avx512Vnni` is only used once the CPU features were detected.
-        Kernel::Avx512Vnni => unsafe { crate::x86::quantize_block(x, q) },
+        Kernel::Avx512 => unsafe { crate::x86::avx512::quantize_block(x, q) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { crate::x86::avx2::quantize_block(x, q) },
         _ => quantize_block_scalar(x, q),
     }
 }

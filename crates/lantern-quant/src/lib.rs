@@ -1,11 +1,15 @@
-//! lantern-quant: fast CPU matrix products for GGUF `Q4_1` and `Q8_0` weights.
+//! lantern-quant: fast CPU matrix products for GGUF quantized weights (`Q4_0`, `Q4_1`,
+//! `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`).
 //!
-//! Weights are read once from the raw GGUF bytes and *repacked* into a layout made for
-//! AVX-512 VNNI (`vpdpbusd`: 64 u8 x i8 products summed in groups of four into 16 i32
-//! lanes). [`PackedMatrix::matmul`] computes `dst[m, n] = x[m, k] · Wᵀ` in f32, using
-//! the VNNI kernels where the CPU has them ([`kernel_level`]) and a portable scalar
-//! path otherwise. Both paths do the same integer arithmetic and the same f32
-//! operations in the same order, so they produce bit-identical results.
+//! Weights are read once from the raw GGUF bytes and *repacked* into panels of 16 rows
+//! made for SIMD integer dot products; the repacked bytes replace the file's bytes (same
+//! size, give or take 3% for the K-quants' unpacked sub-block scales). [`PackedMatrix::matmul`]
+//! computes `dst[m, n] = x[m, k] · Wᵀ` in f32 at a *kernel level* chosen at run time
+//! ([`Kernel`], [`active_kernel`]): AVX-512 VNNI, AVX2 + FMA + F16C, or portable scalar
+//! code. The level is the best the CPU reports unless `LANTERN_KERNELS=scalar|avx2|avx512`
+//! asks for a lower one (capped at what the CPU has) or [`force_kernel`] forces one. Every
+//! level does the same integer arithmetic and the same f32 operations in the same order,
+//! so all levels produce bit-identical results.
 //!
 //! ```
 //! use lantern_quant::{PackedMatrix, QuantType};
@@ -26,56 +30,73 @@
 //!
 //! Activations are quantized per 32-value block to int8, like ggml's `Q8_1`: for a
 //! block `x[0..32]`, `d_a = amax / 127`, `q_a[j] = round_ties_even(x[j] / d_a)` (clamped
-//! to ±127), and the block sum `s_a = d_a · Σ q_a` is kept alongside (all scales f32).
-//! Per weight block and activation block:
+//! to ±127); `s_a = d_a · Σ q_a` and the integer sums `Σ q_a` (whole block and first 16
+//! values) are kept alongside.
 //!
-//! - `Q4_1` (`w = d_w · q_w + m_w`, `q_w ∈ 0..16`):
-//!   `dot = d_w·d_a·Σ q_w·q_a + m_w·s_a`. `q_w` is unsigned and `q_a` signed, exactly
-//!   the operand signedness of `vpdpbusd`.
-//! - `Q8_0` (`w = d_w · q_w`, `q_w ∈ -128..128`): the weights are stored biased,
-//!   `u_w = q_w + 128 ∈ 0..256` (unsigned operand), and
-//!   `Σ q_w·q_a = Σ u_w·q_a − 128·Σ q_a`; the correction `−128·Σ q_a` is an exact
-//!   per-(token, block) integer computed with the activation quantization, used as the
-//!   initial value of the i32 accumulator. So `dot = d_w·d_a·Σ q_w·q_a`.
+//! Every weight type is seen, per 32-value block of a row, as unsigned quants `q_w`
+//! (4, 5, 6 or 8 bits), an offset `o` and f32 scales: `w = d_w · (q_w − o) + m_w`.
 //!
-//! The integer block sums are exact (|Σ| < 2^21) and exactly representable in f32. The
-//! f32 part is, per (output row, token), for blocks `b = 0, 1, ...` in order:
-//! `acc = fma(d_w·d_a, dot_i32 as f32, acc)` and for `Q4_1` then `acc = fma(m_w, s_a, acc)`.
+//! | type | `q_w` | `o` | `d_w` | `m_w` |
+//! |---|---|---|---|---|
+//! | `Q4_0` | 4 bits | 8 | `d` | — |
+//! | `Q4_1` | 4 bits | 0 | `d` | `m` |
+//! | `Q5_0` | 5 bits | 16 | `d` | — |
+//! | `Q5_1` | 5 bits | 0 | `d` | `m` |
+//! | `Q8_0` | `q + 128` | 128 | `d` | — |
+//! | `Q4_K`, `Q5_K` | 4 / 5 bits | 0 | `d · sc_j` | `−dmin · m_j` |
+//! | `Q6_K` | 6 bits | 32 | `d · sc_j`, one per 16 values | — |
+//!
+//! (`d · sc_j` and `dmin · m_j` are exact in f32: an f16 times an integer below 2^8.)
+//! The integer dot `Σ (q_w − o)·q_a = Σ q_w·q_a − o·Σ q_a` is exact (|Σ| < 2^21): the
+//! unsigned-by-signed products are what `vpdpbusd` and `vpmaddubsw` multiply, and the
+//! correction `−o·Σ q_a` is an exact integer from the activation quantization, used as
+//! the accumulator's initial value. `Q6_K` keeps two integer dots per block (values 0..16
+//! and 16..32), one per scale. The f32 part is, per (output row, token), for blocks
+//! `b = 0, 1, ...` in order (`scalar::update`):
+//! `acc = fma(d_w·d_a, dot as f32, acc)`; for `Q6_K` then
+//! `acc = fma(d_w'·d_a, dot' as f32, acc)` with the second half's scale and dot; for the
+//! types with `m_w`, then `acc = fma(m_w, s_a, acc)`.
 //! Nothing depends on how rows or tokens are tiled or split between threads, so a
 //! token's output is bit-identical whether it is computed alone or inside a batch
-//! (batch invariance: greedy outputs must not depend on batch composition), and the
-//! scalar fallback matches the VNNI kernels bit for bit.
+//! (batch invariance: greedy outputs must not depend on batch composition), and at every
+//! level.
 //!
 //! The only approximation is the int8 quantization of the activations (relative error of
-//! an output row around 0.5%, as in llama.cpp, which does the same).
+//! an output row around 0.5%, as in llama.cpp, which does the same; for the K-quants
+//! llama.cpp quantizes activations per 256 values, lantern per 32, which is closer).
 //!
 //! # Repacked layout
 //!
 //! Rows are grouped in *panels* of 16 (the last panel is padded with zero rows, which
 //! are computed but never stored). For panel `p` and block `b` (32 k-values), the
 //! quantized values form one *block-panel* record, panel-major so that each panel's
-//! blocks are one contiguous, sequentially prefetched stream:
+//! blocks are one contiguous, sequentially prefetched stream, at `(p · nb + b) · R`
+//! bytes. Its 64-byte chunks hold, in i32 lane `r` (row `16p + r`), 4 consecutive k
+//! values of that row:
 //!
-//! - quants, at `(p · nb + b) · R` bytes (`R` = 256 for `Q4_1`, 512 for `Q8_0`), as 64-byte
-//!   chunks (one zmm register each). Chunk `c` holds, in its i32 lane `r` (row
-//!   `16p + r`), 4 consecutive bytes of that row's block:
-//!   - `Q4_1`: 4 chunks; lane `r` of chunk `c` = GGUF `qs[4c..4c+4]` of row `r` unchanged,
-//!     i.e. low nibbles = values `4c..4c+4` and high nibbles = values `16+4c..16+4c+4`.
-//!     The kernel unpacks with one `and` (low) and one `shift+and` (high) per chunk and
-//!     multiplies them with activation dwords `c` and `4+c` respectively.
-//!   - `Q8_0`: 8 chunks; lane `r` of chunk `c` = `qs[4c..4c+4] ^ 0x80` (biased to u8),
-//!     multiplied with activation dword `c`.
-//! - scales, in a separate array at `(p · nb + b) · S` bytes: 16 `d_w` as f16, then (for
-//!   `Q4_1`, `S` = 64) 16 `m_w` as f16 (`Q8_0`: `S` = 32). They are widened with
-//!   `vcvtph2ps` (exact); f16 keeps the repacked size equal to the GGUF size.
+//! - 4-, 5- and 6-bit types: 4 nibble chunks (256 bytes); lane `r` of chunk `c` holds in
+//!   byte `j` the low 4 bits of value `4c + j` (low nibble) and of value `16 + 4c + j`
+//!   (high nibble). 5-bit types add one chunk whose byte `j` holds bit 4 of value `4c+j`
+//!   in bit `c` and of value `16+4c+j` in bit `4+c` (R = 320); `Q6_K` adds two chunks
+//!   holding bits 4..6 of values `4c+j` (first) and `16+4c+j` (second) in bits `2c..2c+2`
+//!   (R = 384). A kernel unpacks chunk `c` with `and`, 16-bit shifts and `or`, and
+//!   multiplies it with the activation dwords `c` and `4 + c`.
+//! - `Q8_0`: 8 chunks of biased bytes `q + 128` (R = 512), chunk `c` multiplied with
+//!   activation dword `c`.
 //!
-//! With this layout one `vpdpbusd` multiplies 4 k-values of 16 rows by the same 4
-//! activation bytes (a broadcast dword): a block-panel is 8 `vpdpbusd` into one
-//! register holding the 16 rows' integer dot products, with no horizontal reductions
-//! and no shuffles. The per-block scaling is then 16-wide f32 FMAs against the 16 rows'
-//! scales. For prefill a register tile of `P` panels x `T` tokens reuses every unpacked
-//! weight register `T` times and every broadcast activation dword `P` times.
-//! Both buffers are 64-byte aligned, so no load splits a cache line.
+//! Scales sit in a separate array, one record per block-panel (`Q4_0`, `Q5_0`, `Q8_0`: 16
+//! `d` as f16; `Q4_1`, `Q5_1`: then 16 `m`) or per super-block-panel of 8 blocks for the
+//! K-quants (`Q4_K`, `Q5_K`: 16 `d`, 16 `dmin` as f16, then `sc[8][16]` and `m[8][16]` as
+//! u8; `Q6_K`: 16 `d`, then `sc[16][16]` as i8). f16 is widened with `vcvtph2ps` (exact).
+//!
+//! With this layout one AVX-512 `vpdpbusd` multiplies 4 k-values of 16 rows by the same
+//! 4 activation bytes (a broadcast dword), with no horizontal reductions and no shuffles;
+//! the per-block scaling is 16-wide f32 FMAs against the 16 rows' scales. AVX2 reads each
+//! chunk as two 8-row halves and replaces `vpdpbusd` with `vpmaddubsw` + `vpmaddwd`
+//! (see `x86::avx2` for how saturation is avoided; `Q8_0` uses ggml's sign trick there).
+//! For prefill a register tile of `P` panels x `T` tokens reuses every unpacked weight
+//! register `T` times and every broadcast activation dword `P` times. The quants are
+//! 64-byte aligned, so no load splits a cache line.
 //!
 //! # Threads
 //!
@@ -86,59 +107,32 @@
 //! about as much as the whole product there.
 
 mod act;
+mod format;
+mod level;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use format::QuantType;
+pub use level::{active_kernel, force_kernel, kernel_level, Kernel, KERNELS_ENV};
+
 use act::QuantAct;
-use half::f16;
 use rayon::prelude::*;
 
-/// Values per quantization block (both `Q4_1` and `Q8_0`).
+/// Values per quantization block of the activations and of the repacked weights.
 pub const BLOCK: usize = 32;
 /// Rows per panel in the repacked layout.
 pub const PANEL: usize = 16;
 
-/// The GGUF quantization types this crate handles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum QuantType {
-    /// 32 values in 20 bytes: `d: f16, m: f16, qs: [u8; 16]` (two nibbles per byte).
-    Q4_1,
-    /// 32 values in 34 bytes: `d: f16, qs: [i8; 32]`.
-    Q8_0,
-}
-
-impl QuantType {
-    /// Bytes of one 32-value block in the GGUF file.
-    pub const fn block_bytes(self) -> usize {
-        match self {
-            QuantType::Q4_1 => 20,
-            QuantType::Q8_0 => 34,
-        }
-    }
-
-    /// Quant bytes of one repacked block-panel (16 rows x 32 values).
-    pub(crate) const fn packed_quant_bytes(self) -> usize {
-        match self {
-            QuantType::Q4_1 => 256,
-            QuantType::Q8_0 => 512,
-        }
-    }
-
-    /// Scale bytes of one repacked block-panel.
-    pub(crate) const fn packed_scale_bytes(self) -> usize {
-        match self {
-            QuantType::Q4_1 => 64,
-            QuantType::Q8_0 => 32,
-        }
-    }
-}
-
 /// Errors of this crate (bad shapes and lengths; nothing here panics on bad input).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
-    #[error("k = {k} is not a positive multiple of {BLOCK}")]
-    BadCols { k: usize },
+    #[error("k = {k} is not a positive multiple of {block} (the {ty} block size)")]
+    BadCols {
+        k: usize,
+        block: usize,
+        ty: QuantType,
+    },
     #[error("n = 0 rows")]
     NoRows,
     #[error("shape {n} x {k} overflows usize")]
@@ -151,49 +145,6 @@ pub enum QuantError {
     },
     #[error("row {row} out of range for {rows} rows")]
     RowOutOfRange { row: usize, rows: usize },
-}
-
-/// The kernels a [`PackedMatrix::matmul`] call can run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    /// Portable scalar code (bit-identical results to the VNNI kernels).
-    Scalar,
-    /// AVX-512 F/BW + VNNI kernels (x86-64 only).
-    Avx512Vnni,
-}
-
-impl Kernel {
-    /// The best kernel for this machine.
-    pub fn detect() -> Kernel {
-        if avx512_vnni_available() {
-            Kernel::Avx512Vnni
-        } else {
-            Kernel::Scalar
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Kernel::Scalar => "scalar",
-            Kernel::Avx512Vnni => "avx512-vnni",
-        }
-    }
-}
-
-fn avx512_vnni_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::available()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// What [`PackedMatrix::matmul`] runs at on this machine: `"avx512-vnni"` or `"scalar"`.
-pub fn kernel_level() -> &'static str {
-    Kernel::detect().name()
 }
 
 /// A 64-byte aligned byte buffer.
@@ -278,26 +229,29 @@ const TOKEN_CHUNK: usize = 64;
 const TASK_WEIGHT_BYTES: usize = 256 * 1024;
 
 impl PackedMatrix {
-    /// Repacks a weight matrix from its raw GGUF bytes (`n` rows of `k / 32` blocks).
+    /// Repacks a weight matrix from its raw GGUF bytes (`n` rows of
+    /// `k / ty.block_values()` blocks).
     ///
-    /// Errors when `k` is not a positive multiple of 32, `n == 0`, or `bytes` does not
-    /// hold exactly `n · k / 32` blocks.
+    /// Errors when `k` is not a positive multiple of the type's block size, `n == 0`, or
+    /// `bytes` does not hold exactly `n · k / ty.block_values()` blocks.
     pub fn from_gguf_bytes(
         ty: QuantType,
         bytes: &[u8],
         n: usize,
         k: usize,
     ) -> Result<Self, QuantError> {
-        if k == 0 || !k.is_multiple_of(BLOCK) {
-            return Err(QuantError::BadCols { k });
+        let bv = ty.block_values();
+        if k == 0 || !k.is_multiple_of(bv) {
+            return Err(QuantError::BadCols { k, block: bv, ty });
         }
         if n == 0 {
             return Err(QuantError::NoRows);
         }
         let nb = k / BLOCK;
+        let ng = k / bv;
         let bb = ty.block_bytes();
         let expected = n
-            .checked_mul(nb)
+            .checked_mul(ng)
             .and_then(|v| v.checked_mul(bb))
             .ok_or(QuantError::Overflow { n, k })?;
         if bytes.len() != expected {
@@ -308,54 +262,41 @@ impl PackedMatrix {
             });
         }
         let np = n.div_ceil(PANEL);
+        let unit = ty.scale_unit();
         let qbp = ty.packed_quant_bytes();
         let sbp = ty.packed_scale_bytes();
-        let mut quants = AlignedBuf::zeroed(np * nb * qbp);
-        let mut scales = AlignedBuf::zeroed(np * nb * sbp);
+        let overflow = QuantError::Overflow { n, k };
+        let q_len = (np * nb).checked_mul(qbp).ok_or(overflow.clone())?;
+        let s_len = (np * ng).checked_mul(sbp).ok_or(overflow)?;
+        let mut quants = AlignedBuf::zeroed(q_len);
+        let mut scales = AlignedBuf::zeroed(s_len);
         {
-            let qs_out = quants.as_mut_slice();
-            let sc_out = scales.as_mut_slice();
             let pack_panel = |(p, (qp, sp)): (usize, (&mut [u8], &mut [u8]))| {
                 for r in 0..PANEL {
                     let row = p * PANEL + r;
                     if row >= n {
                         break; // padding rows keep zero scales: they compute 0 and are never stored
                     }
-                    for b in 0..nb {
-                        let src = &bytes[(row * nb + b) * bb..(row * nb + b + 1) * bb];
-                        let q = &mut qp[b * qbp..(b + 1) * qbp];
-                        let s = &mut sp[b * sbp..(b + 1) * sbp];
-                        match ty {
-                            QuantType::Q4_1 => {
-                                s[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                                s[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
-                                for c in 0..4 {
-                                    q[c * 64 + 4 * r..c * 64 + 4 * r + 4]
-                                        .copy_from_slice(&src[4 + 4 * c..8 + 4 * c]);
-                                }
-                            }
-                            QuantType::Q8_0 => {
-                                s[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                                for c in 0..8 {
-                                    for j in 0..4 {
-                                        q[c * 64 + 4 * r + j] = src[2 + 4 * c + j] ^ 0x80;
-                                    }
-                                }
-                            }
-                        }
+                    for g in 0..ng {
+                        let src = &bytes[(row * ng + g) * bb..(row * ng + g + 1) * bb];
+                        let q = &mut qp[g * unit * qbp..(g + 1) * unit * qbp];
+                        let s = &mut sp[g * sbp..(g + 1) * sbp];
+                        format::pack_gguf_block(ty, src, q, s, r);
                     }
                 }
             };
+            let qs_out = quants.as_mut_slice();
+            let sc_out = scales.as_mut_slice();
             if expected >= 1 << 20 {
                 qs_out
                     .par_chunks_mut(nb * qbp)
-                    .zip(sc_out.par_chunks_mut(nb * sbp))
+                    .zip(sc_out.par_chunks_mut(ng * sbp))
                     .enumerate()
                     .for_each(pack_panel);
             } else {
                 qs_out
                     .chunks_mut(nb * qbp)
-                    .zip(sc_out.chunks_mut(nb * sbp))
+                    .zip(sc_out.chunks_mut(ng * sbp))
                     .enumerate()
                     .for_each(pack_panel);
             }
@@ -390,15 +331,14 @@ impl PackedMatrix {
         self.quants.len + self.scales.len
     }
 
-    /// `dst[m, n] = x[m, k] · Wᵀ` (row-major f32), multi-threaded with rayon, using the
-    /// best kernel for this machine ([`kernel_level`]).
+    /// `dst[m, n] = x[m, k] · Wᵀ` (row-major f32), multi-threaded with rayon, at the
+    /// level in effect ([`active_kernel`]).
     pub fn matmul(&self, x: &[f32], m: usize, dst: &mut [f32]) -> Result<(), QuantError> {
-        self.matmul_with(Kernel::detect(), x, m, dst)
+        self.matmul_with(active_kernel(), x, m, dst)
     }
 
-    /// [`matmul`](Self::matmul) with an explicit kernel. Asking for
-    /// [`Kernel::Avx512Vnni`] on a machine without it runs the scalar kernel (same
-    /// results, bit for bit).
+    /// [`matmul`](Self::matmul) at an explicit level, capped at what the CPU has (every
+    /// level gives the same results, bit for bit).
     pub fn matmul_with(
         &self,
         kernel: Kernel,
@@ -406,11 +346,7 @@ impl PackedMatrix {
         m: usize,
         dst: &mut [f32],
     ) -> Result<(), QuantError> {
-        let kernel = if kernel == Kernel::Avx512Vnni && !avx512_vnni_available() {
-            Kernel::Scalar
-        } else {
-            kernel
-        };
+        let kernel = kernel.capped();
         let xlen = m
             .checked_mul(self.k)
             .ok_or(QuantError::Overflow { n: m, k: self.k })?;
@@ -475,7 +411,8 @@ impl PackedMatrix {
         let panel_tasks = want_tasks.div_ceil(token_tasks).max(1);
         let mut ppt = self.np.div_ceil(panel_tasks);
         // ...and a weight slice per task that stays in L2.
-        let bp_bytes = self.nb * (self.ty.packed_quant_bytes() + self.ty.packed_scale_bytes());
+        let bp_bytes = self.nb * self.ty.packed_quant_bytes()
+            + self.nb / self.ty.scale_unit() * self.ty.packed_scale_bytes();
         let cap = (TASK_WEIGHT_BYTES / bp_bytes).max(granule);
         ppt = ppt.min(cap).max(1);
         ppt = ppt.div_ceil(granule) * granule;
@@ -502,7 +439,7 @@ impl PackedMatrix {
     ) {
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni => x86::run_tile(self, act, p0, p1, t0, t1, dst),
+            Kernel::Avx2 | Kernel::Avx512 => x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst),
             _ => scalar::run_tile(self, act, p0, p1, t0, t1, dst),
         }
     }
@@ -523,35 +460,21 @@ impl PackedMatrix {
             });
         }
         let (p, lane) = (r / PANEL, r % PANEL);
-        let qbp = self.ty.packed_quant_bytes();
-        let sbp = self.ty.packed_scale_bytes();
+        let ty = self.ty;
+        let (qbp, sbp, unit) = (
+            ty.packed_quant_bytes(),
+            ty.packed_scale_bytes(),
+            ty.scale_unit(),
+        );
         let qs = self.quants.as_slice();
         let sc = self.scales.as_slice();
-        for b in 0..self.nb {
+        let srecs = self.nb / unit;
+        for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
             let q = &qs[(p * self.nb + b) * qbp..][..qbp];
-            let s = &sc[(p * self.nb + b) * sbp..][..sbp];
-            let d = f16::from_le_bytes([s[2 * lane], s[2 * lane + 1]]).to_f32();
-            let o = &mut out[b * BLOCK..(b + 1) * BLOCK];
-            match self.ty {
-                QuantType::Q4_1 => {
-                    let mm = f16::from_le_bytes([s[32 + 2 * lane], s[33 + 2 * lane]]).to_f32();
-                    for c in 0..4 {
-                        for j in 0..4 {
-                            let byte = q[c * 64 + 4 * lane + j];
-                            o[4 * c + j] = d * (byte & 0x0F) as f32 + mm;
-                            o[16 + 4 * c + j] = d * (byte >> 4) as f32 + mm;
-                        }
-                    }
-                }
-                QuantType::Q8_0 => {
-                    for c in 0..8 {
-                        for j in 0..4 {
-                            let v = (q[c * 64 + 4 * lane + j] ^ 0x80) as i8;
-                            o[4 * c + j] = d * v as f32;
-                        }
-                    }
-                }
-            }
+            let s = &sc[(p * srecs + b / unit) * sbp..][..sbp];
+            let u = format::decode_quants(ty, q, lane);
+            let scales = format::decode_scales(ty, s, lane, b % unit);
+            format::dequantize_block(ty, &u, scales, o);
         }
         Ok(())
     }
@@ -569,7 +492,7 @@ impl PackedMatrix {
         unsafe {
             self.scales
                 .as_ptr()
-                .add(p * self.nb * self.ty.packed_scale_bytes())
+                .add(p * self.nb / self.ty.scale_unit() * self.ty.packed_scale_bytes())
         }
     }
 

@@ -1,13 +1,33 @@
 //! Portable kernels over the repacked layout: the same integer dot products and the same
-//! f32 operations, in the same order, as the AVX-512 VNNI kernels.
+//! f32 operations, in the same order, as the SIMD kernels (see the crate docs).
 
 use crate::act::QuantAct;
-use crate::{PackedMatrix, QuantType, BLOCK, PANEL};
-use half::f16;
+use crate::format::{decode_quants, decode_scales, BlockScales};
+use crate::{PackedMatrix, BLOCK, PANEL};
 
-#[inline]
-fn f16_at(s: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([s[2 * i], s[2 * i + 1]]).to_f32()
+/// The f32 update of one (row, token) accumulator by one block: the arithmetic every
+/// level performs, in this order.
+///
+/// `dot` is `[Σ_{j<16} (q_j − off)·a_j, Σ_{j≥16} (q_j − off)·a_j]` when `split` (`Q6_K`,
+/// whose halves have their own scales), else `[Σ_j (q_j − off)·a_j, 0]`.
+#[inline(always)]
+pub(crate) fn update(
+    acc: f32,
+    sc: &BlockScales,
+    dot: [i32; 2],
+    da: f32,
+    sa: f32,
+    split: bool,
+    min: bool,
+) -> f32 {
+    let mut acc = (sc.dw_lo * da).mul_add(dot[0] as f32, acc);
+    if split {
+        acc = (sc.dw_hi * da).mul_add(dot[1] as f32, acc);
+    }
+    if min {
+        acc = sc.mneg.mul_add(sa, acc);
+    }
+    acc
 }
 
 /// Computes dst for panels `p0..p1` and tokens `t0..t1`.
@@ -23,58 +43,52 @@ pub(crate) unsafe fn run_tile(
     t1: usize,
     dst: *mut f32,
 ) {
+    let ty = mat.ty;
     let nb = mat.nb;
-    let qbp = mat.ty.packed_quant_bytes();
-    let sbp = mat.ty.packed_scale_bytes();
+    let qbp = ty.packed_quant_bytes();
+    let sbp = ty.packed_scale_bytes();
+    let unit = ty.scale_unit();
+    let off = ty.offset();
+    let split = ty == crate::QuantType::Q6K;
+    let min = matches!(
+        ty.scales(),
+        crate::format::Scales::DM | crate::format::Scales::SuperDM
+    );
     let aq = act.q.as_slice();
+    let mut acc = vec![[0f32; PANEL]; t1 - t0];
     for p in p0..p1 {
         // SAFETY: panel p < np; the slices cover exactly this panel's records.
         let qs = unsafe { std::slice::from_raw_parts(mat.quant_ptr(p), nb * qbp) };
-        let sc = unsafe { std::slice::from_raw_parts(mat.scale_ptr(p), nb * sbp) };
-        let valid = mat.valid_rows(p);
-        for t in t0..t1 {
-            let mut acc = [0f32; PANEL];
-            for b in 0..nb {
-                let q = &qs[b * qbp..(b + 1) * qbp];
-                let s = &sc[b * sbp..(b + 1) * sbp];
-                let a = &aq[(t * nb + b) * BLOCK..][..BLOCK];
-                let a = |i: usize| a[i] as i8 as i32;
-                let da = act.d[t * nb + b];
-                match mat.ty {
-                    QuantType::Q4_1 => {
-                        let sa = act.s[t * nb + b];
-                        for (r, accr) in acc.iter_mut().enumerate() {
-                            let mut dot = 0i32;
-                            for c in 0..4 {
-                                for j in 0..4 {
-                                    let w = q[c * 64 + 4 * r + j] as i32;
-                                    dot += (w & 0x0F) * a(4 * c + j);
-                                    dot += (w >> 4) * a(16 + 4 * c + j);
-                                }
-                            }
-                            let dd = f16_at(s, r) * da;
-                            *accr = dd.mul_add(dot as f32, *accr);
-                            *accr = f16_at(s, 16 + r).mul_add(sa, *accr);
-                        }
+        let sc = unsafe { std::slice::from_raw_parts(mat.scale_ptr(p), nb / unit * sbp) };
+        acc.iter_mut().for_each(|a| *a = [0.0; PANEL]);
+        for b in 0..nb {
+            let q = &qs[b * qbp..(b + 1) * qbp];
+            let s = &sc[b / unit * sbp..(b / unit + 1) * sbp];
+            for r in 0..PANEL {
+                let u = decode_quants(ty, q, r);
+                let scales = decode_scales(ty, s, r, b % unit);
+                for (t, accr) in (t0..t1).zip(acc.iter_mut()) {
+                    let i = t * nb + b;
+                    let a = &aq[i * BLOCK..(i + 1) * BLOCK];
+                    let mut half = [0i32; 2];
+                    for (j, (&w, &x)) in u.iter().zip(a).enumerate() {
+                        half[j / 16] += w as i32 * x as i8 as i32;
                     }
-                    QuantType::Q8_0 => {
-                        let corr = act.corr[t * nb + b];
-                        for (r, accr) in acc.iter_mut().enumerate() {
-                            let mut dot = corr;
-                            for c in 0..8 {
-                                for j in 0..4 {
-                                    dot += q[c * 64 + 4 * r + j] as i32 * a(4 * c + j);
-                                }
-                            }
-                            let dd = f16_at(s, r) * da;
-                            *accr = dd.mul_add(dot as f32, *accr);
-                        }
-                    }
+                    let [sum, lo] = act.isum[i];
+                    let dot = if split {
+                        [half[0] - off * lo, half[1] - off * (sum - lo)]
+                    } else {
+                        [half[0] + half[1] - off * sum, 0]
+                    };
+                    accr[r] = update(accr[r], &scales, dot, act.d[i], act.s[i], split, min);
                 }
             }
+        }
+        let valid = mat.valid_rows(p);
+        for (t, accr) in (t0..t1).zip(&acc) {
             // SAFETY: row t, columns p*16 .. p*16+valid are inside dst and ours.
             let out = unsafe { dst.add(t * mat.n + p * PANEL) };
-            for (r, &v) in acc.iter().enumerate().take(valid) {
+            for (r, &v) in accr.iter().enumerate().take(valid) {
                 unsafe { out.add(r).write(v) };
             }
         }

@@ -1,0 +1,165 @@
+//! Which kernels run: chosen at run time from what the CPU reports, optionally capped
+//! by the `LANTERN_KERNELS` environment variable or forced through [`force_kernel`].
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// The environment variable that caps the kernel level (`scalar`, `avx2` or `avx512`).
+pub const KERNELS_ENV: &str = "LANTERN_KERNELS";
+
+/// An instruction-set level of the matrix kernels. Every level computes bit-identical
+/// results; the levels are ordered from the most portable to the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kernel {
+    /// Portable scalar code.
+    Scalar,
+    /// AVX2 + FMA + F16C (x86-64): `vpmaddubsw` / `vpmaddwd` integer dot products.
+    Avx2,
+    /// AVX-512 F/BW + VNNI (x86-64): `vpdpbusd` integer dot products.
+    Avx512,
+}
+
+impl Kernel {
+    /// Every level, most portable first.
+    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+
+    /// The best level this CPU runs.
+    pub fn detect() -> Kernel {
+        *DETECTED.get_or_init(|| {
+            Kernel::ALL
+                .into_iter()
+                .rev()
+                .find(|k| k.cpu_has())
+                .unwrap_or(Kernel::Scalar)
+        })
+    }
+
+    /// Whether this CPU runs the level.
+    pub fn available(self) -> bool {
+        self <= Kernel::detect()
+    }
+
+    /// `self`, lowered to the best level this CPU runs.
+    pub fn capped(self) -> Kernel {
+        self.min(Kernel::detect())
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512 => "avx512",
+        }
+    }
+
+    /// The level named `name` (as [`Kernel::name`] writes it), case-insensitive.
+    pub fn parse(name: &str) -> Option<Kernel> {
+        Kernel::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(name.trim()))
+    }
+
+    fn cpu_has(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => crate::x86::avx2_available(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => crate::x86::avx512_available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        self as u8 + 1
+    }
+
+    fn from_u8(v: u8) -> Option<Kernel> {
+        Kernel::ALL.get(usize::from(v).checked_sub(1)?).copied()
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+static DETECTED: OnceLock<Kernel> = OnceLock::new();
+static FROM_ENV: OnceLock<Kernel> = OnceLock::new();
+/// 0: no override; otherwise `Kernel::to_u8` of the forced level.
+static FORCED: AtomicU8 = AtomicU8::new(0);
+
+/// The level [`PackedMatrix::matmul`](crate::PackedMatrix::matmul) runs at: the level
+/// forced by [`force_kernel`], else `LANTERN_KERNELS` capped at what the CPU has, else
+/// the best level the CPU has.
+pub fn active_kernel() -> Kernel {
+    if let Some(k) = Kernel::from_u8(FORCED.load(Ordering::Relaxed)) {
+        return k;
+    }
+    *FROM_ENV.get_or_init(|| level_from_env(std::env::var(KERNELS_ENV).ok().as_deref()))
+}
+
+/// Forces the level of every later `matmul` (for tests and benchmarks), capped at what
+/// the CPU has; `None` returns to the default. Returns the level now in effect.
+pub fn force_kernel(level: Option<Kernel>) -> Kernel {
+    let v = level.map_or(0, |k| k.capped().to_u8());
+    FORCED.store(v, Ordering::Relaxed);
+    active_kernel()
+}
+
+/// The name of [`active_kernel`]: `"scalar"`, `"avx2"` or `"avx512"`.
+pub fn kernel_level() -> &'static str {
+    active_kernel().name()
+}
+
+/// The level asked for by the variable's value (unset or empty: the best), capped at
+/// what the CPU has, with one warning on stderr when capped or not understood.
+fn level_from_env(value: Option<&str>) -> Kernel {
+    let best = Kernel::detect();
+    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+        return best;
+    };
+    match Kernel::parse(value) {
+        Some(asked) if asked <= best => asked,
+        Some(asked) => {
+            eprintln!(
+                "warning: {KERNELS_ENV}={} but this CPU runs at most `{best}`; using `{best}`",
+                asked.name()
+            );
+            best
+        }
+        None => {
+            eprintln!(
+                "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx512; using `{best}`"
+            );
+            best
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_values_are_capped_at_the_cpu() {
+        let best = Kernel::detect();
+        assert_eq!(level_from_env(None), best);
+        assert_eq!(level_from_env(Some("")), best);
+        assert_eq!(level_from_env(Some("scalar")), Kernel::Scalar);
+        assert_eq!(level_from_env(Some("AVX2")), Kernel::Avx2.min(best));
+        assert_eq!(level_from_env(Some("avx512")), best);
+        assert_eq!(level_from_env(Some("sse9")), best);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for k in Kernel::ALL {
+            assert_eq!(Kernel::parse(k.name()), Some(k));
+            assert_eq!(Kernel::from_u8(k.to_u8()), Some(k));
+        }
+        assert_eq!(Kernel::from_u8(0), None);
+    }
+}

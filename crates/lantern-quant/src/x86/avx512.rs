@@ -1,0 +1,243 @@
+//! AVX-512 F/BW + VNNI kernels (see the crate docs for the layout and the arithmetic).
+
+// The register tiles are small fixed-size arrays indexed by (panel, token); index loops
+// read more clearly than iterator chains here and compile to the same unrolled code.
+#![allow(clippy::needless_range_loop)]
+
+use super::{dispatch_shapes, Shapes, TileArgs};
+use crate::act::block_scale;
+use crate::format::{Planes, Scales};
+use crate::{QuantType, BLOCK, PANEL};
+use std::arch::x86_64::*;
+
+/// Decode and tiny batches take 4 panels (independent dependency chains); larger
+/// batches 2 panels x up to 4 tokens, which reuses each unpacked weight register 4 times.
+pub(super) const SHAPES: Shapes = Shapes {
+    panels: |tokens| if tokens <= 2 { 4 } else { 2 },
+    max_tokens: 4,
+};
+
+/// SIMD activation quantization: the same operations as
+/// [`crate::act::quantize_block_scalar`] (max of |x|, one scalar division, one scalar
+/// reciprocal, multiply, round half to even, clamp), so the same bytes.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+pub(crate) unsafe fn quantize_block(x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
+    let x0 = _mm512_loadu_ps(x.as_ptr());
+    let x1 = _mm512_loadu_ps(x.as_ptr().add(16));
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    let (d, id) = block_scale(amax);
+    let vid = _mm512_set1_ps(id);
+    let lo = _mm512_set1_ps(-127.0);
+    let hi = _mm512_set1_ps(127.0);
+    // 0x08: round to nearest even, suppress exceptions.
+    let r0 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x0, vid));
+    let r1 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x1, vid));
+    let i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
+    let i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
+    _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(i1));
+    let isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    (d, isum)
+}
+
+#[inline(always)]
+unsafe fn bcast4(p: *const u8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// `x` shifted left by `s` bits (right by `-s`) in 16-bit lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn shift16(x: __m512i, s: i32) -> __m512i {
+    if s >= 0 {
+        _mm512_sll_epi16(x, _mm_cvtsi32_si128(s))
+    } else {
+        _mm512_srl_epi16(x, _mm_cvtsi32_si128(-s))
+    }
+}
+
+/// 16 f16 at `p` (unaligned) as f32 (exact).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16x16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+}
+
+/// 16 u8 at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn u8x16(p: *const u8) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())))
+}
+
+/// 16 i8 at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn i8x16(p: *const u8) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+}
+
+/// One register tile: `P` panels (16 rows each) x `T` tokens, weight type `F`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
+    let ty = QuantType::from_id(F);
+    let planes = ty.planes();
+    let scales = ty.scales();
+    let split = ty == QuantType::Q6K;
+    let qbp = ty.packed_quant_bytes();
+    let sbp = ty.packed_scale_bytes();
+    let unit = ty.scale_unit();
+    let off = ty.offset();
+    let nb = a.nb;
+    let nib = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let mut accf = [[_mm512_setzero_ps(); T]; P];
+    for b in 0..nb {
+        // Integer dot products, starting from the offsets' exact corrections.
+        let mut lo = [[_mm512_setzero_si512(); T]; P];
+        let mut hi = [[_mm512_setzero_si512(); T]; P];
+        for t in 0..T {
+            let [sum, sum_lo] = *a.isum.add(t * nb + b);
+            let (c0, c1) = if split {
+                (-off * sum_lo, -off * (sum - sum_lo))
+            } else {
+                (-off * sum, 0)
+            };
+            for p in 0..P {
+                lo[p][t] = _mm512_set1_epi32(c0);
+                hi[p][t] = _mm512_set1_epi32(c1);
+            }
+        }
+        let rec = |p: usize| a.qs.add(p * a.q_panel + b * qbp);
+        if planes == Planes::Bytes {
+            for c in 0..8 {
+                let mut w = [_mm512_setzero_si512(); P];
+                for p in 0..P {
+                    w[p] = _mm512_load_si512(rec(p).add(c * 64).cast());
+                }
+                for t in 0..T {
+                    let av = bcast4(a.aq.add((t * nb + b) * BLOCK + 4 * c));
+                    for p in 0..P {
+                        lo[p][t] = _mm512_dpbusd_epi32(lo[p][t], w[p], av);
+                    }
+                }
+            }
+        } else {
+            let mut h0 = [_mm512_setzero_si512(); P];
+            let mut h1 = [_mm512_setzero_si512(); P];
+            for p in 0..P {
+                if planes != Planes::Nibbles {
+                    h0[p] = _mm512_load_si512(rec(p).add(256).cast());
+                }
+                if planes == Planes::Nibbles2 {
+                    h1[p] = _mm512_load_si512(rec(p).add(320).cast());
+                }
+            }
+            for c in 0..4 {
+                let mut ulo = [_mm512_setzero_si512(); P];
+                let mut uhi = [_mm512_setzero_si512(); P];
+                for p in 0..P {
+                    let w = _mm512_load_si512(rec(p).add(c * 64).cast());
+                    ulo[p] = _mm512_and_si512(w, nib);
+                    uhi[p] = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nib);
+                    let ci = c as i32;
+                    if planes == Planes::Nibbles1 {
+                        let l = _mm512_and_si512(shift16(h0[p], 4 - ci), bit4);
+                        let h = _mm512_and_si512(shift16(h0[p], -ci), bit4);
+                        ulo[p] = _mm512_or_si512(ulo[p], l);
+                        uhi[p] = _mm512_or_si512(uhi[p], h);
+                    } else if planes == Planes::Nibbles2 {
+                        let l = _mm512_and_si512(shift16(h0[p], 4 - 2 * ci), bits45);
+                        let h = _mm512_and_si512(shift16(h1[p], 4 - 2 * ci), bits45);
+                        ulo[p] = _mm512_or_si512(ulo[p], l);
+                        uhi[p] = _mm512_or_si512(uhi[p], h);
+                    }
+                }
+                for t in 0..T {
+                    let ab = a.aq.add((t * nb + b) * BLOCK);
+                    let alo = bcast4(ab.add(4 * c));
+                    let ahi = bcast4(ab.add(16 + 4 * c));
+                    for p in 0..P {
+                        lo[p][t] = _mm512_dpbusd_epi32(lo[p][t], ulo[p], alo);
+                        if split {
+                            hi[p][t] = _mm512_dpbusd_epi32(hi[p][t], uhi[p], ahi);
+                        } else {
+                            lo[p][t] = _mm512_dpbusd_epi32(lo[p][t], uhi[p], ahi);
+                        }
+                    }
+                }
+            }
+        }
+        // Per-block scaling, in the order of `scalar::update`.
+        let j = b % unit;
+        for p in 0..P {
+            let s = a.sc.add(p * a.s_panel + b / unit * sbp);
+            let zero = _mm512_setzero_ps();
+            let (dw_lo, dw_hi, m) = match scales {
+                Scales::D => {
+                    let d = f16x16(s);
+                    (d, d, zero)
+                }
+                Scales::DM => {
+                    let d = f16x16(s);
+                    (d, d, f16x16(s.add(32)))
+                }
+                Scales::SuperDM => {
+                    let d = _mm512_mul_ps(f16x16(s), u8x16(s.add(64 + j * PANEL)));
+                    let m = _mm512_mul_ps(f16x16(s.add(32)), u8x16(s.add(64 + (8 + j) * PANEL)));
+                    (d, d, m)
+                }
+                Scales::SuperHalves => {
+                    let d = f16x16(s);
+                    let lo = _mm512_mul_ps(d, i8x16(s.add(32 + 2 * j * PANEL)));
+                    let hi = _mm512_mul_ps(d, i8x16(s.add(32 + (2 * j + 1) * PANEL)));
+                    (lo, hi, zero)
+                }
+            };
+            for t in 0..T {
+                let da = _mm512_set1_ps(*a.ad.add(t * nb + b));
+                let acc = &mut accf[p][t];
+                *acc =
+                    _mm512_fmadd_ps(_mm512_mul_ps(dw_lo, da), _mm512_cvtepi32_ps(lo[p][t]), *acc);
+                if split {
+                    *acc = _mm512_fmadd_ps(
+                        _mm512_mul_ps(dw_hi, da),
+                        _mm512_cvtepi32_ps(hi[p][t]),
+                        *acc,
+                    );
+                }
+                match scales {
+                    Scales::DM => {
+                        *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*a.as_.add(t * nb + b)), *acc);
+                    }
+                    // fnmadd(m, sa, acc) = fma(−m, sa, acc) exactly (negation is exact).
+                    Scales::SuperDM => {
+                        *acc = _mm512_fnmadd_ps(m, _mm512_set1_ps(*a.as_.add(t * nb + b)), *acc);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    for p in 0..P {
+        let mask = ((1u32 << a.valid[p]) - 1) as u16;
+        for t in 0..T {
+            _mm512_mask_storeu_ps(a.out.add(t * a.ldo + p * PANEL), mask, accf[p][t]);
+        }
+    }
+}
+
+/// Runs the tile of shape `pc` x `tc` for `ty`.
+///
+/// # Safety
+/// The CPU supports the level; `args` describe a tile inside the matrix and dst.
+pub(super) unsafe fn dispatch(ty: QuantType, pc: usize, tc: usize, args: TileArgs) {
+    dispatch_shapes!(tile, ty, pc, tc, args;
+        (1, 1), (1, 2), (1, 3), (1, 4),
+        (2, 1), (2, 2), (2, 3), (2, 4),
+        (4, 1), (4, 2));
+}

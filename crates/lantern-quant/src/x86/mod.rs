@@ -1,0 +1,139 @@
+//! x86-64 kernels: one module per level, sharing the register-tile driver.
+
+pub(crate) mod avx2;
+pub(crate) mod avx512;
+
+use crate::act::QuantAct;
+use crate::{Kernel, PackedMatrix, BLOCK, PANEL};
+
+/// Whether the CPU runs the AVX2 level.
+pub(crate) fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// Whether the CPU runs the AVX-512 level.
+pub(crate) fn avx512_available() -> bool {
+    avx2_available()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Pointers and strides of one register tile (panels `P` x tokens `T`).
+#[derive(Clone, Copy)]
+pub(crate) struct TileArgs {
+    /// Quants of the first panel of the tile, block 0.
+    pub qs: *const u8,
+    /// Scales of the first panel of the tile, block 0.
+    pub sc: *const u8,
+    /// Bytes between consecutive panels' quants / scales.
+    pub q_panel: usize,
+    pub s_panel: usize,
+    pub nb: usize,
+    /// Activation bytes of the first token of the tile, block 0 (token stride nb·32).
+    pub aq: *const u8,
+    /// Per-(token, block) activation d, s and integer sums of the first token.
+    pub ad: *const f32,
+    pub as_: *const f32,
+    pub isum: *const [i32; 2],
+    /// dst element (first token, first row of the tile) and the dst row stride (n).
+    pub out: *mut f32,
+    pub ldo: usize,
+    /// Rows of each panel of the tile that exist (the rest are padding, never stored).
+    pub valid: [usize; 4],
+}
+
+/// Register tile shapes of a level: panels per tile for a task of `tokens` tokens, and
+/// the most tokens per tile.
+struct Shapes {
+    panels: fn(usize) -> usize,
+    max_tokens: usize,
+}
+
+/// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (Avx2 or Avx512).
+///
+/// # Safety
+/// The CPU supports `level`; `dst` points to an `m x n` f32 buffer and no other thread
+/// writes this rectangle.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn run_tile(
+    level: Kernel,
+    mat: &PackedMatrix,
+    act: &QuantAct,
+    p0: usize,
+    p1: usize,
+    t0: usize,
+    t1: usize,
+    dst: *mut f32,
+) {
+    let shapes = match level {
+        Kernel::Avx512 => avx512::SHAPES,
+        _ => avx2::SHAPES,
+    };
+    let nb = mat.nb;
+    let pw = (shapes.panels)(t1 - t0);
+    let mut p = p0;
+    while p < p1 {
+        let left = p1 - p;
+        let pc = if left >= pw {
+            pw
+        } else if left >= 2 {
+            2
+        } else {
+            1
+        };
+        let mut valid = [0usize; 4];
+        for (i, v) in valid.iter_mut().enumerate().take(pc) {
+            *v = mat.valid_rows(p + i);
+        }
+        let mut t = t0;
+        while t < t1 {
+            let tc = (t1 - t).min(shapes.max_tokens);
+            let args = TileArgs {
+                qs: mat.quant_ptr(p),
+                sc: mat.scale_ptr(p),
+                q_panel: nb * mat.ty.packed_quant_bytes(),
+                s_panel: nb / mat.ty.scale_unit() * mat.ty.packed_scale_bytes(),
+                nb,
+                aq: act.q.as_ptr().add(t * nb * BLOCK),
+                ad: act.d.as_ptr().add(t * nb),
+                as_: act.s.as_ptr().add(t * nb),
+                isum: act.isum.as_ptr().add(t * nb),
+                out: dst.add(t * mat.n + p * PANEL),
+                ldo: mat.n,
+                valid,
+            };
+            match level {
+                Kernel::Avx512 => avx512::dispatch(mat.ty, pc, tc, args),
+                _ => avx2::dispatch(mat.ty, pc, tc, args),
+            }
+            t += tc;
+        }
+        p += pc;
+    }
+}
+
+/// Expands to a `match` over (panels, tokens, type) calling `$tile::<TYPE, P, T>(args)`.
+macro_rules! dispatch_shapes {
+    ($tile:ident, $ty:expr, $pc:expr, $tc:expr, $args:expr; $(($p:literal, $t:literal)),*) => {{
+        use $crate::QuantType as Q;
+        match ($pc, $tc) {
+            $(
+                ($p, $t) => match $ty {
+                    Q::Q4_0 => $tile::<{ Q::Q4_0 as u8 }, $p, $t>($args),
+                    Q::Q4_1 => $tile::<{ Q::Q4_1 as u8 }, $p, $t>($args),
+                    Q::Q5_0 => $tile::<{ Q::Q5_0 as u8 }, $p, $t>($args),
+                    Q::Q5_1 => $tile::<{ Q::Q5_1 as u8 }, $p, $t>($args),
+                    Q::Q8_0 => $tile::<{ Q::Q8_0 as u8 }, $p, $t>($args),
+                    Q::Q4K => $tile::<{ Q::Q4K as u8 }, $p, $t>($args),
+                    Q::Q5K => $tile::<{ Q::Q5K as u8 }, $p, $t>($args),
+                    Q::Q6K => $tile::<{ Q::Q6K as u8 }, $p, $t>($args),
+                },
+            )*
+            _ => unreachable!("tile shape {}x{}", $pc, $tc),
+        }
+    }};
+}
+pub(crate) use dispatch_shapes;

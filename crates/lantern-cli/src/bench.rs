@@ -221,7 +221,18 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     let peak = peak_memory_bytes();
     let info = engine.model_info();
     let level = lantern_model::simd_level();
+    let kernels =
+        crate::kernels::weight_kernels(&args.engine.model_path()?, args.engine.f32_weights)?;
     if args.json {
+        let kernels_json: serde_json::Map<String, serde_json::Value> = kernels
+            .iter()
+            .map(|k| {
+                (
+                    k.dtype.clone(),
+                    json!({ "kernel": k.kernel, "matrices": k.matrices }),
+                )
+            })
+            .collect();
         let batched_json: serde_json::Map<String, serde_json::Value> = batched
             .iter()
             .map(|(b, r)| (b.to_string(), json!(r)))
@@ -231,6 +242,8 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
             json!({
                 "model": info.name,
                 "simd": level.summary(),
+                "kernel_level": lantern_quant::kernel_level(),
+                "kernels": kernels_json,
                 "threads": rayon_threads(),
                 "attention_backend": engine.attention_backend(),
                 "prefill_tokens_per_s": prefill,
@@ -250,6 +263,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     } else {
         println!("model              {}", info.name);
         println!("simd               {level}");
+        println!("kernels            {}", crate::kernels::summary(&kernels));
         println!("threads            {}", rayon_threads());
         println!("attention backend  {}", engine.attention_backend());
         println!(

@@ -5,6 +5,7 @@ mod attn;
 mod bench;
 mod bench_capture;
 mod generate;
+mod kernels;
 mod serve;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};

@@ -35,6 +35,15 @@ fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
     }
 }
 
+/// The kernels products over `dtype` weights run on: lantern's level in effect
+/// (`avx512`, `avx2`, `scalar`) for the types it repacks, else `candle`.
+pub fn kernel_for(dtype: GgmlDType) -> &'static str {
+    match packed_type(dtype) {
+        Some(_) => lantern_quant::kernel_level(),
+        None => "candle",
+    }
+}
+
 impl Linear {
     /// `tensor` as a product, dequantized to f32 when `options` ask for it.
     pub fn load(options: &crate::LoadOptions, name: &str, tensor: QTensor) -> Result<Self> {

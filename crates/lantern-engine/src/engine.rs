@@ -11,8 +11,9 @@ use lantern_capture::{
     keys_needed, snapshot_layer, CaptureSpec, PendingCapture, QueryRowBuffer, StepTap, TokenInfo,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, RequestId};
-use lantern_model::{ChatMessage, LoadedModel, ModelInfo, ModelTokenizer};
+use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The KV cache kind a layer's attention needs: sliding layers keep only their window.
@@ -60,7 +61,10 @@ pub struct Completion {
 }
 
 pub struct Engine {
-    loaded: LoadedModel,
+    model: Box<dyn CausalLm>,
+    /// Shared with request tasks, which tokenize off the engine thread.
+    tokenizer: Arc<ModelTokenizer>,
+    chat_template: Option<Arc<ChatTemplate>>,
     config: EngineConfig,
     kv: KvCacheManager,
     scheduler: Scheduler,
@@ -113,7 +117,9 @@ impl Engine {
             kv: KvCacheManager::new(&kv_config, config.enable_prefix_caching),
             scheduler: Scheduler::new(config.max_num_batched_tokens, config.max_num_seqs),
             runner,
-            loaded,
+            model: loaded.model,
+            tokenizer: Arc::new(loaded.tokenizer),
+            chat_template: loaded.chat_template.map(Arc::new),
             config,
             requests: HashMap::new(),
             next_id: 0,
@@ -122,11 +128,21 @@ impl Engine {
     }
 
     pub fn model_info(&self) -> &ModelInfo {
-        self.loaded.model.info()
+        self.model.info()
     }
 
     pub fn tokenizer(&self) -> &ModelTokenizer {
-        &self.loaded.tokenizer
+        &self.tokenizer
+    }
+
+    /// The tokenizer, for use on other threads.
+    pub fn shared_tokenizer(&self) -> Arc<ModelTokenizer> {
+        self.tokenizer.clone()
+    }
+
+    /// The chat template, for use on other threads.
+    pub fn shared_chat_template(&self) -> Option<Arc<ChatTemplate>> {
+        self.chat_template.clone()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -143,7 +159,7 @@ impl Engine {
 
     /// Renders a conversation through the model's chat template, ready for the assistant.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.loaded.chat_template.as_ref().ok_or_else(|| {
+        let template = self.chat_template.as_ref().ok_or_else(|| {
             EngineError::InvalidRequest("this model has no chat template".to_string())
         })?;
         Ok(template.render(messages, true)?)
@@ -151,33 +167,20 @@ impl Engine {
 
     /// Token ids of a conversation rendered through the chat template, ready for the
     /// assistant: control tokens come only from the template's own text, never from
-    /// message contents (see [`ModelTokenizer::encode_chat`]).
+    /// message contents (see [`lantern_model::prompt::tokenize_chat`]).
     pub fn tokenize_chat(
         &self,
         messages: &[ChatMessage],
         add_special_tokens: bool,
     ) -> Result<Vec<u32>> {
-        let template = self.loaded.chat_template.as_ref().ok_or_else(|| {
-            EngineError::InvalidRequest("this model has no chat template".to_string())
-        })?;
-        let rendered = template.render_parts(messages, true)?;
-        let tokenizer = &self.loaded.tokenizer;
-        Ok(match rendered.segments {
-            Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
-            None => {
-                // The template changes contents, so they cannot be told apart from its
-                // own text: safe only while no content spells a control token.
-                if let Some(i) = messages
-                    .iter()
-                    .position(|m| tokenizer.contains_control_text(&m.content))
-                {
-                    return Err(EngineError::InvalidRequest(format!(
-                        "messages[{i}] contains the text of a control token, which this model's chat template does not keep apart from its own markup"
-                    )));
-                }
-                tokenizer.encode(&rendered.text, add_special_tokens)?
-            }
-        })
+        lantern_model::prompt::tokenize_chat(
+            self.chat_template.as_deref(),
+            &self.tokenizer,
+            messages,
+            add_special_tokens,
+            usize::MAX,
+        )
+        .map_err(|e| EngineError::ChatPrompt(Box::new(e)))
     }
 
     /// Queues a request; it runs from the next step on.
@@ -211,7 +214,7 @@ impl Engine {
     /// Checks a capture request against the model (layers and heads in range) and
     /// normalizes it (sorted, without repeats).
     pub fn validate_capture(&self, spec: &mut CaptureSpec) -> Result<()> {
-        let info = self.loaded.model.info();
+        let info = self.model.info();
         let heads = info
             .attention
             .iter()
@@ -231,7 +234,7 @@ impl Engine {
         capture: Option<CaptureSpec>,
     ) -> Result<RequestId> {
         params.validate().map_err(EngineError::InvalidRequest)?;
-        let info = self.loaded.model.info();
+        let info = self.model.info();
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest(
                 "the prompt is empty".to_string(),
@@ -338,8 +341,8 @@ impl Engine {
         let Some(buffer) = req.capture.take() else {
             return;
         };
-        let info = self.loaded.model.info();
-        let tokenizer = &self.loaded.tokenizer;
+        let info = self.model.info();
+        let tokenizer = &self.tokenizer;
         let total = req.token_ids.len();
         let num_computed = req.num_computed_tokens;
         let spec = buffer.spec();
@@ -476,7 +479,7 @@ impl Engine {
             }
             batch_row += s.num_tokens;
         }
-        let model = self.loaded.model.as_ref();
+        let model = self.model.as_ref();
         let result = if buffers.is_empty() {
             self.runner
                 .execute(model, plan, &self.requests, &self.kv, None)
@@ -499,7 +502,7 @@ impl Engine {
     }
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
-        let context_length = self.loaded.model.info().context_length;
+        let context_length = self.model.info().context_length;
         let req = self.requests.get_mut(&id).expect("sampled requests exist");
         let penalized;
         let logits = if req.params.has_penalties() {
@@ -519,7 +522,7 @@ impl Engine {
         req.token_ids.push(token);
         let now = Instant::now();
         req.times.first_token.get_or_insert(now);
-        let tokenizer = &self.loaded.tokenizer;
+        let tokenizer = &self.tokenizer;
         let is_stop = !req.params.ignore_eos && tokenizer.stop_ids().contains(&token)
             || req.params.stop_token_ids.contains(&token);
         let finished = if is_stop {

@@ -10,6 +10,8 @@ pub enum EngineError {
     #[error("the scheduler cannot make progress: {waiting} requests wait with {free_blocks} free blocks")]
     Stalled { waiting: usize, free_blocks: usize },
     #[error(transparent)]
+    ChatPrompt(Box<lantern_model::prompt::ChatPromptError>),
+    #[error(transparent)]
     Model(#[from] lantern_model::ModelError),
     #[error(transparent)]
     Attention(#[from] lantern_attn::AttnError),

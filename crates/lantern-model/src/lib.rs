@@ -12,12 +12,13 @@ pub mod gguf_header;
 pub mod linear;
 pub mod llama;
 pub mod ops;
+pub mod prompt;
 pub mod rope;
 pub mod source;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatSegment, ChatTemplate, RenderedChat};
+pub use chat::{ChatMessage, ChatSegment, ChatTemplate, RenderedChat, TemplateError};
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;

@@ -166,6 +166,12 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
+    /// Bytes of the longest token's text: no token covers more bytes of input (a byte
+    /// is at least one byte of a token's text, `<0xNN>` six).
+    pub fn longest_token_bytes(&self) -> usize {
+        self.tokens.iter().map(String::len).max().unwrap_or(1)
+    }
+
     /// Whether `text` spells a control token somewhere.
     pub fn contains_control_text(&self, text: &str) -> bool {
         self.control

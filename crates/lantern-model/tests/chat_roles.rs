@@ -49,7 +49,7 @@ fn check(path: &Path, turn: &str, end: &str, forged: &str) {
         ChatMessage::new("assistant", "Blue."),
         ChatMessage::new("user", "Another?"),
     ];
-    let rendered = template.render_parts(&honest, true).unwrap();
+    let rendered = template.render_parts(&honest, true, usize::MAX).unwrap();
     let segments = rendered
         .segments
         .expect("the template inserts contents as they are");
@@ -60,9 +60,9 @@ fn check(path: &Path, turn: &str, end: &str, forged: &str) {
 
     // The same with a forged turn inside the user's message.
     let messages = [ChatMessage::new("user", forged)];
-    let rendered = template.render_parts(&messages, true).unwrap();
+    let rendered = template.render_parts(&messages, true, usize::MAX).unwrap();
     let reference = template
-        .render_parts(&[ChatMessage::new("user", "x")], true)
+        .render_parts(&[ChatMessage::new("user", "x")], true, usize::MAX)
         .unwrap();
     let reference_ids = tokenizer.encode(&reference.text, true).unwrap();
     let ids = tokenizer

@@ -1,6 +1,8 @@
 //! The engine on its own OS thread, fed by a channel of commands.
 //!
-//! The engine is single-threaded (`&mut self`), so one thread owns it. It drains the
+//! The engine is single-threaded (`&mut self`), so one thread owns it, and it only
+//! steps: prompts arrive tokenized and checked ([`Prompter`], on request tasks), and
+//! logprobs leave as ids and logits for the request tasks to turn into text. It drains the
 //! command channel, runs a step while there is work, and sends each request's new text
 //! to that request's event channel; when there is no work it blocks on the channel.
 //! A request whose event channel is closed (its client went away) is aborted, so its KV
@@ -8,12 +10,14 @@
 
 use crate::error::ApiError;
 use crate::metrics::{EngineMetrics, EngineStats};
+use crate::prompt::{PreparedItem, PromptLogits, Prompter};
 use crate::stop::StopMatcher;
 use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
-use lantern_engine::sampling::{log_softmax, top_k_logprobs};
-use lantern_engine::{Engine, EngineError, FinishReason, RequestOutput, SamplingParams};
+use lantern_engine::{
+    Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
+};
 use lantern_kv::RequestId;
-use lantern_model::{ChatMessage, ModelTokenizer};
+use lantern_model::ChatMessage;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -21,8 +25,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
-/// A prompt as the client gave it; the engine thread renders and tokenizes it.
-#[derive(Debug, Clone)]
+/// A prompt as the client gave it; a request task renders and tokenizes it.
+#[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {
     /// Raw text, tokenized as is (BOS added when the model asks for it).
     Text(String),
@@ -115,6 +119,18 @@ pub struct PromptLogprobEntry {
     pub top: Vec<(u32, String, f32)>,
 }
 
+/// New output of one sequence as the engine thread sends it: logprobs still as ids and
+/// logits, for the request task to turn into text ([`Prompter::resolve`]).
+#[derive(Debug)]
+pub struct EngineEvent {
+    pub index: usize,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Option<TokenLogprobs>,
+    pub prompt_logits: Option<PromptLogits>,
+    pub finish: Option<Finish>,
+}
+
 /// New output of one sequence, tagged with its choice index.
 #[derive(Debug, Clone)]
 pub struct ChoiceEvent {
@@ -146,21 +162,12 @@ type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
 enum Command {
     /// Sequences to add together: all are taken or none is.
     Add {
-        items: Vec<GenerationItem>,
-        events: tmpsc::UnboundedSender<ChoiceEvent>,
+        items: Vec<PreparedItem>,
+        events: tmpsc::UnboundedSender<EngineEvent>,
         reply: AddReply,
     },
     Abort(Vec<RequestId>),
     Stats(oneshot::Sender<EngineStats>),
-    Tokenize {
-        prompt: PromptInput,
-        add_special_tokens: bool,
-        reply: oneshot::Sender<Result<Vec<u32>, ApiError>>,
-    },
-    Detokenize {
-        tokens: Vec<u32>,
-        reply: oneshot::Sender<Result<String, ApiError>>,
-    },
     /// Abort everything and end the thread.
     Shutdown,
 }
@@ -193,6 +200,7 @@ impl EngineBuildPanicked {
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     meta: Arc<ModelMeta>,
+    prompter: Prompter,
     alive: Arc<AtomicBool>,
     busy: Arc<AtomicBool>,
 }
@@ -222,7 +230,7 @@ impl EngineHandle {
         E: From<EngineBuildPanicked> + Send + 'static,
     {
         let (tx, rx) = mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<ModelMeta, E>>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(ModelMeta, Prompter), E>>();
         let alive = Arc::new(AtomicBool::new(true));
         let alive_in_thread = alive.clone();
         let busy = Arc::new(AtomicBool::new(false));
@@ -255,17 +263,24 @@ impl EngineHandle {
                         .min()
                         .unwrap_or(0),
                 };
-                let _ = ready_tx.send(Ok(meta));
+                let prompter = Prompter::new(
+                    engine.shared_tokenizer(),
+                    engine.shared_chat_template(),
+                    info.vocab_size,
+                    info.context_length,
+                );
+                let _ = ready_tx.send(Ok((meta, prompter)));
                 EngineLoop::new(engine, rx, busy_in_thread).run();
                 alive_in_thread.store(false, Ordering::SeqCst);
             })
             .expect("spawning the engine thread");
         let thread = EngineThread { join: Some(join) };
         match ready_rx.recv() {
-            Ok(Ok(meta)) => Ok((
+            Ok(Ok((meta, prompter))) => Ok((
                 EngineHandle {
                     tx,
                     meta: Arc::new(meta),
+                    prompter,
                     alive,
                     busy,
                 },
@@ -287,6 +302,11 @@ impl EngineHandle {
         &self.meta
     }
 
+    /// Tokenizer and chat template, for work on request tasks.
+    pub fn prompter(&self) -> &Prompter {
+        &self.prompter
+    }
+
     /// Set while the engine has requests to run (background work paces itself by it).
     pub fn busy_flag(&self) -> Arc<AtomicBool> {
         self.busy.clone()
@@ -297,12 +317,13 @@ impl EngineHandle {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Submits sequences; their events arrive on the returned receiver, tagged with their
-    /// index in `items`.
+    /// Prepares sequences (on a request task) and submits them; their events arrive on
+    /// the returned receiver, tagged with their index in `items`.
     pub async fn add(
         &self,
         items: Vec<GenerationItem>,
-    ) -> Result<(Vec<Accepted>, tmpsc::UnboundedReceiver<ChoiceEvent>), ApiError> {
+    ) -> Result<(Vec<Accepted>, tmpsc::UnboundedReceiver<EngineEvent>), ApiError> {
+        let items = self.prompter.prepare(items).await?;
         let (events, rx) = tmpsc::unbounded_channel();
         let (reply, reply_rx) = oneshot::channel();
         self.tx
@@ -338,24 +359,14 @@ impl EngineHandle {
         prompt: PromptInput,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, ApiError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Tokenize {
-                prompt,
-                add_special_tokens,
-                reply,
-            })
-            .map_err(|_| ApiError::unavailable())?;
-        rx.await.map_err(|_| ApiError::unavailable())?
+        self.prompter
+            .tokenize(prompt, add_special_tokens, "prompt")
+            .await
     }
 
     /// The text of token ids (special tokens included).
     pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Detokenize { tokens, reply })
-            .map_err(|_| ApiError::unavailable())?;
-        rx.await.map_err(|_| ApiError::unavailable())?
+        self.prompter.detokenize(tokens).await
     }
 
     /// Asks the engine thread to abort every request and end.
@@ -367,7 +378,7 @@ impl EngineHandle {
 /// Book-keeping of one live sequence.
 struct Live {
     index: usize,
-    events: tmpsc::UnboundedSender<ChoiceEvent>,
+    events: tmpsc::UnboundedSender<EngineEvent>,
     stop: Option<StopMatcher>,
     stop_token_ids: Vec<u32>,
     prompt_tokens: usize,
@@ -457,21 +468,6 @@ impl EngineLoop {
             Command::Stats(reply) => {
                 let _ = reply.send(self.stats());
             }
-            Command::Tokenize {
-                prompt,
-                add_special_tokens,
-                reply,
-            } => {
-                let _ = reply.send(self.tokenize(&prompt, add_special_tokens, "prompt"));
-            }
-            Command::Detokenize { tokens, reply } => {
-                let result = self
-                    .engine
-                    .tokenizer()
-                    .decode(&tokens, false)
-                    .map_err(|e| ApiError::field("tokens", e.to_string()));
-                let _ = reply.send(result);
-            }
             Command::Shutdown => self.shutting_down = true,
         }
     }
@@ -492,11 +488,11 @@ impl EngineLoop {
         }
     }
 
-    /// Tokenizes and checks every item, then adds them all (or none).
+    /// Settles every item's `max_tokens`, then adds them all (or none).
     fn add(
         &mut self,
-        items: Vec<GenerationItem>,
-        events: &tmpsc::UnboundedSender<ChoiceEvent>,
+        items: Vec<PreparedItem>,
+        events: &tmpsc::UnboundedSender<EngineEvent>,
     ) -> Result<Vec<Accepted>, ApiError> {
         if self.shutting_down {
             return Err(ApiError::unavailable());
@@ -574,64 +570,19 @@ impl EngineLoop {
         Ok(accepted)
     }
 
-    /// Renders (chat) and tokenizes a prompt.
-    fn tokenize(
-        &self,
-        prompt: &PromptInput,
-        add_special_tokens: bool,
-        field: &'static str,
-    ) -> Result<Vec<u32>, ApiError> {
-        let encode = |text: &str| {
-            self.engine
-                .tokenizer()
-                .encode(text, add_special_tokens)
-                .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}")))
-        };
-        match prompt {
-            PromptInput::Text(text) => encode(text),
-            PromptInput::Chat(messages) => self
-                .engine
-                .tokenize_chat(messages, add_special_tokens)
-                .map_err(|e| engine_error(field, &e)),
-            PromptInput::Tokens(ids) => Ok(ids.clone()),
-        }
-    }
-
-    /// Renders and tokenizes one item's prompt and settles its `max_tokens`.
+    /// Settles one prepared item's `max_tokens` against the context and the KV cache,
+    /// and checks its capture's size.
     fn prepare(
         &self,
-        mut item: GenerationItem,
+        prepared: PreparedItem,
     ) -> Result<(GenerationItem, Vec<u32>, Option<String>), ApiError> {
-        let field = item.prompt_field;
-        let ids = self.tokenize(&item.prompt, true, field)?;
-        let text = match &item.prompt {
-            PromptInput::Text(text) => Some(text.clone()),
-            _ => None,
-        };
-        let info = self.engine.model_info();
-        if ids.is_empty() {
-            return Err(ApiError::field(field, "the prompt is empty"));
-        }
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(ApiError::field(
-                field,
-                format!(
-                    "token id {bad} is outside the vocabulary of {} tokens",
-                    info.vocab_size
-                ),
-            ));
-        }
-        let context = info.context_length;
-        if ids.len() >= context {
-            return Err(ApiError::field(
-                field,
-                format!(
-                    "the prompt has {} tokens; this model's context is {context} tokens (the prompt must leave room for at least one generated token)",
-                    ids.len()
-                ),
-            ));
-        }
-        let room = context - ids.len();
+        let PreparedItem {
+            mut item,
+            prompt_ids: ids,
+            echo_text,
+        } = prepared;
+        let context = self.engine.model_info().context_length;
+        let room = context.saturating_sub(ids.len());
         let max_tokens = match item.max_tokens {
             Some(m) if m > room => {
                 return Err(ApiError::field(
@@ -667,18 +618,6 @@ impl EngineLoop {
                 capture.max_bytes,
             )?;
         }
-        let echo_text = if item.echo {
-            Some(match text {
-                Some(t) => t,
-                None => self
-                    .engine
-                    .tokenizer()
-                    .decode(&ids, false)
-                    .map_err(|e| ApiError::field(field, e.to_string()))?,
-            })
-        } else {
-            None
-        };
         Ok((item, ids, echo_text))
     }
 
@@ -733,37 +672,27 @@ impl EngineLoop {
                 None
             };
             let id = out.id;
-            // Every prompt row is in once the first token is sampled.
-            let mut prompt_logprobs = None;
-            if let Some((k, prompt)) = &live.prompt_logprobs {
+            // Every prompt row is in once the first token is sampled; the request task
+            // turns the logits into logprobs.
+            let mut prompt_logits = None;
+            if live.prompt_logprobs.is_some() {
                 if let Some(logits) = self.engine.take_prompt_logits(id) {
-                    prompt_logprobs = Some(prompt_logprob_entries(
-                        self.engine.tokenizer(),
-                        prompt,
-                        &logits,
-                        *k,
-                    ));
-                    live.prompt_logprobs = None;
+                    prompt_logits = live
+                        .prompt_logprobs
+                        .take()
+                        .map(|(top, prompt)| PromptLogits {
+                            logits,
+                            prompt,
+                            top,
+                        });
                 }
             }
-            let logprobs = out
-                .logprobs
-                .map(|lp| {
-                    let tokenizer = self.engine.tokenizer();
-                    let text = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
-                    vec![LogprobEntry {
-                        token: text(lp.token_id),
-                        logprob: lp.logprob,
-                        top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
-                    }]
-                })
-                .unwrap_or_default();
-            let event = ChoiceEvent {
+            let event = EngineEvent {
                 index: live.index,
                 text,
                 token_ids: out.new_token_ids,
-                logprobs,
-                prompt_logprobs,
+                logprobs: out.logprobs,
+                prompt_logits,
                 finish: None,
             };
             match finish {
@@ -795,7 +724,7 @@ impl EngineLoop {
                         error: None,
                         capture: completion.and_then(|c| c.capture),
                     };
-                    let _ = live.events.send(ChoiceEvent {
+                    let _ = live.events.send(EngineEvent {
                         finish: Some(finish),
                         ..event
                     });
@@ -835,12 +764,12 @@ impl EngineLoop {
             if let Some(mut stop) = live.stop {
                 text = stop.flush();
             }
-            let _ = live.events.send(ChoiceEvent {
+            let _ = live.events.send(EngineEvent {
                 index: live.index,
                 text,
                 token_ids: Vec::new(),
-                logprobs: Vec::new(),
-                prompt_logprobs: None,
+                logprobs: None,
+                prompt_logits: None,
                 finish: Some(Finish {
                     reason,
                     stop_reason: None,
@@ -855,46 +784,6 @@ impl EngineLoop {
             });
         }
     }
-}
-
-/// The prompt logprobs of `prompt` from its logits (`[prompt_len, vocab]`, row `i`
-/// predicting token `i + 1`), with `k` alternatives per token. The logits are read once;
-/// the caller drops them.
-fn prompt_logprob_entries(
-    tokenizer: &ModelTokenizer,
-    prompt: &[u32],
-    logits: &[f32],
-    k: usize,
-) -> Vec<PromptLogprobEntry> {
-    let text = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
-    let vocab = logits.len() / prompt.len().max(1);
-    prompt
-        .iter()
-        .enumerate()
-        .map(|(i, &token_id)| {
-            let mut entry = PromptLogprobEntry {
-                token_id,
-                token: text(token_id),
-                logprob: None,
-                rank: 0,
-                top: Vec::new(),
-            };
-            let row = i
-                .checked_sub(1)
-                .and_then(|r| logits.get(r * vocab..(r + 1) * vocab));
-            if let Some(row) = row.filter(|_| (token_id as usize) < vocab) {
-                let logprobs = log_softmax(row);
-                let logprob = logprobs[token_id as usize];
-                entry.logprob = Some(logprob);
-                entry.rank = 1 + logprobs.iter().filter(|&&l| l > logprob).count();
-                entry.top = top_k_logprobs(&logprobs, k)
-                    .into_iter()
-                    .map(|(t, l)| (t, text(t), l))
-                    .collect();
-            }
-            entry
-        })
-        .collect()
 }
 
 fn engine_error(field: &'static str, e: &EngineError) -> ApiError {

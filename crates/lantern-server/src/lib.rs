@@ -16,6 +16,7 @@ pub mod engine_thread;
 pub mod error;
 pub mod metrics;
 mod openai;
+pub mod prompt;
 pub mod protocol;
 pub mod request_guards;
 pub mod stop;

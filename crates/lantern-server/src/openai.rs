@@ -2,10 +2,11 @@
 
 use crate::capture::{self, CaptureRequest};
 use crate::engine_thread::{
-    Accepted, ChoiceEvent, EngineHandle, Finish, ItemCapture, LogprobEntry, PromptLogprobEntry,
-    StopReason,
+    Accepted, ChoiceEvent, EngineEvent, EngineHandle, Finish, ItemCapture, LogprobEntry,
+    PromptLogprobEntry, StopReason,
 };
 use crate::error::ApiError;
+use crate::prompt::Prompter;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
 use crate::AppState;
 use axum::body::Bytes;
@@ -570,7 +571,7 @@ fn engine_failure(finish: &Finish) -> Option<ApiError> {
 async fn whole_response(
     mut response: ResponseBuilder,
     request: GenerationRequest,
-    mut events: UnboundedReceiver<ChoiceEvent>,
+    mut events: UnboundedReceiver<EngineEvent>,
     mut guard: AbortGuard,
     capture: Option<CaptureDelivery>,
 ) -> Result<Response, ApiError> {
@@ -592,6 +593,7 @@ async fn whole_response(
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
+        let event = guard.engine.prompter().resolve(event).await?;
         texts[event.index].push_str(&event.text);
         logprobs[event.index].extend(event.logprobs);
         if event.prompt_logprobs.is_some() {
@@ -616,7 +618,8 @@ async fn whole_response(
 /// The state of an SSE stream.
 struct StreamState {
     response: ResponseBuilder,
-    events: UnboundedReceiver<ChoiceEvent>,
+    events: UnboundedReceiver<EngineEvent>,
+    prompter: Prompter,
     guard: AbortGuard,
     include_usage: bool,
     /// Events ready to send.
@@ -736,7 +739,7 @@ impl StreamState {
 fn stream_response(
     response: ResponseBuilder,
     request: GenerationRequest,
-    events: UnboundedReceiver<ChoiceEvent>,
+    events: UnboundedReceiver<EngineEvent>,
     guard: AbortGuard,
     capture: Option<CaptureDelivery>,
 ) -> Response {
@@ -744,6 +747,7 @@ fn stream_response(
     let mut state = StreamState {
         response,
         events,
+        prompter: guard.engine.prompter().clone(),
         guard,
         include_usage: request.include_usage,
         queue: VecDeque::new(),
@@ -779,7 +783,13 @@ fn sse_events(state: StreamState) -> impl Stream<Item = Result<Event, Infallible
                 continue;
             }
             match state.events.recv().await {
-                Some(event) => state.on_event(event),
+                Some(event) => match state.prompter.resolve(event).await {
+                    Ok(event) => state.on_event(event),
+                    Err(error) => {
+                        state.queue.push_back(data(&error.body()));
+                        state.finish_stream();
+                    }
+                },
                 None => {
                     // The engine thread ended without finishing the request.
                     state.queue.push_back(data(&ApiError::unavailable().body()));

@@ -1,0 +1,47 @@
+//! A conversation to token ids: rendered through the chat template within its limits,
+//! then tokenized so that only the template's own markup becomes control tokens.
+
+use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
+use crate::error::ModelError;
+use crate::tokenizer::ModelTokenizer;
+
+/// Why a conversation could not become a prompt; every case is about the request's
+/// `messages`.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatPromptError {
+    #[error("this model has no chat template")]
+    NoTemplate,
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error("messages[{index}] contains the text of a control token, which this model's chat template does not keep apart from its own markup")]
+    ControlTextInContent { index: usize },
+    #[error(transparent)]
+    Tokenizer(#[from] ModelError),
+}
+
+/// Token ids of `messages` rendered through `template` (ready for the assistant's
+/// turn), the rendering stopped past `max_output_bytes`. Contents are tokenized as text
+/// (see [`ModelTokenizer::encode_chat`]); when the template transforms contents so that
+/// they cannot be located, a content that spells a control token is refused.
+pub fn tokenize_chat(
+    template: Option<&ChatTemplate>,
+    tokenizer: &ModelTokenizer,
+    messages: &[ChatMessage],
+    add_special_tokens: bool,
+    max_output_bytes: usize,
+) -> Result<Vec<u32>, ChatPromptError> {
+    let template = template.ok_or(ChatPromptError::NoTemplate)?;
+    let rendered = template.render_parts(messages, true, max_output_bytes)?;
+    Ok(match rendered.segments {
+        Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
+        None => {
+            if let Some(index) = messages
+                .iter()
+                .position(|m| tokenizer.contains_control_text(&m.content))
+            {
+                return Err(ChatPromptError::ControlTextInContent { index });
+            }
+            tokenizer.encode(&rendered.text, add_special_tokens)?
+        }
+    })
+}

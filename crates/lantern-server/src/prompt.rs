@@ -1,0 +1,348 @@
+//! Prompts and outputs as text, handled on a bounded blocking pool and never on the
+//! engine thread: chat rendering, tokenization, detokenization and logprob tables.
+//!
+//! Length checks come before the expensive work: a text prompt longer than the context
+//! could hold even at the vocabulary's longest token is refused without tokenizing it,
+//! and the chat template's output is cut off at the same bound. A template also runs on
+//! a fuel budget (see `lantern_model::chat`) and within a time limit; past either the
+//! request gets a 400 naming the chat template.
+
+use crate::engine_thread::{
+    ChoiceEvent, EngineEvent, GenerationItem, LogprobEntry, PromptInput, PromptLogprobEntry,
+};
+use crate::error::ApiError;
+use lantern_engine::sampling::{log_softmax, top_k_logprobs};
+use lantern_engine::TokenLogprobs;
+use lantern_model::prompt::{tokenize_chat, ChatPromptError};
+use lantern_model::{ChatTemplate, ModelTokenizer};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// Default time a prompt may take to prepare (render and tokenize).
+pub const DEFAULT_PREPARE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One sequence ready for the engine: its prompt as token ids.
+#[derive(Debug)]
+pub struct PreparedItem {
+    /// The item, its prompt moved out.
+    pub item: GenerationItem,
+    pub prompt_ids: Vec<u32>,
+    /// The prompt's text, when the item asked for `echo`.
+    pub echo_text: Option<String>,
+}
+
+/// The prompt logits of one sequence, to turn into prompt logprobs.
+#[derive(Debug, Clone)]
+pub struct PromptLogits {
+    /// `[prompt_len, vocab]`, row `i` predicting token `i + 1`.
+    pub logits: Vec<f32>,
+    pub prompt: Vec<u32>,
+    /// Alternatives per token.
+    pub top: usize,
+}
+
+/// Tokenizer, chat template and the limits on their work, shared by request tasks.
+#[derive(Clone)]
+pub struct Prompter {
+    tokenizer: Arc<ModelTokenizer>,
+    template: Option<Arc<ChatTemplate>>,
+    vocab_size: usize,
+    context_length: usize,
+    /// Bytes of the vocabulary's longest token: no token covers more text.
+    max_token_bytes: usize,
+    /// Work running on the blocking pool at once.
+    permits: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl Prompter {
+    pub fn new(
+        tokenizer: Arc<ModelTokenizer>,
+        template: Option<Arc<ChatTemplate>>,
+        vocab_size: usize,
+        context_length: usize,
+    ) -> Self {
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self {
+            max_token_bytes: tokenizer.longest_token_bytes().max(1),
+            tokenizer,
+            template,
+            vocab_size,
+            context_length,
+            permits: Arc::new(Semaphore::new(workers)),
+            timeout: DEFAULT_PREPARE_TIMEOUT,
+        }
+    }
+
+    /// The same, with another time limit on preparing one request's prompts.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn tokenizer(&self) -> &ModelTokenizer {
+        &self.tokenizer
+    }
+
+    /// Most bytes of text that could still fit the context.
+    fn max_prompt_bytes(&self) -> usize {
+        self.context_length
+            .saturating_sub(1)
+            .saturating_mul(self.max_token_bytes)
+    }
+
+    /// Runs `work` on the blocking pool, at most one per core at once, within the time
+    /// limit. The permit goes with the work: work that outlives its time limit still
+    /// counts until it ends (the template's fuel ends it).
+    async fn blocking<T: Send + 'static>(
+        &self,
+        field: &'static str,
+        work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::unavailable())?;
+        let task = tokio::task::spawn_blocking(move || {
+            let result = work();
+            drop(permit);
+            result
+        });
+        match tokio::time::timeout(self.timeout, task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(ApiError::internal(format!(
+                "preparing the prompt failed: {join}"
+            ))),
+            Err(_) => Err(ApiError::field(
+                field,
+                format!(
+                    "the prompt was not ready within {} s (the model's chat template or the tokenizer ran too long)",
+                    self.timeout.as_secs_f64()
+                ),
+            )),
+        }
+    }
+
+    /// Token ids of a prompt, rendered (chat) and tokenized on the blocking pool.
+    pub async fn tokenize(
+        &self,
+        prompt: PromptInput,
+        add_special_tokens: bool,
+        field: &'static str,
+    ) -> Result<Vec<u32>, ApiError> {
+        let this = self.clone();
+        self.blocking(field, move || {
+            this.tokenize_now(&prompt, add_special_tokens, field)
+        })
+        .await
+    }
+
+    /// The text of token ids (special tokens included).
+    pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
+        let this = self.clone();
+        self.blocking("tokens", move || {
+            this.tokenizer
+                .decode(&tokens, false)
+                .map_err(|e| ApiError::field("tokens", e.to_string()))
+        })
+        .await
+    }
+
+    /// Tokenizes and checks every item; samples of one prompt are tokenized once.
+    pub async fn prepare(&self, items: Vec<GenerationItem>) -> Result<Vec<PreparedItem>, ApiError> {
+        let field = items.first().map_or("prompt", |i| i.prompt_field);
+        let this = self.clone();
+        self.blocking(field, move || {
+            let mut prepared: Vec<PreparedItem> = Vec::with_capacity(items.len());
+            let mut last: Option<(PromptInput, Vec<u32>, Option<String>)> = None;
+            for mut item in items {
+                let prompt = std::mem::replace(&mut item.prompt, PromptInput::Tokens(Vec::new()));
+                let (ids, text) = match &last {
+                    Some((p, ids, text)) if *p == prompt => (ids.clone(), text.clone()),
+                    _ => {
+                        let ids = this.tokenize_now(&prompt, true, item.prompt_field)?;
+                        this.check_prompt(&ids, item.prompt_field)?;
+                        let text = match &prompt {
+                            PromptInput::Text(text) => Some(text.clone()),
+                            _ if item.echo => {
+                                Some(this.tokenizer.decode(&ids, false).map_err(|e| {
+                                    ApiError::field(item.prompt_field, e.to_string())
+                                })?)
+                            }
+                            _ => None,
+                        };
+                        last = Some((prompt, ids.clone(), text.clone()));
+                        (ids, text)
+                    }
+                };
+                prepared.push(PreparedItem {
+                    echo_text: text.filter(|_| item.echo),
+                    item,
+                    prompt_ids: ids,
+                });
+            }
+            Ok(prepared)
+        })
+        .await
+    }
+
+    fn tokenize_now(
+        &self,
+        prompt: &PromptInput,
+        add_special_tokens: bool,
+        field: &'static str,
+    ) -> Result<Vec<u32>, ApiError> {
+        let limit = self.max_prompt_bytes();
+        match prompt {
+            PromptInput::Text(text) if text.len() > limit => Err(ApiError::field(
+                field,
+                format!(
+                    "the prompt has {} bytes; this model's context of {} tokens holds at most {limit} bytes of text",
+                    text.len(),
+                    self.context_length
+                ),
+            )),
+            PromptInput::Text(text) => self
+                .tokenizer
+                .encode(text, add_special_tokens)
+                .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}"))),
+            PromptInput::Tokens(ids) => Ok(ids.clone()),
+            PromptInput::Chat(messages) => tokenize_chat(
+                self.template.as_deref(),
+                &self.tokenizer,
+                messages,
+                add_special_tokens,
+                limit,
+            )
+            .map_err(|e| chat_error(field, e, self.context_length)),
+        }
+    }
+
+    /// The checks every prompt passes before the engine sees it.
+    fn check_prompt(&self, ids: &[u32], field: &'static str) -> Result<(), ApiError> {
+        if ids.is_empty() {
+            return Err(ApiError::field(field, "the prompt is empty"));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "token id {bad} is outside the vocabulary of {} tokens",
+                    self.vocab_size
+                ),
+            ));
+        }
+        if ids.len() >= self.context_length {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "the prompt has {} tokens; this model's context is {} tokens (the prompt must leave room for at least one generated token)",
+                    ids.len(),
+                    self.context_length
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// An engine event with its logprobs as text (prompt logprobs on the blocking pool).
+    pub async fn resolve(&self, event: EngineEvent) -> Result<ChoiceEvent, ApiError> {
+        let prompt_logprobs = match event.prompt_logits {
+            Some(logits) => Some(self.prompt_logprobs(logits).await?),
+            None => None,
+        };
+        Ok(ChoiceEvent {
+            index: event.index,
+            text: event.text,
+            token_ids: event.token_ids,
+            logprobs: event
+                .logprobs
+                .iter()
+                .map(|lp| self.logprob_entry(lp))
+                .collect(),
+            prompt_logprobs,
+            finish: event.finish,
+        })
+    }
+
+    /// Token texts of one generated token's logprobs.
+    pub fn logprob_entry(&self, lp: &TokenLogprobs) -> LogprobEntry {
+        let text = |t: u32| self.tokenizer.token_text(t);
+        LogprobEntry {
+            token: text(lp.token_id),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
+        }
+    }
+
+    /// Prompt logprobs from prompt logits, computed on the blocking pool.
+    pub async fn prompt_logprobs(
+        &self,
+        logits: PromptLogits,
+    ) -> Result<Vec<PromptLogprobEntry>, ApiError> {
+        let this = self.clone();
+        self.blocking("prompt_logprobs", move || {
+            Ok(prompt_logprob_entries(
+                &this.tokenizer,
+                &logits.prompt,
+                &logits.logits,
+                logits.top,
+            ))
+        })
+        .await
+    }
+}
+
+fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) -> ApiError {
+    use lantern_model::chat::TemplateError;
+    let message = match &e {
+        ChatPromptError::Template(TemplateError::OutputTooLarge(limit)) => format!(
+            "the prompt rendered by the model's chat template passed {limit} bytes, more than this model's context of {context_length} tokens can hold"
+        ),
+        _ => e.to_string(),
+    };
+    ApiError::field(field, message)
+}
+
+/// The prompt logprobs of `prompt` from its logits (`[prompt_len, vocab]`, row `i`
+/// predicting token `i + 1`), with `k` alternatives per token.
+fn prompt_logprob_entries(
+    tokenizer: &ModelTokenizer,
+    prompt: &[u32],
+    logits: &[f32],
+    k: usize,
+) -> Vec<PromptLogprobEntry> {
+    let text = |t: u32| tokenizer.token_text(t);
+    let vocab = logits.len() / prompt.len().max(1);
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &token_id)| {
+            let mut entry = PromptLogprobEntry {
+                token_id,
+                token: text(token_id),
+                logprob: None,
+                rank: 0,
+                top: Vec::new(),
+            };
+            let row = i
+                .checked_sub(1)
+                .and_then(|r| logits.get(r * vocab..(r + 1) * vocab));
+            if let Some(row) = row {
+                let logprobs = log_softmax(row);
+                if let Some(&logprob) = logprobs.get(token_id as usize) {
+                    entry.logprob = Some(logprob);
+                    entry.rank = 1 + logprobs.iter().filter(|&&l| l > logprob).count();
+                    entry.top = top_k_logprobs(&logprobs, k)
+                        .into_iter()
+                        .map(|(t, l)| (t, text(t), l))
+                        .collect();
+                }
+            }
+            entry
+        })
+        .collect()
+}

@@ -36,7 +36,7 @@ pub enum ModelError {
     },
     #[error("tensor `{name}` has type {dtype}, which lantern does not support here")]
     UnsupportedTensorType { name: String, dtype: String },
-    #[error("unsupported model architecture `{0}` (supported: llama, gemma3)")]
+    #[error("unsupported model architecture `{0}` (supported: llama, mistral (as llama), qwen2, qwen3, phi3, gemma2, gemma3)")]
     UnsupportedArchitecture(String),
     #[error("invalid model configuration: {0}")]
     InvalidConfig(String),

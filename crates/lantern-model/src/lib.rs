@@ -1,16 +1,17 @@
 //! Models for lantern: GGUF weights, the tokenizer and chat template stored in the model
 //! file, and model families written against `lantern-attn`'s attention layer.
 
+pub mod archs;
+pub mod blocks;
 pub mod chat;
-pub mod config;
 pub mod cpu;
+pub mod decoder;
 pub mod default_model;
 pub mod error;
-pub mod gemma3;
 pub mod gguf;
 pub mod gguf_header;
+pub mod hparams;
 pub mod linear;
-pub mod llama;
 pub mod ops;
 pub mod prompt;
 pub mod rope;
@@ -122,15 +123,15 @@ impl LoadProgress {
         Self { bar }
     }
 
-    fn start(&self, total: usize) {
+    pub fn start(&self, total: usize) {
         self.bar.set_length(total as u64);
     }
 
-    fn advance(&self) {
+    pub fn advance(&self) {
         self.bar.inc(1);
     }
 
-    fn finish(&self) {
+    pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
 }
@@ -172,12 +173,10 @@ pub fn load_architecture(
     progress: &LoadProgress,
     options: &LoadOptions,
 ) -> Result<Box<dyn CausalLm>> {
-    let architecture = source.get_string("general.architecture")?.to_string();
-    Ok(match architecture.as_str() {
-        "llama" => Box::new(llama::Llama::load(source, progress, options)?),
-        "gemma3" => Box::new(gemma3::Gemma3::load(source, progress, options)?),
-        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
-    })
+    let spec = archs::describe(source)?;
+    Ok(Box::new(decoder::Decoder::load(
+        source, spec, progress, options,
+    )?))
 }
 
 /// The file's chat template. One that cannot be used (not a string, does not compile) is

@@ -3,6 +3,9 @@
 //! Tables are built per step for the positions in the batch, never for the whole context
 //! (a 131k-position table per layer is gigabytes for nothing).
 
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+
 /// How the rotated pairs are laid out inside a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopePairs {
@@ -13,38 +16,136 @@ pub enum RopePairs {
     Halves,
 }
 
+/// How the file scales RoPE beyond its trained context (`{arch}.rope.scaling.*`; Llama 3's
+/// scaling instead comes as `rope_freqs.weight`, per-frequency divisors).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by the factor.
+    Linear(f32),
+    /// YaRN (as transformers' `_compute_yarn_parameters`): frequencies blend between
+    /// interpolated (divided by `factor`) and original by a ramp over the dimensions, and
+    /// cos/sin are multiplied by `attention_factor`.
+    Yarn {
+        factor: f32,
+        original_context: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: f32,
+    },
+}
+
+impl RopeScaling {
+    pub fn read(src: &dyn WeightSource, arch: &str) -> Result<Self> {
+        let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+        let factor = src.opt_f32(&key("factor"))?;
+        let scaling = match src.opt_string(&key("type"))? {
+            None | Some("none") => Self::None,
+            Some("linear") => Self::Linear(factor.unwrap_or(1.0)),
+            Some("yarn") => {
+                let factor = factor.unwrap_or(1.0);
+                Self::Yarn {
+                    factor,
+                    original_context: src.get_usize(&key("original_context_length"))?,
+                    beta_fast: src.opt_f32(&key("yarn_beta_fast"))?.unwrap_or(32.0),
+                    beta_slow: src.opt_f32(&key("yarn_beta_slow"))?.unwrap_or(1.0),
+                    attention_factor: match src.opt_f32(&key("attn_factor"))? {
+                        Some(a) => a,
+                        None if factor > 1.0 => 0.1 * factor.ln() + 1.0,
+                        None => 1.0,
+                    },
+                }
+            }
+            Some(other) => {
+                return Err(ModelError::InvalidConfig(format!(
+                    "RoPE scaling `{other}` is not supported (supported: none, linear, yarn)"
+                )))
+            }
+        };
+        let bad = |what: &str| {
+            Err(ModelError::InvalidConfig(format!(
+                "RoPE scaling {what} must be positive and finite"
+            )))
+        };
+        match &scaling {
+            Self::Linear(f) | Self::Yarn { factor: f, .. } if !(f.is_finite() && *f > 0.0) => {
+                bad("factor")
+            }
+            Self::Yarn {
+                original_context: 0,
+                ..
+            } => bad("original_context_length"),
+            _ => Ok(scaling),
+        }
+    }
+}
+
 /// Inverse frequencies of one rotary embedding.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     inv_freq: Vec<f32>,
     rotary_dim: usize,
     pairs: RopePairs,
+    /// Multiplies cos and sin (YaRN's attention factor; 1 otherwise).
+    magnitude: f32,
 }
 
 impl Rope {
-    /// `freq_factors` (Llama 3 style `rope_freqs`) divide the frequencies; `linear_factor`
-    /// divides positions.
+    /// `freq_factors` (Llama 3 style `rope_freqs`) divide the frequencies; `scaling` as
+    /// the file gives it.
     pub fn new(
         rotary_dim: usize,
         base: f32,
         pairs: RopePairs,
         freq_factors: Option<&[f32]>,
-        linear_factor: f32,
+        scaling: &RopeScaling,
     ) -> Self {
-        let inv_freq = (0..rotary_dim / 2)
+        let half = rotary_dim / 2;
+        let original: Vec<f32> = (0..half)
             .map(|i| {
                 let f = 1.0 / base.powf((2 * i) as f32 / rotary_dim as f32);
-                let f = f / freq_factors
+                f / freq_factors
                     .and_then(|ff| ff.get(i))
                     .copied()
-                    .unwrap_or(1.0);
-                f / linear_factor
+                    .unwrap_or(1.0)
             })
             .collect();
+        let (inv_freq, magnitude) = match *scaling {
+            RopeScaling::None => (original, 1.0),
+            RopeScaling::Linear(factor) => (original.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+            } => {
+                // The dimension whose wavelength fits `rotations` times into the original
+                // context; below `low` frequencies stay, above `high` they are interpolated.
+                let dim = rotary_dim as f32;
+                let correction = |rotations: f32| {
+                    dim * (original_context as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
+                let low = correction(beta_fast).floor().max(0.0);
+                let high = correction(beta_slow).ceil().min(dim - 1.0);
+                let span = if high == low { 0.001 } else { high - low };
+                let inv_freq = original
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        let ramp = ((i as f32 - low) / span).clamp(0.0, 1.0);
+                        f / factor * ramp + f * (1.0 - ramp)
+                    })
+                    .collect();
+                (inv_freq, attention_factor)
+            }
+        };
         Self {
             inv_freq,
             rotary_dim,
             pairs,
+            magnitude,
         }
     }
 
@@ -56,8 +157,8 @@ impl Rope {
         for &p in positions {
             for &f in &self.inv_freq {
                 let angle = p as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                cos.push(angle.cos() * self.magnitude);
+                sin.push(angle.sin() * self.magnitude);
             }
         }
         RopeTable {
@@ -105,7 +206,7 @@ mod tests {
 
     #[test]
     fn position_zero_is_identity() {
-        let rope = Rope::new(4, 10000.0, RopePairs::Adjacent, None, 1.0);
+        let rope = Rope::new(4, 10000.0, RopePairs::Adjacent, None, &RopeScaling::None);
         let mut x = vec![1.0, 2.0, 3.0, 4.0];
         rope.table(&[0]).apply(&mut x, 1, 4);
         assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
@@ -114,7 +215,7 @@ mod tests {
     #[test]
     fn rotation_preserves_dot_products_of_equal_offsets() {
         // RoPE makes q·k depend on the position difference only.
-        let rope = Rope::new(8, 100.0, RopePairs::Halves, None, 1.0);
+        let rope = Rope::new(8, 100.0, RopePairs::Halves, None, &RopeScaling::None);
         let q0: Vec<f32> = (0..8).map(|i| (i as f32 * 0.3).sin()).collect();
         let k0: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).cos()).collect();
         let dot_at = |pq: usize, pk: usize| {
@@ -124,5 +225,30 @@ mod tests {
             q.iter().zip(&k).map(|(a, b)| a * b).sum::<f32>()
         };
         assert!((dot_at(5, 2) - dot_at(13, 10)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn yarn_keeps_fast_frequencies_and_interpolates_slow_ones() {
+        let yarn = RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 0.1 * 4f32.ln() + 1.0,
+        };
+        let plain = Rope::new(128, 1e6, RopePairs::Halves, None, &RopeScaling::None);
+        let scaled = Rope::new(128, 1e6, RopePairs::Halves, None, &yarn);
+        // Wavelengths far below the context rotate as before, far above it are divided
+        // by the factor, and in between lie between the two.
+        assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
+        let last = plain.inv_freq.len() - 1;
+        assert!((scaled.inv_freq[last] - plain.inv_freq[last] / 4.0).abs() < 1e-12);
+        for (s, p) in scaled.inv_freq.iter().zip(&plain.inv_freq) {
+            assert!(*s <= *p && *s >= p / 4.0 * 0.999_99);
+        }
+        assert!(scaled.magnitude > 1.0);
+        let mut x = vec![1.0f32; 128];
+        scaled.table(&[0]).apply(&mut x, 1, 128);
+        assert!(x.iter().all(|&v| (v - scaled.magnitude).abs() < 1e-6));
     }
 }

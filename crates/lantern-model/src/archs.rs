@@ -1,0 +1,139 @@
+//! Each supported architecture as a description over the shared blocks: which blocks,
+//! which defaults where the metadata is silent. Tensor names and keys are llama.cpp's
+//! (see [`crate::source`]); q/k/v biases and fused q/k/v or gate/up are found by the
+//! tensors present, so they need no mention here.
+
+use crate::blocks::Activation;
+use crate::decoder::{DecoderSpec, LayerPlan};
+use crate::error::{ModelError, Result};
+use crate::hparams::HParams;
+use crate::rope::RopePairs;
+use crate::source::WeightSource;
+use candle_core::quantized::gguf_file::Value;
+
+/// The architectures [`describe`] knows (`general.architecture`).
+pub const SUPPORTED: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
+
+/// The decoder `source` describes.
+pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
+    let params = HParams::read(source)?;
+    match params.architecture.as_str() {
+        // Llama 2/3, SmolLM, Mistral (GGUF writes it as llama): q/k rows permuted so that
+        // rotary pairs are adjacent.
+        "llama" => Ok(DecoderSpec::plain(params, RopePairs::Adjacent)),
+        // Qwen 2 (q/k/v biases) and Phi-3 (fused qkv and gate_up, partial rotary).
+        "qwen2" | "phi3" => Ok(DecoderSpec::plain(params, RopePairs::Halves)),
+        "qwen3" => Ok(DecoderSpec {
+            qk_norm: true,
+            ..DecoderSpec::plain(params, RopePairs::Halves)
+        }),
+        "gemma2" => Ok(gemma2(params)),
+        "gemma3" => gemma3(source, params),
+        other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
+    }
+}
+
+/// Gemma's common shape: sandwich norms, GeGLU, embeddings scaled by `sqrt(hidden)`,
+/// eps 1e-6, scale `query_pre_attn_scalar^-0.5` (default: the head size, except the one
+/// size llama.cpp special-cases, whose scalar is hidden / heads).
+fn gemma(params: HParams, special_layers: usize) -> DecoderSpec {
+    let scalar = match params.query_pre_attn_scalar {
+        Some(s) => s,
+        None if params.num_layers == special_layers => {
+            (params.hidden_size / params.num_heads) as f32
+        }
+        None => params.head_dim as f32,
+    };
+    DecoderSpec {
+        rms_norm_eps: params.rms_norm_eps.unwrap_or(1e-6),
+        activation: Activation::GeluTanh,
+        sandwich_norms: true,
+        embed_scale: Some((params.hidden_size as f32).sqrt()),
+        attention_scale: scalar.powf(-0.5),
+        ..DecoderSpec::plain(params, RopePairs::Halves)
+    }
+}
+
+/// Gemma 2: even layers slide, attention-logit and final-logit soft-caps (from the keys).
+fn gemma2(params: HParams) -> DecoderSpec {
+    let sliding = params.sliding(|l| l % 2 == 0);
+    let mut spec = gemma(params, 46);
+    for (plan, s) in spec.layers.iter_mut().zip(sliding) {
+        plan.sliding_window = spec.params.sliding_window.filter(|_| s);
+    }
+    spec
+}
+
+/// Gemma 3: sliding layers with their own RoPE base (never scaled), every 6th layer
+/// global unless the file gives the pattern; per-head QK-norm.
+fn gemma3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    const GLOBAL_EVERY: usize = 6;
+    const LOCAL_ROPE_BASE: f32 = 10_000.0;
+    let pattern = sliding_pattern(
+        source,
+        &format!("{}.attention.sliding_window_pattern", params.architecture),
+        params.num_layers,
+    )?;
+    let sliding = params.sliding(|l| match &pattern {
+        Some(Pattern::Layers(layers)) => layers[l],
+        Some(Pattern::Period(n)) => (l + 1) % n != 0,
+        None => (l + 1) % GLOBAL_EVERY != 0,
+    });
+    let local_base = params.rope_theta_swa.unwrap_or(LOCAL_ROPE_BASE);
+    let mut spec = DecoderSpec {
+        qk_norm: true,
+        ..gemma(params, 62)
+    };
+    let window = spec.params.sliding_window;
+    spec.layers = sliding
+        .into_iter()
+        .map(|s| match window.filter(|_| s) {
+            Some(w) => LayerPlan {
+                sliding_window: Some(w),
+                rope_base: local_base,
+                rope_scaled: false,
+            },
+            None => LayerPlan {
+                sliding_window: None,
+                rope_base: spec.params.rope_theta,
+                rope_scaled: true,
+            },
+        })
+        .collect();
+    Ok(spec)
+}
+
+enum Pattern {
+    Period(usize),
+    Layers(Vec<bool>),
+}
+
+/// `key` as a period `n` (every `n`-th layer is global) or one boolean per layer (true
+/// where sliding).
+fn sliding_pattern(
+    source: &dyn WeightSource,
+    key: &str,
+    num_layers: usize,
+) -> Result<Option<Pattern>> {
+    let wrong = || ModelError::WrongType {
+        key: key.to_string(),
+        expected: "positive integer or array of booleans",
+    };
+    match source.metadata(key) {
+        None => Ok(None),
+        Some(Value::Array(_)) => {
+            let layers = source.opt_bool_array(key)?.ok_or_else(wrong)?;
+            if layers.len() != num_layers {
+                return Err(ModelError::InvalidConfig(format!(
+                    "`{key}` has {} entries for {num_layers} layers",
+                    layers.len()
+                )));
+            }
+            Ok(Some(Pattern::Layers(layers)))
+        }
+        Some(_) => match source.opt_usize(key) {
+            Ok(Some(n)) if n > 0 => Ok(Some(Pattern::Period(n))),
+            _ => Err(wrong()),
+        },
+    }
+}

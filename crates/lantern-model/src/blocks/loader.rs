@@ -1,0 +1,80 @@
+//! Reading a model's tensors from a [`WeightSource`] with their expected shapes.
+
+use crate::error::{ModelError, Result};
+use crate::linear::{tensor_to_vec, Linear};
+use crate::source::WeightSource;
+use crate::{LoadOptions, LoadProgress};
+use candle_core::quantized::QTensor;
+
+/// The source, the progress bar and the load options, for the blocks' `load` functions.
+pub struct Loader<'a> {
+    source: &'a mut dyn WeightSource,
+    progress: &'a LoadProgress,
+    pub options: &'a LoadOptions,
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(
+        source: &'a mut dyn WeightSource,
+        progress: &'a LoadProgress,
+        options: &'a LoadOptions,
+    ) -> Self {
+        progress.start(source.tensor_names().len());
+        Self {
+            source,
+            progress,
+            options,
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.source.has_tensor(name)
+    }
+
+    /// A tensor of the given row-major shape.
+    pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<QTensor> {
+        let t = self.source.tensor_with_shape(name, shape);
+        self.progress.advance();
+        t
+    }
+
+    /// A weight matrix `[out, in]` as a product.
+    pub fn linear(&mut self, name: &str, out: usize, input: usize) -> Result<Linear> {
+        let t = self.tensor(name, &[out, input])?;
+        Linear::load(self.options, name, t)
+    }
+
+    /// The matrix if the source has it.
+    pub fn opt_linear(&mut self, name: &str, out: usize, input: usize) -> Result<Option<Linear>> {
+        if self.has(name) {
+            self.linear(name, out, input).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A vector (norm weight, bias) of `len` finite values.
+    pub fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let values = tensor_to_vec(name, &self.tensor(name, &[len])?)?;
+        if values.iter().all(|v| v.is_finite()) {
+            Ok(values)
+        } else {
+            Err(ModelError::InvalidConfig(format!(
+                "tensor `{name}` holds values that are not finite"
+            )))
+        }
+    }
+
+    /// The vector if the source has it.
+    pub fn opt_vector(&mut self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if self.has(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    pub fn finish(&self) {
+        self.progress.finish();
+    }
+}

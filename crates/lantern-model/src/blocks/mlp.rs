@@ -1,0 +1,105 @@
+//! The gated MLP: `down(act(gate(x)) * up(x))`, gate and up separate or fused.
+
+use super::{Loader, Projections};
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+
+/// The gate's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up`.
+    Silu,
+    /// GeGLU with PyTorch's `gelu(approximate="tanh")` (Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    fn apply(self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        match self {
+            Self::Silu => gate
+                .iter()
+                .zip(up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect(),
+            Self::GeluTanh => {
+                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+                gate.iter()
+                    .zip(up)
+                    .map(|(&g, &u)| {
+                        let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+                        0.5 * g * (1.0 + inner.tanh()) * u
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+pub struct Mlp {
+    gate_up: Projections,
+    down: Linear,
+    activation: Activation,
+}
+
+impl Mlp {
+    /// Layer `l`'s `ffn_gate`/`ffn_up`/`ffn_down`; without `ffn_gate`, `ffn_up` holds gate
+    /// and up stacked (`2 * ffn` rows, gate first: Phi-3).
+    pub fn load(
+        loader: &mut Loader,
+        l: usize,
+        hidden: usize,
+        ffn: usize,
+        activation: Activation,
+    ) -> Result<Self> {
+        let name = |t: &str| format!("blk.{l}.{t}.weight");
+        let gate_up = if loader.has(&name("ffn_gate")) {
+            let gate = loader.tensor(&name("ffn_gate"), &[ffn, hidden])?;
+            let up = loader.tensor(&name("ffn_up"), &[ffn, hidden])?;
+            Projections::separate(
+                loader.options,
+                vec![(name("ffn_gate"), gate), (name("ffn_up"), up)],
+            )?
+        } else {
+            let fused = loader.tensor(&name("ffn_up"), &[2 * ffn, hidden])?;
+            Projections::fused(loader.options, &name("ffn_up"), fused, vec![ffn, ffn])?
+        };
+        Ok(Self {
+            gate_up,
+            down: loader.linear(&name("ffn_down"), hidden, ffn)?,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
+        let mut gate_up = self.gate_up.forward(x, tokens)?.into_iter();
+        let (Some(gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
+            return Err(ModelError::Compute(
+                "gate/up projections are incomplete".into(),
+            ));
+        };
+        self.down
+            .forward(&self.activation.apply(&gate, &up), tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gelu_tanh_matches_known_values() {
+        // PyTorch: gelu(x, approximate="tanh") at 1.0 and -2.0.
+        let out = Activation::GeluTanh.apply(&[1.0, -2.0, 0.0], &[1.0, 2.0, 5.0]);
+        assert!((out[0] - 0.841_192).abs() < 1e-5, "{}", out[0]);
+        assert!((out[1] - 2.0 * -0.045_402_3).abs() < 1e-5, "{}", out[1]);
+        assert_eq!(out[2], 0.0);
+    }
+
+    #[test]
+    fn silu_mul_matches_formula() {
+        let out = Activation::Silu.apply(&[1.0, -2.0], &[3.0, 4.0]);
+        let silu = |g: f32| g / (1.0 + (-g).exp());
+        assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
+        assert!((out[1] - silu(-2.0) * 4.0).abs() < 1e-6);
+    }
+}

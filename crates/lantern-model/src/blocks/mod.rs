@@ -1,0 +1,14 @@
+//! The building blocks every decoder is made of, written once: norms, the attention
+//! layer, the MLP, and the loader they read their tensors through.
+
+pub mod attention;
+pub mod loader;
+pub mod mlp;
+pub mod norm;
+pub mod projections;
+
+pub use attention::{Attention, AttentionShape};
+pub use loader::Loader;
+pub use mlp::{Activation, Mlp};
+pub use norm::RmsNorm;
+pub use projections::Projections;

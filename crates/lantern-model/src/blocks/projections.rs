@@ -1,0 +1,232 @@
+//! Several matrices applied to the same input (q/k/v, gate/up), with optional biases.
+
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+use crate::LoadOptions;
+use candle_core::quantized::QTensor;
+
+/// Matrices applied to one input, each giving one output buffer. Neighbours of one type
+/// are stacked into one product; real files mix types inside a layer (Q4_K_M: q, k in
+/// Q4_K, v in Q6_K; Gemma: q, k in Q5_0, v in Q8_0), so a single stack is not always
+/// possible. A fused tensor (Phi-3's `attn_qkv`) is one product split by widths.
+pub struct Projections {
+    /// Each product and the output widths of the matrices it stacks.
+    stacks: Vec<(Linear, Vec<usize>)>,
+    /// One optional bias per output, in order.
+    biases: Vec<Option<Vec<f32>>>,
+}
+
+impl Projections {
+    /// `parts`: each matrix with its tensor name (errors name the tensors involved).
+    pub fn separate(options: &LoadOptions, parts: Vec<(String, QTensor)>) -> Result<Self> {
+        let mut runs: Vec<Vec<(String, QTensor)>> = Vec::new();
+        for part in parts {
+            match runs.last_mut() {
+                Some(run) if run.last().is_some_and(|(_, t)| t.dtype() == part.1.dtype()) => {
+                    run.push(part)
+                }
+                _ => runs.push(vec![part]),
+            }
+        }
+        let stacks = runs
+            .into_iter()
+            .map(|run| {
+                let widths: Vec<usize> = run.iter().map(|(_, t)| t.shape().dims()[0]).collect();
+                let name = run
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" + ");
+                let mut tensors: Vec<QTensor> = run.into_iter().map(|(_, t)| t).collect();
+                let product = match tensors.len() {
+                    1 => Linear::load(options, &name, tensors.remove(0))?,
+                    _ => Linear::load_stacked(options, &name, tensors)?,
+                };
+                Ok((product, widths))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let outputs = stacks.iter().map(|(_, w)| w.len()).sum();
+        Ok(Self {
+            stacks,
+            biases: vec![None; outputs],
+        })
+    }
+
+    /// One stored matrix whose rows are several outputs of `widths` rows each.
+    pub fn fused(
+        options: &LoadOptions,
+        name: &str,
+        tensor: QTensor,
+        widths: Vec<usize>,
+    ) -> Result<Self> {
+        let rows = tensor.shape().dims().first().copied().unwrap_or(0);
+        let total: usize = widths.iter().sum();
+        if rows != total {
+            return Err(ModelError::BadShape {
+                name: name.to_string(),
+                actual: tensor.shape().dims().to_vec(),
+                expected: vec![total, tensor.shape().dims().last().copied().unwrap_or(0)],
+            });
+        }
+        let outputs = widths.len();
+        Ok(Self {
+            stacks: vec![(Linear::load(options, name, tensor)?, widths)],
+            biases: vec![None; outputs],
+        })
+    }
+
+    /// Adds a bias to output `index` (its length must be that output's width).
+    pub fn set_bias(&mut self, index: usize, name: &str, bias: Vec<f32>) -> Result<()> {
+        let width = self.widths().nth(index).ok_or_else(|| {
+            ModelError::InvalidConfig(format!("bias `{name}` has no projection to add to"))
+        })?;
+        if bias.len() != width {
+            return Err(ModelError::BadShape {
+                name: name.to_string(),
+                actual: vec![bias.len()],
+                expected: vec![width],
+            });
+        }
+        self.biases[index] = Some(bias);
+        Ok(())
+    }
+
+    fn widths(&self) -> impl Iterator<Item = usize> + '_ {
+        self.stacks.iter().flat_map(|(_, w)| w.iter().copied())
+    }
+
+    /// `[rows, in]` → one `[rows, width]` buffer per matrix, in the order given.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+        let mut outputs = Vec::with_capacity(self.biases.len());
+        for (product, widths) in &self.stacks {
+            let y = product.forward(x, rows)?;
+            if widths.len() == 1 {
+                outputs.push(y);
+                continue;
+            }
+            let total: usize = widths.iter().sum();
+            let mut parts: Vec<Vec<f32>> = widths
+                .iter()
+                .map(|w| Vec::with_capacity(rows * w))
+                .collect();
+            for row in y.chunks_exact(total) {
+                let mut at = 0;
+                for (part, &w) in parts.iter_mut().zip(widths) {
+                    part.extend_from_slice(&row[at..at + w]);
+                    at += w;
+                }
+            }
+            outputs.extend(parts);
+        }
+        for (out, bias) in outputs.iter_mut().zip(&self.biases) {
+            if let Some(bias) = bias {
+                for row in out.chunks_exact_mut(bias.len()) {
+                    crate::ops::add_in_place(row, bias);
+                }
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{Device, Tensor};
+
+    fn random(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+        // A small LCG: fresh, reproducible values in [-1, 1).
+        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..rows * cols)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> QTensor {
+        let t = Tensor::from_vec(random(rows, cols, seed), (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&t, dtype).unwrap()
+    }
+
+    fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / scale)
+            .fold(0.0, f32::max)
+    }
+
+    /// Mixed types (two stacks) with biases give what each matrix's own product plus its
+    /// bias gives.
+    #[test]
+    fn mixed_types_and_biases_equal_separate_products() {
+        let (input, rows) = (64, 3);
+        let types = [GgmlDType::Q8_0, GgmlDType::Q8_0, GgmlDType::F32];
+        let widths = [64, 32, 32];
+        let parts: Vec<(String, QTensor)> = types
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (&t, w))| (format!("m{i}"), matrix(w, input, t, i as u64)))
+            .collect();
+        let singles: Vec<Linear> = types
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (&t, w))| Linear::new("single", matrix(w, input, t, i as u64)).unwrap())
+            .collect();
+        let options = LoadOptions::default();
+        let mut p = Projections::separate(&options, parts).unwrap();
+        assert_eq!(
+            p.stacks.len(),
+            2,
+            "the Q8_0 pair stacks, the F32 one stands alone"
+        );
+        let biases: Vec<Vec<f32>> = widths
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| random(1, w, 10 + i as u64))
+            .collect();
+        for (i, b) in biases.iter().enumerate() {
+            p.set_bias(i, "bias", b.clone()).unwrap();
+        }
+        let x = random(rows, input, 99);
+        let outputs = p.forward(&x, rows).unwrap();
+        for ((out, single), bias) in outputs.iter().zip(&singles).zip(&biases) {
+            let mut expected = single.forward(&x, rows).unwrap();
+            for row in expected.chunks_exact_mut(bias.len()) {
+                crate::ops::add_in_place(row, bias);
+            }
+            assert!(max_rel(out, &expected) < 1e-6);
+        }
+        assert!(p.set_bias(0, "bias", vec![0.0; 3]).is_err(), "wrong width");
+    }
+
+    /// A fused matrix splits into the products of its row blocks.
+    #[test]
+    fn fused_rows_split_by_width() {
+        let (input, rows) = (32, 2);
+        let fused = random(48, input, 5);
+        let tensor = |v: &[f32], r: usize| {
+            QTensor::quantize(
+                &Tensor::from_slice(v, (r, input), &Device::Cpu).unwrap(),
+                GgmlDType::F32,
+            )
+            .unwrap()
+        };
+        let options = LoadOptions::default();
+        let p = Projections::fused(&options, "f", tensor(&fused, 48), vec![16, 32]).unwrap();
+        let x = random(rows, input, 6);
+        let outputs = p.forward(&x, rows).unwrap();
+        let first = Linear::new("a", tensor(&fused[..16 * input], 16)).unwrap();
+        let second = Linear::new("b", tensor(&fused[16 * input..], 32)).unwrap();
+        assert!(max_rel(&outputs[0], &first.forward(&x, rows).unwrap()) < 1e-6);
+        assert!(max_rel(&outputs[1], &second.forward(&x, rows).unwrap()) < 1e-6);
+        assert!(Projections::fused(&options, "f", tensor(&fused, 48), vec![16, 16]).is_err());
+    }
+}

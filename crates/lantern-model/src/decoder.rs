@@ -1,0 +1,274 @@
+//! The decoder every architecture is: embeddings (optionally scaled), layers of
+//! norm → attention → (post-norm) → residual, norm → MLP → (post-norm) → residual, a final
+//! norm and the LM head with an optional final soft-cap. An architecture is a
+//! [`DecoderSpec`] (see [`crate::archs`]).
+
+use crate::blocks::{Activation, Attention, AttentionShape, Loader, Mlp, RmsNorm};
+use crate::error::Result;
+use crate::hparams::HParams;
+use crate::linear::{tensor_to_vec, Linear};
+use crate::ops;
+use crate::rope::{Rope, RopePairs, RopeScaling};
+use crate::source::WeightSource;
+use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
+use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
+
+/// What an architecture is, in terms of the shared blocks.
+#[derive(Debug, Clone)]
+pub struct DecoderSpec {
+    pub params: HParams,
+    pub rms_norm_eps: f32,
+    /// How q/k rows store each head's rotary pairs.
+    pub rope_pairs: RopePairs,
+    pub activation: Activation,
+    /// Per-head RMSNorm of q and k before RoPE.
+    pub qk_norm: bool,
+    /// RMSNorm after attention and after the MLP, before the residual add (Gemma 2/3).
+    pub sandwich_norms: bool,
+    /// Embeddings are multiplied by this (Gemma: `sqrt(hidden)`).
+    pub embed_scale: Option<f32>,
+    /// Multiplies `q . k`.
+    pub attention_scale: f32,
+    /// Per layer: its window and RoPE.
+    pub layers: Vec<LayerPlan>,
+}
+
+/// How one layer differs from its neighbours.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerPlan {
+    pub sliding_window: Option<usize>,
+    pub rope_base: f32,
+    /// Whether the file's RoPE scaling (`rope.scaling.*`, `rope_freqs.weight`) applies.
+    pub rope_scaled: bool,
+}
+
+impl DecoderSpec {
+    /// A plain pre-norm SwiGLU decoder (Llama) over `params`: every layer alike, sliding
+    /// when the source gives a window, scale `query_pre_attn_scalar^-0.5` if given, else
+    /// `head_dim^-0.5`.
+    pub fn plain(params: HParams, rope_pairs: RopePairs) -> Self {
+        let sliding = params.sliding(|_| true);
+        let layers = sliding
+            .iter()
+            .map(|&s| LayerPlan {
+                sliding_window: params.sliding_window.filter(|_| s),
+                rope_base: params.rope_theta,
+                rope_scaled: true,
+            })
+            .collect();
+        let scalar = params
+            .query_pre_attn_scalar
+            .unwrap_or(params.head_dim as f32);
+        Self {
+            rms_norm_eps: params.rms_norm_eps.unwrap_or(1e-5),
+            rope_pairs,
+            activation: Activation::Silu,
+            qk_norm: false,
+            sandwich_norms: false,
+            embed_scale: None,
+            attention_scale: scalar.powf(-0.5),
+            layers,
+            params,
+        }
+    }
+
+    fn attention_specs(&self) -> Vec<AttentionLayerSpec> {
+        let p = &self.params;
+        self.layers
+            .iter()
+            .map(|plan| AttentionLayerSpec {
+                num_heads: p.num_heads,
+                num_kv_heads: p.num_kv_heads,
+                head_dim: p.head_dim,
+                scale: self.attention_scale,
+                sliding_window: plan.sliding_window,
+                chunk_size: None,
+                logits_soft_cap: p.attn_logit_softcap,
+                sinks: None,
+            })
+            .collect()
+    }
+}
+
+struct Layer {
+    attn_norm: RmsNorm,
+    attention: Attention,
+    post_attention_norm: Option<RmsNorm>,
+    ffn_norm: RmsNorm,
+    mlp: Mlp,
+    post_ffn_norm: Option<RmsNorm>,
+}
+
+pub struct Decoder {
+    info: ModelInfo,
+    token_embd: Linear,
+    embed_scale: Option<f32>,
+    layers: Vec<Layer>,
+    output_norm: RmsNorm,
+    /// `None` when the output projection is tied to the token embeddings.
+    output: Option<Linear>,
+    final_soft_cap: Option<f32>,
+    /// The distinct rotary embeddings, and which one each layer uses.
+    ropes: Vec<Rope>,
+    layer_rope: Vec<usize>,
+}
+
+impl Decoder {
+    pub fn load(
+        source: &mut dyn WeightSource,
+        spec: DecoderSpec,
+        progress: &LoadProgress,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let p = &spec.params;
+        let (h, eps) = (p.hidden_size, spec.rms_norm_eps);
+        let mut loader = Loader::new(source, progress, options);
+        let token_embd = loader.linear("token_embd.weight", p.vocab_size, h)?;
+        let shape = AttentionShape {
+            hidden: h,
+            num_heads: p.num_heads,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.head_dim,
+        };
+        let mut layers = Vec::with_capacity(p.num_layers);
+        for l in 0..p.num_layers {
+            let name = |t: &str| format!("blk.{l}.{t}.weight");
+            let sandwich = |loader: &mut Loader, t: &str| {
+                spec.sandwich_norms
+                    .then(|| RmsNorm::load(loader, &name(t), h, eps))
+                    .transpose()
+            };
+            layers.push(Layer {
+                attn_norm: RmsNorm::load(&mut loader, &name("attn_norm"), h, eps)?,
+                attention: Attention::load(&mut loader, l, shape, spec.qk_norm.then_some(eps))?,
+                post_attention_norm: sandwich(&mut loader, "post_attention_norm")?,
+                ffn_norm: RmsNorm::load(&mut loader, &name("ffn_norm"), h, eps)?,
+                mlp: Mlp::load(&mut loader, l, h, p.intermediate_size, spec.activation)?,
+                post_ffn_norm: sandwich(&mut loader, "post_ffw_norm")?,
+            });
+        }
+        let output_norm = RmsNorm::load(&mut loader, "output_norm.weight", h, eps)?;
+        let output = loader.opt_linear("output.weight", p.vocab_size, h)?;
+        let freq_factors = if loader.has("rope_freqs.weight") {
+            let t = loader.tensor("rope_freqs.weight", &[p.rope_dim / 2])?;
+            Some(tensor_to_vec("rope_freqs.weight", &t)?)
+        } else {
+            None
+        };
+        loader.finish();
+        let mut ropes: Vec<Rope> = Vec::new();
+        let mut layer_rope = Vec::with_capacity(p.num_layers);
+        for plan in &spec.layers {
+            let rope = if plan.rope_scaled {
+                Rope::new(
+                    p.rope_dim,
+                    plan.rope_base,
+                    spec.rope_pairs,
+                    freq_factors.as_deref(),
+                    &p.rope_scaling,
+                )
+            } else {
+                Rope::new(
+                    p.rope_dim,
+                    plan.rope_base,
+                    spec.rope_pairs,
+                    None,
+                    &RopeScaling::None,
+                )
+            };
+            let index = match ropes.iter().position(|r| *r == rope) {
+                Some(i) => i,
+                None => {
+                    ropes.push(rope);
+                    ropes.len() - 1
+                }
+            };
+            layer_rope.push(index);
+        }
+        let info = ModelInfo {
+            architecture: p.architecture.clone(),
+            name: p.name.clone(),
+            num_layers: p.num_layers,
+            hidden_size: h,
+            vocab_size: p.vocab_size,
+            context_length: p.context_length,
+            attention: spec.attention_specs(),
+        };
+        Ok(Self {
+            info,
+            token_embd,
+            embed_scale: spec.embed_scale,
+            layers,
+            output_norm,
+            output,
+            final_soft_cap: p.final_logit_softcap,
+            ropes,
+            layer_rope,
+        })
+    }
+}
+
+impl CausalLm for Decoder {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        backend: &dyn AttentionBackend,
+        caches: &mut [PagedKvCache],
+        mut tap: Option<&mut dyn AttentionTap>,
+    ) -> Result<Vec<f32>> {
+        batch.validate(&self.info, caches.len())?;
+        let tokens = batch.token_ids.len();
+        let hidden = self.info.hidden_size;
+        let tables: Vec<_> = self
+            .ropes
+            .iter()
+            .map(|r| r.table(batch.positions))
+            .collect();
+        let mut x = self.token_embd.rows(batch.token_ids)?;
+        if let Some(scale) = self.embed_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let mut scratch = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = layer.attn_norm.forward(&x);
+            let o = layer.attention.forward(
+                l,
+                &h,
+                tokens,
+                &tables[self.layer_rope[l]],
+                &self.info.attention[l],
+                &batch.attention[batch.layer_group[l]],
+                backend,
+                &mut caches[l],
+                tap.as_deref_mut(),
+                &mut scratch,
+            )?;
+            match &layer.post_attention_norm {
+                Some(norm) => ops::add_in_place(&mut x, &norm.forward(&o)),
+                None => ops::add_in_place(&mut x, &o),
+            }
+            let h = layer.ffn_norm.forward(&x);
+            let m = layer.mlp.forward(&h, tokens)?;
+            match &layer.post_ffn_norm {
+                Some(norm) => ops::add_in_place(&mut x, &norm.forward(&m)),
+                None => ops::add_in_place(&mut x, &m),
+            }
+        }
+        let selected: Vec<f32> = batch
+            .logits_rows
+            .iter()
+            .flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied())
+            .collect();
+        let normed = self.output_norm.forward(&selected);
+        let output = self.output.as_ref().unwrap_or(&self.token_embd);
+        let mut logits = output.forward(&normed, batch.logits_rows.len())?;
+        if let Some(cap) = self.final_soft_cap {
+            logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        }
+        Ok(logits)
+    }
+}

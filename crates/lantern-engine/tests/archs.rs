@@ -10,9 +10,14 @@
 
 mod common;
 
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
 use lantern_capture::{CaptureSpec, RowSelection};
 use lantern_engine::{Completion, Engine, EngineConfig, SamplingParams};
-use lantern_model::LoadOptions;
+use lantern_model::{
+    GgufFile, LoadOptions, LoadProgress, LoadedModel, ModelTokenizer, WeightSource,
+};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// How a row's weights relate to its reference.
@@ -25,6 +30,13 @@ enum Weights {
     Quantized,
 }
 
+/// A metadata value a row adds on top of its file (see `lantern_model::source`).
+#[derive(Clone, Copy)]
+enum Extra {
+    Int(u32),
+    Float(f32),
+}
+
 /// One model (file or directory) and the reference it must reproduce.
 struct Case {
     /// The fixture directory (`tests/fixtures/archs/<arch>`).
@@ -34,6 +46,9 @@ struct Case {
     /// Which reference: `<prompt><flavour>.npz` (`""`, `".gguf"`, `".q8_0"`, ...).
     flavour: &'static str,
     weights: Weights,
+    /// `lantern.*` keys added to what the file says (what a Hugging Face directory
+    /// adds); empty for a file as it is.
+    extra: &'static [(&'static str, Extra)],
 }
 
 const fn case(
@@ -47,6 +62,7 @@ const fn case(
         model,
         flavour,
         weights,
+        extra: &[],
     }
 }
 
@@ -75,6 +91,20 @@ const CASES: &[Case] = &[
         ".q8_0",
         Quantized,
     ),
+    // The GGUF files plus the `lantern.*` keys for what GGUF cannot say give the Hugging
+    // Face semantics (the references without `.gguf`): Mistral's window, Gemma 2's
+    // `query_pre_attn_scalar`.
+    Case {
+        extra: &[("lantern.attention.sliding_window", Extra::Int(16))],
+        ..case("mistral", "gguf/mistral.f32.gguf", "", Exact)
+    },
+    Case {
+        extra: &[(
+            "lantern.attention.query_pre_attn_scalar",
+            Extra::Float(24.0),
+        )],
+        ..case("gemma2", "gguf/gemma2.f32.gguf", "", Exact)
+    },
 ];
 
 /// Logits, absolute. The arithmetic is the reference's (float32 on the same weights),
@@ -93,7 +123,11 @@ fn fixture(arch: &str) -> PathBuf {
 
 impl Case {
     fn name(&self) -> String {
-        format!("{}/{}", self.arch, self.model)
+        let mut name = format!("{}/{}", self.arch, self.model);
+        for (key, _) in self.extra {
+            name = format!("{name} + {key}");
+        }
+        name
     }
 
     fn engine(&self, f32_weights: bool) -> Engine {
@@ -102,8 +136,12 @@ impl Case {
             f32_weights,
         };
         let path = fixture(self.arch).join(self.model);
-        let loaded = lantern_model::load_model(&path, &options)
-            .unwrap_or_else(|e| panic!("{}: {e}", self.name()));
+        let loaded = if self.extra.is_empty() {
+            lantern_model::load_model(&path, &options)
+        } else {
+            with_extra_keys(&path, self.extra, &options)
+        }
+        .unwrap_or_else(|e| panic!("{}: {e}", self.name()));
         let config = EngineConfig {
             kv_cache_memory: 16 << 20,
             ..EngineConfig::default()
@@ -135,6 +173,56 @@ impl Case {
             })
             .collect()
     }
+}
+
+/// A GGUF file seen through [`WeightSource`] with extra metadata keys.
+struct WithExtraKeys {
+    file: GgufFile,
+    extra: HashMap<String, Value>,
+}
+
+impl WeightSource for WithExtraKeys {
+    fn metadata(&self, key: &str) -> Option<&Value> {
+        self.extra.get(key).or_else(|| self.file.metadata(key))
+    }
+
+    fn tensor_info(&self, name: &str) -> Option<(Vec<usize>, GgmlDType)> {
+        self.file.tensor_info(name)
+    }
+
+    fn tensor_names(&self) -> Vec<String> {
+        self.file.tensor_names()
+    }
+
+    fn tensor(&mut self, name: &str) -> lantern_model::Result<QTensor> {
+        self.file.tensor(name)
+    }
+}
+
+fn with_extra_keys(
+    path: &Path,
+    extra: &[(&str, Extra)],
+    options: &LoadOptions,
+) -> lantern_model::Result<LoadedModel> {
+    let file = GgufFile::open(path)?;
+    let tokenizer = ModelTokenizer::from_gguf(&file)?;
+    let extra = extra
+        .iter()
+        .map(|&(k, v)| {
+            let value = match v {
+                Extra::Int(i) => Value::U32(i),
+                Extra::Float(f) => Value::F32(f),
+            };
+            (k.to_string(), value)
+        })
+        .collect();
+    let mut source = WithExtraKeys { file, extra };
+    let model = lantern_model::load_architecture(&mut source, &LoadProgress::new(false), options)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template: None,
+    })
 }
 
 /// One prompt's reference numbers.
@@ -311,8 +399,31 @@ fn greedy_continuations_equal_the_reference_alone_and_batched() {
                 case.name(),
                 p.id
             );
+            // llama.cpp's greedy tokens for this file (float32 KV cache) equal the
+            // reference's (its cross-check in the fixture), so these equal llama.cpp's.
+            if let Some(equal) = llama_cpp_greedy_equal(case, &p.id) {
+                assert!(equal, "{} {}: llama.cpp differs", case.name(), p.id);
+            }
         }
     }
+}
+
+/// The fixture's record of whether llama.cpp's greedy tokens for this GGUF file and
+/// prompt equal the reference's (`None` for other formats or added keys).
+fn llama_cpp_greedy_equal(case: &Case, prompt: &str) -> Option<bool> {
+    let file = case.model.strip_prefix("gguf/")?;
+    if !case.extra.is_empty() {
+        return None;
+    }
+    let summary: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixture(case.arch).join("ref/summary.json")).unwrap(),
+    )
+    .unwrap();
+    summary["llama_cpp_crosscheck"]
+        .as_array()?
+        .iter()
+        .find(|e| e["gguf"] == file && e["kv_cache"] == "f32" && e["prompt"] == prompt)
+        .and_then(|e| e["greedy_equal"].as_bool())
 }
 
 fn batch_with_capture(

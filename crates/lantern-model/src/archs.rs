@@ -27,7 +27,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             qk_norm: true,
             ..DecoderSpec::plain(params, RopePairs::Halves)
         }),
-        "gemma2" => Ok(gemma2(params)),
+        "gemma2" => gemma2(params),
         "gemma3" => gemma3(source, params),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
@@ -35,8 +35,14 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
 
 /// Gemma's common shape: sandwich norms, GeGLU, embeddings scaled by `sqrt(hidden)`,
 /// eps 1e-6, scale `query_pre_attn_scalar^-0.5` (default: the head size, except the one
-/// size llama.cpp special-cases, whose scalar is hidden / heads).
-fn gemma(params: HParams, special_layers: usize) -> DecoderSpec {
+/// size llama.cpp special-cases, whose scalar is hidden / heads). A window of 0 is an
+/// error here: Gemma's sliding layers need one.
+fn gemma(params: HParams, special_layers: usize) -> Result<DecoderSpec> {
+    if params.sliding_window == Some(0) {
+        return Err(ModelError::InvalidConfig(
+            "sliding window of 0 tokens".into(),
+        ));
+    }
     let scalar = match params.query_pre_attn_scalar {
         Some(s) => s,
         None if params.num_layers == special_layers => {
@@ -44,24 +50,24 @@ fn gemma(params: HParams, special_layers: usize) -> DecoderSpec {
         }
         None => params.head_dim as f32,
     };
-    DecoderSpec {
+    Ok(DecoderSpec {
         rms_norm_eps: params.rms_norm_eps.unwrap_or(1e-6),
         activation: Activation::GeluTanh,
         sandwich_norms: true,
         embed_scale: Some((params.hidden_size as f32).sqrt()),
         attention_scale: scalar.powf(-0.5),
         ..DecoderSpec::plain(params, RopePairs::Halves)
-    }
+    })
 }
 
 /// Gemma 2: even layers slide, attention-logit and final-logit soft-caps (from the keys).
-fn gemma2(params: HParams) -> DecoderSpec {
+fn gemma2(params: HParams) -> Result<DecoderSpec> {
     let sliding = params.sliding(|l| l % 2 == 0);
-    let mut spec = gemma(params, 46);
+    let mut spec = gemma(params, 46)?;
     for (plan, s) in spec.layers.iter_mut().zip(sliding) {
-        plan.sliding_window = spec.params.sliding_window.filter(|_| s);
+        plan.sliding_window = spec.params.window().filter(|_| s);
     }
-    spec
+    Ok(spec)
 }
 
 /// Gemma 3: sliding layers with their own RoPE base (never scaled), every 6th layer
@@ -82,9 +88,9 @@ fn gemma3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
     let local_base = params.rope_theta_swa.unwrap_or(LOCAL_ROPE_BASE);
     let mut spec = DecoderSpec {
         qk_norm: true,
-        ..gemma(params, 62)
+        ..gemma(params, 62)?
     };
-    let window = spec.params.sliding_window;
+    let window = spec.params.window();
     spec.layers = sliding
         .into_iter()
         .map(|s| match window.filter(|_| s) {

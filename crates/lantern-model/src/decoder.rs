@@ -51,7 +51,7 @@ impl DecoderSpec {
         let layers = sliding
             .iter()
             .map(|&s| LayerPlan {
-                sliding_window: params.sliding_window.filter(|_| s),
+                sliding_window: params.window().filter(|_| s),
                 rope_base: params.rope_theta,
                 rope_scaled: true,
             })

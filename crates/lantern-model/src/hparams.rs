@@ -26,7 +26,8 @@ pub struct HParams {
     /// RoPE base of sliding-window layers when it differs (Gemma 3).
     pub rope_theta_swa: Option<f32>,
     pub rope_scaling: RopeScaling,
-    /// The window of the layers that slide (`None` or 0 in the file: no window).
+    /// The window of the layers that slide, as the file gives it (Phi-3's files write 0
+    /// for none; [`Self::window`] reads it so).
     pub sliding_window: Option<usize>,
     /// Which layers slide, when the source says (`lantern.attention.sliding_layers`).
     pub sliding_layers: Option<Vec<bool>>,
@@ -58,13 +59,6 @@ impl HParams {
                 )))
             }
         };
-        if let Some(v) = src.opt_usize(&key("attention.value_length"))? {
-            if v != head_dim {
-                return Err(ModelError::InvalidConfig(format!(
-                    "value head size {v} differs from key head size {head_dim}"
-                )));
-            }
-        }
         let rope_dim = src
             .opt_usize(&key("rope.dimension_count"))?
             .unwrap_or(head_dim);
@@ -73,11 +67,11 @@ impl HParams {
                 "rotary dimension {rope_dim} does not fit head dimension {head_dim}"
             )));
         }
-        let vocab_size = match src.tensor_info("token_embd.weight") {
-            Some((dims, _)) if dims.len() == 2 => dims[0],
-            _ => match src.opt_usize(&key("vocab_size"))? {
-                Some(v) => v,
-                None => src.string_array("tokenizer.ggml.tokens")?.len(),
+        let vocab_size = match src.opt_usize(&key("vocab_size"))? {
+            Some(v) => v,
+            None => match src.tensor_info("token_embd.weight") {
+                Some((dims, _)) if dims.len() == 2 => dims[0],
+                _ => src.string_array("tokenizer.ggml.tokens")?.len(),
             },
         };
         let window = match src.opt_usize(keys::SLIDING_WINDOW)? {
@@ -110,7 +104,7 @@ impl HParams {
             rope_theta: src.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
             rope_theta_swa: src.opt_f32(&key("rope.freq_base_swa"))?,
             rope_scaling: RopeScaling::read(src, &arch)?,
-            sliding_window: window.filter(|&w| w > 0),
+            sliding_window: window,
             sliding_layers,
             query_pre_attn_scalar: positive(
                 keys::QUERY_PRE_ATTN_SCALAR,
@@ -141,6 +135,14 @@ impl HParams {
             ));
         }
         params.check_fits(src)?;
+        let value_key = format!("{}.attention.value_length", params.architecture);
+        if let Some(v) = src.opt_usize(&value_key)? {
+            if v != head_dim {
+                return Err(ModelError::InvalidConfig(format!(
+                    "value head size {v} differs from key head size {head_dim}"
+                )));
+            }
+        }
         Ok(params)
     }
 
@@ -196,10 +198,15 @@ impl HParams {
         Ok(())
     }
 
+    /// The sliding window, 0 read as none.
+    pub fn window(&self) -> Option<usize> {
+        self.sliding_window.filter(|&w| w > 0)
+    }
+
     /// Which layers slide: the source's list, else `default(layer)` (only when there is a
     /// window at all).
     pub fn sliding(&self, default: impl Fn(usize) -> bool) -> Vec<bool> {
-        match (&self.sliding_layers, self.sliding_window) {
+        match (&self.sliding_layers, self.window()) {
             (_, None) => vec![false; self.num_layers],
             (Some(layers), Some(_)) => layers.clone(),
             (None, Some(_)) => (0..self.num_layers).map(default).collect(),

@@ -171,7 +171,8 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         None => default_max_tokens,
     };
     let temperature = fields.temperature.unwrap_or(1.0);
-    if !temperature.is_finite() || temperature < 0.0 {
+    // Checked as the f32 the sampler uses: 1e300 is finite in f64 but not in f32.
+    if !(temperature as f32).is_finite() || temperature < 0.0 {
         return Err(ApiError::field(
             "temperature",
             format!("temperature must be >= 0, got {temperature}"),
@@ -233,7 +234,7 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         }
     }
     if let Some(v) = fields.repetition_penalty {
-        if !(v.is_finite() && v > 0.0) {
+        if !((v as f32).is_finite() && v > 0.0) {
             return Err(ApiError::field(
                 "repetition_penalty",
                 format!("repetition_penalty must be > 0, got {v}"),
@@ -680,6 +681,14 @@ mod tests {
                 "max_completion_tokens",
             ),
             (json!({"messages": msg, "temperature": -0.5}), "temperature"),
+            (
+                json!({"messages": msg, "temperature": 1e300}),
+                "temperature",
+            ),
+            (
+                json!({"messages": msg, "repetition_penalty": 1e300}),
+                "repetition_penalty",
+            ),
             (json!({"messages": msg, "top_p": 0}), "top_p"),
             (json!({"messages": msg, "top_p": 1.5}), "top_p"),
             (json!({"messages": msg, "n": 0}), "n"),

@@ -24,4 +24,4 @@ pub use error::CaptureError;
 pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
 pub use spec::{CaptureDtype, CaptureSpec, HeadReduce, RowSelection};
-pub use worker::{CaptureWorker, Pacer, BUSY_DUTY_CYCLE};
+pub use worker::{CaptureWorker, Pacer, SubmitError, BUSY_DUTY_CYCLE, DEFAULT_MAX_QUEUED_CAPTURES};

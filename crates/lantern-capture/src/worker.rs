@@ -11,7 +11,7 @@
 //! little and takes cache, so while requests are running it also keeps itself to
 //! [`BUSY_DUTY_CYCLE`] of a core ([`Pacer`]); when the engine is idle it runs flat out.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -57,10 +57,27 @@ impl Pacer {
     }
 }
 
-/// A background thread that runs capture jobs in order.
+/// Captures that may wait for the worker by default. Each waiting job holds its request's
+/// copied keys and query rows (at most the per-capture cap), so the queue's length bounds
+/// the memory captures hold between their requests' end and their finalization.
+pub const DEFAULT_MAX_QUEUED_CAPTURES: usize = 16;
+
+/// Why a job was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the capture worker's queue is full ({0} captures waiting); retry later")]
+    Full(usize),
+    #[error("the capture worker is not running")]
+    Stopped,
+}
+
+/// A background thread that runs capture jobs in order, at most `max_queued` waiting.
 pub struct CaptureWorker {
     tx: Option<mpsc::Sender<Job>>,
     join: Option<JoinHandle<()>>,
+    /// Jobs queued and not yet started.
+    queued: Arc<AtomicUsize>,
+    max_queued: usize,
 }
 
 /// Puts the calling thread in Linux's `SCHED_IDLE` class (scheduling policy is per
@@ -82,8 +99,8 @@ fn lower_own_priority() {
 
 impl CaptureWorker {
     /// Starts the worker thread; `engine_busy` says when requests are running, so that
-    /// jobs pace themselves (see [`Pacer`]).
-    pub fn start(engine_busy: Arc<AtomicBool>) -> std::io::Result<Self> {
+    /// jobs pace themselves (see [`Pacer`]); at most `max_queued` jobs wait at a time.
+    pub fn start(engine_busy: Arc<AtomicBool>, max_queued: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let join = std::thread::Builder::new()
             .name("lantern-capture".to_string())
@@ -98,14 +115,39 @@ impl CaptureWorker {
         Ok(Self {
             tx: Some(tx),
             join: Some(join),
+            queued: Arc::new(AtomicUsize::new(0)),
+            max_queued,
         })
     }
 
-    /// Queues `job`; returns `false` when the worker is gone.
-    pub fn submit(&self, job: impl FnOnce(&Pacer) + Send + 'static) -> bool {
-        self.tx
-            .as_ref()
-            .is_some_and(|tx| tx.send(Box::new(job)).is_ok())
+    /// Queues `job`, unless `max_queued` jobs already wait or the worker is gone.
+    pub fn submit(&self, job: impl FnOnce(&Pacer) + Send + 'static) -> Result<(), SubmitError> {
+        let tx = self.tx.as_ref().ok_or(SubmitError::Stopped)?;
+        let max = self.max_queued;
+        self.queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                (q < max).then_some(q + 1)
+            })
+            .map_err(SubmitError::Full)?;
+        let queued = self.queued.clone();
+        let job: Job = Box::new(move |pacer| {
+            queued.fetch_sub(1, Ordering::SeqCst);
+            job(pacer)
+        });
+        tx.send(job).map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+
+    /// Jobs waiting to start.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// Whether a job submitted now would be refused as [`SubmitError::Full`].
+    pub fn is_full(&self) -> bool {
+        self.queued() >= self.max_queued
     }
 }
 
@@ -127,15 +169,45 @@ mod tests {
     fn runs_jobs_in_order_and_drains_on_drop() {
         let (tx, rx) = mpsc::channel();
         {
-            let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true))).unwrap();
+            let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)), 8).unwrap();
             for i in 0..5 {
                 let tx = tx.clone();
-                assert!(worker.submit(move |pacer| {
-                    pacer.pause();
-                    tx.send(i).unwrap()
-                }));
+                worker
+                    .submit(move |pacer| {
+                        pacer.pause();
+                        tx.send(i).unwrap()
+                    })
+                    .unwrap();
             }
         }
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn the_queue_is_bounded_and_frees_as_jobs_start() {
+        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(false)), 2).unwrap();
+        // The first job holds the worker until released, so the next ones wait.
+        let (release, held) = mpsc::channel::<()>();
+        let (started_tx, started) = mpsc::channel::<()>();
+        worker
+            .submit(move |_| {
+                started_tx.send(()).unwrap();
+                held.recv().unwrap();
+            })
+            .unwrap();
+        started.recv().unwrap();
+        let (done_tx, done) = mpsc::channel();
+        for i in 0..2 {
+            let done_tx = done_tx.clone();
+            worker.submit(move |_| done_tx.send(i).unwrap()).unwrap();
+        }
+        assert!(worker.is_full());
+        assert_eq!(worker.submit(|_| {}), Err(SubmitError::Full(2)));
+        release.send(()).unwrap();
+        assert_eq!(done.recv().unwrap(), 0);
+        assert_eq!(done.recv().unwrap(), 1);
+        assert_eq!(worker.queued(), 0);
+        worker.submit(move |_| done_tx.send(2).unwrap()).unwrap();
+        assert_eq!(done.recv().unwrap(), 2);
     }
 }

@@ -107,7 +107,7 @@ pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Resu
         let stop = Arc::new(AtomicBool::new(false));
         let finalized = Arc::new(AtomicUsize::new(0));
         // The engine is busy throughout: the worker keeps to its duty cycle.
-        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)))?;
+        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)), 1)?;
         {
             let (pending, stop, finalized) = (pending.clone(), stop.clone(), finalized.clone());
             worker.submit(move |pacer| {
@@ -116,7 +116,7 @@ pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Resu
                         finalized.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-            });
+            })?;
         }
         let during = runs(engine, &mut salt, None)?;
         stop.store(true, Ordering::Relaxed);

@@ -51,6 +51,14 @@ pub struct ServeArgs {
     /// Seconds a client has to send a whole request body (else 408).
     #[arg(long, default_value_t = 60.0)]
     pub body_read_timeout: f64,
+    /// Bytes that captures delivered by reference or file may hold together (`1G`);
+    /// while they are full, such requests get a 503 with Retry-After.
+    #[arg(long, default_value = "1G", value_parser = crate::args::parse_bytes)]
+    pub max_stored_capture_bytes: usize,
+    /// Finished captures that may wait for the capture worker; while that many wait,
+    /// capturing requests get a 503 with Retry-After.
+    #[arg(long, default_value_t = lantern_engine::lantern_capture::DEFAULT_MAX_QUEUED_CAPTURES)]
+    pub max_queued_captures: usize,
     /// Directory for captures delivered as files (e.g. a tmpfs such as /dev/shm, for
     /// clients on this host that memory-map large captures); enables delivery "file".
     #[arg(long)]
@@ -135,6 +143,8 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
             max_bytes: args.max_capture_bytes as u64,
             ttl: std::time::Duration::from_secs(args.capture_ttl),
             dir: args.capture_dir.clone(),
+            max_stored_bytes: args.max_stored_capture_bytes as u64,
+            max_queued: args.max_queued_captures,
         },
         body_read_timeout,
         allowed_origins: args.allowed_origins.clone(),

@@ -26,6 +26,8 @@ use crate::error::ApiError;
 pub const DEFAULT_MAX_CAPTURE_BYTES: u64 = 256 << 20;
 /// Default time a stored capture is kept.
 pub const DEFAULT_CAPTURE_TTL: Duration = Duration::from_secs(600);
+/// Default cap on the bytes of all stored captures and capture files together.
+pub const DEFAULT_MAX_STORED_CAPTURE_BYTES: u64 = 1 << 30;
 
 /// The server's capture settings.
 #[derive(Debug, Clone)]
@@ -40,6 +42,12 @@ pub struct CaptureSettings {
     pub ttl: Duration,
     /// Where delivery `"file"` writes (only when set).
     pub dir: Option<PathBuf>,
+    /// Bytes that stored captures and capture files may take together; past it,
+    /// requests for delivery by reference or file are refused with a 503.
+    pub max_stored_bytes: u64,
+    /// Finished captures that may wait for the capture worker; past it, capturing
+    /// requests are refused with a 503.
+    pub max_queued: usize,
 }
 
 impl Default for CaptureSettings {
@@ -50,6 +58,8 @@ impl Default for CaptureSettings {
             max_bytes: DEFAULT_MAX_CAPTURE_BYTES,
             ttl: DEFAULT_CAPTURE_TTL,
             dir: None,
+            max_stored_bytes: DEFAULT_MAX_STORED_CAPTURE_BYTES,
+            max_queued: lantern_engine::lantern_capture::DEFAULT_MAX_QUEUED_CAPTURES,
         }
     }
 }
@@ -228,13 +238,38 @@ struct Stored {
 }
 
 /// Captures delivered by reference, and files written for delivery `"file"`, until
-/// they expire.
-#[derive(Default)]
+/// they expire, at most `max_bytes` of them together.
 pub struct CaptureStore {
     entries: Mutex<HashMap<String, Stored>>,
-    files: Mutex<Vec<(PathBuf, Instant)>>,
+    /// Each file with its expiry and size.
+    files: Mutex<Vec<(PathBuf, Instant, u64)>>,
     delivered: AtomicU64,
     failed: AtomicU64,
+    max_bytes: u64,
+}
+
+impl Default for CaptureStore {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_STORED_CAPTURE_BYTES)
+    }
+}
+
+/// The store has no room for a capture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreFull {
+    pub stored: u64,
+    pub wanted: u64,
+    pub max: u64,
+}
+
+impl std::fmt::Display for StoreFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the capture store is full ({} of {} bytes held, {} more wanted): fetch and delete stored captures, or retry after they expire",
+            self.stored, self.max, self.wanted
+        )
+    }
 }
 
 /// 128 random bits as hex: ids and file names nobody can guess.
@@ -253,6 +288,43 @@ fn same_owner(stored: &Option<String>, asking: &Option<String>) -> bool {
 }
 
 impl CaptureStore {
+    pub fn new(max_bytes: u64) -> Self {
+        Self {
+            entries: Mutex::default(),
+            files: Mutex::default(),
+            delivered: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            max_bytes,
+        }
+    }
+
+    /// Bytes held by stored captures and capture files (expired ones excluded).
+    pub fn stored_bytes(&self) -> u64 {
+        self.purge();
+        let entries: u64 = self
+            .entries
+            .lock()
+            .map_or(0, |e| e.values().map(|s| s.bytes.len() as u64).sum());
+        let files: u64 = self
+            .files
+            .lock()
+            .map_or(0, |f| f.iter().map(|(_, _, size)| size).sum());
+        entries + files
+    }
+
+    /// Whether `wanted` more bytes fit.
+    pub fn check_room(&self, wanted: u64) -> Result<(), StoreFull> {
+        let stored = self.stored_bytes();
+        if stored.saturating_add(wanted) > self.max_bytes {
+            return Err(StoreFull {
+                stored,
+                wanted,
+                max: self.max_bytes,
+            });
+        }
+        Ok(())
+    }
+
     /// Drops expired entries and deletes expired files.
     fn purge(&self) {
         let now = Instant::now();
@@ -260,7 +332,7 @@ impl CaptureStore {
             entries.retain(|_, s| s.expires > now);
         }
         if let Ok(mut files) = self.files.lock() {
-            files.retain(|(path, expires)| {
+            files.retain(|(path, expires, _)| {
                 if *expires > now {
                     return true;
                 }
@@ -270,8 +342,15 @@ impl CaptureStore {
         }
     }
 
-    fn insert(&self, bytes: Vec<u8>, owner: Option<String>, ttl: Duration) -> String {
-        self.purge();
+    /// Stores `bytes` under a new id, if they fit.
+    fn insert(
+        &self,
+        bytes: Vec<u8>,
+        owner: Option<String>,
+        ttl: Duration,
+    ) -> Result<String, StoreFull> {
+        // Inserts come from the one capture worker, so the room checked stays free.
+        self.check_room(bytes.len() as u64)?;
         let id = format!("cap-{}", unguessable());
         let stored = Stored {
             bytes: Arc::new(bytes),
@@ -281,7 +360,7 @@ impl CaptureStore {
         if let Ok(mut entries) = self.entries.lock() {
             entries.insert(id.clone(), stored);
         }
-        id
+        Ok(id)
     }
 
     fn not_found(id: &str) -> ApiError {
@@ -332,9 +411,9 @@ impl CaptureStore {
         }
     }
 
-    fn track_file(&self, path: PathBuf, ttl: Duration) {
+    fn track_file(&self, path: PathBuf, ttl: Duration, size: u64) {
         if let Ok(mut files) = self.files.lock() {
-            files.push((path, Instant::now() + ttl));
+            files.push((path, Instant::now() + ttl, size));
         }
     }
 }
@@ -385,7 +464,7 @@ pub async fn deliver(
             }
             Delivery::Reference => {
                 let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
-                let id = store.insert(bytes, owner, ttl);
+                let id = store.insert(bytes, owner, ttl).map_err(|e| e.to_string())?;
                 fields.insert("attn_capture_id".into(), json!(id));
                 fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
                 fields.insert("attn_capture_meta".into(), meta);
@@ -393,9 +472,12 @@ pub async fn deliver(
             Delivery::File => {
                 let dir = dir.ok_or("the server has no capture directory")?;
                 let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
+                store
+                    .check_room(bytes.len() as u64)
+                    .map_err(|e| e.to_string())?;
                 let path = write_private_file(&dir, &bytes)
                     .map_err(|e| format!("could not write the capture file: {e}"))?;
-                store.track_file(path.clone(), ttl);
+                store.track_file(path.clone(), ttl, bytes.len() as u64);
                 fields.insert("attn_capture_path".into(), json!(path));
                 fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
                 fields.insert("attn_capture_meta".into(), meta);
@@ -404,13 +486,13 @@ pub async fn deliver(
         Ok(fields)
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let outcome = if worker.submit(move |pacer| {
+    let outcome = match worker.submit(move |pacer| {
         let _ = tx.send(work(pacer));
     }) {
-        rx.await
-            .unwrap_or_else(|_| Err("the capture worker stopped".to_string()))
-    } else {
-        Err("the capture worker is not running".to_string())
+        Ok(()) => rx
+            .await
+            .unwrap_or_else(|_| Err("the capture worker stopped".to_string())),
+        Err(e) => Err(e.to_string()),
     };
     let counter = if outcome.is_ok() {
         &counters.delivered
@@ -424,6 +506,31 @@ pub async fn deliver(
         fields.insert("attn_capture_error".into(), json!(error));
         fields
     })
+}
+
+/// Refuses a capturing request up front (503, with `Retry-After`) while the capture
+/// worker's queue is full, or, for delivery by reference or file, the store is.
+pub fn check_capacity(
+    request: &CaptureRequest,
+    store: &CaptureStore,
+    worker: &CaptureWorker,
+) -> Result<(), ApiError> {
+    let busy = |message: String| ApiError {
+        code: Some("capture_capacity"),
+        ..ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, message)
+    };
+    if worker.is_full() {
+        return Err(busy(format!(
+            "the capture worker has {} captures waiting, its limit; retry later",
+            worker.queued()
+        )));
+    }
+    if request.delivery != Delivery::Inline {
+        // Any room at all admits it; a capture that does not fit when it is done fails
+        // with `attn_capture_error` (its size is known only then).
+        store.check_room(1).map_err(|e| busy(e.to_string()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -536,7 +643,9 @@ mod tests {
     fn store_is_per_owner_and_expires() {
         let store = CaptureStore::default();
         let owner = Some("key-a".to_string());
-        let id = store.insert(vec![1, 2, 3], owner.clone(), Duration::from_secs(60));
+        let id = store
+            .insert(vec![1, 2, 3], owner.clone(), Duration::from_secs(60))
+            .unwrap();
         assert!(id.starts_with("cap-") && id.len() == 36);
         assert_eq!(*store.get(&id, &owner).unwrap(), vec![1, 2, 3]);
         assert!(store.get(&id, &Some("key-b".into())).is_err());
@@ -544,9 +653,63 @@ mod tests {
         assert!(store.remove(&id, &Some("key-b".into())).is_err());
         store.remove(&id, &owner).unwrap();
         assert!(store.get(&id, &owner).is_err());
-        let short = store.insert(vec![0], None, Duration::from_millis(1));
+        let short = store
+            .insert(vec![0], None, Duration::from_millis(1))
+            .unwrap();
         std::thread::sleep(Duration::from_millis(5));
         assert!(store.get(&short, &None).is_err());
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn the_store_is_bounded_in_bytes_and_frees_on_delete() {
+        let store = CaptureStore::new(100);
+        let ttl = Duration::from_secs(60);
+        let a = store.insert(vec![0; 60], None, ttl).unwrap();
+        let full = store.insert(vec![0; 60], None, ttl).unwrap_err();
+        assert_eq!((full.stored, full.wanted, full.max), (60, 60, 100));
+        assert!(full.to_string().contains("capture store is full"));
+        store.insert(vec![0; 40], None, ttl).unwrap();
+        assert_eq!(store.stored_bytes(), 100);
+        store.remove(&a, &None).unwrap();
+        assert_eq!(store.stored_bytes(), 40);
+        store.insert(vec![0; 60], None, ttl).unwrap();
+    }
+
+    #[test]
+    fn a_full_store_or_worker_queue_refuses_with_503() {
+        let reference = parse(json!({"attn_capture": true, "attn_capture_delivery": "reference"}))
+            .unwrap()
+            .unwrap();
+        let inline = parse(json!({"attn_capture": true})).unwrap().unwrap();
+        let busy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let worker = CaptureWorker::start(busy, 1).unwrap();
+        let store = CaptureStore::new(10);
+        check_capacity(&reference, &store, &worker).unwrap();
+        store
+            .insert(vec![0; 10], None, Duration::from_secs(60))
+            .unwrap();
+        let e = check_capacity(&reference, &store, &worker).unwrap_err();
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(e.message.contains("capture store is full"), "{}", e.message);
+        // Inline delivery stores nothing: the full store does not refuse it.
+        check_capacity(&inline, &store, &worker).unwrap();
+        // A worker held by one job, with one more waiting, is full.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::channel::<()>();
+        worker
+            .submit(move |_| {
+                started_tx.send(()).unwrap();
+                held.recv().unwrap();
+            })
+            .unwrap();
+        started.recv().unwrap();
+        worker.submit(|_| {}).unwrap();
+        let e = check_capacity(&inline, &store, &worker).unwrap_err();
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(e.message.contains("captures waiting"), "{}", e.message);
+        let response = axum::response::IntoResponse::into_response(e);
+        assert!(response.headers().contains_key("retry-after"));
+        release.send(()).unwrap();
     }
 }

@@ -119,8 +119,21 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// Seconds a client is told to wait before retrying a 429 or 503.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_SECS),
+            );
+        }
+        response
     }
 }

@@ -109,8 +109,11 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             .collect(),
         created: openai::unix_now(),
         capture: Arc::new(config.capture.clone()),
-        captures: Arc::new(CaptureStore::default()),
-        capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start(busy)?),
+        captures: Arc::new(CaptureStore::new(config.capture.max_stored_bytes)),
+        capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start(
+            busy,
+            config.capture.max_queued,
+        )?),
     };
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))

@@ -204,6 +204,7 @@ fn attach_capture(
             ),
         ));
     }
+    capture::check_capacity(&capture, &state.captures, &state.capture_worker)?;
     request.items[0].capture = Some(ItemCapture {
         spec: capture.spec.clone(),
         max_bytes: state.capture.max_bytes,

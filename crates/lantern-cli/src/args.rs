@@ -33,6 +33,9 @@ pub struct EngineArgs {
     /// Turn prefix caching off.
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Most requests waiting to run (`serve` answers more with 429 and Retry-After).
+    #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS)]
+    pub max_waiting_requests: usize,
     /// Dequantize weights to f32 at load: matrix products take activations unquantized,
     /// as transformers computes on dequantized weights (slower, more memory).
     #[arg(long)]
@@ -57,6 +60,7 @@ impl EngineArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             enable_prefix_caching: !self.no_prefix_caching,
+            max_waiting_requests: self.max_waiting_requests,
         }
     }
 

@@ -17,7 +17,14 @@ pub struct EngineConfig {
     /// Most requests running at once.
     pub max_num_seqs: usize,
     pub enable_prefix_caching: bool,
+    /// Most requests waiting to be admitted (samples of one request count one each).
+    /// The server answers requests that would exceed it with a 429 and `Retry-After`;
+    /// the engine's own Rust API does not enforce it.
+    pub max_waiting_requests: usize,
 }
+
+/// Default [`EngineConfig::max_waiting_requests`].
+pub const DEFAULT_MAX_WAITING_REQUESTS: usize = 1024;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -29,6 +36,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             enable_prefix_caching: true,
+            max_waiting_requests: DEFAULT_MAX_WAITING_REQUESTS,
         }
     }
 }

@@ -488,6 +488,25 @@ impl EngineLoop {
         }
     }
 
+    /// Refuses `new` more sequences with a 429 when they would take the waiting queue
+    /// past `max_waiting_requests`, before any work is done for them.
+    fn check_waiting_room(&self, new: usize) -> Result<(), ApiError> {
+        let limit = self.engine.config().max_waiting_requests;
+        let waiting = self.engine.num_waiting();
+        if waiting.saturating_add(new) > limit {
+            return Err(ApiError {
+                code: Some("too_many_waiting_requests"),
+                ..ApiError::with_status(
+                    axum::http::StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "{waiting} requests are waiting to run and this one adds {new}; the server's limit is {limit} (--max-waiting-requests); retry later"
+                    ),
+                )
+            });
+        }
+        Ok(())
+    }
+
     /// Settles every item's `max_tokens`, then adds them all (or none).
     fn add(
         &mut self,
@@ -497,6 +516,7 @@ impl EngineLoop {
         if self.shutting_down {
             return Err(ApiError::unavailable());
         }
+        self.check_waiting_room(items.len())?;
         let mut prepared = Vec::with_capacity(items.len());
         for item in items {
             prepared.push(self.prepare(item)?);

@@ -1,0 +1,66 @@
+//! `max_waiting_requests`: a request whose sequences would take the waiting queue past
+//! the limit gets a 429 with `Retry-After` before any work; one that fits runs.
+
+use lantern_engine::{Engine, EngineConfig};
+use lantern_model::synthetic::TinyLlama;
+use lantern_server::{router, serve, EngineHandle, ServerConfig};
+use serde_json::{json, Value};
+
+/// A server on the tiny synthetic model whose queue holds at most `limit` waiting
+/// sequences; returns its address.
+fn start_server(limit: usize) -> String {
+    let path = std::env::temp_dir().join(format!("lantern-waiting-{}.gguf", std::process::id()));
+    TinyLlama::default().write(&path).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (engine, _thread) = EngineHandle::start(move || {
+            let loaded = lantern_model::load_model(&path, &Default::default())?;
+            let config = EngineConfig {
+                kv_cache_memory: 16 << 20,
+                max_waiting_requests: limit,
+                ..EngineConfig::default()
+            };
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Engine::new(loaded, config)?)
+        })
+        .expect("engine starts");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(format!("http://{}", listener.local_addr().unwrap()))
+                .unwrap();
+            let app = router(engine, &ServerConfig::default()).unwrap();
+            serve(listener, app, std::future::pending()).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
+#[test]
+fn more_waiting_sequences_than_the_limit_get_429_with_retry_after() {
+    let base = start_server(3);
+    let client = reqwest::blocking::Client::new();
+    let post = |n: usize| {
+        client
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": "tiny-llama", "prompt": "hello", "max_tokens": 2, "n": n}))
+            .send()
+            .unwrap()
+    };
+    // Four samples can never be waiting together under a limit of three.
+    let refused = post(4);
+    assert_eq!(refused.status(), 429);
+    let retry_after = refused.headers().get("retry-after").cloned();
+    let body: Value = refused.json().unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("--max-waiting-requests"), "{body}");
+    assert!(retry_after.is_some(), "no Retry-After on a 429");
+    // Three fit, and run.
+    let ok = post(3);
+    assert_eq!(ok.status(), 200);
+    let body: Value = ok.json().unwrap();
+    assert_eq!(body["choices"].as_array().map(Vec::len), Some(3), "{body}");
+}

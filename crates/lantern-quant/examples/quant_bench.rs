@@ -16,6 +16,19 @@ use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 fn random_matrix(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> PackedMatrix {
+    if ty.is_dense() {
+        let bytes: Vec<u8> = (0..n * k)
+            .flat_map(|_| {
+                let v = rng.gen_range(-0.1f32..0.1);
+                match ty {
+                    QuantType::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                    QuantType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                    _ => v.to_le_bytes().to_vec(),
+                }
+            })
+            .collect();
+        return PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+    }
     let blocks = n * k / ty.block_values();
     let mut bytes: Vec<u8> = (0..blocks * ty.block_bytes()).map(|_| rng.gen()).collect();
     // Valid, quantizer-like f16 scales where each type keeps them.

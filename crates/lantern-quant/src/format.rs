@@ -26,6 +26,12 @@ pub enum QuantType {
     /// 256 values in 210 bytes: 6-bit quants, 16 int8 scales (one per 16 values), `d:
     /// f16`; `w = d · sc_j · (q − 32)`.
     Q6K = 7,
+    /// Unquantized f16 (products take the activations unquantized, see `dense`).
+    F16 = 8,
+    /// Unquantized bfloat16.
+    BF16 = 9,
+    /// Unquantized f32.
+    F32 = 10,
 }
 
 /// Bit planes of the repacked quants (per block-panel of 32 values x 16 rows).
@@ -58,7 +64,22 @@ pub(crate) enum Scales {
 
 impl QuantType {
     /// Every type, in `repr` order.
-    pub const ALL: [QuantType; 8] = [
+    pub const ALL: [QuantType; 11] = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q8_0,
+        QuantType::Q4K,
+        QuantType::Q5K,
+        QuantType::Q6K,
+        QuantType::F16,
+        QuantType::BF16,
+        QuantType::F32,
+    ];
+
+    /// The quantized types (int8 dot products against quantized activations).
+    pub const QUANTIZED: [QuantType; 8] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
@@ -69,9 +90,16 @@ impl QuantType {
         QuantType::Q6K,
     ];
 
-    /// Bytes of one block in the GGUF file.
+    /// Whether the type is unquantized (`F16`, `BF16`, `F32`).
+    pub const fn is_dense(self) -> bool {
+        matches!(self, QuantType::F16 | QuantType::BF16 | QuantType::F32)
+    }
+
+    /// Bytes of one block in the GGUF file (one value for the dense types).
     pub const fn block_bytes(self) -> usize {
         match self {
+            QuantType::F16 | QuantType::BF16 => 2,
+            QuantType::F32 => 4,
             QuantType::Q4_0 => 18,
             QuantType::Q4_1 => 20,
             QuantType::Q5_0 => 22,
@@ -83,10 +111,11 @@ impl QuantType {
         }
     }
 
-    /// Values per block in the GGUF file (32, or 256 for the K-quants); `k` must be a
-    /// multiple of it.
+    /// Values per block in the GGUF file (32, 256 for the K-quants, 1 for the dense
+    /// types); `k` must be a multiple of it.
     pub const fn block_values(self) -> usize {
         match self {
+            QuantType::F16 | QuantType::BF16 | QuantType::F32 => 1,
             QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
             _ => BLOCK,
         }
@@ -102,6 +131,9 @@ impl QuantType {
             QuantType::Q4K => "Q4_K",
             QuantType::Q5K => "Q5_K",
             QuantType::Q6K => "Q6_K",
+            QuantType::F16 => "F16",
+            QuantType::BF16 => "BF16",
+            QuantType::F32 => "F32",
         }
     }
 
@@ -114,7 +146,10 @@ impl QuantType {
             4 => QuantType::Q8_0,
             5 => QuantType::Q4K,
             6 => QuantType::Q5K,
-            _ => QuantType::Q6K,
+            7 => QuantType::Q6K,
+            8 => QuantType::F16,
+            9 => QuantType::BF16,
+            _ => QuantType::F32,
         }
     }
 
@@ -123,13 +158,15 @@ impl QuantType {
             QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q4K => Planes::Nibbles,
             QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K => Planes::Nibbles1,
             QuantType::Q6K => Planes::Nibbles2,
-            QuantType::Q8_0 => Planes::Bytes,
+            // The dense types have their own layout (`dense`); never read as planes.
+            QuantType::Q8_0 | QuantType::F16 | QuantType::BF16 | QuantType::F32 => Planes::Bytes,
         }
     }
 
     pub(crate) const fn scales(self) -> Scales {
         match self {
             QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => Scales::D,
+            QuantType::F16 | QuantType::BF16 | QuantType::F32 => Scales::D,
             QuantType::Q4_1 | QuantType::Q5_1 => Scales::DM,
             QuantType::Q4K | QuantType::Q5K => Scales::SuperDM,
             QuantType::Q6K => Scales::SuperHalves,
@@ -159,7 +196,11 @@ impl QuantType {
 
     /// Blocks that share one scale record (1, or 8 for the K-quants).
     pub(crate) const fn scale_unit(self) -> usize {
-        self.block_values() / BLOCK
+        if self.is_dense() {
+            1
+        } else {
+            self.block_values() / BLOCK
+        }
     }
 
     /// Bytes of one scale record (a block-panel's, or a super-block-panel's).
@@ -292,7 +333,7 @@ pub(crate) fn decode_scales(ty: QuantType, s: &[u8], r: usize, j: usize) -> Bloc
     }
 }
 
-/// One GGUF block (`ty.block_values()` values of a row) written into row lane `r` of
+/// One GGUF block of a quantized type (`ty.block_values()` values of a row) written into row lane `r` of
 /// its block-panel quant records `q` (one per 32 values, consecutive) and its scale
 /// record `s`.
 pub(crate) fn pack_gguf_block(ty: QuantType, src: &[u8], q: &mut [u8], s: &mut [u8], r: usize) {
@@ -352,6 +393,8 @@ pub(crate) fn pack_gguf_block(ty: QuantType, src: &[u8], q: &mut [u8], s: &mut [
                 put(j, &u);
             }
         }
+        // Packed by `dense::pack_row`.
+        QuantType::F16 | QuantType::BF16 | QuantType::F32 => {}
         QuantType::Q6K => {
             let (ql, qh, sc) = (&src[0..128], &src[128..192], &src[192..208]);
             set_f16(s, r, &src[208..210]);

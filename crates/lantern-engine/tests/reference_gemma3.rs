@@ -46,6 +46,7 @@ fn engine(config: EngineConfig, f32_weights: bool) -> Engine {
     let options = LoadOptions {
         progress: false,
         f32_weights,
+        ..Default::default()
     };
     let loaded = lantern_model::load_model(&path, &options).expect("model loads");
     Engine::new(loaded, config).expect("engine starts")

@@ -36,6 +36,7 @@ fn prompt_logits(prompts: &[Vec<u32>], f32_weights: bool) -> Vec<Vec<f32>> {
     let options = LoadOptions {
         progress: false,
         f32_weights,
+        ..Default::default()
     };
     let mut engine = engine_with_options(EngineConfig::default(), &options);
     let requests = prompts

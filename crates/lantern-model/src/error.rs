@@ -22,6 +22,8 @@ pub enum ModelError {
         needed: u64,
         file_len: u64,
     },
+    #[error("{path}: {reason}")]
+    InvalidHf { path: PathBuf, reason: String },
     #[error("GGUF metadata key `{key}` is missing")]
     MissingKey { key: String },
     #[error("GGUF metadata key `{key}` has the wrong type: expected {expected}")]

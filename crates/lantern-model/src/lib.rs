@@ -10,6 +10,7 @@ pub mod default_model;
 pub mod error;
 pub mod gguf;
 pub mod gguf_header;
+pub mod hf;
 pub mod hparams;
 pub mod linear;
 pub mod ops;
@@ -19,6 +20,7 @@ pub mod source;
 pub mod synthetic;
 pub mod tokenizer;
 
+pub use candle_core::quantized::GgmlDType;
 pub use chat::{ChatMessage, ChatSegment, ChatTemplate, RenderedChat, TemplateError};
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
@@ -146,10 +148,17 @@ pub struct LoadOptions {
     /// instead of quantizing them to 8 bits. Slower and ~8x the weight memory; for
     /// comparisons that need the reference's arithmetic.
     pub f32_weights: bool,
+    /// Hugging Face directories: store every weight matrix in this type at load
+    /// (`Q8_0`, ...); `None` keeps each tensor's own f32/f16/bf16. GGUF files ignore it.
+    pub quantize: Option<candle_core::quantized::GgmlDType>,
 }
 
-/// Loads a GGUF model file: weights, tokenizer and chat template.
+/// Loads a model: a GGUF file, or a Hugging Face directory (`config.json`, safetensors,
+/// `tokenizer.json`); weights, tokenizer and chat template.
 pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
+    if hf::is_hf_directory(path) {
+        return load_hf_directory(path, options);
+    }
     let mut gguf = GgufFile::open(path)?;
     let progress = LoadProgress::new(options.progress);
     progress.bar.set_message(
@@ -160,6 +169,33 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
     let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
     let chat_template = chat_template(&gguf, &tokenizer);
     let model = load_architecture(&mut gguf, &progress, options)?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+    })
+}
+
+fn load_hf_directory(dir: &Path, options: &LoadOptions) -> Result<LoadedModel> {
+    let mut source = hf::HfDirectory::open(dir, options.quantize)?;
+    let progress = LoadProgress::new(options.progress);
+    progress.bar.set_message(
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
+    let tokenizer_config = hf::tokenizer::TokenizerConfig::read(dir)?;
+    let tokenizer =
+        hf::tokenizer::load_tokenizer(dir, &tokenizer_config, &source.config.eos_token_ids)?;
+    // A template that does not compile fails chat requests only, as for GGUF files.
+    let chat_template = tokenizer_config.chat_template.as_deref().map(|source| {
+        ChatTemplate::from_model_file(
+            source,
+            tokenizer.bos_token().unwrap_or_default(),
+            tokenizer.eos_token().unwrap_or_default(),
+        )
+    });
+    let model = load_architecture(&mut source, &progress, options)?;
     Ok(LoadedModel {
         model,
         tokenizer,

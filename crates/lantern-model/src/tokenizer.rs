@@ -149,8 +149,33 @@ impl ModelTokenizer {
         })
     }
 
+    /// A tokenizer built elsewhere (a Hugging Face directory's `tokenizer.json`).
+    pub(crate) fn from_parts(
+        inner: Tokenizer,
+        tokens: Vec<String>,
+        special: Vec<bool>,
+        bos: Option<(u32, String)>,
+        eos: Option<(u32, String)>,
+        stop_ids: Vec<u32>,
+        add_bos: bool,
+    ) -> Result<Self> {
+        let control = ControlTokens::new(&tokens, &special)?;
+        Ok(Self {
+            inner,
+            tokens,
+            bos,
+            eos,
+            stop_ids,
+            add_bos,
+            special,
+            control,
+            plain: OnceLock::new(),
+        })
+    }
+
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
-    /// ids; `add_special_tokens` adds BOS when the model asks for it.
+    /// ids; `add_special_tokens` adds BOS when the model asks for it, unless the text already
+    /// starts with it (a chat template that writes `{{ bos_token }}`): BOS exactly once.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let encoding = self
             .inner
@@ -159,7 +184,9 @@ impl ModelTokenizer {
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if add_special_tokens && self.add_bos {
             if let Some((bos, _)) = &self.bos {
-                ids.push(*bos);
+                if encoding.get_ids().first() != Some(bos) {
+                    ids.push(*bos);
+                }
             }
         }
         ids.extend_from_slice(encoding.get_ids());
@@ -234,7 +261,10 @@ impl ModelTokenizer {
         let mut ids = Vec::new();
         if add_special_tokens && self.add_bos {
             if let Some((bos, _)) = &self.bos {
-                ids.push(*bos);
+                // BOS once, also when the template writes `{{ bos_token }}` itself.
+                if !matches!(pieces.first(), Some(Piece::Control(id)) if id == bos) {
+                    ids.push(*bos);
+                }
             }
         }
         for piece in pieces {

@@ -1,0 +1,413 @@
+//! `config.json` of a Hugging Face checkpoint, turned into the GGUF metadata llama.cpp's
+//! `convert_hf_to_gguf.py` would write for it (plus the `lantern.*` keys of
+//! [`crate::source`] for what GGUF cannot say).
+
+use crate::error::{ModelError, Result};
+use crate::source::keys;
+use candle_core::quantized::gguf_file::Value;
+use serde_json::Value as Json;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The `model_type`s lantern reads from a directory.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+];
+
+/// What the tensor reader needs to know besides the metadata.
+#[derive(Debug, Clone)]
+pub struct HfConfig {
+    pub model_type: String,
+    /// GGUF `general.architecture`.
+    pub gguf_arch: &'static str,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Llama 3 `rope_scaling`: one divisor per rotary frequency (`rope_freqs.weight`).
+    pub rope_freqs: Option<Vec<f32>>,
+    pub metadata: HashMap<String, Value>,
+}
+
+impl HfConfig {
+    /// q/k rows permuted so rotary pairs are adjacent (GGUF arch `llama`).
+    pub fn permutes_qk(&self) -> bool {
+        self.gguf_arch == "llama"
+    }
+
+    /// RMSNorm weights stored as `1 + w`.
+    pub fn norms_plus_one(&self) -> bool {
+        matches!(self.gguf_arch, "gemma2" | "gemma3")
+    }
+
+    /// Post-attention norm is a sandwich norm (Gemma), not the pre-FFN norm.
+    pub fn sandwich_norms(&self) -> bool {
+        self.norms_plus_one()
+    }
+
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let json: Json = serde_json::from_str(&text).map_err(|e| invalid(path, e.to_string()))?;
+        Self::from_json(path, &json)
+    }
+
+    pub fn from_json(path: &Path, json: &Json) -> Result<Self> {
+        let c = Keys { path, json };
+        let model_type = c.req_str("model_type")?.to_string();
+        let gguf_arch: &'static str = match model_type.as_str() {
+            "llama" | "mistral" => "llama",
+            "qwen2" => "qwen2",
+            "qwen3" => "qwen3",
+            "gemma2" => "gemma2",
+            "gemma3_text" | "gemma3" => "gemma3",
+            "phi3" => "phi3",
+            other => {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "model_type `{other}` is not supported (supported: {})",
+                        SUPPORTED_MODEL_TYPES.join(", ")
+                    ),
+                ))
+            }
+        };
+        let hidden = c.req_usize("hidden_size")?;
+        let num_layers = c.req_usize("num_hidden_layers")?;
+        let num_heads = c.req_usize("num_attention_heads")?;
+        let num_kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_heads == 0 || num_kv_heads == 0 || num_layers == 0 || hidden == 0 {
+            return Err(invalid(
+                path,
+                "layers, heads and hidden size must be positive".into(),
+            ));
+        }
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads);
+        let is_gemma = gguf_arch.starts_with("gemma");
+        let tie_word_embeddings = c.opt_bool("tie_word_embeddings")?.unwrap_or(is_gemma);
+
+        let mut m = HashMap::new();
+        let a = gguf_arch;
+        let k = |s: &str| format!("{a}.{s}");
+        let u = |v: usize| Value::U32(v as u32);
+        m.insert("general.architecture".into(), Value::String(a.into()));
+        let name = c
+            .opt_str("_name_or_path")?
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .or_else(|| {
+                path.parent()
+                    .and_then(|d| d.file_name())
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
+            .unwrap_or_else(|| model_type.clone());
+        m.insert("general.name".into(), Value::String(name));
+        m.insert(k("block_count"), u(num_layers));
+        m.insert(k("embedding_length"), u(hidden));
+        m.insert(
+            k("feed_forward_length"),
+            u(c.req_usize("intermediate_size")?),
+        );
+        let context = c.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+        m.insert(k("context_length"), u(context));
+        m.insert(k("attention.head_count"), u(num_heads));
+        m.insert(k("attention.head_count_kv"), u(num_kv_heads));
+        m.insert(k("attention.key_length"), u(head_dim));
+        m.insert(k("attention.value_length"), u(head_dim));
+        let eps = c
+            .opt_f64("rms_norm_eps")?
+            .unwrap_or(if is_gemma { 1e-6 } else { 1e-5 });
+        m.insert(
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(eps as f32),
+        );
+        let rope_theta = c
+            .opt_f64("rope_theta")?
+            .unwrap_or(if gguf_arch == "gemma3" { 1e6 } else { 1e4 });
+        m.insert(k("rope.freq_base"), Value::F32(rope_theta as f32));
+        let rotary = match c.opt_f64("partial_rotary_factor")? {
+            Some(f) if f > 0.0 && f <= 1.0 => (head_dim as f64 * f) as usize,
+            Some(f) => {
+                return Err(invalid(
+                    path,
+                    format!("partial_rotary_factor {f} is not in (0, 1]"),
+                ))
+            }
+            None => head_dim,
+        };
+        m.insert(k("rope.dimension_count"), u(rotary));
+        let rope_freqs = rope_scaling(&c, a, &mut m, rope_theta, rotary)?;
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(cap) = c.opt_f64(key)? {
+                m.insert(k(key), Value::F32(cap as f32));
+            }
+        }
+        if let Some(s) = c.opt_f64("query_pre_attn_scalar")? {
+            m.insert(keys::QUERY_PRE_ATTN_SCALAR.into(), Value::F32(s as f32));
+        }
+        sliding_window(&c, a, num_layers, &mut m)?;
+        if gguf_arch == "gemma3" {
+            let local = c.opt_f64("rope_local_base_freq")?.unwrap_or(1e4);
+            m.insert(k("rope.freq_base_swa"), Value::F32(local as f32));
+        }
+
+        Ok(Self {
+            model_type,
+            gguf_arch,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            tie_word_embeddings,
+            bos_token_id: c.opt_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: c.opt_ids("eos_token_id")?,
+            rope_freqs,
+            metadata: m,
+        })
+    }
+}
+
+/// `rope_scaling`: `llama3` becomes `rope_freqs.weight` (written by the tensor reader, as
+/// llama.cpp does); `linear` and `yarn` become `rope.scaling.*` keys.
+fn rope_scaling(
+    c: &Keys,
+    a: &str,
+    m: &mut HashMap<String, Value>,
+    theta: f64,
+    rotary_dim: usize,
+) -> Result<Option<Vec<f32>>> {
+    let Some(scaling) = c.json.get("rope_scaling").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = scaling
+        .get("rope_type")
+        .or_else(|| scaling.get("type"))
+        .and_then(Json::as_str)
+        .ok_or_else(|| invalid(c.path, "rope_scaling has no `rope_type`".into()))?;
+    let factor = || {
+        scaling
+            .get("factor")
+            .and_then(Json::as_f64)
+            .ok_or_else(|| invalid(c.path, format!("rope_scaling `{kind}` has no `factor`")))
+    };
+    match kind {
+        "default" => {}
+        "llama3" => {
+            let num = |key: &str, default: f64| {
+                scaling.get(key).and_then(Json::as_f64).unwrap_or(default)
+            };
+            return Ok(Some(llama3_divisors(
+                theta,
+                rotary_dim,
+                factor()?,
+                num("low_freq_factor", 1.0),
+                num("high_freq_factor", 4.0),
+                num("original_max_position_embeddings", 8192.0),
+            )));
+        }
+        "linear" | "yarn" => {
+            m.insert(format!("{a}.rope.scaling.type"), Value::String(kind.into()));
+            m.insert(
+                format!("{a}.rope.scaling.factor"),
+                Value::F32(factor()? as f32),
+            );
+            if let Some(orig) = scaling
+                .get("original_max_position_embeddings")
+                .and_then(Json::as_u64)
+            {
+                m.insert(
+                    format!("{a}.rope.scaling.original_context_length"),
+                    Value::U32(orig as u32),
+                );
+            }
+        }
+        other => {
+            return Err(invalid(
+                c.path,
+                format!(
+                "rope_scaling type `{other}` is not supported (supported: llama3, linear, yarn)"
+            ),
+            ))
+        }
+    }
+    Ok(None)
+}
+
+/// Llama 3's frequency divisors, computed as llama.cpp's converter does (in f32 like torch):
+/// long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+fn llama3_divisors(
+    theta: f64,
+    dim: usize,
+    factor: f64,
+    low: f64,
+    high: f64,
+    old_ctx: f64,
+) -> Vec<f32> {
+    let low_wavelen = old_ctx / low;
+    let high_wavelen = old_ctx / high;
+    (0..dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / dim as f32;
+            let freq = 1.0 / (theta as f32).powf(exponent);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor as f32
+            } else {
+                let smooth = (old_ctx / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+/// The window and which layers use it, from `sliding_window`, `use_sliding_window`,
+/// `layer_types` and `sliding_window_pattern`.
+fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Value>) -> Result<()> {
+    let window = c.opt_usize("sliding_window")?.filter(|&w| w > 0);
+    let enabled = c.opt_bool("use_sliding_window")?.unwrap_or(true);
+    let Some(window) = window.filter(|_| enabled) else {
+        return Ok(());
+    };
+    let sliding: Option<Vec<bool>> =
+        if let Some(types) = c.json.get("layer_types").filter(|v| !v.is_null()) {
+            let types = types
+                .as_array()
+                .ok_or_else(|| invalid(c.path, "`layer_types` is not an array".into()))?;
+            if types.len() != layers {
+                return Err(invalid(
+                    c.path,
+                    format!(
+                        "`layer_types` has {} entries for {layers} layers",
+                        types.len()
+                    ),
+                ));
+            }
+            Some(
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        _ => Err(invalid(
+                            c.path,
+                            format!("unknown layer type {t} in `layer_types`"),
+                        )),
+                    })
+                    .collect::<Result<_>>()?,
+            )
+        } else if a == "gemma3" {
+            let pattern = c.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+            Some((0..layers).map(|i| (i + 1) % pattern != 0).collect())
+        } else if a == "gemma2" {
+            Some((0..layers).map(|i| i % 2 == 0).collect())
+        } else {
+            None
+        };
+    if a == "llama" || a == "qwen2" || a == "qwen3" || a == "phi3" {
+        m.insert(keys::SLIDING_WINDOW.into(), Value::U32(window as u32));
+    } else {
+        m.insert(
+            format!("{a}.attention.sliding_window"),
+            Value::U32(window as u32),
+        );
+    }
+    if let Some(sliding) = sliding {
+        m.insert(
+            keys::SLIDING_LAYERS.into(),
+            Value::Array(sliding.into_iter().map(Value::Bool).collect()),
+        );
+    }
+    Ok(())
+}
+
+fn invalid(path: &Path, reason: String) -> ModelError {
+    ModelError::InvalidHf {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// Typed reads of config keys; a present key of the wrong type is an error naming it.
+struct Keys<'a> {
+    path: &'a Path,
+    json: &'a Json,
+}
+
+impl Keys<'_> {
+    fn get(&self, key: &str) -> Option<&Json> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    fn wrong(&self, key: &str, what: &str) -> ModelError {
+        invalid(self.path, format!("key `{key}` is not {what}"))
+    }
+
+    fn missing(&self, key: &str) -> ModelError {
+        invalid(self.path, format!("key `{key}` is missing"))
+    }
+
+    fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        self.get(key)
+            .map(|v| v.as_str().ok_or_else(|| self.wrong(key, "a string")))
+            .transpose()
+    }
+
+    fn req_str(&self, key: &str) -> Result<&str> {
+        self.opt_str(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        self.get(key)
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|x| usize::try_from(x).ok())
+                    .filter(|&x| x <= u32::MAX as usize)
+                    .ok_or_else(|| self.wrong(key, "an unsigned integer"))
+            })
+            .transpose()
+    }
+
+    fn req_usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| self.wrong(key, "a number")))
+            .transpose()
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| v.as_bool().ok_or_else(|| self.wrong(key, "a boolean")))
+            .transpose()
+    }
+
+    /// A token id or a list of them.
+    fn opt_ids(&self, key: &str) -> Result<Vec<u32>> {
+        token_ids(self.get(key)).ok_or_else(|| self.wrong(key, "a token id or a list of them"))
+    }
+}
+
+/// `eos_token_id` as written in config.json / generation_config.json: one id or a list.
+pub fn token_ids(value: Option<&Json>) -> Option<Vec<u32>> {
+    let id = |v: &Json| v.as_u64().and_then(|x| u32::try_from(x).ok());
+    match value {
+        None | Some(Json::Null) => Some(Vec::new()),
+        Some(Json::Array(items)) => items.iter().map(id).collect(),
+        Some(v) => id(v).map(|x| vec![x]),
+    }
+}

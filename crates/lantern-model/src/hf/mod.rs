@@ -1,0 +1,214 @@
+//! Hugging Face checkpoint directories (`config.json`, safetensors, `tokenizer.json`),
+//! presented through [`WeightSource`] the way llama.cpp's `convert_hf_to_gguf.py` would
+//! write them: GGUF tensor names, q/k rows permuted for GGUF arch `llama`, Gemma norms as
+//! `1 + w`, Llama 3 scaling as `rope_freqs.weight`, tied embeddings without `output.weight`.
+
+pub mod config;
+pub mod names;
+pub mod tokenizer;
+pub mod weights;
+
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use config::HfConfig;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use weights::SafetensorsWeights;
+
+/// Whether `path` looks like a Hugging Face directory (rather than a GGUF file).
+pub fn is_hf_directory(path: &Path) -> bool {
+    path.is_dir()
+}
+
+/// An opened Hugging Face directory.
+pub struct HfDirectory {
+    dir: PathBuf,
+    pub config: HfConfig,
+    weights: SafetensorsWeights,
+    /// GGUF name → Hugging Face name.
+    by_gguf_name: HashMap<String, String>,
+    quantize: Option<GgmlDType>,
+}
+
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+impl HfDirectory {
+    /// Reads `config.json` and the safetensors headers. `quantize`: store every 2-D weight
+    /// in this type (rows that are not a multiple of its block stay as they are).
+    pub fn open(dir: &Path, quantize: Option<GgmlDType>) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(ModelError::InvalidHf {
+                path: dir.to_path_buf(),
+                reason: "config.json is missing (a model directory needs config.json, \
+                         model.safetensors or model.safetensors.index.json, and tokenizer.json)"
+                    .into(),
+            });
+        }
+        let config = HfConfig::read(&config_path)?;
+        let weights = SafetensorsWeights::open(dir)?;
+        let mut by_gguf_name = HashMap::new();
+        for hf in weights.names() {
+            let Some(gguf) = names::gguf_name(hf, config.sandwich_norms()) else {
+                continue;
+            };
+            if gguf == "output.weight" && config.tie_word_embeddings {
+                continue;
+            }
+            by_gguf_name.insert(gguf, hf.clone());
+        }
+        if !by_gguf_name.contains_key("token_embd.weight") {
+            return Err(ModelError::InvalidHf {
+                path: dir.to_path_buf(),
+                reason: "tensor `model.embed_tokens.weight` is missing from the safetensors".into(),
+            });
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            by_gguf_name,
+            quantize,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn stored_type(&self, dtype: DType, shape: &[usize]) -> GgmlDType {
+        if shape.len() < 2 {
+            return GgmlDType::F32;
+        }
+        if let Some(q) = self.quantize {
+            if shape.last().is_some_and(|&cols| cols % q.block_size() == 0) {
+                return q;
+            }
+        }
+        match dtype {
+            DType::F16 => GgmlDType::F16,
+            DType::BF16 => GgmlDType::BF16,
+            _ => GgmlDType::F32,
+        }
+    }
+
+    /// The stored tensor with llama.cpp's conventions applied (still in its own dtype for
+    /// matrices, f32 for vectors).
+    fn converted(&self, gguf: &str, hf: &str) -> candle_core::Result<Tensor> {
+        let mut t = self
+            .weights
+            .load(hf)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let permute_heads = if self.config.permutes_qk() {
+            if gguf.contains(".attn_q.") {
+                Some(self.config.num_heads)
+            } else if gguf.contains(".attn_k.") {
+                Some(self.config.num_kv_heads)
+            } else {
+                None
+            }
+        } else {
+            None
+        };
+        if let Some(heads) = permute_heads {
+            t = permute_rotary_pairs(&t, heads)?;
+        }
+        if t.rank() < 2 {
+            t = t.to_dtype(DType::F32)?;
+            if self.config.norms_plus_one() && gguf.ends_with("norm.weight") {
+                t = (t + 1.0)?;
+            }
+        }
+        Ok(t)
+    }
+}
+
+/// llama.cpp's `permute`: within each head, the rows of the two rotary halves interleaved,
+/// so that rotary pairs are adjacent rows.
+fn permute_rotary_pairs(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    if heads == 0 || rows % (heads * 2) != 0 {
+        candle_core::bail!("{rows} rows cannot be split into {heads} heads of rotary pairs");
+    }
+    let rest: usize = dims[1..].iter().product();
+    t.reshape((heads, 2, rows / heads / 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+impl WeightSource for HfDirectory {
+    fn metadata(&self, key: &str) -> Option<&Value> {
+        self.config.metadata.get(key)
+    }
+
+    fn tensor_info(&self, name: &str) -> Option<(Vec<usize>, GgmlDType)> {
+        if name == ROPE_FREQS {
+            return self
+                .config
+                .rope_freqs
+                .as_ref()
+                .map(|f| (vec![f.len()], GgmlDType::F32));
+        }
+        let stored = self.weights.get(self.by_gguf_name.get(name)?)?;
+        Some((
+            stored.shape.clone(),
+            self.stored_type(stored.dtype, &stored.shape),
+        ))
+    }
+
+    fn tensor_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.by_gguf_name.keys().cloned().collect();
+        if self.config.rope_freqs.is_some() {
+            names.push(ROPE_FREQS.into());
+        }
+        names
+    }
+
+    fn tensor(&mut self, name: &str) -> Result<QTensor> {
+        let wrap = |source| ModelError::Tensor {
+            name: name.to_string(),
+            source,
+        };
+        if name == ROPE_FREQS {
+            if let Some(freqs) = &self.config.rope_freqs {
+                let t = Tensor::from_slice(freqs, freqs.len(), &Device::Cpu).map_err(wrap)?;
+                return QTensor::quantize(&t, GgmlDType::F32).map_err(wrap);
+            }
+        }
+        let (_, target) = self
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let hf = &self.by_gguf_name[name];
+        let t = self.converted(name, hf).map_err(wrap)?;
+        QTensor::quantize(&t, target).map_err(wrap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permute_matches_llama_cpp_on_one_head() {
+        // One head of 4 rows [r0 r1 | r2 r3] (halves) becomes [r0 r2 r1 r3].
+        let t = Tensor::from_vec(
+            (0..8).map(|x| x as f32).collect::<Vec<_>>(),
+            (4, 2),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let p = permute_rotary_pairs(&t, 1).unwrap();
+        let rows: Vec<Vec<f32>> = p.to_vec2().unwrap();
+        assert_eq!(
+            rows,
+            vec![vec![0., 1.], vec![4., 5.], vec![2., 3.], vec![6., 7.]]
+        );
+    }
+}

@@ -130,8 +130,10 @@ impl HfDirectory {
 /// so that rotary pairs are adjacent rows.
 fn permute_rotary_pairs(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let dims = t.dims().to_vec();
-    let rows = dims[0];
-    if heads == 0 || rows % (heads * 2) != 0 {
+    let Some(&rows) = dims.first() else {
+        candle_core::bail!("a scalar has no rows to permute");
+    };
+    if heads == 0 || !rows.is_multiple_of(heads * 2) {
         candle_core::bail!("{rows} rows cannot be split into {heads} heads of rotary pairs");
     }
     let rest: usize = dims[1..].iter().product();

@@ -134,6 +134,7 @@ impl Case {
         let options = LoadOptions {
             progress: false,
             f32_weights,
+            ..Default::default()
         };
         let path = fixture(self.arch).join(self.model);
         let loaded = if self.extra.is_empty() {

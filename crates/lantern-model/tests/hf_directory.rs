@@ -177,7 +177,7 @@ fn prompt_ids_equal_the_references() {
                 assert_eq!(ours, rendered, "{arch} {id}: rendered template");
                 // The server's path: template text and contents apart, BOS requested.
                 let parts = template
-                    .render_parts(&[ChatMessage::new("user", &message)], true)
+                    .render_parts(&[ChatMessage::new("user", &message)], true, 1 << 20)
                     .unwrap();
                 let segments = parts.segments.expect("the template keeps contents apart");
                 let ids = tokenizer.encode_chat(&segments, true).unwrap();

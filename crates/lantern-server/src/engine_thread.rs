@@ -10,6 +10,7 @@ use crate::error::ApiError;
 use crate::metrics::{EngineMetrics, EngineStats};
 use crate::stop::StopMatcher;
 use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
+use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
 use lantern_engine::sampling::{log_softmax, top_k_logprobs};
 use lantern_engine::{Engine, EngineError, FinishReason, RequestOutput, SamplingParams};
 use lantern_kv::RequestId;
@@ -51,6 +52,8 @@ pub struct GenerationItem {
     /// Prompt logprobs with this many alternatives per token (completions' `echo` with
     /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logits` must be set too.
     pub prompt_logprobs: Option<usize>,
+    /// Structured output: the compiled grammar the output follows.
+    pub constraint: Option<Constraint>,
 }
 
 /// What a sequence captures, and the most bytes it may take.
@@ -139,6 +142,9 @@ pub struct ModelMeta {
     pub num_layers: usize,
     /// Query heads per layer (the smallest, if layers differ).
     pub num_heads: usize,
+    /// Compiles structured-output grammars for this model's vocabulary (`Err`: why
+    /// structured output is unavailable).
+    pub guided: Result<GuidedVocab, String>,
 }
 
 type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
@@ -254,6 +260,8 @@ impl EngineHandle {
                         .map(|a| a.num_heads)
                         .min()
                         .unwrap_or(0),
+                    guided: GuidedVocab::new(engine.tokenizer(), info.vocab_size)
+                        .map_err(|e| e.to_string()),
                 };
                 let _ = ready_tx.send(Ok(meta));
                 EngineLoop::new(engine, rx, busy_in_thread).run();
@@ -516,6 +524,7 @@ impl EngineLoop {
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
+            let constraint = item.constraint;
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache.
             let sibling_of = leader
@@ -535,6 +544,9 @@ impl EngineLoop {
             };
             match added {
                 Ok(id) => {
+                    if let Some(constraint) = constraint {
+                        self.engine.constrain(id, constraint);
+                    }
                     if let Some(prompt) = new_leader_prompt {
                         leader = Some((id, prompt));
                     }

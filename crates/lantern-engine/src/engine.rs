@@ -4,12 +4,15 @@ use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::runner::ModelRunner;
-use crate::sampling::{apply_penalties, token_logprobs, SamplingParams, TokenLogprobs};
+use crate::sampling::{
+    apply_penalties, apply_token_mask, token_logprobs, SamplingParams, TokenLogprobs,
+};
 use crate::scheduler::Scheduler;
 use lantern_attn::AttentionLayerSpec;
 use lantern_capture::{
     keys_needed, snapshot_layer, CaptureSpec, PendingCapture, QueryRowBuffer, StepTap, TokenInfo,
 };
+use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, RequestId};
 use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
 use std::collections::HashMap;
@@ -285,6 +288,16 @@ impl Engine {
         Ok(id)
     }
 
+    /// Makes a queued request's output follow `constraint` (structured output): before
+    /// each token, the tokens the grammar does not allow are masked out, and the request
+    /// finishes (`Stop`) once the grammar is complete. Call it before the request's first
+    /// step; unknown ids are ignored.
+    pub fn constrain(&mut self, id: RequestId, constraint: Constraint) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.constraint = Some(Box::new(constraint));
+        }
+    }
+
     /// Cancels a request and gives its blocks back (a capture is dropped).
     pub fn abort(&mut self, id: RequestId) {
         self.finish(id, FinishReason::Abort);
@@ -416,7 +429,7 @@ impl Engine {
             }
             return Ok(Vec::new());
         }
-        let logits = self.execute_plan(&plan)?;
+        let logits = self.execute_plan_with_masks(&plan)?;
         for s in &plan.scheduled {
             let req = self
                 .requests
@@ -453,6 +466,49 @@ impl Engine {
             }
         }
         Ok(outputs)
+    }
+
+    /// Runs the plan's forward pass while the masks of the constrained requests that
+    /// sample in this step are computed on the thread pool, in parallel with it and with
+    /// each other, so structured output adds no serial step to the batch.
+    fn execute_plan_with_masks(
+        &mut self,
+        plan: &crate::scheduler::SchedulerOutput,
+    ) -> Result<crate::runner::StepLogits> {
+        let mut constrained: Vec<(RequestId, Box<Constraint>)> = Vec::new();
+        for s in &plan.scheduled {
+            let req = self
+                .requests
+                .get_mut(&s.id)
+                .expect("scheduled requests exist");
+            let samples = req.num_computed_tokens + s.num_tokens == req.token_ids.len();
+            if samples {
+                if let Some(constraint) = req.constraint.take() {
+                    constrained.push((s.id, constraint));
+                }
+            }
+        }
+        if constrained.is_empty() {
+            return self.execute_plan(plan);
+        }
+        let mut masks: Vec<std::result::Result<TokenMask, String>> = Vec::new();
+        let logits = rayon::in_place_scope(|scope| {
+            scope.spawn(|_| {
+                use rayon::prelude::*;
+                masks = constrained
+                    .par_iter_mut()
+                    .map(|(_, c)| c.compute_mask().map_err(|e| e.to_string()))
+                    .collect();
+            });
+            self.execute_plan(plan)
+        });
+        for ((id, constraint), mask) in constrained.into_iter().zip(masks) {
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.constraint = Some(constraint);
+                req.mask = Some(mask);
+            }
+        }
+        logits
     }
 
     /// Runs the plan's forward pass, handing the query rows of capturing requests to
@@ -514,7 +570,32 @@ impl Engine {
         } else {
             logits
         };
-        let token = req.sampler.sample(logits, &req.params);
+        let mut guided_failure = None;
+        let token = match req.constraint.as_mut() {
+            None => req.sampler.sample(logits, &req.params),
+            Some(constraint) => {
+                let mask = match req.mask.take() {
+                    Some(mask) => mask,
+                    None => constraint.compute_mask().map_err(|e| e.to_string()),
+                };
+                match mask {
+                    Ok(mask) => {
+                        let mut masked = logits.to_vec();
+                        apply_token_mask(&mut masked, mask.words());
+                        let token = req.sampler.sample(&masked, &req.params);
+                        if let Err(e) = constraint.consume(token) {
+                            guided_failure = Some(e.to_string());
+                        }
+                        token
+                    }
+                    Err(e) => {
+                        guided_failure = Some(e);
+                        crate::sampling::argmax(logits)
+                    }
+                }
+            }
+        };
+        // Logprobs are those of the model's distribution, before any mask.
         let logprobs = req
             .params
             .logprobs
@@ -525,7 +606,13 @@ impl Engine {
         let tokenizer = &self.tokenizer;
         let is_stop = !req.params.ignore_eos && tokenizer.stop_ids().contains(&token)
             || req.params.stop_token_ids.contains(&token);
-        let finished = if is_stop {
+        let grammar_done = req.constraint.as_ref().is_some_and(|c| c.is_finished());
+        if let Some(error) = &guided_failure {
+            tracing::warn!(request = id, %error, "structured output failed; ending the request");
+        }
+        let finished = if guided_failure.is_some() {
+            Some(FinishReason::Abort)
+        } else if is_stop || grammar_done {
             Some(FinishReason::Stop)
         } else if req.num_output_tokens() >= req.params.max_tokens
             || req.token_ids.len() >= context_length

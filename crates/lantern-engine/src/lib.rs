@@ -13,5 +13,6 @@ pub use config::EngineConfig;
 pub use engine::{Completion, Engine, RequestOutput};
 pub use error::{EngineError, Result};
 pub use lantern_capture;
+pub use lantern_guided;
 pub use request::{FinishReason, RequestStatus};
 pub use sampling::{SamplingParams, TokenLogprobs};

@@ -2,6 +2,7 @@
 
 use crate::sampling::{Sampler, SamplingParams};
 use lantern_capture::{PendingCapture, QueryRowBuffer};
+use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::RequestId;
 use lantern_model::IncrementalDecoder;
 use std::time::Instant;
@@ -75,6 +76,10 @@ pub struct Request {
     pub capture: Option<Box<QueryRowBuffer>>,
     /// A finished capturing request's capture, ready to finalize (or why it failed).
     pub pending_capture: Option<std::result::Result<PendingCapture, String>>,
+    /// Structured output: the grammar the output follows.
+    pub constraint: Option<Box<Constraint>>,
+    /// The constraint's mask for the token this step samples, computed beside the forward.
+    pub mask: Option<std::result::Result<TokenMask, String>>,
 }
 
 impl Request {
@@ -102,6 +107,8 @@ impl Request {
             prompt_leader: None,
             capture: None,
             pending_capture: None,
+            constraint: None,
+            mask: None,
         }
     }
 

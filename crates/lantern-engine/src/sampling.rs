@@ -147,6 +147,19 @@ pub fn apply_penalties(
     }
 }
 
+/// Structured output: every token not set in `allowed` (bit `t % 32` of word `t / 32`;
+/// tokens past its end included) gets a logit of minus infinity, so no sampler picks it.
+pub fn apply_token_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (t, logit) in logits.iter_mut().enumerate() {
+        let set = allowed
+            .get(t / 32)
+            .is_some_and(|word| word & (1 << (t % 32)) != 0);
+        if !set {
+            *logit = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// Log-probability of the sampled token and of the most likely alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
@@ -384,6 +397,41 @@ mod tests {
         assert_eq!(logits, vec![1.0, -2.0, 3.0, -4.0, 2.5]);
         assert!(!SamplingParams::default().has_penalties());
         assert!(p.has_penalties());
+    }
+
+    #[test]
+    fn token_mask_leaves_only_allowed_tokens_to_any_sampler() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for vocab in [1usize, 31, 32, 33, 100, 1000] {
+            let logits: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-5.0..5.0)).collect();
+            // A bit set a little shorter than the vocabulary: the tail is disallowed too.
+            let words = vocab.saturating_sub(7).div_ceil(32);
+            let allowed: Vec<u32> = (0..words).map(|_| rng.gen()).collect();
+            let is_allowed = |t: usize| t / 32 < words && allowed[t / 32] >> (t % 32) & 1 == 1;
+            let mut masked = logits.clone();
+            apply_token_mask(&mut masked, &allowed);
+            for t in 0..vocab {
+                let expected = if is_allowed(t) {
+                    logits[t]
+                } else {
+                    f32::NEG_INFINITY
+                };
+                assert_eq!(masked[t], expected, "vocab {vocab} token {t}");
+            }
+            if !(0..vocab).any(is_allowed) {
+                continue;
+            }
+            let best = (0..vocab)
+                .filter(|&t| is_allowed(t))
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+                .unwrap();
+            assert_eq!(argmax(&masked) as usize, best);
+            let mut s = Sampler::new(Some(vocab as u64));
+            for _ in 0..50 {
+                let t = s.sample(&masked, &SamplingParams::default()) as usize;
+                assert!(is_allowed(t), "sampled a masked token {t}");
+            }
+        }
     }
 
     #[test]

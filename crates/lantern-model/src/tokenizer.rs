@@ -41,6 +41,7 @@ pub struct ModelTokenizer {
     /// The tokenizer with control-token parsing off, built the first time text that
     /// spells a control token has to be tokenized as text.
     plain: OnceLock<Tokenizer>,
+    pieces: PieceEncoding,
 }
 
 /// The control tokens of a vocabulary and a matcher over their texts.
@@ -75,6 +76,15 @@ enum Piece {
     Control(u32),
 }
 
+/// How the vocabulary's pieces spell bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PieceEncoding {
+    /// GPT-2's byte-to-character map (`Ġ` is a space).
+    ByteLevel,
+    /// SentencePiece: `▁` is a space, `<0xXX>` a raw byte.
+    SentencePiece,
+}
+
 impl ModelTokenizer {
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let kind = gguf.get_string("tokenizer.ggml.model")?;
@@ -83,16 +93,19 @@ impl ModelTokenizer {
             .opt_int_array("tokenizer.ggml.token_type")?
             .unwrap_or_default();
         check_vocabulary(&tokens, &token_types)?;
-        let inner = match kind {
-            "gpt2" => byte_level_bpe(gguf, &tokens)?,
-            "llama" => sentencepiece_bpe(gguf, &tokens, &token_types)?,
+        let (inner, pieces) = match kind {
+            "gpt2" => (byte_level_bpe(gguf, &tokens)?, PieceEncoding::ByteLevel),
+            "llama" => (
+                sentencepiece_bpe(gguf, &tokens, &token_types)?,
+                PieceEncoding::SentencePiece,
+            ),
             other => {
                 return Err(ModelError::Tokenizer(format!(
                     "tokenizer model `{other}` is not supported (supported: gpt2, llama)"
                 )))
             }
         };
-        let mut tokenizer = Self::with_specials(inner, tokens, &token_types)?;
+        let mut tokenizer = Self::with_specials(inner, tokens, &token_types, pieces)?;
         let vocab = tokenizer.tokens.len();
         let id_of = |key: &str| special_id(gguf, key, vocab);
         let named = |id: Option<u32>, tokens: &[String]| {
@@ -118,6 +131,7 @@ impl ModelTokenizer {
         mut inner: Tokenizer,
         tokens: Vec<String>,
         token_types: &[i64],
+        pieces: PieceEncoding,
     ) -> Result<Self> {
         let mut special = vec![false; tokens.len()];
         let mut added = Vec::new();
@@ -146,6 +160,7 @@ impl ModelTokenizer {
             control,
             plain: OnceLock::new(),
             special,
+            pieces,
         })
     }
 
@@ -313,6 +328,57 @@ impl ModelTokenizer {
     pub fn is_special(&self, id: u32) -> bool {
         self.special.get(id as usize).copied().unwrap_or(false)
     }
+
+    /// The raw bytes each token stands for, by id (what a grammar matches generated text
+    /// against), and whether it is a special (control) token, which spells no text.
+    pub fn token_bytes(&self) -> Vec<(Vec<u8>, bool)> {
+        let byte_of_char = byte_level_chars();
+        self.tokens
+            .iter()
+            .enumerate()
+            .map(|(id, piece)| {
+                if self.is_special(id as u32) {
+                    return (piece.as_bytes().to_vec(), true);
+                }
+                let bytes = match self.pieces {
+                    PieceEncoding::ByteLevel => piece
+                        .chars()
+                        .map(|c| byte_of_char.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                        // Added tokens are stored as plain text.
+                        .unwrap_or_else(|| piece.as_bytes().to_vec()),
+                    PieceEncoding::SentencePiece => sentencepiece_byte(piece)
+                        .map(|b| vec![b])
+                        .unwrap_or_else(|| piece.replace('▁', " ").into_bytes()),
+                };
+                (bytes, false)
+            })
+            .collect()
+    }
+}
+
+/// GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the
+/// others are shifted to U+0100 and up, in byte order.
+fn byte_level_chars() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (b as char, b)
+            } else {
+                let c = char::from_u32(next).unwrap_or('\0');
+                next += 1;
+                (c, b)
+            }
+        })
+        .collect()
+}
+
+/// The byte a SentencePiece byte-fallback piece (`<0x0A>`) stands for.
+fn sentencepiece_byte(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
 }
 
 /// Work (bytes hashed) that building SentencePiece merges may take: the sum over normal

@@ -13,6 +13,7 @@ use crate::metrics::{EngineMetrics, EngineStats};
 use crate::prompt::{PreparedItem, PromptLogits, Prompter};
 use crate::stop::StopMatcher;
 use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
+use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
 use lantern_engine::{
     Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
 };
@@ -55,6 +56,8 @@ pub struct GenerationItem {
     /// Prompt logprobs with this many alternatives per token (completions' `echo` with
     /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logits` must be set too.
     pub prompt_logprobs: Option<usize>,
+    /// Structured output: the compiled grammar the output follows.
+    pub constraint: Option<Constraint>,
 }
 
 /// What a sequence captures, and the most bytes it may take.
@@ -155,6 +158,9 @@ pub struct ModelMeta {
     pub num_layers: usize,
     /// Query heads per layer (the smallest, if layers differ).
     pub num_heads: usize,
+    /// Compiles structured-output grammars for this model's vocabulary (`Err`: why
+    /// structured output is unavailable).
+    pub guided: Result<GuidedVocab, String>,
 }
 
 type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
@@ -262,6 +268,8 @@ impl EngineHandle {
                         .map(|a| a.num_heads)
                         .min()
                         .unwrap_or(0),
+                    guided: GuidedVocab::new(engine.tokenizer(), info.vocab_size)
+                        .map_err(|e| e.to_string()),
                 };
                 let prompter = Prompter::new(
                     engine.shared_tokenizer(),
@@ -532,6 +540,7 @@ impl EngineLoop {
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
+            let constraint = item.constraint;
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache.
             let sibling_of = leader
@@ -551,6 +560,9 @@ impl EngineLoop {
             };
             match added {
                 Ok(id) => {
+                    if let Some(constraint) = constraint {
+                        self.engine.constrain(id, constraint);
+                    }
                     if let Some(prompt) = new_leader_prompt {
                         leader = Some((id, prompt));
                     }

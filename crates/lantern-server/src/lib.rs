@@ -20,6 +20,8 @@ pub mod prompt;
 pub mod protocol;
 pub mod request_guards;
 pub mod stop;
+pub mod structured;
+pub mod tools;
 
 pub use capture::{CaptureSettings, CaptureStore};
 pub use connections::{serve_with_limits, ConnectionLimits};

@@ -232,6 +232,12 @@ async fn generate(
         Kind::Completion => protocol::completion_request(&value, &limits)?,
     };
     let capture = attach_capture(&state, headers, &value, &mut request)?;
+    if let Some(guide) = request.guide.take() {
+        let constraint = crate::structured::compile(&state.engine.meta().guided, guide).await?;
+        for item in &mut request.items {
+            item.constraint = Some(constraint.fork());
+        }
+    }
     let items = std::mem::take(&mut request.items);
     let num_choices = items.len();
     let (accepted, events) = state.engine.add(items).await?;
@@ -251,6 +257,7 @@ async fn generate(
         echo_logprobs: request.echo_logprobs,
         prompt_logprobs: request.prompt_logprobs,
         text_offsets: vec![0; num_choices],
+        tool_calls: request.tool_calls,
     };
     if request.stream {
         Ok(stream_response(response, request, events, guard, capture))
@@ -277,6 +284,64 @@ struct ResponseBuilder {
     prompt_logprobs: Option<usize>,
     /// Characters of each choice's text so far, for completions' `text_offset`.
     text_offsets: Vec<usize>,
+    /// Chat with tools: calls in a choice's text become its `tool_calls`.
+    tool_calls: bool,
+}
+
+/// OpenAI's `tool_calls` list (with `index` for streamed deltas).
+fn tool_calls_json(
+    calls: &[crate::tools::ToolCall],
+    response_id: &str,
+    choice: usize,
+    with_index: bool,
+) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({
+                "id": format!("call_{}_{choice}_{i}", response_id.trim_start_matches("chatcmpl-")),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            });
+            if with_index {
+                v["index"] = json!(i);
+            }
+            v
+        })
+        .collect()
+}
+
+/// A chat choice's message, and its finish reason: calls in the text become
+/// `tool_calls` (finish reason `tool_calls`) when the request offered tools.
+fn chat_message(
+    text: &str,
+    finish_reason: Value,
+    tools: bool,
+    response_id: &str,
+    choice: usize,
+) -> (Value, Value) {
+    if tools {
+        let (calls, rest) = crate::tools::parse_tool_calls(text);
+        if !calls.is_empty() {
+            let content = if rest.is_empty() {
+                Value::Null
+            } else {
+                json!(rest)
+            };
+            let reason = if finish_reason == json!("stop") {
+                json!("tool_calls")
+            } else {
+                finish_reason
+            };
+            return (
+                json!({"role": "assistant", "content": content,
+                       "tool_calls": tool_calls_json(&calls, response_id, choice, false)}),
+                reason,
+            );
+        }
+    }
+    (json!({"role": "assistant", "content": text}), finish_reason)
 }
 
 /// Chat's `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
@@ -525,13 +590,17 @@ impl ResponseBuilder {
                 let finish_reason = f.map_or(Value::Null, |f| json!(f.reason));
                 let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
                 match self.kind {
-                    Kind::Chat => json!({
-                        "index": i,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                        "stop_reason": stop_reason,
-                    }),
+                    Kind::Chat => {
+                        let (message, finish_reason) =
+                            chat_message(text, finish_reason, self.tool_calls, &self.id, i);
+                        json!({
+                            "index": i,
+                            "message": message,
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason,
+                            "stop_reason": stop_reason,
+                        })
+                    }
                     Kind::Completion => {
                         let mut choice = json!({
                             "index": i,
@@ -632,6 +701,9 @@ struct StreamState {
     capture: Option<CaptureDelivery>,
     /// Every choice finished and the capture is still to be delivered.
     capture_due: Option<Option<Result<PendingCapture, String>>>,
+    /// Chat with tools: each choice's text, held until it finishes, when it goes out
+    /// as one delta of content or of `tool_calls`.
+    held_text: Vec<String>,
 }
 
 fn data(value: &Value) -> Event {
@@ -681,6 +753,62 @@ impl StreamState {
                 return;
             }
         }
+        if self.response.tool_calls {
+            self.held_text[event.index].push_str(&event.text);
+            let Some(finish) = &event.finish else {
+                return;
+            };
+            let text = std::mem::take(&mut self.held_text[event.index]);
+            let (message, reason) = chat_message(
+                &text,
+                json!(finish.reason),
+                true,
+                &self.response.id,
+                event.index,
+            );
+            let mut chunk = self.response.chunk(
+                event.index,
+                None,
+                false,
+                Some(finish),
+                Value::Null,
+                self.include_usage,
+            );
+            if let Some(choice) = chunk.pointer_mut("/choices/0") {
+                let mut delta = serde_json::Map::new();
+                match message.get("tool_calls") {
+                    Some(calls) => {
+                        let calls: Vec<Value> = calls
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .enumerate()
+                            .map(|(i, c)| {
+                                let mut c = c.clone();
+                                c["index"] = json!(i);
+                                c
+                            })
+                            .collect();
+                        if !message["content"].is_null() {
+                            delta.insert("content".into(), message["content"].clone());
+                        }
+                        delta.insert("tool_calls".into(), Value::Array(calls));
+                    }
+                    None => {
+                        delta.insert("content".into(), json!(text));
+                    }
+                }
+                choice["delta"] = Value::Object(delta);
+                choice["finish_reason"] = reason;
+            }
+            self.queue.push_back(data(&chunk));
+            let event = ChoiceEvent {
+                text: String::new(),
+                ..event
+            };
+            self.after_chunk(event);
+            return;
+        }
         let prompt = event.prompt_logprobs.as_deref();
         let has_logprobs =
             self.response.logprobs && (!event.logprobs.is_empty() || prompt.is_some());
@@ -711,6 +839,12 @@ impl StreamState {
             self.include_usage,
         );
         self.queue.push_back(data(&chunk));
+        self.after_chunk(event);
+    }
+
+    /// Book-keeping once a choice's chunk is queued: a finish ends the choice, and the
+    /// last one the stream.
+    fn after_chunk(&mut self, event: ChoiceEvent) {
         if let Some(mut finish) = event.finish {
             let id = self.response.accepted[event.index].id;
             self.guard.finished(id);
@@ -756,6 +890,7 @@ fn stream_response(
         echo_due: vec![false; num_choices],
         capture,
         capture_due: None,
+        held_text: vec![String::new(); num_choices],
     };
     state.start(request.echo);
     let events = sse_events(state);

@@ -7,6 +7,7 @@
 
 use crate::engine_thread::{GenerationItem, PromptInput};
 use crate::error::ApiError;
+use crate::structured::{parse_guide, FieldGuide};
 use lantern_engine::SamplingParams;
 use lantern_model::ChatMessage;
 use serde::de::DeserializeOwned;
@@ -85,8 +86,6 @@ struct ChatFields {
     messages: Option<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
-    tools: Option<Vec<Value>>,
-    response_format: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -114,6 +113,10 @@ pub struct GenerationRequest {
     /// vLLM's `prompt_logprobs`: alternatives per prompt token in a `prompt_logprobs`
     /// field (whole responses only).
     pub prompt_logprobs: Option<usize>,
+    /// Structured output the request asked for, and the field that asked.
+    pub guide: Option<FieldGuide>,
+    /// Chat with tools: calls in the output become `tool_calls`.
+    pub tool_calls: bool,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -338,6 +341,7 @@ fn expand(
                 prompt_field,
                 capture: None,
                 prompt_logprobs,
+                constraint: None,
             });
         }
     }
@@ -367,18 +371,29 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         Some(n) => n as usize,
         None => 0,
     };
-    if chat.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::unsupported("tools", "tool calling"));
-    }
-    if let Some(format) = &chat.response_format {
-        let kind = format.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::unsupported(
-                "response_format",
-                &format!("response_format of type `{kind}`"),
-            ));
+    let mut guide = parse_guide(body)?;
+    let tools = crate::tools::parse_tools(body)?;
+    let messages = match &tools {
+        Some(tools) => {
+            if let Some(tool_guide) = tools.guide() {
+                if let Some(other) = &guide {
+                    return Err(ApiError::field(
+                        "tool_choice",
+                        format!(
+                            "a required or named tool_choice cannot be combined with {}",
+                            other.field
+                        ),
+                    ));
+                }
+                guide = Some(FieldGuide {
+                    guide: tool_guide,
+                    field: "tool_choice",
+                });
+            }
+            tools.with_system_prompt(messages)
         }
-    }
+        None => messages,
+    };
     let mut common = common(&fields, None)?;
     common.params.logprobs = logprobs.then_some(top_logprobs);
     let items = expand(
@@ -397,6 +412,8 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         logprobs,
         echo_logprobs: None,
         prompt_logprobs: common.prompt_logprobs,
+        guide,
+        tool_calls: tools.is_some(),
     })
 }
 
@@ -437,12 +454,12 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         Some(_) => return Err(at("`role` must be a string")),
     };
     let role = match role {
-        "system" | "user" | "assistant" => role,
+        "system" | "user" | "assistant" | "tool" => role,
         // OpenAI's newer name for system instructions.
         "developer" => "system",
         other => {
             return Err(at(&format!(
-                "unknown role `{other}` (expected system, user or assistant)"
+                "unknown role `{other}` (expected system, user, assistant or tool)"
             )))
         }
     };
@@ -483,6 +500,9 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         }
         Some(_) => return Err(at("`content` must be a string or a list of content parts")),
     };
+    if let Some(message) = crate::tools::tool_message(role, obj, &content) {
+        return Ok(message);
+    }
     Ok(ChatMessage::new(role, &content))
 }
 
@@ -509,6 +529,7 @@ pub fn completion_request(
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
     let echo = completion.echo.unwrap_or(false);
+    let guide = parse_guide(body)?;
     let echo_logprobs = logprobs.filter(|_| echo);
     // OpenAI's (and vLLM's) default for completions.
     let mut common = common(&fields, Some(16))?;
@@ -528,6 +549,8 @@ pub fn completion_request(
         logprobs: logprobs.is_some(),
         echo_logprobs,
         prompt_logprobs: common.prompt_logprobs,
+        guide,
+        tool_calls: false,
     })
 }
 

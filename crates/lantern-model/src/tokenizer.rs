@@ -175,6 +175,12 @@ impl ModelTokenizer {
         add_bos: bool,
     ) -> Result<Self> {
         let control = ControlTokens::new(&tokens, &special)?;
+        // tokenizer.json says how pieces spell bytes through its decoder: GPT-2's
+        // byte-level map, or SentencePiece's `▁` and `<0xXX>` byte fallback.
+        let pieces = match inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => PieceEncoding::ByteLevel,
+            _ => PieceEncoding::SentencePiece,
+        };
         Ok(Self {
             inner,
             tokens,
@@ -185,6 +191,7 @@ impl ModelTokenizer {
             special,
             control,
             plain: OnceLock::new(),
+            pieces,
         })
     }
 

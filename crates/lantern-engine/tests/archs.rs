@@ -105,6 +105,15 @@ const CASES: &[Case] = &[
         )],
         ..case("gemma2", "gguf/gemma2.f32.gguf", "", Exact)
     },
+    // Hugging Face directories (bf16 or f32 safetensors used as they are) carry
+    // transformers' own semantics: the references without `.gguf`.
+    case("llama", "hf", "", Exact),
+    case("mistral", "hf", "", Exact),
+    case("qwen2", "hf", "", Exact),
+    case("qwen3", "hf", "", Exact),
+    case("gemma2", "hf", "", Exact),
+    case("phi3", "hf", "", Exact),
+    case("gemma3_text", "hf", "", Exact),
 ];
 
 /// Logits, absolute. The arithmetic is the reference's (float32 on the same weights),

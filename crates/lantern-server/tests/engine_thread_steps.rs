@@ -4,9 +4,10 @@
 //! Bounds are generous (seconds against steps of milliseconds): before, either prompt
 //! held the engine thread for seconds, the template for ever.
 
+mod common;
+
 use lantern_engine::{Engine, EngineConfig};
 use lantern_model::ChatTemplate;
-use lantern_server::{router, serve, EngineHandle, ServerConfig};
 use reqwest::blocking::Client;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
@@ -18,9 +19,8 @@ const ENDLESS_TEMPLATE: &str =
 
 fn start() -> String {
     let path = lantern_model::default_model::ensure_default_model().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let (engine, _thread) = EngineHandle::start(move || {
+    common::spawn_server(
+        move || {
             let mut loaded =
                 lantern_model::load_model(&path, &lantern_model::LoadOptions::default())?;
             loaded.chat_template = Some(ChatTemplate::new(ENDLESS_TEMPLATE, "", "")?);
@@ -28,23 +28,10 @@ fn start() -> String {
                 kv_cache_memory: 64 << 20,
                 ..EngineConfig::default()
             };
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Engine::new(loaded, config)?)
-        })
-        .expect("engine starts");
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(format!("http://{}", listener.local_addr().unwrap()))
-                .unwrap();
-            let app = router(engine, &ServerConfig::default()).unwrap();
-            serve(listener, app, std::future::pending()).await.unwrap();
-        });
-    });
-    rx.recv().unwrap()
+            Ok(Engine::new(loaded, config)?)
+        },
+        2,
+    )
 }
 
 fn client() -> Client {

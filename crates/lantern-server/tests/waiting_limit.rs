@@ -1,9 +1,10 @@
 //! `max_waiting_requests`: a request whose sequences would take the waiting queue past
 //! the limit gets a 429 with `Retry-After` before any work; one that fits runs.
 
+mod common;
+
 use lantern_engine::{Engine, EngineConfig};
 use lantern_model::synthetic::TinyLlama;
-use lantern_server::{router, serve, EngineHandle, ServerConfig};
 use serde_json::{json, Value};
 
 /// A server on the tiny synthetic model whose queue holds at most `limit` waiting
@@ -11,32 +12,18 @@ use serde_json::{json, Value};
 fn start_server(limit: usize) -> String {
     let path = std::env::temp_dir().join(format!("lantern-waiting-{}.gguf", std::process::id()));
     TinyLlama::default().write(&path).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let (engine, _thread) = EngineHandle::start(move || {
+    common::spawn_server(
+        move || {
             let loaded = lantern_model::load_model(&path, &Default::default())?;
             let config = EngineConfig {
                 kv_cache_memory: 16 << 20,
                 max_waiting_requests: limit,
                 ..EngineConfig::default()
             };
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Engine::new(loaded, config)?)
-        })
-        .expect("engine starts");
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(format!("http://{}", listener.local_addr().unwrap()))
-                .unwrap();
-            let app = router(engine, &ServerConfig::default()).unwrap();
-            serve(listener, app, std::future::pending()).await.unwrap();
-        });
-    });
-    rx.recv().unwrap()
+            Ok(Engine::new(loaded, config)?)
+        },
+        1,
+    )
 }
 
 #[test]

@@ -63,8 +63,8 @@ class Server:
         while True:
             m = self.metrics()
             if (
-                m["lantern:num_requests_running"] == 0
-                and m["lantern:num_requests_waiting"] == 0
+                m["vllm:num_requests_running"] == 0
+                and m["vllm:num_requests_waiting"] == 0
                 and m["lantern:kv_cache_free_blocks"] == m["lantern:kv_cache_total_blocks"]
             ):
                 return m

@@ -64,7 +64,7 @@ def test_concurrent_clients_match_sequential(server):
     mismatches = [(k, got, alone[k]) for k, got in results if got != alone[k]]
     assert not mismatches, f"{len(mismatches)} differ, e.g. {mismatches[:3]}"
     after = server.wait_idle()
-    generated = after["lantern:generation_tokens_total"] - before["lantern:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated == sum(r[2] for _, r in results)
     print(
         f"\n{len(specs)} requests one at a time: {sequential_s:.1f}s; "
@@ -96,27 +96,27 @@ def test_disconnect_mid_stream_frees_the_request(server):
                 break
     r.close()
     after = server.wait_idle(timeout_s=30)
-    generated = after["lantern:generation_tokens_total"] - before["lantern:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 5 <= generated < 3000
-    assert after["lantern:request_success_total"] > before["lantern:request_success_total"]
+    assert after["vllm:request_success_total"] > before["vllm:request_success_total"]
 
 
 def test_metrics_names(server):
     text = requests.get(server.base_url + "/metrics", timeout=10).text
     for name in [
-        "lantern:num_requests_running",
-        "lantern:num_requests_waiting",
-        "lantern:num_preemptions_total",
-        "lantern:kv_cache_usage_perc",
-        "lantern:prefix_cache_queries_total",
-        "lantern:prefix_cache_hits_total",
-        "lantern:prompt_tokens_total",
-        "lantern:generation_tokens_total",
-        "lantern:time_to_first_token_seconds_bucket",
-        "lantern:inter_token_latency_seconds_bucket",
-        "lantern:e2e_request_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
         "lantern:kv_cache_free_blocks",
         "lantern:kv_cache_total_blocks",
     ]:
         assert f"\n{name}{{" in text, name
-    assert "# TYPE lantern:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text

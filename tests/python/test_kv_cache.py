@@ -32,9 +32,9 @@ def test_prefix_cache_hit_gives_identical_tokens(server, client):
     )
     assert other.usage.prompt_tokens_details.cached_tokens >= 256
     after = server.metrics()
-    hits = after["lantern:prefix_cache_hits_total"] - before["lantern:prefix_cache_hits_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     assert hits >= 2 * 256
-    assert after["lantern:prefix_cache_queries_total"] > before["lantern:prefix_cache_queries_total"]
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_preemption_gives_the_same_results(server, small_server):
         stalled_since = None
         while not all(f.done() for f in futures):
             m = small_server.metrics()
-            if m["lantern:num_requests_running"] == 0 and m["lantern:num_requests_waiting"] > 0:
+            if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] > 0:
                 stalled_since = stalled_since or time.monotonic()
                 if time.monotonic() - stalled_since > 5:
                     stop_server(small_server)
@@ -85,5 +85,5 @@ def test_preemption_gives_the_same_results(server, small_server):
             time.sleep(0.2)
         constrained = [f.result() for f in futures]
     after = small_server.wait_idle()
-    assert after["lantern:num_preemptions_total"] > before["lantern:num_preemptions_total"]
+    assert after["vllm:num_preemptions_total"] > before["vllm:num_preemptions_total"]
     assert constrained == reference

@@ -61,6 +61,12 @@ pub struct Completion {
     pub time_to_first_token: Duration,
     /// Arrival to finish.
     pub total_time: Duration,
+    /// Arrival to first scheduled (vLLM's queue time).
+    pub queue_time: Duration,
+    /// First scheduled to first token (vLLM's prefill time).
+    pub prefill_time: Duration,
+    /// First token to finish (vLLM's decode time).
+    pub decode_time: Duration,
 }
 
 pub struct Engine {
@@ -75,6 +81,9 @@ pub struct Engine {
     requests: HashMap<RequestId, Request>,
     next_id: RequestId,
     finished: Vec<RequestId>,
+    /// Tokens computed by the last step (prompt and generated), for vLLM's
+    /// `iteration_tokens_total`.
+    last_step_tokens: usize,
 }
 
 impl Engine {
@@ -127,6 +136,7 @@ impl Engine {
             requests: HashMap::new(),
             next_id: 0,
             finished: Vec::new(),
+            last_step_tokens: 0,
         })
     }
 
@@ -415,9 +425,15 @@ impl Engine {
         self.scheduler.num_preemptions
     }
 
+    /// Tokens the last [`Self::step`] computed, over every scheduled request.
+    pub fn last_step_tokens(&self) -> usize {
+        self.last_step_tokens
+    }
+
     /// Runs one step: one forward pass over every scheduled request.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         let plan = self.scheduler.schedule(&mut self.requests, &mut self.kv);
+        self.last_step_tokens = plan.scheduled.iter().map(|s| s.num_tokens).sum();
         if plan.is_empty() {
             if self.has_unfinished() {
                 // Admission checks that every request fits the pool alone, so an empty
@@ -649,6 +665,9 @@ impl Engine {
             return None;
         };
         let end = req.times.finished.unwrap_or_else(Instant::now);
+        let times = req.times;
+        let scheduled = times.first_scheduled.unwrap_or(end);
+        let first_token = times.first_token.unwrap_or(end);
         Some(Completion {
             id,
             prompt_token_ids: req.prompt().to_vec(),
@@ -664,7 +683,10 @@ impl Engine {
                 .first_token
                 .unwrap_or(end)
                 .duration_since(req.times.arrival),
-            total_time: end.duration_since(req.times.arrival),
+            total_time: end.duration_since(times.arrival),
+            queue_time: scheduled.saturating_duration_since(times.arrival),
+            prefill_time: first_token.saturating_duration_since(scheduled),
+            decode_time: end.saturating_duration_since(first_token),
         })
     }
 

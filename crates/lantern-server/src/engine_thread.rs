@@ -9,15 +9,15 @@
 //! blocks are freed.
 
 use crate::error::ApiError;
-use crate::metrics::{EngineMetrics, EngineStats};
+use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
 use crate::prompt::{PreparedItem, PromptLogits, Prompter};
 use crate::stop::StopMatcher;
 use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
 use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
 use lantern_engine::{
-    Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
+    Completion, Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
 };
-use lantern_kv::RequestId;
+use lantern_kv::{KvDtype, RequestId};
 use lantern_model::ChatMessage;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -391,6 +391,8 @@ struct Live {
     stop_token_ids: Vec<u32>,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// `max_tokens` as settled against the context.
+    max_tokens: usize,
     arrival: Instant,
     last_token: Option<Instant>,
     /// Alternatives per token and the prompt, while its prompt logprobs are still due.
@@ -408,11 +410,15 @@ struct EngineLoop {
 
 impl EngineLoop {
     fn new(engine: Engine, rx: mpsc::Receiver<Command>, busy: Arc<AtomicBool>) -> Self {
+        let metrics = EngineMetrics::new(
+            engine.model_info().context_length,
+            engine.config().max_num_batched_tokens,
+        );
         Self {
             engine,
             rx,
             live: HashMap::new(),
-            metrics: EngineMetrics::default(),
+            metrics,
             shutting_down: false,
             busy,
         }
@@ -439,6 +445,10 @@ impl EngineLoop {
                 let started = Instant::now();
                 match self.engine.step() {
                     Ok(outputs) => {
+                        let tokens = self.engine.last_step_tokens();
+                        if tokens > 0 {
+                            self.metrics.iteration_tokens.observe(tokens as f64);
+                        }
                         if outputs.is_empty() && started.elapsed() < Duration::from_micros(50) {
                             // Nothing could be scheduled: wait for a command rather than
                             // spin (the scheduler should never get here).
@@ -467,9 +477,9 @@ impl EngineLoop {
             }
             Command::Abort(ids) => {
                 for id in ids {
-                    if self.live.remove(&id).is_some() {
+                    if let Some(live) = self.live.remove(&id) {
                         self.engine.abort(id);
-                        self.finish_in_engine(id, "abort");
+                        self.finish_in_engine(id, &live, "abort");
                     }
                 }
             }
@@ -492,6 +502,16 @@ impl EngineLoop {
             kv_cache_total_blocks: kv.num_blocks(),
             prefix_cache_queries: prefix.queries,
             prefix_cache_hits: prefix.hits,
+            cache_config: CacheConfigInfo {
+                block_size: self.engine.config().block_size,
+                num_gpu_blocks: kv.num_blocks(),
+                cache_dtype: match self.engine.config().kv_cache_dtype {
+                    KvDtype::F32 => "float32",
+                    KvDtype::F16 => "float16",
+                    KvDtype::BF16 => "bfloat16",
+                },
+                enable_prefix_caching: self.engine.config().enable_prefix_caching,
+            },
             metrics: self.metrics.clone(),
         }
     }
@@ -537,6 +557,7 @@ impl EngineLoop {
         let mut leader: Option<(RequestId, Vec<u32>)> = None;
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
+            let max_tokens = item.params.max_tokens;
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
@@ -580,6 +601,7 @@ impl EngineLoop {
                             stop_token_ids,
                             prompt_tokens,
                             completion_tokens: 0,
+                            max_tokens,
                             arrival: now,
                             last_token: None,
                             prompt_logprobs,
@@ -731,18 +753,16 @@ impl EngineLoop {
                 None => {
                     if live.events.send(event).is_err() {
                         // The client is gone: free its blocks now.
-                        self.live.remove(&id);
-                        self.engine.abort(id);
-                        self.finish_in_engine(id, "abort");
+                        if let Some(live) = self.live.remove(&id) {
+                            self.engine.abort(id);
+                            self.finish_in_engine(id, &live, "abort");
+                        }
                     }
                 }
                 Some((reason, stop_reason)) => {
                     let live = self.live.remove(&id).expect("live request");
                     let completion = self.engine.take_completion(id);
-                    self.metrics
-                        .e2e_request_latency
-                        .observe(now.duration_since(live.arrival).as_secs_f64());
-                    self.metrics.count_finished(reason);
+                    self.record_finish(id, &live, completion.as_ref(), reason);
                     let finish = Finish {
                         reason,
                         stop_reason,
@@ -765,14 +785,50 @@ impl EngineLoop {
         }
     }
 
-    /// Takes a finished (or aborted) request out of the engine and counts it.
-    fn finish_in_engine(&mut self, id: RequestId, reason: &'static str) {
-        if let Some(c) = self.engine.take_completion(id) {
-            self.metrics
-                .e2e_request_latency
-                .observe(c.total_time.as_secs_f64());
-            self.metrics.count_finished(reason);
-        }
+    /// Takes an aborted request out of the engine and counts it.
+    fn finish_in_engine(&mut self, id: RequestId, live: &Live, reason: &'static str) {
+        let completion = self.engine.take_completion(id);
+        self.record_finish(id, live, completion.as_ref(), reason);
+    }
+
+    /// Counts a finished sequence into the metrics. The engine's completion has its
+    /// phases; without one (it never reached the engine's books) the times are the
+    /// engine thread's own.
+    fn record_finish(
+        &mut self,
+        id: RequestId,
+        live: &Live,
+        completion: Option<&Completion>,
+        reason: &'static str,
+    ) {
+        let total = live.arrival.elapsed();
+        let finished = match completion {
+            Some(c) => FinishedRequest {
+                id,
+                reason,
+                prompt_tokens: live.prompt_tokens,
+                generation_tokens: c.token_ids.len(),
+                max_tokens: live.max_tokens,
+                queue: c.queue_time,
+                ttft: (!c.token_ids.is_empty()).then_some(c.time_to_first_token),
+                prefill: c.prefill_time,
+                decode: c.decode_time,
+                total: c.total_time,
+            },
+            None => FinishedRequest {
+                id,
+                reason,
+                prompt_tokens: live.prompt_tokens,
+                generation_tokens: live.completion_tokens,
+                max_tokens: live.max_tokens,
+                queue: total,
+                ttft: None,
+                prefill: Duration::ZERO,
+                decode: Duration::ZERO,
+                total,
+            },
+        };
+        self.metrics.observe_finished(&finished);
     }
 
     /// A step failed: every live request ends with the error.
@@ -791,7 +847,7 @@ impl EngineLoop {
             let live = self.live.remove(&id).expect("live request");
             self.engine.abort(id);
             let completion = self.engine.take_completion(id);
-            self.metrics.count_finished(reason);
+            self.record_finish(id, &live, completion.as_ref(), reason);
             let mut text = String::new();
             if let Some(mut stop) = live.stop {
                 text = stop.flush();

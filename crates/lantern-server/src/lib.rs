@@ -5,9 +5,9 @@
 //! responses, whole or streamed as server-sent events.
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-//! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`, `GET /metrics` (Prometheus text, vLLM's
-//! metric names with the prefix `lantern:`). With an API key, `/v1/*` and the tokenizer
-//! endpoints want
+//! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
+//! `GET /metrics` (Prometheus text under vLLM's metric names, `vllm:*`; lantern's own
+//! metrics are `lantern:*`). With an API key, `/v1/*` and the tokenizer endpoints want
 //! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
 
 pub mod capture;

@@ -645,8 +645,8 @@ fn disconnect_aborts_and_metrics_show_an_idle_engine() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let text = loop {
         let text = metrics_text();
-        let idle = metric(&text, "lantern:num_requests_running") == 0.0
-            && metric(&text, "lantern:num_requests_waiting") == 0.0
+        let idle = metric(&text, "vllm:num_requests_running") == 0.0
+            && metric(&text, "vllm:num_requests_waiting") == 0.0
             && metric(&text, "lantern:kv_cache_free_blocks")
                 == metric(&text, "lantern:kv_cache_total_blocks");
         if idle {
@@ -659,33 +659,33 @@ fn disconnect_aborts_and_metrics_show_an_idle_engine() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(metric(&text, "lantern:kv_cache_total_blocks") > 0.0);
-    assert_eq!(metric(&text, "lantern:kv_cache_usage_perc"), 0.0);
-    let generated = metric(&text, "lantern:generation_tokens_total")
-        - metric(&before, "lantern:generation_tokens_total");
+    assert_eq!(metric(&text, "vllm:kv_cache_usage_perc"), 0.0);
+    let generated = metric(&text, "vllm:generation_tokens_total")
+        - metric(&before, "vllm:generation_tokens_total");
     assert!(
         (3.0..2000.0).contains(&generated),
         "generated {generated} tokens"
     );
     for name in [
-        "lantern:num_requests_running",
-        "lantern:num_requests_waiting",
-        "lantern:num_preemptions_total",
-        "lantern:kv_cache_usage_perc",
-        "lantern:prefix_cache_queries_total",
-        "lantern:prefix_cache_hits_total",
-        "lantern:prompt_tokens_total",
-        "lantern:generation_tokens_total",
-        "lantern:time_to_first_token_seconds_bucket",
-        "lantern:time_to_first_token_seconds_count",
-        "lantern:inter_token_latency_seconds_sum",
-        "lantern:e2e_request_latency_seconds_count",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_sum",
+        "vllm:e2e_request_latency_seconds_count",
         "lantern:kv_cache_free_blocks",
         "lantern:kv_cache_total_blocks",
     ] {
         assert!(text.contains(&format!("{name}{{")), "no {name}:\n{text}");
     }
-    assert!(text.contains("# TYPE lantern:time_to_first_token_seconds histogram"));
-    assert!(metric(&text, "lantern:e2e_request_latency_seconds_count") >= 1.0);
+    assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
+    assert!(metric(&text, "vllm:e2e_request_latency_seconds_count") >= 1.0);
 }
 
 /// Serves the shared engine with `config` on a new port of its own; returns its address

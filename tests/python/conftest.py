@@ -87,8 +87,9 @@ def _binary() -> Path:
 SERVED_MODEL_NAME = "lantern-test-model"
 
 
-def start_server(*extra_args: str, kv_cache_memory: str = "256M") -> Server:
-    """Starts `lantern serve` on a free port and waits until it listens."""
+def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -> Server:
+    """Starts `lantern serve` on a free port and waits until it listens. `stderr` (a
+    file) receives the server's log, for tests that read it."""
     args = [
         str(_binary()),
         "serve",
@@ -105,7 +106,9 @@ def start_server(*extra_args: str, kv_cache_memory: str = "256M") -> Server:
         *shlex.split(os.environ.get("LANTERN_SERVE_ARGS", "")),
         *extra_args,
     ]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=None, text=True, cwd=ROOT)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT
+    )
     lines: "queue.Queue[str | None]" = queue.Queue()
 
     def pump():

@@ -5,7 +5,8 @@ use crate::error::{EngineError, Result};
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::runner::ModelRunner;
 use crate::sampling::{
-    apply_penalties, apply_token_mask, token_logprobs, SamplingParams, TokenLogprobs,
+    apply_penalties, apply_token_mask, suppress_stop_tokens, token_logprobs, SamplingParams,
+    TokenLogprobs,
 };
 use crate::scheduler::Scheduler;
 use lantern_attn::AttentionLayerSpec;
@@ -576,11 +577,18 @@ impl Engine {
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
         let context_length = self.model.info().context_length;
         let req = self.requests.get_mut(&id).expect("sampled requests exist");
+        let below_min_tokens = req.num_output_tokens() < req.params.min_tokens;
         let penalized;
-        let logits = if req.params.has_penalties() {
+        let logits = if req.params.has_penalties() || below_min_tokens {
             let mut row = logits.to_vec();
             let (prompt, output) = req.token_ids.split_at(req.prompt_len);
             apply_penalties(&mut row, &req.params, prompt, output);
+            if below_min_tokens {
+                if !req.params.ignore_eos {
+                    suppress_stop_tokens(&mut row, self.tokenizer.stop_ids());
+                }
+                suppress_stop_tokens(&mut row, &req.params.stop_token_ids);
+            }
             penalized = row;
             &penalized[..]
         } else {

@@ -37,6 +37,12 @@ pub struct SamplingParams {
     /// alternatives (0: the sampled token only). They are the log-softmax of the logits
     /// after penalties and before temperature, top-k, top-p and min-p.
     pub logprobs: Option<usize>,
+    /// vLLM's `min_tokens`: until this many tokens are generated, end-of-sequence and
+    /// stop token ids cannot be sampled (and stop strings are not matched).
+    pub min_tokens: usize,
+    /// OpenAI's `logit_bias`: added to a token's logit before sampling (with the
+    /// penalties), each in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -55,6 +61,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logprobs: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -99,20 +107,45 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return Err("max_tokens must be at least 1".to_string());
         }
+        if self.min_tokens > self.max_tokens {
+            return Err(format!(
+                "min_tokens ({}) must be at most max_tokens ({})",
+                self.min_tokens, self.max_tokens
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(format!(
+                "logit_bias for token {t} must be in [-100, 100], got {b}"
+            ));
+        }
         Ok(())
     }
 
-    /// Whether any penalty changes the logits.
+    /// Whether any penalty (or bias) changes the logits.
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
+}
+
+/// `min_tokens`: the tokens that would end the request get a logit of minus infinity.
+pub fn suppress_stop_tokens(logits: &mut [f32], stop_ids: &[u32]) {
+    for &t in stop_ids {
+        if let Some(logit) = logits.get_mut(t as usize) {
+            *logit = f32::NEG_INFINITY;
+        }
     }
 }
 
 /// Applies the penalties of `params` to one row of logits, in place: the repetition
 /// penalty over `prompt` and `output` tokens, then the frequency and presence penalties
-/// over `output` tokens. Token ids outside the row are ignored.
+/// over `output` tokens, then the logit bias. Token ids outside the row are ignored.
 pub fn apply_penalties(
     logits: &mut [f32],
     params: &SamplingParams,
@@ -143,6 +176,11 @@ pub fn apply_penalties(
             if let Some(logit) = logits.get_mut(t as usize) {
                 *logit -= params.frequency_penalty * count as f32 + params.presence_penalty;
             }
+        }
+    }
+    for &(t, bias) in &params.logit_bias {
+        if let Some(logit) = logits.get_mut(t as usize) {
+            *logit += bias;
         }
     }
 }
@@ -445,5 +483,31 @@ mod tests {
         assert_eq!(lp.top[1].0, 1);
         assert!(token_logprobs(&[0.0, 1.0], 1, 0).top.is_empty());
         assert_eq!(token_logprobs(&[0.0, 1.0], 1, 10).top.len(), 2);
+    }
+
+    #[test]
+    fn logit_bias_is_added_and_min_tokens_masks_stop_ids() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, 100.0), (2, -100.0), (9, 5.0)],
+            ..SamplingParams::greedy(4)
+        };
+        assert!(p.has_penalties());
+        let mut row = vec![1.0, 2.0, 3.0];
+        apply_penalties(&mut row, &p, &[], &[]);
+        assert_eq!(row, vec![101.0, 2.0, -97.0]);
+        assert_eq!(Sampler::new(Some(0)).sample(&row, &p), 0);
+        suppress_stop_tokens(&mut row, &[0, 7]);
+        assert_eq!(row[0], f32::NEG_INFINITY);
+        assert_eq!(Sampler::new(Some(0)).sample(&row, &p), 1);
+        let bad = SamplingParams {
+            logit_bias: vec![(3, 100.5)],
+            ..SamplingParams::greedy(4)
+        };
+        assert!(bad.validate().unwrap_err().contains("logit_bias"));
+        let bad = SamplingParams {
+            min_tokens: 5,
+            ..SamplingParams::greedy(4)
+        };
+        assert!(bad.validate().unwrap_err().contains("min_tokens"));
     }
 }

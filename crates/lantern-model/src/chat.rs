@@ -39,6 +39,39 @@ pub struct RenderedChat {
     pub segments: Option<Vec<ChatSegment>>,
 }
 
+/// How a conversation is rendered (vLLM's request fields of the same names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRenderOptions {
+    /// End with the header of the assistant's turn.
+    pub add_generation_prompt: bool,
+    /// End right after the final message's content, so that generation continues that
+    /// message (an assistant prefix) rather than starting a new one.
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`); the template's own variables
+    /// (`messages`, `add_generation_prompt`, the special tokens) take precedence.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for ChatRenderOptions {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            kwargs: serde_json::Map::new(),
+        }
+    }
+}
+
+impl ChatRenderOptions {
+    /// Only the generation prompt set or not, as [`ChatTemplate::render`] takes it.
+    pub fn generation_prompt(add_generation_prompt: bool) -> Self {
+        Self {
+            add_generation_prompt,
+            ..Self::default()
+        }
+    }
+}
+
 /// Work one rendering may do, in minijinja's instructions: far more than any real
 /// template needs for a conversation that fits a context, and a fraction of a second.
 pub const TEMPLATE_FUEL: u64 = 5_000_000;
@@ -56,6 +89,10 @@ pub enum TemplateError {
     OutOfFuel,
     #[error("the model's chat template wrote more than {0} bytes")]
     OutputTooLarge(usize),
+    /// `continue_final_message`, but the rendered prompt does not contain the final
+    /// message's content as it was sent.
+    #[error("continue_final_message is set, but the final message's content does not appear in the prompt the chat template rendered (the template changes it)")]
+    FinalMessageNotFound,
 }
 
 /// Collects a rendering's output, failing past `limit` bytes.
@@ -151,6 +188,18 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         max_output_bytes: usize,
     ) -> std::result::Result<String, TemplateError> {
+        let options = ChatRenderOptions::generation_prompt(add_generation_prompt);
+        self.render_with(messages, &options, max_output_bytes)
+    }
+
+    /// The template's whole output for `messages` with `options` (no cut for
+    /// `continue_final_message`), stopped past `max_output_bytes` or out of fuel.
+    fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatRenderOptions,
+        max_output_bytes: usize,
+    ) -> std::result::Result<String, TemplateError> {
         if let Some(reason) = &self.broken {
             return Err(TemplateError::Broken(reason.clone()));
         }
@@ -166,9 +215,11 @@ impl ChatTemplate {
         let result = template.render_captured_to(
             context! {
                 messages => messages,
-                add_generation_prompt => add_generation_prompt,
+                add_generation_prompt => options.add_generation_prompt,
+                continue_final_message => options.continue_final_message,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                ..minijinja::Value::from_serialize(&options.kwargs)
             },
             &mut out,
         );
@@ -271,7 +322,19 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         max_output_bytes: usize,
     ) -> std::result::Result<RenderedChat, TemplateError> {
-        let text = self.render_bounded(messages, add_generation_prompt, max_output_bytes)?;
+        let options = ChatRenderOptions::generation_prompt(add_generation_prompt);
+        self.render_parts_with(messages, &options, max_output_bytes)
+    }
+
+    /// [`Self::render_parts`] with every rendering option; with
+    /// `continue_final_message` the prompt ends right after the final message's content.
+    pub fn render_parts_with(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatRenderOptions,
+        max_output_bytes: usize,
+    ) -> std::result::Result<RenderedChat, TemplateError> {
+        let text = self.render_with(messages, options, max_output_bytes)?;
         let markers = Markers::new(messages, text.len() as u64);
         let marked: Vec<ChatMessage> = messages
             .iter()
@@ -283,15 +346,68 @@ impl ChatTemplate {
             .len()
             .saturating_add(32usize.saturating_mul(messages.len()));
         let segments = self
-            .render_bounded(&marked, add_generation_prompt, marked_limit)
+            .render_with(&marked, options, marked_limit)
             .ok()
             .and_then(|rendered| markers.split(&rendered, messages.len()))
             .and_then(|parts| {
                 fill(&parts, &text, |i| messages[i].content.clone())
                     .or_else(|| fill(&parts, &text, |i| messages[i].content.trim().to_string()))
             });
-        Ok(RenderedChat { text, segments })
+        let rendered = RenderedChat { text, segments };
+        match messages.last() {
+            Some(last) if options.continue_final_message => continue_final(rendered, last),
+            _ => Ok(rendered),
+        }
     }
+}
+
+/// Cuts a rendered conversation right after the final message's content (as
+/// transformers' `continue_final_message` does): through the split when there is one,
+/// else after the content's last occurrence in the text.
+fn continue_final(
+    rendered: RenderedChat,
+    last: &ChatMessage,
+) -> std::result::Result<RenderedChat, TemplateError> {
+    if let Some(mut segments) = rendered.segments {
+        let end = segments
+            .iter()
+            .rposition(|s| matches!(s, ChatSegment::Content(_)))
+            .filter(|&i| {
+                matches!(&segments[i], ChatSegment::Content(c)
+                    if *c == last.content || c == last.content.trim())
+            })
+            .ok_or(TemplateError::FinalMessageNotFound)?;
+        segments.truncate(end + 1);
+        let text = segments
+            .iter()
+            .map(|s| match s {
+                ChatSegment::Template(t) | ChatSegment::Content(t) => t.as_str(),
+            })
+            .collect();
+        return Ok(RenderedChat {
+            text,
+            segments: Some(segments),
+        });
+    }
+    let content = last.content.trim();
+    if content.is_empty() {
+        return Err(TemplateError::FinalMessageNotFound);
+    }
+    let at = rendered
+        .text
+        .rfind(content)
+        .ok_or(TemplateError::FinalMessageNotFound)?;
+    // Keep the content's own trailing whitespace when the template kept it.
+    let kept = last.content.trim_start();
+    let end = if rendered.text[at..].starts_with(kept) {
+        at + kept.len()
+    } else {
+        at + content.len()
+    };
+    Ok(RenderedChat {
+        text: rendered.text[..end].to_string(),
+        segments: None,
+    })
 }
 
 #[cfg(test)]
@@ -422,5 +538,61 @@ mod tests {
             .render(&[ChatMessage::new("user", "  x ")], false)
             .unwrap();
         assert_eq!(out, "X");
+    }
+
+    #[test]
+    fn options_reach_the_template_and_continue_cuts_after_the_final_content() {
+        let t = ChatTemplate::new(
+            "{% if greeting %}{{ greeting }}|{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let messages = [
+            ChatMessage::new("user", "Name a fruit."),
+            ChatMessage::new("assistant", "The fruit is"),
+        ];
+        let mut options = ChatRenderOptions::generation_prompt(false);
+        options.kwargs.insert("greeting".into(), "hey".into());
+        // A kwarg cannot replace the template's own variables.
+        options
+            .kwargs
+            .insert("messages".into(), serde_json::json!([]));
+        let r = t
+            .render_parts_with(&messages, &options, usize::MAX)
+            .unwrap();
+        assert_eq!(
+            r.text,
+            "hey|<user>Name a fruit.</s><assistant>The fruit is</s>"
+        );
+        options.continue_final_message = true;
+        let r = t
+            .render_parts_with(&messages, &options, usize::MAX)
+            .unwrap();
+        assert_eq!(r.text, "hey|<user>Name a fruit.</s><assistant>The fruit is");
+        assert_eq!(
+            r.segments.unwrap().last(),
+            Some(&ChatSegment::Content("The fruit is".into()))
+        );
+        // A template that transforms contents: cut at the content in the text.
+        let upper = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}{{ m.content }}</s>{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let r = upper
+            .render_parts_with(&messages, &options, usize::MAX)
+            .unwrap();
+        assert!(r.segments.is_none());
+        assert!(r.text.ends_with("THE FRUIT ISThe fruit is"), "{}", r.text);
+        let dropped =
+            ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{% endfor %}", "", "").unwrap();
+        assert_eq!(
+            dropped
+                .render_parts_with(&messages, &options, usize::MAX)
+                .unwrap_err(),
+            TemplateError::FinalMessageNotFound
+        );
     }
 }

@@ -21,7 +21,9 @@ pub mod synthetic;
 pub mod tokenizer;
 
 pub use candle_core::quantized::GgmlDType;
-pub use chat::{ChatMessage, ChatSegment, ChatTemplate, RenderedChat, TemplateError};
+pub use chat::{
+    ChatMessage, ChatRenderOptions, ChatSegment, ChatTemplate, RenderedChat, TemplateError,
+};
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;

@@ -1,7 +1,7 @@
 //! A conversation to token ids: rendered through the chat template within its limits,
 //! then tokenized so that only the template's own markup becomes control tokens.
 
-use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
+use crate::chat::{ChatMessage, ChatRenderOptions, ChatTemplate, TemplateError};
 use crate::error::ModelError;
 use crate::tokenizer::ModelTokenizer;
 
@@ -30,8 +30,28 @@ pub fn tokenize_chat(
     add_special_tokens: bool,
     max_output_bytes: usize,
 ) -> Result<Vec<u32>, ChatPromptError> {
+    let options = ChatRenderOptions::default();
+    tokenize_chat_with(
+        template,
+        tokenizer,
+        messages,
+        &options,
+        add_special_tokens,
+        max_output_bytes,
+    )
+}
+
+/// [`tokenize_chat`] with the request's rendering options.
+pub fn tokenize_chat_with(
+    template: Option<&ChatTemplate>,
+    tokenizer: &ModelTokenizer,
+    messages: &[ChatMessage],
+    options: &ChatRenderOptions,
+    add_special_tokens: bool,
+    max_output_bytes: usize,
+) -> Result<Vec<u32>, ChatPromptError> {
     let template = template.ok_or(ChatPromptError::NoTemplate)?;
-    let rendered = template.render_parts(messages, true, max_output_bytes)?;
+    let rendered = template.render_parts_with(messages, options, max_output_bytes)?;
     Ok(match rendered.segments {
         Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
         None => {

@@ -18,7 +18,7 @@ use lantern_engine::{
     Completion, Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
 };
 use lantern_kv::{KvDtype, RequestId};
-use lantern_model::ChatMessage;
+use lantern_model::{ChatMessage, ChatRenderOptions};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -33,8 +33,8 @@ pub enum PromptInput {
     Text(String),
     /// Token ids, used as they are.
     Tokens(Vec<u32>),
-    /// A conversation, rendered through the model's chat template.
-    Chat(Vec<ChatMessage>),
+    /// A conversation, rendered through the model's chat template with these options.
+    Chat(Vec<ChatMessage>, ChatRenderOptions),
 }
 
 /// One sequence to generate (one choice of a response).
@@ -393,6 +393,8 @@ struct Live {
     completion_tokens: usize,
     /// `max_tokens` as settled against the context.
     max_tokens: usize,
+    /// Stop strings are not matched in the text of the first `min_tokens` tokens.
+    min_tokens: usize,
     arrival: Instant,
     last_token: Option<Instant>,
     /// Alternatives per token and the prompt, while its prompt logprobs are still due.
@@ -558,6 +560,7 @@ impl EngineLoop {
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
             let max_tokens = item.params.max_tokens;
+            let min_tokens = item.params.min_tokens;
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
@@ -602,6 +605,7 @@ impl EngineLoop {
                             prompt_tokens,
                             completion_tokens: 0,
                             max_tokens,
+                            min_tokens,
                             arrival: now,
                             last_token: None,
                             prompt_logprobs,
@@ -663,6 +667,15 @@ impl EngineLoop {
                 lo.max(1)
             }
         };
+        if item.params.min_tokens > max_tokens {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!(
+                    "min_tokens is {}, but at most {max_tokens} tokens can be generated for this prompt",
+                    item.params.min_tokens
+                ),
+            ));
+        }
         item.params.max_tokens = max_tokens;
         if let Some(capture) = &item.capture {
             crate::capture::check_capture_size(
@@ -699,6 +712,9 @@ impl EngineLoop {
                 self.metrics.generation_tokens_total += out.new_token_ids.len() as u64;
             }
             let (mut text, matched) = match &mut live.stop {
+                Some(stop) if live.completion_tokens <= live.min_tokens => {
+                    (stop.pass(&out.new_text), None)
+                }
                 Some(stop) => {
                     let o = stop.push(&out.new_text);
                     (o.text, o.matched)

@@ -6,6 +6,7 @@
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 //! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
+//! `GET /version`,
 //! `GET /metrics` (Prometheus text under vLLM's metric names, `vllm:*`; lantern's own
 //! metrics are `lantern:*`). With an API key, `/v1/*` and the tokenizer endpoints want
 //! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
@@ -137,6 +138,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
     Ok(Router::new()
         .merge(v1)
         .route("/health", get(health))
+        .route("/version", get(version))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
@@ -260,6 +262,15 @@ async fn health(State(state): State<AppState>) -> Response {
     } else {
         ApiError::unavailable().into_response()
     }
+}
+
+/// `GET /version` (vLLM's): the server's version.
+async fn version() -> Response {
+    version_json().into_response()
+}
+
+pub(crate) fn version_json() -> Json<serde_json::Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

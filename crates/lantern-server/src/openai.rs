@@ -231,6 +231,13 @@ async fn generate(
         Kind::Chat => protocol::chat_request(&value, &limits)?,
         Kind::Completion => protocol::completion_request(&value, &limits)?,
     };
+    if !request.ignored_fields.is_empty() {
+        // As vLLM: one line naming what a client sent in vain.
+        tracing::warn!(
+            "The following fields were present in the request but ignored: {}",
+            request.ignored_fields.join(", ")
+        );
+    }
     let capture = attach_capture(&state, headers, &value, &mut request)?;
     if let Some(guide) = request.guide.take() {
         let constraint = crate::structured::compile(&state.engine.meta().guided, guide).await?;
@@ -653,7 +660,7 @@ async fn whole_response(
             if request.echo {
                 a.prompt_text.clone().unwrap_or_default()
             } else {
-                String::new()
+                request.chat_echo.clone().unwrap_or_default()
             }
         })
         .collect();
@@ -711,12 +718,12 @@ fn data(value: &Value) -> Event {
 }
 
 impl StreamState {
-    fn start(&mut self, echo: bool) {
+    fn start(&mut self, echo: bool, chat_echo: Option<&str>) {
         for i in 0..self.response.accepted.len() {
             let chunk = match self.response.kind {
                 Kind::Chat => Some(self.response.chunk(
                     i,
-                    Some(""),
+                    Some(chat_echo.unwrap_or("")),
                     true,
                     None,
                     Value::Null,
@@ -892,7 +899,7 @@ fn stream_response(
         capture_due: None,
         held_text: vec![String::new(); num_choices],
     };
-    state.start(request.echo);
+    state.start(request.echo, request.chat_echo.as_deref());
     let events = sse_events(state);
     Sse::new(events)
         .keep_alive(KeepAlive::default())

@@ -13,7 +13,7 @@ use crate::engine_thread::{
 use crate::error::ApiError;
 use lantern_engine::sampling::{log_softmax, top_k_logprobs};
 use lantern_engine::TokenLogprobs;
-use lantern_model::prompt::{tokenize_chat, ChatPromptError};
+use lantern_model::prompt::{tokenize_chat_with, ChatPromptError};
 use lantern_model::{ChatTemplate, ModelTokenizer};
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,6 +159,7 @@ impl Prompter {
             let mut prepared: Vec<PreparedItem> = Vec::with_capacity(items.len());
             let mut last: Option<(PromptInput, Vec<u32>, Option<String>)> = None;
             for mut item in items {
+                this.check_logit_bias(&item.params.logit_bias)?;
                 let prompt = std::mem::replace(&mut item.prompt, PromptInput::Tokens(Vec::new()));
                 let (ids, text) = match &last {
                     Some((p, ids, text)) if *p == prompt => (ids.clone(), text.clone()),
@@ -210,14 +211,29 @@ impl Prompter {
                 .encode(text, add_special_tokens)
                 .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}"))),
             PromptInput::Tokens(ids) => Ok(ids.clone()),
-            PromptInput::Chat(messages) => tokenize_chat(
+            PromptInput::Chat(messages, options) => tokenize_chat_with(
                 self.template.as_deref(),
                 &self.tokenizer,
                 messages,
+                options,
                 add_special_tokens,
                 limit,
             )
             .map_err(|e| chat_error(field, e, self.context_length)),
+        }
+    }
+
+    /// `logit_bias` names tokens of the vocabulary.
+    fn check_logit_bias(&self, bias: &[(u32, f32)]) -> Result<(), ApiError> {
+        match bias.iter().find(|(t, _)| *t as usize >= self.vocab_size) {
+            Some((t, _)) => Err(ApiError::field(
+                "logit_bias",
+                format!(
+                    "logit_bias names token {t}, outside the vocabulary of {} tokens",
+                    self.vocab_size
+                ),
+            )),
+            None => Ok(()),
         }
     }
 
@@ -302,6 +318,9 @@ fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) ->
         ChatPromptError::Template(TemplateError::OutputTooLarge(limit)) => format!(
             "the prompt rendered by the model's chat template passed {limit} bytes, more than this model's context of {context_length} tokens can hold"
         ),
+        ChatPromptError::Template(TemplateError::FinalMessageNotFound) => {
+            return ApiError::field("continue_final_message", e.to_string())
+        }
         _ => e.to_string(),
     };
     ApiError::field(field, message)

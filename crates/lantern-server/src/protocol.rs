@@ -2,14 +2,15 @@
 //!
 //! Bodies are parsed by hand from JSON values so that every error names its field. Fields
 //! lantern does not know are ignored (OpenAI clients' `extra_body` puts extensions at the
-//! top level); fields it knows but cannot honour yet are refused with a 400 rather than
-//! silently ignored.
+//! top level) and named in the request's `ignored_fields`, which the server logs as one
+//! warning, as vLLM does; fields it knows but cannot honour yet are refused with a 400
+//! rather than silently ignored.
 
 use crate::engine_thread::{GenerationItem, PromptInput};
 use crate::error::ApiError;
 use crate::structured::{parse_guide, FieldGuide};
 use lantern_engine::SamplingParams;
-use lantern_model::ChatMessage;
+use lantern_model::{ChatMessage, ChatRenderOptions};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
@@ -20,6 +21,77 @@ pub const MAX_SEQUENCES_PER_REQUEST: usize = 256;
 const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
 /// Most alternatives per token: completions' `logprobs` (OpenAI's limit).
 const MAX_COMPLETION_LOGPROBS: i64 = 5;
+/// Largest `chat_template_kwargs`, as JSON: template variables, not documents.
+pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
+/// Largest `logit_bias` (tokens).
+const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+/// Most unknown field names a warning lists, and the most characters of each.
+const MAX_IGNORED_FIELDS: usize = 16;
+const MAX_IGNORED_FIELD_CHARS: usize = 64;
+
+/// Fields both endpoints read (structured output and capture fields included).
+const COMMON_FIELD_NAMES: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "n",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "prompt_logprobs",
+    "min_tokens",
+    "best_of",
+    // OpenAI's end-user id: accepted, with nothing to do.
+    "user",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+];
+const CHAT_FIELD_NAMES: &[&str] = &[
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "echo",
+];
+const COMPLETION_FIELD_NAMES: &[&str] = &["prompt", "logprobs", "echo", "suffix"];
+
+/// The top-level fields of `body` that neither `COMMON_FIELD_NAMES` nor `own` name
+/// (capture fields, `attn_capture*`, are known), at most [`MAX_IGNORED_FIELDS`] of them,
+/// each cut to [`MAX_IGNORED_FIELD_CHARS`] characters.
+fn ignored_fields(body: &Value, own: &[&str]) -> Vec<String> {
+    let Some(obj) = body.as_object() else {
+        return Vec::new();
+    };
+    obj.keys()
+        .filter(|k| {
+            !COMMON_FIELD_NAMES.contains(&k.as_str())
+                && !own.contains(&k.as_str())
+                && !k.starts_with("attn_capture")
+        })
+        .take(MAX_IGNORED_FIELDS)
+        .map(|k| k.chars().take(MAX_IGNORED_FIELD_CHARS).collect())
+        .collect()
+}
 
 /// Parses a body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
@@ -86,6 +158,10 @@ struct ChatFields {
     messages: Option<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    chat_template_kwargs: Option<Value>,
+    echo: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -117,6 +193,11 @@ pub struct GenerationRequest {
     pub guide: Option<FieldGuide>,
     /// Chat with tools: calls in the output become `tool_calls`.
     pub tool_calls: bool,
+    /// Chat's `echo` (vLLM's): the final message's content, when it is the assistant's,
+    /// goes before each choice's text.
+    pub chat_echo: Option<String>,
+    /// Top-level fields lantern does not know (ignored; the server logs them).
+    pub ignored_fields: Vec<String>,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -244,11 +325,22 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
             ));
         }
     }
-    if fields.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::unsupported("logit_bias", "logit_bias"));
-    }
-    if fields.min_tokens.is_some_and(|m| m > 0) {
-        return Err(ApiError::unsupported("min_tokens", "min_tokens"));
+    let logit_bias = parse_logit_bias(fields.logit_bias.as_ref())?;
+    let min_tokens = match fields.min_tokens {
+        None => 0,
+        Some(m) if m < 0 => {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!("min_tokens must be at least 0, got {m}"),
+            ))
+        }
+        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+    };
+    if let Some(max) = max_tokens.filter(|&max| min_tokens > max) {
+        return Err(ApiError::field(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must be at most {max_field} ({max})"),
+        ));
     }
     let stream = fields.stream.unwrap_or(false);
     let prompt_logprobs = match fields.prompt_logprobs {
@@ -287,6 +379,8 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         presence_penalty: fields.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: fields.frequency_penalty.unwrap_or(0.0) as f32,
         repetition_penalty: fields.repetition_penalty.unwrap_or(1.0) as f32,
+        min_tokens,
+        logit_bias,
         ..SamplingParams::default()
     };
     Ok(Common {
@@ -302,6 +396,86 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
                 .stream_options
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+    })
+}
+
+/// OpenAI's `logit_bias`: `{"token id": bias}` with each bias in [-100, 100]. Token ids
+/// are checked against the vocabulary when the prompt is (see `Prompter`).
+fn parse_logit_bias(
+    value: Option<&serde_json::Map<String, Value>>,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = value else {
+        return Ok(Vec::new());
+    };
+    if map.len() > MAX_LOGIT_BIAS_ENTRIES {
+        return Err(ApiError::field(
+            "logit_bias",
+            format!(
+                "logit_bias has {} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
+                map.len()
+            ),
+        ));
+    }
+    map.iter()
+        .map(|(key, bias)| {
+            let token: u32 = key.trim().parse().map_err(|_| {
+                ApiError::field(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids, got {key:?}"),
+                )
+            })?;
+            let bias = bias
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    ApiError::field(
+                        "logit_bias",
+                        format!("logit_bias[{key}] must be a number in [-100, 100], got {bias}"),
+                    )
+                })?;
+            Ok((token, bias as f32))
+        })
+        .collect()
+}
+
+/// Chat's rendering options: vLLM's `add_generation_prompt` (default true),
+/// `continue_final_message` and `chat_template_kwargs`.
+fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, ApiError> {
+    let continue_final_message = chat.continue_final_message.unwrap_or(false);
+    let add_generation_prompt = chat
+        .add_generation_prompt
+        .unwrap_or(!continue_final_message);
+    if continue_final_message && add_generation_prompt {
+        return Err(ApiError::field(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        ));
+    }
+    let kwargs = match &chat.chat_template_kwargs {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(map)) => {
+            let size = serde_json::to_vec(map).map_or(usize::MAX, |b| b.len());
+            if size > MAX_CHAT_TEMPLATE_KWARGS_BYTES {
+                return Err(ApiError::field(
+                    "chat_template_kwargs",
+                    format!(
+                        "chat_template_kwargs has {size} bytes of JSON; at most {MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
+                    ),
+                ));
+            }
+            map.clone()
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                "chat_template_kwargs",
+                "chat_template_kwargs must be an object of template variables",
+            ))
+        }
+    };
+    Ok(ChatRenderOptions {
+        add_generation_prompt,
+        continue_final_message,
+        kwargs,
     })
 }
 
@@ -394,11 +568,19 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         }
         None => messages,
     };
+    let options = chat_render_options(&chat)?;
+    // vLLM's chat `echo`: the final message, when it is the assistant's, is echoed.
+    let chat_echo = match messages.last() {
+        Some(last) if chat.echo.unwrap_or(false) && last.role == "assistant" => {
+            Some(last.content.clone())
+        }
+        _ => None,
+    };
     let mut common = common(&fields, None)?;
     common.params.logprobs = logprobs.then_some(top_logprobs);
     let items = expand(
         &common,
-        vec![PromptInput::Chat(messages)],
+        vec![PromptInput::Chat(messages, options)],
         "messages",
         false,
         common.prompt_logprobs,
@@ -414,6 +596,8 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         prompt_logprobs: common.prompt_logprobs,
         guide,
         tool_calls: tools.is_some(),
+        chat_echo,
+        ignored_fields: ignored_fields(body, CHAT_FIELD_NAMES),
     })
 }
 
@@ -551,6 +735,8 @@ pub fn completion_request(
         prompt_logprobs: common.prompt_logprobs,
         guide,
         tool_calls: false,
+        chat_echo: None,
+        ignored_fields: ignored_fields(body, COMPLETION_FIELD_NAMES),
     })
 }
 
@@ -572,10 +758,17 @@ pub fn tokenize_request(
     let add_special_tokens = fields.add_special_tokens.unwrap_or(true);
     match (&fields.prompt, &fields.messages) {
         (Some(prompt), None) => Ok((PromptInput::Text(prompt.clone()), add_special_tokens)),
-        (None, Some(_)) => Ok((
-            PromptInput::Chat(parse_messages(&fields.messages)?),
-            add_special_tokens,
-        )),
+        (None, Some(_)) => {
+            // vLLM's rendering fields apply here too.
+            let chat: ChatFields = typed(body)?;
+            Ok((
+                PromptInput::Chat(
+                    parse_messages(&fields.messages)?,
+                    chat_render_options(&chat)?,
+                ),
+                add_special_tokens,
+            ))
+        }
         _ => Err(ApiError::field(
             "prompt",
             "give either `prompt` (a string) or `messages`",
@@ -668,18 +861,23 @@ mod tests {
                     {"role": "system", "content": "Be brief."},
                     {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}
                 ],
-                "max_tokens": 5, "n": 2, "seed": 7, "stop": "\n", "attn_capture": true, "user": "u"
+                "max_tokens": 5, "n": 2, "seed": 7, "stop": "\n", "attn_capture": true, "user": "u",
+                "frobnicate": 1
             }),
             &LIMITS,
         )
         .unwrap();
+        assert_eq!(r.ignored_fields, vec!["frobnicate".to_string()]);
         assert_eq!(r.items.len(), 2);
         assert_eq!(r.items[0].params.seed, Some(7));
         assert_eq!(r.items[1].params.seed, Some(8));
         assert_eq!(r.items[0].max_tokens, Some(5));
         assert_eq!(r.items[0].stop, vec!["\n".to_string()]);
         match &r.items[0].prompt {
-            PromptInput::Chat(m) => assert_eq!(m[1].content, "Hi!"),
+            PromptInput::Chat(m, options) => {
+                assert_eq!(m[1].content, "Hi!");
+                assert_eq!(*options, ChatRenderOptions::default());
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -862,5 +1060,89 @@ mod tests {
             .contains("JSON"));
         assert!(parse_body(b"[1]").is_err());
         assert!(parse_body(b"{}").is_ok());
+    }
+
+    #[test]
+    fn vllm_chat_fields_are_read_and_checked() {
+        let msgs = json!([
+            {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "The fruit is"}
+        ]);
+        let r = chat_request(
+            &json!({"messages": msgs, "continue_final_message": true, "echo": true,
+                    "chat_template_kwargs": {"enable_thinking": false}}),
+            &LIMITS,
+        )
+        .unwrap();
+        match &r.items[0].prompt {
+            PromptInput::Chat(_, o) => {
+                assert!(o.continue_final_message);
+                assert!(!o.add_generation_prompt, "continuing implies no new turn");
+                assert_eq!(o.kwargs["enable_thinking"], json!(false));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.chat_echo.as_deref(), Some("The fruit is"));
+        assert!(r.ignored_fields.is_empty());
+        let e = chat_err(json!({"messages": msgs, "continue_final_message": true,
+                                "add_generation_prompt": true}));
+        assert_eq!(e.param.as_deref(), Some("continue_final_message"));
+        let big = "x".repeat(MAX_CHAT_TEMPLATE_KWARGS_BYTES);
+        for kwargs in [json!([1]), json!({"a": big})] {
+            let e = chat_err(json!({"messages": msgs, "chat_template_kwargs": kwargs}));
+            assert_eq!(e.param.as_deref(), Some("chat_template_kwargs"));
+        }
+        // Echo needs the assistant's message last.
+        let r = chat_request(
+            &json!({"messages": [{"role": "user", "content": "x"}], "echo": true}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.chat_echo, None);
+    }
+
+    #[test]
+    fn min_tokens_and_logit_bias_reach_the_params() {
+        let r = completion_request(
+            &json!({"prompt": "x", "max_tokens": 8, "min_tokens": 3,
+                    "logit_bias": {"17": 100, "4": -5.5}}),
+            &LIMITS,
+        )
+        .unwrap();
+        let p = &r.items[0].params;
+        assert_eq!(p.min_tokens, 3);
+        let mut bias = p.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(4, -5.5), (17, 100.0)]);
+        for (body, field) in [
+            (
+                json!({"prompt": "x", "max_tokens": 2, "min_tokens": 3}),
+                "min_tokens",
+            ),
+            (json!({"prompt": "x", "min_tokens": -1}), "min_tokens"),
+            (
+                json!({"prompt": "x", "logit_bias": {"7": 101}}),
+                "logit_bias",
+            ),
+            (
+                json!({"prompt": "x", "logit_bias": {"7": "up"}}),
+                "logit_bias",
+            ),
+            (
+                json!({"prompt": "x", "logit_bias": {"seven": 1}}),
+                "logit_bias",
+            ),
+            (json!({"prompt": "x", "logit_bias": [1]}), "logit_bias"),
+        ] {
+            let e = completion_err(body.clone());
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+        }
+        let r = completion_request(
+            &json!({"prompt": "x", "wat": 1, "attn_capture_rows": "all"}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(r.ignored_fields, vec!["wat".to_string()]);
     }
 }

@@ -78,6 +78,15 @@ impl StopMatcher {
         }
     }
 
+    /// Passes new text on without matching it (and with whatever was held back), as
+    /// while a request is short of its `min_tokens`: a stop string can only match in
+    /// text that comes later.
+    pub fn pass(&mut self, new_text: &str) -> String {
+        let mut text = std::mem::take(&mut self.pending);
+        text.push_str(new_text);
+        text
+    }
+
     /// The text still held back, when the request ends without a match.
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.pending)

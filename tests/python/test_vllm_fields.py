@@ -1,0 +1,218 @@
+"""vLLM's request fields through the official `openai` client (`extra_body`):
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `echo` on
+chat, `min_tokens` and `logit_bias` on both endpoints; unknown fields are named in one
+warning line and the request still succeeds; `GET /version`."""
+
+import subprocess
+import time
+
+import openai
+import pytest
+import requests
+
+from conftest import _binary, start_server, stop_server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PREFIX = "The capital of France is"
+
+
+def tokenize(server, **body):
+    r = requests.post(server.base_url + "/tokenize", json=body, headers=server.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def detokenize(server, tokens):
+    r = requests.post(
+        server.base_url + "/detokenize", json={"tokens": tokens}, headers=server.headers(), timeout=30
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def one_token(server, text):
+    tokens = tokenize(server, prompt=text, add_special_tokens=False)
+    assert len(tokens) == 1, (text, tokens)
+    return tokens[0]
+
+
+def chat(client, server, messages, **extra):
+    fields = {k: extra.pop(k) for k in ("max_tokens", "stop", "stream", "n") if k in extra}
+    fields.setdefault("max_tokens", 8)
+    return client.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, extra_body=extra, **fields
+    )
+
+
+def test_add_generation_prompt_false_leaves_out_the_assistant_header(server, client):
+    with_header = chat(client, server, QUESTION, max_tokens=1)
+    without = chat(client, server, QUESTION, max_tokens=1, add_generation_prompt=False)
+    assert without.usage.prompt_tokens < with_header.usage.prompt_tokens
+    # What was rendered, through /tokenize (which takes the same fields).
+    opened = tokenize(server, messages=QUESTION)
+    closed = tokenize(server, messages=QUESTION, add_generation_prompt=False)
+    assert len(opened) == with_header.usage.prompt_tokens
+    assert len(closed) == without.usage.prompt_tokens
+    assert detokenize(server, opened).endswith("<|im_start|>assistant\n")
+    assert detokenize(server, closed).endswith("<|im_end|>\n")
+
+
+def test_continue_final_message_continues_the_assistant_prefix(server, client):
+    messages = QUESTION + [{"role": "assistant", "content": PREFIX}]
+    prompt = tokenize(server, messages=messages, continue_final_message=True, add_generation_prompt=False)
+    # The prompt ends inside the assistant's turn, right after the prefix.
+    assert detokenize(server, prompt).endswith(PREFIX)
+    r = chat(client, server, messages, max_tokens=6, continue_final_message=True, add_generation_prompt=False)
+    assert r.usage.prompt_tokens == len(prompt)
+    # The same continuation as a completion of exactly that prompt.
+    c = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == c.choices[0].text
+    # Without it, the prefix is a finished turn and a new one starts.
+    closed = tokenize(server, messages=messages)
+    assert len(closed) > len(prompt)
+
+
+def test_continue_final_message_with_add_generation_prompt_is_400(server, client):
+    messages = QUESTION + [{"role": "assistant", "content": PREFIX}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, server, messages, continue_final_message=True, add_generation_prompt=True)
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_chat_echo_prepends_the_final_assistant_message(server, client):
+    messages = QUESTION + [{"role": "assistant", "content": PREFIX}]
+    plain = chat(client, server, messages, max_tokens=6, continue_final_message=True)
+    echoed = chat(client, server, messages, max_tokens=6, continue_final_message=True, echo=True)
+    assert echoed.choices[0].message.content == PREFIX + plain.choices[0].message.content
+    stream = chat(client, server, messages, max_tokens=6, continue_final_message=True, echo=True, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == echoed.choices[0].message.content
+    # A user message last: nothing to echo.
+    r = chat(client, server, QUESTION, max_tokens=4, echo=True)
+    assert not r.choices[0].message.content.startswith(QUESTION[0]["content"])
+
+
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    banana = one_token(server, " banana")
+    r = client.completions.create(
+        model=server.model, prompt="My favourite word is", max_tokens=3, temperature=0,
+        logit_bias={str(banana): 100},
+    )
+    assert r.choices[0].text == detokenize(server, [banana] * 3)
+    # -100 on the greedy first token: another one comes first.
+    greedy = client.completions.create(model=server.model, prompt="1, 2, 3,", max_tokens=1, temperature=0)
+    first = tokenize(server, prompt=greedy.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(
+        model=server.model, prompt="1, 2, 3,", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
+    assert banned.choices[0].text != greedy.choices[0].text
+    for bias, what in [({str(banana): 101}, "[-100, 100]"), ({"99999999": 1}, "vocabulary"), ({"x": 1}, "token ids")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=server.model, prompt="x", max_tokens=1, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias"
+        assert what in e.value.body["message"]
+
+
+def test_min_tokens_holds_off_eos_and_stop_token_ids(server, client):
+    eos = one_token(server, "<|im_end|>")
+    # EOS forced by the bias: it ends the request at its first token...
+    r = chat(client, server, QUESTION, max_tokens=20, logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens <= 1
+    # ...unless min_tokens holds it off until then.
+    r = chat(client, server, QUESTION, max_tokens=20, logit_bias={str(eos): 100}, min_tokens=7)
+    assert r.choices[0].finish_reason == "stop"
+    assert 7 <= r.usage.completion_tokens <= 8
+    # The same for a stop token id on completions.
+    banana = one_token(server, " banana")
+    c = client.completions.create(
+        model=server.model, prompt="Fruit:", max_tokens=20, temperature=0,
+        extra_body={"logit_bias": {str(banana): 100}, "stop_token_ids": [banana], "min_tokens": 5},
+    )
+    assert c.choices[0].finish_reason == "stop"
+    assert c.choices[0].model_extra.get("stop_reason") == banana
+    assert c.usage.completion_tokens == 6
+
+
+def test_min_tokens_holds_off_stop_strings(server, client):
+    greedy = client.completions.create(model=server.model, prompt="The days of the week are", max_tokens=10, temperature=0)
+    text = greedy.choices[0].text
+    first_word = text.split()[0]
+    stopped = client.completions.create(
+        model=server.model, prompt="The days of the week are", max_tokens=10, temperature=0, stop=[first_word]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert first_word not in stopped.choices[0].text
+    held = client.completions.create(
+        model=server.model, prompt="The days of the week are", max_tokens=10, temperature=0,
+        stop=[first_word], extra_body={"min_tokens": 10},
+    )
+    assert held.usage.completion_tokens == 10
+    assert held.choices[0].text == text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="x", max_tokens=2, extra_body={"min_tokens": 3})
+    assert e.value.body["param"] == "min_tokens"
+
+
+def test_version(server):
+    r = requests.get(server.base_url + "/version", timeout=10)
+    assert r.status_code == 200
+    version = r.json()["version"]
+    out = subprocess.run([str(_binary()), "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["lantern", version]
+
+
+TEMPLATE = (
+    "{% if house_style %}<|im_start|>system\n{{ house_style }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """A server with a chat template that reads a variable of its own, its log kept."""
+    d = tmp_path_factory.mktemp("templated")
+    (d / "template.jinja").write_text(TEMPLATE)
+    log = open(d / "server.log", "w")
+    srv = start_server("--chat-template", str(d / "template.jinja"), stderr=log)
+    srv.log_path = d / "server.log"
+    yield srv
+    stop_server(srv)
+    log.close()
+
+
+def test_chat_template_kwargs_reach_the_template(templated):
+    client = templated.client()
+    kwargs = {"house_style": "Answer in French."}
+    plain = chat(client, templated, QUESTION, max_tokens=1)
+    styled = chat(client, templated, QUESTION, max_tokens=1, chat_template_kwargs=kwargs)
+    assert styled.usage.prompt_tokens > plain.usage.prompt_tokens
+    prompt = tokenize(templated, messages=QUESTION, chat_template_kwargs=kwargs)
+    assert len(prompt) == styled.usage.prompt_tokens
+    assert detokenize(templated, prompt).startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+    # The template's own variables win over a kwarg of the same name.
+    same = chat(client, templated, QUESTION, max_tokens=1, chat_template_kwargs={"messages": []})
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, templated, QUESTION, chat_template_kwargs={"house_style": "x" * 70000})
+    assert e.value.body["param"] == "chat_template_kwargs"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, templated, QUESTION, chat_template_kwargs=["house_style"])
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_unknown_fields_are_named_in_one_warning(templated):
+    client = templated.client()
+    r = chat(client, templated, QUESTION, max_tokens=2, frobnicate_level=3, guided_vibes="calm")
+    assert r.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [l for l in templated.log_path.read_text().splitlines() if "frobnicate_level" in l]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(lines) == 1, lines
+    assert "WARN" in lines[0] and "guided_vibes" in lines[0] and "ignored" in lines[0]
+    # Known fields are not named.
+    assert "max_tokens" not in lines[0] and "temperature" not in lines[0]

@@ -49,6 +49,13 @@ pub struct EngineArgs {
     /// A Jinja chat template file that replaces the model's own.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// Most tokens a request may hold, prompt and generated together (default: the
+    /// model's context). Requests over it are refused with a 400, as vLLM does.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
+    /// Threads of the compute pool (matrix products, attention). Default: one per core.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
 }
 
 impl EngineArgs {
@@ -70,11 +77,26 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             enable_prefix_caching: !self.no_prefix_caching,
             max_waiting_requests: self.max_waiting_requests,
+            max_model_len: self.max_model_len,
         }
+    }
+
+    /// Sizes the global compute pool (`--threads`) before anything uses it; returns the
+    /// pool's size.
+    pub fn init_threads(&self) -> Result<usize> {
+        if let Some(n) = self.threads {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(usize::from(n))
+                .thread_name(|i| format!("lantern-compute-{i}"))
+                .build_global()
+                .context("sizing the compute thread pool")?;
+        }
+        Ok(rayon::current_num_threads())
     }
 
     /// Loads the model (with a progress bar on a terminal) and starts an engine.
     pub fn build_engine(&self, verbose: bool) -> Result<Engine> {
+        self.init_threads()?;
         let path = self.model_path()?;
         if verbose {
             eprintln!("lantern: SIMD level {}", lantern_model::simd_level());

@@ -297,6 +297,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     Ok(())
 }
 
+/// Threads of the compute pool the figures ran on (`--threads`, else one per core).
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    rayon::current_num_threads()
 }

@@ -61,11 +61,17 @@ fn main() {
 }
 
 fn init_logging(verbose: bool) {
-    let default = if verbose { "info" } else { "warn" };
+    // The request log and the stats line are on by default, as vLLM's are.
+    let default = if verbose {
+        "info"
+    } else {
+        "warn,lantern::requests=info,lantern::stats=info"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("LANTERN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }

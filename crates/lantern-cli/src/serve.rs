@@ -3,8 +3,12 @@
 use crate::args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use lantern_server::{CaptureSettings, ConnectionLimits, EngineHandle, ServerConfig};
+use lantern_server::loading::ReadyRoutes;
+use lantern_server::{
+    CaptureSettings, ConnectionLimits, EngineHandle, EngineLogging, EngineThread, ServerConfig,
+};
 use std::io::Write;
+use std::sync::{Arc, OnceLock};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -63,6 +67,15 @@ pub struct ServeArgs {
     /// clients on this host that memory-map large captures); enables delivery "file".
     #[arg(long)]
     pub capture_dir: Option<std::path::PathBuf>,
+    /// Do not log a line per finished request (id, tokens, times, finish reason).
+    #[arg(long)]
+    pub disable_log_requests: bool,
+    /// Do not log the periodic stats line (throughput, running, waiting, KV cache use).
+    #[arg(long)]
+    pub disable_log_stats: bool,
+    /// Seconds between two stats lines while the engine has work.
+    #[arg(long, default_value_t = 10.0)]
+    pub log_stats_interval: f64,
 }
 
 /// `all`, or a list of layer indices.
@@ -117,23 +130,11 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
         args.max_connections > 0,
         "--max-connections must be at least 1"
     );
-    let engine_args = args.engine.clone();
-    let (engine, engine_thread) = EngineHandle::start(move || engine_args.build_engine(verbose))?;
-    let meta = engine.meta();
-    if let Some(bad) = args
-        .attention_capture_layers
-        .0
-        .iter()
-        .flatten()
-        .find(|&&l| l >= meta.num_layers)
-    {
-        engine.shutdown();
-        engine_thread.join();
-        anyhow::bail!(
-            "--attention-capture-layers names layer {bad}, but the model has {} layers",
-            meta.num_layers
-        );
-    }
+    let stats_interval = seconds("log-stats-interval", args.log_stats_interval)?;
+    let logging = EngineLogging {
+        requests: !args.disable_log_requests,
+        stats_interval: (!args.disable_log_stats).then_some(stats_interval),
+    };
     let config = ServerConfig {
         api_keys,
         served_model_name: args.served_model_name.clone(),
@@ -159,33 +160,113 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
         .thread_name("lantern-http")
         .build()
         .context("starting the async runtime")?;
-    let result = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
-        let router = lantern_server::router(engine.clone(), &config)
-            .context("starting the capture worker")?;
-        let name = engine.meta().name.clone();
-        println!("lantern: serving {name}");
-        println!("lantern: listening on http://{addr}");
-        std::io::stdout().flush().ok();
-        let on_signal = engine.clone();
-        lantern_server::serve_with_limits(listener, router, config.connections, async move {
-            shutdown_signal().await;
-            eprintln!("lantern: shutting down");
-            // Ends every request (their streams finish with `abort`), so the graceful
-            // shutdown does not wait on long generations.
-            on_signal.shutdown();
-        })
-        .await
-        .context("serving HTTP")
-    });
-    engine.shutdown();
-    drop(engine);
-    engine_thread.join();
+    // The engine, once loaded: the signal handler ends its requests.
+    let loaded: Arc<OnceLock<(EngineHandle, EngineThread)>> = Arc::new(OnceLock::new());
+    let result = runtime.block_on(serve_while_loading(
+        &args, verbose, &config, logging, &loaded,
+    ));
+    if let Some(engine) = Arc::into_inner(loaded).and_then(OnceLock::into_inner) {
+        let (engine, engine_thread) = engine;
+        engine.shutdown();
+        drop(engine);
+        engine_thread.join();
+    }
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     result
+}
+
+/// Binds the port first, answering as loading (`/health` 503) while the model loads on
+/// a blocking thread, then serves the real routes until a signal.
+async fn serve_while_loading(
+    args: &ServeArgs,
+    verbose: bool,
+    config: &ServerConfig,
+    logging: EngineLogging,
+    loaded: &Arc<OnceLock<(EngineHandle, EngineThread)>>,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    println!("lantern: loading the model; http://{addr}/health answers 503 until it is ready");
+    std::io::stdout().flush().ok();
+    let ready: ReadyRoutes = Arc::new(OnceLock::new());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let on_signal = loaded.clone();
+    let server = tokio::spawn(lantern_server::serve_with_limits(
+        listener,
+        lantern_server::loading::gate(ready.clone()),
+        config.connections,
+        async move {
+            tokio::select! {
+                _ = shutdown_signal() => eprintln!("lantern: shutting down"),
+                _ = stop_rx => {}
+            }
+            // Ends every request (their streams finish with `abort`), so the graceful
+            // shutdown does not wait on long generations.
+            if let Some((engine, _)) = on_signal.get() {
+                engine.shutdown();
+            }
+        },
+    ));
+    let engine_args = args.engine.clone();
+    let load = tokio::task::spawn_blocking(move || {
+        EngineHandle::start_logging(move || engine_args.build_engine(verbose), logging)
+    });
+    let built = tokio::select! {
+        built = load => Some(built.context("loading the model")?),
+        // A signal while loading ends the server; the load is abandoned with the process.
+        () = until_finished(&server) => None,
+    };
+    let Some(built) = built else {
+        eprintln!("lantern: stopped before the model finished loading");
+        return Ok(());
+    };
+    let (engine, engine_thread) = match built {
+        Ok(built) => built,
+        Err(e) => {
+            let _ = stop_tx.send(());
+            let _ = server.await;
+            return Err(e);
+        }
+    };
+    let meta = engine.meta();
+    if let Some(bad) = args
+        .attention_capture_layers
+        .0
+        .iter()
+        .flatten()
+        .find(|&&l| l >= meta.num_layers)
+    {
+        let layers = meta.num_layers;
+        engine.shutdown();
+        engine_thread.join();
+        let _ = stop_tx.send(());
+        let _ = server.await;
+        anyhow::bail!(
+            "--attention-capture-layers names layer {bad}, but the model has {layers} layers"
+        );
+    }
+    let routes =
+        lantern_server::router(engine.clone(), config).context("starting the capture worker")?;
+    let name = engine.meta().name.clone();
+    let _ = loaded.set((engine, engine_thread));
+    let _ = ready.set(routes);
+    println!("lantern: serving {name}");
+    println!("lantern: listening on http://{addr}");
+    std::io::stdout().flush().ok();
+    let _keep_open = stop_tx;
+    server
+        .await
+        .context("the HTTP server task failed")?
+        .context("serving HTTP")
+}
+
+/// Resolves when the server task has ended.
+async fn until_finished(server: &tokio::task::JoinHandle<std::io::Result<()>>) {
+    while !server.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.

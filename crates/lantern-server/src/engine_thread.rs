@@ -11,6 +11,7 @@
 use crate::error::ApiError;
 use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
 use crate::prompt::{PreparedItem, PromptLogits, Prompter};
+use crate::request_log::{log_finished, EngineLogging, StatsLog};
 use crate::stop::StopMatcher;
 use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
 use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
@@ -58,6 +59,8 @@ pub struct GenerationItem {
     pub prompt_logprobs: Option<usize>,
     /// Structured output: the compiled grammar the output follows.
     pub constraint: Option<Constraint>,
+    /// The response's id, for the request log.
+    pub request_id: Option<Arc<str>>,
 }
 
 /// What a sequence captures, and the most bytes it may take.
@@ -235,6 +238,18 @@ impl EngineHandle {
         F: FnOnce() -> Result<Engine, E> + Send + 'static,
         E: From<EngineBuildPanicked> + Send + 'static,
     {
+        Self::start_logging(build, EngineLogging::default())
+    }
+
+    /// [`Self::start`], writing the request log and stats lines `logging` asks for.
+    pub fn start_logging<F, E>(
+        build: F,
+        logging: EngineLogging,
+    ) -> Result<(EngineHandle, EngineThread), E>
+    where
+        F: FnOnce() -> Result<Engine, E> + Send + 'static,
+        E: From<EngineBuildPanicked> + Send + 'static,
+    {
         let (tx, rx) = mpsc::channel::<Command>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(ModelMeta, Prompter), E>>();
         let alive = Arc::new(AtomicBool::new(true));
@@ -278,7 +293,7 @@ impl EngineHandle {
                     info.context_length,
                 );
                 let _ = ready_tx.send(Ok((meta, prompter)));
-                EngineLoop::new(engine, rx, busy_in_thread).run();
+                EngineLoop::new(engine, rx, busy_in_thread, logging).run();
                 alive_in_thread.store(false, Ordering::SeqCst);
             })
             .expect("spawning the engine thread");
@@ -395,6 +410,7 @@ struct Live {
     max_tokens: usize,
     /// Stop strings are not matched in the text of the first `min_tokens` tokens.
     min_tokens: usize,
+    request_id: Option<Arc<str>>,
     arrival: Instant,
     last_token: Option<Instant>,
     /// Alternatives per token and the prompt, while its prompt logprobs are still due.
@@ -408,10 +424,17 @@ struct EngineLoop {
     metrics: EngineMetrics,
     shutting_down: bool,
     busy: Arc<AtomicBool>,
+    log_requests: bool,
+    stats_log: Option<StatsLog>,
 }
 
 impl EngineLoop {
-    fn new(engine: Engine, rx: mpsc::Receiver<Command>, busy: Arc<AtomicBool>) -> Self {
+    fn new(
+        engine: Engine,
+        rx: mpsc::Receiver<Command>,
+        busy: Arc<AtomicBool>,
+        logging: EngineLogging,
+    ) -> Self {
         let metrics = EngineMetrics::new(
             engine.model_info().context_length,
             engine.config().max_num_batched_tokens,
@@ -423,6 +446,33 @@ impl EngineLoop {
             metrics,
             shutting_down: false,
             busy,
+            log_requests: logging.requests,
+            stats_log: logging.stats_interval.map(StatsLog::new),
+        }
+    }
+
+    /// Waits for the next command while idle; when a stats line is still owed for the
+    /// last work, only until it is due. `None`: every handle is gone.
+    fn wait_idle(&mut self) -> Option<Option<Command>> {
+        let m = &self.metrics;
+        let owed = self
+            .stats_log
+            .as_ref()
+            .filter(|log| log.has_unlogged_work(m.prompt_tokens_total, m.generation_tokens_total));
+        match owed {
+            Some(log) => match self.rx.recv_timeout(log.due_in()) {
+                Ok(cmd) => Some(Some(cmd)),
+                Err(mpsc::RecvTimeoutError::Timeout) => Some(None),
+                Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            },
+            None => self.rx.recv().ok().map(Some),
+        }
+    }
+
+    fn log_stats(&mut self) {
+        if let Some(mut log) = self.stats_log.take() {
+            log.maybe_log(|| self.stats());
+            self.stats_log = Some(log);
         }
     }
 
@@ -432,9 +482,10 @@ impl EngineLoop {
                 .store(self.engine.has_unfinished(), Ordering::Relaxed);
             if !self.engine.has_unfinished() {
                 // Idle: sleep until a command arrives; every handle gone ends the thread.
-                match self.rx.recv() {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(_) => break,
+                match self.wait_idle() {
+                    Some(Some(cmd)) => self.handle(cmd),
+                    Some(None) => {}
+                    None => break,
                 }
             }
             while let Ok(cmd) = self.rx.try_recv() {
@@ -463,6 +514,7 @@ impl EngineLoop {
                     Err(e) => self.fail_all(&e),
                 }
             }
+            self.log_stats();
         }
         self.abort_all();
     }
@@ -606,6 +658,7 @@ impl EngineLoop {
                             completion_tokens: 0,
                             max_tokens,
                             min_tokens,
+                            request_id: item.request_id.clone(),
                             arrival: now,
                             last_token: None,
                             prompt_logprobs,
@@ -845,6 +898,10 @@ impl EngineLoop {
             },
         };
         self.metrics.observe_finished(&finished);
+        if self.log_requests {
+            let cached = completion.map_or(0, |c| c.num_cached_prompt_tokens);
+            log_finished(live.request_id.as_deref(), live.index, &finished, cached);
+        }
     }
 
     /// A step failed: every live request ends with the error.

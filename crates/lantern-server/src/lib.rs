@@ -15,11 +15,13 @@ pub mod capture;
 pub mod connections;
 pub mod engine_thread;
 pub mod error;
+pub mod loading;
 pub mod metrics;
 mod openai;
 pub mod prompt;
 pub mod protocol;
 pub mod request_guards;
+pub mod request_log;
 pub mod stop;
 pub mod structured;
 pub mod tools;
@@ -30,6 +32,7 @@ pub use engine_thread::{
     EngineBuildPanicked, EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput,
 };
 pub use error::ApiError;
+pub use request_log::EngineLogging;
 
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};

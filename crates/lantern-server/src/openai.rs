@@ -245,7 +245,12 @@ async fn generate(
             item.constraint = Some(constraint.fork());
         }
     }
-    let items = std::mem::take(&mut request.items);
+    let id = response_id(kind);
+    let mut items = std::mem::take(&mut request.items);
+    let log_id: std::sync::Arc<str> = id.as_str().into();
+    for item in &mut items {
+        item.request_id = Some(log_id.clone());
+    }
     let num_choices = items.len();
     let (accepted, events) = state.engine.add(items).await?;
     let guard = AbortGuard {
@@ -254,7 +259,7 @@ async fn generate(
     };
     let response = ResponseBuilder {
         kind,
-        id: response_id(kind),
+        id,
         created: unix_now(),
         model: state.served_model_name.to_string(),
         n: request.n,

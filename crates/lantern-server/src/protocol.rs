@@ -516,6 +516,7 @@ fn expand(
                 capture: None,
                 prompt_logprobs,
                 constraint: None,
+                request_id: None,
             });
         }
     }

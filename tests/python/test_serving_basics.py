@@ -1,0 +1,157 @@
+"""Serving basics: the port answers while the model loads (`/health` 503, then 200),
+`--max-model-len` caps requests with vLLM's 400, a log line per finished request and a
+periodic stats line, and `lantern bench` reports the `--threads` pool it ran on."""
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from conftest import API_KEY, ROOT, SERVED_MODEL_NAME, _binary, start_server, stop_server
+
+LOADING = re.compile(r"lantern: loading the model; (http://\S+)/health answers 503")
+
+
+def test_health_is_503_while_loading_then_200():
+    process = subprocess.Popen(
+        [str(_binary()), "serve", "--host", "127.0.0.1", "--port", "0", "--api-key", API_KEY,
+         "--served-model-name", SERVED_MODEL_NAME, "--kv-cache-memory", "512M",
+         *os.environ.get("LANTERN_SERVE_ARGS", "").split()],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        base = None
+        for line in process.stdout:
+            m = LOADING.search(line)
+            if m:
+                base = m.group(1)
+                break
+        assert base, "no loading line"
+        # The port is open at once, before the model is ready.
+        health = requests.get(base + "/health", timeout=10)
+        models = requests.get(base + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        version = requests.get(base + "/version", timeout=10)
+        assert health.status_code == 503, health.text
+        assert health.json() == {"status": "loading"}
+        assert models.status_code == 503
+        assert models.json()["error"]["code"] == "model_loading"
+        assert models.headers["retry-after"] == "1"
+        assert version.status_code == 200 and version.json()["version"]
+        deadline = time.monotonic() + 300
+        while requests.get(base + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "never became healthy"
+            time.sleep(0.05)
+        r = requests.get(base + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == SERVED_MODEL_NAME
+        # The line clients used to wait for comes once it is ready.
+        assert any("listening on" in line for line in [process.stdout.readline(), process.stdout.readline()])
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("capped") / "server.log"
+    log = open(log_path, "w")
+    srv = start_server("--max-model-len", "96", "--log-stats-interval", "1", stderr=log)
+    srv.log_path = log_path
+    yield srv
+    stop_server(srv)
+    log.close()
+
+
+def log_lines(server, pattern, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [l for l in server.log_path.read_text().splitlines() if re.search(pattern, l)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)
+
+
+def test_max_model_len_caps_requests(capped):
+    assert capped.context_length == 96
+    client = capped.client()
+    prompt = "one two three four five six seven eight nine ten " * 3
+    n = len(requests.post(capped.base_url + "/tokenize", json={"prompt": prompt},
+                          headers=capped.headers(), timeout=10).json()["tokens"])
+    assert 20 < n < 90
+    r = client.completions.create(model=capped.model, prompt=prompt, max_tokens=96 - n, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 96 - n
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=capped.model, prompt=prompt, max_tokens=97 - n)
+    assert e.value.body["param"] == "max_tokens"
+    assert "96" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=capped.model, prompt=prompt * 4, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+    # Without max_tokens (chat's default), generation stops at the cap.
+    r = client.chat.completions.create(model=capped.model, messages=[{"role": "user", "content": prompt}],
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 96
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_max_model_len_over_the_model_is_refused():
+    r = subprocess.run([str(_binary()), "serve", "--port", "0", "--max-model-len", "100000000"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1
+    assert "--max-model-len 100000000" in r.stderr
+
+
+def test_each_finished_request_is_logged(capped):
+    client = capped.client()
+    r = client.chat.completions.create(
+        model=capped.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0, extra_body={"ignore_eos": True},
+    )
+    lines = log_lines(capped, re.escape(r.id))
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "INFO" in line and "choice 0: length" in line
+    assert f"prompt {r.usage.prompt_tokens} tokens" in line
+    assert "generated 5 tokens" in line
+    for part in ("queue ", "ttft ", "total "):
+        assert re.search(part + r"\d+\.\d{3} s", line), (part, line)
+
+
+def test_stats_line_while_busy(capped):
+    client = capped.client()
+    done = threading.Event()
+
+    def long_stream():
+        s = client.completions.create(model=capped.model, prompt="Once", max_tokens=80, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        for _ in s:
+            pass
+        done.set()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    lines = log_lines(capped, r"Running: [1-9]\d* reqs", timeout_s=30)
+    t.join(60)
+    assert done.is_set()
+    assert lines, "no stats line while a request ran"
+    line = lines[0]
+    m = re.search(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+                  r"Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache usage: ([\d.]+)%", line)
+    assert m, line
+    assert float(m.group(2)) > 0
+    assert 0 < float(m.group(5)) <= 100
+
+
+def test_bench_reports_the_thread_pool_it_used():
+    r = subprocess.run(
+        [str(_binary()), "bench", "--threads", "2", "--json", "--prompt-tokens", "16",
+         "--decode-tokens", "2", "--batches", "2", "--repeat", "1", "--kv-cache-memory", "64M"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=True,
+    )
+    assert json.loads(r.stdout.strip().splitlines()[-1])["threads"] == 2

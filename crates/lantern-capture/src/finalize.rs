@@ -118,8 +118,9 @@ pub fn snapshot_layer(
     })
 }
 
-/// The keys a capture of rows `rows` on `layer` needs: from the first key the first row
-/// can see up to `num_keys`.
+/// The keys a capture of rows `rows` on `layer` needs, of the `num_keys` computed: from
+/// the first key the first row can see to the last key the last row can see. Keys past
+/// the last row are never visible to it, so they are neither read nor delivered.
 pub fn keys_needed(
     layer: &AttentionLayerSpec,
     rows: Range<usize>,
@@ -128,7 +129,8 @@ pub fn keys_needed(
     if rows.is_empty() {
         return 0..0;
     }
-    layer.visible_key_range(rows.start).start.min(num_keys)..num_keys
+    let end = layer.visible_key_range(rows.end - 1).end.min(num_keys);
+    layer.visible_key_range(rows.start).start.min(end)..end
 }
 
 /// A finished request's capture, with everything finalization needs; the request's
@@ -176,7 +178,17 @@ impl PendingCapture {
                 .sum::<usize>()
     }
 
-    /// Dense probabilities of captured layer slot `slot`: `[rows, heads, num_keys]`
+    /// Columns of every map: keys `0..num_keys()`, up to the last key any captured
+    /// row sees.
+    pub fn num_keys(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(_, s)| s.num_keys)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Dense probabilities of captured layer slot `slot`: `[rows, heads, num_keys()]`
     /// with every requested head, before reduction and top-k.
     pub fn probabilities(&self, slot: usize, rows: Range<usize>) -> Result<Vec<f32>, CaptureError> {
         let (layer, keys) = self
@@ -184,12 +196,12 @@ impl PendingCapture {
             .get(slot)
             .ok_or_else(|| CaptureError::Incomplete(format!("no keys for layer slot {slot}")))?;
         let heads = &self.buffer.spec().heads;
-        let num_keys = keys.num_keys;
+        let num_keys = self.num_keys();
         let mut out = vec![0f32; rows.len() * heads.len() * num_keys];
         let mut logits = Vec::with_capacity(num_keys);
         for (ri, pos) in rows.clone().enumerate() {
             let visible = layer.visible_key_range(pos);
-            let visible = visible.start.max(keys.first_key)..visible.end.min(num_keys);
+            let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys);
             for (hi, &h) in heads.iter().enumerate() {
                 let q = self.buffer.query(slot, pos, hi).ok_or_else(|| {
                     CaptureError::Incomplete(format!("no query row for position {pos}"))
@@ -222,7 +234,7 @@ impl PendingCapture {
     ) -> Result<CaptureResult, CaptureError> {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
-        let num_keys = self.num_computed;
+        let num_keys = self.num_keys();
         let mut maps = Vec::with_capacity(self.layers.len());
         for (slot, &layer_idx) in spec.layers.iter().enumerate() {
             let dense = self.probabilities(slot, rows.clone())?;

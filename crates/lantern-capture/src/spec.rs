@@ -228,19 +228,47 @@ impl CaptureSpec {
 
     /// Upper bound of the delivered size in bytes for a prompt of `prompt_len` tokens
     /// and up to `max_tokens` generated ones (the maps and top-k indices, before
-    /// compression).
+    /// compression). Only the rows asked for count, and only the keys they can see:
+    /// a map's columns end at its last row (attention is causal), so prompt rows cost
+    /// the same whatever `max_tokens` is.
     pub fn estimate_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
-        let total = prompt_len + max_tokens;
-        let rows = self.rows.positions(prompt_len, total).len() as u64;
-        let keys = total as u64;
+        let total = prompt_len.saturating_add(max_tokens);
+        let rows = self.rows.positions(prompt_len, total);
+        let keys = rows.end as u64;
         let per_row_head = match self.top_k {
             Some(k) => (k as u64).min(keys) * (self.dtype.size_bytes() + 4),
             None => keys * self.dtype.size_bytes(),
         };
         (self.layers.len() as u64)
             .saturating_mul(self.output_heads() as u64)
-            .saturating_mul(rows)
+            .saturating_mul(rows.len() as u64)
             .saturating_mul(per_row_head)
+    }
+
+    /// The most tokens (up to `room`) a request may generate with its capture's
+    /// estimate at most `limit_bytes`: `room` when the rows asked for do not grow with
+    /// generation, `None` when not even one token fits.
+    pub fn max_tokens_within(
+        &self,
+        prompt_len: usize,
+        room: usize,
+        limit_bytes: u64,
+    ) -> Option<usize> {
+        let fits = |m: usize| self.estimate_bytes(prompt_len, m) <= limit_bytes;
+        if !fits(1.min(room)) {
+            return None;
+        }
+        // The estimate never shrinks as `max_tokens` grows: bisect.
+        let (mut lo, mut hi) = (1.min(room), room);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Some(lo)
     }
 
     /// Refuses a capture whose estimate is over `limit_bytes`.
@@ -321,5 +349,32 @@ mod tests {
         assert_eq!(s.estimate_bytes(6, 4), 2 * 10 * 3 * (2 + 4));
         assert!(s.check_size(6, 4, 10).is_err());
         assert!(s.check_size(6, 4, 1000).is_ok());
+    }
+
+    #[test]
+    fn estimate_counts_only_the_rows_asked_for_and_the_keys_they_see() {
+        let mut s = CaptureSpec::everything(2, 3);
+        s.rows = RowSelection::Prompt;
+        // 6 prompt rows see 6 keys, however long the generation.
+        assert_eq!(s.estimate_bytes(6, 0), 2 * 3 * 6 * 6 * 4);
+        assert_eq!(s.estimate_bytes(6, 1_000_000), 2 * 3 * 6 * 6 * 4);
+        s.rows = RowSelection::Generated;
+        assert_eq!(s.estimate_bytes(6, 4), 2 * 3 * 4 * 10 * 4);
+        assert_eq!(s.estimate_bytes(6, 0), 0);
+        s.rows = RowSelection::Range { start: 2, end: 5 };
+        assert_eq!(s.estimate_bytes(6, 100), 2 * 3 * 3 * 5 * 4);
+    }
+
+    #[test]
+    fn max_tokens_within_the_cap() {
+        let mut s = CaptureSpec::everything(1, 1);
+        // 1 x 1 x n x n x 4 <= 400 while n <= 10: a prompt of 4 leaves 6 tokens.
+        assert_eq!(s.max_tokens_within(4, 1000, 400), Some(6));
+        assert_eq!(s.max_tokens_within(4, 3, 400), Some(3));
+        assert_eq!(s.max_tokens_within(10, 1000, 400), None);
+        s.rows = RowSelection::Prompt;
+        assert_eq!(s.max_tokens_within(10, 1000, 400), Some(1000));
+        assert_eq!(s.max_tokens_within(11, 1000, 400), None);
+        assert_eq!(s.max_tokens_within(4, 0, 400), Some(0));
     }
 }

@@ -491,7 +491,9 @@ impl Engine {
                 }
                 req.prompt_logits_complete = req.prompt_logits.len() == wanted;
             }
-            if rows.samples {
+            if rows.samples && req.params.max_tokens == 0 {
+                outputs.push(self.finish_prompt_only(rows.id));
+            } else if rows.samples {
                 let row = logits.row(rows.first_row + rows.num_prompt_rows);
                 outputs.push(self.append_token(rows.id, row)?);
             }
@@ -586,6 +588,19 @@ impl Engine {
             }
         }
         result
+    }
+
+    /// Ends a `max_tokens: 0` request once its whole prompt has run: nothing is
+    /// sampled, its capture covers every prompt row.
+    fn finish_prompt_only(&mut self, id: RequestId) -> RequestOutput {
+        self.finish(id, FinishReason::Length);
+        RequestOutput {
+            id,
+            new_token_ids: Vec::new(),
+            new_text: String::new(),
+            finished: Some(FinishReason::Length),
+            logprobs: None,
+        }
     }
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {

@@ -16,6 +16,8 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Seed of the request's own random stream, for reproducible sampling.
     pub seed: Option<u64>,
+    /// Tokens to generate at most; 0 runs the prompt only (its captures and prompt
+    /// logits) and samples nothing.
     pub max_tokens: usize,
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: bool,
@@ -103,9 +105,6 @@ impl SamplingParams {
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
             ));
-        }
-        if self.max_tokens == 0 {
-            return Err("max_tokens must be at least 1".to_string());
         }
         if self.min_tokens > self.max_tokens {
             return Err(format!(

@@ -2,6 +2,7 @@
 //! scheduling (chunking, preemption, prefix caching, aborts, block accounting).
 
 use candle_core::quantized::GgmlDType;
+use lantern_engine::lantern_capture::CaptureSpec;
 use lantern_engine::{Engine, EngineConfig, FinishReason, SamplingParams};
 use lantern_model::synthetic::TinyLlama;
 use lantern_model::{load_model, LoadOptions};
@@ -181,11 +182,54 @@ fn bad_requests_are_refused_with_a_reason() {
     assert!(
         err(engine.add_request(vec![100_000], SamplingParams::greedy(4))).contains("vocabulary")
     );
-    let zero = SamplingParams::greedy(0);
-    assert!(err(engine.add_request(vec![1], zero)).contains("max_tokens"));
     // 8 blocks of 4 tokens can never hold 40 tokens.
     assert!(err(engine.add_request(vec![1; 30], SamplingParams::greedy(10))).contains("never fit"));
     assert!(!engine.has_unfinished());
+}
+
+/// `max_tokens: 0` runs the whole prompt and samples nothing: the capture has every
+/// prompt row (none absent) and the blocks go back.
+#[test]
+fn max_tokens_zero_runs_the_prompt_only() {
+    let (mut engine, _dir) = tiny_engine(config(blocks(64)));
+    let info = engine.model_info().clone();
+    let prompt = prompts(3).remove(2);
+    let n = prompt.len();
+    let spec = CaptureSpec::everything(info.num_layers, info.attention[0].num_heads);
+    let id = engine
+        .add_request_with_capture(prompt.clone(), SamplingParams::greedy(0), Some(spec))
+        .unwrap();
+    let plain = engine
+        .add_request(prompt, SamplingParams::greedy(0))
+        .unwrap();
+    let mut outputs = Vec::new();
+    while engine.has_unfinished() {
+        outputs.extend(engine.step().unwrap());
+    }
+    for id in [id, plain] {
+        let last = outputs.iter().rfind(|o| o.id == id).unwrap();
+        assert!(last.new_token_ids.is_empty());
+        assert_eq!(last.finished, Some(FinishReason::Length));
+    }
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+    let done = engine.take_completion(id).unwrap();
+    assert!(done.token_ids.is_empty() && done.text.is_empty());
+    assert_eq!(done.finish_reason, FinishReason::Length);
+    let result = done.capture.unwrap().unwrap().finalize().unwrap();
+    assert_eq!(result.meta.row_positions, (0..n).collect::<Vec<_>>());
+    assert_eq!(result.meta.key_positions, (0..n).collect::<Vec<_>>());
+    assert!(result.meta.absent_rows.is_empty());
+    for map in &result.layers {
+        let keys = map.shape[2];
+        for (i, row) in map.values.chunks(keys).enumerate() {
+            let sum: f32 = row.iter().sum();
+            assert!((sum - 1.0).abs() < 1e-4, "row {i} sums to {sum}");
+        }
+    }
+    assert!(engine.take_completion(plain).unwrap().token_ids.is_empty());
 }
 
 #[test]

@@ -720,6 +720,26 @@ impl EngineLoop {
                 lo.max(1)
             }
         };
+        let max_tokens = match &item.capture {
+            Some(capture) => {
+                // Unasked, generation stops where the capture would outgrow the cap.
+                let max_tokens = match item.max_tokens {
+                    Some(m) => m,
+                    None => capture
+                        .spec
+                        .max_tokens_within(ids.len(), max_tokens, capture.max_bytes)
+                        .unwrap_or(max_tokens.min(1)),
+                };
+                crate::capture::check_capture_size(
+                    &capture.spec,
+                    ids.len(),
+                    max_tokens,
+                    capture.max_bytes,
+                )?;
+                max_tokens
+            }
+            None => max_tokens,
+        };
         if item.params.min_tokens > max_tokens {
             return Err(ApiError::field(
                 "min_tokens",
@@ -730,14 +750,6 @@ impl EngineLoop {
             ));
         }
         item.params.max_tokens = max_tokens;
-        if let Some(capture) = &item.capture {
-            crate::capture::check_capture_size(
-                &capture.spec,
-                ids.len(),
-                max_tokens,
-                capture.max_bytes,
-            )?;
-        }
         Ok((item, ids, echo_text))
     }
 

@@ -216,6 +216,26 @@ fn attach_capture(
     }))
 }
 
+/// `max_tokens: 0` runs the prompt only, which is only of use for what the prompt
+/// yields: a capture, or the prompt echoed with its logprobs (completions, as vLLM).
+fn check_prompt_only(
+    body: &Value,
+    request: &GenerationRequest,
+    captures: bool,
+) -> Result<(), ApiError> {
+    if captures || request.echo || request.items.iter().all(|i| i.max_tokens != Some(0)) {
+        return Ok(());
+    }
+    let field = match body.get("max_completion_tokens") {
+        Some(v) if !v.is_null() => "max_completion_tokens",
+        _ => "max_tokens",
+    };
+    Err(ApiError::field(
+        field,
+        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture, or echo on /v1/completions"),
+    ))
+}
+
 async fn generate(
     state: AppState,
     headers: &HeaderMap,
@@ -239,6 +259,7 @@ async fn generate(
         );
     }
     let capture = attach_capture(&state, headers, &value, &mut request)?;
+    check_prompt_only(&value, &request, capture.is_some())?;
     if let Some(guide) = request.guide.take() {
         let constraint = crate::structured::compile(&state.engine.meta().guided, guide).await?;
         for item in &mut request.items {

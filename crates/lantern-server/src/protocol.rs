@@ -245,7 +245,8 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         (None, m) => ("max_tokens", m),
     };
     let max_tokens = match max_value {
-        Some(m) if m <= 0 => {
+        // 0 (the prompt only) is allowed with a capture; see `openai::generate`.
+        Some(m) if m < 0 => {
             return Err(ApiError::field(
                 max_field,
                 format!("{max_field} must be at least 1, got {m}"),
@@ -897,7 +898,7 @@ mod tests {
         assert!(e.message.contains("wizard"), "{}", e.message);
         let msg = json!([{"role": "user", "content": "x"}]);
         for (body, field) in [
-            (json!({"messages": msg, "max_tokens": 0}), "max_tokens"),
+            (json!({"messages": msg, "max_tokens": -1}), "max_tokens"),
             (
                 json!({"messages": msg, "max_completion_tokens": -3}),
                 "max_completion_tokens",

@@ -1,5 +1,5 @@
 """Attention capture through a real `lantern serve`, driven by the official openai client
-with `extra_body`, decoded with the repository's helper (clients/python/lantern_attn.py):
+with `extra_body`, decoded with the repository's helper (clients/python, the lantern_attn package):
 every delivery (inline JSON, reference, file, streamed) round-trips, and bad requests get
 a 400 naming the field before any work."""
 
@@ -140,7 +140,8 @@ def test_reference_delivery_is_per_key_and_deletable(cap_server, cap_client):
     assert capture_id.startswith("cap-") and "attn_capture_data" not in r
     fetched = lantern_attn.fetch(cap_server.base_url + "/v1", capture_id, api_key=API_KEY)
     assert fetched.layers[5].dtype == np.float16
-    assert fetched.layers[5].shape == (inline.prompt_len, 1, inline.total_len - 1)
+    # Prompt rows see the prompt's keys only: the columns end there.
+    assert fetched.layers[5].shape == (inline.prompt_len, 1, inline.prompt_len)
     np.testing.assert_array_equal(fetched.layers[5], inline.layers[5])
     assert fetched.meta["tokens"] == inline.meta["tokens"]
     url = f"{cap_server.base_url}/v1/captures/{capture_id}"

@@ -1,4 +1,4 @@
-"""Unit tests of the Python helper clients/python/lantern_attn.py, with no server.
+"""Unit tests of the Python package clients/python (lantern_attn), with no server.
 
 Captures are synthesized with numpy and encoded here by hand, exactly as the wire format
 contract says (docs/capture-format-draft.md): gzip+base64 JSON for inline delivery, and
@@ -9,8 +9,10 @@ malformed input with a ValueError that says what is wrong. None of these tests u
 
 import base64
 import gzip
+import html
 import http.server
 import json
+import re
 import struct
 import sys
 import threading
@@ -638,3 +640,75 @@ def test_random_corruption_only_raises_value_errors():
                     cap.dense(layer)
                 except ValueError:
                     pass
+
+
+# ----------------------------------------------------------------------------- other shapes
+
+
+@pytest.mark.parametrize(
+    "kind", [dict(), dict(top_k=3), dict(reduce="mean_heads", dtype="float16"), dict(rows=[2, 3, 4])]
+)
+def test_to_hf_is_transformers_output_attentions(kind):
+    """One float32 [1, heads, total, total] per layer: row p, column k is the capture's
+    probability of query p for key k; rows without probabilities are zeros, listed."""
+    meta, maps, indices, full = make_capture(seed=11, **kind)
+    cap = lantern_attn.from_response(inline_response(meta, maps, indices))
+    attentions = cap.to_hf()
+    assert isinstance(attentions, tuple) and len(attentions) == len(LAYERS)
+    assert attentions.layers == LAYERS and attentions.heads == HEADS
+    heads = 1 if meta["reduce"] != "none" else len(HEADS)
+    rows = meta["row_positions"]
+    assert attentions.absent_rows == [p for p in range(meta["total_len"]) if p not in rows]
+    for layer, a in zip(LAYERS, attentions):
+        assert isinstance(a, np.ndarray) and a.dtype == np.float32
+        assert a.shape == (1, heads, meta["total_len"], meta["total_len"])
+        expected = np.zeros_like(a)
+        dense = full[layer]
+        if meta["top_k"]:
+            dense = cap.dense(layer)  # the kept values only
+        for i, p in enumerate(rows):
+            expected[0, :, p, : dense.shape[-1]] = dense[i]
+        np.testing.assert_array_equal(a, expected)
+        for p in attentions.absent_rows:
+            assert not a[0, :, p].any()
+
+
+def test_to_hf_and_bertviz_with_torch_or_numpy():
+    meta, maps, indices, _ = make_capture(seed=12)
+    cap = lantern_attn.from_response(inline_response(meta, maps, indices))
+    with pytest.raises(ValueError, match="return_tensors"):
+        cap.to_hf(return_tensors="tf")
+    attention, tokens = cap.to_bertviz()
+    assert tokens == cap.tokens and len(tokens) == meta["total_len"]
+    try:
+        import torch
+    except ImportError:
+        with pytest.raises(ImportError, match="torch"):
+            cap.to_hf(return_tensors="pt")
+        assert all(isinstance(a, np.ndarray) for a in attention)
+        return
+    assert all(isinstance(a, torch.Tensor) for a in attention)
+    for ours, theirs in zip(cap.to_hf(), cap.to_hf(return_tensors="pt")):
+        np.testing.assert_array_equal(ours, theirs.numpy())
+
+
+def test_to_html_is_the_viewer_with_the_capture_inside():
+    meta, maps, indices, _ = make_capture(seed=13, top_k=2)
+    meta["tokens"][1]["text"] = "</script><script>window.hacked=1</script>"
+    cap = lantern_attn.from_response(inline_response(meta, maps, indices))
+    page = cap.to_html(title="my capture")
+    assert page.startswith("<!doctype html>")
+    assert "/*LANTERN_CAPTURE_JSON*/" not in page
+    assert "<script src" not in page and "http://" not in page and "https://" not in page
+    assert "window.hacked" in page and "</script><script>window.hacked" not in page
+    slot = re.search(r'<script type="application/json" id="capture">(.*?)</script>', page, re.S)
+    data = json.loads(slot.group(1))
+    assert data["source"] == "my capture" and data["meta"] == meta
+    for entry, layer in zip(data["layers"], LAYERS):
+        values = np.frombuffer(base64.b64decode(entry["values"]), dtype="<f4").reshape(entry["shape"])
+        np.testing.assert_array_equal(values, maps[layer].astype(np.float32))
+        idx = np.frombuffer(base64.b64decode(entry["indices"]), dtype="<i4").reshape(entry["shape"])
+        np.testing.assert_array_equal(idx, indices[layer])
+    frame = cap._repr_html_()
+    assert frame.startswith("<iframe srcdoc=") and "&lt;!doctype html&gt;" in frame
+    assert html.unescape(re.search(r'srcdoc="([^"]*)"', frame).group(1)) == cap.to_html()

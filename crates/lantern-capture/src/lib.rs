@@ -10,12 +10,14 @@
 //! - [`result`]: the finished capture and its token metadata.
 //! - [`worker`]: the low-priority thread that finalizes captures off the step loop.
 //! - [`wire`]: JSON (gzip+base64 per layer) and safetensors encodings, both ways.
+//! - [`view`]: the HTML viewer page, with a capture inside or fetching one.
 
 pub mod buffer;
 pub mod error;
 pub mod finalize;
 pub mod result;
 pub mod spec;
+pub mod view;
 pub mod wire;
 pub mod worker;
 

@@ -5,19 +5,13 @@
 //! `attn_capture_meta` (delivery "inline"); see docs/capture-format-draft.md.
 
 use anyhow::{anyhow, bail, Context, Result};
-use base64::engine::general_purpose::STANDARD as BASE64;
-use base64::Engine as _;
 use clap::{Args, Subcommand, ValueEnum};
 use half::f16;
 use lantern_capture::{wire, CaptureDtype, CaptureResult, LayerMap};
 use npyz::WriterBuilder;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::fs;
 use std::path::{Path, PathBuf};
-
-/// The page of `lantern attn view`; the capture replaces [`DATA_SLOT`].
-const VIEW_TEMPLATE: &str = include_str!("attn_view.html");
-const DATA_SLOT: &str = "/*LANTERN_CAPTURE_JSON*/";
 
 #[derive(Args, Debug)]
 pub struct AttnArgs {
@@ -113,37 +107,10 @@ fn view(args: ViewArgs) -> Result<()> {
         || args.file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let page = view_page(&result, &source);
+    let page = lantern_capture::view::embedded_page(&result, &source);
     fs::write(&output, page).with_context(|| format!("cannot write {}", output.display()))?;
     println!("wrote {}", output.display());
     Ok(())
-}
-
-/// The page with the capture embedded: values as base64 little-endian f32, top-k
-/// indices as base64 little-endian i32 (the page scatters them into dense maps).
-fn view_page(result: &CaptureResult, source: &str) -> String {
-    let layers: Vec<Value> = result
-        .layers
-        .iter()
-        .map(|layer| {
-            let values: Vec<u8> = layer.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let indices = layer.indices.as_ref().map(|indices| {
-                let bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
-                BASE64.encode(bytes)
-            });
-            json!({
-                "layer_idx": layer.layer_idx,
-                "shape": layer.shape,
-                "values": BASE64.encode(values),
-                "indices": indices,
-            })
-        })
-        .collect();
-    let data = json!({ "source": source, "meta": result.meta, "layers": layers });
-    // Inside <script>, "</script>" in a token must not end the element: `<` only occurs
-    // in JSON strings, where \u003c means the same.
-    let data = data.to_string().replace('<', "\\u003c");
-    VIEW_TEMPLATE.replacen(DATA_SLOT, &data, 1)
 }
 
 fn export(args: ExportArgs) -> Result<()> {

@@ -363,7 +363,13 @@ impl CaptureStore {
         Ok(id)
     }
 
-    fn not_found(id: &str) -> ApiError {
+    /// Whether capture `id` is stored, whoever owns it.
+    pub fn contains(&self, id: &str) -> bool {
+        self.purge();
+        self.entries.lock().is_ok_and(|e| e.contains_key(id))
+    }
+
+    pub(crate) fn not_found(id: &str) -> ApiError {
         ApiError::not_found(format!(
             "no capture `{id}`: it never existed, expired, was deleted, or belongs to another API key"
         ))

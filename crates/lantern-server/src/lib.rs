@@ -140,6 +140,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
     });
     Ok(Router::new()
         .merge(v1)
+        .route("/v1/captures/{id}/view", get(view_capture))
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
@@ -200,6 +201,18 @@ async fn get_capture(
             .into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// `GET /v1/captures/{id}/view`: the viewer page, which fetches the capture from
+/// `GET /v1/captures/{id}`. A browser opening a page sends no bearer token, so this
+/// route asks for none: the page holds no capture data, and its fetch is checked as
+/// usual (the key goes after `#key=` in the page's address, which no server sees).
+async fn view_capture(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if !state.captures.contains(&id) {
+        return CaptureStore::not_found(&id).into_response();
+    }
+    let page = lantern_engine::lantern_capture::view::fetching_page(&format!("../{id}"), &id);
+    axum::response::Html(page).into_response()
 }
 
 /// `DELETE /v1/captures/{id}`: frees a stored capture.

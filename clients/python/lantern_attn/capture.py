@@ -1,15 +1,7 @@
-"""Read lantern attention captures into numpy arrays, with token labels.
+"""Reading lantern attention captures into numpy arrays, with token labels.
 
-One module, numpy and the standard library only (it never unpickles anything). The
-wire format is docs/capture-format-draft.md; the user guide is docs/attention-capture.md.
-
-    import lantern_attn
-    r = client.chat.completions.create(..., extra_body={"attn_capture": True})
-    cap = lantern_attn.from_response(r)        # inline data, or a file path
-    cap.layers[7]                              # [rows, heads, keys], float32 or float16
-    cap.row_labels, cap.key_labels             # "12:' the'"
-    cap = lantern_attn.fetch("http://127.0.0.1:8000/v1", r.attn_capture_id, api_key=KEY)
-    cap = lantern_attn.load("capture.safetensors")   # memory-mapped
+numpy and the standard library only (it never unpickles anything). The wire format is
+docs/capture-format-draft.md; the user guide is docs/attention-capture.md.
 
 Maps are `[rows, heads, keys]`: row i is the query at absolute position
 `row_positions[i]`, key j the key at `key_positions[j]`. After a head reduction
@@ -30,9 +22,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .convert import HFAttentions
 
 __all__ = [
     "Capture",
@@ -237,6 +232,40 @@ class Capture:
         cols = order[at]
         np.put_along_axis(out, cols, values.astype(np.float32), axis=-1)
         return out
+
+    # -- other libraries' shapes
+
+    def to_hf(self, return_tensors: str = "np") -> "HFAttentions":
+        """The tuple transformers returns for ``output_attentions=True`` over the whole
+        sequence (``token_ids``): one float32 ``[1, heads, total_len, total_len]`` per
+        captured layer. Rows that have no probabilities (not asked for, or absent) are
+        zeros and listed in ``.absent_rows``; ``.layers`` and ``.heads`` say which
+        layers and heads the entries are. ``return_tensors="pt"`` gives torch tensors.
+        """
+        from .convert import to_hf
+
+        return to_hf(self, return_tensors)
+
+    def to_bertviz(self, return_tensors: Optional[str] = None) -> tuple:
+        """``(attention, tokens)``, what bertviz's ``head_view`` and ``model_view``
+        take: ``head_view(*cap.to_bertviz())``. Torch tensors when torch is installed
+        (bertviz needs it), else numpy arrays."""
+        from .convert import to_bertviz
+
+        return to_bertviz(self, return_tensors)
+
+    def to_html(self, title: Optional[str] = None) -> str:
+        """A self-contained HTML page (no network) with the capture as a heatmap: the
+        viewer of ``lantern attn view`` and ``GET /v1/captures/{id}/view``."""
+        from .view import to_html
+
+        return to_html(self, title)
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows a capture as its viewer, in an iframe of its own."""
+        from .view import notebook_html
+
+        return notebook_html(self)
 
     def __repr__(self) -> str:
         shape = next(iter(self.layers.values())).shape if self.layers else None
@@ -460,13 +489,15 @@ _RESPONSE_FIELDS = (
 )
 
 
-def from_response(resp: Any) -> Capture:
+def from_response(resp: Any, client: Any = None) -> Capture:
     """The capture of a completions / chat.completions response.
 
     `resp`: the parsed JSON (dict) of a response or of the last streamed chunk, its JSON
-    text, an `openai` client response object, or the list of a stream's chunks. Inline data is decoded; a response
-    that carries `attn_capture_path` (delivery "file") is read from that file (on this
-    machine). A reference (`attn_capture_id`) needs `fetch()`.
+    text, an `openai` client response object, or the list of a stream's chunks. Inline
+    data is decoded; a response that carries `attn_capture_path` (delivery "file") is
+    read from that file (on this machine). A reference (`attn_capture_id`) is
+    downloaded with `client`, the `openai.OpenAI` client that made the request (its
+    base URL and API key), or with `fetch()`.
     """
     if isinstance(resp, (list, tuple)):
         # The streamed chunks: the capture is on the last one that has it.
@@ -485,10 +516,13 @@ def from_response(resp: Any) -> Capture:
         return _from_inline(obj)
     if obj.get("attn_capture_path"):
         return load(obj["attn_capture_path"])
+    if obj.get("attn_capture_id") and client is not None:
+        return fetch(str(client.base_url), obj["attn_capture_id"], api_key=client.api_key)
     if obj.get("attn_capture_id"):
         raise CaptureError(
             f"the capture was delivered by reference (attn_capture_id={obj['attn_capture_id']!r}); "
-            "download it with lantern_attn.fetch(base_url, capture_id, api_key=...)"
+            "download it with from_response(r, client=client) or "
+            "lantern_attn.fetch(base_url, capture_id, api_key=...)"
         )
     raise CaptureError(
         "no attention capture in this response (no attn_capture_data, attn_capture_path or "

@@ -217,7 +217,7 @@ fn attach_capture(
 }
 
 /// `max_tokens: 0` runs the prompt only, which is only of use for what the prompt
-/// yields: a capture, or the prompt echoed with its logprobs (completions, as vLLM).
+/// yields: a capture, or the prompt echoed (with its logprobs on completions, as vLLM).
 fn check_prompt_only(
     body: &Value,
     request: &GenerationRequest,
@@ -232,7 +232,7 @@ fn check_prompt_only(
     };
     Err(ApiError::field(
         field,
-        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture, or echo on /v1/completions"),
+        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture or echo"),
     ))
 }
 

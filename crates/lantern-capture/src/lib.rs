@@ -22,7 +22,7 @@ pub mod wire;
 pub mod worker;
 
 pub use buffer::{QueryRowBuffer, StepTap};
-pub use error::CaptureError;
+pub use error::{CaptureError, CaptureFailure};
 pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
 pub use spec::{CaptureDtype, CaptureSpec, HeadReduce, RowSelection};

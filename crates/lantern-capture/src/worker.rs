@@ -109,7 +109,13 @@ impl CaptureWorker {
                 let pacer = Pacer::new(engine_busy);
                 for job in rx {
                     pacer.start();
-                    job(&pacer);
+                    // One job's panic must not end the thread: the jobs after it (and
+                    // every later submit) would fail too.
+                    let ran =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&pacer)));
+                    if ran.is_err() {
+                        tracing::error!("a capture job panicked; the worker goes on");
+                    }
                 }
             })?;
         Ok(Self {
@@ -181,6 +187,24 @@ mod tests {
             }
         }
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_panicking_job_fails_alone_and_the_worker_serves_the_next() {
+        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(false)), 4).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let before = tx.clone();
+        worker.submit(move |_| before.send(0).unwrap()).unwrap();
+        worker
+            .submit(|_| panic!("injected fault: panic while finalizing a capture"))
+            .unwrap();
+        let after = tx.clone();
+        worker.submit(move |_| after.send(2).unwrap()).unwrap();
+        assert_eq!(rx.recv().unwrap(), 0);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), 2);
+        assert_eq!(worker.queued(), 0);
+        worker.submit(move |_| tx.send(3).unwrap()).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), 3);
     }
 
     #[test]

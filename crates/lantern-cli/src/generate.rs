@@ -63,7 +63,7 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
         seed: args.seed,
         max_tokens: args.max_tokens,
         ignore_eos: args.ignore_eos,
-        stop_token_ids: Vec::new(),
+        stop_token_ids: std::sync::Arc::new([]),
         prompt_logits: false,
         ..SamplingParams::default()
     };

@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// Seconds between two stats lines while the engine has work.
     #[arg(long, default_value_t = 10.0)]
     pub log_stats_interval: f64,
+    /// Tests of fault containment only: panic where told (`panic-at-step:N`,
+    /// `panic-at-admission:N`, `panic-at-capture:N`).
+    #[arg(long, hide = true)]
+    pub inject_fault: Option<lantern_engine::fault::FaultPlan>,
 }
 
 /// `all`, or a list of layer indices.
@@ -135,6 +139,7 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
         requests: !args.disable_log_requests,
         stats_interval: (!args.disable_log_stats).then_some(stats_interval),
     };
+    let faults = args.inject_fault.clone().unwrap_or_default();
     let config = ServerConfig {
         api_keys,
         served_model_name: args.served_model_name.clone(),
@@ -146,6 +151,7 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
             dir: args.capture_dir.clone(),
             max_stored_bytes: args.max_stored_capture_bytes as u64,
             max_queued: args.max_queued_captures,
+            fault: faults.capture,
         },
         body_read_timeout,
         allowed_origins: args.allowed_origins.clone(),
@@ -210,8 +216,16 @@ async fn serve_while_loading(
         },
     ));
     let engine_args = args.engine.clone();
+    let engine_faults = args.inject_fault.clone().unwrap_or_default();
     let load = tokio::task::spawn_blocking(move || {
-        EngineHandle::start_logging(move || engine_args.build_engine(verbose), logging)
+        EngineHandle::start_logging(
+            move || {
+                let mut engine = engine_args.build_engine(verbose)?;
+                engine.set_fault_plan(engine_faults);
+                Ok::<_, anyhow::Error>(engine)
+            },
+            logging,
+        )
     });
     let built = tokio::select! {
         built = load => Some(built.context("loading the model")?),

@@ -1,20 +1,24 @@
 //! The engine: accepts requests, runs steps, reports what each request produced.
 
 use crate::config::EngineConfig;
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, RequestError, Result};
+use crate::fault::FaultPlan;
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::runner::ModelRunner;
 use crate::sampling::{
-    apply_penalties, apply_token_mask, suppress_stop_tokens, token_logprobs, SamplingParams,
-    TokenLogprobs,
+    apply_penalties, apply_token_mask, prompt_token_logprob, suppress_stop_tokens, token_logprobs,
+    PromptTokenLogprob, SamplingParams, TokenLogprobs,
 };
 use crate::scheduler::Scheduler;
 use lantern_attn::AttentionLayerSpec;
 use lantern_capture::{
-    keys_needed, snapshot_layer, CaptureSpec, PendingCapture, QueryRowBuffer, StepTap, TokenInfo,
+    keys_needed, snapshot_layer, CaptureFailure, CaptureSpec, PendingCapture, QueryRowBuffer,
+    StepTap, TokenInfo,
 };
 use lantern_guided::{Constraint, TokenMask};
-use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, RequestId};
+use lantern_kv::{
+    AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, PrefixCacheStats, RequestId,
+};
 use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -57,7 +61,7 @@ pub struct Completion {
     /// A capturing request's capture, ready for [`PendingCapture::finalize`] on any
     /// thread (its blocks are already free), or why it could not be taken. `None` for
     /// requests that did not ask, and for aborted ones.
-    pub capture: Option<std::result::Result<PendingCapture, String>>,
+    pub capture: Option<std::result::Result<PendingCapture, CaptureFailure>>,
     /// Arrival to first token.
     pub time_to_first_token: Duration,
     /// Arrival to finish.
@@ -76,6 +80,8 @@ pub struct Engine {
     tokenizer: Arc<ModelTokenizer>,
     chat_template: Option<Arc<ChatTemplate>>,
     config: EngineConfig,
+    /// Kept to start the KV cache over after a fault ([`Engine::reset`]).
+    kv_config: KvCacheConfig,
     kv: KvCacheManager,
     scheduler: Scheduler,
     runner: ModelRunner,
@@ -87,6 +93,9 @@ pub struct Engine {
     last_step_tokens: usize,
     /// The model's description, its context cut to `max_model_len` when set.
     info: ModelInfo,
+    /// Prefix-cache counters of the caches before the last [`Engine::reset`].
+    prefix_stats_before_reset: PrefixCacheStats,
+    faults: FaultPlan,
 }
 
 impl Engine {
@@ -145,11 +154,14 @@ impl Engine {
             tokenizer: Arc::new(loaded.tokenizer),
             chat_template: loaded.chat_template.map(Arc::new),
             config,
+            kv_config,
             requests: HashMap::new(),
             next_id: 0,
             finished: Vec::new(),
             last_step_tokens: 0,
             info,
+            prefix_stats_before_reset: PrefixCacheStats::default(),
+            faults: FaultPlan::default(),
         })
     }
 
@@ -185,11 +197,44 @@ impl Engine {
         &self.kv
     }
 
+    /// Prefix-cache counters since the engine was built (across [`Engine::reset`]s).
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        let now = self.kv.prefix_cache_stats();
+        let before = &self.prefix_stats_before_reset;
+        PrefixCacheStats {
+            queries: before.queries + now.queries,
+            hits: before.hits + now.hits,
+            evictions: before.evictions + now.evictions,
+        }
+    }
+
+    /// Makes the engine panic where `plan` says (tests of fault containment only).
+    pub fn set_fault_plan(&mut self, plan: FaultPlan) {
+        self.faults = plan;
+    }
+
+    /// Drops every request and starts the KV cache and the scheduler over, keeping the
+    /// model and the cache tensors: after a panic left the book-keeping in an unknown
+    /// state, this is the state of a freshly built engine (no block in use, nothing
+    /// waiting, an empty prefix cache). Request ids keep counting and counters carry
+    /// over, so stale ids name nothing and metrics stay monotonic.
+    pub fn reset(&mut self) {
+        self.prefix_stats_before_reset = self.prefix_cache_stats();
+        let preemptions = self.scheduler.num_preemptions;
+        self.requests.clear();
+        self.finished.clear();
+        self.kv = KvCacheManager::new(&self.kv_config, self.config.enable_prefix_caching);
+        self.scheduler =
+            Scheduler::new(self.config.max_num_batched_tokens, self.config.max_num_seqs);
+        self.scheduler.num_preemptions = preemptions;
+    }
+
     /// Renders a conversation through the model's chat template, ready for the assistant.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.chat_template.as_ref().ok_or_else(|| {
-            EngineError::InvalidRequest("this model has no chat template".to_string())
-        })?;
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or(RequestError::NoChatTemplate)?;
         Ok(template.render(messages, true)?)
     }
 
@@ -261,38 +306,51 @@ impl Engine {
         params: SamplingParams,
         capture: Option<CaptureSpec>,
     ) -> Result<RequestId> {
-        params.validate().map_err(EngineError::InvalidRequest)?;
+        self.faults
+            .admission
+            .panic_if_hit("while admitting a request");
+        params.validate()?;
         let info = &self.info;
         if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest(
-                "the prompt is empty".to_string(),
-            ));
+            return Err(RequestError::EmptyPrompt.into());
         }
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary of {} tokens",
-                info.vocab_size
-            )));
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(RequestError::TokenOutsideVocabulary {
+                token,
+                vocab_size: info.vocab_size,
+            }
+            .into());
         }
         if prompt.len() >= info.context_length {
-            return Err(EngineError::InvalidRequest(format!(
-                "the prompt has {} tokens; the model's context is {} tokens",
-                prompt.len(),
-                info.context_length
-            )));
+            return Err(RequestError::PromptTooLong {
+                tokens: prompt.len(),
+                context: info.context_length,
+            }
+            .into());
         }
-        let longest = (prompt.len() + params.max_tokens).min(info.context_length);
+        let longest = prompt
+            .len()
+            .saturating_add(params.max_tokens)
+            .min(info.context_length);
         if !self.kv.can_fit_ever(longest) {
-            return Err(EngineError::InvalidRequest(format!(
-                "a request of up to {longest} tokens can never fit the KV cache ({} blocks of {} tokens)",
-                self.kv.num_blocks(),
-                self.config.block_size
-            )));
+            return Err(RequestError::NeverFitsKvCache {
+                tokens: longest,
+                blocks: self.kv.num_blocks(),
+                block_size: self.config.block_size,
+            }
+            .into());
         }
         let buffer = match capture {
             Some(mut spec) => {
                 self.validate_capture(&mut spec)?;
-                let first = &info.attention[spec.layers[0]];
+                let first = spec
+                    .layers
+                    .first()
+                    .and_then(|&l| info.attention.get(l))
+                    .ok_or_else(|| lantern_capture::CaptureError::InvalidField {
+                        field: "attn_capture_layers",
+                        message: "no layer of this model".to_string(),
+                    })?;
                 Some(Box::new(QueryRowBuffer::new(
                     spec,
                     info.num_layers,
@@ -350,6 +408,19 @@ impl Engine {
         Some(std::mem::take(&mut req.prompt_logits))
     }
 
+    /// Takes the prompt logprobs of a request that asked for them (one entry per prompt
+    /// token after the first) once they are all in, as [`Self::take_prompt_logits`] does
+    /// for logits. `None` before that, for requests that did not ask, and after the first
+    /// take.
+    pub fn take_prompt_logprobs(&mut self, id: RequestId) -> Option<Vec<PromptTokenLogprob>> {
+        let req = self.requests.get_mut(&id)?;
+        if req.params.prompt_logprobs.is_none() || !req.prompt_logprobs_complete() {
+            return None;
+        }
+        req.params.prompt_logprobs = None;
+        Some(std::mem::take(&mut req.prompt_logprobs))
+    }
+
     /// Marks a request finished, takes its capture while its blocks still hold its
     /// keys, then gives the blocks back.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
@@ -388,18 +459,24 @@ impl Engine {
         let mut layers = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
         for &l in &spec.layers {
-            let layer = &info.attention[l];
+            let (Some(layer), Some(cache)) = (info.attention.get(l), self.runner.caches().get(l))
+            else {
+                failure = Some(CaptureFailure::Snapshot(format!(
+                    "layer {l} is not a layer of this model"
+                )));
+                break;
+            };
             let group = self.runner.layer_group(l);
             let keys = keys_needed(layer, rows.clone(), num_computed);
             match snapshot_layer(
-                &self.runner.caches()[l],
+                cache,
                 self.kv.block_table(id, group),
                 keys,
                 spec.keep_attention_output,
             ) {
                 Ok(snapshot) => layers.push((layer.clone(), snapshot)),
                 Err(e) => {
-                    failure = Some(e.to_string());
+                    failure = Some(CaptureFailure::Snapshot(e.to_string()));
                     break;
                 }
             }
@@ -460,12 +537,13 @@ impl Engine {
             }
             return Ok(Vec::new());
         }
+        self.faults.step.panic_if_hit("inside an engine step");
         let logits = self.execute_plan_with_masks(&plan)?;
         for s in &plan.scheduled {
             let req = self
                 .requests
                 .get_mut(&s.id)
-                .expect("scheduled requests exist");
+                .ok_or(EngineError::LostRequest(s.id))?;
             req.num_computed_tokens += s.num_tokens;
             self.kv
                 .cache_blocks(s.id, &req.token_ids[..req.num_computed_tokens], &[])?;
@@ -480,21 +558,41 @@ impl Engine {
             let req = self
                 .requests
                 .get_mut(&rows.id)
-                .expect("scheduled requests exist");
+                .ok_or(EngineError::LostRequest(rows.id))?;
             let wanted = req.prompt_len * logits.vocab;
+            let sample_row = rows.first_row + rows.num_prompt_rows;
             if req.params.prompt_logits && req.prompt_logits.len() < wanted {
                 req.prompt_logits
-                    .extend_from_slice(logits.rows(rows.first_row, rows.num_prompt_rows));
+                    .extend_from_slice(logits.rows(rows.first_row, rows.num_prompt_rows)?);
                 if rows.samples && req.prompt_logits.len() < wanted {
-                    let last = rows.first_row + rows.num_prompt_rows;
-                    req.prompt_logits.extend_from_slice(logits.row(last));
+                    req.prompt_logits
+                        .extend_from_slice(logits.rows(sample_row, 1)?);
                 }
                 req.prompt_logits_complete = req.prompt_logits.len() == wanted;
+            }
+            if let Some(k) = req.params.prompt_logprobs {
+                // Row `p` predicts prompt token `p + 1`; rows arrive in order (a
+                // preemption before the last one starts them over).
+                for r in 0..rows.num_prompt_rows {
+                    if req.prompt_logprobs_complete() {
+                        break;
+                    }
+                    let next = req.prompt_logprobs.len() + 1;
+                    let token = req.token_ids.get(next).copied().unwrap_or(u32::MAX);
+                    let row = logits.rows(rows.first_row + r, 1)?;
+                    let entry = prompt_token_logprob(row, token, k).ok_or(
+                        EngineError::InvalidRequest(RequestError::TokenOutsideVocabulary {
+                            token,
+                            vocab_size: logits.vocab,
+                        }),
+                    )?;
+                    req.prompt_logprobs.push(entry);
+                }
             }
             if rows.samples && req.params.max_tokens == 0 {
                 outputs.push(self.finish_prompt_only(rows.id));
             } else if rows.samples {
-                let row = logits.row(rows.first_row + rows.num_prompt_rows);
+                let row = logits.rows(sample_row, 1)?;
                 outputs.push(self.append_token(rows.id, row)?);
             }
         }
@@ -513,7 +611,7 @@ impl Engine {
             let req = self
                 .requests
                 .get_mut(&s.id)
-                .expect("scheduled requests exist");
+                .ok_or(EngineError::LostRequest(s.id))?;
             let samples = req.num_computed_tokens + s.num_tokens == req.token_ids.len();
             if samples {
                 if let Some(constraint) = req.constraint.take() {
@@ -553,10 +651,9 @@ impl Engine {
         let mut buffers = Vec::new();
         let mut batch_row = 0;
         for s in &plan.scheduled {
-            let req = self
-                .requests
-                .get_mut(&s.id)
-                .expect("scheduled requests exist");
+            let Some(req) = self.requests.get_mut(&s.id) else {
+                continue;
+            };
             if let Some(buffer) = req.capture.take() {
                 buffers.push((
                     s.id,
@@ -574,8 +671,11 @@ impl Engine {
                 .execute(model, plan, &self.requests, &self.kv, None)
         } else {
             let info = model.info();
-            let first = &info.attention[0];
-            let mut tap = StepTap::new(info.num_layers, first.num_heads, first.head_dim);
+            let (heads, head_dim) = info
+                .attention
+                .first()
+                .map_or((0, 0), |a| (a.num_heads, a.head_dim));
+            let mut tap = StepTap::new(info.num_layers, heads, head_dim);
             for (_, row, n, pos, buffer) in &mut buffers {
                 tap.add(*row, *n, *pos, buffer);
             }
@@ -605,7 +705,10 @@ impl Engine {
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
         let context_length = self.info.context_length;
-        let req = self.requests.get_mut(&id).expect("sampled requests exist");
+        let req = self
+            .requests
+            .get_mut(&id)
+            .ok_or(EngineError::LostRequest(id))?;
         let below_min_tokens = req.num_output_tokens() < req.params.min_tokens;
         let penalized;
         let logits = if req.params.has_penalties() || below_min_tokens {

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod request;
 pub mod runner;
 pub mod sampling;
@@ -15,4 +16,4 @@ pub use error::{EngineError, Result};
 pub use lantern_capture;
 pub use lantern_guided;
 pub use request::{FinishReason, RequestStatus};
-pub use sampling::{SamplingParams, TokenLogprobs};
+pub use sampling::{PromptTokenLogprob, SamplingParams, TokenLogprobs};

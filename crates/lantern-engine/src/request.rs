@@ -1,11 +1,15 @@
 //! Requests and their states.
 
-use crate::sampling::{Sampler, SamplingParams};
-use lantern_capture::{PendingCapture, QueryRowBuffer};
+use crate::sampling::{PromptTokenLogprob, Sampler, SamplingParams};
+use lantern_capture::{CaptureFailure, PendingCapture, QueryRowBuffer};
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::RequestId;
 use lantern_model::IncrementalDecoder;
 use std::time::Instant;
+
+/// Prompt positions computed per step for a request that wants a logits row for each
+/// (see [`Request::num_tokens_next_step`]).
+pub const MAX_PROMPT_ROWS_PER_STEP: usize = 128;
 
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +72,9 @@ pub struct Request {
     /// Whether `prompt_logits` holds every prompt row (a preemption before that point
     /// recomputes the prompt from its start, so partial rows are dropped).
     pub prompt_logits_complete: bool,
+    /// One entry per prompt token after the first, when the request asked for prompt
+    /// logprobs; reduced row by row as the prompt is computed.
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     /// A sibling with the same prompt (`n > 1`): this request waits until the leader's
     /// prompt is in the cache, then takes its full blocks from the prefix cache, sharing
     /// them by reference count instead of computing the prompt again.
@@ -75,7 +82,7 @@ pub struct Request {
     /// Query rows of a capturing request, filled while it runs.
     pub capture: Option<Box<QueryRowBuffer>>,
     /// A finished capturing request's capture, ready to finalize (or why it failed).
-    pub pending_capture: Option<std::result::Result<PendingCapture, String>>,
+    pub pending_capture: Option<std::result::Result<PendingCapture, CaptureFailure>>,
     /// Structured output: the grammar the output follows.
     pub constraint: Option<Box<Constraint>>,
     /// The constraint's mask for the token this step samples, computed beside the forward.
@@ -104,6 +111,7 @@ impl Request {
             num_cached_prompt_tokens: 0,
             prompt_logits: Vec::new(),
             prompt_logits_complete: false,
+            prompt_logprobs: Vec::new(),
             prompt_leader: None,
             capture: None,
             pending_capture: None,
@@ -121,18 +129,43 @@ impl Request {
     }
 
     pub fn num_output_tokens(&self) -> usize {
-        self.token_ids.len() - self.prompt_len
+        self.token_ids.len().saturating_sub(self.prompt_len)
     }
 
     /// Tokens still to compute before the next token can be sampled.
     pub fn num_pending_tokens(&self) -> usize {
-        self.token_ids.len() - self.num_computed_tokens
+        self.token_ids
+            .len()
+            .saturating_sub(self.num_computed_tokens)
+    }
+
+    /// The most tokens the next step may compute for this request: all pending ones,
+    /// except that a request that wants a logits row per prompt position computes its
+    /// prompt [`MAX_PROMPT_ROWS_PER_STEP`] positions at a time, so that a step's logits
+    /// stay that many rows × vocabulary, however long the prompt.
+    pub fn num_tokens_next_step(&self) -> usize {
+        let pending = self.num_pending_tokens();
+        if self.wants_prompt_rows() && self.num_computed_tokens < self.prompt_len {
+            pending.min(MAX_PROMPT_ROWS_PER_STEP)
+        } else {
+            pending
+        }
     }
 
     /// Whether every position must be computed by this request itself (prompt logits
     /// or attention capture), so a prefix-cache hit cannot stand in for it.
     pub fn computes_every_position(&self) -> bool {
-        self.params.prompt_logits || self.capture.is_some()
+        self.wants_prompt_rows() || self.capture.is_some()
+    }
+
+    /// Whether the steps must return a logits row for every prompt position.
+    pub fn wants_prompt_rows(&self) -> bool {
+        self.params.prompt_logits || self.params.prompt_logprobs.is_some()
+    }
+
+    /// Whether every prompt token after the first has its prompt logprob.
+    pub fn prompt_logprobs_complete(&self) -> bool {
+        self.prompt_logprobs.len() + 1 >= self.prompt_len
     }
 
     pub fn is_finished(&self) -> bool {

@@ -1,6 +1,6 @@
 //! The model runner: turns a scheduler plan into one flattened forward pass.
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::request::Request;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
@@ -32,12 +32,21 @@ pub struct StepLogits {
 }
 
 impl StepLogits {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.logits[i * self.vocab..(i + 1) * self.vocab]
-    }
-
-    pub fn rows(&self, first: usize, count: usize) -> &[f32] {
-        &self.logits[first * self.vocab..(first + count) * self.vocab]
+    /// Rows `first..first + count`, or an error when the step computed fewer.
+    pub fn rows(&self, first: usize, count: usize) -> Result<&[f32]> {
+        first
+            .checked_mul(self.vocab)
+            .zip(
+                first
+                    .checked_add(count)
+                    .and_then(|e| e.checked_mul(self.vocab)),
+            )
+            .and_then(|(start, end)| self.logits.get(start..end))
+            .ok_or(EngineError::MissingLogits {
+                first,
+                count,
+                rows: self.logits.len() / self.vocab.max(1),
+            })
     }
 }
 
@@ -124,16 +133,20 @@ impl ModelRunner {
         let mut logits_rows = Vec::new();
         let mut rows = Vec::new();
         for s in &plan.scheduled {
-            let req = &requests[&s.id];
+            let req = requests.get(&s.id).ok_or(EngineError::LostRequest(s.id))?;
             let start = req.num_computed_tokens;
             let first_token_row = token_ids.len();
-            token_ids.extend_from_slice(&req.token_ids[start..start + s.num_tokens]);
+            let tokens = req
+                .token_ids
+                .get(start..start + s.num_tokens)
+                .ok_or(EngineError::PlanPastTokens(s.id))?;
+            token_ids.extend_from_slice(tokens);
             positions.extend(start..start + s.num_tokens);
             let samples = start + s.num_tokens == req.token_ids.len();
             // Prompt logits: every prompt position computed in this step, except the last
             // one when it is also the sampling row (it is counted once, as that).
             let prompt_end = (start + s.num_tokens).min(req.prompt_len);
-            let num_prompt_rows = if req.params.prompt_logits && prompt_end > start {
+            let num_prompt_rows = if req.wants_prompt_rows() && prompt_end > start {
                 prompt_end - start - usize::from(samples && prompt_end == start + s.num_tokens)
             } else {
                 0

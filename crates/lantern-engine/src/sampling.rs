@@ -1,5 +1,6 @@
 //! Sampling parameters and the sampler.
 
+use crate::error::RequestError;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -22,10 +23,17 @@ pub struct SamplingParams {
     /// Keep generating past end-of-sequence tokens.
     pub ignore_eos: bool,
     /// Extra token ids that end the request (the model's EOS always does unless ignored).
-    pub stop_token_ids: Vec<u32>,
+    /// Shared by the samples of one request.
+    pub stop_token_ids: std::sync::Arc<[u32]>,
     /// Keep the logits of every prompt position (`[prompt_len, vocab]`, the last row being
-    /// the one the first token is sampled from): scoring, teacher forcing, prompt logprobs.
+    /// the one the first token is sampled from): scoring and teacher forcing in tests and
+    /// offline use. Its memory grows with prompt × vocabulary; a server uses
+    /// [`Self::prompt_logprobs`].
     pub prompt_logits: bool,
+    /// Prompt logprobs with this many alternatives per token: each prompt row is reduced
+    /// to [`PromptTokenLogprob`] as the step computes it, so a request keeps
+    /// `prompt_len × (k + 1)` numbers, never a prompt × vocabulary table.
+    pub prompt_logprobs: Option<usize>,
     /// OpenAI's `presence_penalty`: subtracted once from the logit of every token that
     /// occurs among the generated tokens. In [-2, 2]; 0 disables it.
     pub presence_penalty: f32,
@@ -57,8 +65,9 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 16,
             ignore_eos: false,
-            stop_token_ids: Vec::new(),
+            stop_token_ids: std::sync::Arc::new([]),
             prompt_logits: false,
+            prompt_logprobs: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
@@ -79,47 +88,51 @@ impl SamplingParams {
     }
 
     /// Checks ranges; the message names the offending field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let out_of_range = |field, expected, got: f32| {
+            Err(RequestError::OutOfRange {
+                field,
+                expected,
+                got: got.to_string(),
+            })
+        };
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return out_of_range("temperature", ">= 0", self.temperature);
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return out_of_range("top_p", "in (0, 1]", self.top_p);
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return out_of_range("min_p", "in [0, 1]", self.min_p);
         }
         for (name, value) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
             if !(-2.0..=2.0).contains(&value) {
-                return Err(format!("{name} must be in [-2, 2], got {value}"));
+                return out_of_range(name, "in [-2, 2]", value);
             }
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
+            return out_of_range("repetition_penalty", "> 0", self.repetition_penalty);
         }
         if self.min_tokens > self.max_tokens {
-            return Err(format!(
-                "min_tokens ({}) must be at most max_tokens ({})",
-                self.min_tokens, self.max_tokens
-            ));
+            return Err(RequestError::OutOfRange {
+                field: "min_tokens",
+                expected: "at most max_tokens",
+                got: format!("{} (max_tokens is {})", self.min_tokens, self.max_tokens),
+            });
         }
         if let Some((t, b)) = self
             .logit_bias
             .iter()
             .find(|(_, b)| !(-100.0..=100.0).contains(b))
         {
-            return Err(format!(
-                "logit_bias for token {t} must be in [-100, 100], got {b}"
-            ));
+            return Err(RequestError::OutOfRange {
+                field: "logit_bias",
+                expected: "in [-100, 100]",
+                got: format!("{b} for token {t}"),
+            });
         }
         Ok(())
     }
@@ -219,9 +232,35 @@ pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
     let logprobs = log_softmax(logits);
     TokenLogprobs {
         token_id: token,
-        logprob: logprobs[token as usize],
+        logprob: logprobs
+            .get(token as usize)
+            .copied()
+            .unwrap_or(f32::NEG_INFINITY),
         top: top_k_logprobs(&logprobs, k),
     }
+}
+
+/// A prompt token's log-probability given the tokens before it: the log-softmax of
+/// the raw logits (no penalties, no temperature).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub logprob: f32,
+    /// 1 + how many tokens are more likely.
+    pub rank: usize,
+    /// The `k` most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Reduces one row of logits to the logprob and rank of `token` and the top `k`
+/// (`None` when `token` is outside the row).
+pub fn prompt_token_logprob(logits: &[f32], token: u32, k: usize) -> Option<PromptTokenLogprob> {
+    let logprobs = log_softmax(logits);
+    let logprob = *logprobs.get(token as usize)?;
+    Some(PromptTokenLogprob {
+        logprob,
+        rank: 1 + logprobs.iter().filter(|&&l| l > logprob).count(),
+        top: top_k_logprobs(&logprobs, k),
+    })
 }
 
 /// The `k` largest entries of a row of logprobs, most likely first.
@@ -239,6 +278,9 @@ pub fn top_k_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
     if k < all.len() {
         all.select_nth_unstable_by(k - 1, by_desc);
         all.truncate(k);
+        // Kept per token (and per prompt position): give back the vocabulary-sized
+        // buffer rather than hold it for k entries.
+        all.shrink_to_fit();
     }
     all.sort_unstable_by(by_desc);
     all
@@ -375,12 +417,20 @@ mod tests {
     }
 
     #[test]
+    fn top_k_keeps_k_entries_not_the_vocabulary() {
+        let logprobs: Vec<f32> = (0..50_000).map(|i| -(i as f32)).collect();
+        let top = top_k_logprobs(&logprobs, 3);
+        assert_eq!(top, vec![(0, 0.0), (1, -1.0), (2, -2.0)]);
+        assert!(top.capacity() < 1000, "holds {} entries", top.capacity());
+    }
+
+    #[test]
     fn validation_names_the_field() {
         let p = SamplingParams {
             top_p: 0.0,
             ..SamplingParams::default()
         };
-        assert!(p.validate().unwrap_err().contains("top_p"));
+        assert_eq!(p.validate().unwrap_err().field(), "top_p");
         for (p, field) in [
             (
                 SamplingParams {
@@ -404,7 +454,7 @@ mod tests {
                 "repetition_penalty",
             ),
         ] {
-            assert!(p.validate().unwrap_err().contains(field), "{field}");
+            assert_eq!(p.validate().unwrap_err().field(), field);
         }
     }
 
@@ -502,11 +552,11 @@ mod tests {
             logit_bias: vec![(3, 100.5)],
             ..SamplingParams::greedy(4)
         };
-        assert!(bad.validate().unwrap_err().contains("logit_bias"));
+        assert_eq!(bad.validate().unwrap_err().field(), "logit_bias");
         let bad = SamplingParams {
             min_tokens: 5,
             ..SamplingParams::greedy(4)
         };
-        assert!(bad.validate().unwrap_err().contains("min_tokens"));
+        assert_eq!(bad.validate().unwrap_err().field(), "min_tokens");
     }
 }

@@ -84,8 +84,12 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let req = &requests[&id];
-            let num_tokens = req.num_pending_tokens().min(budget);
+            let Some(req) = requests.get(&id) else {
+                // Not a request of the engine any more: nothing to run.
+                self.running.remove(i);
+                continue;
+            };
+            let num_tokens = req.num_tokens_next_step().min(budget);
             let total = req.num_computed_tokens + num_tokens;
             if kv.allocate_slots(id, total).is_ok() {
                 out.scheduled.push(ScheduledRequest { id, num_tokens });
@@ -94,7 +98,9 @@ impl Scheduler {
                 continue;
             }
             // Out of blocks: preempt the most recently admitted request and retry.
-            let victim = *self.running.last().expect("running is not empty here");
+            let Some(&victim) = self.running.last() else {
+                break;
+            };
             self.preempt(victim, requests, kv);
             out.preempted.push(victim);
             out.scheduled.retain(|s| s.id != victim);
@@ -112,7 +118,10 @@ impl Scheduler {
                 next += 1;
                 continue;
             }
-            let req = requests.get_mut(&id).expect("waiting requests exist");
+            let Some(req) = requests.get_mut(&id) else {
+                self.waiting.remove(next);
+                continue;
+            };
             // Prompt logits and attention capture need every position computed by this
             // request (a capture's query rows exist only for what it computes itself):
             // no prefix-cache lookup for them.
@@ -123,7 +132,7 @@ impl Scheduler {
                     req.num_cached_prompt_tokens = cached;
                 }
             }
-            let num_tokens = req.num_pending_tokens().min(budget);
+            let num_tokens = req.num_tokens_next_step().min(budget);
             if kv
                 .allocate_slots(id, req.num_computed_tokens + num_tokens)
                 .is_err()
@@ -156,11 +165,16 @@ impl Scheduler {
     ) {
         self.running.retain(|&r| r != id);
         kv.free(id);
-        let req = requests.get_mut(&id).expect("running requests exist");
+        let Some(req) = requests.get_mut(&id) else {
+            return;
+        };
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
         if !req.prompt_logits_complete {
             req.prompt_logits.clear();
+        }
+        if !req.prompt_logprobs_complete() {
+            req.prompt_logprobs.clear();
         }
         req.num_preemptions += 1;
         self.num_preemptions += 1;

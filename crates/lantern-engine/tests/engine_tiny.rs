@@ -542,3 +542,54 @@ fn siblings_share_the_prompt_blocks() {
         engine.kv_cache().num_blocks()
     );
 }
+
+#[test]
+fn a_step_that_panics_leaves_a_reset_that_frees_every_block_and_runs_as_new() {
+    let p = prompts(4);
+    let expected = run(config(blocks(512)), &p, 6);
+    let (mut engine, _dir) = tiny_engine(config(blocks(512)));
+    engine.set_fault_plan("panic-at-step:3".parse().unwrap());
+    for prompt in &p {
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(6)
+        };
+        engine.add_request(prompt.clone(), params).unwrap();
+    }
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        while engine.has_unfinished() {
+            engine.step().unwrap();
+        }
+    }));
+    assert!(panicked.is_err(), "the injected fault did not fire");
+    // The panic hit after the scheduler took blocks for the step.
+    assert!(engine.kv_cache().num_free_blocks() < engine.kv_cache().num_blocks());
+    let queries_before = engine.prefix_cache_stats().queries;
+    engine.reset();
+    assert!(!engine.has_unfinished());
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+    assert_eq!(engine.prefix_cache_stats().queries, queries_before);
+    // The same requests again give what a fresh engine gives.
+    let again = engine
+        .generate(
+            p.iter()
+                .map(|prompt| {
+                    let params = SamplingParams {
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(6)
+                    };
+                    (prompt.clone(), params)
+                })
+                .collect(),
+        )
+        .unwrap();
+    let again: Vec<Vec<u32>> = again.into_iter().map(|c| c.token_ids).collect();
+    assert_eq!(again, expected);
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}

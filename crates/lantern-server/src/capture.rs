@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
-    wire, CaptureDtype, CaptureError, CaptureSpec, CaptureWorker, HeadReduce, Pacer,
-    PendingCapture, RowSelection,
+    wire, CaptureDtype, CaptureError, CaptureFailure, CaptureSpec, CaptureWorker, HeadReduce,
+    Pacer, PendingCapture, RowSelection,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
@@ -48,6 +48,8 @@ pub struct CaptureSettings {
     /// Finished captures that may wait for the capture worker; past it, capturing
     /// requests are refused with a 503.
     pub max_queued: usize,
+    /// Panics while finalizing a chosen capture (tests of fault containment only).
+    pub fault: lantern_engine::fault::Trigger,
 }
 
 impl Default for CaptureSettings {
@@ -60,6 +62,7 @@ impl Default for CaptureSettings {
             dir: None,
             max_stored_bytes: DEFAULT_MAX_STORED_CAPTURE_BYTES,
             max_queued: lantern_engine::lantern_capture::DEFAULT_MAX_QUEUED_CAPTURES,
+            fault: Default::default(),
         }
     }
 }
@@ -444,7 +447,7 @@ fn write_private_file(dir: &std::path::Path, bytes: &[u8]) -> std::io::Result<Pa
 /// its delivery. A capture that fails yields `attn_capture_error` instead: the
 /// generated text is still good.
 pub async fn deliver(
-    pending: Result<PendingCapture, String>,
+    pending: Result<PendingCapture, CaptureFailure>,
     request: &CaptureRequest,
     store: Arc<CaptureStore>,
     owner: Option<String>,
@@ -456,11 +459,14 @@ pub async fn deliver(
     let ttl = settings.ttl;
     let dir = settings.dir.clone();
     let counters = store.clone();
-    let work = move |pacer: &Pacer| -> Result<Map<String, Value>, String> {
+    let fault = settings.fault.clone();
+    let work = move |pacer: &Pacer| -> Result<Map<String, Value>, CaptureFailure> {
+        fault.panic_if_hit("while finalizing a capture");
         let result = pending?
             .finalize_with(|| pacer.pause())
-            .map_err(|e| e.to_string())?;
-        let meta = serde_json::to_value(&result.meta).map_err(|e| e.to_string())?;
+            .map_err(|e| CaptureFailure::Finalize(e.to_string()))?;
+        let encode = |e: &dyn std::fmt::Display| CaptureFailure::Encode(e.to_string());
+        let meta = serde_json::to_value(&result.meta).map_err(|e| encode(&e))?;
         let mut fields = Map::new();
         match delivery {
             Delivery::Inline => {
@@ -469,20 +475,22 @@ pub async fn deliver(
                 }
             }
             Delivery::Reference => {
-                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
-                let id = store.insert(bytes, owner, ttl).map_err(|e| e.to_string())?;
+                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| encode(&e))?;
+                let id = store
+                    .insert(bytes, owner, ttl)
+                    .map_err(|e| CaptureFailure::StoreFull(e.to_string()))?;
                 fields.insert("attn_capture_id".into(), json!(id));
                 fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
                 fields.insert("attn_capture_meta".into(), meta);
             }
             Delivery::File => {
-                let dir = dir.ok_or("the server has no capture directory")?;
-                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| e.to_string())?;
+                let dir = dir.ok_or(CaptureFailure::NoDirectory)?;
+                let bytes = wire::to_safetensors(&result, dtype).map_err(|e| encode(&e))?;
                 store
                     .check_room(bytes.len() as u64)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| CaptureFailure::StoreFull(e.to_string()))?;
                 let path = write_private_file(&dir, &bytes)
-                    .map_err(|e| format!("could not write the capture file: {e}"))?;
+                    .map_err(|e| CaptureFailure::WriteFile(e.to_string()))?;
                 store.track_file(path.clone(), ttl, bytes.len() as u64);
                 fields.insert("attn_capture_path".into(), json!(path));
                 fields.insert("attn_capture_expires_in".into(), json!(ttl.as_secs()));
@@ -493,12 +501,17 @@ pub async fn deliver(
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let outcome = match worker.submit(move |pacer| {
-        let _ = tx.send(work(pacer));
+        // A panic fails this capture only; the worker goes on with the others.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(pacer)))
+            .unwrap_or_else(|panic| {
+                let message = crate::engine_thread::panic_message(panic.as_ref());
+                tracing::error!(panic = %message, "finalizing a capture panicked");
+                Err(CaptureFailure::Panicked)
+            });
+        let _ = tx.send(outcome);
     }) {
-        Ok(()) => rx
-            .await
-            .unwrap_or_else(|_| Err("the capture worker stopped".to_string())),
-        Err(e) => Err(e.to_string()),
+        Ok(()) => rx.await.unwrap_or(Err(CaptureFailure::WorkerStopped)),
+        Err(e) => Err(e.into()),
     };
     let counter = if outcome.is_ok() {
         &counters.delivered
@@ -509,7 +522,7 @@ pub async fn deliver(
     outcome.unwrap_or_else(|error| {
         tracing::warn!(%error, "attention capture failed");
         let mut fields = Map::new();
-        fields.insert("attn_capture_error".into(), json!(error));
+        fields.insert("attn_capture_error".into(), json!(error.to_string()));
         fields
     })
 }

@@ -7,13 +7,20 @@
 //! to that request's event channel; when there is no work it blocks on the channel.
 //! A request whose event channel is closed (its client went away) is aborted, so its KV
 //! blocks are freed.
+//!
+//! A panic while the thread admits requests or steps is contained: every request in
+//! flight ends with an internal-fault error (a 500, or an error event on a stream), the
+//! engine's book-keeping starts over ([`Engine::reset`]: no block in use, nothing
+//! waiting) and the thread goes on serving, with `/health` reporting `degraded` and the
+//! number of faults. Only when the reset itself fails does the thread end, and `/health`
+//! answer 503 from then on.
 
 use crate::error::ApiError;
 use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
-use crate::prompt::{PreparedItem, PromptLogits, Prompter};
+use crate::prompt::{PreparedItem, PromptLogprobRows, Prompter};
 use crate::request_log::{log_finished, EngineLogging, StatsLog};
 use crate::stop::StopMatcher;
-use lantern_engine::lantern_capture::{CaptureSpec, PendingCapture};
+use lantern_engine::lantern_capture::{CaptureFailure, CaptureSpec, PendingCapture};
 use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
 use lantern_engine::{
     Completion, Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
@@ -21,8 +28,9 @@ use lantern_engine::{
 use lantern_kv::{KvDtype, RequestId};
 use lantern_model::{ChatMessage, ChatRenderOptions};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -41,12 +49,14 @@ pub enum PromptInput {
 /// One sequence to generate (one choice of a response).
 #[derive(Debug, Clone)]
 pub struct GenerationItem {
-    pub prompt: PromptInput,
+    /// Shared by the samples of one prompt (`n > 1`): one copy, however many samples.
+    pub prompt: Arc<PromptInput>,
     /// `max_tokens` is overwritten by [`Self::max_tokens`] once the prompt's length is known.
     pub params: SamplingParams,
     /// `None`: as many as the context (and the KV cache) allow.
     pub max_tokens: Option<usize>,
-    pub stop: Vec<String>,
+    /// Shared by every sample of the request.
+    pub stop: Arc<[String]>,
     pub include_stop_str_in_output: bool,
     /// Return the prompt's text (completions' `echo`).
     pub echo: bool,
@@ -55,7 +65,7 @@ pub struct GenerationItem {
     /// Attention capture, when the request asked for it.
     pub capture: Option<ItemCapture>,
     /// Prompt logprobs with this many alternatives per token (completions' `echo` with
-    /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logits` must be set too.
+    /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logprobs` must be set too.
     pub prompt_logprobs: Option<usize>,
     /// Structured output: the compiled grammar the output follows.
     pub constraint: Option<Constraint>,
@@ -75,8 +85,8 @@ pub struct ItemCapture {
 pub struct Accepted {
     pub id: RequestId,
     pub prompt_tokens: usize,
-    /// The prompt's text, when the item asked for `echo`.
-    pub prompt_text: Option<String>,
+    /// The prompt's text, when the item asked for `echo` (shared by its samples).
+    pub prompt_text: Option<Arc<str>>,
 }
 
 /// Why a sequence stopped: the stop string or stop token id that ended it.
@@ -86,19 +96,60 @@ pub enum StopReason {
     Token(u32),
 }
 
+/// Why a sequence ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EndReason {
+    /// An end-of-sequence or stop token, a stop string, or a complete grammar.
+    Stop,
+    /// `max_tokens` or the context.
+    Length,
+    /// Its client went away, the server shut down, or structured output failed.
+    Abort,
+    /// The engine failed while running it: the client gets a 500.
+    Failed(EngineFailure),
+}
+
+/// How the engine failed a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineFailure {
+    /// A step returned this error.
+    Step(String),
+    /// A panic on the engine thread, contained ([`ENGINE_FAULT_MESSAGE`]).
+    Fault,
+}
+
+impl EndReason {
+    /// The name OpenAI's `finish_reason` (and vLLM's metrics) use.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EndReason::Stop => "stop",
+            EndReason::Length => "length",
+            EndReason::Abort => "abort",
+            EndReason::Failed(_) => "error",
+        }
+    }
+}
+
+impl From<FinishReason> for EndReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => EndReason::Stop,
+            FinishReason::Length => EndReason::Length,
+            FinishReason::Abort => EndReason::Abort,
+        }
+    }
+}
+
 /// The end of one sequence.
 #[derive(Debug, Clone)]
 pub struct Finish {
-    /// `stop`, `length`, `abort` or `error`.
-    pub reason: &'static str,
+    pub reason: EndReason,
     pub stop_reason: Option<StopReason>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
-    /// Set when `reason` is `error`.
-    pub error: Option<String>,
     /// A capturing sequence's capture, to finalize off the engine thread.
-    pub capture: Option<Result<PendingCapture, String>>,
+    pub capture: Option<Result<PendingCapture, CaptureFailure>>,
 }
 
 /// The log-probability of one generated token and its most likely alternatives, with
@@ -133,7 +184,7 @@ pub struct EngineEvent {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub logprobs: Option<TokenLogprobs>,
-    pub prompt_logits: Option<PromptLogits>,
+    pub prompt_logprobs: Option<PromptLogprobRows>,
     pub finish: Option<Finish>,
 }
 
@@ -195,12 +246,47 @@ impl std::error::Error for EngineBuildPanicked {}
 
 impl EngineBuildPanicked {
     fn from_payload(payload: Box<dyn std::any::Any + Send>) -> Self {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".to_string());
-        Self(message)
+        Self(panic_message(payload.as_ref()))
+    }
+}
+
+/// The message a panic was raised with.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// What a client is told when a panic ended its request (the panic's own message goes
+/// to the log, not to clients).
+pub const ENGINE_FAULT_MESSAGE: &str =
+    "an internal engine fault occurred (a panic on the engine thread); this request was ended and the engine restarted; see the server log";
+
+/// Panics the engine thread contained, for `/health`.
+#[derive(Debug, Default)]
+pub struct EngineFaults {
+    count: AtomicU64,
+    last: Mutex<Option<String>>,
+}
+
+impl EngineFaults {
+    fn record(&self, message: &str) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(message.to_string());
+        }
+    }
+
+    /// Panics contained since the server started.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// The last panic's message.
+    pub fn last(&self) -> Option<String> {
+        self.last.lock().ok().and_then(|l| l.clone())
     }
 }
 
@@ -212,6 +298,7 @@ pub struct EngineHandle {
     prompter: Prompter,
     alive: Arc<AtomicBool>,
     busy: Arc<AtomicBool>,
+    faults: Arc<EngineFaults>,
 }
 
 /// The engine thread itself: join it after [`EngineHandle::shutdown`].
@@ -256,6 +343,8 @@ impl EngineHandle {
         let alive_in_thread = alive.clone();
         let busy = Arc::new(AtomicBool::new(false));
         let busy_in_thread = busy.clone();
+        let faults = Arc::new(EngineFaults::default());
+        let faults_in_thread = faults.clone();
         let join = std::thread::Builder::new()
             .name("lantern-engine".to_string())
             .spawn(move || {
@@ -293,7 +382,7 @@ impl EngineHandle {
                     info.context_length,
                 );
                 let _ = ready_tx.send(Ok((meta, prompter)));
-                EngineLoop::new(engine, rx, busy_in_thread, logging).run();
+                EngineLoop::new(engine, rx, busy_in_thread, logging, faults_in_thread).run();
                 alive_in_thread.store(false, Ordering::SeqCst);
             })
             .expect("spawning the engine thread");
@@ -306,6 +395,7 @@ impl EngineHandle {
                     prompter,
                     alive,
                     busy,
+                    faults,
                 },
                 thread,
             )),
@@ -338,6 +428,11 @@ impl EngineHandle {
     /// Whether the engine thread is still running.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Panics the engine thread contained (each one restarted the engine's state).
+    pub fn faults(&self) -> &EngineFaults {
+        &self.faults
     }
 
     /// Prepares sequences (on a request task) and submits them; their events arrive on
@@ -403,7 +498,7 @@ struct Live {
     index: usize,
     events: tmpsc::UnboundedSender<EngineEvent>,
     stop: Option<StopMatcher>,
-    stop_token_ids: Vec<u32>,
+    stop_token_ids: Arc<[u32]>,
     prompt_tokens: usize,
     completion_tokens: usize,
     /// `max_tokens` as settled against the context.
@@ -414,8 +509,11 @@ struct Live {
     arrival: Instant,
     last_token: Option<Instant>,
     /// Alternatives per token and the prompt, while its prompt logprobs are still due.
-    prompt_logprobs: Option<(usize, Vec<u32>)>,
+    prompt_logprobs: Option<(usize, Arc<[u32]>)>,
 }
+
+/// A prepared item with its `max_tokens` settled: the item, its prompt ids, its echo text.
+type Settled = (GenerationItem, Arc<[u32]>, Option<Arc<str>>);
 
 struct EngineLoop {
     engine: Engine,
@@ -426,6 +524,9 @@ struct EngineLoop {
     busy: Arc<AtomicBool>,
     log_requests: bool,
     stats_log: Option<StatsLog>,
+    faults: Arc<EngineFaults>,
+    /// A panic could not be recovered from: the thread ends.
+    broken: bool,
 }
 
 impl EngineLoop {
@@ -434,6 +535,7 @@ impl EngineLoop {
         rx: mpsc::Receiver<Command>,
         busy: Arc<AtomicBool>,
         logging: EngineLogging,
+        faults: Arc<EngineFaults>,
     ) -> Self {
         let metrics = EngineMetrics::new(
             engine.model_info().context_length,
@@ -448,6 +550,8 @@ impl EngineLoop {
             busy,
             log_requests: logging.requests,
             stats_log: logging.stats_interval.map(StatsLog::new),
+            faults,
+            broken: false,
         }
     }
 
@@ -483,40 +587,97 @@ impl EngineLoop {
             if !self.engine.has_unfinished() {
                 // Idle: sleep until a command arrives; every handle gone ends the thread.
                 match self.wait_idle() {
-                    Some(Some(cmd)) => self.handle(cmd),
+                    Some(Some(cmd)) => self.handle_contained(cmd),
                     Some(None) => {}
                     None => break,
                 }
             }
             while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
+                self.handle_contained(cmd);
             }
-            if self.shutting_down {
+            if self.shutting_down || self.broken {
                 break;
             }
             if self.engine.has_unfinished() {
-                let started = Instant::now();
-                match self.engine.step() {
-                    Ok(outputs) => {
-                        let tokens = self.engine.last_step_tokens();
-                        if tokens > 0 {
-                            self.metrics.iteration_tokens.observe(tokens as f64);
-                        }
-                        if outputs.is_empty() && started.elapsed() < Duration::from_micros(50) {
-                            // Nothing could be scheduled: wait for a command rather than
-                            // spin (the scheduler should never get here).
-                            if let Ok(cmd) = self.rx.recv_timeout(Duration::from_millis(1)) {
-                                self.handle(cmd);
-                            }
-                        }
-                        self.dispatch(outputs);
-                    }
-                    Err(e) => self.fail_all(&e),
+                if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.step_once())) {
+                    self.recover(panic.as_ref());
                 }
             }
             self.log_stats();
+            if self.broken {
+                break;
+            }
         }
-        self.abort_all();
+        if !self.broken {
+            self.abort_all();
+        }
+    }
+
+    /// One engine step, its outputs sent to their clients.
+    fn step_once(&mut self) {
+        let started = Instant::now();
+        match self.engine.step() {
+            Ok(outputs) => {
+                let tokens = self.engine.last_step_tokens();
+                if tokens > 0 {
+                    self.metrics.iteration_tokens.observe(tokens as f64);
+                }
+                if outputs.is_empty() && started.elapsed() < Duration::from_micros(50) {
+                    // Nothing could be scheduled: wait for a command rather than
+                    // spin (the scheduler should never get here).
+                    if let Ok(cmd) = self.rx.recv_timeout(Duration::from_millis(1)) {
+                        self.handle(cmd);
+                    }
+                }
+                self.dispatch(outputs);
+            }
+            Err(e) => self.fail_all(&e),
+        }
+    }
+
+    /// After a panic on this thread: every request in flight ends with an internal-fault
+    /// error, and the engine starts over with no request and no block in use (its
+    /// book-keeping may have been left half-updated). If starting over panics too, the
+    /// thread ends and `/health` turns 503.
+    fn recover(&mut self, panic: &(dyn std::any::Any + Send)) {
+        let message = panic_message(panic);
+        tracing::error!(
+            panic = %message,
+            requests = self.live.len(),
+            "the engine thread panicked; ending the requests in flight and restarting the engine"
+        );
+        self.faults.record(&message);
+        for (id, live) in std::mem::take(&mut self.live) {
+            let reason = EndReason::Failed(EngineFailure::Fault);
+            // The engine's books are not trusted here: the times are the thread's own.
+            self.record_finish(id, &live, None, reason.as_str());
+            let _ = live.events.send(EngineEvent {
+                index: live.index,
+                text: String::new(),
+                token_ids: Vec::new(),
+                logprobs: None,
+                prompt_logprobs: None,
+                finish: Some(Finish {
+                    reason,
+                    stop_reason: None,
+                    prompt_tokens: live.prompt_tokens,
+                    completion_tokens: live.completion_tokens,
+                    cached_tokens: 0,
+                    capture: None,
+                }),
+            });
+        }
+        if catch_unwind(AssertUnwindSafe(|| self.engine.reset())).is_err() {
+            tracing::error!("restarting the engine panicked too; the engine thread stops");
+            self.broken = true;
+        }
+    }
+
+    /// [`Self::handle`], recovering from a panic in it.
+    fn handle_contained(&mut self, cmd: Command) {
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.handle(cmd))) {
+            self.recover(panic.as_ref());
+        }
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -525,15 +686,20 @@ impl EngineLoop {
                 items,
                 events,
                 reply,
-            } => {
-                let result = self.add(items, &events);
-                let _ = reply.send(result);
-            }
+            } => match catch_unwind(AssertUnwindSafe(|| self.add(items, &events))) {
+                Ok(result) => {
+                    let _ = reply.send(result);
+                }
+                Err(panic) => {
+                    let _ = reply.send(Err(ApiError::engine_fault()));
+                    self.recover(panic.as_ref());
+                }
+            },
             Command::Abort(ids) => {
                 for id in ids {
                     if let Some(live) = self.live.remove(&id) {
                         self.engine.abort(id);
-                        self.finish_in_engine(id, &live, "abort");
+                        self.finish_in_engine(id, &live, EndReason::Abort.as_str());
                     }
                 }
             }
@@ -546,7 +712,7 @@ impl EngineLoop {
 
     fn stats(&self) -> EngineStats {
         let kv = self.engine.kv_cache();
-        let prefix = kv.prefix_cache_stats();
+        let prefix = self.engine.prefix_cache_stats();
         EngineStats {
             num_requests_running: self.engine.num_running(),
             num_requests_waiting: self.engine.num_waiting(),
@@ -608,30 +774,31 @@ impl EngineLoop {
         let mut new_live = Vec::with_capacity(prepared.len());
         // The first sample of the current prompt, and that prompt (items come as `n`
         // consecutive samples of each prompt).
-        let mut leader: Option<(RequestId, Vec<u32>)> = None;
+        let mut leader: Option<(RequestId, Arc<[u32]>)> = None;
         for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
             let prompt_tokens = prompt_ids.len();
             let max_tokens = item.params.max_tokens;
             let min_tokens = item.params.min_tokens;
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
+            let engine_prompt = prompt_ids.to_vec();
             let capture = item.capture.map(|c| c.spec);
             let constraint = item.constraint;
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache.
             let sibling_of = leader
                 .as_ref()
-                .filter(|(_, p)| *p == prompt_ids)
+                .filter(|(_, p)| Arc::ptr_eq(p, &prompt_ids) || **p == *prompt_ids)
                 .map(|&(id, _)| id);
             let new_leader_prompt = sibling_of.is_none().then(|| prompt_ids.clone());
             let added = match (sibling_of, capture) {
                 (Some(leader), None) => {
                     self.engine
-                        .add_sibling_request(leader, prompt_ids, item.params)
+                        .add_sibling_request(leader, engine_prompt, item.params)
                 }
                 (_, capture) => {
                     self.engine
-                        .add_request_with_capture(prompt_ids, item.params, capture)
+                        .add_request_with_capture(engine_prompt, item.params, capture)
                 }
             };
             match added {
@@ -670,7 +837,7 @@ impl EngineLoop {
                         self.engine.abort(a.id);
                         let _ = self.engine.take_completion(a.id);
                     }
-                    return Err(engine_error(item.prompt_field, &e));
+                    return Err(ApiError::from(e).for_prompt_field(item.prompt_field));
                 }
             }
         }
@@ -683,10 +850,7 @@ impl EngineLoop {
 
     /// Settles one prepared item's `max_tokens` against the context and the KV cache,
     /// and checks its capture's size.
-    fn prepare(
-        &self,
-        prepared: PreparedItem,
-    ) -> Result<(GenerationItem, Vec<u32>, Option<String>), ApiError> {
+    fn prepare(&self, prepared: PreparedItem) -> Result<Settled, ApiError> {
         let PreparedItem {
             mut item,
             prompt_ids: ids,
@@ -789,7 +953,7 @@ impl EngineLoop {
             let finish = if let Some(stop) = matched {
                 // The stop string ends it; the engine has not finished it yet.
                 self.engine.finish_early(out.id, FinishReason::Stop);
-                Some(("stop", Some(StopReason::Text(stop))))
+                Some((EndReason::Stop, Some(StopReason::Text(stop))))
             } else if let Some(reason) = out.finished {
                 if let Some(stop) = &mut live.stop {
                     text.push_str(&stop.flush());
@@ -802,24 +966,20 @@ impl EngineLoop {
                         .map(|&t| StopReason::Token(t)),
                     _ => None,
                 };
-                Some((reason.as_str(), stop_reason))
+                Some((EndReason::from(reason), stop_reason))
             } else {
                 None
             };
             let id = out.id;
             // Every prompt row is in once the first token is sampled; the request task
-            // turns the logits into logprobs.
-            let mut prompt_logits = None;
+            // turns the token ids into text.
+            let mut prompt_logprobs = None;
             if live.prompt_logprobs.is_some() {
-                if let Some(logits) = self.engine.take_prompt_logits(id) {
-                    prompt_logits = live
+                if let Some(rows) = self.engine.take_prompt_logprobs(id) {
+                    prompt_logprobs = live
                         .prompt_logprobs
                         .take()
-                        .map(|(top, prompt)| PromptLogits {
-                            logits,
-                            prompt,
-                            top,
-                        });
+                        .map(|(top, prompt)| PromptLogprobRows { rows, prompt, top });
                 }
             }
             let event = EngineEvent {
@@ -827,7 +987,7 @@ impl EngineLoop {
                 text,
                 token_ids: out.new_token_ids,
                 logprobs: out.logprobs,
-                prompt_logits,
+                prompt_logprobs,
                 finish: None,
             };
             match finish {
@@ -836,14 +996,16 @@ impl EngineLoop {
                         // The client is gone: free its blocks now.
                         if let Some(live) = self.live.remove(&id) {
                             self.engine.abort(id);
-                            self.finish_in_engine(id, &live, "abort");
+                            self.finish_in_engine(id, &live, EndReason::Abort.as_str());
                         }
                     }
                 }
                 Some((reason, stop_reason)) => {
-                    let live = self.live.remove(&id).expect("live request");
+                    let Some(live) = self.live.remove(&id) else {
+                        continue;
+                    };
                     let completion = self.engine.take_completion(id);
-                    self.record_finish(id, &live, completion.as_ref(), reason);
+                    self.record_finish(id, &live, completion.as_ref(), reason.as_str());
                     let finish = Finish {
                         reason,
                         stop_reason,
@@ -854,7 +1016,6 @@ impl EngineLoop {
                         cached_tokens: completion
                             .as_ref()
                             .map_or(0, |c| c.num_cached_prompt_tokens),
-                        error: None,
                         capture: completion.and_then(|c| c.capture),
                     };
                     let _ = live.events.send(EngineEvent {
@@ -919,20 +1080,18 @@ impl EngineLoop {
     /// A step failed: every live request ends with the error.
     fn fail_all(&mut self, error: &EngineError) {
         tracing::error!(%error, "engine step failed; aborting every running request");
-        self.end_all("error", Some(error.to_string()));
+        self.end_all(EndReason::Failed(EngineFailure::Step(error.to_string())));
     }
 
     fn abort_all(&mut self) {
-        self.end_all("abort", None);
+        self.end_all(EndReason::Abort);
     }
 
-    fn end_all(&mut self, reason: &'static str, error: Option<String>) {
-        let ids: Vec<RequestId> = self.live.keys().copied().collect();
-        for id in ids {
-            let live = self.live.remove(&id).expect("live request");
+    fn end_all(&mut self, reason: EndReason) {
+        for (id, live) in std::mem::take(&mut self.live) {
             self.engine.abort(id);
             let completion = self.engine.take_completion(id);
-            self.record_finish(id, &live, completion.as_ref(), reason);
+            self.record_finish(id, &live, completion.as_ref(), reason.as_str());
             let mut text = String::new();
             if let Some(mut stop) = live.stop {
                 text = stop.flush();
@@ -942,29 +1101,20 @@ impl EngineLoop {
                 text,
                 token_ids: Vec::new(),
                 logprobs: None,
-                prompt_logits: None,
+                prompt_logprobs: None,
                 finish: Some(Finish {
-                    reason,
+                    reason: reason.clone(),
                     stop_reason: None,
                     prompt_tokens: live.prompt_tokens,
                     completion_tokens: completion
                         .as_ref()
                         .map_or(live.completion_tokens, |c| c.token_ids.len()),
                     cached_tokens: completion.map_or(0, |c| c.num_cached_prompt_tokens),
-                    error: error.clone(),
                     capture: None,
                 }),
             });
         }
     }
-}
-
-fn engine_error(field: &'static str, e: &EngineError) -> ApiError {
-    let message = match e {
-        EngineError::InvalidRequest(m) => m.clone(),
-        other => other.to_string(),
-    };
-    ApiError::field(field, message)
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use lantern_engine::EngineError;
 use serde_json::json;
 
 /// An error answered to a client.
@@ -94,8 +95,25 @@ impl ApiError {
         )
     }
 
+    /// A panic on the engine thread ended this request (the engine restarted).
+    pub fn engine_fault() -> Self {
+        Self {
+            code: Some("engine_fault"),
+            ..Self::internal(crate::engine_thread::ENGINE_FAULT_MESSAGE)
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::with_status(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    /// Names `field` instead of `prompt`, for errors about the prompt on an endpoint
+    /// whose prompt is another field (chat's `messages`).
+    pub fn for_prompt_field(mut self, field: &str) -> Self {
+        if self.param.as_deref() == Some("prompt") {
+            self.param = Some(field.to_string());
+        }
+        self
     }
 
     /// The JSON body, also sent as an SSE event when a stream fails midway.
@@ -118,6 +136,21 @@ impl std::fmt::Display for ApiError {
 }
 
 impl std::error::Error for ApiError {}
+
+/// A request the engine refused is a 400 naming the field at fault; the engine's own
+/// failures are 500s.
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        if e.is_client_fault() {
+            Self::invalid(e.field().map(str::to_string), e.client_message())
+        } else {
+            Self {
+                code: Some("engine_error"),
+                ..Self::internal(format!("the engine failed: {e}"))
+            }
+        }
+    }
+}
 
 /// Seconds a client is told to wait before retrying a 429 or 503.
 pub const RETRY_AFTER_SECS: u64 = 1;

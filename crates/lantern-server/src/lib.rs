@@ -272,12 +272,30 @@ async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> 
     }
 }
 
+/// `200 {"status": "ok"}`; `200 {"status": "degraded", ...}` once the engine thread has
+/// contained a panic (it restarted its state and serves on); 503 once the engine thread
+/// is gone.
 async fn health(State(state): State<AppState>) -> Response {
-    if state.engine.is_alive() {
-        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
-    } else {
-        ApiError::unavailable().into_response()
+    let faults = state.engine.faults();
+    if !state.engine.is_alive() {
+        if faults.count() > 0 {
+            return ApiError::with_status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine stopped: an internal fault could not be recovered from",
+            )
+            .into_response();
+        }
+        return ApiError::unavailable().into_response();
     }
+    if faults.count() == 0 {
+        return (StatusCode::OK, Json(json!({"status": "ok"}))).into_response();
+    }
+    let body = json!({
+        "status": "degraded",
+        "engine_faults": faults.count(),
+        "last_engine_fault": faults.last(),
+    });
+    (StatusCode::OK, Json(body)).into_response()
 }
 
 /// `GET /version` (vLLM's): the server's version.

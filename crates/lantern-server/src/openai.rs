@@ -2,8 +2,8 @@
 
 use crate::capture::{self, CaptureRequest};
 use crate::engine_thread::{
-    Accepted, ChoiceEvent, EngineEvent, EngineHandle, Finish, ItemCapture, LogprobEntry,
-    PromptLogprobEntry, StopReason,
+    Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure, EngineHandle, Finish,
+    ItemCapture, LogprobEntry, PromptLogprobEntry, StopReason,
 };
 use crate::error::ApiError;
 use crate::prompt::Prompter;
@@ -17,7 +17,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
-use lantern_engine::lantern_capture::PendingCapture;
+use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
 use lantern_kv::RequestId;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -167,9 +167,11 @@ struct CaptureDelivery {
 impl CaptureDelivery {
     async fn fields(
         &self,
-        pending: Option<Result<PendingCapture, String>>,
+        pending: Option<Result<PendingCapture, CaptureFailure>>,
     ) -> serde_json::Map<String, Value> {
-        let pending = pending.unwrap_or_else(|| Err("the request ended without a capture".into()));
+        let pending = pending.unwrap_or(Err(CaptureFailure::Snapshot(
+            "the request ended without a capture".to_string(),
+        )));
         capture::deliver(
             pending,
             &self.request,
@@ -562,7 +564,7 @@ impl ResponseBuilder {
         logprobs: Value,
         include_usage: bool,
     ) -> Value {
-        let finish_reason = finish.map_or(Value::Null, |f| json!(f.reason));
+        let finish_reason = finish.map_or(Value::Null, |f| json!(f.reason.as_str()));
         let stop_reason = finish.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
         let choice = match self.kind {
             Kind::Chat => {
@@ -620,7 +622,7 @@ impl ResponseBuilder {
             .enumerate()
             .map(|(i, (text, logprobs))| {
                 let f = self.finishes[i].as_ref();
-                let finish_reason = f.map_or(Value::Null, |f| json!(f.reason));
+                let finish_reason = f.map_or(Value::Null, |f| json!(f.reason.as_str()));
                 let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
                 match self.kind {
                     Kind::Chat => {
@@ -663,12 +665,26 @@ impl ResponseBuilder {
 }
 
 fn engine_failure(finish: &Finish) -> Option<ApiError> {
-    (finish.reason == "error").then(|| {
-        ApiError::internal(format!(
-            "the engine failed while generating: {}",
-            finish.error.as_deref().unwrap_or("unknown error")
-        ))
-    })
+    match &finish.reason {
+        EndReason::Failed(EngineFailure::Fault) => Some(ApiError::engine_fault()),
+        EndReason::Failed(EngineFailure::Step(error)) => Some(ApiError {
+            code: Some("engine_error"),
+            ..ApiError::internal(format!("the engine failed while generating: {error}"))
+        }),
+        _ => None,
+    }
+}
+
+/// Checks that an event names one of the response's choices, so that indexing the
+/// per-choice state by it cannot fail.
+fn check_index(event: &ChoiceEvent, num_choices: usize) -> Result<(), ApiError> {
+    if event.index < num_choices {
+        return Ok(());
+    }
+    Err(ApiError::internal(format!(
+        "the engine sent an event for choice {} of a response with {num_choices}",
+        event.index
+    )))
 }
 
 async fn whole_response(
@@ -684,7 +700,7 @@ async fn whole_response(
         .iter()
         .map(|a| {
             if request.echo {
-                a.prompt_text.clone().unwrap_or_default()
+                a.prompt_text.as_deref().unwrap_or_default().to_string()
             } else {
                 request.chat_echo.clone().unwrap_or_default()
             }
@@ -697,6 +713,7 @@ async fn whole_response(
             return Err(ApiError::unavailable());
         };
         let event = guard.engine.prompter().resolve(event).await?;
+        check_index(&event, texts.len())?;
         texts[event.index].push_str(&event.text);
         logprobs[event.index].extend(event.logprobs);
         if event.prompt_logprobs.is_some() {
@@ -733,7 +750,7 @@ struct StreamState {
     echo_due: Vec<bool>,
     capture: Option<CaptureDelivery>,
     /// Every choice finished and the capture is still to be delivered.
-    capture_due: Option<Option<Result<PendingCapture, String>>>,
+    capture_due: Option<Option<Result<PendingCapture, CaptureFailure>>>,
     /// Chat with tools: each choice's text, held until it finishes, when it goes out
     /// as one delta of content or of `tool_calls`.
     held_text: Vec<String>,
@@ -794,7 +811,7 @@ impl StreamState {
             let text = std::mem::take(&mut self.held_text[event.index]);
             let (message, reason) = chat_message(
                 &text,
-                json!(finish.reason),
+                json!(finish.reason.as_str()),
                 true,
                 &self.response.id,
                 event.index,
@@ -849,7 +866,7 @@ impl StreamState {
         let echoed = std::mem::take(&mut self.echo_due[event.index])
             .then(|| self.response.accepted[event.index].prompt_text.clone())
             .flatten()
-            .map(|p| p + &event.text);
+            .map(|p| p.to_string() + &event.text);
         if event.text.is_empty() && event.finish.is_none() && !has_logprobs && echoed.is_none() {
             return;
         }
@@ -952,7 +969,10 @@ fn sse_events(state: StreamState) -> impl Stream<Item = Result<Event, Infallible
                 continue;
             }
             match state.events.recv().await {
-                Some(event) => match state.prompter.resolve(event).await {
+                Some(event) => match state.prompter.resolve(event).await.and_then(|event| {
+                    check_index(&event, state.response.accepted.len())?;
+                    Ok(event)
+                }) {
                     Ok(event) => state.on_event(event),
                     Err(error) => {
                         state.queue.push_back(data(&error.body()));

@@ -11,8 +11,7 @@ use crate::engine_thread::{
     ChoiceEvent, EngineEvent, GenerationItem, LogprobEntry, PromptInput, PromptLogprobEntry,
 };
 use crate::error::ApiError;
-use lantern_engine::sampling::{log_softmax, top_k_logprobs};
-use lantern_engine::TokenLogprobs;
+use lantern_engine::{PromptTokenLogprob, TokenLogprobs};
 use lantern_model::prompt::{tokenize_chat_with, ChatPromptError};
 use lantern_model::{ChatTemplate, ModelTokenizer};
 use std::sync::Arc;
@@ -27,17 +26,18 @@ pub const DEFAULT_PREPARE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct PreparedItem {
     /// The item, its prompt moved out.
     pub item: GenerationItem,
-    pub prompt_ids: Vec<u32>,
+    /// Shared by the samples of one prompt.
+    pub prompt_ids: Arc<[u32]>,
     /// The prompt's text, when the item asked for `echo`.
-    pub echo_text: Option<String>,
+    pub echo_text: Option<Arc<str>>,
 }
 
-/// The prompt logits of one sequence, to turn into prompt logprobs.
+/// The prompt logprobs of one sequence as the engine reduced them, to turn into text.
 #[derive(Debug, Clone)]
-pub struct PromptLogits {
-    /// `[prompt_len, vocab]`, row `i` predicting token `i + 1`.
-    pub logits: Vec<f32>,
-    pub prompt: Vec<u32>,
+pub struct PromptLogprobRows {
+    /// Entry `i` for prompt token `i + 1` (nothing predicts the first).
+    pub rows: Vec<PromptTokenLogprob>,
+    pub prompt: Arc<[u32]>,
     /// Alternatives per token.
     pub top: usize,
 }
@@ -157,24 +157,29 @@ impl Prompter {
         let this = self.clone();
         self.blocking(field, move || {
             let mut prepared: Vec<PreparedItem> = Vec::with_capacity(items.len());
-            let mut last: Option<(PromptInput, Vec<u32>, Option<String>)> = None;
-            for mut item in items {
+            type Done = (Arc<PromptInput>, Arc<[u32]>, Option<Arc<str>>);
+            let mut last: Option<Done> = None;
+            for item in items {
                 this.check_logit_bias(&item.params.logit_bias)?;
-                let prompt = std::mem::replace(&mut item.prompt, PromptInput::Tokens(Vec::new()));
+                let prompt = item.prompt.clone();
                 let (ids, text) = match &last {
-                    Some((p, ids, text)) if *p == prompt => (ids.clone(), text.clone()),
+                    Some((p, ids, text)) if Arc::ptr_eq(p, &prompt) || *p == prompt => {
+                        (ids.clone(), text.clone())
+                    }
                     _ => {
                         let ids = this.tokenize_now(&prompt, true, item.prompt_field)?;
                         this.check_prompt(&ids, item.prompt_field)?;
-                        let text = match &prompt {
-                            PromptInput::Text(text) => Some(text.clone()),
-                            _ if item.echo => {
-                                Some(this.tokenizer.decode(&ids, false).map_err(|e| {
-                                    ApiError::field(item.prompt_field, e.to_string())
-                                })?)
-                            }
+                        let text: Option<Arc<str>> = match &*prompt {
+                            PromptInput::Text(text) => Some(text.as_str().into()),
+                            _ if item.echo => Some(
+                                this.tokenizer
+                                    .decode(&ids, false)
+                                    .map_err(|e| ApiError::field(item.prompt_field, e.to_string()))?
+                                    .into(),
+                            ),
                             _ => None,
                         };
+                        let ids: Arc<[u32]> = ids.into();
                         last = Some((prompt, ids.clone(), text.clone()));
                         (ids, text)
                     }
@@ -266,8 +271,8 @@ impl Prompter {
 
     /// An engine event with its logprobs as text (prompt logprobs on the blocking pool).
     pub async fn resolve(&self, event: EngineEvent) -> Result<ChoiceEvent, ApiError> {
-        let prompt_logprobs = match event.prompt_logits {
-            Some(logits) => Some(self.prompt_logprobs(logits).await?),
+        let prompt_logprobs = match event.prompt_logprobs {
+            Some(rows) => Some(self.prompt_logprobs(rows).await?),
             None => None,
         };
         Ok(ChoiceEvent {
@@ -294,18 +299,18 @@ impl Prompter {
         }
     }
 
-    /// Prompt logprobs from prompt logits, computed on the blocking pool.
+    /// Prompt logprobs with their tokens as text, on the blocking pool.
     pub async fn prompt_logprobs(
         &self,
-        logits: PromptLogits,
+        rows: PromptLogprobRows,
     ) -> Result<Vec<PromptLogprobEntry>, ApiError> {
         let this = self.clone();
         self.blocking("prompt_logprobs", move || {
             Ok(prompt_logprob_entries(
                 &this.tokenizer,
-                &logits.prompt,
-                &logits.logits,
-                logits.top,
+                &rows.prompt,
+                &rows.rows,
+                rows.top,
             ))
         })
         .await
@@ -326,42 +331,33 @@ fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) ->
     ApiError::field(field, message)
 }
 
-/// The prompt logprobs of `prompt` from its logits (`[prompt_len, vocab]`, row `i`
-/// predicting token `i + 1`), with `k` alternatives per token.
+/// The prompt logprobs of `prompt` from the engine's rows (row `i` for token `i + 1`),
+/// with at most `k` alternatives per token and every token as text.
 fn prompt_logprob_entries(
     tokenizer: &ModelTokenizer,
     prompt: &[u32],
-    logits: &[f32],
+    rows: &[PromptTokenLogprob],
     k: usize,
 ) -> Vec<PromptLogprobEntry> {
     let text = |t: u32| tokenizer.token_text(t);
-    let vocab = logits.len() / prompt.len().max(1);
     prompt
         .iter()
         .enumerate()
         .map(|(i, &token_id)| {
-            let mut entry = PromptLogprobEntry {
+            let row = i.checked_sub(1).and_then(|r| rows.get(r));
+            PromptLogprobEntry {
                 token_id,
                 token: text(token_id),
-                logprob: None,
-                rank: 0,
-                top: Vec::new(),
-            };
-            let row = i
-                .checked_sub(1)
-                .and_then(|r| logits.get(r * vocab..(r + 1) * vocab));
-            if let Some(row) = row {
-                let logprobs = log_softmax(row);
-                if let Some(&logprob) = logprobs.get(token_id as usize) {
-                    entry.logprob = Some(logprob);
-                    entry.rank = 1 + logprobs.iter().filter(|&&l| l > logprob).count();
-                    entry.top = top_k_logprobs(&logprobs, k)
-                        .into_iter()
-                        .map(|(t, l)| (t, text(t), l))
-                        .collect();
-                }
+                logprob: row.map(|r| r.logprob),
+                rank: row.map_or(0, |r| r.rank),
+                top: row.map_or_else(Vec::new, |r| {
+                    r.top
+                        .iter()
+                        .take(k)
+                        .map(|&(t, l)| (t, text(t), l))
+                        .collect()
+                }),
             }
-            entry
         })
         .collect()
 }

@@ -14,6 +14,7 @@ use lantern_model::{ChatMessage, ChatRenderOptions};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Most sequences one request may ask for (prompts × n).
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 256;
@@ -210,7 +211,7 @@ pub struct ModelLimits<'a> {
 struct Common {
     params: SamplingParams,
     max_tokens: Option<usize>,
-    stop: Vec<String>,
+    stop: Arc<[String]>,
     include_stop: bool,
     n: usize,
     stream: bool,
@@ -376,7 +377,7 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
         seed: fields.seed.map(|s| s as u64),
         max_tokens: max_tokens.unwrap_or(1),
         ignore_eos: fields.ignore_eos.unwrap_or(false),
-        stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default(),
+        stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default().into(),
         presence_penalty: fields.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: fields.frequency_penalty.unwrap_or(0.0) as f32,
         repetition_penalty: fields.repetition_penalty.unwrap_or(1.0) as f32,
@@ -387,7 +388,7 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
     Ok(Common {
         params,
         max_tokens,
-        stop: parse_stop(&fields.stop)?,
+        stop: parse_stop(&fields.stop)?.into(),
         include_stop: fields.include_stop_str_in_output.unwrap_or(false),
         n: n as usize,
         stream,
@@ -502,10 +503,11 @@ fn expand(
     }
     let mut items = Vec::with_capacity(total);
     for prompt in prompts {
+        let prompt = Arc::new(prompt);
         for i in 0..common.n {
             let mut params = common.params.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            params.prompt_logits = prompt_logprobs.is_some();
+            params.prompt_logprobs = prompt_logprobs;
             items.push(GenerationItem {
                 prompt: prompt.clone(),
                 params,
@@ -874,8 +876,8 @@ mod tests {
         assert_eq!(r.items[0].params.seed, Some(7));
         assert_eq!(r.items[1].params.seed, Some(8));
         assert_eq!(r.items[0].max_tokens, Some(5));
-        assert_eq!(r.items[0].stop, vec!["\n".to_string()]);
-        match &r.items[0].prompt {
+        assert_eq!(&*r.items[0].stop, ["\n".to_string()]);
+        match &*r.items[0].prompt {
             PromptInput::Chat(m, options) => {
                 assert_eq!(m[1].content, "Hi!");
                 assert_eq!(*options, ChatRenderOptions::default());
@@ -949,7 +951,7 @@ mod tests {
     #[test]
     fn completion_prompts() {
         let r = completion_request(&json!({"prompt": [1, 2, 3]}), &LIMITS).unwrap();
-        assert!(matches!(&r.items[0].prompt, PromptInput::Tokens(t) if t == &[1, 2, 3]));
+        assert!(matches!(&*r.items[0].prompt, PromptInput::Tokens(t) if t == &[1, 2, 3]));
         assert_eq!(r.items[0].max_tokens, Some(16));
         let r = completion_request(&json!({"prompt": ["a", "b"], "n": 2}), &LIMITS).unwrap();
         assert_eq!(r.items.len(), 4);
@@ -976,13 +978,13 @@ mod tests {
     }
 
     #[test]
-    fn prompt_logprobs_ask_for_prompt_logits() {
+    fn prompt_logprobs_ask_the_engine_for_them() {
         let r = completion_request(&json!({"prompt": "x"}), &LIMITS).unwrap();
-        assert!(!r.items[0].params.prompt_logits);
+        assert!(r.items[0].params.prompt_logprobs.is_none());
         assert_eq!(r.items[0].prompt_logprobs, None);
         // Logprobs without echo need no prompt logits.
         let r = completion_request(&json!({"prompt": "x", "logprobs": 2}), &LIMITS).unwrap();
-        assert!(!r.items[0].params.prompt_logits);
+        assert!(r.items[0].params.prompt_logprobs.is_none());
         assert_eq!(r.echo_logprobs, None);
         let r = completion_request(
             &json!({"prompt": ["x", "y"], "n": 2, "echo": true, "logprobs": 3}),
@@ -992,7 +994,7 @@ mod tests {
         assert_eq!(r.echo_logprobs, Some(3));
         assert_eq!(r.prompt_logprobs, None);
         for item in &r.items {
-            assert!(item.params.prompt_logits);
+            assert!(item.params.prompt_logprobs.is_some());
             assert_eq!(item.prompt_logprobs, Some(3));
             assert_eq!(item.params.logprobs, Some(3));
         }
@@ -1009,7 +1011,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.prompt_logprobs, Some(0));
-        assert!(r.items[0].params.prompt_logits);
+        assert!(r.items[0].params.prompt_logprobs.is_some());
         // Streaming: as vLLM, refused when it would return anything, else ignored.
         let r = completion_request(
             &json!({"prompt": "x", "stream": true, "prompt_logprobs": 0}),
@@ -1017,7 +1019,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.prompt_logprobs, None);
-        assert!(!r.items[0].params.prompt_logits);
+        assert!(r.items[0].params.prompt_logprobs.is_none());
         for body in [
             json!({"prompt": "x", "stream": true, "prompt_logprobs": 1}),
             json!({"prompt": "x", "prompt_logprobs": -1}),
@@ -1076,7 +1078,7 @@ mod tests {
             &LIMITS,
         )
         .unwrap();
-        match &r.items[0].prompt {
+        match &*r.items[0].prompt {
             PromptInput::Chat(_, o) => {
                 assert!(o.continue_final_message);
                 assert!(!o.add_generation_prompt, "continuing implies no new turn");

@@ -4,6 +4,8 @@
 //! whether it is one; a matched stop string (and everything after it) never reaches the
 //! client, unless `include_stop_str_in_output` asks for the stop string itself.
 
+use std::sync::Arc;
+
 /// What a piece of new text turned into.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StopOutput {
@@ -16,7 +18,8 @@ pub struct StopOutput {
 /// Matches a request's stop strings on its text as it grows.
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    /// Shared with the other samples of the request.
+    stops: Arc<[String]>,
     include_stop: bool,
     /// Text received but not yet sent: a suffix that may begin a stop string.
     pending: String,
@@ -25,8 +28,12 @@ pub struct StopMatcher {
 
 impl StopMatcher {
     /// `None` when there is nothing to match (no non-empty stop strings).
-    pub fn new(stops: &[String], include_stop: bool) -> Option<Self> {
-        let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
+    pub fn new(stops: &Arc<[String]>, include_stop: bool) -> Option<Self> {
+        let stops = if stops.iter().any(String::is_empty) {
+            stops.iter().filter(|s| !s.is_empty()).cloned().collect()
+        } else {
+            stops.clone()
+        };
         (!stops.is_empty()).then(|| Self {
             stops,
             include_stop,
@@ -43,7 +50,7 @@ impl StopMatcher {
         self.pending.push_str(new_text);
         // The earliest match wins; at one position, the longest stop string.
         let mut best: Option<(usize, &str)> = None;
-        for stop in &self.stops {
+        for stop in self.stops.iter() {
             if let Some(pos) = self.pending.find(stop.as_str()) {
                 let better = match best {
                     None => true,
@@ -121,7 +128,7 @@ mod tests {
     use super::*;
 
     fn run(stops: &[&str], include: bool, pieces: &[&str]) -> (String, Option<String>) {
-        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let stops: Arc<[String]> = stops.iter().map(|s| s.to_string()).collect();
         let mut m = StopMatcher::new(&stops, include).unwrap();
         let mut out = String::new();
         for p in pieces {
@@ -145,7 +152,7 @@ mod tests {
 
     #[test]
     fn stop_across_pieces_is_held_back_then_cut() {
-        let stops = vec!["END".to_string()];
+        let stops: Arc<[String]> = Arc::new(["END".to_string()]);
         let mut m = StopMatcher::new(&stops, false).unwrap();
         assert_eq!(m.push("abc E").text, "abc ");
         assert_eq!(m.push("N").text, "");
@@ -188,7 +195,14 @@ mod tests {
 
     #[test]
     fn empty_stops_mean_no_matcher() {
-        assert!(StopMatcher::new(&[String::new()], false).is_none());
-        assert!(StopMatcher::new(&[], false).is_none());
+        assert!(StopMatcher::new(&Arc::from([String::new()]), false).is_none());
+        assert!(StopMatcher::new(&Arc::from([]), false).is_none());
+    }
+
+    #[test]
+    fn samples_share_one_stop_list() {
+        let stops: Arc<[String]> = Arc::new(["END".to_string(), "STOP".to_string()]);
+        let matchers: Vec<_> = (0..4).map(|_| StopMatcher::new(&stops, false)).collect();
+        assert_eq!(Arc::strong_count(&stops), 1 + matchers.len());
     }
 }

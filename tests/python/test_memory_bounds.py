@@ -1,0 +1,93 @@
+"""Per-request memory stays bounded (measured as the server's peak resident memory):
+the samples of one request share its prompt and stop list instead of copying them, and
+prompt logprobs keep only the top-k per position, never a prompt x vocabulary table."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import start_server, stop_server
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+MIB = 1 << 20
+
+
+@pytest.fixture()
+def fresh_server():
+    # A server of its own, so its peak memory is this test's.
+    srv = start_server()
+    yield srv
+    stop_server(srv)
+
+
+def peak_rss(srv) -> int:
+    """The server's peak resident memory (VmHWM), in bytes."""
+    for line in Path(f"/proc/{srv.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def test_samples_share_one_prompt_and_stop_list(fresh_server):
+    srv = fresh_server
+    client = srv.client()
+    body = dict(model=srv.model, prompt="Once upon a time", max_tokens=2, n=128, seed=1)
+    # The same request without stops first (twice, as the allocator settles): a batch of
+    # 128 samples has costs of its own (logits, sampling), which then are in the peak.
+    for _ in range(2):
+        assert len(client.completions.create(**body).choices) == 128
+    before = peak_rss(srv)
+    # 2 MiB of stop strings that never match, 128 samples: copied per sample this took
+    # 128 x 2 MiB at least twice over (the request's copy and the matcher's).
+    stops = ["\x01" + "z" * (512 * 1024) + str(i) for i in range(4)]
+    assert len(client.completions.create(**body, stop=stops).choices) == 128
+    growth = peak_rss(srv) - before
+    # Copies would take 512 MiB and more; shared, the list costs a few copies of 2 MiB
+    # while the body is parsed, plus the allocator's noise over a batch of 128.
+    assert growth < 160 * MIB, f"the server's peak memory grew {growth / MIB:.0f} MiB"
+    srv.wait_idle()
+
+
+@pytest.fixture()
+def snug_server():
+    # A KV cache just larger than the long prompt below (720 KiB a block of 16 tokens):
+    # the warm-up touches nearly all of it, so the cache's own pages do not count as
+    # growth.
+    srv = start_server(kv_cache_memory=str(100 * 737280))
+    yield srv
+    stop_server(srv)
+
+
+def test_prompt_logprobs_keep_only_the_top_k_per_position(snug_server):
+    srv = snug_server
+    client = srv.client()
+    # About 1,100 tokens: a prompt x vocabulary (49,152) table in f32 is 220 MB, and
+    # the step's logits rows for the whole prompt as much again.
+    words = " ".join(f"word{i}" for i in range(300))
+    # Warm up on the same paths: a long prompt (the KV cache's pages), then a short one
+    # with prompt logprobs (a step's worth of logits rows).
+    warm = client.completions.create(model=srv.model, prompt="x " + words, max_tokens=1)
+    assert warm.usage.prompt_tokens >= 1000
+    short = " ".join(f"word{i}" for i in range(40))
+    client.completions.create(
+        model=srv.model, prompt=short, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    srv.wait_idle()
+    before = peak_rss(srv)
+    r = client.completions.create(
+        model=srv.model,
+        prompt=words,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )
+    entries = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == r.usage.prompt_tokens >= 1000
+    assert entries[0] is None
+    # Each later entry holds the token itself and at most two alternatives.
+    assert all(1 <= len(e) <= 3 for e in entries[1:])
+    growth = peak_rss(srv) - before
+    assert growth < 48 * MIB, f"the server's peak memory grew {growth / MIB:.0f} MiB"
+    srv.wait_idle()

@@ -593,3 +593,65 @@ fn a_step_that_panics_leaves_a_reset_that_frees_every_block_and_runs_as_new() {
         engine.kv_cache().num_blocks()
     );
 }
+
+/// Prompt logprobs reduced row by row (top-k only, at most 128 prompt rows a step) equal
+/// what the whole prompt-logits table gives, through chunking and preemption.
+#[test]
+fn prompt_logprobs_row_by_row_equal_the_whole_table() {
+    use lantern_engine::sampling::prompt_token_logprob;
+    let p = prompts(8);
+    let (mut roomy, _dir) = tiny_engine(config(blocks(512)));
+    let tables = roomy
+        .generate(
+            p.iter()
+                .map(|x| {
+                    let params = SamplingParams {
+                        prompt_logits: true,
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(4)
+                    };
+                    (x.clone(), params)
+                })
+                .collect(),
+        )
+        .unwrap();
+    let (mut engine, _dir2) = tiny_engine(EngineConfig {
+        max_num_batched_tokens: 9,
+        ..config(blocks(40))
+    });
+    let params = SamplingParams {
+        prompt_logprobs: Some(3),
+        ignore_eos: true,
+        ..SamplingParams::greedy(20)
+    };
+    let ids: Vec<_> = p
+        .iter()
+        .map(|x| engine.add_request(x.clone(), params.clone()).unwrap())
+        .collect();
+    let mut taken = vec![None; ids.len()];
+    while engine.has_unfinished() {
+        for out in engine.step().unwrap() {
+            if let Some(rows) = engine.take_prompt_logprobs(out.id) {
+                let i = ids.iter().position(|&id| id == out.id).unwrap();
+                assert!(taken[i].is_none(), "taken once");
+                taken[i] = Some(rows);
+            }
+        }
+    }
+    assert!(engine.num_preemptions() > 0);
+    for (i, (table, rows)) in tables.iter().zip(taken).enumerate() {
+        let rows = rows.expect("prompt logprobs came with the first token");
+        let table = table.prompt_logits.as_ref().unwrap();
+        assert_eq!(rows.len(), p[i].len() - 1, "request {i}");
+        for (pos, row) in rows.iter().enumerate() {
+            let logits = &table[pos * 258..(pos + 1) * 258];
+            let expected = prompt_token_logprob(logits, p[i][pos + 1], 3).unwrap();
+            assert_eq!(*row, expected, "request {i}, position {pos}");
+            assert_eq!(row.top.len(), 3);
+        }
+    }
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+}

@@ -12,7 +12,7 @@ pub mod scheduler;
 
 pub use config::EngineConfig;
 pub use engine::{Completion, Engine, RequestOutput};
-pub use error::{EngineError, Result};
+pub use error::{EngineError, RequestError, Result};
 pub use lantern_capture;
 pub use lantern_guided;
 pub use request::{FinishReason, RequestStatus};

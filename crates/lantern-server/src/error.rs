@@ -170,3 +170,50 @@ impl IntoResponse for ApiError {
         response
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lantern_engine::RequestError;
+
+    #[test]
+    fn engine_errors_are_400s_naming_the_field_or_500s() {
+        let out_of_range = EngineError::from(RequestError::OutOfRange {
+            field: "temperature",
+            expected: ">= 0",
+            got: "-1".to_string(),
+        });
+        let e = ApiError::from(out_of_range);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert_eq!(e.message, "temperature must be >= 0, got -1");
+
+        // Prompt errors name the field that holds the prompt on the endpoint.
+        let e = ApiError::from(EngineError::from(RequestError::EmptyPrompt));
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert_eq!(
+            e.for_prompt_field("messages").param.as_deref(),
+            Some("messages")
+        );
+
+        let capture = EngineError::Capture(
+            lantern_engine::lantern_capture::CaptureError::InvalidField {
+                field: "attn_capture_heads",
+                message: "head 99 is out of range".to_string(),
+            },
+        );
+        assert_eq!(
+            ApiError::from(capture).param.as_deref(),
+            Some("attn_capture_heads")
+        );
+
+        let stalled = ApiError::from(EngineError::Stalled {
+            waiting: 1,
+            free_blocks: 0,
+        });
+        assert_eq!(stalled.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(stalled.kind, "server_error");
+        assert_eq!(stalled.code, Some("engine_error"));
+        assert_eq!(stalled.param, None);
+    }
+}

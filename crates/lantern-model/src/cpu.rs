@@ -1,7 +1,9 @@
-//! The SIMD level the matrix kernels run at.
+//! The SIMD level lantern's kernels run at, and what the binary and the CPU offer.
 //!
-//! candle picks its quantized kernels with `cfg(target_feature = ...)` at compile time, so
-//! what matters is both what the binary was compiled for and what this CPU offers.
+//! Every kernel on the hot path (matrix products, norms, RoPE, activations, attention,
+//! the logits row) is compiled per level and picked at run time
+//! ([`lantern_quant::active_kernel`]), so the build needs no `target-cpu` setting; the
+//! features the binary was compiled with are reported only as information.
 
 /// Instruction-set extensions the kernels may use, as compiled and as detected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,21 +15,10 @@ pub struct SimdLevel {
 }
 
 impl SimdLevel {
-    /// A one-word summary of the best compiled level: `avx512-vnni`, `avx512`, `avx2`,
-    /// `neon` or `scalar`.
+    /// The kernel level in effect: `avx512`, `avx2` or `scalar` (see
+    /// [`lantern_quant::active_kernel`]).
     pub fn summary(&self) -> &'static str {
-        let has = |f| self.compiled.contains(&f);
-        if has("avx512f") && has("avx512vnni") {
-            "avx512-vnni"
-        } else if has("avx512f") {
-            "avx512"
-        } else if has("avx2") && has("fma") {
-            "avx2"
-        } else if has("neon") {
-            "neon"
-        } else {
-            "scalar"
-        }
+        lantern_quant::kernel_level()
     }
 }
 
@@ -103,19 +94,8 @@ mod tests {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn builds_use_the_machines_vector_extensions() {
-        // `.cargo/config.toml` compiles for the native CPU, so every AVX level the CPU has
-        // must be compiled in; a scalar build here means candle's fast paths are off.
-        let level = simd_level();
-        for f in ["avx2", "fma", "avx512f", "avx512vnni"] {
-            if level.detected.contains(&f) {
-                assert!(
-                    level.compiled.contains(&f),
-                    "{f} available but not compiled in"
-                );
-            }
-        }
+    fn the_summary_is_the_level_in_effect() {
+        assert_eq!(simd_level().summary(), lantern_quant::kernel_level());
     }
 }

@@ -230,7 +230,7 @@ impl CausalLm for Decoder {
             .collect();
         let mut x = self.token_embd.rows(batch.token_ids)?;
         if let Some(scale) = self.embed_scale {
-            x.iter_mut().for_each(|v| *v *= scale);
+            ops::scale(&mut x, scale);
         }
         let mut scratch = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
@@ -267,7 +267,7 @@ impl CausalLm for Decoder {
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
         let mut logits = output.forward(&normed, batch.logits_rows.len())?;
         if let Some(cap) = self.final_soft_cap {
-            logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+            ops::soft_cap(&mut logits, cap);
         }
         Ok(logits)
     }

@@ -1,33 +1,175 @@
-//! Row-wise operations on `[rows, dim]` f32 activations.
+//! Row-wise operations on `[rows, dim]` f32 activations, compiled per kernel level and
+//! dispatched at run time like the matrix kernels (see [`lantern_quant::per_level`]).
+
+use lantern_quant::per_level;
+use lantern_quant::simd::{exp, fma};
+
+const LANES: usize = 16;
+
+/// `Σ v²` over `row`, in 16 independent lanes (a fixed order, so every level agrees).
+#[inline(always)]
+fn sum_squares(row: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            acc[i] = fma(c[i], c[i], acc[i]);
+        }
+    }
+    let mut sum = acc.iter().sum::<f32>();
+    for v in chunks.remainder() {
+        sum = fma(*v, *v, sum);
+    }
+    sum
+}
+
+/// `tanh(x)` from [`exp`]: `1 − 2 / (e^{2x} + 1)`, exact at the saturated ends.
+#[inline(always)]
+fn tanh(x: f32) -> f32 {
+    1.0 - 2.0 / (exp(2.0 * x) + 1.0)
+}
+
+per_level! {
+    /// RMS normalization of every row of `x` into `out`, scaled by `weight`.
+    fn rms_norm_into(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        let dim = weight.len();
+        for (row, out_row) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let inv = 1.0 / (sum_squares(row) / dim as f32 + eps).sqrt();
+            for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
+                *o = v * inv * w;
+            }
+        }
+    }
+
+    /// `acc += x`, element-wise.
+    pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+        for (a, &b) in acc.iter_mut().zip(x) {
+            *a += b;
+        }
+    }
+
+    /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
+    pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        for (g, &u) in gate.iter_mut().zip(up) {
+            *g = *g / (1.0 + exp(-*g)) * u;
+        }
+    }
+
+    /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's
+    /// `gelu(approximate="tanh")`).
+    pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for (g, &u) in gate.iter_mut().zip(up) {
+            let x = *g;
+            let inner = SQRT_2_OVER_PI * fma(0.044_715 * x, x * x, x);
+            *g = 0.5 * x * (1.0 + tanh(inner)) * u;
+        }
+    }
+
+    /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).
+    pub fn soft_cap(x: &mut [f32], cap: f32) {
+        for v in x.iter_mut() {
+            *v = cap * tanh(*v / cap);
+        }
+    }
+
+    /// `x *= alpha`.
+    pub fn scale(x: &mut [f32], alpha: f32) {
+        for v in x.iter_mut() {
+            *v *= alpha;
+        }
+    }
+}
 
 /// RMS normalization of every row of `x`, scaled by `weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let dim = weight.len();
     let mut out = vec![0f32; x.len()];
-    for (row, out_row) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
-            *o = v * inv * w;
-        }
-    }
+    rms_norm_into(x, weight, eps, &mut out);
     out
-}
-
-/// `acc += x`, element-wise.
-pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
-    for (a, &b) in acc.iter_mut().zip(x) {
-        *a += b;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lantern_quant::{force_kernel, Kernel};
 
     #[test]
     fn rms_norm_of_constant_row_is_weight() {
         let out = rms_norm(&[2.0, 2.0, -2.0, -2.0], &[1.0, 0.5, 1.0, 2.0], 0.0);
         assert_eq!(out, vec![1.0, 0.5, -1.0, -2.0]);
+    }
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        // A small LCG: fresh values per seed, no zeros.
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0 + 1e-3
+            })
+            .collect()
+    }
+
+    fn rel(a: f32, b: f64) -> f64 {
+        (a as f64 - b).abs() / b.abs().max(1e-6)
+    }
+
+    /// Every level against an f64 reference, and the levels against each other bit for
+    /// bit. (Forcing the level is process-wide; these tests only compare values computed
+    /// inside one test, so a concurrent test at another level cannot change them.)
+    #[test]
+    fn every_level_matches_the_f64_reference_and_each_other() {
+        let (rows, dim) = (3, 67);
+        let x = random(rows * dim, 1);
+        let w = random(dim, 2);
+        let up = random(rows * dim, 3);
+        let mut results = Vec::new();
+        for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+            force_kernel(Some(level));
+            let norm = rms_norm(&x, &w, 1e-5);
+            let (mut silu, mut gelu, mut capped) = (x.clone(), x.clone(), x.clone());
+            silu_mul(&mut silu, &up);
+            gelu_tanh_mul(&mut gelu, &up);
+            soft_cap(&mut capped, 3.0);
+            force_kernel(None);
+            for r in 0..rows {
+                let row = &x[r * dim..(r + 1) * dim];
+                let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64;
+                for i in 0..dim {
+                    let e = row[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+                    assert!(rel(norm[r * dim + i], e) < 1e-5, "{level} rms_norm");
+                }
+            }
+            for i in 0..x.len() {
+                let (g, u) = (x[i] as f64, up[i] as f64);
+                let s = g / (1.0 + (-g).exp()) * u;
+                assert!(rel(silu[i], s) < 1e-5, "{level} silu {g}");
+                let inner = 0.797_884_560_8 * (g + 0.044_715 * g * g * g);
+                let e = 0.5 * g * (1.0 + inner.tanh()) * u;
+                assert!(
+                    (gelu[i] as f64 - e).abs() < 1e-5 * (1.0 + e.abs()),
+                    "{level} gelu {g}"
+                );
+                let c = 3.0 * (g / 3.0).tanh();
+                assert!(
+                    (capped[i] as f64 - c).abs() < 1e-6 * 3.0,
+                    "{level} soft_cap {g}"
+                );
+            }
+            results.push((level, norm, silu, gelu, capped));
+        }
+        for pair in results.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            assert!(
+                a.1 == b.1 && a.2 == b.2 && a.3 == b.3 && a.4 == b.4,
+                "{} vs {}",
+                a.0,
+                b.0
+            );
+        }
     }
 }

@@ -181,19 +181,44 @@ pub struct RopeTable {
 impl RopeTable {
     /// Rotates `x`: `[tokens, heads, head_dim]`, in place.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize) {
-        let half = self.half;
+        rotate(
+            x, &self.cos, &self.sin, self.half, heads, head_dim, self.pairs,
+        );
+    }
+}
+
+lantern_quant::per_level! {
+    /// Rotates every head of every token of `x` (`[tokens, heads, head_dim]`) by the
+    /// token's row of `cos`/`sin` (`half` values each).
+    fn rotate(
+        x: &mut [f32],
+        cos: &[f32],
+        sin: &[f32],
+        half: usize,
+        heads: usize,
+        head_dim: usize,
+        pairs: RopePairs,
+    ) {
         for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
-            let cos = &self.cos[t * half..(t + 1) * half];
-            let sin = &self.sin[t * half..(t + 1) * half];
+            let cos = &cos[t * half..(t + 1) * half];
+            let sin = &sin[t * half..(t + 1) * half];
             for head in token.chunks_exact_mut(head_dim) {
-                for i in 0..half {
-                    let (a, b) = match self.pairs {
-                        RopePairs::Adjacent => (2 * i, 2 * i + 1),
-                        RopePairs::Halves => (i, i + half),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos[i] - x1 * sin[i];
-                    head[b] = x0 * sin[i] + x1 * cos[i];
+                match pairs {
+                    RopePairs::Adjacent => {
+                        for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                            let (x0, x1) = (pair[0], pair[1]);
+                            pair[0] = x0 * c - x1 * s;
+                            pair[1] = x0 * s + x1 * c;
+                        }
+                    }
+                    RopePairs::Halves => {
+                        let (lo, hi) = head.split_at_mut(half);
+                        for (((x0, x1), &c), &s) in lo.iter_mut().zip(hi).zip(cos).zip(sin) {
+                            let (a, b) = (*x0, *x1);
+                            *x0 = a * c - b * s;
+                            *x1 = a * s + b * c;
+                        }
+                    }
                 }
             }
         }

@@ -113,6 +113,7 @@ mod dense;
 mod format;
 mod level;
 mod scalar;
+pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -1,19 +1,14 @@
 //! Small f32 vector kernels written so the compiler vectorizes them: fixed chunks of 16
 //! lanes (one AVX-512 register, two AVX2 ones) with independent accumulators, no
-//! bounds checks inside the loops, fused multiply-add where the target has it.
+//! bounds checks inside the loops, fused multiply-adds. Each public kernel is compiled
+//! per kernel level and dispatched at run time ([`lantern_quant::per_level`]); the
+//! explicit lane order makes every level's result bit-identical.
+
+use lantern_quant::per_level;
+pub(crate) use lantern_quant::simd::exp as exp_f32;
+use lantern_quant::simd::fma as fmadd;
 
 const LANES: usize = 16;
-
-/// `x * y + acc`, fused when the target has FMA (without it `mul_add` is a slow libm
-/// call, so plain multiply-add is used instead).
-#[inline(always)]
-fn fmadd(x: f32, y: f32, acc: f32) -> f32 {
-    if cfg!(target_feature = "fma") {
-        x.mul_add(y, acc)
-    } else {
-        x * y + acc
-    }
-}
 
 /// `a . b` over the shorter of the two.
 ///
@@ -22,8 +17,8 @@ fn fmadd(x: f32, y: f32, acc: f32) -> f32 {
 /// FMA chains (checked in the disassembly: other shapes of this loop, e.g. two separate
 /// 16-lane accumulators over split chunks, were vectorized 2 lanes wide or not at all).
 /// A last 16-lane chunk and a scalar tail handle head dims that are not multiples of 32.
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
     const W: usize = 2 * LANES;
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -55,12 +50,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc16.iter().sum::<f32>() + tail
 }
 
+per_level! {
 /// `out[j] = q . keys[j]` for the `out.len()` rows of `keys` (`[n, d]` row-major).
 ///
 /// Four keys at a time share each load of `q` and give four independent FMA chains.
 /// Not inlined: compiled on its own, the loop shape is what the vectorizer sees (inlined
 /// into a bigger loop nest it may pick a worse strategy), and one call per tile is cheap.
-#[inline(never)]
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     if d == 0 {
         out.fill(0.0);
@@ -107,16 +102,24 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
         o[3] = a3.iter().sum::<f32>() + tail[3];
     }
     for o in outs.into_remainder() {
-        *o = rows.next().map_or(0.0, |k| dot(q, k));
+        *o = rows.next().map_or(0.0, |k| dot_inline(q, k));
+    }
+}
+}
+
+per_level! {
+/// `a . b` over the shorter of the two.
+    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot_inline(a, b)
     }
 }
 
+per_level! {
 /// `acc += sum_j p[j] * values[j]` for the `p.len()` rows of `values` (`[n, d]`).
 ///
 /// Walks `acc` in blocks of four registers (64 lanes) held across all keys: four
 /// independent FMA chains, and `acc` is loaded and stored once per block instead of
 /// once per key. Not inlined, for the same reason as [`dots`].
-#[inline(never)]
 pub(crate) fn weighted_sum(acc: &mut [f32], p: &[f32], values: &[f32], d: usize) {
     const W: usize = 4 * LANES;
     if d == 0 || acc.len() != d {
@@ -157,70 +160,35 @@ pub(crate) fn weighted_sum(acc: &mut [f32], p: &[f32], values: &[f32], d: usize)
         }
     }
 }
-
-/// `e^x` for f32, written as branch-free arithmetic so a loop over a slice vectorizes
-/// (libm's `expf` is one call per element and dominated the softmax).
-///
-/// Cephes' method: `x = n ln2 + r` with `|r| <= ln2 / 2`, a degree-6 polynomial for
-/// `e^r`, and `2^n` built in the exponent bits. Relative error about 2e-7 (a couple of
-/// ulp) over the whole range. Inputs are clamped to `[-87.3, 88]`, so results below
-/// `f32::MIN_POSITIVE` flush to about `1e-38` instead of 0 (irrelevant next to the
-/// row's maximum weight of 1) and large inputs saturate instead of overflowing. NaN
-/// stays NaN.
-#[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const P: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
-    let nan = x.is_nan();
-    let x = x.clamp(-87.336_54, 88.0);
-    let n = fmadd(x, LOG2E, 0.5).floor();
-    let r = fmadd(n, -LN2_LO, fmadd(n, -LN2_HI, x));
-    let mut p = P[0];
-    for c in &P[1..] {
-        p = fmadd(p, r, *c);
-    }
-    let e_r = fmadd(p, r * r, r) + 1.0;
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if nan {
-        f32::NAN
-    } else {
-        e_r * two_n
-    }
 }
 
+per_level! {
 /// `x[i] = e^(x[i] - shift)` for every element; returns their sum.
-#[inline(never)]
 pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     for v in x.iter_mut() {
         *v = exp_f32(*v - shift);
     }
     x.iter().sum()
 }
+}
 
+per_level! {
 /// `acc += alpha * x` over the shorter of the two (a plain element-wise loop: no
 /// reduction, so the compiler vectorizes it as is).
-#[inline]
 pub(crate) fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
     for (a, x) in acc.iter_mut().zip(x) {
         *a = fmadd(*x, alpha, *a);
     }
 }
+}
 
+per_level! {
 /// `x *= alpha`.
-#[inline]
 pub(crate) fn scale(x: &mut [f32], alpha: f32) {
     for v in x.iter_mut() {
         *v *= alpha;
     }
+}
 }
 
 #[cfg(test)]

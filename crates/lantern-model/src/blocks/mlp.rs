@@ -3,6 +3,7 @@
 use super::{Loader, Projections};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
+use crate::ops;
 
 /// The gate's activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,23 +15,18 @@ pub enum Activation {
 }
 
 impl Activation {
+    #[cfg(test)]
     fn apply(self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        let mut out = gate.to_vec();
+        self.apply_in_place(&mut out, up);
+        out
+    }
+
+    /// `gate = act(gate) * up`.
+    fn apply_in_place(self, gate: &mut [f32], up: &[f32]) {
         match self {
-            Self::Silu => gate
-                .iter()
-                .zip(up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                .collect(),
-            Self::GeluTanh => {
-                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-                gate.iter()
-                    .zip(up)
-                    .map(|(&g, &u)| {
-                        let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
-                        0.5 * g * (1.0 + inner.tanh()) * u
-                    })
-                    .collect()
-            }
+            Self::Silu => ops::silu_mul(gate, up),
+            Self::GeluTanh => ops::gelu_tanh_mul(gate, up),
         }
     }
 }
@@ -72,13 +68,13 @@ impl Mlp {
 
     pub fn forward(&self, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
         let mut gate_up = self.gate_up.forward(x, tokens)?.into_iter();
-        let (Some(gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
+        let (Some(mut gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
             return Err(ModelError::Compute(
                 "gate/up projections are incomplete".into(),
             ));
         };
-        self.down
-            .forward(&self.activation.apply(&gate, &up), tokens)
+        self.activation.apply_in_place(&mut gate, &up);
+        self.down.forward(&gate, tokens)
     }
 }
 

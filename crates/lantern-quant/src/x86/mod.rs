@@ -19,6 +19,7 @@ pub(crate) fn avx512_available() -> bool {
     avx2_available()
         && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
 }
 

@@ -9,6 +9,7 @@ pub mod request;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+mod vocab_row;
 
 pub use config::EngineConfig;
 pub use engine::{Completion, Engine, RequestOutput};

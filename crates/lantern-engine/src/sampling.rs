@@ -4,6 +4,8 @@ use crate::error::RequestError;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::vocab_row;
+
 /// How one request picks its tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -137,6 +139,11 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Whether top-k, top-p or min-p cut the distribution.
+    pub fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+
     /// Whether any penalty (or bias) changes the logits.
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0
@@ -221,10 +228,15 @@ pub struct TokenLogprobs {
 
 /// Log-softmax of a row of logits.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let log_sum = max + sum.ln() as f32;
-    logits.iter().map(|&l| l - log_sum).collect()
+    let max = vocab_row::max(logits);
+    let mut scratch = vec![0f32; logits.len()];
+    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut scratch);
+    let log_sum = max + sum.ln();
+    scratch
+        .iter_mut()
+        .zip(logits)
+        .for_each(|(o, &l)| *o = l - log_sum);
+    scratch
 }
 
 /// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
@@ -305,6 +317,9 @@ impl Sampler {
         if params.temperature == 0.0 {
             return argmax(logits);
         }
+        if !params.truncates() {
+            return self.sample_whole_row(logits, params.temperature);
+        }
         let candidates = filtered_probabilities(logits, params);
         let total: f32 = candidates.iter().map(|(_, p)| p).sum();
         let mut threshold = self.rng.gen::<f32>() * total;
@@ -319,51 +334,105 @@ impl Sampler {
             .map(|&(id, _)| id)
             .unwrap_or_else(|| argmax(logits))
     }
+
+    /// Samples from the whole softmax at `temperature`, walking the row in id order: the
+    /// same distribution as walking it sorted, without sorting the vocabulary.
+    fn sample_whole_row(&mut self, logits: &[f32], temperature: f32) -> u32 {
+        let max = vocab_row::max(logits);
+        let mut probs = vec![0f32; logits.len()];
+        let total = vocab_row::exp_scaled(logits, max, 1.0 / temperature, &mut probs);
+        let mut threshold = self.rng.gen::<f32>() * total;
+        for (id, &p) in probs.iter().enumerate() {
+            if threshold < p {
+                return id as u32;
+            }
+            threshold -= p;
+        }
+        argmax(logits)
+    }
 }
 
 /// The most likely token; the lowest id wins a tie, so greedy decoding is deterministic.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    vocab_row::argmax(logits) as u32
 }
 
 /// Tokens that survive temperature, top-k, top-p and min-p, most likely first, with their
 /// (unnormalized) probabilities.
 fn filtered_probabilities(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f32)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f32)> = logits
-        .iter()
+    let max = vocab_row::max(logits);
+    let mut exps = vec![0f32; logits.len()];
+    let all_total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, &mut exps);
+    let mut probs: Vec<(u32, f32)> = exps
+        .into_iter()
         .enumerate()
-        .map(|(i, &l)| (i as u32, ((l - max) / params.temperature).exp()))
+        .map(|(i, p)| (i as u32, p))
         .collect();
     let by_prob_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    if params.top_k > 0 && params.top_k < probs.len() {
-        probs.select_nth_unstable_by(params.top_k - 1, by_prob_desc);
-        probs.truncate(params.top_k);
-    }
-    probs.sort_unstable_by(by_prob_desc);
-    let total: f32 = probs.iter().map(|(_, p)| p).sum();
+    let total = if params.top_k > 0 && params.top_k < probs.len() {
+        select_top(&mut probs, params.top_k, by_prob_desc);
+        probs.iter().map(|(_, p)| p).sum::<f32>()
+    } else {
+        all_total
+    };
+    // The most likely token has probability e^0 = 1 before normalization.
+    let min_p_floor = params.min_p;
     if params.top_p < 1.0 {
-        let mut cumulative = 0.0;
-        let keep = probs
-            .iter()
-            .position(|&(_, p)| {
-                cumulative += p / total;
-                cumulative >= params.top_p
-            })
-            .map_or(probs.len(), |i| i + 1);
-        probs.truncate(keep);
+        probs = nucleus(probs, total, params.top_p, by_prob_desc);
+    } else {
+        // min-p is a threshold, so filtering before sorting keeps the same tokens in
+        // the same order and sorts far fewer.
+        probs.retain(|&(_, p)| p >= min_p_floor);
+        probs.sort_unstable_by(by_prob_desc);
     }
-    if params.min_p > 0.0 {
-        let floor = params.min_p * probs.first().map_or(0.0, |p| p.1);
-        probs.retain(|&(_, p)| p >= floor);
-    }
+    probs.retain(|&(_, p)| p >= min_p_floor);
     probs
+}
+
+/// The smallest most-likely-first prefix of `probs` whose mass (out of `total`) reaches
+/// `top_p`, sorted. Sorting a whole vocabulary costs milliseconds and the nucleus usually
+/// lies within the most likely few hundred tokens, so those are selected and sorted first;
+/// the rest is sorted only when they fall short.
+fn nucleus(
+    mut probs: Vec<(u32, f32)>,
+    total: f32,
+    top_p: f32,
+    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+) -> Vec<(u32, f32)> {
+    const FIRST_PASS: usize = 1024;
+    let reaches = |sorted: &[(u32, f32)]| {
+        let mut cumulative = 0.0;
+        sorted.iter().position(|&(_, p)| {
+            cumulative += p / total;
+            cumulative >= top_p
+        })
+    };
+    if probs.len() > FIRST_PASS {
+        probs.select_nth_unstable_by(FIRST_PASS - 1, order);
+        probs[..FIRST_PASS].sort_unstable_by(order);
+        if let Some(i) = reaches(&probs[..FIRST_PASS]) {
+            probs.truncate(i + 1);
+            return probs;
+        }
+    }
+    probs.sort_unstable_by(order);
+    let keep = reaches(&probs).map_or(probs.len(), |i| i + 1);
+    probs.truncate(keep);
+    probs
+}
+
+/// Keeps the `k` first entries of `items` under `order` (unsorted).
+fn select_top(
+    items: &mut Vec<(u32, f32)>,
+    k: usize,
+    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering,
+) {
+    if k == 0 {
+        items.clear();
+    } else if k < items.len() {
+        items.select_nth_unstable_by(k - 1, order);
+        items.truncate(k);
+    }
 }
 
 #[cfg(test)]
@@ -402,6 +471,90 @@ mod tests {
             .map(|c| c.0)
             .collect();
         assert_eq!(kept, vec![0, 1]);
+    }
+
+    /// The plain definition: sort everything, cut at top-k, at top-p, at min-p.
+    fn filtered_naive(logits: &[f32], params: &SamplingParams) -> Vec<u32> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, (((l - max) / params.temperature) as f64).exp()))
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if params.top_k > 0 {
+            probs.truncate(params.top_k);
+        }
+        let total: f64 = probs.iter().map(|p| p.1).sum();
+        if params.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            let keep = probs
+                .iter()
+                .position(|&(_, p)| {
+                    cumulative += p / total;
+                    cumulative >= params.top_p as f64
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+        }
+        probs.retain(|&(_, p)| p >= params.min_p as f64);
+        probs.into_iter().map(|p| p.0).collect()
+    }
+
+    #[test]
+    fn filters_match_their_plain_definition_on_a_large_vocabulary() {
+        use rand::Rng;
+        let mut rng = StdRng::seed_from_u64(11);
+        for round in 0..6 {
+            // Flat and peaked rows: the nucleus inside and beyond the first pass.
+            let spread = if round % 2 == 0 { 2.0 } else { 12.0 };
+            let logits: Vec<f32> = (0..20_000).map(|_| rng.gen::<f32>() * spread).collect();
+            for (top_k, top_p, min_p) in [
+                (0, 0.5, 0.0),
+                (0, 0.95, 0.0),
+                (50, 0.9, 0.0),
+                (0, 1.0, 0.05),
+                (0, 0.8, 0.01),
+                (3000, 1.0, 0.0),
+            ] {
+                let params = SamplingParams {
+                    temperature: 0.8,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..SamplingParams::default()
+                };
+                let got = filtered_probabilities(&logits, &params);
+                assert!(
+                    got.windows(2).all(|w| w[0].1 >= w[1].1),
+                    "not most likely first"
+                );
+                let got: std::collections::HashSet<u32> = got.iter().map(|c| c.0).collect();
+                let want: std::collections::HashSet<u32> =
+                    filtered_naive(&logits, &params).into_iter().collect();
+                // f32 sums and exps (vs f64 here) may move a cut by a token or two at the
+                // boundary; nothing else may differ.
+                let differ = got.symmetric_difference(&want).count();
+                assert!(differ <= 2, "{top_k} {top_p} {min_p}: {differ} differ");
+                assert!(!got.is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn whole_row_sampling_follows_the_softmax() {
+        let logits = [0.0f32, 1.0, 2.0, -50.0];
+        let params = SamplingParams::default();
+        let mut s = Sampler::new(Some(3));
+        let mut counts = [0usize; 4];
+        for _ in 0..20_000 {
+            counts[s.sample(&logits, &params) as usize] += 1;
+        }
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        for (i, &c) in counts.iter().enumerate() {
+            let p = (logits[i] as f64).exp() / z;
+            assert!((c as f64 / 20_000.0 - p).abs() < 0.015, "token {i}: {c}");
+        }
     }
 
     #[test]

@@ -1,0 +1,131 @@
+//! Passes over one row of logits (up to a 262k vocabulary per sampled token), compiled
+//! per kernel level and dispatched at run time (see [`lantern_quant::per_level`]).
+
+use lantern_quant::per_level;
+use lantern_quant::simd::exp;
+
+const LANES: usize = 16;
+
+per_level! {
+    /// The largest value (NaNs ignored; `-inf` for an empty or all-NaN row).
+    pub fn max(row: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut chunks = row.chunks_exact(LANES);
+        for c in &mut chunks {
+            for i in 0..LANES {
+                acc[i] = acc[i].max(c[i]);
+            }
+        }
+        let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        acc.iter().copied().fold(tail, f32::max)
+    }
+
+    /// The index of the first value equal to `target` (`None` if there is none).
+    pub fn position_of(row: &[f32], target: f32) -> Option<usize> {
+        let mut chunks = row.chunks_exact(LANES);
+        for (n, c) in (&mut chunks).enumerate() {
+            let mut hit = false;
+            for v in c {
+                hit |= *v == target;
+            }
+            if hit {
+                return c.iter().position(|v| *v == target).map(|i| n * LANES + i);
+            }
+        }
+        let done = row.len() - chunks.remainder().len();
+        chunks.remainder().iter().position(|v| *v == target).map(|i| done + i)
+    }
+
+    /// `out[i] = e^((row[i] - shift) * scale)`; returns their sum (in 16 lanes, a
+    /// fixed order).
+    pub fn exp_scaled(row: &[f32], shift: f32, scale: f32, out: &mut [f32]) -> f32 {
+        let mut acc = [0f32; LANES];
+        let n = row.len().min(out.len());
+        let (row, out) = (&row[..n], &mut out[..n]);
+        let mut rows = row.chunks_exact(LANES);
+        let mut outs = out.chunks_exact_mut(LANES);
+        for (r, o) in (&mut rows).zip(&mut outs) {
+            for i in 0..LANES {
+                o[i] = exp((r[i] - shift) * scale);
+                acc[i] += o[i];
+            }
+        }
+        let mut sum = acc.iter().sum::<f32>();
+        for (r, o) in rows.remainder().iter().zip(outs.into_remainder()) {
+            *o = exp((r - shift) * scale);
+            sum += *o;
+        }
+        sum
+    }
+}
+
+/// The index of the largest value; the lowest index wins a tie (0 for an all-NaN row).
+pub fn argmax(row: &[f32]) -> usize {
+    position_of(row, max(row)).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lantern_quant::{force_kernel, Kernel};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed ^ 0x9e37_79b9_7f4a_7c15;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 30.0 + 1e-3
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_level_matches_plain_loops() {
+        for n in [1usize, 15, 16, 17, 100, 4099] {
+            let row = random(n, n as u64);
+            let expect_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut expect_arg = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[expect_arg] {
+                    expect_arg = i;
+                }
+            }
+            let mut sums = Vec::new();
+            for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                force_kernel(Some(level));
+                assert_eq!(max(&row), expect_max, "{level} n={n}");
+                assert_eq!(argmax(&row), expect_arg, "{level} n={n}");
+                let mut out = vec![0f32; n];
+                let sum = exp_scaled(&row, expect_max, 0.7, &mut out);
+                force_kernel(None);
+                let mut expect_sum = 0f64;
+                for (o, &v) in out.iter().zip(&row) {
+                    let e = (((v - expect_max) * 0.7) as f64).exp();
+                    expect_sum += e;
+                    assert!((*o as f64 - e).abs() <= 1e-6 * e.max(1e-30), "{level}");
+                }
+                assert!(
+                    (sum as f64 - expect_sum).abs() < 1e-5 * expect_sum,
+                    "{level}"
+                );
+                sums.push((sum, out));
+            }
+            assert!(
+                sums.windows(2).all(|w| w[0] == w[1]),
+                "levels differ at n={n}"
+            );
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_lowest_index() {
+        let mut row = vec![0.0f32; 40];
+        row[5] = 2.0;
+        row[33] = 2.0;
+        assert_eq!(argmax(&row), 5);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(position_of(&[], 1.0), None);
+    }
+}

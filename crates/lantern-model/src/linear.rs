@@ -31,6 +31,9 @@ fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
         GgmlDType::Q4K => Some(QuantType::Q4K),
         GgmlDType::Q5K => Some(QuantType::Q5K),
         GgmlDType::Q6K => Some(QuantType::Q6K),
+        GgmlDType::F16 => Some(QuantType::F16),
+        GgmlDType::BF16 => Some(QuantType::BF16),
+        GgmlDType::F32 => Some(QuantType::F32),
         _ => None,
     }
 }
@@ -140,22 +143,40 @@ impl Linear {
             name: self.name.clone(),
             source,
         };
-        let dense = match &self.weight {
+        let values = match &self.weight {
+            Weight::Packed(p) if p.quant_type() == QuantType::F32 => return Ok(self),
             Weight::Packed(p) => {
                 let mut values = vec![0f32; self.out_features * self.in_features];
                 for (r, row) in values.chunks_exact_mut(self.in_features).enumerate() {
                     p.dequantize_row(r, row)
                         .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))?;
                 }
-                Tensor::from_vec(values, (self.out_features, self.in_features), &Device::Cpu)
+                values
             }
-            Weight::Candle(QMatMul::QTensor(t)) => t.dequantize(&Device::Cpu),
-            Weight::Candle(QMatMul::Tensor(t)) => Ok(t.clone()),
-            Weight::Candle(QMatMul::TensorF16(t)) => t.to_dtype(candle_core::DType::F32),
-        }
-        .map_err(wrap)?;
+            Weight::Candle(w) => {
+                let dense = match w {
+                    QMatMul::QTensor(t) => t.dequantize(&Device::Cpu),
+                    QMatMul::Tensor(t) => Ok(t.clone()),
+                    QMatMul::TensorF16(t) => t.to_dtype(candle_core::DType::F32),
+                };
+                dense
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(wrap)?
+            }
+        };
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        drop(values);
+        let packed = PackedMatrix::from_gguf_bytes(
+            QuantType::F32,
+            &bytes,
+            self.out_features,
+            self.in_features,
+        )
+        .map_err(|e| ModelError::InvalidConfig(format!("tensor `{}`: {e}", self.name)))?;
         Ok(Self {
-            weight: Weight::Candle(QMatMul::Tensor(dense)),
+            dtype: GgmlDType::F32,
+            weight: Weight::Packed(packed),
             ..self
         })
     }

@@ -12,6 +12,7 @@
 use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use lantern_kv::KvDtype;
 
@@ -32,11 +33,14 @@ pub enum CacheStorage {
 }
 
 impl CacheStorage {
+    /// Zeroed storage from zeroed pages (`vec![0; n]` of a primitive is a `calloc`): the
+    /// memory of blocks that are never written is never touched, so a short run does not
+    /// page in the whole pool. (`vec![f16::ZERO; n]` would write every element.)
     fn zeros(dtype: KvDtype, len: usize) -> Self {
         match dtype {
             KvDtype::F32 => CacheStorage::F32(vec![0.0; len]),
-            KvDtype::F16 => CacheStorage::F16(vec![f16::ZERO; len]),
-            KvDtype::BF16 => CacheStorage::BF16(vec![bf16::ZERO; len]),
+            KvDtype::F16 => CacheStorage::F16(vec![0u16; len].reinterpret_into()),
+            KvDtype::BF16 => CacheStorage::BF16(vec![0u16; len].reinterpret_into()),
         }
     }
 

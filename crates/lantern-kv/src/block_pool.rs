@@ -8,9 +8,13 @@
 //! the free queue is a doubly-linked list threaded through the block array: push to the
 //! tail, pop from the head and unlink from the middle are all O(1).
 //!
-//! Blocks are handed out from the head, i.e. least recently freed first, so the content
-//! that stays cachable longest is the content used last (LRU eviction). Handing out a
-//! block that carries a key evicts that key from the cache map.
+//! Blocks are handed out from the head. A freed block that carries a key joins the
+//! tail, so cached content is evicted least recently freed first (LRU); a freed block
+//! with no key joins the head, so it is reused before any block that was never used
+//! (which sit in between, in id order, from the start). A run therefore touches only as
+//! many blocks as it holds at once plus what it caches, and the rest of the pool's
+//! memory is never paged in. Handing out a block that carries a key evicts that key
+//! from the cache map.
 //!
 //! Keys are per KV cache group ([`CacheKey`]): layers in different groups store
 //! different tensors for the same tokens, so the same token hash maps to one block per
@@ -190,8 +194,9 @@ impl BlockPool {
     }
 
     /// Drops one holder from each block, in order; a block reaching 0 goes to the tail
-    /// of the free queue (so of the blocks freed here, the first is reused first —
-    /// free a sequence's blocks last-to-first to keep its prefix cached longest).
+    /// of the free queue if it holds cached content (so of the blocks freed here, the
+    /// first is reused first — free a sequence's blocks last-to-first to keep its prefix
+    /// cached longest), else to the head (reused before never-used blocks).
     ///
     /// All or nothing: a block that is already free (counting repeats in `ids`) or out
     /// of range is an error and nothing changes.
@@ -213,7 +218,11 @@ impl BlockPool {
         for &id in ids {
             let b = &self.blocks[id as usize];
             if b.ref_cnt == 0 && !b.queued {
-                self.push_tail(id);
+                if b.key.is_some() {
+                    self.push_tail(id);
+                } else {
+                    self.push_head(id);
+                }
             }
         }
         Ok(())
@@ -436,6 +445,24 @@ impl BlockPool {
         self.num_free -= 1;
     }
 
+    /// Puts an unqueued block at the head of the free queue.
+    fn push_head(&mut self, id: BlockId) {
+        let old_head = self.head;
+        {
+            let b = &mut self.blocks[id as usize];
+            b.queued = true;
+            b.prev = NIL;
+            b.next = old_head;
+        }
+        if old_head == NIL {
+            self.tail = id;
+        } else {
+            self.blocks[old_head as usize].prev = id;
+        }
+        self.head = id;
+        self.num_free += 1;
+    }
+
     /// Appends an unqueued block to the tail of the free queue.
     fn push_tail(&mut self, id: BlockId) {
         let old_tail = self.tail;
@@ -492,15 +519,37 @@ mod tests {
     }
 
     #[test]
-    fn least_recently_freed_is_reused_first() {
+    fn least_recently_freed_cached_block_is_reused_first() {
         let mut p = BlockPool::new(4);
         let ids = p.allocate(4).unwrap();
+        for &id in &ids {
+            p.cache_full_block(id, h(id)).unwrap();
+        }
         p.free(&[2]).unwrap();
         p.free(&[0]).unwrap();
         p.free(&[3, 1]).unwrap();
         assert_eq!(p.allocate(4).unwrap(), vec![2, 0, 3, 1]);
         assert_eq!(ids.len(), 4);
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn uncached_freed_blocks_come_before_never_used_ones_and_cached_ones_after() {
+        let mut p = BlockPool::new(6);
+        let ids = p.allocate(3).unwrap();
+        p.cache_full_block(ids[0], h(7)).unwrap();
+        p.free(&ids).unwrap();
+        // Blocks 1 and 2 (no content) first, most recently freed first; then the blocks
+        // never used (3, 4, 5); the cached block 0 last.
+        assert_eq!(p.allocate(6).unwrap(), vec![2, 1, 3, 4, 5, 0]);
+        p.check_invariants().unwrap();
+        // A short run reuses the same few blocks: the rest is never touched.
+        let mut q = BlockPool::new(100);
+        for _ in 0..50 {
+            let ids = q.allocate(2).unwrap();
+            q.free(&ids).unwrap();
+        }
+        assert!(q.allocate(2).unwrap().iter().all(|&id| id < 2));
     }
 
     #[test]

@@ -591,13 +591,14 @@ mod tests {
     }
 
     #[test]
-    fn free_evicts_the_sequence_tail_first() {
+    fn freed_blocks_without_content_come_back_before_never_used_ones() {
         let mut m = manager(4, false);
         m.allocate_slots(1, 12).unwrap(); // blocks 0, 1, 2
         m.free(1);
-        // Freed as 2, 1, 0 after the never-used 3.
+        // Prefix caching is off, so nothing is cached: freed as 2, 1, 0, each to the head
+        // of the queue, before the never-used 3.
         m.allocate_slots(2, 16).unwrap();
-        assert_eq!(m.block_table(2, 0), &[3, 2, 1, 0]);
+        assert_eq!(m.block_table(2, 0), &[0, 1, 2, 3]);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct TinyLlama {
     pub omit_tensors: Vec<String>,
     /// Metadata keys to leave out.
     pub omit_keys: Vec<String>,
+    /// Extra f32 vectors of `head_dim / 2` ones (e.g. `rope_factors_long.weight`).
+    pub extra_vectors: Vec<String>,
     pub seed: u64,
 }
 
@@ -38,6 +40,7 @@ impl Default for TinyLlama {
             dtype: GgmlDType::F32,
             omit_tensors: Vec::new(),
             omit_keys: Vec::new(),
+            extra_vectors: Vec::new(),
             seed: 1,
         }
     }
@@ -200,6 +203,11 @@ impl TinyLlama {
         }
         let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
         add("output_norm.weight".into(), ones, GgmlDType::F32).map_err(err)?;
+        for name in &self.extra_vectors {
+            let ones =
+                Tensor::ones(head_dim / 2, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
+            add(name.clone(), ones, GgmlDType::F32).map_err(err)?;
+        }
         tensors.retain(|(name, _)| !self.omit_tensors.contains(name));
 
         let mut file = std::fs::File::create(path).map_err(|source| ModelError::Open {

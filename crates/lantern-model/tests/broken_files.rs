@@ -27,6 +27,21 @@ fn a_whole_tiny_model_loads() {
 }
 
 #[test]
+fn longrope_files_are_refused_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    for tensor in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        let model = TinyLlama {
+            extra_vectors: vec![tensor.to_string()],
+            ..TinyLlama::default()
+        };
+        let err = load(&tiny(dir.path(), "longrope.gguf", &model))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(tensor) && err.contains("LongRoPE"), "{err}");
+    }
+}
+
+#[test]
 fn a_missing_file_names_the_path() {
     let err = load(Path::new("/nonexistent/model.gguf"))
         .unwrap_err()

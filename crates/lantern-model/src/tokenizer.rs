@@ -558,14 +558,17 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
 /// `tokenizer.json` files define them.
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // Qwen 2/2.5/3: Llama 3's pattern with every digit on its own.
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
     Ok(match pre {
         "gpt2" | "default" => byte_level(true).into(),
         // SmolLM: every digit on its own, then GPT-2's byte-level split.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
-        "llama3" | "llama-bpe" | "smaug-bpe" => {
+        "llama3" | "llama-bpe" | "smaug-bpe" | "qwen2" => {
+            let pattern = if pre == "qwen2" { QWEN2 } else { LLAMA3 };
             let split = Split::new(
-                SplitPattern::Regex(LLAMA3.to_string()),
+                SplitPattern::Regex(pattern.to_string()),
                 SplitDelimiterBehavior::Isolated,
                 false,
             )
@@ -574,7 +577,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         }
         other => {
             return Err(ModelError::Tokenizer(format!(
-                "pre-tokenizer `{other}` is not supported (supported: gpt2, smollm, llama3)"
+                "pre-tokenizer `{other}` is not supported (supported: gpt2, smollm, llama3/llama-bpe, qwen2)"
             )))
         }
     })
@@ -601,5 +604,43 @@ impl IncrementalDecoder {
         } else {
             Ok(String::new())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        let mut s = PreTokenizedString::from(text);
+        pre_tokenizer(pre).unwrap().pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(p, _, _)| p.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn llama3_groups_three_digits_and_qwen2_splits_every_digit() {
+        // Byte-level symbols: a space is `Ġ`.
+        assert_eq!(pieces("llama-bpe", "x 12345"), ["x", "Ġ", "123", "45"]);
+        assert_eq!(
+            pieces("qwen2", "x 12345"),
+            ["x", "Ġ", "1", "2", "3", "4", "5"]
+        );
+        assert_eq!(
+            pieces("qwen2", "Hello, world's"),
+            ["Hello", ",", "Ġworld", "'s"]
+        );
+    }
+
+    #[test]
+    fn unknown_pre_tokenizers_are_named() {
+        let err = pre_tokenizer("deepseek-llm").unwrap_err().to_string();
+        assert!(
+            err.contains("deepseek-llm") && err.contains("qwen2"),
+            "{err}"
+        );
     }
 }

@@ -229,14 +229,13 @@ pub struct TokenLogprobs {
 /// Log-softmax of a row of logits.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = vocab_row::max(logits);
-    let mut scratch = vec![0f32; logits.len()];
-    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut scratch);
+    let mut out = vec![0f32; logits.len()];
+    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut out);
     let log_sum = max + sum.ln();
-    scratch
-        .iter_mut()
+    out.iter_mut()
         .zip(logits)
         .for_each(|(o, &l)| *o = l - log_sum);
-    scratch
+    out
 }
 
 /// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
@@ -370,7 +369,8 @@ fn filtered_probabilities(logits: &[f32], params: &SamplingParams) -> Vec<(u32, 
         .collect();
     let by_prob_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let total = if params.top_k > 0 && params.top_k < probs.len() {
-        select_top(&mut probs, params.top_k, by_prob_desc);
+        probs.select_nth_unstable_by(params.top_k - 1, by_prob_desc);
+        probs.truncate(params.top_k);
         probs.iter().map(|(_, p)| p).sum::<f32>()
     } else {
         all_total
@@ -379,13 +379,13 @@ fn filtered_probabilities(logits: &[f32], params: &SamplingParams) -> Vec<(u32, 
     let min_p_floor = params.min_p;
     if params.top_p < 1.0 {
         probs = nucleus(probs, total, params.top_p, by_prob_desc);
+        probs.retain(|&(_, p)| p >= min_p_floor);
     } else {
         // min-p is a threshold, so filtering before sorting keeps the same tokens in
         // the same order and sorts far fewer.
         probs.retain(|&(_, p)| p >= min_p_floor);
         probs.sort_unstable_by(by_prob_desc);
     }
-    probs.retain(|&(_, p)| p >= min_p_floor);
     probs
 }
 
@@ -419,20 +419,6 @@ fn nucleus(
     let keep = reaches(&probs).map_or(probs.len(), |i| i + 1);
     probs.truncate(keep);
     probs
-}
-
-/// Keeps the `k` first entries of `items` under `order` (unsorted).
-fn select_top(
-    items: &mut Vec<(u32, f32)>,
-    k: usize,
-    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering,
-) {
-    if k == 0 {
-        items.clear();
-    } else if k < items.len() {
-        items.select_nth_unstable_by(k - 1, order);
-        items.truncate(k);
-    }
 }
 
 #[cfg(test)]

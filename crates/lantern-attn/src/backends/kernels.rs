@@ -18,7 +18,7 @@ const LANES: usize = 16;
 /// 16-lane accumulators over split chunks, were vectorized 2 lanes wide or not at all).
 /// A last 16-lane chunk and a scalar tail handle head dims that are not multiples of 32.
 #[inline(always)]
-fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
+fn dot(a: &[f32], b: &[f32]) -> f32 {
     const W: usize = 2 * LANES;
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -102,16 +102,9 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
         o[3] = a3.iter().sum::<f32>() + tail[3];
     }
     for o in outs.into_remainder() {
-        *o = rows.next().map_or(0.0, |k| dot_inline(q, k));
+        *o = rows.next().map_or(0.0, |k| dot(q, k));
     }
 }
-}
-
-per_level! {
-/// `a . b` over the shorter of the two.
-    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-        dot_inline(a, b)
-    }
 }
 
 per_level! {

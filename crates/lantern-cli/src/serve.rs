@@ -77,7 +77,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10.0)]
     pub log_stats_interval: f64,
     /// Tests of fault containment only: panic where told (`panic-at-step:N`,
-    /// `panic-at-admission:N`, `panic-at-capture:N`).
+    /// `panic-at-admission:N`, `panic-at-capture:N`, `panic-at-reset:N`).
     #[arg(long, hide = true)]
     pub inject_fault: Option<lantern_engine::fault::FaultPlan>,
 }

@@ -219,6 +219,7 @@ impl Engine {
     /// waiting, an empty prefix cache). Request ids keep counting and counters carry
     /// over, so stale ids name nothing and metrics stay monotonic.
     pub fn reset(&mut self) {
+        self.faults.reset.panic_if_hit("while resetting the engine");
         self.prefix_stats_before_reset = self.prefix_cache_stats();
         let preemptions = self.scheduler.num_preemptions;
         self.requests.clear();

@@ -46,12 +46,15 @@ pub struct FaultPlan {
     pub admission: Trigger,
     /// While finalizing the N-th capture (on the capture worker).
     pub capture: Trigger,
+    /// In the N-th [`crate::Engine::reset`] (the restart after a contained panic).
+    pub reset: Trigger,
 }
 
 impl std::str::FromStr for FaultPlan {
     type Err = String;
 
-    /// `panic-at-step:N`, `panic-at-admission:N`, `panic-at-capture:N`, comma-separated.
+    /// `panic-at-step:N`, `panic-at-admission:N`, `panic-at-capture:N`,
+    /// `panic-at-reset:N`, comma-separated.
     fn from_str(s: &str) -> Result<Self, String> {
         let mut plan = FaultPlan::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -67,6 +70,7 @@ impl std::str::FromStr for FaultPlan {
                 "panic-at-step" => &mut plan.step,
                 "panic-at-admission" => &mut plan.admission,
                 "panic-at-capture" => &mut plan.capture,
+                "panic-at-reset" => &mut plan.reset,
                 other => return Err(format!("unknown fault {other:?}")),
             };
             *slot = Trigger::at(n);
@@ -92,9 +96,12 @@ mod tests {
 
     #[test]
     fn plans_parse_and_bad_ones_are_refused() {
-        let plan: FaultPlan = "panic-at-step:2, panic-at-capture:1".parse().unwrap();
+        let plan: FaultPlan = "panic-at-step:2, panic-at-capture:1,panic-at-reset:1"
+            .parse()
+            .unwrap();
         assert!(!plan.step.hit() && plan.step.hit());
         assert!(plan.capture.hit());
+        assert!(plan.reset.hit());
         assert!(!plan.admission.hit());
         for bad in [
             "panic-at-step",

@@ -248,6 +248,8 @@ pub struct CaptureStore {
     files: Mutex<Vec<(PathBuf, Instant, u64)>>,
     delivered: AtomicU64,
     failed: AtomicU64,
+    /// Failed captures whose finalizing panicked (contained on the capture worker).
+    panicked: AtomicU64,
     max_bytes: u64,
 }
 
@@ -297,6 +299,7 @@ impl CaptureStore {
             files: Mutex::default(),
             delivered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            panicked: AtomicU64::new(0),
             max_bytes,
         }
     }
@@ -416,6 +419,7 @@ impl CaptureStore {
         crate::metrics::CaptureStats {
             delivered: self.delivered.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
+            panicked: self.panicked.load(Ordering::Relaxed),
             stored: self.len(),
         }
     }
@@ -519,6 +523,9 @@ pub async fn deliver(
         &counters.failed
     };
     counter.fetch_add(1, Ordering::Relaxed);
+    if matches!(outcome, Err(CaptureFailure::Panicked)) {
+        counters.panicked.fetch_add(1, Ordering::Relaxed);
+    }
     outcome.unwrap_or_else(|error| {
         tracing::warn!(%error, "attention capture failed");
         let mut fields = Map::new();

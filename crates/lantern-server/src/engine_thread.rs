@@ -11,9 +11,9 @@
 //! A panic while the thread admits requests or steps is contained: every request in
 //! flight ends with an internal-fault error (a 500, or an error event on a stream), the
 //! engine's book-keeping starts over ([`Engine::reset`]: no block in use, nothing
-//! waiting) and the thread goes on serving, with `/health` reporting `degraded` and the
-//! number of faults. Only when the reset itself fails does the thread end, and `/health`
-//! answer 503 from then on.
+//! waiting) and the thread goes on serving, with `/health` reporting `degraded` until
+//! the engine has run [`CLEAN_STEPS_TO_RECOVER`] steps without a panic. Only when the
+//! reset itself fails does the thread end: `/health` and every request then answer 503.
 
 use crate::error::ApiError;
 use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
@@ -114,8 +114,9 @@ pub enum EndReason {
 pub enum EngineFailure {
     /// A step returned this error.
     Step(String),
-    /// A panic on the engine thread, contained ([`ENGINE_FAULT_MESSAGE`]).
-    Fault,
+    /// A panic on the engine thread, contained ([`ENGINE_FAULT_MESSAGE`]); `restarted`
+    /// is false when restarting the engine failed too (the thread then ended).
+    Fault { restarted: bool },
 }
 
 impl EndReason {
@@ -264,19 +265,54 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 pub const ENGINE_FAULT_MESSAGE: &str =
     "an internal engine fault occurred (a panic on the engine thread); this request was ended and the engine restarted; see the server log";
 
-/// Panics the engine thread contained, for `/health`.
+/// [`ENGINE_FAULT_MESSAGE`] when restarting the engine failed too.
+pub const ENGINE_FAULT_STOPPED_MESSAGE: &str =
+    "an internal engine fault occurred (a panic on the engine thread); this request was ended and the engine could not restart: the server must be restarted; see the server log";
+
+/// Steps the engine must run without a panic after a contained one before `/health`
+/// says `ok` again: proof that the restarted engine works, not only that it restarted.
+pub const CLEAN_STEPS_TO_RECOVER: u64 = 32;
+
+/// What `/health` reports about the engine thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineHealth {
+    /// No panic yet, or [`CLEAN_STEPS_TO_RECOVER`] clean steps since the last one.
+    Ok,
+    /// A panic was contained and the engine restarted, but has not yet run
+    /// [`CLEAN_STEPS_TO_RECOVER`] steps since.
+    Degraded,
+    /// Restarting after a panic failed: the engine thread ended for good.
+    Stopped,
+}
+
+/// Panics the engine thread contained, for `/health` and `/metrics`.
 #[derive(Debug, Default)]
 pub struct EngineFaults {
     count: AtomicU64,
     last: Mutex<Option<String>>,
+    clean_steps_since_last: AtomicU64,
+    unrecoverable: AtomicBool,
 }
 
 impl EngineFaults {
     fn record(&self, message: &str) {
         self.count.fetch_add(1, Ordering::SeqCst);
+        self.clean_steps_since_last.store(0, Ordering::SeqCst);
         if let Ok(mut last) = self.last.lock() {
             *last = Some(message.to_string());
         }
+    }
+
+    /// Counts a step that computed tokens and returned without a panic or an error.
+    fn step_succeeded(&self) {
+        if self.count() > 0 {
+            self.clean_steps_since_last.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The restart after a panic failed: the engine thread ends.
+    fn record_unrecoverable(&self) {
+        self.unrecoverable.store(true, Ordering::SeqCst);
     }
 
     /// Panics contained since the server started.
@@ -287,6 +323,26 @@ impl EngineFaults {
     /// The last panic's message.
     pub fn last(&self) -> Option<String> {
         self.last.lock().ok().and_then(|l| l.clone())
+    }
+
+    /// Steps run without a panic since the last one.
+    pub fn clean_steps_since_last(&self) -> u64 {
+        self.clean_steps_since_last.load(Ordering::Relaxed)
+    }
+
+    /// Whether a restart after a panic failed, so the engine thread ended.
+    pub fn unrecoverable(&self) -> bool {
+        self.unrecoverable.load(Ordering::SeqCst)
+    }
+
+    pub fn health(&self) -> EngineHealth {
+        if self.unrecoverable() {
+            EngineHealth::Stopped
+        } else if self.count() == 0 || self.clean_steps_since_last() >= CLEAN_STEPS_TO_RECOVER {
+            EngineHealth::Ok
+        } else {
+            EngineHealth::Degraded
+        }
     }
 }
 
@@ -435,12 +491,26 @@ impl EngineHandle {
         &self.faults
     }
 
+    /// Why the engine thread does not answer: it stopped after a fault, or the server
+    /// is shutting down.
+    pub fn gone(&self) -> ApiError {
+        if self.faults.unrecoverable() {
+            ApiError::engine_stopped()
+        } else {
+            ApiError::unavailable()
+        }
+    }
+
     /// Prepares sequences (on a request task) and submits them; their events arrive on
     /// the returned receiver, tagged with their index in `items`.
     pub async fn add(
         &self,
         items: Vec<GenerationItem>,
     ) -> Result<(Vec<Accepted>, tmpsc::UnboundedReceiver<EngineEvent>), ApiError> {
+        if !self.is_alive() {
+            // Before tokenizing: a stopped engine answers at once.
+            return Err(self.gone());
+        }
         let items = self.prompter.prepare(items).await?;
         let (events, rx) = tmpsc::unbounded_channel();
         let (reply, reply_rx) = oneshot::channel();
@@ -450,8 +520,8 @@ impl EngineHandle {
                 events,
                 reply,
             })
-            .map_err(|_| ApiError::unavailable())?;
-        let accepted = reply_rx.await.map_err(|_| ApiError::unavailable())??;
+            .map_err(|_| self.gone())?;
+        let accepted = reply_rx.await.map_err(|_| self.gone())??;
         Ok((accepted, rx))
     }
 
@@ -467,8 +537,8 @@ impl EngineHandle {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Command::Stats(reply))
-            .map_err(|_| ApiError::unavailable())?;
-        rx.await.map_err(|_| ApiError::unavailable())
+            .map_err(|_| self.gone())?;
+        rx.await.map_err(|_| self.gone())
     }
 
     /// The token ids of a prompt, as a generation request would see them.
@@ -592,7 +662,10 @@ impl EngineLoop {
                     None => break,
                 }
             }
-            while let Ok(cmd) = self.rx.try_recv() {
+            // A broken engine takes no further command: the ones left are dropped with
+            // the channel, so their senders learn the engine stopped.
+            while !self.broken {
+                let Ok(cmd) = self.rx.try_recv() else { break };
                 self.handle_contained(cmd);
             }
             if self.shutting_down || self.broken {
@@ -621,6 +694,7 @@ impl EngineLoop {
                 let tokens = self.engine.last_step_tokens();
                 if tokens > 0 {
                     self.metrics.iteration_tokens.observe(tokens as f64);
+                    self.faults.step_succeeded();
                 }
                 if outputs.is_empty() && started.elapsed() < Duration::from_micros(50) {
                     // Nothing could be scheduled: wait for a command rather than
@@ -647,8 +721,15 @@ impl EngineLoop {
             "the engine thread panicked; ending the requests in flight and restarting the engine"
         );
         self.faults.record(&message);
-        for (id, live) in std::mem::take(&mut self.live) {
-            let reason = EndReason::Failed(EngineFailure::Fault);
+        let live_requests = std::mem::take(&mut self.live);
+        let restarted = catch_unwind(AssertUnwindSafe(|| self.engine.reset())).is_ok();
+        if !restarted {
+            tracing::error!("restarting the engine panicked too; the engine thread stops");
+            self.faults.record_unrecoverable();
+            self.broken = true;
+        }
+        for (id, live) in live_requests {
+            let reason = EndReason::Failed(EngineFailure::Fault { restarted });
             // The engine's books are not trusted here: the times are the thread's own.
             self.record_finish(id, &live, None, reason.as_str());
             let _ = live.events.send(EngineEvent {
@@ -666,10 +747,6 @@ impl EngineLoop {
                     capture: None,
                 }),
             });
-        }
-        if catch_unwind(AssertUnwindSafe(|| self.engine.reset())).is_err() {
-            tracing::error!("restarting the engine panicked too; the engine thread stops");
-            self.broken = true;
         }
     }
 
@@ -691,8 +768,8 @@ impl EngineLoop {
                     let _ = reply.send(result);
                 }
                 Err(panic) => {
-                    let _ = reply.send(Err(ApiError::engine_fault()));
                     self.recover(panic.as_ref());
+                    let _ = reply.send(Err(ApiError::engine_fault(!self.broken)));
                 }
             },
             Command::Abort(ids) => {
@@ -722,6 +799,7 @@ impl EngineLoop {
             kv_cache_total_blocks: kv.num_blocks(),
             prefix_cache_queries: prefix.queries,
             prefix_cache_hits: prefix.hits,
+            engine_faults: self.faults.count(),
             cache_config: CacheConfigInfo {
                 block_size: self.engine.config().block_size,
                 num_gpu_blocks: kv.num_blocks(),

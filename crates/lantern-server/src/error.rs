@@ -95,11 +95,30 @@ impl ApiError {
         )
     }
 
-    /// A panic on the engine thread ended this request (the engine restarted).
-    pub fn engine_fault() -> Self {
+    /// The engine thread ended after a panic it could not restart from: nothing will
+    /// run until the server is restarted.
+    pub fn engine_stopped() -> Self {
+        Self {
+            code: Some("engine_stopped"),
+            ..Self::with_status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine stopped after an internal fault it could not recover from (see the server log); restart the server",
+            )
+        }
+    }
+
+    /// A panic on the engine thread ended this request; the engine restarted, or
+    /// stopped for good when that failed too.
+    pub fn engine_fault(restarted: bool) -> Self {
+        use crate::engine_thread::{ENGINE_FAULT_MESSAGE, ENGINE_FAULT_STOPPED_MESSAGE};
+        let message = if restarted {
+            ENGINE_FAULT_MESSAGE
+        } else {
+            ENGINE_FAULT_STOPPED_MESSAGE
+        };
         Self {
             code: Some("engine_fault"),
-            ..Self::internal(crate::engine_thread::ENGINE_FAULT_MESSAGE)
+            ..Self::internal(message)
         }
     }
 

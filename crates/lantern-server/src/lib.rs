@@ -9,7 +9,8 @@
 //! `GET /version`,
 //! `GET /metrics` (Prometheus text under vLLM's metric names, `vllm:*`; lantern's own
 //! metrics are `lantern:*`). With an API key, `/v1/*` and the tokenizer endpoints want
-//! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open.
+//! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open (`/health` shows an
+//! engine fault's message only with the key).
 
 pub mod capture;
 pub mod connections;
@@ -29,7 +30,8 @@ pub mod tools;
 pub use capture::{CaptureSettings, CaptureStore};
 pub use connections::{serve_with_limits, ConnectionLimits};
 pub use engine_thread::{
-    EngineBuildPanicked, EngineHandle, EngineThread, GenerationItem, ModelMeta, PromptInput,
+    EngineBuildPanicked, EngineHandle, EngineHealth, EngineThread, GenerationItem, ModelMeta,
+    PromptInput,
 };
 pub use error::ApiError;
 pub use request_log::EngineLogging;
@@ -227,20 +229,22 @@ async fn delete_capture(
     }
 }
 
-async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if state.api_keys.is_empty() {
-        return next.run(request).await;
-    }
-    let given = bearer_token(request.headers());
-    match given {
-        Some(given)
-            if state
+/// Whether the request may see what `/v1/*` shows: no key is configured, or it sent one.
+fn is_authorized(state: &AppState, headers: &axum::http::HeaderMap) -> bool {
+    state.api_keys.is_empty()
+        || bearer_token(headers).is_some_and(|given| {
+            state
                 .api_keys
                 .iter()
-                .any(|key| same_secret(given.as_bytes(), key.as_bytes())) =>
-        {
-            next.run(request).await
-        }
+                .any(|key| same_secret(given.as_bytes(), key.as_bytes()))
+        })
+}
+
+async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if is_authorized(&state, request.headers()) {
+        return next.run(request).await;
+    }
+    match bearer_token(request.headers()) {
         Some(_) => ApiError::unauthorized("Incorrect API key provided.").into_response(),
         None => ApiError::unauthorized(
             "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
@@ -272,30 +276,33 @@ async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> 
     }
 }
 
-/// `200 {"status": "ok"}`; `200 {"status": "degraded", ...}` once the engine thread has
-/// contained a panic (it restarted its state and serves on); 503 once the engine thread
-/// is gone.
-async fn health(State(state): State<AppState>) -> Response {
+/// `200 {"status": "ok"}`; `200 {"status": "degraded", ...}` after the engine thread
+/// contained a panic, until the restarted engine has run
+/// [`engine_thread::CLEAN_STEPS_TO_RECOVER`] steps without one; 503 once the engine
+/// thread is gone. The panic's message is shown only to clients that may use `/v1/*`.
+async fn health(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
     let faults = state.engine.faults();
-    if !state.engine.is_alive() {
-        if faults.count() > 0 {
-            return ApiError::with_status(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the engine stopped: an internal fault could not be recovered from",
-            )
-            .into_response();
+    let health = if state.engine.is_alive() {
+        faults.health()
+    } else {
+        EngineHealth::Stopped
+    };
+    match health {
+        EngineHealth::Stopped => state.engine.gone().into_response(),
+        EngineHealth::Ok => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        EngineHealth::Degraded => {
+            let mut body = json!({
+                "status": "degraded",
+                "engine_faults": faults.count(),
+                "clean_steps_since_fault": faults.clean_steps_since_last(),
+                "clean_steps_to_recover": engine_thread::CLEAN_STEPS_TO_RECOVER,
+            });
+            if is_authorized(&state, &headers) {
+                body["last_engine_fault"] = json!(faults.last());
+            }
+            (StatusCode::OK, Json(body)).into_response()
         }
-        return ApiError::unavailable().into_response();
     }
-    if faults.count() == 0 {
-        return (StatusCode::OK, Json(json!({"status": "ok"}))).into_response();
-    }
-    let body = json!({
-        "status": "degraded",
-        "engine_faults": faults.count(),
-        "last_engine_fault": faults.last(),
-    });
-    (StatusCode::OK, Json(body)).into_response()
 }
 
 /// `GET /version` (vLLM's): the server's version.

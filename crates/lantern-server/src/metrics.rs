@@ -215,6 +215,8 @@ pub struct EngineStats {
     pub kv_cache_total_blocks: usize,
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Panics the engine thread contained.
+    pub engine_faults: u64,
     pub cache_config: CacheConfigInfo,
     pub metrics: EngineMetrics,
 }
@@ -469,6 +471,11 @@ pub fn render(stats: &EngineStats, model_name: &str) -> String {
         "KV cache blocks in the pool.",
         stats.kv_cache_total_blocks as f64,
     );
+    x.counter(
+        "lantern:engine_faults_total",
+        "Panics on the engine thread, contained: each failed the requests in flight and restarted the engine.",
+        stats.engine_faults as f64,
+    );
     x.out
 }
 
@@ -477,6 +484,8 @@ pub fn render(stats: &EngineStats, model_name: &str) -> String {
 pub struct CaptureStats {
     pub delivered: u64,
     pub failed: u64,
+    /// Failed captures whose finalizing panicked on the capture worker (contained).
+    pub panicked: u64,
     /// Captures held for `GET /v1/captures/{id}` (expired ones excluded).
     pub stored: usize,
 }
@@ -499,6 +508,11 @@ pub fn render_captures(stats: &CaptureStats, model_name: &str) -> String {
         "Attention captures stored for GET /v1/captures/{id}.",
         stats.stored as f64,
     );
+    x.counter(
+        "lantern:capture_worker_faults_total",
+        "Panics on the capture worker, contained: each failed its capture only.",
+        stats.panicked as f64,
+    );
     x.out
 }
 
@@ -516,6 +530,7 @@ mod tests {
             kv_cache_total_blocks: 40,
             prefix_cache_queries: 100,
             prefix_cache_hits: 64,
+            engine_faults: 2,
             cache_config: CacheConfigInfo {
                 block_size: 16,
                 num_gpu_blocks: 40,
@@ -550,6 +565,8 @@ mod tests {
         assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 3\n"));
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
         assert!(text.contains("lantern:kv_cache_total_blocks{model_name=\"m\\\"x\"} 40\n"));
+        assert!(text.contains("# TYPE lantern:engine_faults_total counter\n"));
+        assert!(text.contains("lantern:engine_faults_total{model_name=\"m\\\"x\"} 2\n"));
     }
 
     #[test]

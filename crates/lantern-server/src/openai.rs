@@ -666,7 +666,9 @@ impl ResponseBuilder {
 
 fn engine_failure(finish: &Finish) -> Option<ApiError> {
     match &finish.reason {
-        EndReason::Failed(EngineFailure::Fault) => Some(ApiError::engine_fault()),
+        EndReason::Failed(EngineFailure::Fault { restarted }) => {
+            Some(ApiError::engine_fault(*restarted))
+        }
         EndReason::Failed(EngineFailure::Step(error)) => Some(ApiError {
             code: Some("engine_error"),
             ..ApiError::internal(format!("the engine failed while generating: {error}"))

@@ -11,7 +11,7 @@ pub struct WeightKernels {
     pub dtype: String,
     /// Matrices (2-D tensors) of this type in the file.
     pub matrices: usize,
-    /// lantern's level (`avx512`, `avx2`, `scalar`), `candle`, or `candle-f32` when the
+    /// lantern's level (`avx512`, `avx-vnni`, `avx2`, `scalar`), `candle`, or `candle-f32` when the
     /// weights are dequantized to f32 at load.
     pub kernel: &'static str,
 }

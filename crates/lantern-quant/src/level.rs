@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-/// The environment variable that caps the kernel level (`scalar`, `avx2` or `avx512`).
+/// The environment variable that caps the kernel level (`scalar`, `avx2`, `avx-vnni` or
+/// `avx512`).
 pub const KERNELS_ENV: &str = "LANTERN_KERNELS";
 
 /// An instruction-set level of the matrix kernels. Every level computes bit-identical
@@ -15,13 +16,21 @@ pub enum Kernel {
     Scalar,
     /// AVX2 + FMA + F16C (x86-64): `vpmaddubsw` / `vpmaddwd` integer dot products.
     Avx2,
+    /// AVX2 + AVX-VNNI (x86-64 without AVX-512: Intel Alder Lake and later client CPUs):
+    /// the AVX2 kernels with the 256-bit `vpdpbusd` for the integer dot products.
+    AvxVnni,
     /// AVX-512 F/BW + VNNI (x86-64): `vpdpbusd` integer dot products.
     Avx512,
 }
 
 impl Kernel {
     /// Every level, most portable first.
-    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+    pub const ALL: [Kernel; 4] = [
+        Kernel::Scalar,
+        Kernel::Avx2,
+        Kernel::AvxVnni,
+        Kernel::Avx512,
+    ];
 
     /// The best level this CPU runs.
     pub fn detect() -> Kernel {
@@ -34,20 +43,26 @@ impl Kernel {
         })
     }
 
-    /// Whether this CPU runs the level.
+    /// Whether this CPU runs the level. Levels are not nested: a CPU with AVX-512 VNNI
+    /// may lack AVX-VNNI (Ice Lake, Cascade Lake).
     pub fn available(self) -> bool {
-        self <= Kernel::detect()
+        self.cpu_has()
     }
 
-    /// `self`, lowered to the best level this CPU runs.
+    /// `self`, lowered to the best level at or below it this CPU runs.
     pub fn capped(self) -> Kernel {
-        self.min(Kernel::detect())
+        Kernel::ALL
+            .into_iter()
+            .rev()
+            .find(|k| *k <= self && k.cpu_has())
+            .unwrap_or(Kernel::Scalar)
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
+            Kernel::AvxVnni => "avx-vnni",
             Kernel::Avx512 => "avx512",
         }
     }
@@ -64,6 +79,8 @@ impl Kernel {
             Kernel::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => crate::x86::avx2_available(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AvxVnni => crate::x86::avx_vnni_available(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => crate::x86::avx512_available(),
             #[cfg(not(target_arch = "x86_64"))]
@@ -109,7 +126,7 @@ pub fn force_kernel(level: Option<Kernel>) -> Kernel {
     active_kernel()
 }
 
-/// The name of [`active_kernel`]: `"scalar"`, `"avx2"` or `"avx512"`.
+/// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"` or `"avx512"`.
 pub fn kernel_level() -> &'static str {
     active_kernel().name()
 }
@@ -122,17 +139,19 @@ fn level_from_env(value: Option<&str>) -> Kernel {
         return best;
     };
     match Kernel::parse(value) {
-        Some(asked) if asked <= best => asked,
+        Some(asked) if asked.available() => asked,
         Some(asked) => {
+            let got = asked.capped();
             eprintln!(
-                "warning: {KERNELS_ENV}={} but this CPU runs at most `{best}`; using `{best}`",
+                "warning: {KERNELS_ENV}={} but this CPU does not run it; using `{got}`",
                 asked.name()
             );
-            best
+            got
         }
         None => {
             eprintln!(
-                "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx512; using `{best}`"
+                "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512; \
+                 using `{best}`"
             );
             best
         }
@@ -149,9 +168,22 @@ mod tests {
         assert_eq!(level_from_env(None), best);
         assert_eq!(level_from_env(Some("")), best);
         assert_eq!(level_from_env(Some("scalar")), Kernel::Scalar);
-        assert_eq!(level_from_env(Some("AVX2")), Kernel::Avx2.min(best));
-        assert_eq!(level_from_env(Some("avx512")), best);
+        assert_eq!(level_from_env(Some("AVX2")), Kernel::Avx2.capped());
+        assert_eq!(level_from_env(Some("avx-vnni")), Kernel::AvxVnni.capped());
+        assert_eq!(level_from_env(Some("avx512")), Kernel::Avx512.capped());
         assert_eq!(level_from_env(Some("sse9")), best);
+    }
+
+    #[test]
+    fn capping_finds_the_best_level_the_cpu_runs_at_or_below() {
+        for asked in Kernel::ALL {
+            let got = asked.capped();
+            assert!(got <= asked && got.available());
+            assert!(Kernel::ALL
+                .into_iter()
+                .all(|k| !(k > got && k <= asked && k.available())));
+        }
+        assert_eq!(Kernel::detect(), Kernel::Avx512.capped());
     }
 
     #[test]

@@ -499,11 +499,11 @@ impl PackedMatrix {
     ) {
         match (kernel, input) {
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2 | Kernel::Avx512, Input::Quantized(act)) => {
+            (Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512, Input::Quantized(act)) => {
                 x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst)
             }
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2 | Kernel::Avx512, Input::Dense(x)) => {
+            (Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512, Input::Dense(x)) => {
                 x86::dense::run_tile(kernel, self, x, p0, p1, t0, t1, dst)
             }
             (_, Input::Quantized(act)) => scalar::run_tile(self, act, p0, p1, t0, t1, dst),

@@ -96,7 +96,10 @@ macro_rules! per_level {
                 match $crate::active_kernel() {
                     // SAFETY: `active_kernel` never exceeds what the CPU reports.
                     $crate::Kernel::Avx512 => return unsafe { avx512($($arg),*) },
-                    $crate::Kernel::Avx2 => return unsafe { avx2($($arg),*) },
+                    // AVX-VNNI adds integer dot products only: element-wise code is AVX2's.
+                    $crate::Kernel::Avx2 | $crate::Kernel::AvxVnni => {
+                        return unsafe { avx2($($arg),*) }
+                    }
                     $crate::Kernel::Scalar => {}
                 }
             }

@@ -1,6 +1,7 @@
 //! AVX2 + FMA + F16C kernels over the same repacked layout as the AVX-512 ones: each
 //! 64-byte chunk of 16 rows is two 32-byte halves of 8 rows, and `vpdpbusd` becomes
-//! `vpmaddubsw` (u8 x i8 pairs to i16) + `vpmaddwd` with ones (pairs to i32).
+//! `vpmaddubsw` (u8 x i8 pairs to i16) + `vpmaddwd` with ones (pairs to i32). The same
+//! tiles compiled with AVX-VNNI use its 256-bit `vpdpbusd` instead (the AVX-VNNI level).
 //!
 //! `vpmaddubsw` saturates at ±32767: the unsigned quants of every type but `Q8_0` stay
 //! below 64, so a pair sum stays below 64·127·2 = 16256, and the sums added in i16 before
@@ -108,9 +109,34 @@ unsafe fn dot4(u: __m256i, a: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1))
 }
 
-/// One register tile: `P` panels (two halves of 8 rows each) x `T` tokens, type `F`.
+/// `acc` + Σ of 4 u8 x i8 products per i32 lane: `vpdpbusd` with AVX-VNNI (`V`), else
+/// [`dot4`] (the same integer: no pair of products here saturates i16, see above).
+#[inline(always)]
+unsafe fn dot4_acc<const V: bool>(acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
+    if V {
+        _mm256_dpbusd_avx_epi32(acc, u, a)
+    } else {
+        _mm256_add_epi32(acc, dot4(u, a))
+    }
+}
+
+/// The AVX2 register tile.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
+unsafe fn tile_avx2<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
+    tile::<F, P, T, false>(a)
+}
+
+/// The AVX-VNNI register tile: the AVX2 one with `vpdpbusd`.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn tile_vnni<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
+    tile::<F, P, T, true>(a)
+}
+
+/// One register tile: `P` panels (two halves of 8 rows each) x `T` tokens, type `F`,
+/// with AVX-VNNI when `V`. Inlined into [`tile_avx2`] and [`tile_vnni`], which compile
+/// it for their features.
+#[inline(always)]
+unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: TileArgs) {
     let ty = QuantType::from_id(F);
     let planes = ty.planes();
     let scales = ty.scales();
@@ -163,7 +189,7 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
                         for h in 0..2 {
                             let wabs = _mm256_abs_epi8(w[p][h]);
                             let asgn = _mm256_sign_epi8(av, w[p][h]);
-                            lo[p][h][t] = _mm256_add_epi32(lo[p][h][t], dot4(wabs, asgn));
+                            lo[p][h][t] = dot4_acc::<V>(lo[p][h][t], wabs, asgn);
                         }
                     }
                 }
@@ -209,15 +235,18 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
                     let ahi = bcast4(ab.add(16 + 4 * c));
                     for p in 0..P {
                         for h in 0..2 {
-                            let pl = _mm256_maddubs_epi16(ulo[p][h], alo);
-                            let ph = _mm256_maddubs_epi16(uhi[p][h], ahi);
-                            let one = _mm256_set1_epi16(1);
+                            let (ul, uh) = (ulo[p][h], uhi[p][h]);
                             if split {
-                                let dl = _mm256_madd_epi16(pl, one);
-                                let dh = _mm256_madd_epi16(ph, one);
-                                lo[p][h][t] = _mm256_add_epi32(lo[p][h][t], dl);
-                                hi[p][h][t] = _mm256_add_epi32(hi[p][h][t], dh);
+                                lo[p][h][t] = dot4_acc::<V>(lo[p][h][t], ul, alo);
+                                hi[p][h][t] = dot4_acc::<V>(hi[p][h][t], uh, ahi);
+                            } else if V {
+                                let d = dot4_acc::<V>(lo[p][h][t], ul, alo);
+                                lo[p][h][t] = dot4_acc::<V>(d, uh, ahi);
                             } else {
+                                // Both halves summed in i16 before widening: one `vpmaddwd`.
+                                let pl = _mm256_maddubs_epi16(ul, alo);
+                                let ph = _mm256_maddubs_epi16(uh, ahi);
+                                let one = _mm256_set1_epi16(1);
                                 let d = _mm256_madd_epi16(_mm256_add_epi16(pl, ph), one);
                                 lo[p][h][t] = _mm256_add_epi32(lo[p][h][t], d);
                             }
@@ -311,6 +340,15 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
 /// # Safety
 /// The CPU supports the level; `args` describe a tile inside the matrix and dst.
 pub(super) unsafe fn dispatch(ty: QuantType, pc: usize, tc: usize, args: TileArgs) {
-    dispatch_shapes!(tile, ty, pc, tc, args;
+    dispatch_shapes!(tile_avx2, ty, pc, tc, args;
+        (1, 1), (1, 2), (1, 3), (2, 1));
+}
+
+/// [`dispatch`] at the AVX-VNNI level.
+///
+/// # Safety
+/// As [`dispatch`], and the CPU supports AVX-VNNI.
+pub(super) unsafe fn dispatch_vnni(ty: QuantType, pc: usize, tc: usize, args: TileArgs) {
+    dispatch_shapes!(tile_vnni, ty, pc, tc, args;
         (1, 1), (1, 2), (1, 3), (2, 1));
 }

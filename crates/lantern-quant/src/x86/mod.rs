@@ -14,6 +14,11 @@ pub(crate) fn avx2_available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// Whether the CPU runs the AVX-VNNI level.
+pub(crate) fn avx_vnni_available() -> bool {
+    avx2_available() && is_x86_feature_detected!("avxvnni")
+}
+
 /// Whether the CPU runs the AVX-512 level.
 pub(crate) fn avx512_available() -> bool {
     avx2_available()
@@ -54,7 +59,7 @@ struct Shapes {
     max_tokens: usize,
 }
 
-/// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (Avx2 or Avx512).
+/// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level).
 ///
 /// # Safety
 /// The CPU supports `level`; `dst` points to an `m x n` f32 buffer and no other thread
@@ -109,6 +114,7 @@ pub(crate) unsafe fn run_tile(
             };
             match level {
                 Kernel::Avx512 => avx512::dispatch(mat.ty, pc, tc, args),
+                Kernel::AvxVnni => avx2::dispatch_vnni(mat.ty, pc, tc, args),
                 _ => avx2::dispatch(mat.ty, pc, tc, args),
             }
             t += tc;

@@ -161,6 +161,27 @@ def stop_server(server: Server) -> None:
     assert code == 0, f"lantern serve exited with {code} on SIGTERM"
 
 
+def tokenize(server, **body):
+    """Token ids of `/tokenize` (a `prompt` or chat `messages` with their fields)."""
+    r = requests.post(server.base_url + "/tokenize", json=body, headers=server.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def detokenize(server, tokens):
+    r = requests.post(
+        server.base_url + "/detokenize", json={"tokens": tokens}, headers=server.headers(), timeout=30
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def one_token(server, text):
+    tokens = tokenize(server, prompt=text, add_special_tokens=False)
+    assert len(tokens) == 1, (text, tokens)
+    return tokens[0]
+
+
 @pytest.fixture(scope="session")
 def server():
     srv = start_server()

@@ -10,30 +10,10 @@ import openai
 import pytest
 import requests
 
-from conftest import _binary, start_server, stop_server
+from conftest import _binary, detokenize, one_token, start_server, stop_server, tokenize
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PREFIX = "The capital of France is"
-
-
-def tokenize(server, **body):
-    r = requests.post(server.base_url + "/tokenize", json=body, headers=server.headers(), timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
-
-
-def detokenize(server, tokens):
-    r = requests.post(
-        server.base_url + "/detokenize", json={"tokens": tokens}, headers=server.headers(), timeout=30
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["prompt"]
-
-
-def one_token(server, text):
-    tokens = tokenize(server, prompt=text, add_special_tokens=False)
-    assert len(tokens) == 1, (text, tokens)
-    return tokens[0]
 
 
 def chat(client, server, messages, **extra):

@@ -18,11 +18,13 @@ pub mod prompt;
 pub mod rope;
 pub mod source;
 pub mod synthetic;
+pub mod template_json;
 pub mod tokenizer;
 
 pub use candle_core::quantized::GgmlDType;
 pub use chat::{
     ChatMessage, ChatRenderOptions, ChatSegment, ChatTemplate, RenderedChat, TemplateError,
+    ToolSupport,
 };
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};

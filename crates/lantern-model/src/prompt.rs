@@ -1,7 +1,7 @@
 //! A conversation to token ids: rendered through the chat template within its limits,
 //! then tokenized so that only the template's own markup becomes control tokens.
 
-use crate::chat::{ChatMessage, ChatRenderOptions, ChatTemplate, TemplateError};
+use crate::chat::{tool_strings, ChatMessage, ChatRenderOptions, ChatTemplate, TemplateError};
 use crate::error::ModelError;
 use crate::tokenizer::ModelTokenizer;
 
@@ -15,6 +15,8 @@ pub enum ChatPromptError {
     Template(#[from] TemplateError),
     #[error("messages[{index}] contains the text of a control token, which this model's chat template does not keep apart from its own markup")]
     ControlTextInContent { index: usize },
+    #[error("the tools or the messages' tool calls contain the text of a control token where this model's chat template does not keep it apart from its own markup (object keys, or a template that transforms them)")]
+    ControlTextInTools,
     #[error(transparent)]
     Tokenizer(#[from] ModelError),
 }
@@ -52,6 +54,15 @@ pub fn tokenize_chat_with(
 ) -> Result<Vec<u32>, ChatPromptError> {
     let template = template.ok_or(ChatPromptError::NoTemplate)?;
     let rendered = template.render_parts_with(messages, options, max_output_bytes)?;
+    let tool_strings = tool_strings(messages, options);
+    // Keys are never split out; the other strings are when there is a split.
+    let split = rendered.segments.is_some();
+    if tool_strings
+        .iter()
+        .any(|&(s, key)| (key || !split) && tokenizer.contains_control_text(s))
+    {
+        return Err(ChatPromptError::ControlTextInTools);
+    }
     Ok(match rendered.segments {
         Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
         None => {

@@ -216,15 +216,25 @@ impl Prompter {
                 .encode(text, add_special_tokens)
                 .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}"))),
             PromptInput::Tokens(ids) => Ok(ids.clone()),
-            PromptInput::Chat(messages, options) => tokenize_chat_with(
-                self.template.as_deref(),
-                &self.tokenizer,
-                messages,
-                options,
-                add_special_tokens,
-                limit,
-            )
-            .map_err(|e| chat_error(field, e, self.context_length)),
+            PromptInput::Chat(messages, options) => {
+                let template = self.template.as_deref();
+                let fitted = template.and_then(|t| {
+                    crate::tools::fit_template(t.tool_support(), messages, options)
+                });
+                let (messages, options) = match &fitted {
+                    Some((m, o)) => (m.as_slice(), o),
+                    None => (messages.as_slice(), options),
+                };
+                tokenize_chat_with(
+                    template,
+                    &self.tokenizer,
+                    messages,
+                    options,
+                    add_special_tokens,
+                    limit,
+                )
+                .map_err(|e| chat_error(field, e, self.context_length))
+            }
         }
     }
 
@@ -326,6 +336,7 @@ fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) ->
         ChatPromptError::Template(TemplateError::FinalMessageNotFound) => {
             return ApiError::field("continue_final_message", e.to_string())
         }
+        ChatPromptError::ControlTextInTools => return ApiError::field("tools", e.to_string()),
         _ => e.to_string(),
     };
     ApiError::field(field, message)

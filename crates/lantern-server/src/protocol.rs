@@ -478,6 +478,7 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, ApiError>
         add_generation_prompt,
         continue_final_message,
         kwargs,
+        tools: None,
     })
 }
 
@@ -551,28 +552,25 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
     };
     let mut guide = parse_guide(body)?;
     let tools = crate::tools::parse_tools(body)?;
-    let messages = match &tools {
-        Some(tools) => {
-            if let Some(tool_guide) = tools.guide() {
-                if let Some(other) = &guide {
-                    return Err(ApiError::field(
-                        "tool_choice",
-                        format!(
-                            "a required or named tool_choice cannot be combined with {}",
-                            other.field
-                        ),
-                    ));
-                }
-                guide = Some(FieldGuide {
-                    guide: tool_guide,
-                    field: "tool_choice",
-                });
+    if let Some(tools) = &tools {
+        if let Some(tool_guide) = tools.guide() {
+            if let Some(other) = &guide {
+                return Err(ApiError::field(
+                    "tool_choice",
+                    format!(
+                        "a required or named tool_choice cannot be combined with {}",
+                        other.field
+                    ),
+                ));
             }
-            tools.with_system_prompt(messages)
+            guide = Some(FieldGuide {
+                guide: tool_guide,
+                field: "tool_choice",
+            });
         }
-        None => messages,
-    };
-    let options = chat_render_options(&chat)?;
+    }
+    let mut options = chat_render_options(&chat)?;
+    options.tools = tools.as_ref().map(crate::tools::ChatTools::offered);
     // vLLM's chat `echo`: the final message, when it is the assistant's, is echoed.
     let chat_echo = match messages.last() {
         Some(last) if chat.echo.unwrap_or(false) && last.role == "assistant" => {
@@ -688,10 +686,9 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
         }
         Some(_) => return Err(at("`content` must be a string or a list of content parts")),
     };
-    if let Some(message) = crate::tools::tool_message(role, obj, &content) {
-        return Ok(message);
-    }
-    Ok(ChatMessage::new(role, &content))
+    let mut message = ChatMessage::new(role, &content);
+    crate::tools::read_tool_fields(role, obj, &mut message).map_err(|e| at(&e))?;
+    Ok(message)
 }
 
 /// Validates a `POST /v1/completions` body.
@@ -765,11 +762,10 @@ pub fn tokenize_request(
         (None, Some(_)) => {
             // vLLM's rendering fields apply here too.
             let chat: ChatFields = typed(body)?;
+            let mut options = chat_render_options(&chat)?;
+            options.tools = crate::tools::parse_tools(body)?.map(|t| t.offered());
             Ok((
-                PromptInput::Chat(
-                    parse_messages(&fields.messages)?,
-                    chat_render_options(&chat)?,
-                ),
+                PromptInput::Chat(parse_messages(&fields.messages)?, options),
                 add_special_tokens,
             ))
         }

@@ -1,16 +1,19 @@
-//! Tool calling on chat: the `tools` and `tool_choice` fields, the prompt that describes
-//! the tools, the grammar that enforces `required` and named choices, and the parser
-//! that turns generated text into `tool_calls`.
+//! Tool calling on chat: the `tools` and `tool_choice` fields, how the tools and tool
+//! messages reach the chat template, the grammar that enforces `required` and named
+//! choices, and the parser that turns generated text into `tool_calls`.
 //!
-//! lantern's models' chat templates (SmolLM2, Gemma 3) have no `tools` variable, so the
-//! tools are described in a system message, in the Hermes/Qwen convention llama.cpp and
-//! vLLM use for such templates: the model answers `<tool_call>{"name": …, "arguments":
-//! {…}}</tool_call>`. Tool results (`role: tool`) go back as user turns wrapped in
-//! `<tool_response>`; an assistant turn's `tool_calls` are written back as `<tool_call>`.
+//! A template that reads a `tools` variable (Qwen2.5, Hermes, Llama 3.1 style) gets the
+//! allowed functions there and describes them itself; one that writes assistant
+//! `tool_calls` and `role: tool` turns gets those messages structured. lantern's built-in
+//! models' templates (SmolLM2, Gemma 3) do neither, so for them the tools are described in
+//! a system message, in the Hermes/Qwen convention llama.cpp and vLLM use for such
+//! templates: the model answers `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+//! Tool results (`role: tool`) then go back as user turns wrapped in `<tool_response>`,
+//! an assistant turn's `tool_calls` as `<tool_call>` blocks ([`fit_template`]).
 
 use crate::error::ApiError;
 use lantern_engine::lantern_guided::Guide;
-use lantern_model::ChatMessage;
+use lantern_model::{ChatMessage, ChatRenderOptions, ToolSupport};
 use serde_json::{json, Value};
 
 const FIELD: &str = "tools";
@@ -141,33 +144,20 @@ impl ChatTools {
         })
     }
 
-    /// The system text describing the tools and how to call them.
-    pub fn system_prompt(&self) -> String {
-        let specs: Vec<String> = self
-            .allowed()
+    /// The functions `tool_choice` allows, in OpenAI's shape, as chat templates and the
+    /// system prompt describe them.
+    pub fn offered(&self) -> Vec<Value> {
+        self.allowed()
             .map(|f| {
-                json!({"type": "function", "function": {
-                    "name": f.name, "description": f.description, "parameters": f.parameters,
-                }})
-                .to_string()
+                let mut function = serde_json::Map::new();
+                function.insert("name".into(), json!(f.name));
+                if let Some(d) = &f.description {
+                    function.insert("description".into(), json!(d));
+                }
+                function.insert("parameters".into(), f.parameters.clone());
+                json!({"type": "function", "function": function})
             })
-            .collect();
-        format!(
-            "You may call one or more functions to help with the user's request. The functions are listed within <tools></tools>:\n<tools>\n{}\n</tools>\nTo call a function, answer with a JSON object holding its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>",
-            specs.join("\n")
-        )
-    }
-
-    /// The conversation with the tools described in the first system message.
-    pub fn with_system_prompt(&self, mut messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
-        let prompt = self.system_prompt();
-        match messages.first_mut() {
-            Some(first) if first.role == "system" => {
-                first.content = format!("{}\n\n{prompt}", first.content);
-            }
-            _ => messages.insert(0, ChatMessage::new("system", &prompt)),
-        }
-        messages
+            .collect()
     }
 
     /// For `required` and a named choice: a grammar whose only outputs are calls of the
@@ -194,45 +184,138 @@ impl ChatTools {
     }
 }
 
-/// `role: tool` and assistant `tool_calls` messages, as the Hermes convention writes
-/// them: a tool's result becomes a user turn in `<tool_response>`, an assistant's calls
+/// The system text describing `tools` and how to call them.
+fn system_prompt(tools: &[Value]) -> String {
+    let specs: Vec<String> = tools.iter().map(Value::to_string).collect();
+    format!(
+        "You may call one or more functions to help with the user's request. The functions are listed within <tools></tools>:\n<tools>\n{}\n</tools>\nTo call a function, answer with a JSON object holding its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>",
+        specs.join("\n")
+    )
+}
+
+/// The conversation with `tools` described in the first system message.
+fn with_system_prompt(tools: &[Value], mut messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+    let prompt = system_prompt(tools);
+    match messages.first_mut() {
+        Some(first) if first.role == "system" => {
+            first.content = format!("{}\n\n{prompt}", first.content);
+        }
+        _ => messages.insert(0, ChatMessage::new("system", &prompt)),
+    }
+    messages
+}
+
+/// A tool message as the Hermes convention writes it, for a template that does not:
+/// a tool's result becomes a user turn in `<tool_response>`, an assistant's calls
 /// `<tool_call>` blocks after its text.
-pub fn tool_message(
+fn as_hermes_text(message: &ChatMessage) -> ChatMessage {
+    if message.role == "tool" {
+        return ChatMessage::new(
+            "user",
+            &format!("<tool_response>\n{}\n</tool_response>", message.content),
+        );
+    }
+    let mut text = message.content.clone();
+    for call in message.tool_calls.iter().flatten() {
+        let f = &call["function"];
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "<tool_call>\n{}\n</tool_call>",
+            json!({"name": f["name"], "arguments": f["arguments"]})
+        ));
+    }
+    ChatMessage::new(&message.role, &text)
+}
+
+/// The conversation and options fitted to what a template does with tools: the tools
+/// go to its `tools` variable, or are described in a system message when it has none;
+/// tool results and assistant calls stay structured for a template that writes them,
+/// and become Hermes text for one that does not. `None` when nothing changes.
+pub fn fit_template(
+    support: ToolSupport,
+    messages: &[ChatMessage],
+    options: &ChatRenderOptions,
+) -> Option<(Vec<ChatMessage>, ChatRenderOptions)> {
+    let describe = options.tools.is_some() && !support.tools;
+    let as_text = |m: &ChatMessage| {
+        (m.role == "tool" && !support.tool_role) || (m.tool_calls.is_some() && !support.tool_calls)
+    };
+    if !describe && !messages.iter().any(as_text) {
+        return None;
+    }
+    let mut messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| {
+            if as_text(m) {
+                as_hermes_text(m)
+            } else {
+                m.clone()
+            }
+        })
+        .collect();
+    let mut options = options.clone();
+    if describe {
+        let tools = options.tools.take().unwrap_or_default();
+        messages = with_system_prompt(&tools, messages);
+    }
+    Some((messages, options))
+}
+
+/// A message's tool fields as chat templates read them: an assistant's `tool_calls`
+/// (arguments as a JSON object, as OpenAI's JSON text is parsed), a tool result's
+/// `tool_call_id` and `name`. The error names what is wrong.
+pub fn read_tool_fields(
     role: &str,
     obj: &serde_json::Map<String, Value>,
-    content: &str,
-) -> Option<ChatMessage> {
+    message: &mut ChatMessage,
+) -> Result<(), String> {
+    let text = |field: &str| match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(format!("`{field}` must be a string")),
+    };
     match role {
-        "tool" => Some(ChatMessage::new(
-            "user",
-            &format!("<tool_response>\n{content}\n</tool_response>"),
-        )),
-        "assistant" => {
-            let calls = obj.get("tool_calls")?.as_array()?;
-            let mut text = content.to_string();
-            for call in calls {
-                let f = call.get("function")?;
-                let name = f.get("name")?.as_str()?;
-                // OpenAI sends arguments as a JSON text.
-                let args = match f.get("arguments") {
-                    Some(Value::String(s)) => {
-                        serde_json::from_str(s).unwrap_or(Value::String(s.clone()))
-                    }
-                    Some(v) => v.clone(),
-                    None => json!({}),
-                };
-                if !text.is_empty() {
-                    text.push('\n');
-                }
-                text.push_str(&format!(
-                    "<tool_call>\n{}\n</tool_call>",
-                    json!({"name": name, "arguments": args})
-                ));
-            }
-            Some(ChatMessage::new("assistant", &text))
+        "tool" => {
+            message.tool_call_id = text("tool_call_id")?;
+            message.name = text("name")?;
         }
-        _ => None,
+        "assistant" => {
+            let calls = match obj.get("tool_calls") {
+                None | Some(Value::Null) => return Ok(()),
+                Some(Value::Array(calls)) if calls.is_empty() => return Ok(()),
+                Some(Value::Array(calls)) => calls,
+                Some(_) => return Err("`tool_calls` must be a list".into()),
+            };
+            let calls = calls
+                .iter()
+                .enumerate()
+                .map(|(j, call)| template_call(call).ok_or_else(|| format!("tool_calls[{j}] needs `function.name` (a string) and `arguments` (a JSON text or object)")))
+                .collect::<Result<Vec<_>, _>>()?;
+            message.tool_calls = Some(calls);
+        }
+        _ => {}
     }
+    Ok(())
+}
+
+/// One call of an assistant message in the shape templates read.
+fn template_call(call: &Value) -> Option<Value> {
+    let f = call.get("function")?;
+    let name = f.get("name")?.as_str()?;
+    // OpenAI sends arguments as a JSON text; templates write them with `tojson`.
+    let arguments = match f.get("arguments") {
+        Some(Value::String(s)) => serde_json::from_str(s).unwrap_or(Value::String(s.clone())),
+        Some(v @ Value::Object(_)) => v.clone(),
+        None | Some(Value::Null) => json!({}),
+        Some(_) => return None,
+    };
+    let mut out = json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+    if let Some(id) = call.get("id").and_then(Value::as_str) {
+        out["id"] = json!(id);
+    }
+    Some(out)
 }
 
 fn call_from_json(v: &Value) -> Option<ToolCall> {
@@ -366,5 +449,77 @@ mod tests {
                 "{body}"
             );
         }
+    }
+
+    fn tools_options() -> ChatRenderOptions {
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+        let t = parse_tools(&json!({"tools": tools})).unwrap().unwrap();
+        ChatRenderOptions {
+            tools: Some(t.offered()),
+            ..ChatRenderOptions::default()
+        }
+    }
+
+    fn conversation() -> Vec<ChatMessage> {
+        let mut call = ChatMessage::new("assistant", "");
+        let obj = json!({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]});
+        read_tool_fields("assistant", obj.as_object().unwrap(), &mut call).unwrap();
+        let mut result = ChatMessage::new("tool", "42");
+        let obj = json!({"tool_call_id": "c1"});
+        read_tool_fields("tool", obj.as_object().unwrap(), &mut result).unwrap();
+        vec![ChatMessage::new("user", "hi"), call, result]
+    }
+
+    #[test]
+    fn a_template_without_tools_gets_the_hermes_system_prompt_and_text() {
+        let messages = conversation();
+        assert_eq!(
+            messages[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert_eq!(messages[2].tool_call_id.as_deref(), Some("c1"));
+        let (fitted, options) =
+            fit_template(ToolSupport::default(), &messages, &tools_options()).unwrap();
+        assert!(options.tools.is_none());
+        assert_eq!(fitted[0].role, "system");
+        assert!(
+            fitted[0]
+                .content
+                .contains("<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"f\""),
+            "{}",
+            fitted[0].content
+        );
+        assert_eq!(
+            fitted[2].content,
+            "<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":1}}\n</tool_call>"
+        );
+        assert_eq!(
+            (fitted[3].role.as_str(), fitted[3].content.as_str()),
+            ("user", "<tool_response>\n42\n</tool_response>")
+        );
+        assert!(fitted.iter().all(|m| m.tool_calls.is_none()));
+    }
+
+    #[test]
+    fn a_template_that_writes_tools_gets_them_as_they_are() {
+        let all = ToolSupport {
+            tools: true,
+            tool_calls: true,
+            tool_role: true,
+        };
+        assert!(fit_template(all, &conversation(), &tools_options()).is_none());
+        // Tools read, but no turn for tool results: only those become text.
+        let no_role = ToolSupport {
+            tool_role: false,
+            ..all
+        };
+        let (fitted, options) = fit_template(no_role, &conversation(), &tools_options()).unwrap();
+        assert!(options.tools.is_some());
+        assert!(fitted[1].tool_calls.is_some());
+        assert_eq!(fitted[2].role, "user");
+        let mut bad = ChatMessage::new("assistant", "");
+        let obj = json!({"tool_calls": [{"function": {"arguments": "{}"}}]});
+        let err = read_tool_fields("assistant", obj.as_object().unwrap(), &mut bad).unwrap_err();
+        assert!(err.contains("tool_calls[0]"), "{err}");
     }
 }

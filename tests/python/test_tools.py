@@ -53,7 +53,8 @@ def _check_calls(calls, names):
 
 
 def _streamed(stream):
-    """Content, tool calls (merged by index) and finish reason of a streamed choice."""
+    """Content, tool calls (merged by index, with the number of chunks that carried
+    arguments) and finish reason of a streamed choice."""
     content, calls, finish = "", {}, None
     for chunk in stream:
         if not chunk.choices:
@@ -61,10 +62,14 @@ def _streamed(stream):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            if d.index not in calls:
+                # A call's first delta names it (vLLM's shape).
+                assert d.id and d.type == "function" and d.function.name, d
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": "", "fragments": 0})
             call["id"] = d.id or call["id"]
             call["name"] += d.function.name or ""
             call["arguments"] += d.function.arguments or ""
+            call["fragments"] += bool(d.function.arguments)
         finish = choice.finish_reason or finish
     return content, calls, finish
 
@@ -85,15 +90,19 @@ def test_required_and_named_choices_always_call(server, client, temperature):
 
 
 def test_streamed_calls(server, client):
-    stream = client.chat.completions.create(
-        model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
-        max_tokens=200, temperature=0.0, stream=True,
-    )
-    content, calls, finish = _streamed(stream)
+    kwargs = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0.0)
+    content, calls, finish = _streamed(client.chat.completions.create(stream=True, **kwargs))
     assert finish == "tool_calls" and content == ""
     for call in calls.values():
         assert call["id"] and call["name"] in SCHEMAS
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        # The arguments go out as they are generated, not in one piece at the end.
+        assert call["fragments"] > 1, call
+    # The same calls as the response that is not streamed.
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == [
+        (c["name"], json.loads(c["arguments"])) for c in calls.values()
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])

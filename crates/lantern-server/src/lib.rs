@@ -25,6 +25,7 @@ pub mod request_guards;
 pub mod request_log;
 pub mod stop;
 pub mod structured;
+pub mod tool_stream;
 pub mod tools;
 
 pub use capture::{CaptureSettings, CaptureStore};

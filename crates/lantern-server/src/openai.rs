@@ -8,6 +8,7 @@ use crate::engine_thread::{
 use crate::error::ApiError;
 use crate::prompt::Prompter;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
+use crate::tool_stream::{ToolCallStream, ToolDelta};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -323,28 +324,45 @@ struct ResponseBuilder {
     tool_calls: bool,
 }
 
-/// OpenAI's `tool_calls` list (with `index` for streamed deltas).
-fn tool_calls_json(
-    calls: &[crate::tools::ToolCall],
-    response_id: &str,
-    choice: usize,
-    with_index: bool,
-) -> Value {
+/// The id of call `i` of a choice.
+fn call_id(response_id: &str, choice: usize, i: usize) -> String {
+    format!(
+        "call_{}_{choice}_{i}",
+        response_id.trim_start_matches("chatcmpl-")
+    )
+}
+
+/// OpenAI's `tool_calls` list.
+fn tool_calls_json(calls: &[crate::tools::ToolCall], response_id: &str, choice: usize) -> Value {
     calls
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let mut v = json!({
-                "id": format!("call_{}_{choice}_{i}", response_id.trim_start_matches("chatcmpl-")),
+            json!({
+                "id": call_id(response_id, choice, i),
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
-            });
-            if with_index {
-                v["index"] = json!(i);
-            }
-            v
+            })
         })
         .collect()
+}
+
+/// A streamed chat delta with tools: content, a call's first delta (id, type, name and
+/// empty arguments, as vLLM sends it) or a fragment of its arguments.
+fn tool_delta_json(delta: &ToolDelta, response_id: &str, choice: usize) -> Value {
+    match delta {
+        ToolDelta::Content(text) => json!({"content": text}),
+        ToolDelta::CallStart { index, name } => json!({"tool_calls": [{
+            "index": index,
+            "id": call_id(response_id, choice, *index),
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }]}),
+        ToolDelta::Arguments { index, text } => json!({"tool_calls": [{
+            "index": index,
+            "function": {"arguments": text},
+        }]}),
+    }
 }
 
 /// A chat choice's message, and its finish reason: calls in the text become
@@ -371,7 +389,7 @@ fn chat_message(
             };
             return (
                 json!({"role": "assistant", "content": content,
-                       "tool_calls": tool_calls_json(&calls, response_id, choice, false)}),
+                       "tool_calls": tool_calls_json(&calls, response_id, choice)}),
                 reason,
             );
         }
@@ -753,9 +771,9 @@ struct StreamState {
     capture: Option<CaptureDelivery>,
     /// Every choice finished and the capture is still to be delivered.
     capture_due: Option<Option<Result<PendingCapture, CaptureFailure>>>,
-    /// Chat with tools: each choice's text, held until it finishes, when it goes out
-    /// as one delta of content or of `tool_calls`.
-    held_text: Vec<String>,
+    /// Chat with tools: each choice's output, turned into content and `tool_calls`
+    /// deltas as it arrives.
+    tool_streams: Vec<ToolCallStream>,
 }
 
 fn data(value: &Value) -> Event {
@@ -806,59 +824,7 @@ impl StreamState {
             }
         }
         if self.response.tool_calls {
-            self.held_text[event.index].push_str(&event.text);
-            let Some(finish) = &event.finish else {
-                return;
-            };
-            let text = std::mem::take(&mut self.held_text[event.index]);
-            let (message, reason) = chat_message(
-                &text,
-                json!(finish.reason.as_str()),
-                true,
-                &self.response.id,
-                event.index,
-            );
-            let mut chunk = self.response.chunk(
-                event.index,
-                None,
-                false,
-                Some(finish),
-                Value::Null,
-                self.include_usage,
-            );
-            if let Some(choice) = chunk.pointer_mut("/choices/0") {
-                let mut delta = serde_json::Map::new();
-                match message.get("tool_calls") {
-                    Some(calls) => {
-                        let calls: Vec<Value> = calls
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            .enumerate()
-                            .map(|(i, c)| {
-                                let mut c = c.clone();
-                                c["index"] = json!(i);
-                                c
-                            })
-                            .collect();
-                        if !message["content"].is_null() {
-                            delta.insert("content".into(), message["content"].clone());
-                        }
-                        delta.insert("tool_calls".into(), Value::Array(calls));
-                    }
-                    None => {
-                        delta.insert("content".into(), json!(text));
-                    }
-                }
-                choice["delta"] = Value::Object(delta);
-                choice["finish_reason"] = reason;
-            }
-            self.queue.push_back(data(&chunk));
-            let event = ChoiceEvent {
-                text: String::new(),
-                ..event
-            };
-            self.after_chunk(event);
+            self.on_tool_event(event);
             return;
         }
         let prompt = event.prompt_logprobs.as_deref();
@@ -891,6 +857,49 @@ impl StreamState {
             self.include_usage,
         );
         self.queue.push_back(data(&chunk));
+        self.after_chunk(event);
+    }
+
+    /// Chat with tools: the event's text as content and `tool_calls` deltas, then a
+    /// last chunk with the finish reason (`tool_calls` when the choice called).
+    fn on_tool_event(&mut self, event: ChoiceEvent) {
+        let index = event.index;
+        let stream = &mut self.tool_streams[index];
+        let mut deltas = stream.push(&event.text);
+        if event.finish.is_some() {
+            deltas.extend(stream.finish());
+        }
+        let called = stream.called();
+        for delta in deltas {
+            let mut chunk =
+                self.response
+                    .chunk(index, None, false, None, Value::Null, self.include_usage);
+            if let Some(choice) = chunk.pointer_mut("/choices/0") {
+                choice["delta"] = tool_delta_json(&delta, &self.response.id, index);
+            }
+            self.queue.push_back(data(&chunk));
+        }
+        let Some(finish) = &event.finish else {
+            return;
+        };
+        let mut chunk = self.response.chunk(
+            index,
+            None,
+            false,
+            Some(finish),
+            Value::Null,
+            self.include_usage,
+        );
+        if let Some(choice) = chunk.pointer_mut("/choices/0") {
+            if called && choice["finish_reason"] == json!("stop") {
+                choice["finish_reason"] = json!("tool_calls");
+            }
+        }
+        self.queue.push_back(data(&chunk));
+        let event = ChoiceEvent {
+            text: String::new(),
+            ..event
+        };
         self.after_chunk(event);
     }
 
@@ -942,7 +951,9 @@ fn stream_response(
         echo_due: vec![false; num_choices],
         capture,
         capture_due: None,
-        held_text: vec![String::new(); num_choices],
+        tool_streams: (0..num_choices)
+            .map(|_| ToolCallStream::default())
+            .collect(),
     };
     state.start(request.echo, request.chat_echo.as_deref());
     let events = sse_events(state);

@@ -332,6 +332,14 @@ fn call_from_json(v: &Value) -> Option<ToolCall> {
     })
 }
 
+/// The call in the body of a `<tool_call>` block, if it is one.
+pub fn parse_tool_call_body(body: &str) -> Option<ToolCall> {
+    serde_json::from_str::<Value>(body.trim())
+        .ok()
+        .as_ref()
+        .and_then(call_from_json)
+}
+
 /// The calls in a generated text, and the text outside them. Recognizes Hermes/Qwen
 /// `<tool_call>{json}</tool_call>` blocks (any number) and a whole output that is one
 /// Llama 3 style JSON call (`{"name": …, "parameters": …}`, optionally after
@@ -349,11 +357,7 @@ pub fn parse_tool_calls(text: &str) -> (Vec<ToolCall>, String) {
             // An unclosed last block (the model stopped at its end-of-turn).
             None => (after, ""),
         };
-        match serde_json::from_str::<Value>(body.trim())
-            .ok()
-            .as_ref()
-            .and_then(call_from_json)
-        {
+        match parse_tool_call_body(body) {
             Some(call) => {
                 rest.push_str(&tail[..start]);
                 calls.push(call);

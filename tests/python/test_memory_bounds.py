@@ -1,6 +1,7 @@
 """Per-request memory stays bounded (measured as the server's peak resident memory):
 the samples of one request share its prompt and stop list instead of copying them, and
-prompt logprobs keep only the top-k per position, never a prompt x vocabulary table."""
+prompt logprobs keep only the top-k per position, never a prompt x vocabulary table;
+256 samples of a long prompt cost no more than 256 of a short one."""
 
 import sys
 from pathlib import Path
@@ -12,6 +13,11 @@ from conftest import start_server, stop_server
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 MIB = 1 << 20
+# SmolLM2's KV cache block: 16 tokens, 720 KiB.
+KV_BLOCK_BYTES = 737280
+# About 1,100 tokens, and about 80.
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
+SHORT_PROMPT = " ".join(f"word{i}" for i in range(40))
 
 
 @pytest.fixture()
@@ -50,35 +56,42 @@ def test_samples_share_one_prompt_and_stop_list(fresh_server):
     srv.wait_idle()
 
 
-@pytest.fixture()
-def snug_server():
-    # A KV cache just larger than the long prompt below (720 KiB a block of 16 tokens):
-    # the warm-up touches nearly all of it, so the cache's own pages do not count as
-    # growth.
-    srv = start_server(kv_cache_memory=str(100 * 737280))
+def server_with_kv_blocks(blocks: int):
+    srv = start_server(kv_cache_memory=str(blocks * KV_BLOCK_BYTES))
     yield srv
     stop_server(srv)
+
+
+def warm_up_long_prompt(client, srv, prefix=""):
+    """Runs the long prompt once, so the KV cache's pages it touches are in the peak."""
+    warm = client.completions.create(model=srv.model, prompt=prefix + LONG_PROMPT, max_tokens=1)
+    assert warm.usage.prompt_tokens >= 1000
+    return warm
+
+
+@pytest.fixture()
+def snug_server():
+    # A KV cache just larger than the long prompt: the warm-up touches nearly all of
+    # it, so the cache's own pages do not count as growth.
+    yield from server_with_kv_blocks(100)
 
 
 def test_prompt_logprobs_keep_only_the_top_k_per_position(snug_server):
     srv = snug_server
     client = srv.client()
-    # About 1,100 tokens: a prompt x vocabulary (49,152) table in f32 is 220 MB, and
-    # the step's logits rows for the whole prompt as much again.
-    words = " ".join(f"word{i}" for i in range(300))
-    # Warm up on the same paths: a long prompt (the KV cache's pages), then a short one
-    # with prompt logprobs (a step's worth of logits rows).
-    warm = client.completions.create(model=srv.model, prompt="x " + words, max_tokens=1)
-    assert warm.usage.prompt_tokens >= 1000
-    short = " ".join(f"word{i}" for i in range(40))
+    # The long prompt: a prompt x vocabulary (49,152) table in f32 is 220 MB, and the
+    # step's logits rows for the whole prompt as much again. Warm up on the same paths:
+    # the long prompt (the KV cache's pages), then the short one with prompt logprobs
+    # (a step's worth of logits rows).
+    warm_up_long_prompt(client, srv, prefix="x ")
     client.completions.create(
-        model=srv.model, prompt=short, max_tokens=1, extra_body={"prompt_logprobs": 2}
+        model=srv.model, prompt=SHORT_PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}
     )
     srv.wait_idle()
     before = peak_rss(srv)
     r = client.completions.create(
         model=srv.model,
-        prompt=words,
+        prompt=LONG_PROMPT,
         max_tokens=1,
         temperature=0,
         extra_body={"prompt_logprobs": 2},
@@ -90,4 +103,33 @@ def test_prompt_logprobs_keep_only_the_top_k_per_position(snug_server):
     assert all(1 <= len(e) <= 3 for e in entries[1:])
     growth = peak_rss(srv) - before
     assert growth < 48 * MIB, f"the server's peak memory grew {growth / MIB:.0f} MiB"
+    srv.wait_idle()
+
+
+@pytest.fixture()
+def roomy_server():
+    # Room for the long prompt shared by 256 samples: its full blocks once, plus each
+    # sample's own last block.
+    yield from server_with_kv_blocks(400)
+
+
+def test_many_samples_of_a_long_prompt_stay_bounded(roomy_server):
+    # The engine's samples hold one copy of the prompt ids (engine_tiny.rs asserts the
+    # sharing exactly). End to end: 256 samples of the long prompt take no more memory
+    # at their peak than 256 samples of the short one, beyond a little noise; what
+    # each sample holds does not grow with the prompt.
+    srv = roomy_server
+    client = srv.client()
+    # Warm up: the long prompt once, then the short one with 256 samples, twice as the
+    # allocator settles (a batch of 256, its logits rows, each sample's own blocks).
+    warm = warm_up_long_prompt(client, srv)
+    n256 = dict(model=srv.model, max_tokens=2, n=256, seed=1)
+    for _ in range(2):
+        client.completions.create(prompt=SHORT_PROMPT, **n256)
+    srv.wait_idle()
+    before = peak_rss(srv)
+    r = client.completions.create(prompt=LONG_PROMPT, **n256)
+    assert len(r.choices) == 256 and r.usage.prompt_tokens == warm.usage.prompt_tokens
+    growth = peak_rss(srv) - before
+    assert growth < 32 * MIB, f"the server's peak memory grew {growth / MIB:.0f} MiB"
     srv.wait_idle()

@@ -125,7 +125,7 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
 fn completion_json(engine: &Engine, c: &Completion) -> serde_json::Value {
     let decode_secs = (c.total_time - c.time_to_first_token).as_secs_f64();
     json!({
-        "prompt_token_ids": c.prompt_token_ids,
+        "prompt_token_ids": &c.prompt_token_ids[..],
         "token_ids": c.token_ids,
         "text": c.text,
         "finish_reason": c.finish_reason.as_str(),

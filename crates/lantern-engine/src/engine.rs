@@ -49,7 +49,8 @@ pub struct RequestOutput {
 #[derive(Debug, Clone)]
 pub struct Completion {
     pub id: RequestId,
-    pub prompt_token_ids: Vec<u32>,
+    /// Shared with the request's other samples.
+    pub prompt_token_ids: Arc<[u32]>,
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
@@ -258,24 +259,30 @@ impl Engine {
     }
 
     /// Queues a request; it runs from the next step on.
-    pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
+    pub fn add_request(
+        &mut self,
+        prompt: impl Into<Arc<[u32]>>,
+        params: SamplingParams,
+    ) -> Result<RequestId> {
         self.add_request_with_capture(prompt, params, None)
     }
 
     /// Queues a request whose prompt equals `leader`'s (one of `n` samples of a
     /// prompt): it is admitted once the leader's prompt is computed and takes the
     /// prompt's full blocks from the prefix cache, sharing them by reference count.
-    /// Without prefix caching it runs like any request.
+    /// Without prefix caching it runs like any request. Pass the leader's own `Arc`, so
+    /// that the samples hold one copy of the prompt.
     pub fn add_sibling_request(
         &mut self,
         leader: RequestId,
-        prompt: Vec<u32>,
+        prompt: impl Into<Arc<[u32]>>,
         params: SamplingParams,
     ) -> Result<RequestId> {
+        let prompt = prompt.into();
         let same_prompt = self
             .requests
             .get(&leader)
-            .is_some_and(|l| l.prompt() == prompt.as_slice());
+            .is_some_and(|l| l.prompt() == &*prompt);
         let id = self.add_request(prompt, params)?;
         if same_prompt {
             if let Some(req) = self.requests.get_mut(&id) {
@@ -303,10 +310,11 @@ impl Engine {
     /// itself, so each query row pairs only with its own keys.
     pub fn add_request_with_capture(
         &mut self,
-        prompt: Vec<u32>,
+        prompt: impl Into<Arc<[u32]>>,
         params: SamplingParams,
         capture: Option<CaptureSpec>,
     ) -> Result<RequestId> {
+        let prompt: Arc<[u32]> = prompt.into();
         self.faults
             .admission
             .panic_if_hit("while admitting a request");
@@ -453,10 +461,10 @@ impl Engine {
         };
         let info = &self.info;
         let tokenizer = &self.tokenizer;
-        let total = req.token_ids.len();
+        let total = req.num_tokens();
         let num_computed = req.num_computed_tokens;
         let spec = buffer.spec();
-        let rows = buffer.rows_present(req.prompt_len, total, num_computed);
+        let rows = buffer.rows_present(req.prompt_len(), total, num_computed);
         let mut layers = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
         for &l in &spec.layers {
@@ -483,8 +491,9 @@ impl Engine {
             }
         }
         let tokens = req
-            .token_ids
+            .prompt()
             .iter()
+            .chain(req.output_ids())
             .map(|&t| TokenInfo {
                 id: t,
                 text: tokenizer.decode(&[t], false).unwrap_or_default(),
@@ -495,7 +504,7 @@ impl Engine {
             None => Ok(PendingCapture {
                 buffer: *buffer,
                 layers,
-                prompt_len: req.prompt_len,
+                prompt_len: req.prompt_len(),
                 tokens,
                 num_computed,
             }),
@@ -547,7 +556,7 @@ impl Engine {
                 .ok_or(EngineError::LostRequest(s.id))?;
             req.num_computed_tokens += s.num_tokens;
             self.kv
-                .cache_blocks(s.id, &req.token_ids[..req.num_computed_tokens], &[])?;
+                .cache_blocks(s.id, req.token_seq().prefix(req.num_computed_tokens), &[])?;
             // Sliding-window blocks no later query can see go back to the pool; a
             // capturing request keeps them, since its early rows read them at the end.
             if req.capture.is_none() {
@@ -560,7 +569,7 @@ impl Engine {
                 .requests
                 .get_mut(&rows.id)
                 .ok_or(EngineError::LostRequest(rows.id))?;
-            let wanted = req.prompt_len * logits.vocab;
+            let wanted = req.prompt_len() * logits.vocab;
             let sample_row = rows.first_row + rows.num_prompt_rows;
             if req.params.prompt_logits && req.prompt_logits.len() < wanted {
                 req.prompt_logits
@@ -579,7 +588,7 @@ impl Engine {
                         break;
                     }
                     let next = req.prompt_logprobs.len() + 1;
-                    let token = req.token_ids.get(next).copied().unwrap_or(u32::MAX);
+                    let token = req.token(next).unwrap_or(u32::MAX);
                     let row = logits.rows(rows.first_row + r, 1)?;
                     let entry = prompt_token_logprob(row, token, k).ok_or(
                         EngineError::InvalidRequest(RequestError::TokenOutsideVocabulary {
@@ -613,7 +622,7 @@ impl Engine {
                 .requests
                 .get_mut(&s.id)
                 .ok_or(EngineError::LostRequest(s.id))?;
-            let samples = req.num_computed_tokens + s.num_tokens == req.token_ids.len();
+            let samples = req.num_computed_tokens + s.num_tokens == req.num_tokens();
             if samples {
                 if let Some(constraint) = req.constraint.take() {
                     constrained.push((s.id, constraint));
@@ -714,8 +723,7 @@ impl Engine {
         let penalized;
         let logits = if req.params.has_penalties() || below_min_tokens {
             let mut row = logits.to_vec();
-            let (prompt, output) = req.token_ids.split_at(req.prompt_len);
-            apply_penalties(&mut row, &req.params, prompt, output);
+            apply_penalties(&mut row, &req.params, req.prompt(), req.output_ids());
             if below_min_tokens {
                 if !req.params.ignore_eos {
                     suppress_stop_tokens(&mut row, self.tokenizer.stop_ids());
@@ -757,7 +765,7 @@ impl Engine {
             .params
             .logprobs
             .map(|k| token_logprobs(logits, token, k));
-        req.token_ids.push(token);
+        req.push_output(token);
         let now = Instant::now();
         req.times.first_token.get_or_insert(now);
         let tokenizer = &self.tokenizer;
@@ -772,15 +780,13 @@ impl Engine {
         } else if is_stop || grammar_done {
             Some(FinishReason::Stop)
         } else if req.num_output_tokens() >= req.params.max_tokens
-            || req.token_ids.len() >= context_length
+            || req.num_tokens() >= context_length
         {
             Some(FinishReason::Length)
         } else {
             None
         };
-        let new_text = req
-            .decoder
-            .step(tokenizer, &req.token_ids[req.prompt_len..])?;
+        let new_text = req.decoder.step(tokenizer, &req.output)?;
         req.text.push_str(&new_text);
         if let Some(reason) = finished {
             req.times.finished = Some(now);
@@ -811,7 +817,7 @@ impl Engine {
         let first_token = times.first_token.unwrap_or(end);
         Some(Completion {
             id,
-            prompt_token_ids: req.prompt().to_vec(),
+            prompt_token_ids: req.shared_prompt().clone(),
             token_ids: req.output_ids().to_vec(),
             text: req.text,
             finish_reason,

@@ -3,8 +3,9 @@
 use crate::sampling::{PromptTokenLogprob, Sampler, SamplingParams};
 use lantern_capture::{CaptureFailure, PendingCapture, QueryRowBuffer};
 use lantern_guided::{Constraint, TokenMask};
-use lantern_kv::RequestId;
+use lantern_kv::{RequestId, TokenSeq};
 use lantern_model::IncrementalDecoder;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Prompt positions computed per step for a request that wants a logits row for each
@@ -54,9 +55,11 @@ pub struct RequestTimes {
 /// One generation request inside the engine.
 pub struct Request {
     pub id: RequestId,
-    pub prompt_len: usize,
-    /// Prompt followed by the generated tokens.
-    pub token_ids: Vec<u32>,
+    /// Shared with the other samples of its request (`n > 1`): one copy, however many.
+    prompt: Arc<[u32]>,
+    /// The tokens generated so far (crate-visible so that the decoder can borrow it
+    /// beside the request's other fields; append with [`Self::push_output`]).
+    pub(crate) output: Vec<u32>,
     /// Tokens whose K/V are in the cache.
     pub num_computed_tokens: usize,
     pub params: SamplingParams,
@@ -90,11 +93,11 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
+    pub fn new(id: RequestId, prompt: Arc<[u32]>, params: SamplingParams) -> Self {
         Self {
             id,
-            prompt_len: prompt.len(),
-            token_ids: prompt,
+            prompt,
+            output: Vec::new(),
             num_computed_tokens: 0,
             sampler: Sampler::new(params.seed),
             params,
@@ -121,22 +124,52 @@ impl Request {
     }
 
     pub fn prompt(&self) -> &[u32] {
-        &self.token_ids[..self.prompt_len]
+        &self.prompt
+    }
+
+    /// The prompt, as shared with the request's other samples.
+    pub fn shared_prompt(&self) -> &Arc<[u32]> {
+        &self.prompt
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt.len()
     }
 
     pub fn output_ids(&self) -> &[u32] {
-        &self.token_ids[self.prompt_len..]
+        &self.output
     }
 
     pub fn num_output_tokens(&self) -> usize {
-        self.token_ids.len().saturating_sub(self.prompt_len)
+        self.output.len()
+    }
+
+    /// Prompt and output tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    /// The prompt followed by the output, as one sequence.
+    pub fn token_seq(&self) -> TokenSeq<'_> {
+        TokenSeq::new(&self.prompt, &self.output)
+    }
+
+    /// The token at `position` of prompt-then-output.
+    pub fn token(&self, position: usize) -> Option<u32> {
+        match position.checked_sub(self.prompt.len()) {
+            None => self.prompt.get(position).copied(),
+            Some(i) => self.output.get(i).copied(),
+        }
+    }
+
+    /// Appends a sampled token.
+    pub fn push_output(&mut self, token: u32) {
+        self.output.push(token);
     }
 
     /// Tokens still to compute before the next token can be sampled.
     pub fn num_pending_tokens(&self) -> usize {
-        self.token_ids
-            .len()
-            .saturating_sub(self.num_computed_tokens)
+        self.num_tokens().saturating_sub(self.num_computed_tokens)
     }
 
     /// The most tokens the next step may compute for this request: all pending ones,
@@ -145,7 +178,7 @@ impl Request {
     /// stay that many rows × vocabulary, however long the prompt.
     pub fn num_tokens_next_step(&self) -> usize {
         let pending = self.num_pending_tokens();
-        if self.wants_prompt_rows() && self.num_computed_tokens < self.prompt_len {
+        if self.wants_prompt_rows() && self.num_computed_tokens < self.prompt_len() {
             pending.min(MAX_PROMPT_ROWS_PER_STEP)
         } else {
             pending
@@ -165,7 +198,7 @@ impl Request {
 
     /// Whether every prompt token after the first has its prompt logprob.
     pub fn prompt_logprobs_complete(&self) -> bool {
-        self.prompt_logprobs.len() + 1 >= self.prompt_len
+        self.prompt_logprobs.len() + 1 >= self.prompt_len()
     }
 
     pub fn is_finished(&self) -> bool {

@@ -137,15 +137,15 @@ impl ModelRunner {
             let start = req.num_computed_tokens;
             let first_token_row = token_ids.len();
             let tokens = req
-                .token_ids
-                .get(start..start + s.num_tokens)
+                .token_seq()
+                .range(start..start + s.num_tokens)
                 .ok_or(EngineError::PlanPastTokens(s.id))?;
-            token_ids.extend_from_slice(tokens);
+            token_ids.extend_from_slice(&tokens);
             positions.extend(start..start + s.num_tokens);
-            let samples = start + s.num_tokens == req.token_ids.len();
+            let samples = start + s.num_tokens == req.num_tokens();
             // Prompt logits: every prompt position computed in this step, except the last
             // one when it is also the sampling row (it is counted once, as that).
-            let prompt_end = (start + s.num_tokens).min(req.prompt_len);
+            let prompt_end = (start + s.num_tokens).min(req.prompt_len());
             let num_prompt_rows = if req.wants_prompt_rows() && prompt_end > start {
                 prompt_end - start - usize::from(samples && prompt_end == start + s.num_tokens)
             } else {

@@ -126,7 +126,7 @@ impl Scheduler {
             // request (a capture's query rows exist only for what it computes itself):
             // no prefix-cache lookup for them.
             if req.num_computed_tokens == 0 && !req.computes_every_position() {
-                let cached = kv.get_computed_blocks(id, &req.token_ids, &[]);
+                let cached = kv.get_computed_blocks(id, req.token_seq(), &[]);
                 req.num_computed_tokens = cached;
                 if req.status == RequestStatus::Waiting {
                     req.num_cached_prompt_tokens = cached;
@@ -201,7 +201,7 @@ fn waits_for_leader(
     let waiting = kv.prefix_caching_enabled()
         && requests.get(&leader).is_some_and(|l| {
             matches!(l.status, RequestStatus::Running | RequestStatus::Waiting)
-                && l.num_computed_tokens < l.prompt_len
+                && l.num_computed_tokens < l.prompt_len()
         });
     if !waiting {
         if let Some(r) = requests.get_mut(&id) {

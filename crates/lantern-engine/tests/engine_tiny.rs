@@ -6,6 +6,7 @@ use lantern_engine::lantern_capture::CaptureSpec;
 use lantern_engine::{Engine, EngineConfig, FinishReason, SamplingParams};
 use lantern_model::synthetic::TinyLlama;
 use lantern_model::{load_model, LoadOptions};
+use std::sync::Arc;
 
 fn tiny_engine(config: EngineConfig) -> (Engine, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -541,6 +542,41 @@ fn siblings_share_the_prompt_blocks() {
         engine.kv_cache().num_free_blocks(),
         engine.kv_cache().num_blocks()
     );
+}
+
+/// The samples of one request hold one copy of its prompt ids, however many they are:
+/// the engine keeps the caller's `Arc`, and completions hand the same one back.
+#[test]
+fn samples_share_one_copy_of_the_prompt_ids() {
+    let prompt: Arc<[u32]> = (0..40).map(|j| (j * 3 % 250) as u32).collect();
+    let n = 256;
+    let (mut engine, _dir) = tiny_engine(config(blocks(2048)));
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(2)
+    };
+    let leader = engine.add_request(prompt.clone(), params.clone()).unwrap();
+    let mut ids = vec![leader];
+    for _ in 1..n {
+        let id = engine
+            .add_sibling_request(leader, prompt.clone(), params.clone())
+            .unwrap();
+        ids.push(id);
+    }
+    // Ours plus one per sample: no sample copied the ids.
+    assert_eq!(Arc::strong_count(&prompt), 1 + n);
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+    }
+    let completions: Vec<_> = ids
+        .into_iter()
+        .map(|id| engine.take_completion(id).unwrap())
+        .collect();
+    assert!(completions
+        .iter()
+        .all(|c| Arc::ptr_eq(&c.prompt_token_ids, &prompt) && c.token_ids.len() == 2));
+    drop(completions);
+    assert_eq!(Arc::strong_count(&prompt), 1, "a sample kept the prompt");
 }
 
 #[test]

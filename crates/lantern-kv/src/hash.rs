@@ -27,6 +27,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::error::KvError;
+use crate::tokens::TokenSeq;
 
 /// The 16-byte content hash of one full block, chained over its prefix.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,20 +99,23 @@ pub fn hash_request_blocks(
 
 /// Appends the keys of the full blocks of `token_ids` that `hashes` does not cover yet,
 /// chaining from its last key, so a growing sequence is hashed once per block.
-pub fn extend_block_hashes(
+pub fn extend_block_hashes<'a>(
     hashes: &mut Vec<BlockHash>,
-    token_ids: &[u32],
+    token_ids: impl Into<TokenSeq<'a>>,
     block_size: usize,
     extra_keys: &[u8],
 ) {
     if block_size == 0 {
         return;
     }
+    let token_ids = token_ids.into();
     let full = token_ids.len() / block_size;
     for i in hashes.len()..full {
         let parent = hashes.last().copied();
-        let block = &token_ids[i * block_size..(i + 1) * block_size];
-        hashes.push(hash_block(parent.as_ref(), block, extra_keys));
+        let Some(block) = token_ids.range(i * block_size..(i + 1) * block_size) else {
+            break;
+        };
+        hashes.push(hash_block(parent.as_ref(), &block, extra_keys));
     }
 }
 

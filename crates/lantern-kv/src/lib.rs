@@ -11,6 +11,7 @@
 //! - [`manager`] — per-request block tables per group, prefix hits, forks.
 //! - [`policy`] — per-group rule for blocks a window or chunk can no longer reach.
 //! - [`slot`] — pure slot arithmetic (`slot = block * block_size + offset`).
+//! - [`tokens`] — a request's shared prompt and own output, read as one sequence.
 //! - [`error`] — [`KvError`].
 //!
 //! One request's life, as the scheduler and model runner drive it:
@@ -42,6 +43,7 @@ pub mod manager;
 pub mod policy;
 pub mod slot;
 pub mod spec;
+pub mod tokens;
 
 pub use block_pool::{BlockPool, CacheKey, KvCacheEvent, PrefixCacheStats};
 pub use config::{KvCacheConfig, KvCacheGroup, KvCacheTensor};
@@ -51,6 +53,7 @@ pub use manager::{ForkOutcome, KvCacheManager, RequestId};
 pub use policy::BlockRetention;
 pub use slot::{compute_slot_mapping, extend_slot_mapping, slot_for_position};
 pub use spec::{AttentionKind, KvCacheSpec};
+pub use tokens::TokenSeq;
 
 /// Index of one block (page) of the KV cache.
 pub type BlockId = u32;

@@ -26,6 +26,7 @@ use crate::error::KvError;
 use crate::hash::{extend_block_hashes, BlockHash};
 use crate::policy::BlockRetention;
 use crate::spec::KvCacheSpec;
+use crate::tokens::TokenSeq;
 use crate::{BlockId, NULL_BLOCK};
 
 /// The engine's request id.
@@ -228,12 +229,13 @@ impl KvCacheManager {
     ///
     /// The request now holds blocks even if the following [`Self::allocate_slots`]
     /// fails; call [`Self::free`] if it will not run now (its blocks stay cached).
-    pub fn get_computed_blocks(
+    pub fn get_computed_blocks<'a>(
         &mut self,
         req: RequestId,
-        token_ids: &[u32],
+        token_ids: impl Into<TokenSeq<'a>>,
         extra_keys: &[u8],
     ) -> usize {
+        let token_ids = token_ids.into();
         if !self.prefix_caching {
             return 0;
         }
@@ -310,12 +312,13 @@ impl KvCacheManager {
     /// now in the cache) fills completely, under their chained keys, so later requests
     /// can reuse them. Each block is hashed and registered once; call after every step.
     /// A no-op when prefix caching is off; an unknown request is an error.
-    pub fn cache_blocks(
+    pub fn cache_blocks<'a>(
         &mut self,
         req: RequestId,
-        token_ids_so_far: &[u32],
+        token_ids_so_far: impl Into<TokenSeq<'a>>,
         extra_keys: &[u8],
     ) -> Result<(), KvError> {
+        let token_ids_so_far = token_ids_so_far.into();
         if !self.prefix_caching {
             return Ok(());
         }

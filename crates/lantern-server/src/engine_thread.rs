@@ -859,24 +859,23 @@ impl EngineLoop {
             let min_tokens = item.params.min_tokens;
             let stop_token_ids = item.params.stop_token_ids.clone();
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
-            let engine_prompt = prompt_ids.to_vec();
             let capture = item.capture.map(|c| c.spec);
             let constraint = item.constraint;
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
-            // the others follow it through the prefix cache.
+            // the others follow it through the prefix cache. They also share the
+            // leader's copy of the prompt ids.
             let sibling_of = leader
                 .as_ref()
                 .filter(|(_, p)| Arc::ptr_eq(p, &prompt_ids) || **p == *prompt_ids)
-                .map(|&(id, _)| id);
+                .map(|(id, p)| (*id, p.clone()));
             let new_leader_prompt = sibling_of.is_none().then(|| prompt_ids.clone());
             let added = match (sibling_of, capture) {
-                (Some(leader), None) => {
-                    self.engine
-                        .add_sibling_request(leader, engine_prompt, item.params)
+                (Some((leader, prompt)), None) => {
+                    self.engine.add_sibling_request(leader, prompt, item.params)
                 }
                 (_, capture) => {
                     self.engine
-                        .add_request_with_capture(engine_prompt, item.params, capture)
+                        .add_request_with_capture(prompt_ids, item.params, capture)
                 }
             };
             match added {

@@ -16,6 +16,7 @@ pub mod capture;
 pub mod connections;
 pub mod engine_thread;
 pub mod error;
+pub mod invalid_request;
 pub mod loading;
 pub mod metrics;
 mod openai;

@@ -8,6 +8,7 @@
 
 use crate::engine_thread::{GenerationItem, PromptInput};
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use crate::structured::{parse_guide, FieldGuide};
 use lantern_engine::SamplingParams;
 use lantern_model::{ChatMessage, ChatRenderOptions};
@@ -95,12 +96,11 @@ fn ignored_fields(body: &Value, own: &[&str]) -> Vec<String> {
 }
 
 /// Parses a body as a JSON object.
-pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
+pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+        .map_err(|e| InvalidRequest::Body(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
-        return Err(ApiError::invalid(
-            None,
+        return Err(InvalidRequest::Body(
             "the body must be a JSON object".to_string(),
         ));
     }
@@ -108,15 +108,21 @@ pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
 }
 
 /// Deserializes `value` into `T`; a type error names the field's path.
-fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, InvalidRequest> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path.is_empty() || path == "." {
-            ApiError::invalid(None, inner.to_string())
+            InvalidRequest::WrongType {
+                field: None,
+                message: inner.to_string(),
+            }
         } else {
             let field = path.split(['.', '[']).next().unwrap_or("").to_string();
-            ApiError::invalid(Some(field), format!("{path}: {inner}"))
+            InvalidRequest::WrongType {
+                field: Some(field),
+                message: format!("{path}: {inner}"),
+            }
         }
     })
 }
@@ -220,15 +226,15 @@ struct Common {
     prompt_logprobs: Option<usize>,
 }
 
-fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), ApiError> {
+fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
     match model {
-        Some(m) if m != limits.served_name => Err(ApiError::model_not_found(m)),
+        Some(m) if m != limits.served_name => Err(InvalidRequest::UnknownModel(m.clone())),
         _ => Ok(()),
     }
 }
 
-fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, ApiError> {
-    let wrong = || ApiError::field("stop", "stop must be a string or a list of strings");
+fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, InvalidRequest> {
+    let wrong = || InvalidRequest::invalid("stop", "stop must be a string or a list of strings");
     match value {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.clone()]),
@@ -240,70 +246,65 @@ fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Common, ApiError> {
+fn common(
+    fields: &CommonFields,
+    default_max_tokens: Option<usize>,
+) -> Result<Common, InvalidRequest> {
     let (max_field, max_value) = match (fields.max_completion_tokens, fields.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
     };
     let max_tokens = match max_value {
         // 0 (the prompt only) is allowed with a capture; see `openai::generate`.
-        Some(m) if m < 0 => {
-            return Err(ApiError::field(
-                max_field,
-                format!("{max_field} must be at least 1, got {m}"),
-            ))
-        }
+        Some(m) if m < 0 => return Err(InvalidRequest::out_of_range(max_field, "at least 1", m)),
         Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => default_max_tokens,
     };
     let temperature = fields.temperature.unwrap_or(1.0);
     // Checked as the f32 the sampler uses: 1e300 is finite in f64 but not in f32.
     if !(temperature as f32).is_finite() || temperature < 0.0 {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::out_of_range(
             "temperature",
-            format!("temperature must be >= 0, got {temperature}"),
+            ">= 0",
+            temperature,
         ));
     }
     let top_p = fields.top_p.unwrap_or(1.0);
     if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::field(
-            "top_p",
-            format!("top_p must be in (0, 1], got {top_p}"),
-        ));
+        return Err(InvalidRequest::out_of_range("top_p", "in (0, 1]", top_p));
     }
     let top_k = match fields.top_k {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
         Some(k) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::out_of_range(
                 "top_k",
-                format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}"),
+                "-1 or 0 (disabled) or at least 1",
+                k,
             ))
         }
     };
     let min_p = fields.min_p.unwrap_or(0.0);
     if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::field(
-            "min_p",
-            format!("min_p must be in [0, 1], got {min_p}"),
-        ));
+        return Err(InvalidRequest::out_of_range("min_p", "in [0, 1]", min_p));
     }
     let n = fields.n.unwrap_or(1);
     if n < 1 {
-        return Err(ApiError::field(
-            "n",
-            format!("n must be at least 1, got {n}"),
-        ));
+        return Err(InvalidRequest::out_of_range("n", "at least 1", n));
     }
     if n as usize > MAX_SEQUENCES_PER_REQUEST {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::out_of_range(
             "n",
-            format!("n must be at most {MAX_SEQUENCES_PER_REQUEST}, got {n}"),
+            format!("at most {MAX_SEQUENCES_PER_REQUEST}"),
+            n,
         ));
     }
     if let Some(best_of) = fields.best_of {
         if best_of != n {
-            return Err(ApiError::unsupported("best_of", "best_of other than n"));
+            return Err(InvalidRequest::unsupported(
+                "best_of",
+                "best_of other than n",
+            ));
         }
     }
     for (name, value) in [
@@ -312,34 +313,25 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
     ] {
         if let Some(v) = value {
             if !(-2.0..=2.0).contains(&v) {
-                return Err(ApiError::field(
-                    name,
-                    format!("{name} must be in [-2, 2], got {v}"),
-                ));
+                return Err(InvalidRequest::out_of_range(name, "in [-2, 2]", v));
             }
         }
     }
     if let Some(v) = fields.repetition_penalty {
         if !((v as f32).is_finite() && v > 0.0) {
-            return Err(ApiError::field(
-                "repetition_penalty",
-                format!("repetition_penalty must be > 0, got {v}"),
-            ));
+            return Err(InvalidRequest::out_of_range("repetition_penalty", "> 0", v));
         }
     }
     let logit_bias = parse_logit_bias(fields.logit_bias.as_ref())?;
     let min_tokens = match fields.min_tokens {
         None => 0,
         Some(m) if m < 0 => {
-            return Err(ApiError::field(
-                "min_tokens",
-                format!("min_tokens must be at least 0, got {m}"),
-            ))
+            return Err(InvalidRequest::out_of_range("min_tokens", "at least 0", m))
         }
         Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
     };
     if let Some(max) = max_tokens.filter(|&max| min_tokens > max) {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::conflict(
             "min_tokens",
             format!("min_tokens ({min_tokens}) must be at most {max_field} ({max})"),
         ));
@@ -348,20 +340,21 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
     let prompt_logprobs = match fields.prompt_logprobs {
         None => None,
         Some(-1) => {
-            return Err(ApiError::unsupported(
+            return Err(InvalidRequest::unsupported(
                 "prompt_logprobs",
                 "prompt_logprobs of -1 (the whole vocabulary)",
             ))
         }
         Some(k) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&k) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::out_of_range(
                 "prompt_logprobs",
-                format!("prompt_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {k}"),
+                format!("in [0, {MAX_CHAT_TOP_LOGPROBS}]"),
+                k,
             ))
         }
         // As vLLM: refused with `stream` when it would return anything.
         Some(k) if stream && k > 0 => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::conflict(
                 "prompt_logprobs",
                 "prompt_logprobs are not available when streaming (stream is true)",
             ))
@@ -405,12 +398,12 @@ fn common(fields: &CommonFields, default_max_tokens: Option<usize>) -> Result<Co
 /// are checked against the vocabulary when the prompt is (see `Prompter`).
 fn parse_logit_bias(
     value: Option<&serde_json::Map<String, Value>>,
-) -> Result<Vec<(u32, f32)>, ApiError> {
+) -> Result<Vec<(u32, f32)>, InvalidRequest> {
     let Some(map) = value else {
         return Ok(Vec::new());
     };
     if map.len() > MAX_LOGIT_BIAS_ENTRIES {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::invalid(
             "logit_bias",
             format!(
                 "logit_bias has {} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
@@ -421,7 +414,7 @@ fn parse_logit_bias(
     map.iter()
         .map(|(key, bias)| {
             let token: u32 = key.trim().parse().map_err(|_| {
-                ApiError::field(
+                InvalidRequest::invalid(
                     "logit_bias",
                     format!("logit_bias keys must be token ids, got {key:?}"),
                 )
@@ -430,7 +423,7 @@ fn parse_logit_bias(
                 .as_f64()
                 .filter(|b| (-100.0..=100.0).contains(b))
                 .ok_or_else(|| {
-                    ApiError::field(
+                    InvalidRequest::invalid(
                         "logit_bias",
                         format!("logit_bias[{key}] must be a number in [-100, 100], got {bias}"),
                     )
@@ -442,13 +435,13 @@ fn parse_logit_bias(
 
 /// Chat's rendering options: vLLM's `add_generation_prompt` (default true),
 /// `continue_final_message` and `chat_template_kwargs`.
-fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, ApiError> {
+fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, InvalidRequest> {
     let continue_final_message = chat.continue_final_message.unwrap_or(false);
     let add_generation_prompt = chat
         .add_generation_prompt
         .unwrap_or(!continue_final_message);
     if continue_final_message && add_generation_prompt {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::conflict(
             "continue_final_message",
             "continue_final_message and add_generation_prompt cannot both be true",
         ));
@@ -458,7 +451,7 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, ApiError>
         Some(Value::Object(map)) => {
             let size = serde_json::to_vec(map).map_or(usize::MAX, |b| b.len());
             if size > MAX_CHAT_TEMPLATE_KWARGS_BYTES {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::invalid(
                     "chat_template_kwargs",
                     format!(
                         "chat_template_kwargs has {size} bytes of JSON; at most {MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
@@ -468,7 +461,7 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, ApiError>
             map.clone()
         }
         Some(_) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 "chat_template_kwargs",
                 "chat_template_kwargs must be an object of template variables",
             ))
@@ -490,10 +483,10 @@ fn expand(
     prompt_field: &'static str,
     echo: bool,
     prompt_logprobs: Option<usize>,
-) -> Result<Vec<GenerationItem>, ApiError> {
+) -> Result<Vec<GenerationItem>, InvalidRequest> {
     let total = prompts.len().saturating_mul(common.n);
     if total > MAX_SEQUENCES_PER_REQUEST {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::invalid(
             prompt_field,
             format!(
                 "{} prompts × n = {} sequences; at most {MAX_SEQUENCES_PER_REQUEST} per request",
@@ -536,16 +529,19 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
     let logprobs = chat.logprobs.unwrap_or(false);
     let top_logprobs = match chat.top_logprobs {
         Some(n) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::out_of_range(
                 "top_logprobs",
-                format!("top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {n}"),
-            ))
+                format!("in [0, {MAX_CHAT_TOP_LOGPROBS}]"),
+                n,
+            )
+            .into())
         }
         Some(n) if n > 0 && !logprobs => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::conflict(
                 "top_logprobs",
                 "top_logprobs needs logprobs set to true",
-            ))
+            )
+            .into())
         }
         Some(n) => n as usize,
         None => 0,
@@ -555,13 +551,14 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
     if let Some(tools) = &tools {
         if let Some(tool_guide) = tools.guide() {
             if let Some(other) = &guide {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::conflict(
                     "tool_choice",
                     format!(
                         "a required or named tool_choice cannot be combined with {}",
                         other.field
                     ),
-                ));
+                )
+                .into());
             }
             guide = Some(FieldGuide {
                 guide: tool_guide,
@@ -603,21 +600,19 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
     })
 }
 
-fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, InvalidRequest> {
     let items = match value {
-        None | Some(Value::Null) => {
-            return Err(ApiError::field("messages", "messages is required"))
-        }
+        None | Some(Value::Null) => return Err(InvalidRequest::Missing("messages")),
         Some(Value::Array(items)) => items,
         Some(_) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 "messages",
                 "messages must be a list of messages",
             ))
         }
     };
     if items.is_empty() {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::invalid(
             "messages",
             "messages must contain at least one message",
         ));
@@ -629,8 +624,8 @@ fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, ApiError> {
         .collect()
 }
 
-fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
-    let at = |what: &str| ApiError::field("messages", format!("messages[{i}]: {what}"));
+fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
+    let at = |what: &str| InvalidRequest::invalid("messages", format!("messages[{i}]: {what}"));
     let obj = m
         .as_object()
         .ok_or_else(|| at("a message must be an object with `role` and `content`"))?;
@@ -670,9 +665,9 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
                         )))
                     }
                     (Some(other), _) => {
-                        return Err(ApiError::unsupported(
+                        return Err(InvalidRequest::unsupported(
                             "messages",
-                            &format!(
+                            format!(
                                 "messages[{i}].content[{j}]: content of type `{other}` (text only)"
                             ),
                         ))
@@ -702,16 +697,18 @@ pub fn completion_request(
     let prompts = parse_prompts(&completion.prompt)?;
     let logprobs = match completion.logprobs {
         Some(n) if !(0..=MAX_COMPLETION_LOGPROBS).contains(&n) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::out_of_range(
                 "logprobs",
-                format!("logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {n}"),
-            ))
+                format!("in [0, {MAX_COMPLETION_LOGPROBS}]"),
+                n,
+            )
+            .into())
         }
         Some(n) => Some(n as usize),
         None => None,
     };
     if completion.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::unsupported("suffix", "suffix"));
+        return Err(InvalidRequest::unsupported("suffix", "suffix").into());
     }
     let echo = completion.echo.unwrap_or(false);
     let guide = parse_guide(body)?;
@@ -769,10 +766,11 @@ pub fn tokenize_request(
                 add_special_tokens,
             ))
         }
-        _ => Err(ApiError::field(
+        _ => Err(InvalidRequest::invalid(
             "prompt",
             "give either `prompt` (a string) or `messages`",
-        )),
+        )
+        .into()),
     }
 }
 
@@ -783,17 +781,15 @@ struct DetokenizeFields {
 }
 
 /// Validates a `POST /detokenize` body (vLLM's).
-pub fn detokenize_request(body: &Value, limits: &ModelLimits) -> Result<Vec<u32>, ApiError> {
+pub fn detokenize_request(body: &Value, limits: &ModelLimits) -> Result<Vec<u32>, InvalidRequest> {
     let fields: DetokenizeFields = typed(body)?;
     check_model(&fields.model, limits)?;
-    fields
-        .tokens
-        .ok_or_else(|| ApiError::field("tokens", "tokens is required"))
+    fields.tokens.ok_or(InvalidRequest::Missing("tokens"))
 }
 
-fn parse_prompts(value: &Option<Value>) -> Result<Vec<PromptInput>, ApiError> {
+fn parse_prompts(value: &Option<Value>) -> Result<Vec<PromptInput>, InvalidRequest> {
     let wrong = || {
-        ApiError::field(
+        InvalidRequest::invalid(
             "prompt",
             "prompt must be a string, a list of token ids, a list of strings or a list of lists of token ids",
         )
@@ -805,11 +801,12 @@ fn parse_prompts(value: &Option<Value>) -> Result<Vec<PromptInput>, ApiError> {
             .collect()
     };
     match value {
-        None | Some(Value::Null) => Err(ApiError::field("prompt", "prompt is required")),
+        None | Some(Value::Null) => Err(InvalidRequest::Missing("prompt")),
         Some(Value::String(s)) => Ok(vec![PromptInput::Text(s.clone())]),
-        Some(Value::Array(items)) if items.is_empty() => {
-            Err(ApiError::field("prompt", "prompt must not be empty"))
-        }
+        Some(Value::Array(items)) if items.is_empty() => Err(InvalidRequest::invalid(
+            "prompt",
+            "prompt must not be empty",
+        )),
         Some(Value::Array(items)) => match &items[0] {
             Value::Number(_) => Ok(vec![PromptInput::Tokens(
                 token_ids(items).ok_or_else(wrong)?,
@@ -1056,7 +1053,7 @@ mod tests {
     fn bodies_must_be_json_objects() {
         assert!(parse_body(b"{not json")
             .unwrap_err()
-            .message
+            .to_string()
             .contains("JSON"));
         assert!(parse_body(b"[1]").is_err());
         assert!(parse_body(b"{}").is_ok());

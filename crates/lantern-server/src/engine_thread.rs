@@ -16,6 +16,7 @@
 //! reset itself fails does the thread end: `/health` and every request then answer 503.
 
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
 use crate::prompt::{PreparedItem, PromptLogprobRows, Prompter};
 use crate::request_log::{log_finished, EngineLogging, StatsLog};
@@ -937,13 +938,14 @@ impl EngineLoop {
         let room = context.saturating_sub(ids.len());
         let max_tokens = match item.max_tokens {
             Some(m) if m > room => {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::conflict(
                     "max_tokens",
                     format!(
                         "max_tokens is {m}, but the prompt has {} tokens and this model's context is {context} tokens: at most {room} tokens can be generated",
                         ids.len()
                     ),
-                ))
+                )
+                .into())
             }
             Some(m) => m,
             None => {
@@ -982,13 +984,14 @@ impl EngineLoop {
             None => max_tokens,
         };
         if item.params.min_tokens > max_tokens {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::conflict(
                 "min_tokens",
                 format!(
                     "min_tokens is {}, but at most {max_tokens} tokens can be generated for this prompt",
                     item.params.min_tokens
                 ),
-            ));
+            )
+            .into());
         }
         item.params.max_tokens = max_tokens;
         Ok((item, ids, echo_text))

@@ -6,6 +6,7 @@ use crate::engine_thread::{
     ItemCapture, LogprobEntry, PromptLogprobEntry, StopReason,
 };
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use crate::prompt::Prompter;
 use crate::protocol::{self, GenerationRequest, ModelLimits};
 use crate::tool_stream::{ToolCallStream, ToolDelta};
@@ -199,13 +200,14 @@ fn attach_capture(
         return Ok(None);
     };
     if request.items.len() != 1 {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::conflict(
             "attn_capture",
             format!(
                 "a capturing request must generate exactly one sequence (n = 1 and one prompt); this one asks for {}",
                 request.items.len()
             ),
-        ));
+        )
+        .into());
     }
     capture::check_capacity(&capture, &state.captures, &state.capture_worker)?;
     request.items[0].capture = Some(ItemCapture {
@@ -233,10 +235,11 @@ fn check_prompt_only(
         Some(v) if !v.is_null() => "max_completion_tokens",
         _ => "max_tokens",
     };
-    Err(ApiError::field(
+    Err(InvalidRequest::conflict(
         field,
         format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture or echo"),
-    ))
+    )
+    .into())
 }
 
 async fn generate(

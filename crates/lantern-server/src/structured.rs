@@ -3,6 +3,7 @@
 //! the engine thread, so that a bad schema or grammar is a 400 naming its field.
 
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use lantern_engine::lantern_guided::{Constraint, Guide, GuidedVocab};
 use serde_json::Value;
 
@@ -14,15 +15,15 @@ pub struct FieldGuide {
 }
 
 /// A schema given as an object, or as a JSON string (vLLM accepts both).
-fn schema_value(field: &'static str, value: &Value) -> Result<Value, ApiError> {
+fn schema_value(field: &'static str, value: &Value) -> Result<Value, InvalidRequest> {
     let schema = match value {
         Value::String(s) => serde_json::from_str(s).map_err(|e| {
-            ApiError::field(field, format!("{field}: the schema is not valid JSON: {e}"))
+            InvalidRequest::invalid(field, format!("{field}: the schema is not valid JSON: {e}"))
         })?,
         other => other.clone(),
     };
     if !schema.is_object() {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::invalid(
             field,
             format!("{field}: a JSON schema must be an object"),
         ));
@@ -30,16 +31,16 @@ fn schema_value(field: &'static str, value: &Value) -> Result<Value, ApiError> {
     Ok(schema)
 }
 
-fn string(field: &'static str, value: &Value) -> Result<String, ApiError> {
+fn string(field: &'static str, value: &Value) -> Result<String, InvalidRequest> {
     value
         .as_str()
         .map(str::to_string)
-        .ok_or_else(|| ApiError::field(field, format!("{field} must be a string")))
+        .ok_or_else(|| InvalidRequest::invalid(field, format!("{field} must be a string")))
 }
 
-fn choices(field: &'static str, value: &Value) -> Result<Vec<String>, ApiError> {
+fn choices(field: &'static str, value: &Value) -> Result<Vec<String>, InvalidRequest> {
     let wrong = || {
-        ApiError::field(
+        InvalidRequest::invalid(
             field,
             format!("{field} must be a non-empty list of strings"),
         )
@@ -56,10 +57,10 @@ fn choices(field: &'static str, value: &Value) -> Result<Vec<String>, ApiError> 
 
 /// OpenAI's `response_format`: `text`, `json_object`, or `json_schema` with its
 /// `json_schema.schema` (`strict` is accepted: the schema is always enforced).
-fn response_format(value: &Value) -> Result<Option<Guide>, ApiError> {
+fn response_format(value: &Value) -> Result<Option<Guide>, InvalidRequest> {
     const FIELD: &str = "response_format";
     let kind = value.get("type").and_then(Value::as_str).ok_or_else(|| {
-        ApiError::field(
+        InvalidRequest::invalid(
             FIELD,
             "response_format needs a `type` (text, json_object or json_schema)",
         )
@@ -69,11 +70,11 @@ fn response_format(value: &Value) -> Result<Option<Guide>, ApiError> {
         "json_object" => Ok(Some(Guide::JsonObject)),
         "json_schema" => {
             let spec = value.get("json_schema").ok_or_else(|| {
-                ApiError::field(FIELD, "response_format of type json_schema needs `json_schema`")
+                InvalidRequest::invalid(FIELD, "response_format of type json_schema needs `json_schema`")
             })?;
             if let Some(strict) = spec.get("strict") {
                 if !(strict.is_boolean() || strict.is_null()) {
-                    return Err(ApiError::field(FIELD, "response_format.json_schema.strict must be a boolean"));
+                    return Err(InvalidRequest::invalid(FIELD, "response_format.json_schema.strict must be a boolean"));
                 }
             }
             match spec.get("schema") {
@@ -82,7 +83,7 @@ fn response_format(value: &Value) -> Result<Option<Guide>, ApiError> {
                 Some(schema) => Ok(Some(Guide::JsonSchema(schema_value(FIELD, schema)?))),
             }
         }
-        other => Err(ApiError::field(
+        other => Err(InvalidRequest::invalid(
             FIELD,
             format!("response_format of type `{other}` is not supported (text, json_object, json_schema)"),
         )),
@@ -91,11 +92,11 @@ fn response_format(value: &Value) -> Result<Option<Guide>, ApiError> {
 
 /// vLLM's `structured_outputs` object: one of `json`, `regex`, `choice`, `grammar`,
 /// `json_object`.
-fn structured_outputs(value: &Value) -> Result<Vec<Guide>, ApiError> {
+fn structured_outputs(value: &Value) -> Result<Vec<Guide>, InvalidRequest> {
     const FIELD: &str = "structured_outputs";
     let obj = value
         .as_object()
-        .ok_or_else(|| ApiError::field(FIELD, "structured_outputs must be an object"))?;
+        .ok_or_else(|| InvalidRequest::invalid(FIELD, "structured_outputs must be an object"))?;
     let mut guides = Vec::new();
     for (key, v) in obj {
         if v.is_null() {
@@ -112,7 +113,7 @@ fn structured_outputs(value: &Value) -> Result<Vec<Guide>, ApiError> {
             "disable_any_whitespace" | "disable_fallback" | "disable_additional_properties"
             | "whitespace_pattern" | "backend" => {}
             other => {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::invalid(
                     FIELD,
                     format!("structured_outputs.{other} is not supported (json, regex, choice, grammar, json_object)"),
                 ))
@@ -124,7 +125,7 @@ fn structured_outputs(value: &Value) -> Result<Vec<Guide>, ApiError> {
 
 /// The structured output a chat or completion body asks for, if any. Asking in two
 /// ways at once is refused.
-pub fn parse_guide(body: &Value) -> Result<Option<FieldGuide>, ApiError> {
+pub fn parse_guide(body: &Value) -> Result<Option<FieldGuide>, InvalidRequest> {
     let mut found: Vec<FieldGuide> = Vec::new();
     let mut push = |field: &'static str, guide: Guide| found.push(FieldGuide { guide, field });
     let present = |name: &str| body.get(name).filter(|v| !v.is_null());
@@ -155,7 +156,7 @@ pub fn parse_guide(body: &Value) -> Result<Option<FieldGuide>, ApiError> {
     }
     match found.len() {
         0 | 1 => Ok(found.pop()),
-        _ => Err(ApiError::field(
+        _ => Err(InvalidRequest::conflict(
             found[1].field,
             format!(
                 "ask for one kind of structured output at a time ({} and {} were both given)",
@@ -172,7 +173,7 @@ pub async fn compile(
     guide: FieldGuide,
 ) -> Result<Constraint, ApiError> {
     let vocab = vocab.clone().map_err(|e| {
-        ApiError::field(
+        InvalidRequest::invalid(
             guide.field,
             format!("structured output is unavailable for this model: {e}"),
         )
@@ -181,7 +182,7 @@ pub async fn compile(
     tokio::task::spawn_blocking(move || vocab.compile(&guide.guide))
         .await
         .map_err(|e| ApiError::internal(format!("compiling the grammar failed: {e}")))?
-        .map_err(|e| ApiError::field(field, format!("{field}: {e}")))
+        .map_err(|e| InvalidRequest::invalid(field, format!("{field}: {e}")).into())
 }
 
 #[cfg(test)]
@@ -256,7 +257,7 @@ mod tests {
                 "guided_choice",
             ),
         ] {
-            let e = parse_guide(&body).unwrap_err();
+            let e = ApiError::from(parse_guide(&body).unwrap_err());
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
         }

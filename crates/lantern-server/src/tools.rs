@@ -11,7 +11,7 @@
 //! Tool results (`role: tool`) then go back as user turns wrapped in `<tool_response>`,
 //! an assistant turn's `tool_calls` as `<tool_call>` blocks ([`fit_template`]).
 
-use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use lantern_engine::lantern_guided::Guide;
 use lantern_model::{ChatMessage, ChatRenderOptions, ToolSupport};
 use serde_json::{json, Value};
@@ -51,8 +51,8 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-fn parse_function(i: usize, tool: &Value) -> Result<ToolFunction, ApiError> {
-    let at = |what: &str| ApiError::field(FIELD, format!("tools[{i}]: {what}"));
+fn parse_function(i: usize, tool: &Value) -> Result<ToolFunction, InvalidRequest> {
+    let at = |what: &str| InvalidRequest::invalid(FIELD, format!("tools[{i}]: {what}"));
     if tool.get("type").and_then(Value::as_str) != Some("function") {
         return Err(at("only tools of type `function` are supported"));
     }
@@ -80,10 +80,10 @@ fn parse_function(i: usize, tool: &Value) -> Result<ToolFunction, ApiError> {
     })
 }
 
-fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, ApiError> {
+fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, InvalidRequest> {
     const CHOICE: &str = "tool_choice";
     let wrong = || {
-        ApiError::field(
+        InvalidRequest::invalid(
             CHOICE,
             "tool_choice must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": …}}",
         )
@@ -102,7 +102,7 @@ fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, Api
                 .and_then(Value::as_str)
                 .ok_or_else(wrong)?;
             if !names.contains(&name) {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::invalid(
                     CHOICE,
                     format!("tool_choice names `{name}`, which is not among the tools"),
                 ));
@@ -114,11 +114,11 @@ fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, Api
 
 /// Reads `tools` and `tool_choice`. `None` when no tool is offered or the choice is
 /// `none` (the request is then a plain chat).
-pub fn parse_tools(body: &Value) -> Result<Option<ChatTools>, ApiError> {
+pub fn parse_tools(body: &Value) -> Result<Option<ChatTools>, InvalidRequest> {
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Array(t)) => t,
-        Some(_) => return Err(ApiError::field(FIELD, "tools must be a list")),
+        Some(_) => return Err(InvalidRequest::invalid(FIELD, "tools must be a list")),
     };
     if tools.is_empty() {
         return Ok(None);
@@ -448,7 +448,7 @@ mod tests {
             ),
         ] {
             assert_eq!(
-                parse_tools(&body).unwrap_err().param.as_deref(),
+                parse_tools(&body).unwrap_err().field(),
                 Some(field),
                 "{body}"
             );

@@ -126,20 +126,26 @@ def test_each_finished_request_is_logged(capped):
 
 def test_stats_line_while_busy(capped):
     client = capped.client()
-    done = threading.Event()
+    stop = threading.Event()
+    streamed = []
 
-    def long_stream():
-        s = client.completions.create(model=capped.model, prompt="Once", max_tokens=80, temperature=0,
-                                      stream=True, extra_body={"ignore_eos": True})
-        for _ in s:
-            pass
-        done.set()
+    def long_streams():
+        # One stream of the capped context can end within the 1 s interval on a fast
+        # CPU: two loops of them, overlapping, keep the engine busy until a line shows.
+        while not stop.is_set():
+            s = client.completions.create(model=capped.model, prompt="Once", max_tokens=80,
+                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
+            streamed.append(sum(1 for _ in s))
 
-    t = threading.Thread(target=long_stream)
-    t.start()
+    threads = [threading.Thread(target=long_streams) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
     lines = log_lines(capped, r"Running: [1-9]\d* reqs", timeout_s=30)
-    t.join(60)
-    assert done.is_set()
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert streamed and all(n == 80 for n in streamed), streamed
     assert lines, "no stats line while a request ran"
     line = lines[0]
     m = re.search(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "

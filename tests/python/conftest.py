@@ -86,6 +86,11 @@ def _binary() -> Path:
 
 SERVED_MODEL_NAME = "lantern-test-model"
 
+# One 16-token block of SmolLM2-135M's KV cache in the default f16: 30 layers x (K, V) x
+# 3 KV heads x 64 dims x 16 tokens x 2 bytes (360 KiB). Tests that size a pool in blocks
+# use it.
+SMOLLM2_BLOCK_BYTES = 30 * 2 * 3 * 64 * 16 * 2
+
 
 def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -> Server:
     """Starts `lantern serve` on a free port and waits until it listens. `stderr` (a

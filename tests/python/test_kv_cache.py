@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import SMOLLM2_BLOCK_BYTES, start_server, stop_server
 
 LONG_PREFIX = (
     "You are a careful assistant. Here is a list of facts to keep in mind: "
@@ -39,9 +39,8 @@ def test_prefix_cache_hit_gives_identical_tokens(server, client):
 
 @pytest.fixture(scope="module")
 def small_server():
-    # 40 blocks of 16 tokens (SmolLM2-135M, f32 cache: 720 KiB a block): room for about
-    # three of the requests below at once.
-    srv = start_server(kv_cache_memory=str(40 * 737280))
+    # 40 blocks of 16 tokens: room for about three of the requests below at once.
+    srv = start_server(kv_cache_memory=str(40 * SMOLLM2_BLOCK_BYTES))
     yield srv
     stop_server(srv)
 

@@ -10,16 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import SMOLLM2_BLOCK_BYTES, start_server, stop_server
 
 SEED = 20261123
 NUM_STREAMS = 64
 NUM_PROMPTS = 16
 MAX_TOKENS = 12
-# SmolLM2-135M with an f32 cache takes 720 KiB a block of 16 tokens: 20 blocks hold
-# about six of these requests at once, so 64 of them preempt each other.
+# 20 blocks of 16 tokens hold about six of these requests at once, so 64 of them preempt
+# each other.
 KV_BLOCKS = 20
-BLOCK_BYTES = 737280
 TIME_LIMIT_S = 90
 
 
@@ -43,7 +42,7 @@ MALFORMED = [
 
 @pytest.fixture(scope="module")
 def load_server():
-    srv = start_server("--enable-attention-capture", kv_cache_memory=str(KV_BLOCKS * BLOCK_BYTES))
+    srv = start_server("--enable-attention-capture", kv_cache_memory=str(KV_BLOCKS * SMOLLM2_BLOCK_BYTES))
     yield srv
     stop_server(srv)
 

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import SMOLLM2_BLOCK_BYTES, start_server, stop_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 MIB = 1 << 20
-# SmolLM2's KV cache block: 16 tokens, 720 KiB.
-KV_BLOCK_BYTES = 737280
 # About 1,100 tokens, and about 80.
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
 SHORT_PROMPT = " ".join(f"word{i}" for i in range(40))
@@ -57,7 +55,7 @@ def test_samples_share_one_prompt_and_stop_list(fresh_server):
 
 
 def server_with_kv_blocks(blocks: int):
-    srv = start_server(kv_cache_memory=str(blocks * KV_BLOCK_BYTES))
+    srv = start_server(kv_cache_memory=str(blocks * SMOLLM2_BLOCK_BYTES))
     yield srv
     stop_server(srv)
 

@@ -115,7 +115,7 @@ def test_cache_config_info_describes_the_kv_cache(server):
     total = value(series, "lantern:kv_cache_total_blocks")
     assert int(info["num_gpu_blocks"]) == total > 0
     assert info["enable_prefix_caching"] == "True"
-    assert info["cache_dtype"] == "float32"
+    assert info["cache_dtype"] == "float16"  # the default KV cache type
     usage = value(series, "vllm:kv_cache_usage_perc")
     assert 0.0 <= usage <= 1.0
 

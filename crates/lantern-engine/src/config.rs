@@ -9,6 +9,8 @@ pub struct EngineConfig {
     pub kv_cache_memory: usize,
     /// Tokens per KV cache block.
     pub block_size: usize,
+    /// Element type of the KV cache (default f16: half of f32's memory per token, with
+    /// keys and values rounded to 11 significant bits).
     pub kv_cache_dtype: KvDtype,
     /// Attention backend by name (`cpu-flash`, `cpu-reference`).
     pub attention_backend: String,
@@ -34,7 +36,7 @@ impl Default for EngineConfig {
         Self {
             kv_cache_memory: 1 << 30,
             block_size: 16,
-            kv_cache_dtype: KvDtype::F32,
+            kv_cache_dtype: KvDtype::F16,
             attention_backend: "cpu-flash".to_string(),
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,

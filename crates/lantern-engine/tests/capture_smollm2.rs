@@ -47,7 +47,7 @@ fn every_row_sums_to_one_is_masked_and_reproduces_the_attention_output() {
     let mut engine = engine_with(EngineConfig {
         // Small chunks: the rows arrive through chunked prefill and decodes.
         max_num_batched_tokens: 16,
-        ..EngineConfig::default()
+        ..common::f32_kv()
     });
     let info = engine.model_info().clone();
     let mut spec = CaptureSpec::everything(info.num_layers, info.attention[0].num_heads);
@@ -100,7 +100,7 @@ fn reference_layers(npz: &std::path::Path) -> Vec<usize> {
 /// Largest and mean absolute difference between the captured prompt rows and
 /// transformers', over the visible (causal) entries.
 fn difference_from_reference(options: &LoadOptions) -> (f32, f64) {
-    let mut engine = engine_with_options(EngineConfig::default(), options);
+    let mut engine = engine_with_options(common::f32_kv(), options);
     let heads = engine.model_info().attention[0].num_heads;
     let mut worst = 0f32;
     let (mut total, mut count) = (0f64, 0u64);
@@ -193,7 +193,7 @@ fn some_layers(heads: usize) -> CaptureSpec {
 /// generates what it generates alone, and the capture equals the same request's alone.
 #[test]
 fn capture_in_a_batch_changes_nothing_and_is_unchanged() {
-    let mut engine = engine_with(EngineConfig::default());
+    let mut engine = engine_with(common::f32_kv());
     let heads = engine.model_info().attention[0].num_heads;
     let a = prompt(&engine, STORY);
     let b = prompt(
@@ -227,16 +227,16 @@ fn capture_in_a_batch_changes_nothing_and_is_unchanged() {
 fn prefix_cache_hit_gives_the_same_capture_as_a_miss() {
     let heads = 9;
     let p = {
-        let engine = engine_with(EngineConfig::default());
+        let engine = engine_with(common::f32_kv());
         prompt(&engine, &format!("{STORY} {STORY}"))
     };
     assert!(p.len() > 64, "the prompt spans several blocks");
-    let mut cold = engine_with(EngineConfig::default());
+    let mut cold = engine_with(common::f32_kv());
     let miss = run(
         &mut cold,
         vec![(p.clone(), params(4), Some(some_layers(heads)))],
     );
-    let mut warm = engine_with(EngineConfig::default());
+    let mut warm = engine_with(common::f32_kv());
     let plain = run(&mut warm, vec![(p.clone(), params(4), None)]);
     let again = run(&mut warm, vec![(p.clone(), params(4), None)]);
     assert!(
@@ -263,7 +263,7 @@ fn prefix_cache_hit_gives_the_same_capture_as_a_miss() {
 #[test]
 fn preempted_and_resumed_capture_equals_an_uninterrupted_one() {
     let heads = 9;
-    let roomy_config = EngineConfig::default();
+    let roomy_config = common::f32_kv();
     let mut roomy = engine_with(roomy_config.clone());
     let prompts: Vec<Vec<u32>> = (0..4)
         .map(|i| prompt(&roomy, &format!("Story number {i}. {STORY}")))

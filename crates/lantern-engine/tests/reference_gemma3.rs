@@ -91,7 +91,7 @@ fn the_model_is_hybrid_as_the_reference_says() {
     let engine = engine(
         EngineConfig {
             kv_cache_memory: 64 << 20,
-            ..EngineConfig::default()
+            ..common::f32_kv()
         },
         false,
     );
@@ -113,7 +113,7 @@ fn prompt_token_ids_equal_the_reference() {
     let engine = engine(
         EngineConfig {
             kv_cache_memory: 64 << 20,
-            ..EngineConfig::default()
+            ..common::f32_kv()
         },
         false,
     );
@@ -131,7 +131,7 @@ fn prompt_token_ids_equal_the_reference() {
 /// One forward over the prompt and the reference continuation (teacher-forced), with
 /// logits for every position.
 fn teacher_forced_logits(p: &ReferencePrompt, f32_weights: bool) -> Vec<f32> {
-    let mut engine = engine(EngineConfig::default(), f32_weights);
+    let mut engine = engine(common::f32_kv(), f32_weights);
     let params = SamplingParams {
         prompt_logits: true,
         ..SamplingParams::greedy(1)
@@ -208,7 +208,7 @@ fn the_long_prompt_is_served_exactly_with_prefix_caching() {
         EngineConfig {
             max_num_batched_tokens: 256,
             enable_prefix_caching: true,
-            ..EngineConfig::default()
+            ..common::f32_kv()
         },
         true,
     );
@@ -295,7 +295,7 @@ fn the_long_prompt_is_served_exactly_with_prefix_caching() {
 #[test]
 fn batch_invariance() {
     let p = the_prompt();
-    let mut engine = engine(EngineConfig::default(), false);
+    let mut engine = engine(common::f32_kv(), false);
     let story = engine
         .tokenizer()
         .encode("The tide came in slowly over the flat grey sand,", true)
@@ -307,7 +307,7 @@ fn batch_invariance() {
     let mut alone_engine = self::engine(
         EngineConfig {
             enable_prefix_caching: false,
-            ..EngineConfig::default()
+            ..common::f32_kv()
         },
         false,
     );

@@ -38,7 +38,7 @@ fn prompt_logits(prompts: &[Vec<u32>], f32_weights: bool) -> Vec<Vec<f32>> {
         f32_weights,
         ..Default::default()
     };
-    let mut engine = engine_with_options(EngineConfig::default(), &options);
+    let mut engine = engine_with_options(common::f32_kv(), &options);
     let requests = prompts
         .iter()
         .map(|p| {
@@ -67,7 +67,7 @@ fn user_message_of(rendered: &str) -> &str {
 fn prompt_token_ids_equal_the_reference() {
     let engine = engine_with(EngineConfig {
         kv_cache_memory: 16 << 20,
-        ..EngineConfig::default()
+        ..common::f32_kv()
     });
     for p in reference_prompts("smollm2") {
         let text = if p.format == "chat" {
@@ -194,7 +194,7 @@ fn batch_invariance() {
         .map(|p| p.prompt_ids)
         .collect();
     let greedy = |batch: &[Vec<u32>]| {
-        let mut engine = engine_with(EngineConfig::default());
+        let mut engine = engine_with(common::f32_kv());
         let requests = batch
             .iter()
             .map(|p| {

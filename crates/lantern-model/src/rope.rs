@@ -4,7 +4,7 @@
 //! (a 131k-position table per layer is gigabytes for nothing).
 
 use crate::error::{ModelError, Result};
-use crate::source::WeightSource;
+use crate::source::{keys, WeightSource};
 
 /// How the rotated pairs are laid out inside a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,15 +23,17 @@ pub enum RopeScaling {
     None,
     /// Positions divided by the factor.
     Linear(f32),
-    /// YaRN (as transformers' `_compute_yarn_parameters`): frequencies blend between
-    /// interpolated (divided by `factor`) and original by a ramp over the dimensions, and
-    /// cos/sin are multiplied by `attention_factor`.
+    /// YaRN (as transformers' `_compute_yarn_parameters` and llama.cpp's `rope_yarn`):
+    /// frequencies blend between interpolated (divided by `factor`) and original by a ramp
+    /// over the dimensions, and cos/sin are multiplied by `attention_factor`.
     Yarn {
         factor: f32,
         original_context: usize,
         beta_fast: f32,
         beta_slow: f32,
         attention_factor: f32,
+        /// Round the ramp's ends outwards to whole dimensions (both do by default).
+        truncate: bool,
     },
 }
 
@@ -44,16 +46,28 @@ impl RopeScaling {
             Some("linear") => Self::Linear(factor.unwrap_or(1.0)),
             Some("yarn") => {
                 let factor = factor.unwrap_or(1.0);
+                // llama.cpp: `0.1 ln(factor) + 1` times the file's multipliers.
+                let implied = || -> Result<f32> {
+                    let mut a = if factor > 1.0 {
+                        0.1 * factor.ln() + 1.0
+                    } else {
+                        1.0
+                    };
+                    for k in ["yarn_attn_factor", "attn_factor"] {
+                        a *= src.opt_f32(&key(k))?.unwrap_or(1.0);
+                    }
+                    Ok(a)
+                };
                 Self::Yarn {
                     factor,
                     original_context: src.get_usize(&key("original_context_length"))?,
                     beta_fast: src.opt_f32(&key("yarn_beta_fast"))?.unwrap_or(32.0),
                     beta_slow: src.opt_f32(&key("yarn_beta_slow"))?.unwrap_or(1.0),
-                    attention_factor: match src.opt_f32(&key("attn_factor"))? {
+                    attention_factor: match src.opt_f32(keys::ROPE_ATTENTION_FACTOR)? {
                         Some(a) => a,
-                        None if factor > 1.0 => 0.1 * factor.ln() + 1.0,
-                        None => 1.0,
+                        None => implied()?,
                     },
+                    truncate: src.opt_bool(keys::ROPE_YARN_TRUNCATE)?.unwrap_or(true),
                 }
             }
             Some(other) => {
@@ -67,14 +81,21 @@ impl RopeScaling {
                 "RoPE scaling {what} must be positive and finite"
             )))
         };
+        let positive = |x: f32| x.is_finite() && x > 0.0;
         match &scaling {
-            Self::Linear(f) | Self::Yarn { factor: f, .. } if !(f.is_finite() && *f > 0.0) => {
-                bad("factor")
-            }
+            Self::Linear(f) | Self::Yarn { factor: f, .. } if !positive(*f) => bad("factor"),
             Self::Yarn {
                 original_context: 0,
                 ..
             } => bad("original_context_length"),
+            Self::Yarn {
+                beta_fast,
+                beta_slow,
+                ..
+            } if !positive(*beta_fast) || !positive(*beta_slow) => bad("beta_fast/beta_slow"),
+            Self::Yarn {
+                attention_factor, ..
+            } if !positive(*attention_factor) => bad("attention factor"),
             _ => Ok(scaling),
         }
     }
@@ -119,16 +140,16 @@ impl Rope {
                 beta_fast,
                 beta_slow,
                 attention_factor,
+                truncate,
             } => {
-                // The dimension whose wavelength fits `rotations` times into the original
-                // context; below `low` frequencies stay, above `high` they are interpolated.
-                let dim = rotary_dim as f32;
-                let correction = |rotations: f32| {
-                    dim * (original_context as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln()
-                        / (2.0 * base.ln())
-                };
-                let low = correction(beta_fast).floor().max(0.0);
-                let high = correction(beta_slow).ceil().min(dim - 1.0);
+                let (low, high) = yarn_ramp(
+                    rotary_dim,
+                    base,
+                    original_context,
+                    beta_fast,
+                    beta_slow,
+                    truncate,
+                );
                 let span = if high == low { 0.001 } else { high - low };
                 let inv_freq = original
                     .iter()
@@ -168,6 +189,30 @@ impl Rope {
             pairs: self.pairs,
         }
     }
+}
+
+/// The frequency indices where YaRN's ramp starts and ends: below `low` frequencies stay,
+/// above `high` they are interpolated. The dimension whose wavelength fits `rotations`
+/// times into the original context, computed in f64 like transformers (python floats) so
+/// that the rounding lands where theirs does.
+fn yarn_ramp(
+    rotary_dim: usize,
+    base: f32,
+    original_context: usize,
+    beta_fast: f32,
+    beta_slow: f32,
+    truncate: bool,
+) -> (f32, f32) {
+    let dim = rotary_dim as f64;
+    let correction = |rotations: f32| {
+        dim * (original_context as f64 / (rotations as f64 * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * (base as f64).ln())
+    };
+    let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    (low.max(0.0) as f32, high.min(dim - 1.0) as f32)
 }
 
 /// cos/sin of the positions of one step.
@@ -228,6 +273,8 @@ lantern_quant::per_level! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
 
     #[test]
     fn position_zero_is_identity() {
@@ -260,6 +307,7 @@ mod tests {
             beta_fast: 32.0,
             beta_slow: 1.0,
             attention_factor: 0.1 * 4f32.ln() + 1.0,
+            truncate: true,
         };
         let plain = Rope::new(128, 1e6, RopePairs::Halves, None, &RopeScaling::None);
         let scaled = Rope::new(128, 1e6, RopePairs::Halves, None, &yarn);
@@ -275,5 +323,58 @@ mod tests {
         let mut x = vec![1.0f32; 128];
         scaled.table(&[0]).apply(&mut x, 1, 128);
         assert!(x.iter().all(|&v| (v - scaled.magnitude).abs() < 1e-6));
+    }
+
+    /// Metadata only, as a GGUF file's keys.
+    struct Metadata(std::collections::HashMap<String, Value>);
+
+    impl WeightSource for Metadata {
+        fn metadata(&self, key: &str) -> Option<&Value> {
+            self.0.get(key)
+        }
+        fn tensor_info(&self, _: &str) -> Option<(Vec<usize>, GgmlDType)> {
+            None
+        }
+        fn tensor_names(&self) -> Vec<String> {
+            Vec::new()
+        }
+        fn tensor(&mut self, name: &str) -> Result<QTensor> {
+            Err(ModelError::MissingTensor { name: name.into() })
+        }
+    }
+
+    fn yarn_file(extra: &[(&str, Value)]) -> Metadata {
+        let mut keys: std::collections::HashMap<String, Value> = [
+            ("qwen2.rope.scaling.type", Value::String("yarn".into())),
+            ("qwen2.rope.scaling.factor", Value::F32(4.0)),
+            ("qwen2.rope.scaling.original_context_length", Value::U32(32)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        keys.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        Metadata(keys)
+    }
+
+    fn attention_factor(file: &Metadata) -> f32 {
+        match RopeScaling::read(file, "qwen2").unwrap() {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn gguf_attention_factors_multiply_yarns_own_as_in_llama_cpp() {
+        let own = 0.1 * 4f32.ln() + 1.0;
+        assert_eq!(attention_factor(&yarn_file(&[])), own);
+        let halved = yarn_file(&[("qwen2.rope.scaling.yarn_attn_factor", Value::F32(0.5))]);
+        assert!((attention_factor(&halved) - 0.5 * own).abs() < 1e-6);
+        // A Hugging Face directory gives transformers' factor itself.
+        let given = yarn_file(&[(keys::ROPE_ATTENTION_FACTOR, Value::F32(1.25))]);
+        assert_eq!(attention_factor(&given), 1.25);
+        let bad = yarn_file(&[("qwen2.rope.scaling.yarn_beta_fast", Value::F32(0.0))]);
+        assert!(RopeScaling::read(&bad, "qwen2").is_err());
     }
 }

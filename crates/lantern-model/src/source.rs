@@ -15,7 +15,10 @@
 //!   `.attention.layer_norm_rms_epsilon`, `.rope.dimension_count` (partial rotary),
 //!   `.rope.freq_base`, `.rope.freq_base_swa` (Gemma 3's local base),
 //!   `.rope.scaling.type` (`none`, `linear`, `yarn`), `.rope.scaling.factor`,
-//!   `.rope.scaling.original_context_length`, `.attention.sliding_window`,
+//!   `.rope.scaling.original_context_length`, `.rope.scaling.yarn_beta_fast`,
+//!   `.rope.scaling.yarn_beta_slow`, `.rope.scaling.yarn_attn_factor` and
+//!   `.rope.scaling.attn_factor` (multipliers of YaRN's `0.1 ln(factor) + 1`, as in
+//!   llama.cpp), `.attention.sliding_window`,
 //!   `.attn_logit_softcapping`, `.final_logit_softcapping`.
 //!   Numbers may be any integer/float GGUF type; the typed accessors convert.
 //! * **Tensors** under llama.cpp's names, row-major `[out_features, in_features]`:
@@ -46,6 +49,11 @@
 //!   Qwen 2's `use_sliding_window: false` is expressed by giving no window.
 //! * `lantern.attention.query_pre_attn_scalar` (number `s`): attention scores are scaled by
 //!   `s^-0.5` instead of `head_dim^-0.5` (Gemma 2/3).
+//! * `lantern.rope.scaling.attention_factor` (number): YaRN's multiplier of cos/sin itself
+//!   (transformers' `attention_factor`, from `mscale`/`mscale_all_dim` or given), replacing
+//!   the one the `rope.scaling.*` keys imply.
+//! * `lantern.rope.scaling.yarn_truncate` (bool): `false` keeps YaRN's correction range
+//!   unrounded (transformers' `truncate`); absent: rounded, as llama.cpp does.
 //!
 //! The tokenizer is not part of this contract (a GGUF file carries it in metadata, a
 //! Hugging Face directory in `tokenizer.json`).
@@ -59,6 +67,8 @@ pub mod keys {
     pub const SLIDING_WINDOW: &str = "lantern.attention.sliding_window";
     pub const SLIDING_LAYERS: &str = "lantern.attention.sliding_layers";
     pub const QUERY_PRE_ATTN_SCALAR: &str = "lantern.attention.query_pre_attn_scalar";
+    pub const ROPE_ATTENTION_FACTOR: &str = "lantern.rope.scaling.attention_factor";
+    pub const ROPE_YARN_TRUNCATE: &str = "lantern.rope.scaling.yarn_truncate";
 }
 
 /// Hyper-parameters and weights of one model, as llama.cpp's GGUF names them.

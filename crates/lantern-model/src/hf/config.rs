@@ -2,6 +2,7 @@
 //! `convert_hf_to_gguf.py` would write for it (plus the `lantern.*` keys of
 //! [`crate::source`] for what GGUF cannot say).
 
+use super::rope_scaling::rope_scaling;
 use crate::error::{ModelError, Result};
 use crate::source::keys;
 use candle_core::quantized::gguf_file::Value;
@@ -178,101 +179,6 @@ impl HfConfig {
     }
 }
 
-/// `rope_scaling`: `llama3` becomes `rope_freqs.weight` (written by the tensor reader, as
-/// llama.cpp does); `linear` and `yarn` become `rope.scaling.*` keys.
-fn rope_scaling(
-    c: &Keys,
-    a: &str,
-    m: &mut HashMap<String, Value>,
-    theta: f64,
-    rotary_dim: usize,
-) -> Result<Option<Vec<f32>>> {
-    let Some(scaling) = c.json.get("rope_scaling").filter(|v| !v.is_null()) else {
-        return Ok(None);
-    };
-    let kind = scaling
-        .get("rope_type")
-        .or_else(|| scaling.get("type"))
-        .and_then(Json::as_str)
-        .ok_or_else(|| invalid(c.path, "rope_scaling has no `rope_type`".into()))?;
-    let factor = || {
-        scaling
-            .get("factor")
-            .and_then(Json::as_f64)
-            .ok_or_else(|| invalid(c.path, format!("rope_scaling `{kind}` has no `factor`")))
-    };
-    match kind {
-        "default" => {}
-        "llama3" => {
-            let num = |key: &str, default: f64| {
-                scaling.get(key).and_then(Json::as_f64).unwrap_or(default)
-            };
-            return Ok(Some(llama3_divisors(
-                theta,
-                rotary_dim,
-                factor()?,
-                num("low_freq_factor", 1.0),
-                num("high_freq_factor", 4.0),
-                num("original_max_position_embeddings", 8192.0),
-            )));
-        }
-        "linear" | "yarn" => {
-            m.insert(format!("{a}.rope.scaling.type"), Value::String(kind.into()));
-            m.insert(
-                format!("{a}.rope.scaling.factor"),
-                Value::F32(factor()? as f32),
-            );
-            if let Some(orig) = scaling
-                .get("original_max_position_embeddings")
-                .and_then(Json::as_u64)
-            {
-                m.insert(
-                    format!("{a}.rope.scaling.original_context_length"),
-                    Value::U32(orig as u32),
-                );
-            }
-        }
-        other => {
-            return Err(invalid(
-                c.path,
-                format!(
-                "rope_scaling type `{other}` is not supported (supported: llama3, linear, yarn)"
-            ),
-            ))
-        }
-    }
-    Ok(None)
-}
-
-/// Llama 3's frequency divisors, computed as llama.cpp's converter does (in f32 like torch):
-/// long wavelengths divided by `factor`, short ones kept, a smooth blend between.
-fn llama3_divisors(
-    theta: f64,
-    dim: usize,
-    factor: f64,
-    low: f64,
-    high: f64,
-    old_ctx: f64,
-) -> Vec<f32> {
-    let low_wavelen = old_ctx / low;
-    let high_wavelen = old_ctx / high;
-    (0..dim / 2)
-        .map(|i| {
-            let exponent = (2 * i) as f32 / dim as f32;
-            let freq = 1.0 / (theta as f32).powf(exponent);
-            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
-            if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                factor as f32
-            } else {
-                let smooth = (old_ctx / wavelen - low) / (high - low);
-                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
-            }
-        })
-        .collect()
-}
-
 /// The window and which layers use it, from `sliding_window`, `use_sliding_window`,
 /// `layer_types` and `sliding_window_pattern`.
 fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Value>) -> Result<()> {
@@ -333,7 +239,7 @@ fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Valu
     Ok(())
 }
 
-fn invalid(path: &Path, reason: String) -> ModelError {
+pub(super) fn invalid(path: &Path, reason: String) -> ModelError {
     ModelError::InvalidHf {
         path: path.to_path_buf(),
         reason,
@@ -341,9 +247,9 @@ fn invalid(path: &Path, reason: String) -> ModelError {
 }
 
 /// Typed reads of config keys; a present key of the wrong type is an error naming it.
-struct Keys<'a> {
-    path: &'a Path,
-    json: &'a Json,
+pub(super) struct Keys<'a> {
+    pub(super) path: &'a Path,
+    pub(super) json: &'a Json,
 }
 
 impl Keys<'_> {
@@ -359,7 +265,7 @@ impl Keys<'_> {
         invalid(self.path, format!("key `{key}` is missing"))
     }
 
-    fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+    pub(super) fn opt_str(&self, key: &str) -> Result<Option<&str>> {
         self.get(key)
             .map(|v| v.as_str().ok_or_else(|| self.wrong(key, "a string")))
             .transpose()
@@ -369,7 +275,7 @@ impl Keys<'_> {
         self.opt_str(key)?.ok_or_else(|| self.missing(key))
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         self.get(key)
             .map(|v| {
                 v.as_u64()
@@ -384,13 +290,13 @@ impl Keys<'_> {
         self.opt_usize(key)?.ok_or_else(|| self.missing(key))
     }
 
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+    pub(super) fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
             .map(|v| v.as_f64().ok_or_else(|| self.wrong(key, "a number")))
             .transpose()
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(super) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         self.get(key)
             .map(|v| v.as_bool().ok_or_else(|| self.wrong(key, "a boolean")))
             .transpose()

@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod names;
+mod rope_scaling;
 pub mod tokenizer;
 pub mod weights;
 

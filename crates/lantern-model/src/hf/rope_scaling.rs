@@ -1,0 +1,246 @@
+//! `config.json`'s `rope_scaling`, turned into what llama.cpp's converter writes (plus the
+//! `lantern.rope.scaling.*` keys for the YaRN parameters GGUF cannot say), with the
+//! defaults transformers applies (`modeling_rope_utils`).
+
+use super::config::{invalid, Keys};
+use crate::error::Result;
+use crate::source::keys;
+use candle_core::quantized::gguf_file::Value;
+use std::collections::HashMap;
+
+/// `llama3` becomes `rope_freqs.weight` (written by the tensor reader, as llama.cpp does);
+/// `linear` and `yarn` become `rope.scaling.*` keys.
+pub(super) fn rope_scaling(
+    c: &Keys,
+    a: &str,
+    m: &mut HashMap<String, Value>,
+    theta: f64,
+    rotary_dim: usize,
+) -> Result<Option<Vec<f32>>> {
+    let Some(scaling) = c.json.get("rope_scaling").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let s = Keys {
+        path: c.path,
+        json: scaling,
+    };
+    let kind = match s.opt_str("rope_type")? {
+        Some(kind) => kind,
+        None => s
+            .opt_str("type")?
+            .ok_or_else(|| invalid(c.path, "rope_scaling has no `rope_type`".into()))?,
+    };
+    let factor = || {
+        s.opt_f64("factor")?
+            .ok_or_else(|| invalid(c.path, format!("rope_scaling `{kind}` has no `factor`")))
+    };
+    let key = |k: &str| format!("{a}.rope.scaling.{k}");
+    match kind {
+        "default" => {}
+        "llama3" => {
+            let num =
+                |key: &str, default: f64| -> Result<f64> { Ok(s.opt_f64(key)?.unwrap_or(default)) };
+            return Ok(Some(llama3_divisors(
+                theta,
+                rotary_dim,
+                factor()?,
+                num("low_freq_factor", 1.0)?,
+                num("high_freq_factor", 4.0)?,
+                num("original_max_position_embeddings", 8192.0)?,
+            )));
+        }
+        "linear" => {
+            m.insert(key("type"), Value::String(kind.into()));
+            m.insert(key("factor"), Value::F32(factor()? as f32));
+        }
+        "yarn" => yarn(c, &s, m, &key)?,
+        other => {
+            return Err(invalid(
+                c.path,
+                format!(
+                "rope_scaling type `{other}` is not supported (supported: llama3, linear, yarn)"
+            ),
+            ))
+        }
+    }
+    Ok(None)
+}
+
+/// YaRN as transformers' `_compute_yarn_parameters` reads it: the original context from a
+/// top-level `original_max_position_embeddings` (Phi-3 style, which wins), else the
+/// scaling's own, else `max_position_embeddings`; `factor` by default their ratio;
+/// `beta_fast`/`beta_slow` 32/1 when absent or 0; the attention factor given, or
+/// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are given (and
+/// non-zero), or `mscale(factor)`, with `mscale(f, m) = 0.1 m ln(f) + 1` (1 for f <= 1).
+fn yarn(
+    c: &Keys,
+    s: &Keys,
+    m: &mut HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let original = match c.opt_usize("original_max_position_embeddings")? {
+        Some(o) => o,
+        None => match s.opt_usize("original_max_position_embeddings")? {
+            Some(o) => o,
+            None => c.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+        },
+    };
+    if original == 0 {
+        return Err(invalid(
+            c.path,
+            "rope_scaling: the original context length is 0".into(),
+        ));
+    }
+    let factor = match s.opt_f64("factor")? {
+        Some(f) => f,
+        None => c.opt_usize("max_position_embeddings")?.unwrap_or(2048) as f64 / original as f64,
+    };
+    let mscale = |scale: f64, m: f64| {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    };
+    let nonzero = |k: &str| -> Result<Option<f64>> { Ok(s.opt_f64(k)?.filter(|&v| v != 0.0)) };
+    let attention_factor = match s.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None => match (nonzero("mscale")?, nonzero("mscale_all_dim")?) {
+            (Some(ms), Some(all)) => mscale(factor, ms) / mscale(factor, all),
+            _ => mscale(factor, 1.0),
+        },
+    };
+    m.insert(key("type"), Value::String("yarn".into()));
+    m.insert(key("factor"), Value::F32(factor as f32));
+    m.insert(key("original_context_length"), Value::U32(original as u32));
+    for (hf, gguf) in [
+        ("beta_fast", "yarn_beta_fast"),
+        ("beta_slow", "yarn_beta_slow"),
+    ] {
+        if let Some(beta) = nonzero(hf)? {
+            m.insert(key(gguf), Value::F32(beta as f32));
+        }
+    }
+    m.insert(
+        keys::ROPE_ATTENTION_FACTOR.into(),
+        Value::F32(attention_factor as f32),
+    );
+    if let Some(truncate) = s.opt_bool("truncate")? {
+        m.insert(keys::ROPE_YARN_TRUNCATE.into(), Value::Bool(truncate));
+    }
+    Ok(())
+}
+
+/// Llama 3's frequency divisors, computed as llama.cpp's converter does (in f32 like torch):
+/// long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+fn llama3_divisors(
+    theta: f64,
+    dim: usize,
+    factor: f64,
+    low: f64,
+    high: f64,
+    old_ctx: f64,
+) -> Vec<f32> {
+    let low_wavelen = old_ctx / low;
+    let high_wavelen = old_ctx / high;
+    (0..dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / dim as f32;
+            let freq = 1.0 / (theta as f32).powf(exponent);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor as f32
+            } else {
+                let smooth = (old_ctx / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::config::HfConfig;
+    use super::*;
+    use serde_json::json;
+    use std::path::Path;
+
+    fn metadata(extra: serde_json::Value) -> Result<HashMap<String, Value>> {
+        let mut config = json!({
+            "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 128,
+            "max_position_embeddings": 1024,
+        });
+        config
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        Ok(HfConfig::from_json(Path::new("config.json"), &config)?.metadata)
+    }
+
+    fn number(m: &HashMap<String, Value>, key: &str) -> Option<f64> {
+        m.get(key).map(|v| match v {
+            Value::F32(f) => *f as f64,
+            Value::U32(u) => *u as f64,
+            other => panic!("{key}: {other:?}"),
+        })
+    }
+
+    #[test]
+    fn qwen_yarn_gets_transformers_defaults() {
+        let m = metadata(json!({"rope_scaling": {
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}))
+        .unwrap();
+        assert_eq!(number(&m, "qwen2.rope.scaling.factor"), Some(4.0));
+        assert_eq!(
+            number(&m, "qwen2.rope.scaling.original_context_length"),
+            Some(32.0)
+        );
+        assert_eq!(number(&m, "qwen2.rope.scaling.yarn_beta_fast"), None);
+        let a = number(&m, keys::ROPE_ATTENTION_FACTOR).unwrap();
+        assert!((a - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6);
+        assert!(!m.contains_key(keys::ROPE_YARN_TRUNCATE));
+    }
+
+    #[test]
+    fn deepseek_yarn_parameters_are_kept() {
+        let m = metadata(json!({"rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 8, "beta_slow": 0.5, "mscale": 1.0, "mscale_all_dim": 0.5,
+            "truncate": false}}))
+        .unwrap();
+        assert_eq!(number(&m, "qwen2.rope.scaling.yarn_beta_fast"), Some(8.0));
+        assert_eq!(number(&m, "qwen2.rope.scaling.yarn_beta_slow"), Some(0.5));
+        let a = number(&m, keys::ROPE_ATTENTION_FACTOR).unwrap();
+        let expected = (0.1 * 4f64.ln() + 1.0) / (0.05 * 4f64.ln() + 1.0);
+        assert!((a - expected).abs() < 1e-6);
+        assert!(matches!(
+            m.get(keys::ROPE_YARN_TRUNCATE),
+            Some(Value::Bool(false))
+        ));
+    }
+
+    #[test]
+    fn yarn_defaults_come_from_the_context_lengths() {
+        // No factor: max_position_embeddings / original; a top-level original wins.
+        let m = metadata(json!({"original_max_position_embeddings": 256,
+            "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32}}))
+        .unwrap();
+        assert_eq!(
+            number(&m, "qwen2.rope.scaling.original_context_length"),
+            Some(256.0)
+        );
+        assert_eq!(number(&m, "qwen2.rope.scaling.factor"), Some(4.0));
+    }
+
+    #[test]
+    fn linear_without_factor_is_refused() {
+        let err = metadata(json!({"rope_scaling": {"rope_type": "linear"}})).unwrap_err();
+        assert!(err.to_string().contains("factor"), "{err}");
+        let err =
+            metadata(json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})).unwrap_err();
+        assert!(err.to_string().contains("dynamic"), "{err}");
+    }
+}

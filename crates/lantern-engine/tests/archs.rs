@@ -126,6 +126,12 @@ const CASES: &[Case] = &[
         logit_tolerance: 1e-4,
         ..case("qwen2_yarn", "hf", "", Exact)
     },
+    // The same model as GGUF (`rope.scaling.*` keys only: llama.cpp's own attention
+    // factor, which is transformers' default).
+    Case {
+        logit_tolerance: 1e-4,
+        ..case("qwen2_yarn", "gguf/qwen2_yarn.bf16.gguf", "", Exact)
+    },
     Case {
         logit_tolerance: 1e-4,
         ..case("llama_yarn", "hf", "", Exact)

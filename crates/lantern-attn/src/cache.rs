@@ -11,10 +11,10 @@
 
 use std::ops::Range;
 
-use half::slice::HalfFloatSliceExt;
 use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use lantern_kv::KvDtype;
+use lantern_quant::convert;
 
 use crate::error::AttnError;
 use crate::layout::{CacheGeometry, KvCacheLayout, NamedStrides};
@@ -74,8 +74,8 @@ impl CacheStorage {
         let end = start + dst.len();
         match self {
             CacheStorage::F32(s) => dst.copy_from_slice(&s[start..end]),
-            CacheStorage::F16(s) => s[start..end].convert_to_f32_slice(dst),
-            CacheStorage::BF16(s) => s[start..end].convert_to_f32_slice(dst),
+            CacheStorage::F16(s) => convert::f16_to_f32(&s[start..end], dst),
+            CacheStorage::BF16(s) => convert::bf16_to_f32(&s[start..end], dst),
         }
     }
 
@@ -95,8 +95,8 @@ impl CacheStorage {
         let end = start + src.len();
         match self {
             CacheStorage::F32(s) => s[start..end].copy_from_slice(src),
-            CacheStorage::F16(s) => s[start..end].convert_from_f32_slice(src),
-            CacheStorage::BF16(s) => s[start..end].convert_from_f32_slice(src),
+            CacheStorage::F16(s) => convert::f32_to_f16(src, &mut s[start..end]),
+            CacheStorage::BF16(s) => convert::f32_to_bf16(src, &mut s[start..end]),
         }
     }
 

@@ -109,6 +109,7 @@
 //! about as much as the whole product there.
 
 mod act;
+pub mod convert;
 mod dense;
 mod format;
 mod level;

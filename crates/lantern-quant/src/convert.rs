@@ -80,8 +80,8 @@ mod x86 {
             _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(h));
             i += 8;
         }
-        for j in i..n {
-            *d.add(j) = src[j].to_f32();
+        for (x, y) in src[i..].iter().zip(&mut dst[i..]) {
+            *y = x.to_f32();
         }
     }
 
@@ -97,8 +97,8 @@ mod x86 {
             _mm_storeu_si128(d.add(i).cast(), h);
             i += 8;
         }
-        for j in i..n {
-            dst[j] = f16::from_f32(src[j]);
+        for (x, y) in src[i..].iter().zip(&mut dst[i..]) {
+            *y = f16::from_f32(*x);
         }
     }
 }

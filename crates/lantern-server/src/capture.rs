@@ -21,6 +21,7 @@ use rand::RngCore;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 
 /// Default cap on one capture's size (the maps before compression).
 pub const DEFAULT_MAX_CAPTURE_BYTES: u64 = 256 << 20;
@@ -85,17 +86,21 @@ pub struct CaptureRequest {
     pub delivery: Delivery,
 }
 
-fn field_error(e: CaptureError) -> ApiError {
+fn field_error(e: CaptureError) -> InvalidRequest {
     match e {
-        CaptureError::InvalidField { field, message } => ApiError::field(field, message),
-        other => ApiError::invalid(None, other.to_string()),
+        CaptureError::InvalidField { field, message } => InvalidRequest::invalid(field, message),
+        other => InvalidRequest::invalid("attn_capture", other.to_string()),
     }
 }
 
 /// A list of indices from `"all"`, `"0,7,15"`, a list of integers or one integer.
-fn parse_indices(field: &'static str, value: &Value, all: usize) -> Result<Vec<usize>, ApiError> {
+fn parse_indices(
+    field: &'static str,
+    value: &Value,
+    all: usize,
+) -> Result<Vec<usize>, InvalidRequest> {
     let bad = || {
-        ApiError::field(
+        InvalidRequest::invalid(
             field,
             format!("{field} must be \"all\", a comma-separated string like \"0,7,15\" or a list of integers"),
         )
@@ -113,22 +118,28 @@ fn parse_indices(field: &'static str, value: &Value, all: usize) -> Result<Vec<u
     }
 }
 
-fn string_field<'a>(body: &'a Value, field: &'static str) -> Result<Option<&'a str>, ApiError> {
+fn string_field<'a>(
+    body: &'a Value,
+    field: &'static str,
+) -> Result<Option<&'a str>, InvalidRequest> {
     match body.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::field(field, format!("{field} must be a string"))),
+        Some(_) => Err(InvalidRequest::invalid(
+            field,
+            format!("{field} must be a string"),
+        )),
     }
 }
 
 /// Whether the body asks for capture: `attn_capture` true or 1.
-fn wants_capture(body: &Value) -> Result<bool, ApiError> {
+fn wants_capture(body: &Value) -> Result<bool, InvalidRequest> {
     match body.get("attn_capture") {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
         Some(Value::Number(n)) if n.as_u64() == Some(0) => Ok(false),
         Some(Value::Number(n)) if n.as_u64() == Some(1) => Ok(true),
-        Some(_) => Err(ApiError::field(
+        Some(_) => Err(InvalidRequest::invalid(
             "attn_capture",
             "attn_capture must be true/false or 1/0",
         )),
@@ -142,12 +153,12 @@ pub fn parse_capture_request(
     settings: &CaptureSettings,
     num_layers: usize,
     num_heads: usize,
-) -> Result<Option<CaptureRequest>, ApiError> {
+) -> Result<Option<CaptureRequest>, InvalidRequest> {
     if !wants_capture(body)? {
         return Ok(None);
     }
     if !settings.enabled {
-        return Err(ApiError::field(
+        return Err(InvalidRequest::invalid(
             "attn_capture",
             "attention capture is disabled on this server; start it with --enable-attention-capture",
         ));
@@ -180,7 +191,7 @@ pub fn parse_capture_request(
         Some(v) => match v.as_u64() {
             Some(k) if k >= 1 => Some(k as usize),
             _ => {
-                return Err(ApiError::field(
+                return Err(InvalidRequest::invalid(
                     "attn_capture_top_k",
                     "attn_capture_top_k must be a positive integer",
                 ))
@@ -192,13 +203,13 @@ pub fn parse_capture_request(
         Some("reference") => Delivery::Reference,
         Some("file") if settings.dir.is_some() => Delivery::File,
         Some("file") => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 "attn_capture_delivery",
                 "delivery \"file\" needs the server to run with --capture-dir DIR",
             ))
         }
         Some(other) => {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 "attn_capture_delivery",
                 format!("{other:?} is not \"inline\", \"reference\" or \"file\""),
             ))
@@ -223,12 +234,17 @@ pub fn check_capture_size(
     prompt_len: usize,
     max_tokens: usize,
     limit: u64,
-) -> Result<(), ApiError> {
+) -> Result<(), InvalidRequest> {
     spec.check_size(prompt_len, max_tokens, limit)
-        .map_err(|e| ApiError {
-            status: StatusCode::BAD_REQUEST,
-            code: Some("capture_too_large"),
-            ..ApiError::field("attn_capture", e.to_string())
+        .map_err(|e| match e {
+            CaptureError::TooLarge {
+                estimate_bytes,
+                limit_bytes,
+            } => InvalidRequest::CaptureTooLarge {
+                estimate_bytes,
+                limit_bytes,
+            },
+            other => field_error(other),
         })
 }
 
@@ -571,7 +587,7 @@ mod tests {
     }
 
     fn parse(body: Value) -> Result<Option<CaptureRequest>, ApiError> {
-        parse_capture_request(&body, &enabled(), 30, 9)
+        Ok(parse_capture_request(&body, &enabled(), 30, 9)?)
     }
 
     #[test]
@@ -583,13 +599,15 @@ mod tests {
 
     #[test]
     fn disabled_server_refuses() {
-        let e = parse_capture_request(
-            &json!({"attn_capture": true}),
-            &CaptureSettings::default(),
-            30,
-            9,
-        )
-        .unwrap_err();
+        let e = ApiError::from(
+            parse_capture_request(
+                &json!({"attn_capture": true}),
+                &CaptureSettings::default(),
+                30,
+                9,
+            )
+            .unwrap_err(),
+        );
         assert_eq!(e.param.as_deref(), Some("attn_capture"));
         assert!(e.message.contains("--enable-attention-capture"));
     }
@@ -660,9 +678,12 @@ mod tests {
     #[test]
     fn size_cap_gives_the_estimate() {
         let spec = parse(json!({"attn_capture": true})).unwrap().unwrap().spec;
-        let e = check_capture_size(&spec, 100, 100, 1000).unwrap_err();
+        let e = ApiError::from(check_capture_size(&spec, 100, 100, 1000).unwrap_err());
         let estimate = 30 * 9 * 200 * 200 * 4;
         assert!(e.message.contains(&estimate.to_string()), "{}", e.message);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.code, Some("capture_too_large"));
+        assert_eq!(e.param.as_deref(), Some("attn_capture"));
     }
 
     #[test]

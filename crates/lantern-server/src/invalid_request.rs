@@ -3,6 +3,7 @@
 //! returns these; the one `From` impl below turns them into OpenAI's error shape.
 
 use crate::error::ApiError;
+use lantern_engine::lantern_capture::CaptureError;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +37,11 @@ pub enum InvalidRequest {
     },
     /// A feature lantern does not offer yet.
     Unsupported { field: &'static str, what: String },
+    /// The attention capture asked for would be larger than the server's cap.
+    CaptureTooLarge {
+        estimate_bytes: u64,
+        limit_bytes: u64,
+    },
 }
 
 impl InvalidRequest {
@@ -78,6 +84,7 @@ impl InvalidRequest {
             Self::Body(_) => None,
             Self::WrongType { field, .. } => field.as_deref(),
             Self::UnknownModel(_) => Some("model"),
+            Self::CaptureTooLarge { .. } => Some("attn_capture"),
             Self::Missing(field)
             | Self::OutOfRange { field, .. }
             | Self::Conflict { field, .. }
@@ -105,6 +112,14 @@ impl fmt::Display for InvalidRequest {
                 got,
             } => write!(f, "{field} must be {allowed}, got {got}"),
             Self::Unsupported { what, .. } => write!(f, "{what} is not supported yet"),
+            Self::CaptureTooLarge {
+                estimate_bytes,
+                limit_bytes,
+            } => CaptureError::TooLarge {
+                estimate_bytes: *estimate_bytes,
+                limit_bytes: *limit_bytes,
+            }
+            .fmt(f),
         }
     }
 }
@@ -117,6 +132,10 @@ impl From<InvalidRequest> for ApiError {
         match &error {
             InvalidRequest::UnknownModel(model) => ApiError::model_not_found(model),
             InvalidRequest::Unsupported { field, what } => ApiError::unsupported(field, what),
+            InvalidRequest::CaptureTooLarge { .. } => ApiError {
+                code: Some("capture_too_large"),
+                ..ApiError::invalid(error.field().map(str::to_string), error.to_string())
+            },
             _ => ApiError::invalid(error.field().map(str::to_string), error.to_string()),
         }
     }

@@ -11,6 +11,7 @@ use crate::engine_thread::{
     ChoiceEvent, EngineEvent, GenerationItem, LogprobEntry, PromptInput, PromptLogprobEntry,
 };
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use lantern_engine::{PromptTokenLogprob, TokenLogprobs};
 use lantern_model::prompt::{tokenize_chat_with, ChatPromptError};
 use lantern_model::{ChatTemplate, ModelTokenizer};
@@ -116,13 +117,14 @@ impl Prompter {
             Ok(Err(join)) => Err(ApiError::internal(format!(
                 "preparing the prompt failed: {join}"
             ))),
-            Err(_) => Err(ApiError::field(
+            Err(_) => Err(InvalidRequest::invalid(
                 field,
                 format!(
                     "the prompt was not ready within {} s (the model's chat template or the tokenizer ran too long)",
                     self.timeout.as_secs_f64()
                 ),
-            )),
+            )
+            .into()),
         }
     }
 
@@ -135,7 +137,7 @@ impl Prompter {
     ) -> Result<Vec<u32>, ApiError> {
         let this = self.clone();
         self.blocking(field, move || {
-            this.tokenize_now(&prompt, add_special_tokens, field)
+            Ok(this.tokenize_now(&prompt, add_special_tokens, field)?)
         })
         .await
     }
@@ -144,9 +146,10 @@ impl Prompter {
     pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
         let this = self.clone();
         self.blocking("tokens", move || {
-            this.tokenizer
+            Ok(this
+                .tokenizer
                 .decode(&tokens, false)
-                .map_err(|e| ApiError::field("tokens", e.to_string()))
+                .map_err(|e| InvalidRequest::invalid("tokens", e.to_string()))?)
         })
         .await
     }
@@ -174,7 +177,9 @@ impl Prompter {
                             _ if item.echo => Some(
                                 this.tokenizer
                                     .decode(&ids, false)
-                                    .map_err(|e| ApiError::field(item.prompt_field, e.to_string()))?
+                                    .map_err(|e| {
+                                        InvalidRequest::invalid(item.prompt_field, e.to_string())
+                                    })?
                                     .into(),
                             ),
                             _ => None,
@@ -200,10 +205,10 @@ impl Prompter {
         prompt: &PromptInput,
         add_special_tokens: bool,
         field: &'static str,
-    ) -> Result<Vec<u32>, ApiError> {
+    ) -> Result<Vec<u32>, InvalidRequest> {
         let limit = self.max_prompt_bytes();
         match prompt {
-            PromptInput::Text(text) if text.len() > limit => Err(ApiError::field(
+            PromptInput::Text(text) if text.len() > limit => Err(InvalidRequest::invalid(
                 field,
                 format!(
                     "the prompt has {} bytes; this model's context of {} tokens holds at most {limit} bytes of text",
@@ -214,7 +219,9 @@ impl Prompter {
             PromptInput::Text(text) => self
                 .tokenizer
                 .encode(text, add_special_tokens)
-                .map_err(|e| ApiError::field(field, format!("could not tokenize the prompt: {e}"))),
+                .map_err(|e| {
+                    InvalidRequest::invalid(field, format!("could not tokenize the prompt: {e}"))
+                }),
             PromptInput::Tokens(ids) => Ok(ids.clone()),
             PromptInput::Chat(messages, options) => {
                 let template = self.template.as_deref();
@@ -239,9 +246,9 @@ impl Prompter {
     }
 
     /// `logit_bias` names tokens of the vocabulary.
-    fn check_logit_bias(&self, bias: &[(u32, f32)]) -> Result<(), ApiError> {
+    fn check_logit_bias(&self, bias: &[(u32, f32)]) -> Result<(), InvalidRequest> {
         match bias.iter().find(|(t, _)| *t as usize >= self.vocab_size) {
-            Some((t, _)) => Err(ApiError::field(
+            Some((t, _)) => Err(InvalidRequest::invalid(
                 "logit_bias",
                 format!(
                     "logit_bias names token {t}, outside the vocabulary of {} tokens",
@@ -253,12 +260,12 @@ impl Prompter {
     }
 
     /// The checks every prompt passes before the engine sees it.
-    fn check_prompt(&self, ids: &[u32], field: &'static str) -> Result<(), ApiError> {
+    fn check_prompt(&self, ids: &[u32], field: &'static str) -> Result<(), InvalidRequest> {
         if ids.is_empty() {
-            return Err(ApiError::field(field, "the prompt is empty"));
+            return Err(InvalidRequest::invalid(field, "the prompt is empty"));
         }
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 field,
                 format!(
                     "token id {bad} is outside the vocabulary of {} tokens",
@@ -267,7 +274,7 @@ impl Prompter {
             ));
         }
         if ids.len() >= self.context_length {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 field,
                 format!(
                     "the prompt has {} tokens; this model's context is {} tokens (the prompt must leave room for at least one generated token)",
@@ -327,19 +334,21 @@ impl Prompter {
     }
 }
 
-fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) -> ApiError {
+fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) -> InvalidRequest {
     use lantern_model::chat::TemplateError;
     let message = match &e {
         ChatPromptError::Template(TemplateError::OutputTooLarge(limit)) => format!(
             "the prompt rendered by the model's chat template passed {limit} bytes, more than this model's context of {context_length} tokens can hold"
         ),
         ChatPromptError::Template(TemplateError::FinalMessageNotFound) => {
-            return ApiError::field("continue_final_message", e.to_string())
+            return InvalidRequest::invalid("continue_final_message", e.to_string())
         }
-        ChatPromptError::ControlTextInTools => return ApiError::field("tools", e.to_string()),
+        ChatPromptError::ControlTextInTools => {
+            return InvalidRequest::invalid("tools", e.to_string())
+        }
         _ => e.to_string(),
     };
-    ApiError::field(field, message)
+    InvalidRequest::invalid(field, message)
 }
 
 /// The prompt logprobs of `prompt` from the engine's rows (row `i` for token `i + 1`),

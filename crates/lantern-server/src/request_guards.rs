@@ -8,6 +8,7 @@
 //! allow.
 
 use crate::error::ApiError;
+use crate::invalid_request::InvalidRequest;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
@@ -87,8 +88,10 @@ pub async fn json_body_in_time(
                 )
                 .into_response()
             } else {
-                ApiError::invalid(None, format!("could not read the request body: {e}"))
-                    .into_response()
+                ApiError::from(InvalidRequest::Body(format!(
+                    "could not read the request body: {e}"
+                )))
+                .into_response()
             };
         }
         Err(_) => {

@@ -152,3 +152,41 @@ fn a_panic_while_admitting_is_a_500_for_that_request_only() {
     assert_eq!(engine_load(&client, &base), (0.0, 0.0, 0.0));
     assert_eq!(health(&client, &base).1["engine_faults"], 1);
 }
+
+#[test]
+fn a_panic_while_restarting_stops_the_engine_and_everything_answers_503() {
+    let base = start("panic-at-step:3,panic-at-reset:1");
+    let client = Client::new();
+    let (status, body) = post(&client, &base, &greedy(20));
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(body["error"]["code"], "engine_fault");
+    assert_eq!(body["error"]["type"], "server_error");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("could not restart"),
+        "{body}"
+    );
+
+    let (status, body) = health(&client, &base);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "engine_stopped");
+
+    // Later requests, whole or streamed, get the same 503 at once rather than hang.
+    let started = std::time::Instant::now();
+    let mut stream_body = greedy(4);
+    stream_body["stream"] = json!(true);
+    for request in [greedy(4), stream_body] {
+        let (status, body) = post(&client, &base, &request);
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["code"], "engine_stopped");
+        assert!(body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("restart the server"));
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let metrics = client.get(format!("{base}/metrics")).send().unwrap();
+    assert_eq!(metrics.status().as_u16(), 503);
+}

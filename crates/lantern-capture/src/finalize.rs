@@ -188,37 +188,37 @@ impl PendingCapture {
             .unwrap_or(0)
     }
 
-    /// Dense probabilities of captured layer slot `slot`: `[rows, heads, num_keys()]`
-    /// with every requested head, before reduction and top-k.
-    pub fn probabilities(&self, slot: usize, rows: Range<usize>) -> Result<Vec<f32>, CaptureError> {
-        let (layer, keys) = self
-            .layers
-            .get(slot)
-            .ok_or_else(|| CaptureError::Incomplete(format!("no keys for layer slot {slot}")))?;
-        let heads = &self.buffer.spec().heads;
-        let num_keys = self.num_keys();
-        let mut out = vec![0f32; rows.len() * heads.len() * num_keys];
-        let mut logits = Vec::with_capacity(num_keys);
-        for (ri, pos) in rows.clone().enumerate() {
-            let visible = layer.visible_key_range(pos);
-            let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys);
-            for (hi, &h) in heads.iter().enumerate() {
-                let q = self.buffer.query(slot, pos, hi).ok_or_else(|| {
-                    CaptureError::Incomplete(format!("no query row for position {pos}"))
-                })?;
-                let kv_head = layer.kv_head_for(h);
-                logits.clear();
-                logits.extend(
-                    visible
-                        .clone()
-                        .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
-                );
-                layer.softmax_in_place(h, &mut logits);
-                let base = (ri * heads.len() + hi) * num_keys;
-                out[base + visible.start..base + visible.end].copy_from_slice(&logits);
-            }
+    /// Probabilities of the row at position `pos` on layer `layer` (captured layer slot
+    /// `slot`, keys `keys`) for every requested head, into `out`: `[heads, num_keys]`,
+    /// zero where a key is not visible. `logits` is scratch space.
+    fn row_probabilities(
+        &self,
+        slot: usize,
+        (layer, keys): &(AttentionLayerSpec, KeySnapshot),
+        pos: usize,
+        out: &mut [f32],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), CaptureError> {
+        let num_keys = out.len() / self.buffer.spec().heads.len().max(1);
+        out.fill(0.0);
+        let visible = layer.visible_key_range(pos);
+        let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys);
+        for (hi, &h) in self.buffer.spec().heads.iter().enumerate() {
+            let q = self.buffer.query(slot, pos, hi).ok_or_else(|| {
+                CaptureError::Incomplete(format!("no query row for position {pos}"))
+            })?;
+            let kv_head = layer.kv_head_for(h);
+            logits.clear();
+            logits.extend(
+                visible
+                    .clone()
+                    .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
+            );
+            layer.softmax_in_place(h, logits);
+            let base = hi * num_keys;
+            out[base + visible.start..base + visible.end].copy_from_slice(logits);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Computes the maps: probabilities, then the head reduction, then top-k.
@@ -235,30 +235,39 @@ impl PendingCapture {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
         let num_keys = self.num_keys();
+        let heads = spec.heads.len();
+        let width = spec.top_k.map_or(num_keys, |k| k.min(num_keys));
+        let map_len = rows.len() * spec.output_heads() * width;
+        // Row by row, so that what finalizing holds beside the maps is one row of every
+        // head (`heads × keys`), never `rows × heads × keys`: the maps are what the
+        // admission estimate counts.
+        let mut dense = vec![0f32; heads * num_keys];
+        let mut reduced = Vec::new();
+        let mut logits = Vec::with_capacity(num_keys);
         let mut maps = Vec::with_capacity(self.layers.len());
         for (slot, &layer_idx) in spec.layers.iter().enumerate() {
-            let dense = self.probabilities(slot, rows.clone())?;
-            let (values, heads) =
-                reduce_heads(dense, rows.len(), spec.heads.len(), num_keys, spec.reduce);
-            let map = match spec.top_k {
-                None => LayerMap {
-                    layer_idx,
-                    shape: [rows.len(), heads, num_keys],
-                    values,
-                    indices: None,
-                },
-                Some(k) => {
-                    let k = k.min(num_keys);
-                    let (values, indices) = top_k(&values, num_keys, k);
-                    LayerMap {
-                        layer_idx,
-                        shape: [rows.len(), heads, k],
-                        values,
-                        indices: Some(indices),
+            let layer = self.layers.get(slot).ok_or_else(|| {
+                CaptureError::Incomplete(format!("no keys for layer slot {slot}"))
+            })?;
+            let mut values = Vec::with_capacity(map_len);
+            let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
+            for pos in rows.clone() {
+                self.row_probabilities(slot, layer, pos, &mut dense, &mut logits)?;
+                match &mut indices {
+                    None => reduce_heads(&dense, heads, num_keys, spec.reduce, &mut values),
+                    Some(indices) => {
+                        reduced.clear();
+                        reduce_heads(&dense, heads, num_keys, spec.reduce, &mut reduced);
+                        top_k(&reduced, num_keys, width, &mut values, indices);
                     }
                 }
-            };
-            maps.push(map);
+            }
+            maps.push(LayerMap {
+                layer_idx,
+                shape: [rows.len(), spec.output_heads(), width],
+                values,
+                indices,
+            });
             after_layer();
         }
         let meta = CaptureMeta {
@@ -312,22 +321,18 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `[rows, heads, keys]` → `[rows, 1, keys]` by mean or max over heads (or unchanged).
-fn reduce_heads(
-    dense: Vec<f32>,
-    rows: usize,
-    heads: usize,
-    keys: usize,
-    reduce: HeadReduce,
-) -> (Vec<f32>, usize) {
-    if reduce == HeadReduce::None || heads == 0 {
-        return (dense, heads);
+/// Appends `dense` (`[rows, heads, keys]`) to `out` reduced to `[rows, 1, keys]` by the
+/// mean or max over heads, or unchanged.
+fn reduce_heads(dense: &[f32], heads: usize, keys: usize, reduce: HeadReduce, out: &mut Vec<f32>) {
+    if reduce == HeadReduce::None || heads == 0 || keys == 0 {
+        out.extend_from_slice(dense);
+        return;
     }
-    let mut out = vec![0f32; rows * keys];
-    for r in 0..rows {
-        let dst = &mut out[r * keys..(r + 1) * keys];
-        for h in 0..heads {
-            let src = &dense[(r * heads + h) * keys..(r * heads + h + 1) * keys];
+    for row in dense.chunks_exact(heads * keys) {
+        let start = out.len();
+        out.resize(start + keys, 0.0);
+        let dst = &mut out[start..];
+        for src in row.chunks_exact(keys) {
             for (d, &s) in dst.iter_mut().zip(src) {
                 *d = match reduce {
                     HeadReduce::MaxHeads => d.max(s),
@@ -340,27 +345,27 @@ fn reduce_heads(
             dst.iter_mut().for_each(|d| *d *= inv);
         }
     }
-    (out, 1)
 }
 
-/// The `k` largest values of each row of `keys` (descending; ties by lower position)
-/// and their key positions.
-fn top_k(values: &[f32], keys: usize, k: usize) -> (Vec<f32>, Vec<u32>) {
-    let rows = values.len().checked_div(keys).unwrap_or(0);
-    let mut vals = Vec::with_capacity(rows * k);
-    let mut idx = Vec::with_capacity(rows * k);
+/// Appends the `k` largest values of each row of `keys` in `values` to `vals`
+/// (descending; ties by lower position), and their key positions to `idx`.
+fn top_k(values: &[f32], keys: usize, k: usize, vals: &mut Vec<f32>, idx: &mut Vec<u32>) {
+    if keys == 0 || k == 0 {
+        return;
+    }
     let mut order: Vec<usize> = Vec::with_capacity(keys);
-    for r in 0..rows {
-        let row = &values[r * keys..(r + 1) * keys];
+    for row in values.chunks_exact(keys) {
+        let by_value = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
         order.clear();
         order.extend(0..keys);
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        // The k largest first (a partial selection), then only those sorted.
+        order.select_nth_unstable_by(k - 1, by_value);
+        order[..k].sort_by(by_value);
         for &j in &order[..k] {
             vals.push(row[j]);
             idx.push(j as u32);
         }
     }
-    (vals, idx)
 }
 
 #[cfg(test)]
@@ -385,17 +390,29 @@ mod tests {
     fn reductions() {
         // 1 row, 2 heads, 3 keys
         let dense = vec![0.2, 0.8, 0.0, 0.6, 0.4, 0.0];
-        let (m, h) = reduce_heads(dense.clone(), 1, 2, 3, HeadReduce::MeanHeads);
-        assert_eq!(h, 1);
-        assert!((m[0] - 0.4).abs() < 1e-7 && (m[1] - 0.6).abs() < 1e-7 && m[2] == 0.0);
-        let (m, _) = reduce_heads(dense, 1, 2, 3, HeadReduce::MaxHeads);
-        assert_eq!(m, vec![0.6, 0.8, 0.0]);
+        let reduced = |reduce| {
+            let mut out = vec![9.0];
+            reduce_heads(&dense, 2, 3, reduce, &mut out);
+            out
+        };
+        let m = reduced(HeadReduce::MeanHeads);
+        assert_eq!(m.len(), 4, "appends one row of 3 keys: {m:?}");
+        assert!((m[1] - 0.4).abs() < 1e-7 && (m[2] - 0.6).abs() < 1e-7 && m[3] == 0.0);
+        assert_eq!(reduced(HeadReduce::MaxHeads), vec![9.0, 0.6, 0.8, 0.0]);
+        let mut unchanged = vec![9.0];
+        unchanged.extend_from_slice(&dense);
+        assert_eq!(reduced(HeadReduce::None), unchanged);
     }
 
     #[test]
     fn top_k_orders_and_breaks_ties_by_position() {
-        let (v, i) = top_k(&[0.1, 0.5, 0.1, 0.3, 0.0, 1.0], 3, 2);
+        let (mut v, mut i) = (Vec::new(), Vec::new());
+        top_k(&[0.1, 0.5, 0.1, 0.3, 0.0, 1.0], 3, 2, &mut v, &mut i);
         assert_eq!(v, vec![0.5, 0.1, 1.0, 0.3]);
         assert_eq!(i, vec![1, 0, 2, 0]);
+        // Many ties: the lowest positions win, in order.
+        let (mut v, mut i) = (Vec::new(), Vec::new());
+        top_k(&[0.0, 0.2, 0.2, 0.2, 0.1, 0.2], 6, 3, &mut v, &mut i);
+        assert_eq!((v, i), (vec![0.2, 0.2, 0.2], vec![1, 2, 3]));
     }
 }

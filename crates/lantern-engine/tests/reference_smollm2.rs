@@ -18,11 +18,16 @@ const F32_TOLERANCE: f32 = 2e-3;
 /// The default (fast) path quantizes activations to 8 bits per 32-value block (Q8_1, as
 /// llama.cpp and candle do) before each product with a Q4_1/Q8_0 weight. That rounding,
 /// a relative step of ~1/127 of each block's largest value, compounds through 30 layers;
-/// measured on the reference prompts the largest last-position difference is 0.35-0.91
+/// measured on the reference prompts the largest last-position difference is 0.4-1.5
 /// with logits spanning ~[-10, 25], while the same engine with `f32_weights` is within
-/// 1e-4, so the gap is that rounding alone. 1.5 leaves room for it on other inputs; the
-/// f32 test above is the strict one.
-const QUANTIZED_TOLERANCE: f32 = 1.5;
+/// 1e-4, so the gap is that rounding alone. It is chaotic: reordering a softmax sum (a
+/// 1e-7 change) moved one prompt's figure from 1.29 to 1.50 and another's from 1.11 to
+/// 0.88. 2.0 leaves room for that; the f32 test above is the strict one.
+const QUANTIZED_TOLERANCE: f32 = 2.0;
+
+/// The teacher-forced check's margin with quantized activations: steps whose reference
+/// top-1/top-2 margin is below it may flip. At 1.5 about half of the steps are outside it.
+const QUANTIZED_MARGIN: f32 = 1.5;
 
 fn tolerance(f32_weights: bool) -> f32 {
     if f32_weights {
@@ -143,7 +148,12 @@ fn teacher_forced_top1_matches_the_reference() {
         let logits = prompt_logits(&inputs, f32_weights);
         let mut checked = 0;
         for (p, rows) in prompts.iter().zip(&logits) {
-            checked += check_teacher_forced(p, rows, tolerance(f32_weights));
+            let margin = if f32_weights {
+                F32_TOLERANCE
+            } else {
+                QUANTIZED_MARGIN
+            };
+            checked += check_teacher_forced(p, rows, margin);
         }
         let total = prompts.len() * 32;
         eprintln!("f32 weights {f32_weights}: {checked} of {total} steps outside the margin");

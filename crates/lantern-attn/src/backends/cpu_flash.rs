@@ -32,7 +32,9 @@ use rayon::prelude::*;
 use crate::backend::{
     validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_FLASH, DECODE_THRESHOLD,
 };
-use crate::backends::kernels::{axpy, dots, exp_f32, exp_shifted_sum, scale, weighted_sum};
+use crate::backends::kernels::{
+    axpy, dots, exp_shifted_sum, logits_and_rescale, scale, weighted_sum,
+};
 use crate::backends::{load_step_row, KernelView, RequestView};
 use crate::cache::{PagedKvCache, KEY, VALUE};
 use crate::error::AttnError;
@@ -348,13 +350,7 @@ fn update_row(
 ) {
     let d = q_row.len();
     dots(q_row, k_rows, d, logits);
-    let mut tile_max = f32::NEG_INFINITY;
-    for s in logits.iter_mut() {
-        *s = layer.transform_score(*s);
-        tile_max = tile_max.max(*s);
-    }
-    let new_max = max.max(tile_max);
-    let alpha = exp_f32(*max - new_max);
+    let (new_max, alpha) = logits_and_rescale(logits, layer.scale, layer.logits_soft_cap, *max);
     if alpha != 1.0 {
         scale(acc, alpha);
     }

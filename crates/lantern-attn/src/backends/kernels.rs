@@ -156,12 +156,95 @@ pub(crate) fn weighted_sum(acc: &mut [f32], p: &[f32], values: &[f32], d: usize)
 }
 
 per_level! {
-/// `x[i] = e^(x[i] - shift)` for every element; returns their sum.
+/// One tile's online-softmax bookkeeping before its exponentials: turns raw `q . k` dot
+/// products into logits in place (times `scale`, then soft-capped when `cap` is given:
+/// [`AttentionLayerSpec::transform_score`](crate::AttentionLayerSpec::transform_score)
+/// element by element) and returns the new running maximum and `e^(old - new)`, the
+/// factor that rescales what was accumulated under the old one.
+pub(crate) fn logits_and_rescale(
+    logits: &mut [f32],
+    scale: f32,
+    cap: Option<f32>,
+    running_max: f32,
+) -> (f32, f32) {
+    match cap {
+        Some(cap) => {
+            for s in logits.iter_mut() {
+                *s = cap * (*s * scale / cap).tanh();
+            }
+        }
+        None => {
+            for s in logits.iter_mut() {
+                *s *= scale;
+            }
+        }
+    }
+    // The maximum is exact in any order: lanes only let it vectorize.
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            lanes[i] = lanes[i].max(c[i]);
+        }
+    }
+    let tile_max = chunks
+        .remainder()
+        .iter()
+        .fold(tree_max(lanes), |m, x| m.max(*x));
+    let new_max = running_max.max(tile_max);
+    // Past the first tiles the maximum rarely moves: skip the exponential's latency then
+    // (`exp_f32(0.0)` is exactly 1).
+    let alpha = if new_max == running_max {
+        1.0
+    } else {
+        exp_f32(running_max - new_max)
+    };
+    (new_max, alpha)
+}
+}
+
+/// The maximum of the lanes, halving them level by level (vector shuffles, where a
+/// left-to-right fold is a serial chain of 16 scalar maxima).
+#[inline(always)]
+fn tree_max(mut lanes: [f32; LANES]) -> f32 {
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] = lanes[i].max(lanes[i + width]);
+        }
+    }
+    lanes[0]
+}
+
+/// The sum of the lanes, pairwise by halves (a fixed order: the same at every level).
+#[inline(always)]
+fn tree_sum(mut lanes: [f32; LANES]) -> f32 {
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] += lanes[i + width];
+        }
+    }
+    lanes[0]
+}
+
+per_level! {
+/// `x[i] = e^(x[i] - shift)` for every element; returns their sum (in lanes, then
+/// pairwise: a left-to-right sum was a serial chain of additions).
 pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
     for v in x.iter_mut() {
         *v = exp_f32(*v - shift);
     }
-    x.iter().sum()
+    let mut lanes = [0f32; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            lanes[i] += c[i];
+        }
+    }
+    chunks.remainder().iter().fold(tree_sum(lanes), |s, v| s + v)
 }
 }
 
@@ -230,6 +313,24 @@ mod tests {
                             .sum::<f64>();
                     assert!((acc[i] as f64 - e).abs() < 1e-4, "d={d} n={n} i={i}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn logits_and_rescale_match_the_layers_transform() {
+        let mut layer = crate::AttentionLayerSpec::new(4, 2, 64);
+        for cap in [None, Some(50.0)] {
+            layer.logits_soft_cap = cap;
+            for n in [0, 1, 15, 16, 17, 40] {
+                let raw: Vec<f32> = (0..n).map(|i| (i as f32 * 1.7).sin() * 90.0).collect();
+                let mut logits = raw.clone();
+                let (new_max, alpha) = logits_and_rescale(&mut logits, layer.scale, cap, 0.5);
+                let want: Vec<f32> = raw.iter().map(|r| layer.transform_score(*r)).collect();
+                assert_eq!(logits, want, "cap {cap:?} n {n}");
+                let want_max = want.iter().fold(0.5f32, |m, x| m.max(*x));
+                assert_eq!(new_max, want_max);
+                assert_eq!(alpha, exp_f32(0.5 - want_max));
             }
         }
     }

@@ -77,7 +77,9 @@ def _binary() -> Path:
     path = Path(os.environ.get("LANTERN_BIN", ROOT / "target" / "release" / "lantern"))
     if not path.exists():
         subprocess.run(
-            ["cargo", "build", "--release", "-p", "lantern-cli"], cwd=ROOT, check=True
+            # The whole workspace, as the other commands build it: `-p` would resolve
+            # dependency features differently and rebuild them.
+            ["cargo", "build", "--release", "--workspace"], cwd=ROOT, check=True
         )
     if not path.exists():
         raise RuntimeError(f"no lantern binary at {path}; set LANTERN_BIN")

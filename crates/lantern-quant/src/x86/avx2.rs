@@ -144,8 +144,9 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: Ti
     let qbp = ty.packed_quant_bytes();
     let sbp = ty.packed_scale_bytes();
     let unit = ty.scale_unit();
-    // Q8_0 multiplies signed quants directly: no offset to correct.
-    let off = if planes == Planes::Bytes {
+    // Q8_0 at AVX2 multiplies signed quants directly (no offset to correct); with
+    // AVX-VNNI its biased bytes go straight into `vpdpbusd`, as at AVX-512.
+    let off = if planes == Planes::Bytes && !V {
         0
     } else {
         ty.offset()
@@ -180,16 +181,20 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: Ti
                 for p in 0..P {
                     for h in 0..2 {
                         let v = _mm256_load_si256(rec(p, h).add(c * 64).cast());
-                        w[p][h] = _mm256_xor_si256(v, flip);
+                        w[p][h] = if V { v } else { _mm256_xor_si256(v, flip) };
                     }
                 }
                 for t in 0..T {
                     let av = bcast4(a.aq.add((t * nb + b) * BLOCK + 4 * c));
                     for p in 0..P {
                         for h in 0..2 {
-                            let wabs = _mm256_abs_epi8(w[p][h]);
-                            let asgn = _mm256_sign_epi8(av, w[p][h]);
-                            lo[p][h][t] = dot4_acc::<V>(lo[p][h][t], wabs, asgn);
+                            lo[p][h][t] = if V {
+                                _mm256_dpbusd_avx_epi32(lo[p][h][t], w[p][h], av)
+                            } else {
+                                let wabs = _mm256_abs_epi8(w[p][h]);
+                                let asgn = _mm256_sign_epi8(av, w[p][h]);
+                                _mm256_add_epi32(lo[p][h][t], dot4(wabs, asgn))
+                            };
                         }
                     }
                 }

@@ -34,7 +34,9 @@ pub struct QueryRowBuffer {
 impl QueryRowBuffer {
     /// A buffer for a request of `prompt_len` prompt tokens and up to `max_tokens`
     /// generated ones, in a model of `num_layers` layers whose captured layers have
-    /// `num_heads` query heads of `head_dim`. Memory grows as rows arrive.
+    /// `num_heads` query heads of `head_dim`. A layer's rows are reserved at its first
+    /// record, for every position the selection can reach (what admission counts,
+    /// never a doubled capacity); the pages are written, so resident, as rows arrive.
     pub fn new(
         spec: CaptureSpec,
         num_layers: usize,
@@ -149,6 +151,7 @@ impl QueryRowBuffer {
         }
         let row_len = self.row_len();
         let needed = (wanted.end - self.positions.start) * row_len;
+        let full = self.positions.len() * row_len;
         let all_heads = self.spec.heads.len() == self.num_heads;
         let keep_out = self.spec.keep_attention_output;
         for (plane, src) in [(&mut self.q[slot], q)]
@@ -156,6 +159,7 @@ impl QueryRowBuffer {
             .chain(keep_out.then(|| (&mut self.out[slot], out)))
         {
             if plane.len() < needed {
+                plane.reserve_exact(full.max(needed) - plane.len());
                 plane.resize(needed, 0.0);
             }
             let dst_start = (wanted.start - self.positions.start) * row_len;
@@ -177,9 +181,15 @@ impl QueryRowBuffer {
         self.filled_to = self.filled_to.max(wanted.end);
     }
 
-    /// Bytes held by the buffered rows.
+    /// Bytes allocated for the buffered rows.
     pub fn size_bytes(&self) -> usize {
-        (self.q.iter().chain(&self.out).map(Vec::len).sum::<usize>()) * 4
+        (self
+            .q
+            .iter()
+            .chain(&self.out)
+            .map(Vec::capacity)
+            .sum::<usize>())
+            * 4
     }
 }
 
@@ -320,5 +330,38 @@ mod tests {
         assert_eq!(b.query(0, 3, 1).unwrap(), [310.0, 311.0]);
         b.record(0, 0, &q, &q);
         assert_eq!(b.query(0, 3, 1).unwrap(), [310.0, 311.0]);
+    }
+
+    #[test]
+    fn holds_exactly_the_rows_admission_counts() {
+        // 10 prompt rows in chunks of 3, then 4 decodes: a doubling vector would hold
+        // 24 rows after the fourth chunk.
+        let mut b = QueryRowBuffer::new(
+            spec(vec![0, 2], vec![0, 1, 2], RowSelection::All),
+            4,
+            3,
+            2,
+            10,
+            4,
+        );
+        let steps = [
+            (0, 3),
+            (3, 3),
+            (6, 3),
+            (9, 1),
+            (10, 1),
+            (11, 1),
+            (12, 1),
+            (13, 1),
+        ];
+        for (first, n) in steps {
+            let q = batch(first, n, 3, 2);
+            for layer in 0..4 {
+                b.record(layer, first, &q, &q);
+            }
+        }
+        // 2 layers x (queries and outputs) x 14 rows x 3 heads x 2 dims x 4 bytes.
+        assert_eq!(b.size_bytes(), 2 * 2 * 14 * 3 * 2 * 4);
+        assert_eq!(b.query(1, 13, 2).unwrap(), [1320.0, 1321.0]);
     }
 }

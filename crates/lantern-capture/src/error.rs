@@ -10,8 +10,9 @@ pub enum CaptureError {
         field: &'static str,
         message: String,
     },
-    /// The capture would be larger than allowed.
-    #[error("the attention capture would take about {estimate_bytes} bytes, over the limit of {limit_bytes} bytes; ask for fewer layers, heads or rows, a reduction, top-k or float16")]
+    /// The capture would hold more than allowed: `estimate_bytes` is its admission
+    /// figure ([`crate::CaptureSpec::admission_bytes`]).
+    #[error("the attention capture would take about {estimate_bytes} bytes (its maps and the query rows, keys and scratch that compute them), over the limit of {limit_bytes} bytes; ask for fewer layers, heads or rows, a reduction, top-k or float16")]
     TooLarge {
         estimate_bytes: u64,
         limit_bytes: u64,

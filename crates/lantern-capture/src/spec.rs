@@ -3,6 +3,8 @@
 
 use std::ops::Range;
 
+use lantern_attn::AttentionLayerSpec;
+
 use crate::error::CaptureError;
 
 /// Which query rows (absolute positions) to capture.
@@ -230,7 +232,7 @@ impl CaptureSpec {
     /// and up to `max_tokens` generated ones (the maps and top-k indices, before
     /// compression). Only the rows asked for count, and only the keys they can see:
     /// a map's columns end at its last row (attention is causal), so prompt rows cost
-    /// the same whatever `max_tokens` is.
+    /// the same whatever `max_tokens` is. Admission adds [`Self::working_bytes`].
     pub fn estimate_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
         let total = prompt_len.saturating_add(max_tokens);
         let rows = self.rows.positions(prompt_len, total);
@@ -245,20 +247,69 @@ impl CaptureSpec {
             .saturating_mul(per_row_head)
     }
 
+    /// Bytes a capture holds while it runs beyond what it delivers (an upper bound, for
+    /// a prompt of `prompt_len` tokens and up to `max_tokens` generated ones on layers
+    /// of `geometry`): the query rows buffered during the steps (and the attention
+    /// outputs with `keep_attention_output`), the keys (and values) copied out of the
+    /// cache for every captured layer, the maps as finalizing holds them (f32 values
+    /// and u32 indices whatever the wire dtype, alive while they are encoded), one row
+    /// of every head with its scratch, and the positions and tokens of the metadata.
+    pub fn working_bytes(
+        &self,
+        prompt_len: usize,
+        max_tokens: usize,
+        geometry: CaptureGeometry,
+    ) -> u64 {
+        let total = prompt_len.saturating_add(max_tokens) as u64;
+        let rows = self
+            .rows
+            .positions(prompt_len, prompt_len.saturating_add(max_tokens));
+        let (num_rows, keys) = (rows.len() as u64, rows.end as u64);
+        let layers = self.layers.len() as u64;
+        let heads = self.heads.len() as u64;
+        let head_dim = geometry.head_dim as u64;
+        let copies = if self.keep_attention_output { 2 } else { 1 };
+        let queries = copies * layers * num_rows * heads * head_dim * 4;
+        let key_copies = copies * layers * keys * geometry.num_kv_heads as u64 * head_dim * 4;
+        let width = self.top_k.map_or(keys, |k| (k as u64).min(keys));
+        let per_value = if self.top_k.is_some() { 4 + 4 } else { 4 };
+        let f32_maps = layers * self.output_heads() as u64 * num_rows * width * per_value;
+        // One row of every head (`dense`), the logits, the reduced row and the top-k
+        // selection order (usize per key).
+        let scratch = keys * (heads * 4 + 4 + 4 + 8);
+        let metadata = (num_rows + keys) * 8 + total * 2 * TOKEN_META_BYTES;
+        [queries, key_copies, f32_maps, scratch, metadata]
+            .into_iter()
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// What admission compares with the cap: the delivered maps ([`Self::estimate_bytes`])
+    /// plus what computing them holds ([`Self::working_bytes`]).
+    pub fn admission_bytes(
+        &self,
+        prompt_len: usize,
+        max_tokens: usize,
+        geometry: CaptureGeometry,
+    ) -> u64 {
+        self.estimate_bytes(prompt_len, max_tokens)
+            .saturating_add(self.working_bytes(prompt_len, max_tokens, geometry))
+    }
+
     /// The most tokens (up to `room`) a request may generate with its capture's
-    /// estimate at most `limit_bytes`: `room` when the rows asked for do not grow with
-    /// generation, `None` when not even one token fits.
+    /// admission figure at most `limit_bytes`: `room` when the rows asked for do not
+    /// grow with generation, `None` when not even one token fits.
     pub fn max_tokens_within(
         &self,
         prompt_len: usize,
         room: usize,
         limit_bytes: u64,
+        geometry: CaptureGeometry,
     ) -> Option<usize> {
-        let fits = |m: usize| self.estimate_bytes(prompt_len, m) <= limit_bytes;
+        let fits = |m: usize| self.admission_bytes(prompt_len, m, geometry) <= limit_bytes;
         if !fits(1.min(room)) {
             return None;
         }
-        // The estimate never shrinks as `max_tokens` grows: bisect.
+        // The figure never shrinks as `max_tokens` grows: bisect.
         let (mut lo, mut hi) = (1.min(room), room);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
@@ -271,14 +322,15 @@ impl CaptureSpec {
         Some(lo)
     }
 
-    /// Refuses a capture whose estimate is over `limit_bytes`.
+    /// Refuses a capture whose admission figure is over `limit_bytes`.
     pub fn check_size(
         &self,
         prompt_len: usize,
         max_tokens: usize,
         limit_bytes: u64,
+        geometry: CaptureGeometry,
     ) -> Result<(), CaptureError> {
-        let estimate_bytes = self.estimate_bytes(prompt_len, max_tokens);
+        let estimate_bytes = self.admission_bytes(prompt_len, max_tokens, geometry);
         if estimate_bytes > limit_bytes {
             return Err(CaptureError::TooLarge {
                 estimate_bytes,
@@ -286,6 +338,31 @@ impl CaptureSpec {
             });
         }
         Ok(())
+    }
+}
+
+/// Allowance per position for its [`crate::TokenInfo`] and short text, held in the
+/// pending capture and again in the result's metadata.
+pub const TOKEN_META_BYTES: u64 = 64;
+
+/// The attention shape a capture's working memory depends on: the largest key/value
+/// head count and head size of the captured layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CaptureGeometry {
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl CaptureGeometry {
+    /// The geometry of `spec`'s layers among the model's `attention` layers.
+    pub fn of_layers(spec: &CaptureSpec, attention: &[AttentionLayerSpec]) -> Self {
+        spec.layers
+            .iter()
+            .filter_map(|&l| attention.get(l))
+            .fold(Self::default(), |g, a| Self {
+                num_kv_heads: g.num_kv_heads.max(a.num_kv_heads),
+                head_dim: g.head_dim.max(a.head_dim),
+            })
     }
 }
 
@@ -347,8 +424,10 @@ mod tests {
         assert_eq!(s.estimate_bytes(6, 4), 2 * 10 * 10 * 2);
         s.top_k = Some(3);
         assert_eq!(s.estimate_bytes(6, 4), 2 * 10 * 3 * (2 + 4));
-        assert!(s.check_size(6, 4, 10).is_err());
-        assert!(s.check_size(6, 4, 1000).is_ok());
+        let figure = s.admission_bytes(6, 4, GEOMETRY);
+        assert!(figure > s.estimate_bytes(6, 4));
+        assert!(s.check_size(6, 4, figure - 1, GEOMETRY).is_err());
+        assert!(s.check_size(6, 4, figure, GEOMETRY).is_ok());
     }
 
     #[test]
@@ -365,16 +444,69 @@ mod tests {
         assert_eq!(s.estimate_bytes(6, 100), 2 * 3 * 3 * 5 * 4);
     }
 
+    const GEOMETRY: CaptureGeometry = CaptureGeometry {
+        num_kv_heads: 1,
+        head_dim: 8,
+    };
+
+    #[test]
+    fn working_bytes_count_queries_keys_f32_maps_and_scratch() {
+        // 1,000 prompt rows of 30 layers, 9 heads of 64 (3 kv heads), top-1: the maps
+        // delivered are a few hundred KB, the queries alone 69 MB.
+        let mut s = CaptureSpec::everything(30, 9);
+        s.rows = RowSelection::Prompt;
+        s.reduce = HeadReduce::MeanHeads;
+        s.top_k = Some(1);
+        let g = CaptureGeometry {
+            num_kv_heads: 3,
+            head_dim: 64,
+        };
+        let (n, layers) = (1000u64, 30u64);
+        assert_eq!(s.estimate_bytes(1000, 0), layers * n * (4 + 4));
+        let queries = layers * n * 9 * 64 * 4;
+        let keys = layers * n * 3 * 64 * 4;
+        let f32_maps = layers * n * (4 + 4);
+        let scratch = n * (9 * 4 + 4 + 4 + 8);
+        let metadata = 2 * n * 8 + 2 * n * TOKEN_META_BYTES;
+        let working = queries + keys + f32_maps + scratch + metadata;
+        assert_eq!(s.working_bytes(1000, 0, g), working);
+        assert_eq!(s.admission_bytes(1000, 0, g), working + layers * n * 8);
+        assert!(queries > 69_000_000);
+        // Outputs kept beside the queries, and values beside the keys, double both.
+        s.keep_attention_output = true;
+        assert_eq!(s.working_bytes(1000, 0, g), working + queries + keys);
+        let e = s.check_size(1000, 0, 1 << 20, g).unwrap_err().to_string();
+        let figure = s.admission_bytes(1000, 0, g);
+        assert!(e.contains(&figure.to_string()), "{e}");
+    }
+
+    #[test]
+    fn geometry_is_the_largest_of_the_captured_layers() {
+        let attention = [
+            AttentionLayerSpec::new(8, 2, 64),
+            AttentionLayerSpec::new(8, 4, 32),
+            AttentionLayerSpec::new(8, 8, 128),
+        ];
+        let mut s = CaptureSpec::everything(3, 8);
+        s.layers = vec![0, 1];
+        let g = CaptureGeometry::of_layers(&s, &attention);
+        assert_eq!((g.num_kv_heads, g.head_dim), (4, 64));
+    }
+
     #[test]
     fn max_tokens_within_the_cap() {
         let mut s = CaptureSpec::everything(1, 1);
-        // 1 x 1 x n x n x 4 <= 400 while n <= 10: a prompt of 4 leaves 6 tokens.
-        assert_eq!(s.max_tokens_within(4, 1000, 400), Some(6));
-        assert_eq!(s.max_tokens_within(4, 3, 400), Some(3));
-        assert_eq!(s.max_tokens_within(10, 1000, 400), None);
+        let fits = |s: &CaptureSpec, p, m| s.admission_bytes(p, m, GEOMETRY) <= 4000;
+        // The figure grows with every row: a prompt of 4 leaves the most tokens that fit.
+        let m = s.max_tokens_within(4, 1000, 4000, GEOMETRY).unwrap();
+        assert!(m > 0 && fits(&s, 4, m) && !fits(&s, 4, m + 1), "{m}");
+        assert_eq!(s.max_tokens_within(4, m - 1, 4000, GEOMETRY), Some(m - 1));
+        assert_eq!(s.max_tokens_within(4 + m, 1000, 4000, GEOMETRY), None);
         s.rows = RowSelection::Prompt;
-        assert_eq!(s.max_tokens_within(10, 1000, 400), Some(1000));
-        assert_eq!(s.max_tokens_within(11, 1000, 400), None);
-        assert_eq!(s.max_tokens_within(4, 0, 400), Some(0));
+        // Prompt rows do not grow with generation (only the tokens' metadata does).
+        let p = 8;
+        assert!(fits(&s, p, 1));
+        assert!(s.max_tokens_within(p, 1000, 4000, GEOMETRY).unwrap() >= 1);
+        assert_eq!(s.max_tokens_within(4, 0, 4000, GEOMETRY), Some(0));
     }
 }

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
-    wire, CaptureDtype, CaptureError, CaptureFailure, CaptureSpec, CaptureWorker, HeadReduce,
-    Pacer, PendingCapture, RowSelection,
+    wire, CaptureDtype, CaptureError, CaptureFailure, CaptureGeometry, CaptureSpec, CaptureWorker,
+    HeadReduce, Pacer, PendingCapture, RowSelection,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
@@ -228,14 +228,16 @@ pub fn parse_capture_request(
     Ok(Some(CaptureRequest { spec, delivery }))
 }
 
-/// Refuses a capture whose estimated size is over the server's cap, before any work.
+/// Refuses a capture whose admission figure (maps plus the memory computing them
+/// holds) is over the server's cap, before any work.
 pub fn check_capture_size(
     spec: &CaptureSpec,
     prompt_len: usize,
     max_tokens: usize,
     limit: u64,
+    geometry: CaptureGeometry,
 ) -> Result<(), InvalidRequest> {
-    spec.check_size(prompt_len, max_tokens, limit)
+    spec.check_size(prompt_len, max_tokens, limit, geometry)
         .map_err(|e| match e {
             CaptureError::TooLarge {
                 estimate_bytes,
@@ -676,11 +678,17 @@ mod tests {
     }
 
     #[test]
-    fn size_cap_gives_the_estimate() {
+    fn size_cap_gives_the_admission_figure() {
         let spec = parse(json!({"attn_capture": true})).unwrap().unwrap().spec;
-        let e = ApiError::from(check_capture_size(&spec, 100, 100, 1000).unwrap_err());
-        let estimate = 30 * 9 * 200 * 200 * 4;
-        assert!(e.message.contains(&estimate.to_string()), "{}", e.message);
+        let geometry = CaptureGeometry {
+            num_kv_heads: 3,
+            head_dim: 64,
+        };
+        let e = ApiError::from(check_capture_size(&spec, 100, 100, 1000, geometry).unwrap_err());
+        let figure = spec.admission_bytes(100, 100, geometry);
+        // More than the maps alone (30 layers x 9 heads x 200 rows x 200 keys x 4 bytes).
+        assert!(figure > 30 * 9 * 200 * 200 * 4);
+        assert!(e.message.contains(&figure.to_string()), "{}", e.message);
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.code, Some("capture_too_large"));
         assert_eq!(e.param.as_deref(), Some("attn_capture"));

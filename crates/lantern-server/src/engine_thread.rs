@@ -965,12 +965,16 @@ impl EngineLoop {
         };
         let max_tokens = match &item.capture {
             Some(capture) => {
+                let geometry = lantern_engine::lantern_capture::CaptureGeometry::of_layers(
+                    &capture.spec,
+                    &self.engine.model_info().attention,
+                );
                 // Unasked, generation stops where the capture would outgrow the cap.
                 let max_tokens = match item.max_tokens {
                     Some(m) => m,
                     None => capture
                         .spec
-                        .max_tokens_within(ids.len(), max_tokens, capture.max_bytes)
+                        .max_tokens_within(ids.len(), max_tokens, capture.max_bytes, geometry)
                         .unwrap_or(max_tokens.min(1)),
                 };
                 crate::capture::check_capture_size(
@@ -978,6 +982,7 @@ impl EngineLoop {
                     ids.len(),
                     max_tokens,
                     capture.max_bytes,
+                    geometry,
                 )?;
                 max_tokens
             }

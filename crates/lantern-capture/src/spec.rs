@@ -283,8 +283,16 @@ impl CaptureSpec {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// What admission compares with the cap: the delivered maps ([`Self::estimate_bytes`])
-    /// plus what computing them holds ([`Self::working_bytes`]).
+    /// What encoding holds beside the finalized maps and the encoded bytes: the
+    /// safetensors encoder (reference and file delivery) copies the maps into the wire
+    /// dtype before serializing them, one more delivered size.
+    pub fn encoding_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        self.estimate_bytes(prompt_len, max_tokens)
+    }
+
+    /// What admission compares with the cap: the delivered maps ([`Self::estimate_bytes`]),
+    /// what computing them holds ([`Self::working_bytes`]) and what encoding them holds
+    /// ([`Self::encoding_bytes`]).
     pub fn admission_bytes(
         &self,
         prompt_len: usize,
@@ -293,6 +301,7 @@ impl CaptureSpec {
     ) -> u64 {
         self.estimate_bytes(prompt_len, max_tokens)
             .saturating_add(self.working_bytes(prompt_len, max_tokens, geometry))
+            .saturating_add(self.encoding_bytes(prompt_len, max_tokens))
     }
 
     /// The most tokens (up to `room`) a request may generate with its capture's
@@ -470,7 +479,8 @@ mod tests {
         let metadata = 2 * n * 8 + 2 * n * TOKEN_META_BYTES;
         let working = queries + keys + f32_maps + scratch + metadata;
         assert_eq!(s.working_bytes(1000, 0, g), working);
-        assert_eq!(s.admission_bytes(1000, 0, g), working + layers * n * 8);
+        // The maps delivered, and once more while safetensors encodes them.
+        assert_eq!(s.admission_bytes(1000, 0, g), working + 2 * layers * n * 8);
         assert!(queries > 69_000_000);
         // Outputs kept beside the queries, and values beside the keys, double both.
         s.keep_attention_output = true;

@@ -127,6 +127,7 @@ fn a_capture_peaks_within_its_admission_figure() {
         let prompt_len = TOKENS - GENERATED;
         let delivered = spec.estimate_bytes(prompt_len, GENERATED);
         let figure = spec.admission_bytes(prompt_len, GENERATED, GEOMETRY) as usize;
+        let working = spec.working_bytes(prompt_len, GENERATED, GEOMETRY) as usize;
 
         let before = LIVE.load(Ordering::Relaxed);
         PEAK.store(before, Ordering::Relaxed);
@@ -145,9 +146,8 @@ fn a_capture_peaks_within_its_admission_figure() {
             .map(|m| m.values.len() * wire_value_bytes + m.indices.as_ref().map_or(0, Vec::len) * 4)
             .sum();
         assert_eq!(map_bytes as u64, delivered, "{case}: the delivered size");
-        // The figure counts the encoded maps beside everything finalizing holds; the
-        // encoded bytes do not exist yet here.
-        let working = figure - delivered as usize;
+        // The figure counts the encoded maps and the encoder's copy beside everything
+        // finalizing holds; neither exists yet here.
         assert!(
             peak <= working + slack,
             "{case}: the capture peaked at {peak} bytes, over its working figure {working} (admission {figure}; a dense buffer would be {dense_bytes} more)"
@@ -157,10 +157,25 @@ fn a_capture_peaks_within_its_admission_figure() {
             peak * 5 >= working * 4,
             "{case}: peak {peak}, working {working}"
         );
-        eprintln!("{case}: peak {peak} bytes, working figure {working}, delivered {delivered}");
+        // Encoding for reference or file delivery (safetensors) stays within the whole
+        // admission figure. The server drops the pending capture (queries, keys) when
+        // finalizing returns, before encoding, as here.
+        drop(capture);
+        PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+        let encoded = lantern_capture::wire::to_safetensors(&result, dtype).unwrap();
+        let peak_encoding = PEAK.load(Ordering::Relaxed) - before;
+        assert!(
+            peak_encoding <= figure + slack,
+            "{case}: encoding peaked at {peak_encoding} bytes, over the admission figure {figure}"
+        );
+        drop(encoded);
+        eprintln!(
+            "{case}: peak {peak} bytes (encoding {peak_encoding}), working figure {working}, \
+             delivered {delivered}, admission {figure}"
+        );
         // Each row is a distribution (or its top part).
         let row_sum: f32 = map.values[..heads * width].iter().sum();
         assert!(row_sum > 0.0 && row_sum <= heads as f32 + 1e-4, "{row_sum}");
-        drop((capture, result));
+        drop(result);
     }
 }

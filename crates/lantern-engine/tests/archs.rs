@@ -70,6 +70,14 @@ const fn case(
     }
 }
 
+/// An exact row of a two-layer RoPE-scaling fixture, held to 1e-4 (measured within 5e-5).
+const fn rope_scaling_case(arch: &'static str, model: &'static str) -> Case {
+    Case {
+        logit_tolerance: 1e-4,
+        ..case(arch, model, "", Weights::Exact)
+    }
+}
+
 use Weights::{Exact, Quantized};
 
 /// GGUF files mean what llama.cpp does with them: Mistral's has no window and Gemma 2's
@@ -122,24 +130,12 @@ const CASES: &[Case] = &[
     // Qwen2.5-style yarn, DeepSeek-style yarn (beta_fast/beta_slow, mscale), linear.
     // Two layers of width 64: measured within 5e-5, so held to 1e-4; getting the yarn
     // attention factor wrong moves the last logits by 2-3, the scaling off by 12.
-    Case {
-        logit_tolerance: 1e-4,
-        ..case("qwen2_yarn", "hf", "", Exact)
-    },
+    rope_scaling_case("qwen2_yarn", "hf"),
     // The same model as GGUF (`rope.scaling.*` keys only: llama.cpp's own attention
     // factor, which is transformers' default).
-    Case {
-        logit_tolerance: 1e-4,
-        ..case("qwen2_yarn", "gguf/qwen2_yarn.bf16.gguf", "", Exact)
-    },
-    Case {
-        logit_tolerance: 1e-4,
-        ..case("llama_yarn", "hf", "", Exact)
-    },
-    Case {
-        logit_tolerance: 1e-4,
-        ..case("llama_linear", "hf", "", Exact)
-    },
+    rope_scaling_case("qwen2_yarn", "gguf/qwen2_yarn.bf16.gguf"),
+    rope_scaling_case("llama_yarn", "hf"),
+    rope_scaling_case("llama_linear", "hf"),
 ];
 
 /// Logits, absolute. The arithmetic is the reference's (float32 on the same weights),

@@ -34,27 +34,22 @@ impl Kernel {
 
     /// The best level this CPU runs.
     pub fn detect() -> Kernel {
-        *DETECTED.get_or_init(|| {
-            Kernel::ALL
-                .into_iter()
-                .rev()
-                .find(|k| k.cpu_has())
-                .unwrap_or(Kernel::Scalar)
-        })
+        Kernel::Avx512.capped()
     }
 
-    /// Whether this CPU runs the level. Levels are not nested: a CPU with AVX-512 VNNI
-    /// may lack AVX-VNNI (Ice Lake, Cascade Lake).
+    /// Whether this CPU runs the level (detected once). Levels are not nested: a CPU
+    /// with AVX-512 VNNI may lack AVX-VNNI (Ice Lake, Cascade Lake).
     pub fn available(self) -> bool {
-        self.cpu_has()
+        AVAILABLE.get_or_init(|| Kernel::ALL.map(Kernel::cpu_has))[self as usize]
     }
 
-    /// `self`, lowered to the best level at or below it this CPU runs.
+    /// `self`, lowered to the best level at or below it this CPU runs (every matrix
+    /// product asks, so it reads the cached detection).
     pub fn capped(self) -> Kernel {
         Kernel::ALL
             .into_iter()
             .rev()
-            .find(|k| *k <= self && k.cpu_has())
+            .find(|k| *k <= self && k.available())
             .unwrap_or(Kernel::Scalar)
     }
 
@@ -103,7 +98,8 @@ impl std::fmt::Display for Kernel {
     }
 }
 
-static DETECTED: OnceLock<Kernel> = OnceLock::new();
+/// `cpu_has` of each level, indexed by `Kernel as usize` (the order of `Kernel::ALL`).
+static AVAILABLE: OnceLock<[bool; 4]> = OnceLock::new();
 static FROM_ENV: OnceLock<Kernel> = OnceLock::new();
 /// 0: no override; otherwise `Kernel::to_u8` of the forced level.
 static FORCED: AtomicU8 = AtomicU8::new(0);

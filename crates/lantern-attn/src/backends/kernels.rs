@@ -190,7 +190,7 @@ pub(crate) fn logits_and_rescale(
     let tile_max = chunks
         .remainder()
         .iter()
-        .fold(tree_max(lanes), |m, x| m.max(*x));
+        .fold(tree_reduce(lanes, f32::max), |m, x| m.max(*x));
     let new_max = running_max.max(tile_max);
     // Past the first tiles the maximum rarely moves: skip the exponential's latency then
     // (`exp_f32(0.0)` is exactly 1).
@@ -203,28 +203,16 @@ pub(crate) fn logits_and_rescale(
 }
 }
 
-/// The maximum of the lanes, halving them level by level (vector shuffles, where a
-/// left-to-right fold is a serial chain of 16 scalar maxima).
+/// The lanes combined with `op` pairwise by halves: vector shuffles where a
+/// left-to-right fold is a serial chain of 16 scalar operations, and a fixed order, so
+/// the same result at every level.
 #[inline(always)]
-fn tree_max(mut lanes: [f32; LANES]) -> f32 {
+fn tree_reduce(mut lanes: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
         for i in 0..width {
-            lanes[i] = lanes[i].max(lanes[i + width]);
-        }
-    }
-    lanes[0]
-}
-
-/// The sum of the lanes, pairwise by halves (a fixed order: the same at every level).
-#[inline(always)]
-fn tree_sum(mut lanes: [f32; LANES]) -> f32 {
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            lanes[i] += lanes[i + width];
+            lanes[i] = op(lanes[i], lanes[i + width]);
         }
     }
     lanes[0]
@@ -244,7 +232,10 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
             lanes[i] += c[i];
         }
     }
-    chunks.remainder().iter().fold(tree_sum(lanes), |s, v| s + v)
+    chunks
+        .remainder()
+        .iter()
+        .fold(tree_reduce(lanes, |a, b| a + b), |s, v| s + v)
 }
 }
 

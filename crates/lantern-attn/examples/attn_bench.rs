@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lantern_attn::{
-    backend_by_name, AttentionBackend, AttentionLayerSpec, CacheGeometry, CommonAttentionMetadata,
-    PagedKvCache, ScheduledSeq,
+    backend_by_name, tensor3, AttentionBackend, AttentionLayerSpec, CacheGeometry,
+    CommonAttentionMetadata, ScheduledSeq,
 };
 use lantern_kv::{BlockId, KvDtype};
 use rand::{Rng, SeedableRng};
@@ -38,7 +38,7 @@ fn bench(backend: &dyn AttentionBackend, shape: &Shape, dtype: KvDtype) {
         num_kv_heads: layer.num_kv_heads,
         head_dim: layer.head_dim,
     };
-    let mut cache = PagedKvCache::new(geom, backend.kv_cache_layout(), dtype).unwrap();
+    let mut cache = backend.allocate_cache(geom, dtype).unwrap();
     let seqs: Vec<ScheduledSeq<'_>> = shape
         .reqs
         .iter()
@@ -53,24 +53,29 @@ fn bench(backend: &dyn AttentionBackend, shape: &Shape, dtype: KvDtype) {
     let common = CommonAttentionMetadata::build(&seqs, block_size).unwrap();
     let tokens = common.num_actual_tokens;
     let meta = backend.build_metadata(Arc::new(common));
-    let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
-    let q = gen(tokens * 32 * 128);
-    let k = gen(tokens * 8 * 128);
-    let v = gen(tokens * 8 * 128);
-    let mut out = vec![0.0; q.len()];
+    let device = backend.device();
+    let mut gen = |heads: usize| {
+        let values = (0..tokens * heads * 128)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        tensor3(values, [tokens, heads, 128], &device).unwrap()
+    };
+    let q = gen(32);
+    let k = gen(8);
+    let v = gen(8);
     let keys: usize = shape
         .reqs
         .iter()
         .map(|&(c, s)| (0..s).map(|i| c + i + 1).sum::<usize>())
         .sum();
     backend
-        .forward(&layer, &meta, &q, &k, &v, &mut cache, &mut out)
+        .forward(&layer, &meta, &q, &k, &v, cache.as_mut())
         .unwrap();
     let iters = 5;
     let start = Instant::now();
     for _ in 0..iters {
         backend
-            .forward(&layer, &meta, &q, &k, &v, &mut cache, &mut out)
+            .forward(&layer, &meta, &q, &k, &v, cache.as_mut())
             .unwrap();
     }
     let secs = start.elapsed().as_secs_f64() / iters as f64;

@@ -1,19 +1,25 @@
 //! The attention backend interface, device-agnostic.
 //!
-//! A backend declares the layout of the cache it wants, builds its per-step metadata
-//! once per KV cache group, and runs one layer's attention: write this step's K/V into
-//! the cache by slot mapping, then attend over each request's keys read back from the
-//! paged cache. Nothing here assumes a CPU: buffers cross the trait as host slices only
-//! because the CPU backends are the ones that exist; CPU specifics live in `backends/`.
+//! A backend declares the layout of the cache it wants and allocates its caches itself,
+//! builds its per-step metadata once per KV cache group, and runs one layer's attention:
+//! write this step's K/V into the cache by slot mapping, then attend over each request's
+//! keys read back from the paged cache. Queries, keys, values and the output cross the
+//! trait as tensors on the backend's device ([`crate::device`]); caches cross it as
+//! [`LayerKvCache`] trait objects only the allocating backend looks into; capture reads
+//! keys back through [`AttentionBackend::read_slots`]. CPU specifics live in `backends/`.
 
+use std::any::Any;
+use std::fmt;
 use std::sync::{Arc, OnceLock};
+
+use lantern_kv::KvDtype;
 
 use crate::backends::cpu_flash::CpuFlashBackend;
 use crate::backends::cpu_reference::CpuReferenceBackend;
-use crate::cache::PagedKvCache;
+use crate::device::{expect_f32_dims, Device, LayerKvCache, Tensor};
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
-use crate::layout::KvCacheLayout;
+use crate::layout::{CacheGeometry, KvCacheLayout};
 use crate::local::{make_local_attention_virtual_batches, LocalVirtualBatch};
 use crate::metadata::{split_decodes_and_prefills, CommonAttentionMetadata, DecodePrefillSplit};
 
@@ -40,6 +46,19 @@ pub struct AttentionMetadata {
     pub split: DecodePrefillSplit,
     /// The virtual batch of `common` for one chunk size, once built.
     local: OnceLock<LocalEntry>,
+    /// What the backend derived from `common` for its device (e.g. block tables uploaded
+    /// to device memory), attached by its `build_metadata`; the CPU backends need none.
+    backend_data: Option<BackendData>,
+}
+
+/// A backend's own per-step metadata, typed by the backend that attached it.
+#[derive(Clone)]
+struct BackendData(Arc<dyn Any + Send + Sync>);
+
+impl fmt::Debug for BackendData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BackendData(..)")
+    }
 }
 
 /// A cached virtual batch and what it was built from.
@@ -51,7 +70,8 @@ struct LocalEntry {
     batch: Arc<LocalVirtualBatch>,
 }
 
-/// Equal when `common` and `split` are; the cached virtual batch is derived from them.
+/// Equal when `common` and `split` are; the cached virtual batch and the backend's data
+/// are derived from them.
 impl PartialEq for AttentionMetadata {
     fn eq(&self, other: &Self) -> bool {
         self.common == other.common && self.split == other.split
@@ -68,7 +88,19 @@ impl AttentionMetadata {
             common,
             split,
             local: OnceLock::new(),
+            backend_data: None,
         }
+    }
+
+    /// The same metadata carrying `data`, the backend's own per-step metadata.
+    pub fn with_backend_data<T: Any + Send + Sync>(mut self, data: T) -> Self {
+        self.backend_data = Some(BackendData(Arc::new(data)));
+        self
+    }
+
+    /// The backend's own per-step metadata, if it attached one of type `T`.
+    pub fn backend_data<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.backend_data.as_ref()?.0.downcast_ref()
     }
 
     /// The same metadata with the chunked-local virtual batch for `chunk_size` built
@@ -115,8 +147,19 @@ pub trait AttentionBackend: Send + Sync {
     /// The name [`backend_by_name`] knows it by.
     fn name(&self) -> &'static str;
 
-    /// The layout caches for this backend must be allocated with.
+    /// The device its tensors and caches live on: `forward` takes q, k, v there and
+    /// returns the output there.
+    fn device(&self) -> Device;
+
+    /// The layout of the caches it allocates.
     fn kv_cache_layout(&self) -> KvCacheLayout;
+
+    /// A zeroed cache for one layer, of its own type, on its device.
+    fn allocate_cache(
+        &self,
+        geometry: CacheGeometry,
+        dtype: KvDtype,
+    ) -> Result<Box<dyn LayerKvCache>, AttnError>;
 
     /// Built once per step per KV cache group, shared by all layers of the group.
     fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata;
@@ -137,23 +180,34 @@ pub trait AttentionBackend: Send + Sync {
     }
 
     /// q: `[num_tokens, num_heads, head_dim]`; k, v: `[num_tokens, num_kv_heads,
-    /// head_dim]` for this step's tokens. Writes k, v into `cache` by the slot mapping,
-    /// then computes attention for every query token over the request's keys (from the
-    /// cache, through the layout) with the layer's mask/scale/soft-cap/sinks.
-    /// out: `[num_tokens, num_heads, head_dim]`.
+    /// head_dim]` for this step's tokens, f32 tensors on [`Self::device`]. Writes k, v
+    /// into `cache` (which this backend allocated) by the slot mapping, then computes
+    /// attention for every query token over the request's keys (from the cache, through
+    /// the layout) with the layer's mask/scale/soft-cap/sinks. Returns the output,
+    /// `[num_tokens, num_heads, head_dim]` on the same device.
     ///
     /// Tokens of this step whose slot is padding (see `ScheduledSeq::slot_window`) are
     /// not in the cache; their K/V are taken from `k`/`v`, rounded to the cache's type.
-    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         layer: &AttentionLayerSpec,
         meta: &AttentionMetadata,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        cache: &mut PagedKvCache,
-        out: &mut [f32],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerKvCache,
+    ) -> Result<Tensor, AttnError>;
+
+    /// Copies the keys at `slots` of `cache` (which this backend allocated) into `keys`,
+    /// and the values into `values` when given, as host f32 `[slots.len(), num_kv_heads,
+    /// head_dim]`. Attention capture calls it once per captured layer when a request
+    /// finishes; a device backend copies from device memory here.
+    fn read_slots(
+        &self,
+        cache: &dyn LayerKvCache,
+        slots: &[usize],
+        keys: &mut [f32],
+        values: Option<&mut [f32]>,
     ) -> Result<(), AttnError>;
 }
 
@@ -171,18 +225,14 @@ pub fn backend_by_name(name: &str) -> Result<Box<dyn AttentionBackend>, AttnErro
 
 /// Checks everything a backend relies on before it touches a buffer: the layer spec,
 /// the cache's layout and geometry against the backend and the layer, the metadata's
-/// consistency, block ids inside the cache, and the lengths of `q`, `k`, `v`, `out`.
-/// After this returns `Ok`, indexing by the metadata cannot go out of bounds.
-#[allow(clippy::too_many_arguments)]
+/// consistency, block ids inside the cache, and the element type and shapes of `q`, `k`,
+/// `v`. After this returns `Ok`, indexing by the metadata cannot go out of bounds.
 pub fn validate_forward_inputs(
     backend_layout: &KvCacheLayout,
     layer: &AttentionLayerSpec,
     common: &CommonAttentionMetadata,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    cache: &PagedKvCache,
-    out: &[f32],
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    cache: &dyn LayerKvCache,
 ) -> Result<(), AttnError> {
     layer.validate()?;
     if cache.layout() != backend_layout {
@@ -230,27 +280,8 @@ pub fn validate_forward_inputs(
         }
     }
     let t = common.num_actual_tokens;
-    let q_len = layer
-        .num_heads
-        .checked_mul(layer.head_dim)
-        .and_then(|n| n.checked_mul(t));
-    let kv_len = layer
-        .num_kv_heads
-        .checked_mul(layer.head_dim)
-        .and_then(|n| n.checked_mul(t));
-    for (what, got, expected) in [
-        ("q", q.len(), q_len),
-        ("k", k.len(), kv_len),
-        ("v", v.len(), kv_len),
-        ("out", out.len(), q_len),
-    ] {
-        if Some(got) != expected {
-            return Err(AttnError::LengthMismatch {
-                what,
-                expected: expected.unwrap_or(usize::MAX),
-                got,
-            });
-        }
-    }
+    expect_f32_dims("q", q, &[t, layer.num_heads, layer.head_dim])?;
+    expect_f32_dims("k", k, &[t, layer.num_kv_heads, layer.head_dim])?;
+    expect_f32_dims("v", v, &[t, layer.num_kv_heads, layer.head_dim])?;
     Ok(())
 }

@@ -261,6 +261,34 @@ impl PagedKvCache {
         self.read_row(VALUE, slot, head, out)
     }
 
+    /// Reads the keys of `slots` into `keys`, and their values into `values` when given,
+    /// every kv head: `[slots.len(), num_kv_heads, head_dim]` f32. A slot outside the cache
+    /// or a buffer of the wrong length is an error.
+    pub fn read_slots(
+        &self,
+        slots: &[usize],
+        keys: &mut [f32],
+        mut values: Option<&mut [f32]>,
+    ) -> Result<(), AttnError> {
+        let row = self.geometry.token_row_len();
+        let expected = slots.len().saturating_mul(row);
+        self.check_len("keys", keys.len(), expected)?;
+        if let Some(v) = values.as_deref() {
+            self.check_len("values", v.len(), expected)?;
+        }
+        let (dim, heads) = (self.geometry.head_dim, self.geometry.num_kv_heads);
+        for (i, &slot) in slots.iter().enumerate() {
+            for h in 0..heads {
+                let at = i * row + h * dim..i * row + (h + 1) * dim;
+                self.read_key(slot, h, &mut keys[at.clone()])?;
+                if let Some(v) = values.as_deref_mut() {
+                    self.read_value(slot, h, &mut v[at])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn read_row(
         &self,
         kv: usize,

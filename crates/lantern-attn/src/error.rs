@@ -37,6 +37,26 @@ pub enum AttnError {
         got: usize,
     },
 
+    /// A tensor crossing the backend boundary with the wrong shape.
+    #[error("{what}: expected shape {expected:?}, got {got:?}")]
+    ShapeMismatch {
+        what: &'static str,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+
+    /// A tensor the backend cannot take as it is (element type, device).
+    #[error("{what}: {problem}")]
+    UnsupportedTensor { what: &'static str, problem: String },
+
+    /// A cache handed to a backend that did not allocate it (another backend's type).
+    #[error("the {backend} backend was given a KV cache it did not allocate")]
+    ForeignCache { backend: &'static str },
+
+    /// A tensor operation failed (device copy, allocation on a device).
+    #[error("tensor operation failed: {0}")]
+    Tensor(String),
+
     /// A layer description that is inconsistent (heads not divisible by kv heads, ...).
     #[error("invalid attention layer spec: {0}")]
     InvalidLayerSpec(String),
@@ -63,4 +83,10 @@ pub enum AttnError {
     /// `backend_by_name` was given a name it does not know.
     #[error("unknown attention backend {name:?} (known: {known})")]
     UnknownBackend { name: String, known: String },
+}
+
+impl From<candle_core::Error> for AttnError {
+    fn from(e: candle_core::Error) -> Self {
+        AttnError::Tensor(e.to_string())
+    }
 }

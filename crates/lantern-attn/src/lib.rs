@@ -13,12 +13,15 @@
 //! - [`layer`]: the one description of a layer's attention (mask, scale, soft-cap,
 //!   sinks) used by every backend and by capture.
 //! - [`backend`]: the device-agnostic [`AttentionBackend`] trait and backend lookup.
+//! - [`device`]: what crosses the backend boundary: tensors on the backend's device and
+//!   the [`LayerKvCache`]s a backend allocates.
 //! - [`tap`]: the hook that hands query rows to attention capture.
 //! - [`backends`]: `cpu-reference` (the oracle) and `cpu-flash` (the default on CPU).
 
 pub mod backend;
 pub mod backends;
 pub mod cache;
+pub mod device;
 pub mod error;
 pub mod layer;
 pub mod layout;
@@ -33,6 +36,7 @@ pub use backend::{
 pub use backends::cpu_flash::{CpuFlashBackend, FlashTuning};
 pub use backends::cpu_reference::CpuReferenceBackend;
 pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
+pub use device::{host_f32, tensor3, Device, HostF32, LayerKvCache, Tensor};
 pub use error::AttnError;
 pub use layer::AttentionLayerSpec;
 pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};

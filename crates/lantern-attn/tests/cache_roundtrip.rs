@@ -216,3 +216,62 @@ fn backends_by_name() {
         Err(AttnError::UnknownBackend { .. })
     ));
 }
+
+/// Key reads through a backend (what capture uses) return, for every slot asked, what
+/// the cache's own per-token reads return, in `[slots, kv_heads, head_dim]` order, at
+/// every element type; a slot outside the cache or a short buffer is an error.
+#[test]
+fn backend_slot_reads_match_the_cache() {
+    let mut rng = rng(11);
+    let geom = CacheGeometry {
+        num_blocks: 5,
+        block_size: 4,
+        num_kv_heads: 3,
+        head_dim: 8,
+    };
+    let row = geom.num_kv_heads * geom.head_dim;
+    for name in BACKEND_NAMES {
+        let backend = backend_by_name(name).unwrap();
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
+            let mut cache = backend.allocate_cache(geom, dtype).unwrap();
+            assert_eq!(cache.layout(), &backend.kv_cache_layout());
+            let written: Vec<i64> = (0..20).collect();
+            let k: Vec<f32> = (0..20 * row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..20 * row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let host: &mut PagedKvCache = cache.as_any_mut().downcast_mut().unwrap();
+            host.write(&k, &v, &written).unwrap();
+            let host = host.clone();
+
+            let slots = [17usize, 0, 5, 5, 19];
+            let mut keys = vec![f32::NAN; slots.len() * row];
+            let mut values = vec![f32::NAN; slots.len() * row];
+            backend
+                .read_slots(cache.as_ref(), &slots, &mut keys, Some(&mut values))
+                .unwrap();
+            let mut one = vec![0.0; geom.head_dim];
+            for (i, &slot) in slots.iter().enumerate() {
+                for h in 0..geom.num_kv_heads {
+                    let at = i * row + h * geom.head_dim..i * row + (h + 1) * geom.head_dim;
+                    host.read_key(slot, h, &mut one).unwrap();
+                    assert_eq!(keys[at.clone()], one[..], "{name} {dtype:?} slot {slot}");
+                    host.read_value(slot, h, &mut one).unwrap();
+                    assert_eq!(values[at], one[..], "{name} {dtype:?} slot {slot}");
+                }
+            }
+            let mut keys_only = vec![f32::NAN; slots.len() * row];
+            backend
+                .read_slots(cache.as_ref(), &slots, &mut keys_only, None)
+                .unwrap();
+            assert_eq!(keys_only, keys);
+
+            assert!(matches!(
+                backend.read_slots(cache.as_ref(), &[20], &mut keys[..row], None),
+                Err(AttnError::SlotOutOfRange { .. })
+            ));
+            assert!(matches!(
+                backend.read_slots(cache.as_ref(), &slots, &mut keys[..row], None),
+                Err(AttnError::LengthMismatch { .. })
+            ));
+        }
+    }
+}

@@ -242,12 +242,16 @@ fn chunk_not_a_multiple_of_block_size_is_refused() {
         }];
         let common = Arc::new(CommonAttentionMetadata::build(&seqs, 4).unwrap());
         let meta = backend.build_metadata(Arc::clone(&common));
-        let mut out = vec![0.0; batch.q.len()];
-        let err = backend
-            .forward(
-                &layer, &meta, &batch.q, &batch.k, &batch.v, &mut cache, &mut out,
-            )
-            .unwrap_err();
+        let err = forward_slices(
+            backend.as_ref(),
+            &layer,
+            &meta,
+            &batch.q,
+            &batch.k,
+            &batch.v,
+            &mut cache,
+        )
+        .unwrap_err();
         assert!(matches!(err, AttnError::Unsupported(_)), "{err:?}");
         assert!(
             err.to_string()

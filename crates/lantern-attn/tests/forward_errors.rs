@@ -7,7 +7,7 @@ use std::sync::Arc;
 use common::*;
 use lantern_attn::{
     backend_by_name, AttentionLayerSpec, AttnError, CacheGeometry, CommonAttentionMetadata,
-    KvCacheLayout, KvCacheShape, PagedKvCache, ScheduledSeq, BACKEND_NAMES,
+    KvCacheLayout, KvCacheShape, LayerKvCache, PagedKvCache, ScheduledSeq, BACKEND_NAMES,
 };
 use lantern_kv::KvDtype;
 
@@ -16,7 +16,6 @@ struct Setup {
     common: CommonAttentionMetadata,
     q: Vec<f32>,
     kv: Vec<f32>,
-    out: Vec<f32>,
 }
 
 fn setup() -> Setup {
@@ -32,7 +31,6 @@ fn setup() -> Setup {
     Setup {
         q: vec![0.1; 3 * 4 * 8],
         kv: vec![0.2; 3 * 2 * 8],
-        out: vec![0.0; 3 * 4 * 8],
         layer,
         common,
     }
@@ -53,27 +51,29 @@ fn forward_rejects_bad_input() {
         let backend = backend_by_name(name).unwrap();
         let layout = backend.kv_cache_layout();
         let fresh = || PagedKvCache::new(geom(4), layout, KvDtype::F32).unwrap();
-        let run = |s: &mut Setup, cache: &mut PagedKvCache| {
+        let run = |s: &mut Setup, cache: &mut dyn LayerKvCache| {
             let meta = backend.build_metadata(Arc::new(s.common.clone()));
-            backend.forward(&s.layer, &meta, &s.q, &s.kv, &s.kv, cache, &mut s.out)
+            forward_slices(backend.as_ref(), &s.layer, &meta, &s.q, &s.kv, &s.kv, cache)
         };
 
         let mut s = setup();
-        run(&mut s, &mut fresh()).unwrap();
-        assert!(s.out.iter().all(|x| x.is_finite()));
+        let out = run(&mut s, &mut fresh()).unwrap();
+        assert_eq!(out.len(), 3 * 4 * 8);
+        assert!(out.iter().all(|x| x.is_finite()));
 
         let mut s = setup();
         s.q.pop();
         assert!(matches!(
             run(&mut s, &mut fresh()),
-            Err(AttnError::LengthMismatch { what: "q", .. })
+            Err(AttnError::ShapeMismatch { what: "q", .. })
         ));
 
+        // One token too many for the metadata's three.
         let mut s = setup();
-        s.out.push(0.0);
+        s.q.extend([0.1; 4 * 8]);
         assert!(matches!(
             run(&mut s, &mut fresh()),
-            Err(AttnError::LengthMismatch { what: "out", .. })
+            Err(AttnError::ShapeMismatch { what: "q", .. })
         ));
 
         let mut s = setup();
@@ -161,10 +161,18 @@ fn empty_batch_is_fine() {
             num_kv_heads: 1,
             head_dim: 4,
         };
-        let mut cache = PagedKvCache::new(g, backend.kv_cache_layout(), KvDtype::F16).unwrap();
-        backend
-            .forward(&layer, &meta, &[], &[], &[], &mut cache, &mut [])
-            .unwrap();
+        let mut cache = backend.allocate_cache(g, KvDtype::F16).unwrap();
+        let out = forward_slices(
+            backend.as_ref(),
+            &layer,
+            &meta,
+            &[],
+            &[],
+            &[],
+            cache.as_mut(),
+        )
+        .unwrap();
+        assert!(out.is_empty());
         let _ = rng(0);
     }
 }
@@ -190,8 +198,7 @@ fn released_blocks_only_behind_the_window() {
             let meta = backend.build_metadata(Arc::new(common));
             let mut cache = PagedKvCache::new(geom(4), layout, KvDtype::F32).unwrap();
             let (q, kv) = (vec![0.1; 4 * 8], vec![0.2; 2 * 8]);
-            let mut out = vec![0.0; 4 * 8];
-            backend.forward(layer, &meta, &q, &kv, &kv, &mut cache, &mut out)
+            forward_slices(backend.as_ref(), layer, &meta, &q, &kv, &kv, &mut cache)
         };
         let null = lantern_kv::NULL_BLOCK;
         run(&[null, null, 0, 1], &layer).unwrap();
@@ -203,6 +210,63 @@ fn released_blocks_only_behind_the_window() {
         assert!(matches!(
             run(&[null, null, 0, 1], &layer),
             Err(AttnError::BlockOutOfRange { .. })
+        ));
+    }
+}
+
+/// A cache of a type no CPU backend allocates, standing in for another backend's.
+#[derive(Debug)]
+struct ForeignCache {
+    inner: PagedKvCache,
+}
+
+impl LayerKvCache for ForeignCache {
+    fn geometry(&self) -> &CacheGeometry {
+        self.inner.geometry()
+    }
+    fn layout(&self) -> &KvCacheLayout {
+        self.inner.layout()
+    }
+    fn dtype(&self) -> KvDtype {
+        self.inner.dtype()
+    }
+    fn size_bytes(&self) -> usize {
+        self.inner.size_bytes()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// A backend handed a cache it did not allocate says so, for forward and for key reads,
+/// even when the foreign cache has the right geometry and layout.
+#[test]
+fn another_backends_cache_is_refused() {
+    for name in BACKEND_NAMES {
+        let backend = backend_by_name(name).unwrap();
+        let inner = PagedKvCache::new(geom(4), backend.kv_cache_layout(), KvDtype::F32).unwrap();
+        let mut foreign = ForeignCache { inner };
+        let s = setup();
+        let meta = backend.build_metadata(Arc::new(s.common.clone()));
+        let err = forward_slices(
+            backend.as_ref(),
+            &s.layer,
+            &meta,
+            &s.q,
+            &s.kv,
+            &s.kv,
+            &mut foreign,
+        )
+        .unwrap_err();
+        assert!(matches!(err, AttnError::ForeignCache { .. }), "{err:?}");
+        assert!(err.to_string().contains(name), "{err}");
+        let mut keys = vec![0.0; 2 * 8];
+        assert!(matches!(
+            backend.read_slots(&foreign, &[0], &mut keys, None),
+            Err(AttnError::ForeignCache { .. })
         ));
     }
 }

@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use lantern_attn::AttentionTap;
+use lantern_attn::{host_f32, AttentionTap, AttnError, Tensor};
 
 use crate::spec::CaptureSpec;
 
@@ -252,7 +252,8 @@ impl AttentionTap for StepTap<'_> {
         self.wanted.get(layer).copied().unwrap_or(false)
     }
 
-    fn record(&mut self, layer: usize, q: &[f32], attn_out: &[f32]) {
+    fn record(&mut self, layer: usize, q: &Tensor, attn_out: &Tensor) -> Result<(), AttnError> {
+        let (q, attn_out) = (host_f32(q)?, host_f32(attn_out)?);
         let n = self.token_len;
         for t in &mut self.targets {
             let rows = t.batch_row * n..(t.batch_row + t.num_tokens) * n;
@@ -260,6 +261,7 @@ impl AttentionTap for StepTap<'_> {
                 t.buffer.record(layer, t.first_pos, q, out);
             }
         }
+        Ok(())
     }
 }
 
@@ -303,7 +305,10 @@ mod tests {
             let mut tap = StepTap::new(4, 3, 2);
             tap.add(2, n, first, &mut b);
             assert!(tap.wants_layer(1) && !tap.wants_layer(0));
-            tap.record(1, &q, &out);
+            let shape = [q.len() / 6, 3, 2];
+            let q = lantern_attn::tensor3(q, shape, &lantern_attn::Device::Cpu).unwrap();
+            let out = lantern_attn::tensor3(out, shape, &lantern_attn::Device::Cpu).unwrap();
+            tap.record(1, &q, &out).unwrap();
         }
         assert_eq!(b.filled_to(), 6);
         for pos in 0..6 {

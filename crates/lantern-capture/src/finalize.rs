@@ -2,8 +2,8 @@
 //! back from the paged KV cache.
 //!
 //! When a capturing request finishes, the engine reads the keys (and, for verification,
-//! the values) of the captured layers out of the cache through the cache's layout
-//! ([`snapshot_layer`]) before its blocks are released, so no later request can
+//! the values) of the captured layers out of the cache through the backend that owns it
+//! ([`snapshot_layer`], [`AttentionBackend::read_slots`]) before its blocks are released, so no later request can
 //! overwrite them. The probabilities themselves are computed by
 //! [`PendingCapture::finalize`], which needs nothing from the engine and runs on any
 //! thread: the scores use the layer's own description — scale, causal/window/chunk
@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use lantern_attn::{AttentionLayerSpec, PagedKvCache};
+use lantern_attn::{AttentionBackend, AttentionLayerSpec, LayerKvCache};
 
 use crate::buffer::QueryRowBuffer;
 use crate::error::CaptureError;
@@ -78,16 +78,26 @@ impl KeySnapshot {
     }
 }
 
-/// Reads keys `keys` of a request from one layer's cache, through the cache's layout.
-/// `block_table` is the request's block table in the layer's KV cache group.
+/// Reads keys `keys` of a request from one layer's cache, through the backend that
+/// allocated it. `block_table` is the request's block table in the layer's KV cache group.
 pub fn snapshot_layer(
-    cache: &PagedKvCache,
+    backend: &dyn AttentionBackend,
+    cache: &dyn LayerKvCache,
     block_table: &[u32],
     keys: Range<usize>,
     with_values: bool,
 ) -> Result<KeySnapshot, CaptureError> {
     let geom = *cache.geometry();
     let (heads, dim, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+    let slots = keys
+        .clone()
+        .map(|pos| match block_table.get(pos / bs) {
+            Some(&block) => Ok(block as usize * bs + pos % bs),
+            None => Err(CaptureError::Incomplete(format!(
+                "position {pos} has no block in the block table"
+            ))),
+        })
+        .collect::<Result<Vec<usize>, _>>()?;
     let n = keys.len() * heads * dim;
     let mut k = vec![0f32; n];
     let mut v = if with_values {
@@ -95,19 +105,7 @@ pub fn snapshot_layer(
     } else {
         Vec::new()
     };
-    for (i, pos) in keys.clone().enumerate() {
-        let block = *block_table.get(pos / bs).ok_or_else(|| {
-            CaptureError::Incomplete(format!("position {pos} has no block in the block table"))
-        })? as usize;
-        let slot = block * bs + pos % bs;
-        for h in 0..heads {
-            let at = (i * heads + h) * dim;
-            cache.read_key(slot, h, &mut k[at..at + dim])?;
-            if with_values {
-                cache.read_value(slot, h, &mut v[at..at + dim])?;
-            }
-        }
-    }
+    backend.read_slots(cache, &slots, &mut k, with_values.then_some(&mut v[..]))?;
     Ok(KeySnapshot {
         first_key: keys.start,
         num_keys: keys.end,

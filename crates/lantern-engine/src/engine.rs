@@ -10,7 +10,7 @@ use crate::sampling::{
     PromptTokenLogprob, SamplingParams, TokenLogprobs,
 };
 use crate::scheduler::Scheduler;
-use lantern_attn::AttentionLayerSpec;
+use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
     keys_needed, snapshot_layer, CaptureFailure, CaptureSpec, PendingCapture, QueryRowBuffer,
     StepTap, TokenInfo,
@@ -100,7 +100,20 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// An engine running attention on the backend `config.attention_backend` names.
     pub fn new(loaded: LoadedModel, config: EngineConfig) -> Result<Self> {
+        let backend = backend_by_name(&config.attention_backend)?;
+        Self::with_backend(loaded, config, backend)
+    }
+
+    /// An engine running attention on `backend` (any [`AttentionBackend`]: it allocates
+    /// the KV caches and the engine never looks inside them); `config.attention_backend`
+    /// is not read.
+    pub fn with_backend(
+        loaded: LoadedModel,
+        config: EngineConfig,
+        backend: Box<dyn AttentionBackend>,
+    ) -> Result<Self> {
         let mut info = loaded.model.info().clone();
         if let Some(max) = config.max_model_len {
             if max < 2 || max > info.context_length {
@@ -134,12 +147,7 @@ impl Engine {
             )));
         }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
-        let runner = ModelRunner::new(
-            &kv_config,
-            info.num_layers,
-            config.kv_cache_dtype,
-            &config.attention_backend,
-        )?;
+        let runner = ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
         tracing::info!(
             blocks = kv_config.num_blocks,
             block_size = config.block_size,
@@ -478,7 +486,8 @@ impl Engine {
             let group = self.runner.layer_group(l);
             let keys = keys_needed(layer, rows.clone(), num_computed);
             match snapshot_layer(
-                cache,
+                self.runner.backend(),
+                cache.as_ref(),
                 self.kv.block_table(id, group),
                 keys,
                 spec.keep_attention_output,

@@ -4,8 +4,8 @@ use crate::error::{EngineError, Result};
 use crate::request::Request;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
-    backend_by_name, AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry,
-    CommonAttentionMetadata, PagedKvCache, ScheduledSeq,
+    AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry, CommonAttentionMetadata,
+    LayerKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{CausalLm, ForwardBatch};
@@ -52,7 +52,8 @@ impl StepLogits {
 
 pub struct ModelRunner {
     backend: Box<dyn AttentionBackend>,
-    caches: Vec<PagedKvCache>,
+    /// One per layer, allocated by `backend` (the engine never looks inside).
+    caches: Vec<Box<dyn LayerKvCache>>,
     /// KV cache group of each layer.
     layer_group: Vec<usize>,
     /// Chunk size of each group's chunked-local attention (`None` for other kinds): its
@@ -62,14 +63,13 @@ pub struct ModelRunner {
 }
 
 impl ModelRunner {
+    /// A runner over `backend`, with one cache per layer allocated by it.
     pub fn new(
         config: &KvCacheConfig,
         num_layers: usize,
         dtype: KvDtype,
-        backend_name: &str,
+        backend: Box<dyn AttentionBackend>,
     ) -> Result<Self> {
-        let backend = backend_by_name(backend_name)?;
-        let layout = backend.kv_cache_layout();
         let mut layer_group = vec![0; num_layers];
         let mut caches = Vec::with_capacity(num_layers);
         let mut block_size = 0;
@@ -87,7 +87,7 @@ impl ModelRunner {
                 num_kv_heads: spec.num_kv_heads,
                 head_dim: spec.head_size,
             };
-            caches.push(PagedKvCache::new(geometry, layout, dtype)?);
+            caches.push(backend.allocate_cache(geometry, dtype)?);
         }
         Ok(Self {
             backend,
@@ -109,8 +109,13 @@ impl ModelRunner {
         self.backend.name()
     }
 
-    pub fn caches(&self) -> &[PagedKvCache] {
+    pub fn caches(&self) -> &[Box<dyn LayerKvCache>] {
         &self.caches
+    }
+
+    /// The backend that allocated the caches and runs attention over them.
+    pub fn backend(&self) -> &dyn AttentionBackend {
+        self.backend.as_ref()
     }
 
     /// The KV cache group of layer `layer`.

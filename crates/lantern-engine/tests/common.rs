@@ -157,6 +157,15 @@ pub fn tiny_gemma3(
     dtype: candle_core::quantized::GgmlDType,
     config: EngineConfig,
 ) -> (Engine, tempfile::TempDir) {
+    let (loaded, dir) = tiny_gemma3_model(layers, dtype);
+    (Engine::new(loaded, config).unwrap(), dir)
+}
+
+/// The tiny random Gemma 3 of [`tiny_gemma3`], loaded, and the directory holding its file.
+pub fn tiny_gemma3_model(
+    layers: usize,
+    dtype: candle_core::quantized::GgmlDType,
+) -> (lantern_model::LoadedModel, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-gemma3.gguf");
     lantern_model::synthetic::TinyLlama {
@@ -168,7 +177,7 @@ pub fn tiny_gemma3(
     .write(&path)
     .unwrap();
     let loaded = lantern_model::load_model(&path, &lantern_model::LoadOptions::default()).unwrap();
-    (Engine::new(loaded, config).unwrap(), dir)
+    (loaded, dir)
 }
 
 /// Runs requests (each may capture) to completion, checks that every block is free

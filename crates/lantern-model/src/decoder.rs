@@ -11,7 +11,7 @@ use crate::ops;
 use crate::rope::{Rope, RopePairs, RopeScaling};
 use crate::source::WeightSource;
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
-use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, PagedKvCache};
+use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, LayerKvCache};
 
 /// What an architecture is, in terms of the shared blocks.
 #[derive(Debug, Clone)]
@@ -217,7 +217,7 @@ impl CausalLm for Decoder {
         &self,
         batch: &ForwardBatch,
         backend: &dyn AttentionBackend,
-        caches: &mut [PagedKvCache],
+        caches: &mut [Box<dyn LayerKvCache>],
         mut tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>> {
         batch.validate(&self.info, caches.len())?;
@@ -232,7 +232,6 @@ impl CausalLm for Decoder {
         if let Some(scale) = self.embed_scale {
             ops::scale(&mut x, scale);
         }
-        let mut scratch = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x);
             let o = layer.attention.forward(
@@ -243,9 +242,8 @@ impl CausalLm for Decoder {
                 &self.info.attention[l],
                 &batch.attention[batch.layer_group[l]],
                 backend,
-                &mut caches[l],
+                caches[l].as_mut(),
                 tap.as_deref_mut(),
-                &mut scratch,
             )?;
             match &layer.post_attention_norm {
                 Some(norm) => ops::add_in_place(&mut x, &norm.forward(&o)),

@@ -33,7 +33,7 @@ pub use source::WeightSource;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
 
 use lantern_attn::{
-    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap, PagedKvCache,
+    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap, LayerKvCache,
 };
 use std::path::Path;
 
@@ -90,14 +90,15 @@ impl ForwardBatch<'_> {
 pub trait CausalLm: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
-    /// Runs one step: writes this step's K/V into `caches` (one per layer) and returns the
-    /// logits of `batch.logits_rows`, `[logits_rows.len(), vocab_size]`. With a `tap`,
-    /// each layer the tap wants hands it its query rows and attention output.
+    /// Runs one step: writes this step's K/V into `caches` (one per layer, allocated by
+    /// `backend`) and returns the logits of `batch.logits_rows`, `[logits_rows.len(),
+    /// vocab_size]`. With a `tap`, each layer the tap wants hands it its query rows and
+    /// attention output.
     fn forward(
         &self,
         batch: &ForwardBatch,
         backend: &dyn AttentionBackend,
-        caches: &mut [PagedKvCache],
+        caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>>;
 }

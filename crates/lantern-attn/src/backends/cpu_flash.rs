@@ -25,17 +25,13 @@
 //! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
 //! are one contiguous `block_size x head_dim` tile that an f32 cache lends without a copy.
 
-use std::sync::Arc;
-
 use rayon::prelude::*;
 
-use crate::backend::{
-    validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_FLASH, DECODE_THRESHOLD,
-};
+use crate::backend::{AttentionMetadata, CPU_FLASH};
 use crate::backends::kernels::{
     axpy, dots, exp_shifted_sum, logits_and_rescale, scale, weighted_sum,
 };
-use crate::backends::{load_step_row, KernelView, RequestView};
+use crate::backends::{load_step_row, HostAttention, KernelView, RequestView};
 use crate::cache::{PagedKvCache, KEY, VALUE};
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
@@ -108,20 +104,16 @@ impl CpuFlashBackend {
     }
 }
 
-impl AttentionBackend for CpuFlashBackend {
-    fn name(&self) -> &'static str {
+impl HostAttention for CpuFlashBackend {
+    fn host_name(&self) -> &'static str {
         CPU_FLASH
     }
 
-    fn kv_cache_layout(&self) -> KvCacheLayout {
+    fn host_layout(&self) -> KvCacheLayout {
         self.layout
     }
 
-    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
-        AttentionMetadata::new(common, DECODE_THRESHOLD)
-    }
-
-    fn forward(
+    fn forward_host(
         &self,
         layer: &AttentionLayerSpec,
         meta: &AttentionMetadata,
@@ -131,7 +123,6 @@ impl AttentionBackend for CpuFlashBackend {
         cache: &mut PagedKvCache,
         out: &mut [f32],
     ) -> Result<(), AttnError> {
-        validate_forward_inputs(&self.layout, layer, &meta.common, q, k, v, cache, out)?;
         // Chunked-local layers run as causal attention over the virtual batch.
         let view = KernelView::new(meta, layer)?;
         cache.write(k, v, &meta.common.slot_mapping)?;

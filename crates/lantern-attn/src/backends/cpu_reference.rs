@@ -7,17 +7,13 @@
 //! Chunked-local layers run over the step's virtual batch ([`crate::local`]), so the
 //! visible keys are always a causal (and windowed) prefix of the request's keys.
 
-use std::sync::Arc;
-
-use crate::backend::{
-    validate_forward_inputs, AttentionBackend, AttentionMetadata, CPU_REFERENCE, DECODE_THRESHOLD,
-};
-use crate::backends::{load_step_row, KernelView, RequestView};
+use crate::backend::{AttentionMetadata, CPU_REFERENCE};
+use crate::backends::{load_step_row, HostAttention, KernelView, RequestView};
 use crate::cache::PagedKvCache;
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
 use crate::layout::{KvCacheLayout, KvCacheShape};
-use crate::metadata::{slot_for_position, CommonAttentionMetadata};
+use crate::metadata::slot_for_position;
 
 /// The reference backend. Its default layout is `KvFirst` with the identity order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,20 +43,16 @@ impl CpuReferenceBackend {
     }
 }
 
-impl AttentionBackend for CpuReferenceBackend {
-    fn name(&self) -> &'static str {
+impl HostAttention for CpuReferenceBackend {
+    fn host_name(&self) -> &'static str {
         CPU_REFERENCE
     }
 
-    fn kv_cache_layout(&self) -> KvCacheLayout {
+    fn host_layout(&self) -> KvCacheLayout {
         self.layout
     }
 
-    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
-        AttentionMetadata::new(common, DECODE_THRESHOLD)
-    }
-
-    fn forward(
+    fn forward_host(
         &self,
         layer: &AttentionLayerSpec,
         meta: &AttentionMetadata,
@@ -70,7 +62,6 @@ impl AttentionBackend for CpuReferenceBackend {
         cache: &mut PagedKvCache,
         out: &mut [f32],
     ) -> Result<(), AttnError> {
-        validate_forward_inputs(&self.layout, layer, &meta.common, q, k, v, cache, out)?;
         // Chunked-local layers run as causal attention over the virtual batch.
         let view = KernelView::new(meta, layer)?;
         cache.write(k, v, &meta.common.slot_mapping)?;

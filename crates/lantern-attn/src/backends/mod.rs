@@ -18,10 +18,14 @@ use std::sync::Arc;
 
 use lantern_kv::{BlockId, KvDtype};
 
-use crate::backend::AttentionMetadata;
-use crate::cache::round_to_dtype;
+use crate::backend::{
+    validate_forward_inputs, AttentionBackend, AttentionMetadata, DECODE_THRESHOLD,
+};
+use crate::cache::{round_to_dtype, PagedKvCache};
+use crate::device::{host_f32, tensor3, Device, LayerKvCache, Tensor};
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
+use crate::layout::{CacheGeometry, KvCacheLayout};
 use crate::local::LocalVirtualBatch;
 use crate::metadata::CommonAttentionMetadata;
 
@@ -148,4 +152,113 @@ pub(crate) fn load_step_row(
     let start = (row * num_kv_heads + head) * d;
     out.copy_from_slice(&src[start..start + d]);
     round_to_dtype(out, dtype);
+}
+
+/// A CPU backend: attention over a [`PagedKvCache`] in host memory, on host slices.
+/// [`AttentionBackend`] comes with it (below): the device is the CPU, caches are
+/// `PagedKvCache`s in the backend's layout, tensors are lent as host slices, and key
+/// reads go straight to the cache.
+pub(crate) trait HostAttention: Send + Sync {
+    /// The name [`crate::backend_by_name`] knows it by.
+    fn host_name(&self) -> &'static str;
+
+    /// The layout of its caches.
+    fn host_layout(&self) -> KvCacheLayout;
+
+    /// Writes the step's `k`, `v` into `cache` by the slot mapping and computes `out`
+    /// from `q` and the cache, for inputs `validate_forward_inputs` passed.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_host(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut PagedKvCache,
+        out: &mut [f32],
+    ) -> Result<(), AttnError>;
+}
+
+impl<B: HostAttention> AttentionBackend for B {
+    fn name(&self) -> &'static str {
+        self.host_name()
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn kv_cache_layout(&self) -> KvCacheLayout {
+        self.host_layout()
+    }
+
+    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
+        AttentionMetadata::new(common, DECODE_THRESHOLD)
+    }
+
+    fn allocate_cache(
+        &self,
+        geometry: CacheGeometry,
+        dtype: KvDtype,
+    ) -> Result<Box<dyn LayerKvCache>, AttnError> {
+        Ok(Box::new(PagedKvCache::new(
+            geometry,
+            self.host_layout(),
+            dtype,
+        )?))
+    }
+
+    fn forward(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerKvCache,
+    ) -> Result<Tensor, AttnError> {
+        validate_forward_inputs(&self.host_layout(), layer, &meta.common, (q, k, v), &*cache)?;
+        for (what, t) in [("q", q), ("k", k), ("v", v)] {
+            if !t.device().is_cpu() {
+                return Err(AttnError::UnsupportedTensor {
+                    what,
+                    problem: format!(
+                        "on {:?}; the {} backend runs on the CPU",
+                        t.device(),
+                        self.host_name()
+                    ),
+                });
+            }
+        }
+        let cache: &mut PagedKvCache =
+            cache
+                .as_any_mut()
+                .downcast_mut()
+                .ok_or(AttnError::ForeignCache {
+                    backend: self.host_name(),
+                })?;
+        let (q, k, v) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
+        let mut out = vec![0f32; q.len()];
+        self.forward_host(layer, meta, &q, &k, &v, cache, &mut out)?;
+        let t = meta.common.num_actual_tokens;
+        tensor3(out, [t, layer.num_heads, layer.head_dim], &Device::Cpu)
+    }
+
+    fn read_slots(
+        &self,
+        cache: &dyn LayerKvCache,
+        slots: &[usize],
+        keys: &mut [f32],
+        values: Option<&mut [f32]>,
+    ) -> Result<(), AttnError> {
+        let cache: &PagedKvCache =
+            cache
+                .as_any()
+                .downcast_ref()
+                .ok_or(AttnError::ForeignCache {
+                    backend: self.host_name(),
+                })?;
+        cache.read_slots(slots, keys, values)
+    }
 }

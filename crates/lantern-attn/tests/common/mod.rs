@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use lantern_attn::{
     round_to_dtype, slot_for_position, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
-    AttnError, CacheGeometry, CommonAttentionMetadata, KvCacheLayout, KvCacheShape, PagedKvCache,
-    ScheduledSeq,
+    AttnError, CacheGeometry, CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape,
+    LayerKvCache, PagedKvCache, ScheduledSeq, Tensor,
 };
 use lantern_kv::{BlockId, KvDtype};
 use rand::rngs::StdRng;
@@ -153,11 +153,49 @@ pub fn run_backend_with(
         .collect();
     let common = CommonAttentionMetadata::build(&seqs, batch.block_size)?;
     let meta = build(Arc::new(common))?;
-    let mut out = vec![f32::NAN; batch.q.len()];
-    backend.forward(
-        layer, &meta, &batch.q, &batch.k, &batch.v, &mut cache, &mut out,
+    let out = forward_slices(
+        backend, layer, &meta, &batch.q, &batch.k, &batch.v, &mut cache,
     )?;
     Ok((out, cache))
+}
+
+/// `values` as a CPU tensor of rows of `heads x dim` (`[rows, heads, dim]`), or 1-D when
+/// its length is not a whole number of rows, so the backend's shape check sees it.
+pub fn rows_tensor(values: &[f32], heads: usize, dim: usize) -> Tensor {
+    let row = heads * dim;
+    if values.len().is_multiple_of(row) {
+        Tensor::from_vec(
+            values.to_vec(),
+            (values.len() / row, heads, dim),
+            &Device::Cpu,
+        )
+    } else {
+        Tensor::from_vec(values.to_vec(), values.len(), &Device::Cpu)
+    }
+    .unwrap()
+}
+
+/// `backend.forward` on host buffers: q, k, v become tensors shaped by `layer`, the
+/// output comes back as host values.
+pub fn forward_slices(
+    backend: &dyn AttentionBackend,
+    layer: &AttentionLayerSpec,
+    meta: &AttentionMetadata,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    cache: &mut dyn LayerKvCache,
+) -> Result<Vec<f32>, AttnError> {
+    let d = layer.head_dim;
+    let out = backend.forward(
+        layer,
+        meta,
+        &rows_tensor(q, layer.num_heads, d),
+        &rows_tensor(k, layer.num_kv_heads, d),
+        &rows_tensor(v, layer.num_kv_heads, d),
+        cache,
+    )?;
+    Ok(out.flatten_all().unwrap().to_vec1().unwrap())
 }
 
 /// The mask, written out by hand from its definition (not the crate's).

@@ -6,7 +6,8 @@ use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::rope::RopeTable;
 use lantern_attn::{
-    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap, PagedKvCache,
+    host_f32, tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap,
+    LayerKvCache,
 };
 
 /// Sizes of one attention layer.
@@ -94,10 +95,10 @@ impl Attention {
         })
     }
 
-    /// Attention of layer `layer` over the normed input `x` (`[tokens, hidden]`): writes
-    /// this step's K/V into `cache`, hands the tap (if it wants the layer) the rotated
+    /// Attention of layer `layer` over the normed input `x` (`[tokens, hidden]`): hands
+    /// the rotated queries and this step's K/V to the backend as tensors on its device
+    /// (the backend writes K/V into `cache`), hands the tap (if it wants the layer) the
     /// queries and the attention output, and returns the output projection.
-    /// `scratch` holds the attention output between calls (resized as needed).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<'t>(
         &self,
@@ -108,9 +109,8 @@ impl Attention {
         spec: &AttentionLayerSpec,
         meta: &AttentionMetadata,
         backend: &dyn AttentionBackend,
-        cache: &mut PagedKvCache,
+        cache: &mut dyn LayerKvCache,
         tap: Option<&mut (dyn AttentionTap + 't)>,
-        scratch: &mut Vec<f32>,
     ) -> Result<Vec<f32>> {
         let s = &self.shape;
         let mut qkv = self.qkv.forward(x, tokens)?.into_iter();
@@ -126,11 +126,15 @@ impl Attention {
         };
         rope.apply(&mut q, s.num_heads, s.head_dim);
         rope.apply(&mut k, s.num_kv_heads, s.head_dim);
-        scratch.resize(tokens * s.q_dim(), 0.0);
-        backend.forward(spec, meta, &q, &k, &v, cache, scratch)?;
+        let device = backend.device();
+        let q = tensor3(q, [tokens, s.num_heads, s.head_dim], &device)?;
+        let k = tensor3(k, [tokens, s.num_kv_heads, s.head_dim], &device)?;
+        let v = tensor3(v, [tokens, s.num_kv_heads, s.head_dim], &device)?;
+        let out = backend.forward(spec, meta, &q, &k, &v, cache)?;
         if let Some(tap) = tap.filter(|t| t.wants_layer(layer)) {
-            tap.record(layer, &q, scratch);
+            tap.record(layer, &q, &out)?;
         }
-        self.output.forward(scratch, tokens)
+        let out = host_f32(&out)?;
+        self.output.forward(&out, tokens)
     }
 }

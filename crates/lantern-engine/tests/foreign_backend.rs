@@ -1,0 +1,323 @@
+//! The attention backend boundary, checked from outside `lantern-attn`: a backend written
+//! here, with its own cache type, its own per-step metadata and its own kernel, runs the
+//! engine, the model and attention capture unchanged, and gives what `cpu-reference`
+//! gives. It stands in for a device backend: it allocates its caches, takes and returns
+//! tensors, and hands capture its keys through `read_slots`.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use lantern_attn::{
+    backend_by_name, host_f32, slot_for_position, tensor3, validate_forward_inputs,
+    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError, CacheGeometry,
+    CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache, Tensor,
+    CPU_REFERENCE,
+};
+use lantern_capture::CaptureSpec;
+use lantern_engine::{Completion, Engine, SamplingParams};
+use lantern_kv::KvDtype;
+
+const LAYERS: usize = 7;
+
+/// Keys and values by slot, `[slots, kv_heads, head_dim]` each, in f32.
+#[derive(Debug)]
+struct SlotCache {
+    geometry: CacheGeometry,
+    layout: KvCacheLayout,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl LayerKvCache for SlotCache {
+    fn geometry(&self) -> &CacheGeometry {
+        &self.geometry
+    }
+    fn layout(&self) -> &KvCacheLayout {
+        &self.layout
+    }
+    fn dtype(&self) -> KvDtype {
+        KvDtype::F32
+    }
+    fn size_bytes(&self) -> usize {
+        (self.keys.len() + self.values.len()) * 4
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// What this backend "uploads" once per step and group: every key position's slot, per
+/// request (a device backend would put its block tables and slot mapping here).
+struct StagedSlots {
+    /// `key_slots[r][p]`: the slot of key position `p` of request `r`.
+    key_slots: Vec<Vec<Option<usize>>>,
+}
+
+struct SlotBackend {
+    layout: KvCacheLayout,
+}
+
+impl SlotBackend {
+    fn new() -> Self {
+        Self {
+            layout: KvCacheLayout::contiguous(KvCacheShape::BlocksFirst),
+        }
+    }
+
+    fn own(cache: &dyn LayerKvCache) -> Result<&SlotCache, AttnError> {
+        cache
+            .as_any()
+            .downcast_ref()
+            .ok_or(AttnError::ForeignCache { backend: "slots" })
+    }
+}
+
+impl AttentionBackend for SlotBackend {
+    fn name(&self) -> &'static str {
+        "slots"
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn kv_cache_layout(&self) -> KvCacheLayout {
+        self.layout
+    }
+
+    fn allocate_cache(
+        &self,
+        geometry: CacheGeometry,
+        dtype: KvDtype,
+    ) -> Result<Box<dyn LayerKvCache>, AttnError> {
+        if dtype != KvDtype::F32 {
+            return Err(AttnError::Unsupported(format!("{dtype:?} cache")));
+        }
+        let len = geometry.num_slots()? * geometry.token_row_len();
+        Ok(Box::new(SlotCache {
+            geometry,
+            layout: self.layout,
+            keys: vec![0.0; len],
+            values: vec![0.0; len],
+        }))
+    }
+
+    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
+        let key_slots = (0..common.num_reqs)
+            .map(|r| {
+                let table = common.block_table.row(r);
+                (0..common.seq_lens[r])
+                    .map(|p| {
+                        slot_for_position(table, common.block_size, p)
+                            .and_then(|s| usize::try_from(s).ok())
+                    })
+                    .collect()
+            })
+            .collect();
+        AttentionMetadata::new(common, 1).with_backend_data(StagedSlots { key_slots })
+    }
+
+    fn forward(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerKvCache,
+    ) -> Result<Tensor, AttnError> {
+        validate_forward_inputs(&self.layout, layer, &meta.common, (q, k, v), &*cache)?;
+        let staged: &StagedSlots = meta
+            .backend_data()
+            .ok_or_else(|| AttnError::InvalidMetadata("not built by this backend".into()))?;
+        let cache: &mut SlotCache = cache
+            .as_any_mut()
+            .downcast_mut()
+            .ok_or(AttnError::ForeignCache { backend: "slots" })?;
+        let (q, k, v) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
+        let common = &meta.common;
+        let (d, row) = (layer.head_dim, layer.num_kv_heads * layer.head_dim);
+        for (t, &slot) in common.slot_mapping.iter().enumerate() {
+            if let Ok(slot) = usize::try_from(slot) {
+                cache.keys[slot * row..][..row].copy_from_slice(&k[t * row..][..row]);
+                cache.values[slot * row..][..row].copy_from_slice(&v[t * row..][..row]);
+            }
+        }
+        let mut out = vec![0f32; q.len()];
+        for r in 0..common.num_reqs {
+            let (first, computed) = (common.query_start_loc[r], common.num_computed_tokens[r]);
+            // A key of this step is read from the step's own K/V (its slot may be padding).
+            let key_row = |p: usize| -> Result<(&[f32], &[f32]), AttnError> {
+                if p >= computed {
+                    let t = first + p - computed;
+                    return Ok((&k[t * row..][..row], &v[t * row..][..row]));
+                }
+                let slot = staged.key_slots[r][p]
+                    .ok_or_else(|| AttnError::InvalidMetadata(format!("no slot for {p}")))?;
+                Ok((
+                    &cache.keys[slot * row..][..row],
+                    &cache.values[slot * row..][..row],
+                ))
+            };
+            for t in first..common.query_start_loc[r + 1] {
+                let pos = computed + t - first;
+                for h in 0..layer.num_heads {
+                    let kv = layer.kv_head_for(h) * d;
+                    let q_row = &q[(t * layer.num_heads + h) * d..][..d];
+                    let visible = layer.visible_key_range(pos);
+                    let mut weights = Vec::with_capacity(visible.len());
+                    for p in visible.clone() {
+                        let (key, _) = key_row(p)?;
+                        let dot: f32 = q_row.iter().zip(&key[kv..kv + d]).map(|(a, b)| a * b).sum();
+                        weights.push(layer.transform_score(dot));
+                    }
+                    layer.softmax_in_place(h, &mut weights);
+                    let o = &mut out[(t * layer.num_heads + h) * d..][..d];
+                    for (p, w) in visible.zip(&weights) {
+                        let (_, value) = key_row(p)?;
+                        for (o, x) in o.iter_mut().zip(&value[kv..kv + d]) {
+                            *o += w * x;
+                        }
+                    }
+                }
+            }
+        }
+        let dims = [common.num_actual_tokens, layer.num_heads, d];
+        tensor3(out, dims, &Device::Cpu)
+    }
+
+    fn read_slots(
+        &self,
+        cache: &dyn LayerKvCache,
+        slots: &[usize],
+        keys: &mut [f32],
+        values: Option<&mut [f32]>,
+    ) -> Result<(), AttnError> {
+        let cache = Self::own(cache)?;
+        let row = cache.geometry.token_row_len();
+        let num_slots = cache.keys.len() / row;
+        if keys.len() != slots.len() * row {
+            return Err(AttnError::LengthMismatch {
+                what: "keys",
+                expected: slots.len() * row,
+                got: keys.len(),
+            });
+        }
+        let mut values = values;
+        for (i, &slot) in slots.iter().enumerate() {
+            if slot >= num_slots {
+                return Err(AttnError::SlotOutOfRange {
+                    slot: slot as i64,
+                    num_slots,
+                });
+            }
+            keys[i * row..][..row].copy_from_slice(&cache.keys[slot * row..][..row]);
+            if let Some(v) = values.as_deref_mut() {
+                v[i * row..][..row].copy_from_slice(&cache.values[slot * row..][..row]);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn engine(backend: Box<dyn AttentionBackend>) -> (Engine, tempfile::TempDir) {
+    // f32 weights: the two backends then differ only in how they sum.
+    let (loaded, dir) = common::tiny_gemma3_model(LAYERS, GgmlDType::F32);
+    let config = lantern_engine::EngineConfig {
+        kv_cache_memory: 4 << 20,
+        block_size: 4,
+        // Prompts of 23 and 31 tokens are prefilled in chunks beside decodes.
+        max_num_batched_tokens: 16,
+        ..common::f32_kv()
+    };
+    (Engine::with_backend(loaded, config, backend).unwrap(), dir)
+}
+
+/// Three requests batched, prompts longer than the sliding window (8), some chunked,
+/// one capturing every layer and head (with the attention output, which finalize checks
+/// P·V against).
+fn run(engine: &mut Engine) -> Vec<Completion> {
+    let mut spec = CaptureSpec::everything(LAYERS, 4);
+    spec.keep_attention_output = true;
+    let requests = [(23, 5, Some(spec)), (9, 7, None), (31, 3, None)]
+        .into_iter()
+        .map(|(len, max_tokens, capture)| {
+            let prompt = (0..len)
+                .map(|j| ((len * 7 + j * 13) % 250) as u32)
+                .collect();
+            let params = SamplingParams {
+                ignore_eos: true,
+                prompt_logits: true,
+                ..SamplingParams::greedy(max_tokens)
+            };
+            (prompt, params, capture)
+        })
+        .collect();
+    common::run_to_completion(engine, requests)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Both backends sum in the same order, so today the results are equal; the bounds leave
+/// room for another order and still catch an output off by 0.1% (logits then move by
+/// ~9e-6, maps by ~5e-7).
+#[test]
+fn a_backend_from_outside_runs_the_engine_and_capture_unchanged() {
+    let (mut theirs, _dir) = engine(Box::new(SlotBackend::new()));
+    assert_eq!(theirs.attention_backend(), "slots");
+    let (mut reference, _dir2) = engine(backend_by_name(CPU_REFERENCE).unwrap());
+    let (got, want) = (run(&mut theirs), run(&mut reference));
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.token_ids, w.token_ids);
+        let diff = max_abs_diff(
+            g.prompt_logits.as_ref().unwrap(),
+            w.prompt_logits.as_ref().unwrap(),
+        );
+        assert!(diff < 1e-6, "prompt logits differ by {diff}");
+    }
+    let finalize = |c: &Completion| {
+        c.capture
+            .as_ref()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .finalize()
+            .unwrap()
+    };
+    let (g, w) = (finalize(&got[0]), finalize(&want[0]));
+    assert_eq!(g.meta, w.meta);
+    assert_eq!(g.layers.len(), LAYERS);
+    for (x, y) in g.layers.iter().zip(&w.layers) {
+        assert_eq!(x.shape, y.shape);
+        let diff = max_abs_diff(&x.values, &y.values);
+        assert!(diff < 1e-7, "layer {}: maps differ by {diff}", x.layer_idx);
+    }
+}
+
+/// The engine refuses to start when the backend cannot allocate what it asked for, with
+/// the backend's own reason.
+#[test]
+fn a_cache_the_backend_cannot_allocate_is_an_error() {
+    let (loaded, _dir) = common::tiny_gemma3_model(LAYERS, GgmlDType::F32);
+    let config = lantern_engine::EngineConfig {
+        kv_cache_memory: 4 << 20,
+        block_size: 4,
+        kv_cache_dtype: KvDtype::F16,
+        ..lantern_engine::EngineConfig::default()
+    };
+    let err = Engine::with_backend(loaded, config, Box::new(SlotBackend::new()))
+        .err()
+        .expect("an f16 cache is refused");
+    assert!(err.to_string().contains("F16"), "{err}");
+}

@@ -361,6 +361,45 @@ fn large_products_agree_across_levels() {
     }
 }
 
+/// The largest quants against activations that quantize to ±127 everywhere (the worst
+/// case for the AVX2 kernels' 16-bit intermediate sums): every level still equals the
+/// scalar level and the reference.
+#[test]
+fn extreme_quants_and_activations_do_not_saturate() {
+    let levels = levels();
+    let mut rng = StdRng::seed_from_u64(17);
+    for ty in QuantType::QUANTIZED {
+        let (n, k) = (33, 512);
+        let mut bytes = random_gguf(&mut rng, ty, n, k);
+        // Every quant at its extreme: all bits set (4-8 bit unsigned), or -128 for Q8_0.
+        let bb = ty.block_bytes();
+        let quants = match ty {
+            QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => 2..bb,
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K => 4..bb,
+            _ => 0..bb - 2,
+        };
+        let fill = if ty == QuantType::Q8_0 { 0x80 } else { 0xFF };
+        for block in bytes.chunks_mut(bb) {
+            block[quants.clone()].fill(fill);
+        }
+        let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+        let parts = matrix_parts(ty, &bytes);
+        for sign in [1.0f32, -1.0] {
+            let x: Vec<f32> = (0..k).map(|i| sign * (1.0 + i as f32 / k as f32)).collect();
+            let scalar = run(&pm, Kernel::Scalar, &x, 1);
+            for &level in &levels[1..] {
+                assert!(
+                    same_bits(&run(&pm, level, &x, 1), &scalar),
+                    "{ty} sign {sign}: {level} and scalar differ"
+                );
+            }
+            let refq = reference_quantized(&parts, n, k, &x);
+            let e = diff_norm(&scalar, &refq) / norm(&refq);
+            assert!(e < 1e-5, "{ty} sign {sign}: rel err {e}");
+        }
+    }
+}
+
 #[test]
 fn dequantize_row_is_exact() {
     let mut rng = StdRng::seed_from_u64(7);
@@ -463,6 +502,49 @@ fn batch_invariance() {
                         same_bits(&other, &full),
                         "{ty} {n}x{k} {kernel}: result depends on the thread count"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// Single-token products large enough to be shared between the caller and rayon helpers
+/// (called from outside any pool, and from inside pools of 2 and 3 threads) are bit-identical
+/// to the same product on one thread at the scalar level, at every level, with row counts
+/// that leave the last panel partial.
+#[test]
+fn shared_single_token_products_match_one_thread() {
+    let levels = levels();
+    let mut rng = StdRng::seed_from_u64(11);
+    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for ty in QuantType::QUANTIZED {
+        for (n, k) in [(1001, 512), (333, 768), (4099, 256)] {
+            let bytes = random_gguf(&mut rng, ty, n, k);
+            let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+            let x = random_x(&mut rng, k, true);
+            let serial = pools[0].install(|| run(&pm, Kernel::Scalar, &x, 1));
+            for &kernel in &levels {
+                let outside = run(&pm, kernel, &x, 1);
+                assert!(
+                    same_bits(&outside, &serial),
+                    "{ty} {n}x{k} {kernel}: shared from outside the pool != one thread"
+                );
+                for pool in &pools[1..] {
+                    for _ in 0..3 {
+                        let inside = pool.install(|| run(&pm, kernel, &x, 1));
+                        assert!(
+                            same_bits(&inside, &serial),
+                            "{ty} {n}x{k} {kernel}: shared inside a pool != one thread"
+                        );
+                    }
                 }
             }
         }

@@ -4,8 +4,10 @@
 //! tiles compiled with AVX-VNNI use its 256-bit `vpdpbusd` instead (the AVX-VNNI level).
 //!
 //! `vpmaddubsw` saturates at ±32767: the unsigned quants of every type but `Q8_0` stay
-//! below 64, so a pair sum stays below 64·127·2 = 16256, and the sums added in i16 before
-//! `vpmaddwd` stay below 32767 (two pairs of 5-bit quants, 2·31·127·2 = 15748). `Q8_0`'s
+//! below 64 and the activations within ±127, so a pair sum stays below 64·127·2 = 16256.
+//! Pair sums of one lane are added in i16 before one `vpmaddwd` widens them, as many as
+//! stay below 32767: 8 of 4-bit quants (8·2·15·127 = 30480: the 4 chunks of a block), 4 of
+//! 5-bit ones (31496: 2 chunks), 2 of 6-bit ones (32004: 2 chunks of one `Q6_K` half). `Q8_0`'s
 //! biased bytes would overflow (255·127·2), so it multiplies `|q|` by `a · sign(q)` as
 //! ggml does (at most 128·127·2 = 32512) and starts from 0 instead of the offset's
 //! correction: the same exact integer.
@@ -212,6 +214,16 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: Ti
                     }
                 }
             }
+            // Without VNNI, `vpmaddubsw` results are summed in i16 over `group` chunks
+            // before one `vpmaddwd` widens them (bounds in the module docs).
+            let group = match planes {
+                Planes::Nibbles => 4,
+                _ if split => 2,
+                Planes::Nibbles1 => 2,
+                _ => 1,
+            };
+            let mut s16lo = [[[_mm256_setzero_si256(); T]; 2]; P];
+            let mut s16hi = [[[_mm256_setzero_si256(); T]; 2]; P];
             for c in 0..4 {
                 let mut ulo = [[_mm256_setzero_si256(); 2]; P];
                 let mut uhi = [[_mm256_setzero_si256(); 2]; P];
@@ -241,19 +253,35 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: Ti
                     for p in 0..P {
                         for h in 0..2 {
                             let (ul, uh) = (ulo[p][h], uhi[p][h]);
+                            if V {
+                                if split {
+                                    lo[p][h][t] = dot4_acc::<V>(lo[p][h][t], ul, alo);
+                                    hi[p][h][t] = dot4_acc::<V>(hi[p][h][t], uh, ahi);
+                                } else {
+                                    let d = dot4_acc::<V>(lo[p][h][t], ul, alo);
+                                    lo[p][h][t] = dot4_acc::<V>(d, uh, ahi);
+                                }
+                                continue;
+                            }
+                            let pl = _mm256_maddubs_epi16(ul, alo);
+                            let ph = _mm256_maddubs_epi16(uh, ahi);
+                            let one = _mm256_set1_epi16(1);
+                            let (sl, sh) = (&mut s16lo[p][h][t], &mut s16hi[p][h][t]);
                             if split {
-                                lo[p][h][t] = dot4_acc::<V>(lo[p][h][t], ul, alo);
-                                hi[p][h][t] = dot4_acc::<V>(hi[p][h][t], uh, ahi);
-                            } else if V {
-                                let d = dot4_acc::<V>(lo[p][h][t], ul, alo);
-                                lo[p][h][t] = dot4_acc::<V>(d, uh, ahi);
+                                *sl = _mm256_add_epi16(*sl, pl);
+                                *sh = _mm256_add_epi16(*sh, ph);
                             } else {
-                                // Both halves summed in i16 before widening: one `vpmaddwd`.
-                                let pl = _mm256_maddubs_epi16(ul, alo);
-                                let ph = _mm256_maddubs_epi16(uh, ahi);
-                                let one = _mm256_set1_epi16(1);
-                                let d = _mm256_madd_epi16(_mm256_add_epi16(pl, ph), one);
-                                lo[p][h][t] = _mm256_add_epi32(lo[p][h][t], d);
+                                *sl = _mm256_add_epi16(*sl, _mm256_add_epi16(pl, ph));
+                            }
+                            if c % group == group - 1 {
+                                lo[p][h][t] =
+                                    _mm256_add_epi32(lo[p][h][t], _mm256_madd_epi16(*sl, one));
+                                *sl = _mm256_setzero_si256();
+                                if split {
+                                    hi[p][h][t] =
+                                        _mm256_add_epi32(hi[p][h][t], _mm256_madd_epi16(*sh, one));
+                                    *sh = _mm256_setzero_si256();
+                                }
                             }
                         }
                     }

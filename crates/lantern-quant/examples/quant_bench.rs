@@ -1,8 +1,12 @@
 //! Throughput of the repacked matrix products of every weight type at every kernel level
 //! this CPU runs, in one run.
 //!
-//! `cargo run -p lantern-quant --release --example quant_bench [-- --quick]`
+//! `cargo run -p lantern-quant --release --example quant_bench [-- --quick] [-- --decode]`
 //! (threads: `RAYON_NUM_THREADS`, default all cores).
+//!
+//! `--decode` measures only batch-1 decode: the matmuls of one SmolLM2-135M and one
+//! Gemma 3 270M token (layers, then the output matrix) at every level, called from the
+//! main thread as the engine calls them, weights streamed from memory as in a real step.
 //!
 //! Prints GFLOP/s (2·m·n·k per call) and GB/s (repacked weight bytes per call / time) for
 //! m = 1 and m = 128 at n x k = 1536 x 1024 for every type, then the matmuls of a whole
@@ -74,6 +78,10 @@ fn main() {
         .rev()
         .filter(|k| k.available())
         .collect();
+    if std::env::args().any(|a| a == "--decode") {
+        decode_passes(&mut rng, &kernels, budget);
+        return;
+    }
     println!(
         "{:<5} {:>6} {:>5} {:>4} {:<12} {:>10} {:>10} {:>9} {:>9}",
         "type", "n", "k", "m", "kernel", "median us", "best us", "GFLOP/s", "GB/s"
@@ -175,6 +183,110 @@ fn main() {
                     }
                 );
             }
+        }
+    }
+}
+
+/// One decode token's matrices of a model: (type, n, k) per layer, layers, and the
+/// output matrix.
+struct DecodeShape {
+    name: &'static str,
+    layer: &'static [(QuantType, usize, usize)],
+    layers: usize,
+    output: (QuantType, usize, usize),
+}
+
+const DECODE_SHAPES: [DecodeShape; 2] = [
+    DecodeShape {
+        name: "SmolLM2-135M Q4_1",
+        layer: &[
+            (QuantType::Q4_1, 576, 576),
+            (QuantType::Q4_1, 192, 576),
+            (QuantType::Q4_1, 192, 576),
+            (QuantType::Q4_1, 576, 576),
+            (QuantType::Q4_1, 1536, 576),
+            (QuantType::Q4_1, 1536, 576),
+            (QuantType::Q4_1, 576, 1536),
+        ],
+        layers: 30,
+        output: (QuantType::Q8_0, 49152, 576),
+    },
+    // Gemma 3 270M Q4_K_M: half the layers have a Q8_0 value and a Q6_K down matrix.
+    DecodeShape {
+        name: "Gemma 3 270M Q4_K_M",
+        layer: &[
+            (QuantType::Q5_0, 1024, 640),
+            (QuantType::Q5_0, 256, 640),
+            (QuantType::Q8_0, 256, 640),
+            (QuantType::Q4K, 640, 1024),
+            (QuantType::Q5_0, 2048, 640),
+            (QuantType::Q5_0, 2048, 640),
+            (QuantType::Q6K, 640, 2048),
+            (QuantType::Q5_0, 1024, 640),
+            (QuantType::Q5_0, 256, 640),
+            (QuantType::Q5_0, 256, 640),
+            (QuantType::Q4K, 640, 1024),
+            (QuantType::Q5_0, 2048, 640),
+            (QuantType::Q5_0, 2048, 640),
+            (QuantType::Q4K, 640, 2048),
+        ],
+        layers: 9,
+        output: (QuantType::Q8_0, 262144, 640),
+    },
+];
+
+/// ms per decode token of each model's layer matrices and output matrix, per level.
+fn decode_passes(rng: &mut StdRng, kernels: &[Kernel], budget: Duration) {
+    for shape in &DECODE_SHAPES {
+        let mut mats = Vec::new();
+        for _ in 0..shape.layers {
+            for &(ty, n, k) in shape.layer {
+                mats.push(random_matrix(rng, ty, n, k));
+            }
+        }
+        let (ty, n, k) = shape.output;
+        let output = random_matrix(rng, ty, n, k);
+        let layer_bytes: usize = mats.iter().map(|w| w.packed_bytes()).sum();
+        println!(
+            "\n{}: {} layer matrices {:.1} MB, output {:.1} MB (repacked)",
+            shape.name,
+            mats.len(),
+            layer_bytes as f64 / 1e6,
+            output.packed_bytes() as f64 / 1e6
+        );
+        let x: Vec<f32> = (0..4096).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        let mut dst = vec![0f32; n];
+        for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {
+            // Each product is timed alone and its median over many whole tokens taken:
+            // a shared machine preempts few of the short calls, so the sum of medians
+            // stays close to an undisturbed token (one timed whole token would not).
+            let mut times = vec![Vec::new(); mats.len() + 1];
+            let start = Instant::now();
+            while times[0].len() < 5 || (start.elapsed() < budget && times[0].len() < 1000) {
+                for (w, t) in mats.iter().chain([&output]).zip(&mut times) {
+                    let (n, k) = (w.rows(), w.cols());
+                    let t0 = Instant::now();
+                    w.matmul_with(kernel, &x[..k], 1, &mut dst[..n]).unwrap();
+                    t.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            let median = |t: &mut Vec<f64>| {
+                t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                t[t.len() / 2]
+            };
+            let out = median(times.last_mut().unwrap());
+            let layers: f64 = times[..mats.len()].iter_mut().map(median).sum();
+            let token = layers + out;
+            println!(
+                "{:<10} layers {:>6.2} ms ({:>5.1} GB/s), output {:>6.2} ms ({:>5.1} GB/s), token {:>6.2} ms = {:>6.1} tokens/s",
+                kernel.name(),
+                layers * 1e3,
+                layer_bytes as f64 / layers / 1e9,
+                out * 1e3,
+                output.packed_bytes() as f64 / out / 1e9,
+                token * 1e3,
+                1.0 / token
+            );
         }
     }
 }

@@ -104,9 +104,11 @@
 //!
 //! `matmul` splits the work over rayon tasks of (panel range x token range); each output
 //! element is produced by exactly one task with the full k loop, so the thread count and
-//! the split do not change any result. Products below ~2M multiply-adds (decode-sized
-//! products of the layer matrices) run on the calling thread: a rayon fork-join costs
-//! about as much as the whole product there.
+//! the split do not change any result. Single-token products (batch-1 decode) are instead
+//! cut into chunks of panels that the calling thread and helper threads claim from one
+//! counter (`share`): a rayon fork-join would park the caller and wake a sleeping worker,
+//! costing about as much as a whole layer product. Other products below ~2M
+//! multiply-adds run on the calling thread.
 
 mod act;
 pub mod convert;
@@ -114,6 +116,7 @@ mod dense;
 mod format;
 mod level;
 mod scalar;
+mod share;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -220,14 +223,18 @@ struct Split {
     tokens_per_task: usize,
 }
 
-/// Below this many multiply-adds a `matmul` runs on the calling thread. A rayon
+/// Below this many multiply-adds a batched `matmul` runs on the calling thread. A rayon
 /// fork-join costs several microseconds (more on a loaded machine, where the other
 /// worker may not be running), about the time of a whole 1536 x 576 product at m = 1
-/// (~4.5 us on one Zen 5 core), so decode-sized products of this model's layer matrices
-/// stay serial and only the vocabulary matrix and batches are split. Measured on a
-/// loaded 2-core machine: threshold 2^18 -> 6.5 ms per SmolLM2 decode pass of matmuls,
-/// 3M -> 4.4 ms.
+/// (~4.5 us on one Zen 5 core). Measured on a loaded 2-core machine: threshold 2^18 ->
+/// 6.5 ms per SmolLM2 decode pass of matmuls, 3M -> 4.4 ms (before single-token
+/// products were shared, see `SHARE_MACS`).
 const SERIAL_MACS: usize = 1 << 21;
+/// From this many multiply-adds a single-token product is shared with the helper threads
+/// (`share`): the caller keeps computing instead of parking, so only a helper's chunk
+/// claims are at stake. Smaller ones (SmolLM2's 192 x 576 key and value matrices, about
+/// a microsecond) stay on the calling thread.
+const SHARE_MACS: usize = 1 << 17;
 /// Tokens per task for large batches.
 const TOKEN_CHUNK: usize = 64;
 /// Target repacked weight bytes per task (stays in L2 while the task's tokens stream).
@@ -427,7 +434,9 @@ impl PackedMatrix {
             return Ok(());
         }
         let macs = m * self.n * self.k;
-        let parallel = macs >= SERIAL_MACS && rayon::current_num_threads() > 1;
+        let threads = rayon::current_num_threads();
+        let shared = m == 1 && macs >= SHARE_MACS && threads > 1;
+        let parallel = !shared && macs >= SERIAL_MACS && threads > 1;
         let input = if self.ty.is_dense() {
             Input::Dense(x)
         } else {
@@ -435,6 +444,19 @@ impl PackedMatrix {
         };
         let act = &input;
         let dst_ptr = SendPtr(dst.as_mut_ptr());
+        if shared {
+            // Chunks of whole register tiles (4 panels fit every level's m = 1 tile).
+            let per = (self.np / 16).clamp(4, 64).div_ceil(4) * 4;
+            let count = self.np.div_ceil(per);
+            share::run(count, &|c| {
+                let p0 = c * per;
+                let p1 = (p0 + per).min(self.np);
+                let ptr = dst_ptr;
+                // SAFETY: chunks write disjoint row ranges of dst.
+                unsafe { self.run_tile(kernel, act, p0, p1, 0, 1, ptr.0) };
+            });
+            return Ok(());
+        }
         if !parallel {
             // SAFETY: the whole of dst is ours; tile bounds are in range.
             unsafe { self.run_tile(kernel, act, 0, self.np, 0, m, dst_ptr.0) };

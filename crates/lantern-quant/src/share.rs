@@ -1,0 +1,187 @@
+//! Single-token products shared between the calling thread and helper threads that stay
+//! awake while products keep coming.
+//!
+//! A batch-1 decode step runs ~200 products of a few microseconds each. A rayon
+//! fork-join from a thread outside the pool parks the caller on a latch and wakes it
+//! again, and a rayon worker asleep between products takes tens of microseconds to wake
+//! (about a whole product), so those products ran on the calling thread alone, leaving
+//! the other cores idle and one core's memory bandwidth as the limit. Here the caller
+//! publishes the product's chunks and starts on them itself; helper threads (one fewer
+//! than rayon's thread count), which poll for new products for [`LINGER`] after their
+//! last one before parking, claim chunks from the same atomic counter. The caller never
+//! waits for a helper to *start*, only (briefly) for a chunk a helper has claimed to
+//! finish. A helper that looks after every chunk was claimed finds nothing to do and
+//! touches nothing but the shared counters.
+//!
+//! Helpers are plain threads, not rayon jobs: a rayon job that waited for products could
+//! be run by a worker blocked in a join, and stall that join until it gave up.
+//!
+//! Which thread computes a chunk does not change any result: each output element is
+//! produced by one tile with the full k loop, as in every other split.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+/// How long a helper keeps polling after its last product before it parks: longer than
+/// the gaps between a decode step's products and between steps.
+const LINGER: Duration = Duration::from_millis(2);
+
+/// The chunks of one product and who has claimed and finished them.
+struct Chunks {
+    /// Next chunk to claim.
+    next: AtomicUsize,
+    /// Chunks finished.
+    done: AtomicUsize,
+    count: usize,
+    work: Erased,
+}
+
+impl Chunks {
+    /// Claims and computes chunks until none are left.
+    fn drain(&self) {
+        loop {
+            let c = self.next.fetch_add(1, Ordering::Relaxed);
+            if c >= self.count {
+                return;
+            }
+            // SAFETY: chunk `c` is claimed and below `count`, so `run` has not returned
+            // and the closure's borrows are alive (see `Erased`).
+            unsafe { (*self.work.0)(c) };
+            self.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// A chunk closure with its borrows' lifetime erased, so that helpers can hold it.
+struct Erased(*const (dyn Fn(usize) + Sync));
+// SAFETY: the closure is `Sync`, and helpers call it only on claimed chunks, which all
+// finish while `run` (which owns the borrows) is still waiting.
+unsafe impl Send for Erased {}
+unsafe impl Sync for Erased {}
+
+/// The helper threads and the product they are offered.
+struct Helpers {
+    /// The latest published product.
+    slot: Mutex<Option<Arc<Chunks>>>,
+    /// Bumped on every publication; helpers poll it.
+    generation: AtomicU64,
+    /// Per helper: its thread, and whether it is parked (or about to park).
+    threads: Vec<(Thread, Arc<AtomicBool>)>,
+}
+
+impl Helpers {
+    fn start(count: usize) -> Helpers {
+        let threads = (0..count)
+            .filter_map(|i| {
+                let parked = Arc::new(AtomicBool::new(false));
+                let flag = Arc::clone(&parked);
+                std::thread::Builder::new()
+                    .name(format!("lantern-quant-{i}"))
+                    .spawn(move || helper_loop(&flag))
+                    .ok()
+                    .map(|h| (h.thread().clone(), parked))
+            })
+            .collect();
+        Helpers {
+            slot: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            threads,
+        }
+    }
+
+    fn publish(&self, chunks: &Arc<Chunks>) {
+        if let Ok(mut slot) = self.slot.lock() {
+            *slot = Some(Arc::clone(chunks));
+        }
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        for (thread, parked) in &self.threads {
+            if parked.swap(false, Ordering::SeqCst) {
+                thread.unpark();
+            }
+        }
+    }
+
+    fn current(&self) -> Option<Arc<Chunks>> {
+        self.slot.lock().ok().and_then(|s| s.clone())
+    }
+}
+
+static HELPERS: OnceLock<Helpers> = OnceLock::new();
+
+/// The helpers, started on first use: one fewer than rayon's thread count.
+fn helpers() -> &'static Helpers {
+    HELPERS.get_or_init(|| Helpers::start(rayon::current_num_threads().saturating_sub(1)))
+}
+
+fn helper_loop(parked: &AtomicBool) {
+    // `HELPERS` is set as soon as `start` returns; until then there is nothing to do.
+    let helpers = loop {
+        match HELPERS.get() {
+            Some(h) => break h,
+            None => std::thread::yield_now(),
+        }
+    };
+    let mut seen = helpers.generation.load(Ordering::Acquire);
+    let mut idle_since = Instant::now();
+    loop {
+        let g = helpers.generation.load(Ordering::SeqCst);
+        if g != seen {
+            seen = g;
+            if let Some(chunks) = helpers.current() {
+                chunks.drain();
+            }
+            idle_since = Instant::now();
+            continue;
+        }
+        if idle_since.elapsed() < LINGER {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            // Let other runnable threads (rayon's workers) have this core.
+            std::thread::yield_now();
+            continue;
+        }
+        // Park, unless a product was published after the check above (`publish` bumps
+        // the generation before it reads `parked`, so one of the two sees the other).
+        parked.store(true, Ordering::SeqCst);
+        if helpers.generation.load(Ordering::SeqCst) == seen {
+            std::thread::park();
+        }
+        parked.store(false, Ordering::SeqCst);
+        idle_since = Instant::now();
+    }
+}
+
+/// Runs `work(c)` for every chunk `c < count`, on the calling thread and the helpers;
+/// returns once every chunk is done.
+pub(crate) fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
+    // SAFETY: only the lifetime is erased; see `Erased`.
+    let erased = Erased(unsafe {
+        std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
+            work,
+        )
+    });
+    let chunks = Arc::new(Chunks {
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        count,
+        work: erased,
+    });
+    if count > 1 {
+        helpers().publish(&chunks);
+    }
+    chunks.drain();
+    // Every chunk is claimed; wait for the ones helpers are still computing.
+    let mut spins = 0u32;
+    while chunks.done.load(Ordering::Acquire) < count {
+        if spins < 1 << 12 {
+            std::hint::spin_loop();
+            spins += 1;
+        } else {
+            // A helper was descheduled mid-chunk: let it run.
+            std::thread::yield_now();
+        }
+    }
+}

@@ -47,13 +47,15 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ra.remainder().iter().zip(rb.remainder()) {
         tail = fmadd(*x, *y, tail);
     }
-    acc16.iter().sum::<f32>() + tail
+    tree_reduce(acc16, |x, y| x + y) + tail
 }
 
 per_level! {
 /// `out[j] = q . keys[j]` for the `out.len()` rows of `keys` (`[n, d]` row-major).
 ///
-/// Four keys at a time share each load of `q` and give four independent FMA chains.
+/// Four keys at a time share each load of `q` and give four independent FMA chains;
+/// each key's lanes are then summed pairwise (a chain of 15 dependent adds per key was
+/// most of the kernel's time at head dim 64).
 /// Not inlined: compiled on its own, the loop shape is what the vectorizer sees (inlined
 /// into a bigger loop nest it may pick a worse strategy), and one call per tile is cheap.
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
@@ -96,10 +98,10 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
             tail[2] = fmadd(*x, k2[i], tail[2]);
             tail[3] = fmadd(*x, k3[i], tail[3]);
         }
-        o[0] = a0.iter().sum::<f32>() + tail[0];
-        o[1] = a1.iter().sum::<f32>() + tail[1];
-        o[2] = a2.iter().sum::<f32>() + tail[2];
-        o[3] = a3.iter().sum::<f32>() + tail[3];
+        o[0] = tree_reduce(a0, |x, y| x + y) + tail[0];
+        o[1] = tree_reduce(a1, |x, y| x + y) + tail[1];
+        o[2] = tree_reduce(a2, |x, y| x + y) + tail[2];
+        o[3] = tree_reduce(a3, |x, y| x + y) + tail[3];
     }
     for o in outs.into_remainder() {
         *o = rows.next().map_or(0.0, |k| dot(q, k));

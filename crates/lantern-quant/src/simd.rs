@@ -52,7 +52,12 @@ pub fn exp(x: f32) -> f32 {
         p = fma(p, r, *c);
     }
     let e_r = fma(p, r * r, r) + 1.0;
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n in the exponent bits without a float-to-int conversion (whose saturating
+    // semantics kept the loop scalar): n is a whole number in [-126, 127], so adding
+    // 1.5 * 2^23 puts it in the low mantissa bits, as an offset from the bits of 1.5 * 2^23.
+    const MAGIC: f32 = 12_582_912.0;
+    let biased = (n + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits() - 127);
+    let two_n = f32::from_bits(biased << 23);
     if nan {
         f32::NAN
     } else {
@@ -106,4 +111,39 @@ macro_rules! per_level {
             $body
         }
     )*};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp;
+
+    fn rel_err(x: f32) -> f64 {
+        let want = (x as f64).exp();
+        ((exp(x) as f64) - want).abs() / want
+    }
+
+    /// Every power of two the exponent trick builds, and the range between, against f64.
+    #[test]
+    fn exp_is_accurate_over_its_range() {
+        for n in -125..=126 {
+            let x = n as f32 * std::f32::consts::LN_2;
+            assert!(rel_err(x) < 5e-7, "x = {x}: {}", rel_err(x));
+        }
+        let mut worst = 0f64;
+        let mut x = -87.3f32;
+        while x < 88.0 {
+            worst = worst.max(rel_err(x));
+            x += 0.000_731;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+    }
+
+    #[test]
+    fn exp_ends_and_nan() {
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NEG_INFINITY) < 1e-37 && exp(f32::NEG_INFINITY) >= 0.0);
+        assert!(exp(-1e30) < 1e-37);
+        assert!(exp(f32::INFINITY).is_finite() && exp(f32::INFINITY) > 1e38);
+        assert!(exp(f32::NAN).is_nan());
+    }
 }

@@ -18,7 +18,15 @@
 //!
 //! Which thread computes a chunk does not change any result: each output element is
 //! produced by one tile with the full k loop, as in every other split.
+//!
+//! A chunk that panics (on any thread) is counted as done, and once every chunk is done
+//! `run` resumes the panic on the calling thread: helpers never hold the borrows of a
+//! product whose caller has unwound, and a helper's panic never leaves the caller
+//! waiting for a chunk that will not finish (the engine contains the panic as it does
+//! any other).
 
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
@@ -36,6 +44,8 @@ struct Chunks {
     done: AtomicUsize,
     count: usize,
     work: Erased,
+    /// The first panic of a chunk, resumed by the caller once every chunk is done.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Chunks {
@@ -47,8 +57,14 @@ impl Chunks {
                 return;
             }
             // SAFETY: chunk `c` is claimed and below `count`, so `run` has not returned
-            // and the closure's borrows are alive (see `Erased`).
-            unsafe { (*self.work.0)(c) };
+            // (it waits for every chunk, panicked or not) and the closure's borrows are
+            // alive (see `Erased`).
+            let work = AssertUnwindSafe(|| unsafe { (*self.work.0)(c) });
+            if let Err(payload) = catch_unwind(work) {
+                if let Ok(mut first) = self.panic.lock() {
+                    first.get_or_insert(payload);
+                }
+            }
             self.done.fetch_add(1, Ordering::Release);
         }
     }
@@ -168,6 +184,7 @@ pub(crate) fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
         done: AtomicUsize::new(0),
         count,
         work: erased,
+        panic: Mutex::new(None),
     });
     if count > 1 {
         helpers().publish(&chunks);
@@ -183,5 +200,50 @@ pub(crate) fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
             // A helper was descheduled mid-chunk: let it run.
             std::thread::yield_now();
         }
+    }
+    let panic = chunks.panic.lock().ok().and_then(|mut p| p.take());
+    if let Some(payload) = panic {
+        resume_unwind(payload);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn every_chunk_runs_once() {
+        for count in [1, 2, 7, 64] {
+            let hits: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+            run(count, &|c| {
+                hits[c].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    /// A panicking chunk reaches the caller with its message once every other chunk has
+    /// finished, and later products still run on the helpers.
+    #[test]
+    fn a_panicking_chunk_is_resumed_on_the_caller_after_the_rest() {
+        let finished = AtomicUsize::new(0);
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            run(32, &|c| {
+                if c == 5 {
+                    panic!("chunk five failed");
+                }
+                std::thread::sleep(Duration::from_micros(200));
+                finished.fetch_add(1, Ordering::Relaxed);
+            })
+        }));
+        let payload = outcome.expect_err("the panic reaches the caller");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"chunk five failed"));
+        assert_eq!(finished.load(Ordering::Relaxed), 31);
+        let again = AtomicUsize::new(0);
+        run(16, &|_| {
+            again.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(again.load(Ordering::Relaxed), 16);
     }
 }

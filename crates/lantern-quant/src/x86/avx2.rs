@@ -14,7 +14,7 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{dispatch_shapes, Shapes, TileArgs};
+use super::{dispatch_shapes, prefetch_ahead, Shapes, TileArgs};
 use crate::act::block_scale;
 use crate::format::{Planes, Scales};
 use crate::{QuantType, BLOCK, PANEL};
@@ -177,6 +177,9 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize, const V: bool>(a: Ti
             }
         }
         let rec = |p: usize, h: usize| a.qs.add(p * a.q_panel + b * qbp + 32 * h);
+        if T == 1 {
+            prefetch_ahead(&a, P, b, qbp);
+        }
         if planes == Planes::Bytes {
             for c in 0..8 {
                 let mut w = [[_mm256_setzero_si256(); 2]; P];

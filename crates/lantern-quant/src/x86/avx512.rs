@@ -4,7 +4,7 @@
 // read more clearly than iterator chains here and compile to the same unrolled code.
 #![allow(clippy::needless_range_loop)]
 
-use super::{dispatch_shapes, Shapes, TileArgs};
+use super::{dispatch_shapes, prefetch_ahead, Shapes, TileArgs};
 use crate::act::block_scale;
 use crate::format::{Planes, Scales};
 use crate::{QuantType, BLOCK, PANEL};
@@ -113,6 +113,9 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
             }
         }
         let rec = |p: usize| a.qs.add(p * a.q_panel + b * qbp);
+        if T == 1 {
+            prefetch_ahead(&a, P, b, qbp);
+        }
         if planes == Planes::Bytes {
             for c in 0..8 {
                 let mut w = [_mm512_setzero_si512(); P];

@@ -52,6 +52,31 @@ pub(crate) struct TileArgs {
     pub valid: [usize; 4],
 }
 
+/// How far ahead of a decode tile's current block its weights are prefetched, in bytes
+/// per panel. A single token uses every weight byte once, so the products stream the
+/// matrices from memory; the hardware prefetchers lose each panel's stream at the page
+/// ends, and prefetching ~2 KB ahead measured 15-20% faster layer products at m = 1
+/// (`quant_bench --decode`, Zen 5).
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetches the quants `PREFETCH_BYTES` ahead of block `b` of each of the tile's `panels`
+/// panels (record `qbp` bytes) into L1; past a panel's end that is the next panel's start,
+/// which the next tile reads.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(a: &TileArgs, panels: usize, b: usize, qbp: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = (PREFETCH_BYTES / qbp).max(1) * qbp;
+    for p in 0..panels {
+        // `wrapping_add` keeps an address past the matrix's end (the last blocks'
+        // targets) free of pointer-arithmetic UB.
+        let at = a.qs.wrapping_add(p * a.q_panel + b * qbp + ahead);
+        for l in 0..qbp / 64 {
+            // SAFETY: a prefetch never faults, whatever the address; SSE is baseline x86-64.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * l).cast()) };
+        }
+    }
+}
+
 /// Register tile shapes of a level: panels per tile for a task of `tokens` tokens, and
 /// the most tokens per tile.
 struct Shapes {

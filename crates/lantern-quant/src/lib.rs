@@ -116,7 +116,7 @@ mod dense;
 mod format;
 mod level;
 mod scalar;
-mod share;
+pub mod share;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;

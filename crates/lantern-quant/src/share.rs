@@ -171,8 +171,10 @@ fn helper_loop(parked: &AtomicBool) {
 }
 
 /// Runs `work(c)` for every chunk `c < count`, on the calling thread and the helpers;
-/// returns once every chunk is done.
-pub(crate) fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
+/// returns once every chunk is done. For work of a few microseconds to a millisecond,
+/// where a rayon fork-join would cost as much as the work (batch-1 decode products and
+/// attention).
+pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
     // SAFETY: only the lifetime is erased; see `Erased`.
     let erased = Erased(unsafe {
         std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(

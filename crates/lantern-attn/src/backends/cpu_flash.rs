@@ -1,7 +1,10 @@
 //! `cpu-flash`: the default CPU backend. Tiled online softmax over the paged cache,
 //! multi-threaded with rayon, f32/f16/bf16 caches.
 //!
-//! Work is cut into items of (request, kv head, tile of query tokens, range of keys):
+//! Work is cut into items of (request, kv head, tile of query tokens, range of keys), run
+//! on the calling thread when a layer's attention is tiny, on `lantern_quant`'s shared
+//! helper threads when it is decode-sized (no rayon fork-join, which costs about as much),
+//! and on rayon otherwise:
 //! - every item handles all query heads of one GQA group, so each K/V tile is read from
 //!   the cache (and converted to f32) once for the whole group and all its query tokens;
 //! - long prefills are cut into query tiles, so they spread over threads;
@@ -13,18 +16,23 @@
 //! thread count: a row gets bit-identical output alone or in any batch (batch invariance,
 //! which makes greedy decoding independent of what else the server is running).
 //!
-//! Inside an item, keys are visited block by block in the order of the request's block
-//! table. Each query row keeps a running max `m`, a running sum `l` and an unnormalized
-//! output `acc`; a new tile rescales them by `exp(m_old - m_new)`. The sink joins only
-//! when a row is finalized, as one more term of the denominator.
+//! Inside an item, keys are visited in groups of whole blocks (64 keys at the default
+//! block size, starting at multiples of that), each group's K and V gathered from its
+//! blocks through the block table and converted to f32 once. Each query row keeps a
+//! running max `m`, a running sum `l` and an unnormalized output `acc`; a new group
+//! rescales them by `exp(m_old - m_new)`. The sink joins only when a row is finalized, as
+//! one more term of the denominator.
 //!
 //! Chunked-local layers run over the step's virtual batch ([`crate::local`]): each
 //! virtual request lies inside one chunk, so the kernel needs no chunk mask, and a long
 //! prefill over many chunks becomes many short requests that spread over threads.
 //!
 //! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
-//! are one contiguous `block_size x head_dim` tile that an f32 cache lends without a copy.
+//! are one contiguous `block_size x head_dim` tile, read (and converted) in one pass.
 
+use std::sync::OnceLock;
+
+use lantern_quant::share;
 use rayon::prelude::*;
 
 use crate::backend::{AttentionMetadata, CPU_FLASH};
@@ -44,6 +52,8 @@ pub struct FlashTuning {
     /// Query tokens of one request per work item.
     pub query_tile: usize,
     /// Key ranges are cut at multiples of this many keys (rounded up to whole blocks).
+    /// 256 rather than 512: a decode over a 512-key sliding window is then two or three
+    /// pieces, not one, so it uses two threads.
     pub split_keys: usize,
 }
 
@@ -51,7 +61,7 @@ impl Default for FlashTuning {
     fn default() -> Self {
         Self {
             query_tile: 16,
-            split_keys: 512,
+            split_keys: 256,
         }
     }
 }
@@ -136,17 +146,74 @@ impl HostAttention for CpuFlashBackend {
             k,
             v,
         };
-        let partials: Vec<Partial> = items
-            .par_iter()
-            .map_init(
-                || Scratch::new(&ctx),
-                |scratch, item| run_item(&ctx, item, scratch),
-            )
-            .collect();
+        let work: usize = items.iter().map(|it| it.multiply_adds(layer)).sum();
+        let partials = run_items(&ctx, &items, Runner::for_work(work));
         merge_and_store(&items, partials, layer, out);
         Ok(())
     }
 }
+
+/// Where a layer's work items run. Which one does not change any result: each item is
+/// computed whole by one thread, and partial states are merged in item order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Runner {
+    /// The calling thread alone.
+    Inline,
+    /// The calling thread and `lantern_quant`'s shared helper threads.
+    Shared,
+    /// Rayon's pool.
+    Rayon,
+}
+
+impl Runner {
+    fn for_work(multiply_adds: usize) -> Self {
+        if multiply_adds < INLINE_WORK {
+            Runner::Inline
+        } else if multiply_adds < SHARED_WORK {
+            Runner::Shared
+        } else {
+            Runner::Rayon
+        }
+    }
+}
+
+fn run_items(ctx: &Ctx<'_>, items: &[WorkItem], runner: Runner) -> Vec<Partial> {
+    match runner {
+        Runner::Inline => {
+            let mut scratch = Scratch::new(ctx);
+            items
+                .iter()
+                .map(|item| run_item(ctx, item, &mut scratch))
+                .collect()
+        }
+        Runner::Shared => {
+            let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
+            share::run(items.len(), &|i| {
+                let _ = slots[i].set(run_item(ctx, &items[i], &mut Scratch::new(ctx)));
+            });
+            // `share::run` returns only once every item has run (it resumes a panic).
+            slots
+                .into_iter()
+                .map(|s| s.into_inner().unwrap_or_default())
+                .collect()
+        }
+        Runner::Rayon => items
+            .par_iter()
+            .map_init(
+                || Scratch::new(ctx),
+                |scratch, item| run_item(ctx, item, scratch),
+            )
+            .collect(),
+    }
+}
+
+/// Multiply-adds of a layer's attention below which it runs on the calling thread: waking
+/// any other thread costs more.
+const INLINE_WORK: usize = 1 << 15;
+/// Below this, items are shared with `lantern_quant`'s helper threads, which the caller
+/// joins without parking (a batch-1 decode's attention is a few microseconds to a
+/// millisecond, about what a rayon fork-join from outside its pool costs); above, rayon.
+const SHARED_WORK: usize = 1 << 23;
 
 /// Everything a work item reads.
 struct Ctx<'a> {
@@ -168,6 +235,15 @@ struct WorkItem {
     keys: (usize, usize),
     /// Items with the same `output` cover the same query rows and must be merged.
     output: usize,
+}
+
+impl WorkItem {
+    /// An upper bound of its multiply-adds (scores and weighted values of every row of
+    /// the group over every key of the range), for choosing how to run a layer.
+    fn multiply_adds(&self, layer: &AttentionLayerSpec) -> usize {
+        let rows = (self.rows.1 - self.rows.0) * layer.group_size();
+        rows * (self.keys.1 - self.keys.0) * layer.head_dim * 2
+    }
 }
 
 /// Cuts the batch into work items (see the module docs).
@@ -234,12 +310,24 @@ struct Scratch {
 impl Scratch {
     fn new(ctx: &Ctx<'_>) -> Self {
         let geom = ctx.cache.geometry();
+        let keys = group_len(geom.block_size, geom.head_dim);
         Self {
-            keys: vec![0.0; geom.block_size * geom.head_dim],
-            values: vec![0.0; geom.block_size * geom.head_dim],
-            logits: vec![0.0; geom.block_size],
+            keys: vec![0.0; keys * geom.head_dim],
+            values: vec![0.0; keys * geom.head_dim],
+            logits: vec![0.0; keys],
         }
     }
+}
+
+/// Keys per online-softmax update: whole blocks, as many as keep one K tile within 4096
+/// f32 (16 KiB, so K and V of a group stay in L1 while every row of the item reads them;
+/// 64 keys at head dim 64, 16 at 256). Each update has a fixed cost (the running maximum,
+/// the rescale, a pass over the accumulator) that a small group does not amortize. Groups
+/// start at multiples of this length, which depends only on the layer, so a row's keys
+/// are grouped the same way whatever batch, chunk or item it is computed in.
+fn group_len(block_size: usize, head_dim: usize) -> usize {
+    let keys = (4096 / head_dim.max(1)).max(1);
+    (keys / block_size).max(1) * block_size
 }
 
 /// Online-softmax state of an item's query rows (row `i * group + j` is the item's
@@ -253,10 +341,10 @@ struct Partial {
 
 fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
     let layer = ctx.layer;
-    let (d, group) = (layer.head_dim, layer.group_size());
+    let (d, group_heads) = (layer.head_dim, layer.group_size());
     let block_size = ctx.cache.geometry().block_size;
     let req = RequestView::new(ctx.common, item.req);
-    let n_rows = (item.rows.1 - item.rows.0) * group;
+    let n_rows = (item.rows.1 - item.rows.0) * group_heads;
     let mut state = Partial {
         max: vec![f32::NEG_INFINITY; n_rows],
         sum: vec![0.0; n_rows],
@@ -267,48 +355,47 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
         values,
         logits,
     } = scratch;
-    let mut bi = item.keys.0 / block_size;
-    while bi * block_size < item.keys.1 {
-        let tile = (
-            item.keys.0.max(bi * block_size),
-            item.keys.1.min((bi + 1) * block_size),
-        );
-        let block = req.table[bi] as usize;
-        let in_block = tile.0 - bi * block_size..tile.1 - bi * block_size;
-        let k_tile = load_tile(
-            ctx,
-            &req,
-            KEY,
-            block,
-            item.kv_head,
-            in_block.clone(),
-            tile.0,
-            keys,
-        );
-        let v_tile = load_tile(
-            ctx,
-            &req,
-            VALUE,
-            block,
-            item.kv_head,
-            in_block,
-            tile.0,
-            values,
-        );
+    let group = group_len(block_size, d);
+    let mut start = item.keys.0;
+    while start < item.keys.1 {
+        let end = ((start / group + 1) * group).min(item.keys.1);
+        let n = end - start;
+        let (k_tile, v_tile) = (&mut keys[..n * d], &mut values[..n * d]);
+        let mut pos = start;
+        while pos < end {
+            let bi = pos / block_size;
+            let tile_end = ((bi + 1) * block_size).min(end);
+            let block = req.table[bi] as usize;
+            let in_block = pos - bi * block_size..tile_end - bi * block_size;
+            let rows = (pos - start) * d..(tile_end - start) * d;
+            for (kv, dst) in [(KEY, &mut k_tile[rows.clone()]), (VALUE, &mut v_tile[rows])] {
+                load_tile(
+                    ctx,
+                    &req,
+                    kv,
+                    block,
+                    item.kv_head,
+                    in_block.clone(),
+                    pos,
+                    dst,
+                );
+            }
+            pos = tile_end;
+        }
         for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
             let visible = layer.visible_key_range(req.position(row));
-            let (lo, hi) = (visible.start.max(tile.0), visible.end.min(tile.1));
+            let (lo, hi) = (visible.start.max(start), visible.end.min(end));
             if lo >= hi {
                 continue;
             }
             let (k_rows, v_rows) = (
-                &k_tile[(lo - tile.0) * d..(hi - tile.0) * d],
-                &v_tile[(lo - tile.0) * d..(hi - tile.0) * d],
+                &k_tile[(lo - start) * d..(hi - start) * d],
+                &v_tile[(lo - start) * d..(hi - start) * d],
             );
-            for j in 0..group {
-                let h = item.kv_head * group + j;
+            for j in 0..group_heads {
+                let h = item.kv_head * group_heads + j;
                 let q_row = &ctx.q[(row * layer.num_heads + h) * d..][..d];
-                let r = ti * group + j;
+                let r = ti * group_heads + j;
                 update_row(
                     layer,
                     q_row,
@@ -321,7 +408,7 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
                 );
             }
         }
-        bi += 1;
+        start = end;
     }
     state
 }
@@ -351,35 +438,27 @@ fn update_row(
     *max = new_max;
 }
 
-/// Rows `in_block` of one head's K or V in `block` as f32: borrowed from an f32 cache
-/// when packed, converted into `buf` otherwise. Rows of step tokens that were not
-/// written (padding slots) come from the step's inputs. `first_pos` is the position of
-/// the first row.
+/// Rows `in_block` of one head's K or V in `block`, as f32, into `dst`. Rows of step
+/// tokens that were not written (padding slots) come from the step's inputs. `first_pos`
+/// is the position of the first row.
 #[allow(clippy::too_many_arguments)]
-fn load_tile<'a>(
-    ctx: &'a Ctx<'_>,
+fn load_tile(
+    ctx: &Ctx<'_>,
     req: &RequestView<'_>,
     kv: usize,
     block: usize,
     head: usize,
     in_block: std::ops::Range<usize>,
     first_pos: usize,
-    buf: &'a mut [f32],
-) -> &'a [f32] {
+    dst: &mut [f32],
+) {
     let n = in_block.len();
-    let padded = req.any_padded(first_pos..first_pos + n);
-    if !padded {
-        if let Some(tile) = ctx.cache.tile_f32(kv, block, head, in_block.clone()) {
-            return tile;
-        }
-    }
     let d = ctx.layer.head_dim;
-    let buf = &mut buf[..n * d];
     ctx.cache
-        .load_rows_unchecked(kv, block, head, in_block, buf);
-    if padded {
+        .load_rows_unchecked(kv, block, head, in_block, dst);
+    if req.any_padded(first_pos..first_pos + n) {
         let src = if kv == KEY { ctx.k } else { ctx.v };
-        for (i, row_buf) in buf.chunks_exact_mut(d).enumerate() {
+        for (i, row_buf) in dst.chunks_exact_mut(d).enumerate() {
             if let Some(row) = req.padded_step_row(first_pos + i) {
                 load_step_row(
                     src,
@@ -392,7 +471,6 @@ fn load_tile<'a>(
             }
         }
     }
-    buf
 }
 
 /// Merges the partial states of items that share an output (key-range splits),
@@ -466,6 +544,90 @@ fn finalize_row(max: f32, sum: f32, acc: &[f32], sink: Option<f32>, dst: &mut [f
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metadata::ScheduledSeq;
+
+    #[test]
+    fn groups_are_whole_blocks_within_16_kib_of_keys() {
+        assert_eq!(group_len(16, 64), 64);
+        assert_eq!(group_len(16, 128), 32);
+        assert_eq!(group_len(16, 256), 16);
+        assert_eq!(group_len(4, 80), 48);
+        // At least one block, however large.
+        assert_eq!(group_len(32, 256), 32);
+        assert_eq!(group_len(16, 8192), 16);
+    }
+
+    /// The three ways of running a layer's items give the same partial states bit for
+    /// bit, on a batch of decodes and chunked prefills over many groups and pieces.
+    #[test]
+    fn every_runner_gives_the_same_partials() {
+        let layer = AttentionLayerSpec::new(6, 2, 64);
+        let block_size = 16;
+        let lens: [(usize, usize); 4] = [(700, 1), (30, 45), (300, 200), (0, 77)];
+        let tables: Vec<Vec<u32>> = {
+            let mut next = 0u32;
+            lens.iter()
+                .map(|&(c, q)| {
+                    let n = (c + q).div_ceil(block_size) as u32;
+                    next += n;
+                    // Blocks in reverse order, so gathering follows the table.
+                    (next - n..next).rev().collect()
+                })
+                .collect()
+        };
+        let num_blocks = tables.iter().map(|t| t.len()).sum::<usize>();
+        let seqs: Vec<ScheduledSeq<'_>> = lens
+            .iter()
+            .zip(&tables)
+            .map(|(&(c, q), t)| ScheduledSeq {
+                num_computed_tokens: c,
+                num_scheduled_tokens: q,
+                block_table: t,
+                slot_window: None,
+            })
+            .collect();
+        let common = CommonAttentionMetadata::build(&seqs, block_size).unwrap();
+        let geom = crate::layout::CacheGeometry {
+            num_blocks,
+            block_size,
+            num_kv_heads: 2,
+            head_dim: 64,
+        };
+        let mut cache = PagedKvCache::new(
+            geom,
+            KvCacheLayout::hnd(KvCacheShape::BlocksFirst),
+            lantern_kv::KvDtype::F16,
+        )
+        .unwrap();
+        let value = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.8;
+        let all_slots: Vec<i64> = (0..num_blocks as i64 * block_size as i64).collect();
+        let row = 2 * 64;
+        let kv: Vec<f32> = (0..all_slots.len() * row).map(value).collect();
+        cache.write(&kv, &kv, &all_slots).unwrap();
+        let t = common.num_actual_tokens;
+        let q: Vec<f32> = (0..t * 6 * 64).map(|i| value(i + 17)).collect();
+        let step_kv: Vec<f32> = (0..t * row).map(|i| value(i + 3)).collect();
+        let ctx = Ctx {
+            common: &common,
+            layer: &layer,
+            cache: &cache,
+            q: &q,
+            k: &step_kv,
+            v: &step_kv,
+        };
+        let items = plan(&common, &layer, &FlashTuning::default(), block_size);
+        assert!(items.len() > 10);
+        let inline = run_items(&ctx, &items, Runner::Inline);
+        for runner in [Runner::Shared, Runner::Rayon] {
+            let other = run_items(&ctx, &items, runner);
+            for (a, b) in inline.iter().zip(&other) {
+                assert_eq!(a.max, b.max, "{runner:?}");
+                assert_eq!(a.sum, b.sum, "{runner:?}");
+                assert_eq!(a.acc, b.acc, "{runner:?}");
+            }
+        }
+        assert!(inline.iter().all(|p| p.acc.iter().any(|&x| x != 0.0)));
+    }
 
     #[test]
     fn split_keys_cuts_at_fixed_positions_and_covers() {

@@ -193,13 +193,13 @@ pub(crate) fn logits_and_rescale(
     let mut chunks = logits.chunks_exact(LANES);
     for c in &mut chunks {
         for i in 0..LANES {
-            lanes[i] = lanes[i].max(c[i]);
+            lanes[i] = max_lane(lanes[i], c[i]);
         }
     }
     let tile_max = chunks
         .remainder()
         .iter()
-        .fold(tree_reduce(lanes, f32::max), |m, x| m.max(*x));
+        .fold(tree_reduce(lanes, max_lane), |m, x| max_lane(m, *x));
     let new_max = running_max.max(tile_max);
     // Past the first tiles the maximum rarely moves: skip the exponential's latency then
     // (`exp_f32(0.0)` is exactly 1).
@@ -215,6 +215,19 @@ pub(crate) fn logits_and_rescale(
 /// The lanes combined with `op` pairwise by halves: vector shuffles where a
 /// left-to-right fold is a serial chain of 16 scalar operations, and a fixed order, so
 /// the same result at every level.
+/// The larger of two numbers as one `maxps`: `f32::max`'s NaN handling compiled to a
+/// compare and blend per lane (9% of a prefill at avx512). Logits are not NaN unless the
+/// inputs were, and then the exponentials make the row NaN whatever the maximum; zeros of
+/// either sign shift the exponentials the same.
+#[inline(always)]
+fn max_lane(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
 #[inline(always)]
 fn tree_reduce(mut lanes: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
     let mut width = LANES;

@@ -16,9 +16,9 @@
 //! thread count: a row gets bit-identical output alone or in any batch (batch invariance,
 //! which makes greedy decoding independent of what else the server is running).
 //!
-//! Inside an item, keys are visited in groups of whole blocks (64 keys at the default
-//! block size, starting at multiples of that), each group's K and V gathered from its
-//! blocks through the block table and converted to f32 once. Each query row keeps a
+//! Inside an item, keys are visited in groups of whole blocks (up to 16 KiB of keys: 64
+//! at head dim 64, 16 at 256; groups start at multiples of that length), each group's K
+//! and V gathered from its blocks through the block table and converted to f32 once. Each query row keeps a
 //! running max `m`, a running sum `l` and an unnormalized output `acc`; a new group
 //! rescales them by `exp(m_old - m_new)`. The sink joins only when a row is finalized, as
 //! one more term of the denominator.

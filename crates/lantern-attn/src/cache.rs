@@ -5,9 +5,10 @@
 //! layout from a shape. Writes follow a slot mapping (`slot = block * block_size +
 //! offset`, negative slots are padding and skipped). Reads come in two flavours:
 //! per-token helpers ([`PagedKvCache::read_key`], [`PagedKvCache::read_value`]) that
-//! any reader such as attention capture can use, and tile loads
-//! ([`PagedKvCache::load_tile`], [`PagedKvCache::tile_f32`]) that backends use to read
-//! one head's rows of a block at once.
+//! any reader such as attention capture can use, and tile loads that read one head's
+//! rows of a block at once ([`PagedKvCache::load_tile`], and [`PagedKvCache::tile_f32`],
+//! a zero-copy view for f32 caches that no backend of this crate uses since cpu-flash
+//! gathers several blocks per softmax update).
 
 use std::ops::Range;
 

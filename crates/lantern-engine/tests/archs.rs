@@ -325,14 +325,6 @@ fn greedy(max_tokens: usize) -> SamplingParams {
     }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn prompt_token_ids_equal_the_reference() {
     for case in CASES {
@@ -367,7 +359,7 @@ fn logits_and_teacher_forced_top1_match_the_reference() {
             let vocab = p.last_logits.len();
             let first = p.prompt_ids.len() - 1;
             let last = &rows[first * vocab..(first + 1) * vocab];
-            let diff = max_abs_diff(last, &p.last_logits);
+            let diff = common::max_abs_diff(last, &p.last_logits);
             let mut worst_top = 0f32;
             let mut near_ties = 0;
             for step in 0..p.gen_ids.len() {
@@ -426,7 +418,7 @@ fn the_default_f16_kv_cache_stays_near_the_reference() {
                 .unwrap();
             let vocab = p.last_logits.len();
             let rows = out[0].prompt_logits.as_ref().unwrap();
-            let diff = max_abs_diff(&rows[rows.len() - vocab..], &p.last_logits);
+            let diff = common::max_abs_diff(&rows[rows.len() - vocab..], &p.last_logits);
             eprintln!("{name}: f16 KV cache, last logits {diff:.1e}");
             assert!(
                 diff < F16_KV_TOLERANCE,
@@ -564,7 +556,8 @@ fn quantized_kernels_stay_near_the_reference() {
             let rows = out[0].prompt_logits.as_ref().unwrap();
             let vocab = p.last_logits.len();
             let first = p.prompt_ids.len() - 1;
-            let diff = max_abs_diff(&rows[first * vocab..(first + 1) * vocab], &p.last_logits);
+            let diff =
+                common::max_abs_diff(&rows[first * vocab..(first + 1) * vocab], &p.last_logits);
             let mut agree = 0;
             for step in 0..p.gen_ids.len() {
                 let row = &rows[(first + step) * vocab..(first + step + 1) * vocab];

@@ -225,3 +225,12 @@ pub fn assert_same_capture(a: &lantern_capture::CaptureResult, b: &lantern_captu
         );
     }
 }
+
+/// The largest absolute difference between two equally long rows.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

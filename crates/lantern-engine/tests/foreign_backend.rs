@@ -261,14 +261,6 @@ fn run(engine: &mut Engine) -> Vec<Completion> {
     common::run_to_completion(engine, requests)
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 /// Both backends sum in the same order, so today the results are equal; the bounds leave
 /// room for another order and still catch an output off by 0.1% (logits then move by
 /// ~9e-6, maps by ~5e-7).
@@ -280,7 +272,7 @@ fn a_backend_from_outside_runs_the_engine_and_capture_unchanged() {
     let (got, want) = (run(&mut theirs), run(&mut reference));
     for (g, w) in got.iter().zip(&want) {
         assert_eq!(g.token_ids, w.token_ids);
-        let diff = max_abs_diff(
+        let diff = common::max_abs_diff(
             g.prompt_logits.as_ref().unwrap(),
             w.prompt_logits.as_ref().unwrap(),
         );
@@ -300,7 +292,7 @@ fn a_backend_from_outside_runs_the_engine_and_capture_unchanged() {
     assert_eq!(g.layers.len(), LAYERS);
     for (x, y) in g.layers.iter().zip(&w.layers) {
         assert_eq!(x.shape, y.shape);
-        let diff = max_abs_diff(&x.values, &y.values);
+        let diff = common::max_abs_diff(&x.values, &y.values);
         assert!(diff < 1e-7, "layer {}: maps differ by {diff}", x.layer_idx);
     }
 }

@@ -47,14 +47,6 @@ fn prompt_logits(engine: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
     out.into_iter().map(|c| c.prompt_logits.unwrap()).collect()
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn the_engine_makes_one_group_per_kind() {
     let (engine, _dir) = engine(7, config());
@@ -74,12 +66,12 @@ fn tokens_outside_the_receptive_field_do_not_matter() {
     let logits = prompt_logits(&mut engine, &[a, b]);
     let vocab = logits[0].len() / 60;
     let (la, lb) = (&logits[0][59 * vocab..], &logits[1][59 * vocab..]);
-    assert_eq!(max_abs_diff(la, lb), 0.0);
+    assert_eq!(common::max_abs_diff(la, lb), 0.0);
     // ... while a token just inside it does.
     let mut c = prompt(60, 1);
     c[60 - 5 * (GEMMA3_TINY_WINDOW - 1)] += 1;
     let lc = prompt_logits(&mut engine, &[c]).remove(0);
-    assert!(max_abs_diff(la, &lc[59 * vocab..]) > 1e-6);
+    assert!(common::max_abs_diff(la, &lc[59 * vocab..]) > 1e-6);
 }
 
 /// Whole prefill, chunked prefill (chunks of 5 and 3 cross window and block edges),
@@ -104,7 +96,7 @@ fn chunking_backends_and_prefix_hits_agree() {
         let label = format!("{variant:?}");
         let (mut e, _d) = engine(7, variant);
         for (w, o) in whole.iter().zip(prompt_logits(&mut e, &prompts)) {
-            let diff = max_abs_diff(w, &o);
+            let diff = common::max_abs_diff(w, &o);
             assert!(diff < 1e-4, "{label}: {diff}");
         }
     }

@@ -79,13 +79,6 @@ fn the_prompt() -> ReferencePrompt {
         .expect("the gemma_window reference prompt")
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn the_model_is_hybrid_as_the_reference_says() {
     let engine = engine(
@@ -152,7 +145,7 @@ fn check_against_the_reference(f32_weights: bool) {
     let vocab = p.last_logits.len();
     let first = p.prompt_ids.len() - 1;
     let last = &rows[first * vocab..(first + 1) * vocab];
-    let diff = max_abs_diff(last, &p.last_logits);
+    let diff = common::max_abs_diff(last, &p.last_logits);
     eprintln!("f32 weights {f32_weights}: max |last logit - reference| = {diff:.2e}");
     assert!(diff < tol, "last-position logits differ by {diff}");
     assert_eq!(

@@ -90,13 +90,6 @@ fn prompt_token_ids_equal_the_reference() {
     }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn last_position_logits_match_the_reference_with_f32_weights() {
     check_last_position_logits(true);
@@ -114,7 +107,7 @@ fn check_last_position_logits(f32_weights: bool) {
     for (p, rows) in prompts.iter().zip(&logits) {
         let vocab = p.last_logits.len();
         let last = &rows[rows.len() - vocab..];
-        let diff = max_abs_diff(last, &p.last_logits);
+        let diff = common::max_abs_diff(last, &p.last_logits);
         eprintln!(
             "{} (f32 weights: {f32_weights}): max |logit - reference| = {diff:.5}",
             p.id

@@ -461,14 +461,9 @@ fn error_cases() {
     }
 }
 
-/// A token's output is bit-identical alone (m = 1) or inside any batch, with any thread
-/// count, at every level: the accumulation order of a (row, token) never depends on the
-/// tiling.
-#[test]
-fn batch_invariance() {
-    let levels = levels();
-    let mut rng = StdRng::seed_from_u64(99);
-    let pools: Vec<rayon::ThreadPool> = [1, 3]
+/// One rayon pool per thread count.
+fn thread_pools(threads: &[usize]) -> Vec<rayon::ThreadPool> {
+    threads
         .iter()
         .map(|&t| {
             rayon::ThreadPoolBuilder::new()
@@ -476,7 +471,17 @@ fn batch_invariance() {
                 .build()
                 .unwrap()
         })
-        .collect();
+        .collect()
+}
+
+/// A token's output is bit-identical alone (m = 1) or inside any batch, with any thread
+/// count, at every level: the accumulation order of a (row, token) never depends on the
+/// tiling.
+#[test]
+fn batch_invariance() {
+    let levels = levels();
+    let mut rng = StdRng::seed_from_u64(99);
+    let pools = thread_pools(&[1, 3]);
     for ty in QuantType::QUANTIZED {
         for (n, k) in [(17, 256), (1000, 512), (2100, 768)] {
             let bytes = random_gguf(&mut rng, ty, n, k);
@@ -516,15 +521,7 @@ fn batch_invariance() {
 fn shared_single_token_products_match_one_thread() {
     let levels = levels();
     let mut rng = StdRng::seed_from_u64(11);
-    let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-        .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
-        .collect();
+    let pools = thread_pools(&[1, 2, 3]);
     for ty in QuantType::QUANTIZED {
         for (n, k) in [(1001, 512), (333, 768), (4099, 256)] {
             let bytes = random_gguf(&mut rng, ty, n, k);

@@ -1,7 +1,7 @@
 """Serving basics: the port answers while the model loads (`/health` 503, then 200),
 `--max-model-len` caps requests with vLLM's 400, a log line per finished request and a
-periodic stats line, `lantern bench` reports the `--threads` pool it ran on, and a first
-run's model fetch is announced."""
+periodic stats line, `lantern bench` reports the `--threads` pool it ran on and the kernels
+of a Hugging Face directory's weights, and a first run's model fetch is announced."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -162,6 +163,37 @@ def test_bench_reports_the_thread_pool_it_used():
         capture_output=True, text=True, cwd=ROOT, timeout=600, check=True,
     )
     assert json.loads(r.stdout.strip().splitlines()[-1])["threads"] == 2
+
+
+def _bench_json(model, *extra, env=None):
+    r = subprocess.run(
+        [str(_binary()), "bench", "--model", str(model), "--json", "--prompt-tokens", "8",
+         "--decode-tokens", "2", "--batches", "2", "--repeat", "1", "--kv-cache-memory", "16M",
+         *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_bench_reports_the_kernels_of_a_hugging_face_directory():
+    """`lantern bench` on a Hugging Face directory names the kernels of its safetensors'
+    types, of the type `--quantize` converts them to, and the opt-in AVX-512 BF16 level
+    for BF16 weights only."""
+    hf = ROOT / "tests" / "fixtures" / "archs" / "llama" / "hf"
+    plain = _bench_json(hf)
+    assert plain["kernels"]["BF16"]["kernel"] == plain["kernel_level"], plain["kernels"]
+    assert plain["kernel_level"] != "avx512-bf16", "the default level is an exact one"
+    quantized = _bench_json(hf, "--quantize", "q8_0")
+    assert set(quantized["kernels"]) >= {"Q8_0"}, quantized["kernels"]
+    assert "BF16" not in quantized["kernels"], quantized["kernels"]
+    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
+        env = dict(os.environ, LANTERN_KERNELS="avx512-bf16")
+        bf16 = _bench_json(hf, env=env)
+        assert bf16["kernel_level"] == "avx512-bf16"
+        assert bf16["kernels"]["BF16"]["kernel"] == "avx512-bf16", bf16["kernels"]
+        on_q8 = _bench_json(hf, "--quantize", "q8_0", env=env)
+        assert on_q8["kernels"]["Q8_0"]["kernel"] == "avx512", on_q8["kernels"]
 
 
 def test_first_run_fetch_is_announced(tmp_path):

@@ -101,7 +101,7 @@ impl EngineArgs {
         let path = self.model_path()?;
         if verbose {
             eprintln!("lantern: SIMD level {}", lantern_model::simd_level());
-            let kernels = crate::kernels::weight_kernels(&path, self.f32_weights)?;
+            let kernels = crate::kernels::weight_kernels(&path, self.f32_weights, self.quantize)?;
             eprintln!("lantern: kernels {}", crate::kernels::summary(&kernels));
         }
         let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -221,8 +221,11 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     let peak = peak_memory_bytes();
     let info = engine.model_info();
     let level = lantern_model::simd_level();
-    let kernels =
-        crate::kernels::weight_kernels(&args.engine.model_path()?, args.engine.f32_weights)?;
+    let kernels = crate::kernels::weight_kernels(
+        &args.engine.model_path()?,
+        args.engine.f32_weights,
+        args.engine.quantize,
+    )?;
     if args.json {
         let kernels_json: serde_json::Map<String, serde_json::Value> = kernels
             .iter()

@@ -1,7 +1,8 @@
 //! Which kernels run the products of each weight type of a model file.
 
 use anyhow::{Context, Result};
-use lantern_model::{GgufFile, WeightSource};
+use lantern_model::hf::HfDirectory;
+use lantern_model::{GgmlDType, GgufFile, WeightSource};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -11,17 +12,27 @@ pub struct WeightKernels {
     pub dtype: String,
     /// Matrices (2-D tensors) of this type in the file.
     pub matrices: usize,
-    /// lantern's level (`avx512`, `avx-vnni`, `avx2`, `scalar`), `candle`, or `candle-f32` when the
+    /// lantern's level (`avx512-bf16`, `avx512`, `avx-vnni`, `avx2`, `scalar`), `candle`, or `candle-f32` when the
     /// weights are dequantized to f32 at load.
     pub kernel: &'static str,
 }
 
-/// Per weight type of the GGUF file at `path`, in type-name order.
-pub fn weight_kernels(path: &Path, f32_weights: bool) -> Result<Vec<WeightKernels>> {
-    let file = GgufFile::open(path).with_context(|| format!("reading {}", path.display()))?;
+/// Per weight type of the model at `path` (a GGUF file, or a Hugging Face directory whose
+/// matrices `quantize` converts at load), in type-name order.
+pub fn weight_kernels(
+    path: &Path,
+    f32_weights: bool,
+    quantize: Option<GgmlDType>,
+) -> Result<Vec<WeightKernels>> {
+    let what = || format!("reading {}", path.display());
+    let source: Box<dyn WeightSource> = if lantern_model::hf::is_hf_directory(path) {
+        Box::new(HfDirectory::open(path, quantize).with_context(what)?)
+    } else {
+        Box::new(GgufFile::open(path).with_context(what)?)
+    };
     let mut counts = BTreeMap::new();
-    for name in file.tensor_names() {
-        if let Some((dims, dtype)) = file.tensor_info(&name) {
+    for name in source.tensor_names() {
+        if let Some((dims, dtype)) = source.tensor_info(&name) {
             if dims.len() == 2 {
                 counts.entry(type_name(dtype)).or_insert((0, dtype)).0 += 1;
             }

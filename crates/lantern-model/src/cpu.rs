@@ -15,7 +15,7 @@ pub struct SimdLevel {
 }
 
 impl SimdLevel {
-    /// The kernel level in effect: `avx512`, `avx-vnni`, `avx2` or `scalar` (see
+    /// The kernel level in effect: `avx512-bf16`, `avx512`, `avx-vnni`, `avx2` or `scalar` (see
     /// [`lantern_quant::active_kernel`]).
     pub fn summary(&self) -> &'static str {
         lantern_quant::kernel_level()

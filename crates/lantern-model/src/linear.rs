@@ -38,11 +38,12 @@ fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
     }
 }
 
-/// The kernels products over `dtype` weights run on: lantern's level in effect
-/// (`avx512`, `avx2`, `scalar`) for the types it repacks, else `candle`.
+/// The kernels products over `dtype` weights run on: lantern's level in effect for that
+/// type (`avx512-bf16` for BF16 only, `avx512`, `avx-vnni`, `avx2`, `scalar`) for the
+/// types it repacks, else `candle`.
 pub fn kernel_for(dtype: GgmlDType) -> &'static str {
     match packed_type(dtype) {
-        Some(_) => lantern_quant::kernel_level(),
+        Some(ty) => lantern_quant::active_kernel().for_type(ty).name(),
         None => "candle",
     }
 }

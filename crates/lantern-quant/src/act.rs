@@ -68,7 +68,7 @@ fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32
     match kernel {
         // SAFETY: the SIMD levels are only used once the CPU features were detected.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => unsafe { crate::x86::avx512::quantize_block(x, q) },
+        Kernel::Avx512 | Kernel::Avx512Bf16 => unsafe { crate::x86::avx512::quantize_block(x, q) },
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 | Kernel::AvxVnni => unsafe { crate::x86::avx2::quantize_block(x, q) },
         _ => quantize_block_scalar(x, q),

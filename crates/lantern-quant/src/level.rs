@@ -4,12 +4,13 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-/// The environment variable that caps the kernel level (`scalar`, `avx2`, `avx-vnni` or
-/// `avx512`).
+/// The environment variable that caps the kernel level (`scalar`, `avx2`, `avx-vnni`,
+/// `avx512`, or the opt-in `avx512-bf16`).
 pub const KERNELS_ENV: &str = "LANTERN_KERNELS";
 
-/// An instruction-set level of the matrix kernels. Every level computes bit-identical
-/// results; the levels are ordered from the most portable to the fastest.
+/// An instruction-set level of the matrix kernels, ordered from the most portable to the
+/// fastest. Every level computes bit-identical results ([`Kernel::is_exact`]) but the
+/// opt-in [`Kernel::Avx512Bf16`], which changes the products over BF16 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kernel {
     /// Portable scalar code.
@@ -21,20 +22,44 @@ pub enum Kernel {
     AvxVnni,
     /// AVX-512 F/BW + VNNI (x86-64): `vpdpbusd` integer dot products.
     Avx512,
+    /// AVX-512 as above, and for BF16 weights AVX-512 BF16's `vdpbf16ps` (Zen 4/5, Intel
+    /// Cooper Lake and Sapphire Rapids and later): the activations are rounded to bf16
+    /// (relative error 2^-9 each, as llama.cpp and PyTorch's bf16 products do) and each
+    /// instruction sums two products per lane with the CPU's own rounding, so BF16
+    /// products lose their bit-identity with the other levels and across CPU makers, for
+    /// about twice the prefill speed. Never chosen by default: only when asked for
+    /// (`LANTERN_KERNELS=avx512-bf16` or [`force_kernel`]). Other weight types run as at
+    /// [`Kernel::Avx512`].
+    Avx512Bf16,
 }
 
 impl Kernel {
     /// Every level, most portable first.
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 5] = [
         Kernel::Scalar,
         Kernel::Avx2,
         Kernel::AvxVnni,
         Kernel::Avx512,
+        Kernel::Avx512Bf16,
     ];
 
-    /// The best level this CPU runs.
+    /// The best exact level this CPU runs: the default.
     pub fn detect() -> Kernel {
         Kernel::Avx512.capped()
+    }
+
+    /// Whether the level gives the same results as every other exact level, bit for bit.
+    pub fn is_exact(self) -> bool {
+        self != Kernel::Avx512Bf16
+    }
+
+    /// The level products over `ty` weights run at when `self` is in effect:
+    /// [`Kernel::Avx512Bf16`] differs from [`Kernel::Avx512`] for BF16 weights only.
+    pub fn for_type(self, ty: crate::QuantType) -> Kernel {
+        match self {
+            Kernel::Avx512Bf16 if ty != crate::QuantType::BF16 => Kernel::Avx512,
+            level => level,
+        }
     }
 
     /// Whether this CPU runs the level (detected once). Levels are not nested: a CPU
@@ -59,6 +84,7 @@ impl Kernel {
             Kernel::Avx2 => "avx2",
             Kernel::AvxVnni => "avx-vnni",
             Kernel::Avx512 => "avx512",
+            Kernel::Avx512Bf16 => "avx512-bf16",
         }
     }
 
@@ -78,6 +104,8 @@ impl Kernel {
             Kernel::AvxVnni => crate::x86::avx_vnni_available(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => crate::x86::avx512_available(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => crate::x86::avx512_bf16_available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -99,7 +127,7 @@ impl std::fmt::Display for Kernel {
 }
 
 /// `cpu_has` of each level, indexed by `Kernel as usize` (the order of `Kernel::ALL`).
-static AVAILABLE: OnceLock<[bool; 4]> = OnceLock::new();
+static AVAILABLE: OnceLock<[bool; 5]> = OnceLock::new();
 static FROM_ENV: OnceLock<Kernel> = OnceLock::new();
 /// 0: no override; otherwise `Kernel::to_u8` of the forced level.
 static FORCED: AtomicU8 = AtomicU8::new(0);
@@ -122,12 +150,13 @@ pub fn force_kernel(level: Option<Kernel>) -> Kernel {
     active_kernel()
 }
 
-/// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"` or `"avx512"`.
+/// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"`, `"avx512"` or
+/// `"avx512-bf16"`.
 pub fn kernel_level() -> &'static str {
     active_kernel().name()
 }
 
-/// The level asked for by the variable's value (unset or empty: the best), capped at
+/// The level asked for by the variable's value (unset or empty: the best exact one), capped at
 /// what the CPU has, with one warning on stderr when capped or not understood.
 fn level_from_env(value: Option<&str>) -> Kernel {
     let best = Kernel::detect();
@@ -146,7 +175,8 @@ fn level_from_env(value: Option<&str>) -> Kernel {
         }
         None => {
             eprintln!(
-                "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512; \
+                "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512, \
+                 avx512-bf16; \
                  using `{best}`"
             );
             best
@@ -167,6 +197,10 @@ mod tests {
         assert_eq!(level_from_env(Some("AVX2")), Kernel::Avx2.capped());
         assert_eq!(level_from_env(Some("avx-vnni")), Kernel::AvxVnni.capped());
         assert_eq!(level_from_env(Some("avx512")), Kernel::Avx512.capped());
+        assert_eq!(
+            level_from_env(Some("AVX512-BF16")),
+            Kernel::Avx512Bf16.capped()
+        );
         assert_eq!(level_from_env(Some("sse9")), best);
     }
 
@@ -180,6 +214,23 @@ mod tests {
                 .all(|k| !(k > got && k <= asked && k.available())));
         }
         assert_eq!(Kernel::detect(), Kernel::Avx512.capped());
+        assert!(Kernel::detect().is_exact(), "the default is exact");
+    }
+
+    #[test]
+    fn only_bf16_weights_see_the_bf16_level() {
+        use crate::QuantType;
+        for ty in QuantType::ALL {
+            let want = if ty == QuantType::BF16 {
+                Kernel::Avx512Bf16
+            } else {
+                Kernel::Avx512
+            };
+            assert_eq!(Kernel::Avx512Bf16.for_type(ty), want);
+            for k in Kernel::ALL.into_iter().filter(|k| k.is_exact()) {
+                assert_eq!(k.for_type(ty), k);
+            }
+        }
     }
 
     #[test]

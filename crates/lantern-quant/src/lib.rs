@@ -327,11 +327,11 @@ impl PackedMatrix {
         })
     }
 
-    /// The dense layout (see `dense`): panels of 16 rows, k-major.
+    /// The dense layout (see `dense`): panels of 16 rows, k-major (BF16: column pairs).
     fn pack_dense(ty: QuantType, bytes: &[u8], n: usize, k: usize) -> Result<Self, QuantError> {
         let np = n.div_ceil(PANEL);
         let row_bytes = k * dense::elem_bytes(ty);
-        let panel_bytes = row_bytes * PANEL;
+        let panel_bytes = dense::panel_bytes(ty, k);
         let len = np
             .checked_mul(panel_bytes)
             .ok_or(QuantError::Overflow { n, k })?;
@@ -369,7 +369,7 @@ impl PackedMatrix {
     /// Quant bytes of one panel.
     fn panel_quant_bytes(&self) -> usize {
         if self.ty.is_dense() {
-            self.k * PANEL * dense::elem_bytes(self.ty)
+            dense::panel_bytes(self.ty, self.k)
         } else {
             self.nb * self.ty.packed_quant_bytes()
         }
@@ -409,7 +409,7 @@ impl PackedMatrix {
         m: usize,
         dst: &mut [f32],
     ) -> Result<(), QuantError> {
-        let kernel = kernel.capped();
+        let kernel = kernel.capped().for_type(self.ty);
         let xlen = m
             .checked_mul(self.k)
             .ok_or(QuantError::Overflow { n: m, k: self.k })?;
@@ -437,7 +437,13 @@ impl PackedMatrix {
         let threads = rayon::current_num_threads();
         let shared = m == 1 && macs >= SHARE_MACS && threads > 1;
         let parallel = !shared && macs >= SERIAL_MACS && threads > 1;
-        let input = if self.ty.is_dense() {
+        let input = if kernel == Kernel::Avx512Bf16 {
+            #[cfg(target_arch = "x86_64")]
+            let pairs = x86::bf16dot::round_pairs(x, m, self.k);
+            #[cfg(not(target_arch = "x86_64"))]
+            let pairs = unreachable!("AVX-512 BF16 is an x86-64 level");
+            Input::Bf16Pairs(pairs)
+        } else if self.ty.is_dense() {
             Input::Dense(x)
         } else {
             Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel))
@@ -521,16 +527,26 @@ impl PackedMatrix {
         dst: *mut f32,
     ) {
         match (kernel, input) {
-            #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512, Input::Quantized(act)) => {
-                x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst)
+            (Kernel::Scalar, Input::Quantized(act)) => {
+                scalar::run_tile(self, act, p0, p1, t0, t1, dst)
+            }
+            (Kernel::Scalar, Input::Dense(x)) => {
+                dense::run_tile_scalar(self, x, p0, p1, t0, t1, dst)
             }
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512, Input::Dense(x)) => {
-                x86::dense::run_tile(kernel, self, x, p0, p1, t0, t1, dst)
+            (_, Input::Quantized(act)) => x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst),
+            #[cfg(target_arch = "x86_64")]
+            (_, Input::Dense(x)) => {
+                let ldx = self.k * 4;
+                x86::dense::run_tile(kernel, self, x.as_ptr().cast(), ldx, p0, p1, t0, t1, dst)
             }
-            (_, Input::Quantized(act)) => scalar::run_tile(self, act, p0, p1, t0, t1, dst),
-            (_, Input::Dense(x)) => dense::run_tile_scalar(self, x, p0, p1, t0, t1, dst),
+            #[cfg(target_arch = "x86_64")]
+            (_, Input::Bf16Pairs(x)) => {
+                let ldx = self.k.next_multiple_of(2) * 2;
+                x86::dense::run_tile(kernel, self, x.as_ptr().cast(), ldx, p0, p1, t0, t1, dst)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("{kernel} is an x86-64 level"),
         }
     }
 
@@ -552,10 +568,9 @@ impl PackedMatrix {
         let (p, lane) = (r / PANEL, r % PANEL);
         let ty = self.ty;
         if ty.is_dense() {
-            let e = dense::elem_bytes(ty);
             let panel = &self.quants.as_slice()[p * self.panel_quant_bytes()..];
             for (i, o) in out.iter_mut().enumerate() {
-                *o = dense::value_at(ty, panel, (i * PANEL + lane) * e);
+                *o = dense::value_at(ty, panel, dense::offset(ty, lane, i));
             }
             return Ok(());
         }
@@ -596,10 +611,13 @@ impl PackedMatrix {
     }
 }
 
-/// The activations as the kernels take them: quantized, or f32 for the dense types.
+/// The activations as the kernels take them: quantized, f32 for the dense types, or
+/// rounded to bf16 pairs for BF16 weights at [`Kernel::Avx512Bf16`].
 enum Input<'a> {
     Quantized(QuantAct),
     Dense(&'a [f32]),
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Bf16Pairs(Vec<half::bf16>),
 }
 
 #[derive(Clone, Copy)]

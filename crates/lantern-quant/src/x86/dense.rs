@@ -1,24 +1,59 @@
 //! AVX-512 and AVX2 kernels for dense weights (see `crate::dense` for the layout and the
-//! arithmetic: one fma per (row, token, column), in column order, at every level).
+//! arithmetic: one fma per (row, token, column), in column order, at every exact level),
+//! and the driver that also runs `bf16dot`'s tiles at the AVX-512 BF16 level.
 
 #![allow(clippy::needless_range_loop)]
 
-use crate::dense::elem_bytes;
+use super::bf16dot;
+use crate::dense::{elem_bytes, panel_bytes};
 use crate::{Kernel, PackedMatrix, QuantType, PANEL};
 use std::arch::x86_64::*;
 
+/// Pointers and strides of one register tile (panels `P` x tokens `T`).
 #[derive(Clone, Copy)]
-struct Args {
+pub(super) struct Args {
     /// First panel of the tile; panels are `q_panel` bytes apart.
-    w: *const u8,
-    q_panel: usize,
-    k: usize,
-    /// First token of the tile (token stride k).
-    x: *const f32,
+    pub w: *const u8,
+    pub q_panel: usize,
+    pub k: usize,
+    /// First token's activations (f32, or bf16 pairs for `bf16dot`); tokens are `ldx`
+    /// bytes apart.
+    pub x: *const u8,
+    pub ldx: usize,
     /// dst element (first token, first row of the tile), row stride `ldo`.
-    out: *mut f32,
-    ldo: usize,
-    valid: [usize; 4],
+    pub out: *mut f32,
+    pub ldo: usize,
+    pub valid: [usize; 4],
+}
+
+impl Args {
+    /// Activation `i` (f32) of token `t`.
+    #[inline(always)]
+    unsafe fn x(&self, t: usize, i: usize) -> f32 {
+        *self.x.add(t * self.ldx).cast::<f32>().add(i)
+    }
+}
+
+/// The high half of every dword: the odd column of a BF16 pair, as f32.
+#[inline(always)]
+unsafe fn high_halves512() -> __m512i {
+    _mm512_set1_epi32(0xFFFF_0000u32 as i32)
+}
+
+/// `acc[p][t] += w[p] · x[t][i]` for the tile's tokens.
+#[inline(always)]
+unsafe fn fma_column512<const P: usize, const T: usize>(
+    acc: &mut [[__m512; T]; P],
+    w: &[__m512; P],
+    a: &Args,
+    i: usize,
+) {
+    for t in 0..T {
+        let x = _mm512_set1_ps(a.x(t, i));
+        for p in 0..P {
+            acc[p][t] = _mm512_fmadd_ps(w[p], x, acc[p][t]);
+        }
+    }
 }
 
 /// 16 values of type `F` at `p` (32- or 64-byte aligned) as f32 (exact).
@@ -27,33 +62,66 @@ struct Args {
 unsafe fn load16<const F: u8>(p: *const u8) -> __m512 {
     match QuantType::from_id(F) {
         QuantType::F16 => _mm512_cvtph_ps(_mm256_load_si256(p.cast())),
-        QuantType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-            _mm256_load_si256(p.cast()),
-        ))),
         _ => _mm512_load_ps(p.cast()),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
 unsafe fn tile512<const F: u8, const P: usize, const T: usize>(a: Args) {
-    let e = elem_bytes(QuantType::from_id(F));
     let mut acc = [[_mm512_setzero_ps(); T]; P];
-    for i in 0..a.k {
-        let mut w = [_mm512_setzero_ps(); P];
-        for p in 0..P {
-            w[p] = load16::<F>(a.w.add(p * a.q_panel + i * PANEL * e));
-        }
-        for t in 0..T {
-            let x = _mm512_set1_ps(*a.x.add(t * a.k + i));
+    if QuantType::from_id(F) == QuantType::BF16 {
+        // Pair j: one load per panel, the even column by a shift, the odd by a mask.
+        let odd = high_halves512();
+        for j in 0..a.k.div_ceil(2) {
+            let (mut even_w, mut odd_w) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);
             for p in 0..P {
-                acc[p][t] = _mm512_fmadd_ps(w[p], x, acc[p][t]);
+                let v = _mm512_load_si512(a.w.add(p * a.q_panel + j * 64).cast());
+                even_w[p] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                odd_w[p] = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
+            }
+            fma_column512(&mut acc, &even_w, &a, 2 * j);
+            if 2 * j + 1 < a.k {
+                fma_column512(&mut acc, &odd_w, &a, 2 * j + 1);
             }
         }
+    } else {
+        let e = elem_bytes(QuantType::from_id(F));
+        for i in 0..a.k {
+            let mut w = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                w[p] = load16::<F>(a.w.add(p * a.q_panel + i * PANEL * e));
+            }
+            fma_column512(&mut acc, &w, &a, i);
+        }
     }
+    store512(&a, &acc);
+}
+
+/// Stores a tile's accumulators (the rows that exist).
+#[inline(always)]
+pub(super) unsafe fn store512<const P: usize, const T: usize>(a: &Args, acc: &[[__m512; T]; P]) {
     for p in 0..P {
         let mask = ((1u32 << a.valid[p]) - 1) as u16;
         for t in 0..T {
             _mm512_mask_storeu_ps(a.out.add(t * a.ldo + p * PANEL), mask, acc[p][t]);
+        }
+    }
+}
+
+/// `acc[p][h][t] += w[p][h] · x[t][i]` for the tile's tokens.
+#[inline(always)]
+unsafe fn fma_column256<const P: usize, const T: usize>(
+    acc: &mut [[[__m256; T]; 2]; P],
+    w: &[[__m256; 2]; P],
+    a: &Args,
+    i: usize,
+) {
+    for t in 0..T {
+        let x = _mm256_set1_ps(a.x(t, i));
+        for p in 0..P {
+            for h in 0..2 {
+                acc[p][h][t] = _mm256_fmadd_ps(w[p][h], x, acc[p][h][t]);
+            }
         }
     }
 }
@@ -64,31 +132,41 @@ unsafe fn tile512<const F: u8, const P: usize, const T: usize>(a: Args) {
 unsafe fn load8<const F: u8>(p: *const u8) -> __m256 {
     match QuantType::from_id(F) {
         QuantType::F16 => _mm256_cvtph_ps(_mm_load_si128(p.cast())),
-        QuantType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-            _mm_load_si128(p.cast()),
-        ))),
         _ => _mm256_load_ps(p.cast()),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile256<const F: u8, const P: usize, const T: usize>(a: Args) {
-    let e = elem_bytes(QuantType::from_id(F));
     let mut acc = [[[_mm256_setzero_ps(); T]; 2]; P];
-    for i in 0..a.k {
-        let mut w = [[_mm256_setzero_ps(); 2]; P];
-        for p in 0..P {
-            for h in 0..2 {
-                w[p][h] = load8::<F>(a.w.add(p * a.q_panel + (i * PANEL + 8 * h) * e));
-            }
-        }
-        for t in 0..T {
-            let x = _mm256_set1_ps(*a.x.add(t * a.k + i));
+    if QuantType::from_id(F) == QuantType::BF16 {
+        // Pair j: each 8-row half one load, the even column by a shift, the odd by a mask.
+        let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        for j in 0..a.k.div_ceil(2) {
+            let mut even_w = [[_mm256_setzero_ps(); 2]; P];
+            let mut odd_w = [[_mm256_setzero_ps(); 2]; P];
             for p in 0..P {
                 for h in 0..2 {
-                    acc[p][h][t] = _mm256_fmadd_ps(w[p][h], x, acc[p][h][t]);
+                    let v = _mm256_load_si256(a.w.add(p * a.q_panel + j * 64 + 32 * h).cast());
+                    even_w[p][h] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                    odd_w[p][h] = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
                 }
             }
+            fma_column256(&mut acc, &even_w, &a, 2 * j);
+            if 2 * j + 1 < a.k {
+                fma_column256(&mut acc, &odd_w, &a, 2 * j + 1);
+            }
+        }
+    } else {
+        let e = elem_bytes(QuantType::from_id(F));
+        for i in 0..a.k {
+            let mut w = [[_mm256_setzero_ps(); 2]; P];
+            for p in 0..P {
+                for h in 0..2 {
+                    w[p][h] = load8::<F>(a.w.add(p * a.q_panel + (i * PANEL + 8 * h) * e));
+                }
+            }
+            fma_column256(&mut acc, &w, &a, i);
         }
     }
     let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -118,16 +196,19 @@ macro_rules! by_type {
     };
 }
 
-/// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (Avx2 or Avx512).
+/// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level) from
+/// the activations at `x`, `ldx` bytes per token: f32, or at `Avx512Bf16` the bf16 pairs
+/// `bf16dot::round_pairs` made.
 ///
 /// # Safety
-/// The CPU supports `level`; `x` holds the matrix's `m x k` activations; `dst` points to
-/// an `m x n` f32 buffer and no other thread writes this rectangle.
+/// The CPU supports `level`; `x` holds the matrix's `m` tokens of activations; `dst`
+/// points to an `m x n` f32 buffer and no other thread writes this rectangle.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn run_tile(
     level: Kernel,
     mat: &PackedMatrix,
-    x: &[f32],
+    x: *const u8,
+    ldx: usize,
     p0: usize,
     p1: usize,
     t0: usize,
@@ -135,13 +216,13 @@ pub(crate) unsafe fn run_tile(
     dst: *mut f32,
 ) {
     let (ty, k) = (mat.ty, mat.k);
-    let wide = level == Kernel::Avx512;
-    // Decode takes more panels (independent fma chains); batches reuse weights over tokens.
-    let (pw, max_t) = match (wide, t1 - t0) {
-        (true, 1) => (4, 1),
-        (true, _) => (2, 4),
-        (false, 1) => (2, 1),
-        (false, _) => (1, 3),
+    // Decode takes more panels (independent chains); batches reuse weights over tokens.
+    let (pw, max_t) = match (level, t1 - t0) {
+        (Kernel::Avx512Bf16, _) => bf16dot::SHAPE,
+        (Kernel::Avx512, 1) => (4, 1),
+        (Kernel::Avx512, _) => (2, 4),
+        (_, 1) => (2, 1),
+        (_, _) => (1, 3),
     };
     let mut p = p0;
     while p < p1 {
@@ -161,27 +242,29 @@ pub(crate) unsafe fn run_tile(
             let tc = (t1 - t).min(max_t);
             let args = Args {
                 w: mat.quant_ptr(p),
-                q_panel: k * PANEL * elem_bytes(ty),
+                q_panel: panel_bytes(ty, k),
                 k,
-                x: x.as_ptr().add(t * k),
+                x: x.add(t * ldx),
+                ldx,
                 out: dst.add(t * mat.n + p * PANEL),
                 ldo: mat.n,
                 valid,
             };
-            match (wide, pc, tc) {
-                (true, 4, _) => by_type!(tile512, ty, 4, 1, args),
-                (true, 2, 1) => by_type!(tile512, ty, 2, 1, args),
-                (true, 2, 2) => by_type!(tile512, ty, 2, 2, args),
-                (true, 2, 3) => by_type!(tile512, ty, 2, 3, args),
-                (true, 2, _) => by_type!(tile512, ty, 2, 4, args),
-                (true, _, 1) => by_type!(tile512, ty, 1, 1, args),
-                (true, _, 2) => by_type!(tile512, ty, 1, 2, args),
-                (true, _, 3) => by_type!(tile512, ty, 1, 3, args),
-                (true, _, _) => by_type!(tile512, ty, 1, 4, args),
-                (false, 2, _) => by_type!(tile256, ty, 2, 1, args),
-                (false, _, 1) => by_type!(tile256, ty, 1, 1, args),
-                (false, _, 2) => by_type!(tile256, ty, 1, 2, args),
-                (false, _, _) => by_type!(tile256, ty, 1, 3, args),
+            match (level, pc, tc) {
+                (Kernel::Avx512Bf16, _, _) => bf16dot::dispatch(pc, tc, args),
+                (Kernel::Avx512, 4, _) => by_type!(tile512, ty, 4, 1, args),
+                (Kernel::Avx512, 2, 1) => by_type!(tile512, ty, 2, 1, args),
+                (Kernel::Avx512, 2, 2) => by_type!(tile512, ty, 2, 2, args),
+                (Kernel::Avx512, 2, 3) => by_type!(tile512, ty, 2, 3, args),
+                (Kernel::Avx512, 2, _) => by_type!(tile512, ty, 2, 4, args),
+                (Kernel::Avx512, _, 1) => by_type!(tile512, ty, 1, 1, args),
+                (Kernel::Avx512, _, 2) => by_type!(tile512, ty, 1, 2, args),
+                (Kernel::Avx512, _, 3) => by_type!(tile512, ty, 1, 3, args),
+                (Kernel::Avx512, _, _) => by_type!(tile512, ty, 1, 4, args),
+                (_, 2, _) => by_type!(tile256, ty, 2, 1, args),
+                (_, _, 1) => by_type!(tile256, ty, 1, 1, args),
+                (_, _, 2) => by_type!(tile256, ty, 1, 2, args),
+                (_, _, _) => by_type!(tile256, ty, 1, 3, args),
             }
             t += tc;
         }

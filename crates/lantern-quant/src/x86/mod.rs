@@ -2,6 +2,7 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+pub(crate) mod bf16dot;
 pub(crate) mod dense;
 
 use crate::act::QuantAct;
@@ -26,6 +27,11 @@ pub(crate) fn avx512_available() -> bool {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether the CPU runs the AVX-512 BF16 level.
+pub(crate) fn avx512_bf16_available() -> bool {
+    avx512_available() && is_x86_feature_detected!("avx512bf16")
 }
 
 /// Pointers and strides of one register tile (panels `P` x tokens `T`).
@@ -101,7 +107,7 @@ pub(crate) unsafe fn run_tile(
     dst: *mut f32,
 ) {
     let shapes = match level {
-        Kernel::Avx512 => avx512::SHAPES,
+        Kernel::Avx512 | Kernel::Avx512Bf16 => avx512::SHAPES,
         _ => avx2::SHAPES,
     };
     let nb = mat.nb;
@@ -138,7 +144,7 @@ pub(crate) unsafe fn run_tile(
                 valid,
             };
             match level {
-                Kernel::Avx512 => avx512::dispatch(mat.ty, pc, tc, args),
+                Kernel::Avx512 | Kernel::Avx512Bf16 => avx512::dispatch(mat.ty, pc, tc, args),
                 Kernel::AvxVnni => avx2::dispatch_vnni(mat.ty, pc, tc, args),
                 _ => avx2::dispatch(mat.ty, pc, tc, args),
             }

@@ -12,6 +12,7 @@ mod common;
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
+use common::ReferencePrompt;
 use lantern_capture::{CaptureSpec, RowSelection};
 use lantern_engine::{Completion, Engine, EngineConfig, SamplingParams};
 use lantern_kv::KvDtype;
@@ -192,24 +193,8 @@ impl Case {
         self.engine(self.weights == Quantized)
     }
 
-    fn prompts(&self) -> Vec<Reference> {
-        let dir = fixture(self.arch).join("ref");
-        let summary: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
-        summary["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| {
-                let id = p["id"].as_str().unwrap();
-                Reference::read(
-                    id,
-                    p["rendered_prompt"].as_str().unwrap(),
-                    p["add_special_tokens"].as_bool().unwrap(),
-                    &dir.join(format!("{id}{}.npz", self.flavour)),
-                )
-            })
-            .collect()
+    fn prompts(&self) -> Vec<ReferencePrompt> {
+        common::reference_prompts_in(&fixture(self.arch).join("ref"), self.flavour)
     }
 }
 
@@ -263,61 +248,6 @@ fn with_extra_keys(
     })
 }
 
-/// One prompt's reference numbers.
-struct Reference {
-    id: String,
-    rendered: String,
-    add_special_tokens: bool,
-    npz: PathBuf,
-    prompt_ids: Vec<u32>,
-    gen_ids: Vec<u32>,
-    all_ids: Vec<u32>,
-    last_logits: Vec<f32>,
-    /// `[steps, 20]`
-    gen_top_ids: Vec<u32>,
-    gen_top_vals: Vec<f32>,
-}
-
-impl Reference {
-    fn read(id: &str, rendered: &str, add_special_tokens: bool, npz: &Path) -> Self {
-        let mut archive =
-            npyz::npz::NpzArchive::open(npz).unwrap_or_else(|e| panic!("{}: {e}", npz.display()));
-        let mut ints = |name: &str| -> Vec<u32> {
-            let arr = archive.by_name(name).unwrap().unwrap();
-            let values: Vec<i32> = arr.into_vec().unwrap();
-            values.into_iter().map(|v| v as u32).collect()
-        };
-        let (prompt_ids, gen_ids, all_ids, gen_top_ids) = (
-            ints("prompt_ids"),
-            ints("gen_ids"),
-            ints("all_ids"),
-            ints("gen_top_ids"),
-        );
-        let mut floats = |name: &str| -> Vec<f32> {
-            archive.by_name(name).unwrap().unwrap().into_vec().unwrap()
-        };
-        Self {
-            id: id.to_string(),
-            rendered: rendered.to_string(),
-            add_special_tokens,
-            npz: npz.to_path_buf(),
-            last_logits: floats("last_logits"),
-            gen_top_vals: floats("gen_top_vals"),
-            prompt_ids,
-            gen_ids,
-            all_ids,
-            gen_top_ids,
-        }
-    }
-
-    /// `attn_L{layer}`: `[P+G, heads, P+G]`.
-    fn attention(&self, layer: usize) -> Vec<f32> {
-        let mut archive = npyz::npz::NpzArchive::open(&self.npz).unwrap();
-        let arr = archive.by_name(&format!("attn_L{layer}")).unwrap().unwrap();
-        arr.into_vec().unwrap()
-    }
-}
-
 fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
@@ -332,7 +262,7 @@ fn prompt_token_ids_equal_the_reference() {
         for p in case.prompts() {
             let ids = engine
                 .tokenizer()
-                .encode(&p.rendered, p.add_special_tokens)
+                .encode(&p.rendered_prompt, p.add_special_tokens)
                 .unwrap();
             assert_eq!(ids, p.prompt_ids, "{} {}: token ids", case.name(), p.id);
         }

@@ -44,18 +44,33 @@ pub struct ReferencePrompt {
     pub id: String,
     pub format: String,
     pub rendered_prompt: String,
+    pub add_special_tokens: bool,
     pub prompt_ids: Vec<u32>,
     pub gen_ids: Vec<u32>,
     pub all_ids: Vec<u32>,
     pub last_logits: Vec<f32>,
-    /// `[32, 20]`
+    /// `[steps, 20]`
     pub gen_top_ids: Vec<u32>,
     pub gen_top_vals: Vec<f32>,
     pub npz: PathBuf,
 }
 
+impl ReferencePrompt {
+    /// `attn_L{layer}`: `[P+G, heads, P+G]`.
+    pub fn attention(&self, layer: usize) -> Vec<f32> {
+        let mut archive = npyz::npz::NpzArchive::open(&self.npz).unwrap();
+        let arr = archive.by_name(&format!("attn_L{layer}")).unwrap().unwrap();
+        arr.into_vec().unwrap()
+    }
+}
+
+/// The prompts of a real model's reference (`tests/fixtures/reference/<model>`).
 pub fn reference_prompts(model: &str) -> Vec<ReferencePrompt> {
-    let dir = fixtures_dir(model);
+    reference_prompts_in(&fixtures_dir(model), "")
+}
+
+/// The prompts listed in `dir/summary.json`, with the numbers of `<id><flavour>.npz`.
+pub fn reference_prompts_in(dir: &Path, flavour: &str) -> Vec<ReferencePrompt> {
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
     summary["prompts"]
@@ -64,8 +79,9 @@ pub fn reference_prompts(model: &str) -> Vec<ReferencePrompt> {
         .iter()
         .map(|p| {
             let id = p["id"].as_str().unwrap().to_string();
-            let npz = dir.join(format!("{id}.npz"));
-            let mut archive = npyz::npz::NpzArchive::open(&npz).unwrap();
+            let npz = dir.join(format!("{id}{flavour}.npz"));
+            let mut archive = npyz::npz::NpzArchive::open(&npz)
+                .unwrap_or_else(|e| panic!("{}: {e}", npz.display()));
             let ints = |a: &mut npyz::npz::NpzArchive<_>, name: &str| -> Vec<u32> {
                 let arr = a.by_name(name).unwrap().unwrap();
                 arr.into_vec::<i32>()
@@ -80,6 +96,7 @@ pub fn reference_prompts(model: &str) -> Vec<ReferencePrompt> {
             ReferencePrompt {
                 format: p["format"].as_str().unwrap().to_string(),
                 rendered_prompt: p["rendered_prompt"].as_str().unwrap().to_string(),
+                add_special_tokens: p["add_special_tokens"].as_bool().unwrap(),
                 prompt_ids: ints(&mut archive, "prompt_ids"),
                 gen_ids: ints(&mut archive, "gen_ids"),
                 all_ids: ints(&mut archive, "all_ids"),

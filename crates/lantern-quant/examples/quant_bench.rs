@@ -4,8 +4,8 @@
 //! `cargo run -p lantern-quant --release --example quant_bench [-- --quick] [-- --decode]`
 //! (threads: `RAYON_NUM_THREADS`, default all cores).
 //!
-//! `--decode` measures only batch-1 decode: the matmuls of one SmolLM2-135M and one
-//! Gemma 3 270M token (layers, then the output matrix) at every level, called from the
+//! `--decode` measures only batch-1 decode: the matmuls of one SmolLM2-135M (Q4_1, and as
+//! BF16) and one Gemma 3 270M token (layers, then the output matrix) at every level, called from the
 //! main thread as the engine calls them, weights streamed from memory as in a real step.
 //!
 //! Prints GFLOP/s (2·m·n·k per call) and GB/s (repacked weight bytes per call / time) for
@@ -196,7 +196,7 @@ struct DecodeShape {
     output: (QuantType, usize, usize),
 }
 
-const DECODE_SHAPES: [DecodeShape; 2] = [
+const DECODE_SHAPES: [DecodeShape; 3] = [
     DecodeShape {
         name: "SmolLM2-135M Q4_1",
         layer: &[
@@ -232,6 +232,21 @@ const DECODE_SHAPES: [DecodeShape; 2] = [
         ],
         layers: 9,
         output: (QuantType::Q8_0, 262144, 640),
+    },
+    // SmolLM2-135M as a BF16 file (a Hugging Face checkpoint's type).
+    DecodeShape {
+        name: "SmolLM2-135M BF16",
+        layer: &[
+            (QuantType::BF16, 576, 576),
+            (QuantType::BF16, 192, 576),
+            (QuantType::BF16, 192, 576),
+            (QuantType::BF16, 576, 576),
+            (QuantType::BF16, 1536, 576),
+            (QuantType::BF16, 1536, 576),
+            (QuantType::BF16, 576, 1536),
+        ],
+        layers: 30,
+        output: (QuantType::BF16, 49152, 576),
     },
 ];
 

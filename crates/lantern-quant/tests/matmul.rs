@@ -597,7 +597,8 @@ fn random_dense(rng: &mut StdRng, ty: QuantType, len: usize) -> (Vec<u8>, Vec<f3
 }
 
 /// Dense weights: every level == scalar bit for bit, close to the exact product (the
-/// activations are not quantized: only f32 rounding, rel. err < 1e-5), odd shapes, k
+/// activations are not quantized: only f32 rounding, rel. err < 1e-5), every tile shape
+/// of every level (1 to 7 and 12 tokens), odd shapes, k
 /// not a multiple of anything, and rows read back exactly.
 #[test]
 fn dense_types_match_the_exact_product_at_every_level() {
@@ -613,7 +614,7 @@ fn dense_types_match_the_exact_product_at_every_level() {
                 pm.dequantize_row(r, &mut row).unwrap();
                 assert!(same_bits(&row, &w[r * k..(r + 1) * k]), "{ty} row {r}");
             }
-            for m in [1, 2, 5, 12] {
+            for m in [1, 2, 3, 4, 5, 7, 12] {
                 let x = random_x(&mut rng, m * k, true);
                 let scalar = run(&pm, Kernel::Scalar, &x, m);
                 let exact_levels = levels[1..].iter().filter(|l| l.for_type(ty).is_exact());

@@ -32,6 +32,22 @@ impl Args {
     unsafe fn x(&self, t: usize, i: usize) -> f32 {
         *self.x.add(t * self.ldx).cast::<f32>().add(i)
     }
+
+    /// For a single token (which streams the weights from memory, see
+    /// `super::PREFETCH_BYTES`), prefetches the line `PREFETCH_BYTES` ahead of byte `at`
+    /// of each of the tile's `P` panels.
+    #[inline(always)]
+    pub(super) fn prefetch<const P: usize, const T: usize>(&self, at: usize) {
+        if T == 1 {
+            for p in 0..P {
+                let line = self
+                    .w
+                    .wrapping_add(p * self.q_panel + at + super::PREFETCH_BYTES);
+                // SAFETY: a prefetch never faults, whatever the address.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast()) };
+            }
+        }
+    }
 }
 
 /// The high half of every dword: the odd column of a BF16 pair, as f32.
@@ -73,6 +89,7 @@ unsafe fn tile512<const F: u8, const P: usize, const T: usize>(a: Args) {
         // Pair j: one load per panel, the even column by a shift, the odd by a mask.
         let odd = high_halves512();
         for j in 0..a.k.div_ceil(2) {
+            a.prefetch::<P, T>(j * 64);
             let (mut even_w, mut odd_w) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);
             for p in 0..P {
                 let v = _mm512_load_si512(a.w.add(p * a.q_panel + j * 64).cast());
@@ -87,6 +104,7 @@ unsafe fn tile512<const F: u8, const P: usize, const T: usize>(a: Args) {
     } else {
         let e = elem_bytes(QuantType::from_id(F));
         for i in 0..a.k {
+            a.prefetch::<P, T>(i * PANEL * e);
             let mut w = [_mm512_setzero_ps(); P];
             for p in 0..P {
                 w[p] = load16::<F>(a.w.add(p * a.q_panel + i * PANEL * e));
@@ -143,6 +161,7 @@ unsafe fn tile256<const F: u8, const P: usize, const T: usize>(a: Args) {
         // Pair j: each 8-row half one load, the even column by a shift, the odd by a mask.
         let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
         for j in 0..a.k.div_ceil(2) {
+            a.prefetch::<P, T>(j * 64);
             let mut even_w = [[_mm256_setzero_ps(); 2]; P];
             let mut odd_w = [[_mm256_setzero_ps(); 2]; P];
             for p in 0..P {
@@ -160,6 +179,7 @@ unsafe fn tile256<const F: u8, const P: usize, const T: usize>(a: Args) {
     } else {
         let e = elem_bytes(QuantType::from_id(F));
         for i in 0..a.k {
+            a.prefetch::<P, T>(i * PANEL * e);
             let mut w = [[_mm256_setzero_ps(); 2]; P];
             for p in 0..P {
                 for h in 0..2 {
@@ -196,6 +216,16 @@ macro_rules! by_type {
     };
 }
 
+/// Expands to a `match` over the tile shapes (panels, tokens) calling `by_type!`.
+macro_rules! dense_tiles {
+    ($tile:ident, $ty:expr, $pc:expr, $tc:expr, $args:expr; $(($p:literal, $t:literal)),*) => {
+        match ($pc, $tc) {
+            $(($p, $t) => by_type!($tile, $ty, $p, $t, $args),)*
+            _ => unreachable!("dense tile {}x{}", $pc, $tc),
+        }
+    };
+}
+
 /// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level) from
 /// the activations at `x`, `ldx` bytes per token: f32, or at `Avx512Bf16` the bf16 pairs
 /// `bf16dot::round_pairs` made.
@@ -216,13 +246,17 @@ pub(crate) unsafe fn run_tile(
     dst: *mut f32,
 ) {
     let (ty, k) = (mat.ty, mat.k);
-    // Decode takes more panels (independent chains); batches reuse weights over tokens.
+    // Decode takes more panels (independent chains); batches reuse each weight register
+    // over tokens, with enough accumulators to cover the fma latency (8 chains were
+    // 10-40% slower than 12-16, quant_bench, Zen 5); BF16's pairs hold one more
+    // register of weights, so at AVX2 (16 registers) one token fewer.
     let (pw, max_t) = match (level, t1 - t0) {
         (Kernel::Avx512Bf16, _) => bf16dot::SHAPE,
         (Kernel::Avx512, 1) => (4, 1),
-        (Kernel::Avx512, _) => (2, 4),
+        (Kernel::Avx512, _) => (4, 4),
         (_, 1) => (2, 1),
-        (_, _) => (1, 3),
+        (_, _) if ty == QuantType::BF16 => (1, 5),
+        (_, _) => (1, 6),
     };
     let mut p = p0;
     while p < p1 {
@@ -250,21 +284,17 @@ pub(crate) unsafe fn run_tile(
                 ldo: mat.n,
                 valid,
             };
-            match (level, pc, tc) {
-                (Kernel::Avx512Bf16, _, _) => bf16dot::dispatch(pc, tc, args),
-                (Kernel::Avx512, 4, _) => by_type!(tile512, ty, 4, 1, args),
-                (Kernel::Avx512, 2, 1) => by_type!(tile512, ty, 2, 1, args),
-                (Kernel::Avx512, 2, 2) => by_type!(tile512, ty, 2, 2, args),
-                (Kernel::Avx512, 2, 3) => by_type!(tile512, ty, 2, 3, args),
-                (Kernel::Avx512, 2, _) => by_type!(tile512, ty, 2, 4, args),
-                (Kernel::Avx512, _, 1) => by_type!(tile512, ty, 1, 1, args),
-                (Kernel::Avx512, _, 2) => by_type!(tile512, ty, 1, 2, args),
-                (Kernel::Avx512, _, 3) => by_type!(tile512, ty, 1, 3, args),
-                (Kernel::Avx512, _, _) => by_type!(tile512, ty, 1, 4, args),
-                (_, 2, _) => by_type!(tile256, ty, 2, 1, args),
-                (_, _, 1) => by_type!(tile256, ty, 1, 1, args),
-                (_, _, 2) => by_type!(tile256, ty, 1, 2, args),
-                (_, _, _) => by_type!(tile256, ty, 1, 3, args),
+            match level {
+                Kernel::Avx512Bf16 => bf16dot::dispatch(pc, tc, args),
+                Kernel::Avx512 => {
+                    dense_tiles!(tile512, ty, pc, tc, args;
+                        (4, 1), (4, 2), (4, 3), (4, 4), (2, 1), (2, 2), (2, 3), (2, 4),
+                        (1, 1), (1, 2), (1, 3), (1, 4))
+                }
+                _ => {
+                    dense_tiles!(tile256, ty, pc, tc, args;
+                        (2, 1), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6))
+                }
             }
             t += tc;
         }

@@ -63,7 +63,7 @@ pub(crate) struct TileArgs {
 /// matrices from memory; the hardware prefetchers lose each panel's stream at the page
 /// ends, and prefetching ~2 KB ahead measured 15-20% faster layer products at m = 1
 /// (`quant_bench --decode`, Zen 5).
-const PREFETCH_BYTES: usize = 2048;
+pub(crate) const PREFETCH_BYTES: usize = 2048;
 
 /// Prefetches the quants `PREFETCH_BYTES` ahead of block `b` of each of the tile's `panels`
 /// panels (record `qbp` bytes) into L1; past a panel's end that is the next panel's start,

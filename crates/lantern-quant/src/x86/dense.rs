@@ -50,12 +50,6 @@ impl Args {
     }
 }
 
-/// The high half of every dword: the odd column of a BF16 pair, as f32.
-#[inline(always)]
-unsafe fn high_halves512() -> __m512i {
-    _mm512_set1_epi32(0xFFFF_0000u32 as i32)
-}
-
 /// `acc[p][t] += w[p] · x[t][i]` for the tile's tokens.
 #[inline(always)]
 unsafe fn fma_column512<const P: usize, const T: usize>(
@@ -87,7 +81,7 @@ unsafe fn tile512<const F: u8, const P: usize, const T: usize>(a: Args) {
     let mut acc = [[_mm512_setzero_ps(); T]; P];
     if QuantType::from_id(F) == QuantType::BF16 {
         // Pair j: one load per panel, the even column by a shift, the odd by a mask.
-        let odd = high_halves512();
+        let odd = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
         for j in 0..a.k.div_ceil(2) {
             a.prefetch::<P, T>(j * 64);
             let (mut even_w, mut odd_w) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);

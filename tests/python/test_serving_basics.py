@@ -173,26 +173,29 @@ def _bench_json(model, *extra, env=None):
         capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
     )
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
 
 def test_bench_reports_the_kernels_of_a_hugging_face_directory():
     """`lantern bench` on a Hugging Face directory names the kernels of its safetensors'
     types, of the type `--quantize` converts them to, and the opt-in AVX-512 BF16 level
-    for BF16 weights only."""
+    for BF16 weights only, which it announces."""
     hf = ROOT / "tests" / "fixtures" / "archs" / "llama" / "hf"
-    plain = _bench_json(hf)
+    plain, said = _bench_json(hf)
+    assert "round the activations" not in said, said
     assert plain["kernels"]["BF16"]["kernel"] == plain["kernel_level"], plain["kernels"]
     assert plain["kernel_level"] != "avx512-bf16", "the default level is an exact one"
-    quantized = _bench_json(hf, "--quantize", "q8_0")
+    quantized, _ = _bench_json(hf, "--quantize", "q8_0")
     assert set(quantized["kernels"]) >= {"Q8_0"}, quantized["kernels"]
     assert "BF16" not in quantized["kernels"], quantized["kernels"]
     if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
         env = dict(os.environ, LANTERN_KERNELS="avx512-bf16")
-        bf16 = _bench_json(hf, env=env)
+        bf16, said = _bench_json(hf, env=env)
+        assert "kernel level avx512-bf16 (LANTERN_KERNELS): products over BF16 weights round " \
+            "the activations to bf16" in said, said
         assert bf16["kernel_level"] == "avx512-bf16"
         assert bf16["kernels"]["BF16"]["kernel"] == "avx512-bf16", bf16["kernels"]
-        on_q8 = _bench_json(hf, "--quantize", "q8_0", env=env)
+        on_q8, _ = _bench_json(hf, "--quantize", "q8_0", env=env)
         assert on_q8["kernels"]["Q8_0"]["kernel"] == "avx512", on_q8["kernels"]
 
 

@@ -99,6 +99,15 @@ impl EngineArgs {
     pub fn build_engine(&self, verbose: bool) -> Result<Engine> {
         self.init_threads()?;
         let path = self.model_path()?;
+        let level = lantern_quant::active_kernel();
+        if !level.is_exact() {
+            // Said even when not verbose: results then differ from every other level's.
+            eprintln!(
+                "lantern: kernel level {level} ({}): products over BF16 weights round the \
+                 activations to bf16",
+                lantern_quant::KERNELS_ENV
+            );
+        }
         if verbose {
             eprintln!("lantern: SIMD level {}", lantern_model::simd_level());
             let kernels = crate::kernels::weight_kernels(&path, self.f32_weights, self.quantize)?;

@@ -439,16 +439,12 @@ impl PackedMatrix {
         let threads = rayon::current_num_threads();
         let shared = m == 1 && macs >= SHARE_MACS && threads > 1;
         let parallel = !shared && macs >= SERIAL_MACS && threads > 1;
-        let input = if kernel == Kernel::Avx512Bf16 {
+        let input = match kernel {
+            // `for_type` above: only BF16 matrices run at this level.
             #[cfg(target_arch = "x86_64")]
-            let pairs = x86::bf16dot::round_pairs(x, m, self.k);
-            #[cfg(not(target_arch = "x86_64"))]
-            let pairs = unreachable!("AVX-512 BF16 is an x86-64 level");
-            Input::Bf16Pairs(pairs)
-        } else if self.ty.is_dense() {
-            Input::Dense(x)
-        } else {
-            Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel))
+            Kernel::Avx512Bf16 => Input::Bf16Pairs(x86::bf16dot::round_pairs(x, m, self.k)),
+            _ if self.ty.is_dense() => Input::Dense(x),
+            _ => Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel)),
         };
         let act = &input;
         let dst_ptr = SendPtr(dst.as_mut_ptr());

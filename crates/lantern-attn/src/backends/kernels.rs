@@ -50,15 +50,44 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     tree_reduce(acc16, |x, y| x + y) + tail
 }
 
-per_level! {
-/// `out[j] = q . keys[j]` for the `out.len()` rows of `keys` (`[n, d]` row-major).
+/// `out[j] = q . keys[j]` for the `out.len()` rows of `keys` (`[n, d]` row-major), at
+/// the kernel level in effect.
 ///
 /// Four keys at a time share each load of `q` and give four independent FMA chains;
-/// each key's lanes are then summed pairwise (a chain of 15 dependent adds per key was
-/// most of the kernel's time at head dim 64).
+/// each key's 16 lanes are then summed pairwise by halves ([`tree_reduce`]), the four
+/// keys' reductions side by side in vector registers (written per level: compiled from
+/// plain code they became a shuffle network per key, most of the kernel's time at head
+/// dim 64). Every level sums the same pairs, so the results are the same bits.
 /// Not inlined: compiled on its own, the loop shape is what the vectorizer sees (inlined
 /// into a bigger loop nest it may pick a worse strategy), and one call per tile is cheap.
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use lantern_quant::Kernel;
+        match lantern_quant::active_kernel() {
+            // SAFETY: `active_kernel` never exceeds what the CPU reports.
+            Kernel::Avx512 | Kernel::Avx512Bf16 => {
+                return unsafe { x86::dots_avx512(q, keys, d, out) }
+            }
+            Kernel::Avx2 | Kernel::AvxVnni => return unsafe { x86::dots_avx2(q, keys, d, out) },
+            Kernel::Scalar => {}
+        }
+    }
+    dots_with(q, keys, d, out, |sets| {
+        sets.map(|lanes| tree_reduce(lanes, |x, y| x + y))
+    })
+}
+
+/// The body of [`dots`], with the reduction of four keys' lanes (`sum4`, each as
+/// [`tree_reduce`] with `+`) given by the level.
+#[inline(always)]
+fn dots_with(
+    q: &[f32],
+    keys: &[f32],
+    d: usize,
+    out: &mut [f32],
+    sum4: impl Fn([[f32; LANES]; 4]) -> [f32; 4],
+) {
     if d == 0 {
         out.fill(0.0);
         return;
@@ -98,15 +127,109 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
             tail[2] = fmadd(*x, k2[i], tail[2]);
             tail[3] = fmadd(*x, k3[i], tail[3]);
         }
-        o[0] = tree_reduce(a0, |x, y| x + y) + tail[0];
-        o[1] = tree_reduce(a1, |x, y| x + y) + tail[1];
-        o[2] = tree_reduce(a2, |x, y| x + y) + tail[2];
-        o[3] = tree_reduce(a3, |x, y| x + y) + tail[3];
+        let sums = sum4([a0, a1, a2, a3]);
+        for i in 0..4 {
+            o[i] = sums[i] + tail[i];
+        }
     }
     for o in outs.into_remainder() {
         *o = rows.next().map_or(0.0, |k| dot(q, k));
     }
 }
+
+/// [`dots`] per SIMD level: the same body, with the four keys' lane sums side by side.
+/// For each key X, [`tree_reduce`]'s steps are `X1[i] = X[i] + X[i+8]` (i < 8),
+/// `X2[i] = X1[i] + X1[i+4]` (i < 4), `X3[i] = X2[i] + X2[i+2]` (i < 2), `X3[0] + X3[1]`;
+/// the shuffles below only place the same operands side by side.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::LANES;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn dots_avx512(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
+        super::dots_with(q, keys, d, out, |sets| unsafe { sum4_512(sets) })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dots_avx2(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
+        super::dots_with(q, keys, d, out, |sets| unsafe { sum4_256(sets) })
+    }
+
+    /// Four keys' lanes, one zmm each (q0..q3: its 128-bit quarters).
+    #[inline(always)]
+    unsafe fn sum4_512(sets: [[f32; LANES]; 4]) -> [f32; 4] {
+        // (No `map` with a closure here or below: it is not inlined into the level's
+        // code, and neither then are the intrinsics it calls.)
+        let a = _mm512_loadu_ps(sets[0].as_ptr());
+        let b = _mm512_loadu_ps(sets[1].as_ptr());
+        let c = _mm512_loadu_ps(sets[2].as_ptr());
+        let d = _mm512_loadu_ps(sets[3].as_ptr());
+        // [A.q0 A.q1 B.q0 B.q1] + [A.q2 A.q3 B.q2 B.q3] = [A1 | B1].
+        let ab = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        );
+        let cd = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(c, d),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(c, d),
+        );
+        // [A1 0..4, B1 0..4, C1 0..4, D1 0..4] + the same of 4..8: quarter s is key s's X2.
+        let v = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(ab, cd),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(ab, cd),
+        );
+        // Within each quarter: lanes (0, 1) + lanes (2, 3), then lane 0 + lane 1.
+        let t = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+        let f = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
+        let first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(
+            out.as_mut_ptr(),
+            _mm512_castps512_ps128(_mm512_permutexvar_ps(first, f)),
+        );
+        out
+    }
+
+    /// `X1`: lanes 0..8 plus lanes 8..16.
+    #[inline(always)]
+    unsafe fn halves_added(lanes: &[f32; LANES]) -> __m256 {
+        let p = lanes.as_ptr();
+        _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+    }
+
+    /// Four keys' lanes, two ymm each (lanes 0..8 and 8..16).
+    #[inline(always)]
+    unsafe fn sum4_256(sets: [[f32; LANES]; 4]) -> [f32; 4] {
+        let a = halves_added(&sets[0]);
+        let b = halves_added(&sets[1]);
+        let c = halves_added(&sets[2]);
+        let d = halves_added(&sets[3]);
+        // [A1 0..4 | B1 0..4] + [A1 4..8 | B1 4..8] = [A2 | B2].
+        let ab = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        );
+        let cd = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(c, d),
+            _mm256_permute2f128_ps::<0x31>(c, d),
+        );
+        // [A2 0, A2 1, C2 0, C2 1 | B2 0, B2 1, D2 0, D2 1] + the same of lanes 2, 3.
+        let t = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b01_00_01_00>(ab, cd),
+            _mm256_shuffle_ps::<0b11_10_11_10>(ab, cd),
+        );
+        // Lane 0 + lane 1 of each key: [A C A C | B D B D].
+        let f = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(t, t),
+            _mm256_shuffle_ps::<0b11_01_11_01>(t, t),
+        );
+        let (lo, hi) = (_mm256_castps256_ps128(f), _mm256_extractf128_ps::<1>(f));
+        let mut out = [0f32; 4];
+        // [A B C D] from [A C A C] and [B D B D].
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_unpacklo_ps(lo, hi));
+        out
+    }
 }
 
 per_level! {
@@ -327,6 +450,45 @@ mod tests {
                             .map(|j| p[j] as f64 * rows[j * d + i] as f64)
                             .sum::<f64>();
                     assert!((acc[i] as f64 - e).abs() < 1e-4, "d={d} n={n} i={i}");
+                }
+            }
+        }
+    }
+
+    /// `dots` (whose four-key lane sums are written per level) gives the same bits at
+    /// every level this CPU runs, on values of mixed magnitudes where any other pairing
+    /// of the sums would round differently.
+    #[test]
+    fn dots_agree_bit_for_bit_at_every_level() {
+        use lantern_quant::{force_kernel, Kernel};
+        let value = |i: usize, salt: usize| {
+            let v = ((i * 7919 + salt * 104_729) as f32 * 0.000_731).sin();
+            v * 10f32.powi((i % 9) as i32 - 4)
+        };
+        for d in [1, 3, 16, 20, 32, 64, 80, 128, 256] {
+            for n in [0, 1, 4, 5, 8, 17, 64] {
+                let q: Vec<f32> = (0..d).map(|i| value(i, 1)).collect();
+                let keys: Vec<f32> = (0..n * d).map(|i| value(i, 2)).collect();
+                let mut by_level = Vec::new();
+                for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                    force_kernel(Some(level));
+                    let mut out = vec![f32::NAN; n];
+                    dots(&q, &keys, d, &mut out);
+                    force_kernel(None);
+                    by_level.push((level, out));
+                }
+                let (_, scalar) = &by_level[0];
+                for (level, out) in &by_level {
+                    let same = out
+                        .iter()
+                        .zip(scalar)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "d={d} n={n}: {level} {out:?} vs scalar {scalar:?}");
+                }
+                for (j, got) in scalar.iter().enumerate() {
+                    let e: f64 = (0..d).map(|i| q[i] as f64 * keys[j * d + i] as f64).sum();
+                    let size: f64 = (0..d).map(|i| (q[i] * keys[j * d + i]).abs() as f64).sum();
+                    assert!((*got as f64 - e).abs() <= 1e-6 * size, "d={d} n={n} j={j}");
                 }
             }
         }

@@ -14,7 +14,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 #[command(
     name = "lantern",
     version,
-    about = "An LLM serving engine with exact per-request attention capture"
+    about = "An LLM serving engine with exact per-request attention capture",
+    after_help = ENVIRONMENT
 )]
 struct Cli {
     /// Log more (CPU level, KV cache size, timings) to stderr.
@@ -23,6 +24,17 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// The environment variables lantern reads, for `--help`.
+const ENVIRONMENT: &str = "Environment:
+  LANTERN_KERNELS    Kernel level, capped at what the CPU has: scalar, avx2, avx-vnni,
+                     avx512 (default: the best of these), or avx512-bf16 (opt-in: BF16
+                     weights' products round the activations to bf16, faster but no
+                     longer bit-identical with the other levels)
+  LANTERN_CACHE_DIR  Where the default model is fetched to (default:
+                     $XDG_CACHE_HOME/lantern or ~/.cache/lantern)
+  LANTERN_API_KEY    serve: the API key when --api-key is not given
+  RAYON_NUM_THREADS  Compute threads when --threads is not given (default: one per core)";
 
 #[derive(Subcommand)]
 enum Command {

@@ -2,7 +2,8 @@
 //! `make_local_attention_virtual_batches` builds it.
 //!
 //! In a chunked-local layer with chunk size `C`, a query at position `p` sees the keys
-//! `k <= p` with `k / C == p / C` (see [`AttentionLayerSpec::key_visible`]). Instead of
+//! `k <= p` with `k / C == p / C` (see
+//! [`AttentionLayerSpec::key_visible`](crate::AttentionLayerSpec::key_visible)). Instead of
 //! masking inside the kernel, each request's scheduled queries are cut at chunk
 //! boundaries into *virtual requests*; a virtual request's keys are exactly its chunk's
 //! keys up to its last query, so plain causal attention over the virtual batch is

@@ -31,7 +31,7 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     }
 }
 
-/// `dst[i] = src[i]` rounded to f16 (nearest even, as [`f16::from_f32`]).
+/// `dst[i] = src[i]` rounded to f16 (nearest even, as [`f16::from_f32`](half::f16::from_f32)).
 ///
 /// # Panics
 /// If the lengths differ.

@@ -7,7 +7,7 @@
 //! (about a whole product), so those products ran on the calling thread alone, leaving
 //! the other cores idle and one core's memory bandwidth as the limit. Here the caller
 //! publishes the product's chunks and starts on them itself; helper threads (one fewer
-//! than rayon's thread count), which poll for new products for [`LINGER`] after their
+//! than rayon's thread count), which poll for new products for `LINGER` after their
 //! last one before parking, claim chunks from the same atomic counter. The caller never
 //! waits for a helper to *start*, only (briefly) for a chunk a helper has claimed to
 //! finish. A helper that looks after every chunk was claimed finds nothing to do and

@@ -5,7 +5,7 @@
 //! padding, which were never written and are taken from the step's own K/V (rounded to
 //! the cache's element type so the result matches what the cache would have held).
 //!
-//! Neither kernel knows chunked-local attention: [`KernelView`] hands them, for a
+//! Neither kernel knows chunked-local attention: `KernelView` hands them, for a
 //! chunked-local layer, the step's virtual batch (see [`crate::local`]) and the layer
 //! without its chunk, and plain causal attention over that is the chunked-local result.
 

@@ -596,10 +596,10 @@ fn random_dense(rng: &mut StdRng, ty: QuantType, len: usize) -> (Vec<u8>, Vec<f3
     (bytes, values)
 }
 
-/// Dense weights: every level == scalar bit for bit, close to the exact product (the
-/// activations are not quantized: only f32 rounding, rel. err < 1e-5), every tile shape
-/// of every level (1 to 7 and 12 tokens), odd shapes, k
-/// not a multiple of anything, and rows read back exactly.
+/// Dense weights: every exact level == scalar bit for bit, close to the exact product
+/// (the activations are not quantized: only f32 rounding, rel. err < 1e-5), every tile
+/// shape of every level (1 to 7 and 12 tokens), odd shapes, k not a multiple of
+/// anything, and rows read back exactly.
 #[test]
 fn dense_types_match_the_exact_product_at_every_level() {
     let levels = levels();

@@ -9,7 +9,6 @@
 //! Readers check everything that comes from outside: the meta, each shape against the
 //! meta and against the length of its data, and the encodings.
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
 
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -208,11 +207,45 @@ pub fn to_safetensors(
                 .map_err(|e| malformed(format!("{name}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let metadata = HashMap::from([
-        ("format".to_string(), CAPTURE_FORMAT.to_string()),
-        (META_KEY.to_string(), meta_json),
-    ]);
-    safetensors::serialize(views, Some(metadata)).map_err(|e| malformed(e.to_string()))
+    let bytes = safetensors::serialize(views, None).map_err(|e| malformed(e.to_string()))?;
+    with_metadata(bytes, &[("format", CAPTURE_FORMAT), (META_KEY, &meta_json)])
+}
+
+/// `bytes` (a safetensors file without `__metadata__`) with `entries` as its
+/// `__metadata__`, in their order. safetensors itself writes the metadata from a
+/// `HashMap`, whose order changes from one map to the next; written here, one capture
+/// is always the same file.
+fn with_metadata(bytes: Vec<u8>, entries: &[(&str, &str)]) -> Result<Vec<u8>, CaptureError> {
+    let header_len = bytes
+        .get(..8)
+        .map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")) as usize)
+        .filter(|&n| n >= 2 && bytes.len() >= 8 + n)
+        .ok_or_else(|| malformed("safetensors wrote no header"))?;
+    let header = std::str::from_utf8(&bytes[8..8 + header_len])
+        .map_err(|e| malformed(format!("safetensors header: {e}")))?
+        .trim_end();
+    let tensors = header
+        .strip_prefix('{')
+        .and_then(|h| h.strip_suffix('}'))
+        .ok_or_else(|| malformed("safetensors header is not a JSON object"))?;
+    let quote = |s: &str| Value::String(s.to_string()).to_string();
+    let metadata = entries
+        .iter()
+        .map(|(k, v)| format!("{}:{}", quote(k), quote(v)))
+        .collect::<Vec<_>>()
+        .join(",");
+    let separator = if tensors.is_empty() { "" } else { "," };
+    let mut new_header = format!("{{\"__metadata__\":{{{metadata}}}{separator}{tensors}}}");
+    // Padded with spaces to a multiple of 8, as safetensors pads, so the data stays aligned.
+    while new_header.len() % 8 != 0 {
+        new_header.push(' ');
+    }
+    let data = &bytes[8 + header_len..];
+    let mut out = Vec::with_capacity(8 + new_header.len() + data.len());
+    out.extend_from_slice(&(new_header.len() as u64).to_le_bytes());
+    out.extend_from_slice(new_header.as_bytes());
+    out.extend_from_slice(data);
+    Ok(out)
 }
 
 /// Reads a safetensors capture file.
@@ -562,6 +595,20 @@ mod tests {
     }
 
     #[test]
+    fn safetensors_bytes_are_the_same_every_time() {
+        // A capture written twice (the server's and `lantern generate --capture`'s of one
+        // request) must be the same file, byte for byte.
+        let result = random_capture(1, 9, "none", None);
+        let first = to_safetensors(&result, CaptureDtype::Float32).unwrap();
+        for _ in 0..16 {
+            assert_eq!(
+                to_safetensors(&result, CaptureDtype::Float32).unwrap(),
+                first
+            );
+        }
+    }
+
+    #[test]
     fn json_layout_follows_the_contract() {
         let result = random_capture(5, 6, "none", Some(2));
         let value = to_json(&result, CaptureDtype::Float16);
@@ -691,7 +738,8 @@ mod tests {
                 .iter()
                 .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
                 .collect();
-            let metadata = meta.map(|m| HashMap::from([(META_KEY.to_string(), m)]));
+            let metadata =
+                meta.map(|m| std::collections::HashMap::from([(META_KEY.to_string(), m)]));
             safetensors::serialize(views, metadata).unwrap()
         };
         let meta = serde_json::to_string(&result.meta).unwrap();

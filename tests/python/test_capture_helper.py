@@ -673,20 +673,23 @@ def test_to_hf_is_transformers_output_attentions(kind):
             assert not a[0, :, p].any()
 
 
-def test_to_hf_and_bertviz_with_torch_or_numpy():
+def test_to_hf_and_bertviz_with_torch_or_without():
+    """bertviz takes torch tensors only: without torch, to_bertviz() refuses as
+    to_hf(return_tensors="pt") does (test_helper_edges.py runs both cases)."""
     meta, maps, indices, _ = make_capture(seed=12)
     cap = lantern_attn.from_response(inline_response(meta, maps, indices))
     with pytest.raises(ValueError, match="return_tensors"):
         cap.to_hf(return_tensors="tf")
-    attention, tokens = cap.to_bertviz()
-    assert tokens == cap.tokens and len(tokens) == meta["total_len"]
     try:
         import torch
     except ImportError:
         with pytest.raises(ImportError, match="torch"):
             cap.to_hf(return_tensors="pt")
-        assert all(isinstance(a, np.ndarray) for a in attention)
+        with pytest.raises(ImportError, match="torch"):
+            cap.to_bertviz()
         return
+    attention, tokens = cap.to_bertviz()
+    assert tokens == cap.tokens and len(tokens) == meta["total_len"]
     assert all(isinstance(a, torch.Tensor) for a in attention)
     for ours, theirs in zip(cap.to_hf(), cap.to_hf(return_tensors="pt")):
         np.testing.assert_array_equal(ours, theirs.numpy())

@@ -5,9 +5,10 @@ docs/capture-format-draft.md; the user guide is docs/attention-capture.md.
 
 Maps are `[rows, heads, keys]`: row i is the query at absolute position
 `row_positions[i]`, key j the key at `key_positions[j]`. After a head reduction
-(`mean_heads`, `max_heads`) the heads dimension is 1. With top-k the last dimension is
-k, values sorted descending, and `indices[layer]` (int32, same shape) holds each
-value's key position; `dense(layer)` scatters them back into a full map.
+(`mean_heads`, `max_heads`) the heads dimension is 1 and `heads` lists the heads reduced
+over; `head_labels` says what each index of the heads dimension is. With top-k the last
+dimension is k, values sorted descending, and `indices[layer]` (int32, same shape) holds
+each value's key position; `dense(layer)` scatters them back into a full map.
 """
 
 from __future__ import annotations
@@ -176,8 +177,21 @@ class Capture:
 
     @property
     def heads(self) -> List[int]:
-        """Query heads captured (after a reduction: the heads reduced over)."""
+        """The query heads captured, as the request chose them.
+
+        Without a reduction, index ``i`` of the maps' heads dimension is head
+        ``heads[i]``. After ``mean_heads`` / ``max_heads`` the maps have a heads
+        dimension of 1, and ``heads`` lists the heads that were reduced over: use
+        ``head_labels`` for what each index of the maps' heads dimension is.
+        """
         return list(self.meta["heads"])
+
+    @property
+    def head_labels(self) -> List[str]:
+        """One label per index of the maps' heads dimension (``layers[l].shape[1]``
+        entries): ``"head 5"`` for each captured head, or a single
+        ``"mean of heads 0-8"`` / ``"max of heads 0-8"`` after a reduction."""
+        return _head_labels(self.meta)
 
     @property
     def reduce(self) -> str:
@@ -246,10 +260,12 @@ class Capture:
 
         return to_hf(self, return_tensors)
 
-    def to_bertviz(self, return_tensors: Optional[str] = None) -> tuple:
+    def to_bertviz(self, return_tensors: str = "pt") -> tuple:
         """``(attention, tokens)``, what bertviz's ``head_view`` and ``model_view``
-        take: ``head_view(*cap.to_bertviz())``. Torch tensors when torch is installed
-        (bertviz needs it), else numpy arrays."""
+        take: ``head_view(*cap.to_bertviz())``. ``attention`` is ``to_hf()``'s tuple
+        as torch tensors, which bertviz needs: without torch this raises ImportError
+        (``to_hf()`` gives the same arrays in numpy). ``return_tensors="np"`` asks for
+        numpy arrays on purpose."""
         from .convert import to_bertviz
 
         return to_bertviz(self, return_tensors)
@@ -269,15 +285,45 @@ class Capture:
 
     def __repr__(self) -> str:
         shape = next(iter(self.layers.values())).shape if self.layers else None
-        heads = self.meta.get("heads", [])
-        reduce = self.meta.get("reduce")
-        head_text = f"{len(heads)} heads" if reduce == "none" else f"{reduce} over {len(heads)} heads"
+        # What the heads dimension holds: after a reduction, one map, not `heads`.
+        if self.meta.get("reduce") == "none":
+            head_text = f"heads {_head_span(self.meta.get('heads', []))}"
+        else:
+            head_text = _head_labels(self.meta)[0]
         return (
-            f"<lantern_attn.Capture layers={list(self.layers)} shape={shape} ({head_text}) "
+            f"<lantern_attn.Capture layers={list(self.layers)} "
+            f"shape={shape} (rows × {head_text} × keys) "
             f"dtype={self.meta.get('dtype')} top_k={self.meta.get('top_k')} "
             f"prompt_len={self.meta.get('prompt_len')} total_len={self.meta.get('total_len')} "
             f"absent_rows={[a.get('position') for a in self.meta.get('absent_rows', [])]}>"
         )
+
+
+# --------------------------------------------------------------------------- heads
+
+# What a reduction makes of the heads, in labels.
+_REDUCED = {"mean_heads": "mean", "max_heads": "max"}
+
+
+def _head_span(heads: List[int]) -> str:
+    """Heads as text, runs shortened: ``"0-8"``, ``"0, 2, 5-7"``."""
+    parts: List[str] = []
+    i = 0
+    while i < len(heads):
+        j = i
+        while j + 1 < len(heads) and heads[j + 1] == heads[j] + 1:
+            j += 1
+        parts.append(f"{heads[i]}-{heads[j]}" if j > i + 1 else ", ".join(map(str, heads[i : j + 1])))
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _head_labels(meta: Dict[str, Any]) -> List[str]:
+    """What each index of the maps' heads dimension is (see `Capture.head_labels`)."""
+    heads = list(meta["heads"])
+    if meta["reduce"] == "none":
+        return [f"head {h}" for h in heads]
+    return [f"{_REDUCED.get(meta['reduce'], meta['reduce'])} of heads {_head_span(heads)}"]
 
 
 # --------------------------------------------------------------------------- checks

@@ -18,8 +18,11 @@ class HFAttentions(tuple):
 
     Attributes:
         layers: the model layer of each entry (the captured layers, ascending).
-        heads: the query heads of the heads dimension (after a head reduction: the
-            heads reduced over, and that dimension is 1).
+        heads: the query heads captured: without a reduction, index ``i`` of the
+            heads dimension is head ``heads[i]``; after a head reduction that
+            dimension is 1 and ``heads`` lists the heads reduced over.
+        head_labels: one label per index of the heads dimension, like
+            ``Capture.head_labels``: ``"head 5"``, or ``"mean of heads 0-8"``.
         absent_rows: positions whose row is all zeros because the capture has no
             probabilities for them (rows not asked for, or the last generated token,
             which never ran through the model).
@@ -27,6 +30,7 @@ class HFAttentions(tuple):
 
     layers: List[int]
     heads: List[int]
+    head_labels: List[str]
     absent_rows: List[int]
 
 
@@ -63,14 +67,21 @@ def to_hf(cap: "Capture", return_tensors: Optional[str] = "np") -> HFAttentions:
     out = HFAttentions(arrays)
     out.layers = list(cap.meta["layers"])
     out.heads = list(cap.meta["heads"])
+    out.head_labels = cap.head_labels
     present = set(int(p) for p in rows)
     out.absent_rows = [p for p in range(seq) if p not in present]
     return out
 
 
-def to_bertviz(cap: "Capture", return_tensors: Optional[str] = None) -> tuple:
+def to_bertviz(cap: "Capture", return_tensors: Optional[str] = "pt") -> tuple:
     """See `Capture.to_bertviz`."""
     if return_tensors is None:
-        return_tensors = "pt" if torch_available() else "np"
+        return_tensors = "pt"
+    # bertviz takes torch tensors only: numpy arrays would fail later, inside bertviz.
+    if return_tensors == "pt" and not torch_available():
+        raise ImportError(
+            "to_bertviz() needs torch, as bertviz does (pip install torch); "
+            "cap.to_hf() gives the same attention as numpy arrays"
+        )
     attention: Any = to_hf(cap, return_tensors)
     return attention, list(cap.tokens)

@@ -1,5 +1,5 @@
 """`lantern attn view` and `lantern attn export` on synthetic captures written by hand
-from the wire format contract (docs/capture-format-draft.md): the page renders in
+from the wire format contract (docs/capture-format.md): the page renders in
 headless Chromium without errors and shows the map; exports read back equal.
 
 No server: these only run the binary on files."""

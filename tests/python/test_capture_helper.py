@@ -1,7 +1,7 @@
 """Unit tests of the Python package clients/python (lantern_attn), with no server.
 
 Captures are synthesized with numpy and encoded here by hand, exactly as the wire format
-contract says (docs/capture-format-draft.md): gzip+base64 JSON for inline delivery, and
+contract says (docs/capture-format.md): gzip+base64 JSON for inline delivery, and
 safetensors written with struct/json. The helper must decode them bit-exactly and refuse
 malformed input with a ValueError that says what is wrong. None of these tests uses the
 `server` fixture of conftest.py.

@@ -7,7 +7,9 @@
   holds, while `heads` keeps listing the heads reduced over;
 - the viewer page of `to_html()` at 128+ tokens, in headless Chromium: token labels
   thinned so that none overlaps, and every row's, column's and cell's token in full
-  under the pointer.
+  under the pointer;
+- docs/capture-format.md: its Python blocks, run as written, read captures with numpy
+  (and safetensors) alone, and its tables name the fields the helper reads.
 """
 
 import html
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from test_attn_view import BROWSER_FLAGS, chromium
-from test_capture_helper import HEADS, LAYERS, inline_response, make_capture
+from test_capture_helper import HEADS, LAYERS, _Handler, capture_http, inline_response, make_capture  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "clients" / "python"))
@@ -322,3 +324,105 @@ def test_viewer_labels_a_long_pooled_capture_without_overlap(tmp_path):
     cap = long_capture(total, top_k=4)  # small to embed; the page scatters it
     result = probe_page(cap, tmp_path)
     check_labels(cap, result, total - 1)
+
+
+# ----------------------------------------------------------------------------- the format doc
+
+FORMAT_DOC = ROOT / "docs" / "capture-format.md"
+
+
+def format_doc_tables() -> dict:
+    """{section heading: [[first-column names of one table], ...]} of docs/capture-format.md."""
+    sections, heading, table, code = {}, None, None, False
+    for line in FORMAT_DOC.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            code = not code
+        if code:
+            continue
+        if line.startswith("#"):
+            heading, table = line.lstrip("#").strip(), None
+            continue
+        name = re.match(r"^\| `([^`]+)`", line)
+        if line.startswith("|"):
+            if table is None:
+                table = []
+                sections.setdefault(heading, []).append(table)
+            if name:
+                table.append(name.group(1))
+        else:
+            table = None
+    return sections
+
+
+def run_format_doc(workdir: Path, monkeypatch, meta, maps, indices, base_url=None, api_key=None, response=None,
+                   kinds=None):
+    """Runs the Python blocks of docs/capture-format.md as written, in order, in
+    `workdir`, which holds response.json (inline) and capture.safetensors; checks that
+    each reader gives `meta`, `maps` and `indices`. The download block runs first,
+    against `base_url` (for `response`), and writes capture.safetensors; the safetensors
+    package's block runs when it is installed. `kinds` picks the blocks (default: all).
+    Returns the kinds of block run."""
+    monkeypatch.chdir(workdir)
+    blocks = re.findall(r"```python\n(.*?)```", FORMAT_DOC.read_text(encoding="utf-8"), re.S)
+    # The download first: the file readers then read what it wrote.
+    blocks.sort(key=lambda block: "urllib.request" not in block)
+    namespace, ran = {}, []
+    for block in blocks:
+        if "urllib.request" in block:
+            if base_url is None:
+                continue
+            block = block.replace("http://127.0.0.1:8000/v1", base_url).replace("Bearer KEY", f"Bearer {api_key}")
+            namespace["response"] = response
+            kind = "download"
+        elif "safe_open" in block:
+            try:
+                import safetensors  # noqa: F401
+            except ImportError:
+                print("docs/capture-format.md: the safetensors block needs `pip install safetensors`")
+                continue
+            kind = "safetensors"
+        elif "struct.unpack" in block:
+            kind = "numpy-safetensors"
+        elif "attn_capture_data" in block:
+            kind = "inline"
+        else:
+            kind = "use"
+        if kinds is not None and kind not in kinds:
+            continue
+        exec(compile(block, f"{FORMAT_DOC.name} ({kind})", "exec"), namespace)
+        ran.append(kind)
+        if kind in ("inline", "safetensors", "numpy-safetensors"):
+            assert namespace["meta"] == meta, kind
+            assert sorted(namespace["maps"]) == sorted(maps), kind
+            for layer, want in maps.items():
+                got = namespace["maps"][layer]
+                assert got.dtype == want.dtype and np.array_equal(got, want), (kind, layer)
+            assert sorted(namespace["indices"]) == sorted(indices), kind
+            for layer, want in indices.items():
+                assert np.array_equal(namespace["indices"][layer], want), (kind, layer)
+        if kind == "use":
+            assert 0 <= namespace["strongest"] < len(meta["key_positions"])
+    return ran
+
+
+def test_format_doc_reads_captures_with_numpy_alone(tmp_path, monkeypatch, capture_http):
+    for kind in (dict(), dict(top_k=3, dtype="float16", reduce="max_heads")):
+        meta, maps, indices, _ = make_capture(seed=31, **kind)
+        (tmp_path / "response.json").write_text(json.dumps(inline_response(meta, maps, indices)))
+        cap = lantern_attn.from_response(inline_response(meta, maps, indices))
+        lantern_attn.save_safetensors(cap, tmp_path / "capture.safetensors")
+        cid = "cap-" + "cd" * 16
+        _Handler.store[cid] = (tmp_path / "capture.safetensors").read_bytes()
+        ran = run_format_doc(tmp_path, monkeypatch, meta, maps, indices, base_url=capture_http,
+                             api_key=_Handler.key, response={"attn_capture_id": cid})
+        assert {"inline", "use", "download", "numpy-safetensors"} <= set(ran), ran
+
+
+def test_format_doc_names_the_fields_lantern_attn_reads():
+    """The meta's table lists exactly the fields the helper requires."""
+    from lantern_attn.capture import _META_FIELDS
+
+    tables = format_doc_tables()
+    assert set(tables["The meta"][0]) == set(_META_FIELDS)
+    meta, _, _, _ = make_capture()
+    assert set(tables["The meta"][1]) == set(meta["layer_attention"][0])

@@ -1,7 +1,7 @@
 """Reading lantern attention captures into numpy arrays, with token labels.
 
 numpy and the standard library only (it never unpickles anything). The wire format is
-docs/capture-format-draft.md; the user guide is docs/attention-capture.md.
+docs/capture-format.md; the user guide is docs/attention-capture.md.
 
 Maps are `[rows, heads, keys]`: row i is the query at absolute position
 `row_positions[i]`, key j the key at `key_positions[j]`. After a head reduction

@@ -1,23 +1,27 @@
 """The capture viewer of a real `lantern serve`: `GET /v1/captures/{id}/view` renders the
 stored capture in headless Chromium (fetching it with the key after `#key=`), a notebook's
 `cap.to_html()` renders the same page offline, and bertviz (PyPI) draws a head view of a
-real capture from `cap.to_bertviz()`."""
+real capture from `cap.to_bertviz()`. docs/capture-format.md describes exactly what this
+server sends, and its Python blocks read it."""
 
 import html
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 
 from conftest import API_KEY, ROOT, start_server, stop_server
 from test_attn_view import BROWSER_FLAGS, chromium
+from test_helper_edges import FORMAT_DOC, format_doc_tables, run_format_doc
 
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 import lantern_attn  # noqa: E402
@@ -28,9 +32,10 @@ LAYERS = [0, 15, 29]
 
 @pytest.fixture(scope="module")
 def view_server():
-    srv = start_server("--enable-attention-capture")
-    yield srv
-    stop_server(srv)
+    with tempfile.TemporaryDirectory(prefix="lantern-captures-") as capture_dir:
+        srv = start_server("--enable-attention-capture", "--capture-dir", capture_dir)
+        yield srv
+        stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +182,76 @@ def test_bertviz_head_view_of_a_real_capture(view_server, tmp_path):
     for token in cap.tokens:
         assert texts.count(token) >= 2 or not token.strip(), (token, texts)
     assert len(re.findall(r"<line ", dom)) >= cap.total_len, "no attention lines drawn"
+
+
+def test_capture_format_doc_is_what_the_server_sends(view_server, tmp_path, monkeypatch):
+    """docs/capture-format.md lists exactly the fields the server sends, for each
+    delivery, and its readers (numpy and safetensors alone) read the real thing."""
+    tables = format_doc_tables()
+    meta_keys, attention_keys = map(set, tables["The meta"])
+    (inline_keys,) = map(set, tables['Inline JSON (delivery `"inline"`)'])
+    (tensor_names,) = tables['Safetensors (deliveries `"reference"` and `"file"`)']
+    (reference_keys,) = map(set, tables['Delivery `"reference"` and `GET /v1/captures/{id}`'])
+    (file_keys,) = map(set, tables['Delivery `"file"`'])
+    top_k_only = {"indices", "indices_dtype"}
+
+    def complete(**capture):
+        body = {"model": view_server.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                "ignore_eos": True, "attn_capture": True, "attn_capture_layers": LAYERS, **capture}
+        r = requests.post(f"{view_server.base_url}/v1/completions", json=body, headers=view_server.headers(),
+                          timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def fields(body):
+        return {k for k in body if k.startswith("attn_capture")}
+
+    # Inline: the meta, its layer_attention objects and the data entries, dense and top-k.
+    dense = complete()
+    assert fields(dense) == {"attn_capture_data", "attn_capture_meta"}
+    assert set(dense["attn_capture_meta"]) == meta_keys
+    assert all(set(info) == attention_keys for info in dense["attn_capture_meta"]["layer_attention"])
+    assert all(set(entry) == inline_keys - top_k_only for entry in dense["attn_capture_data"])
+    top_k = complete(attn_capture_top_k=4, attn_capture_dtype="float16", attn_capture_reduce="mean_heads")
+    assert all(set(entry) == inline_keys for entry in top_k["attn_capture_data"])
+    # What the doc says of the values: keys 0..n-1, one run of rows, the last token's
+    # reason word for word, top-k sorted descending.
+    meta = dense["attn_capture_meta"]
+    assert meta["key_positions"] == list(range(len(meta["key_positions"])))
+    assert meta["row_positions"] == list(range(meta["row_positions"][0], meta["row_positions"][-1] + 1))
+    assert [a["position"] for a in meta["absent_rows"]] == [meta["total_len"] - 1]
+    assert meta["absent_rows"][0]["reason"] in FORMAT_DOC.read_text(encoding="utf-8")
+    for values in lantern_attn.from_response(top_k).layers.values():
+        assert np.all(np.diff(values.astype(np.float32), axis=-1) <= 0)
+
+    # By reference: the response's fields, then GET /v1/captures/{id}'s headers and file.
+    reference = complete(attn_capture_delivery="reference", attn_capture_top_k=4)
+    assert fields(reference) == reference_keys, reference
+    cid = reference["attn_capture_id"]
+    assert re.fullmatch(r"cap-[0-9a-f]{32}", cid) and isinstance(reference["attn_capture_expires_in"], int)
+    got = requests.get(f"{view_server.base_url}/v1/captures/{cid}", headers=view_server.headers(), timeout=60)
+    assert got.status_code == 200
+    assert got.headers["content-type"] == "application/octet-stream"
+    assert got.headers["content-disposition"] == f'attachment; filename="{cid}.safetensors"'
+    (n,) = struct.unpack("<Q", got.content[:8])
+    header = json.loads(got.content[8 : 8 + n])
+    metadata = header.pop("__metadata__")
+    assert set(metadata) == {"format", "lantern.capture"} and metadata["format"] == lantern_attn.FORMAT
+    assert json.loads(metadata["lantern.capture"]) == reference["attn_capture_meta"]
+    assert set(header) == {name.replace("{L}", str(layer)) for name in tensor_names for layer in LAYERS}
+
+    # As a file.
+    file = complete(attn_capture_delivery="file")
+    assert fields(file) == file_keys, file
+    assert re.fullmatch(r"lantern-capture-[0-9a-f]{32}\.safetensors", Path(file["attn_capture_path"]).name)
+
+    # The doc's readers, as written: the inline top-k response, then the stored capture
+    # as its download block fetches it.
+    (tmp_path / "response.json").write_text(json.dumps(top_k))
+    cap = lantern_attn.from_response(top_k)
+    ran = run_format_doc(tmp_path, monkeypatch, cap.meta, cap.layers, cap.indices, kinds={"inline", "use"})
+    assert ran == ["inline", "use"]
+    cap = lantern_attn.from_response(reference, client=view_server.client())
+    ran = run_format_doc(tmp_path, monkeypatch, cap.meta, cap.layers, cap.indices, base_url=f"{view_server.base_url}/v1",
+                         api_key=API_KEY, response=reference, kinds={"download", "safetensors", "numpy-safetensors"})
+    assert ran[0] == "download" and "numpy-safetensors" in ran, ran

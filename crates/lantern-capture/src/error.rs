@@ -10,13 +10,10 @@ pub enum CaptureError {
         field: &'static str,
         message: String,
     },
-    /// The capture would hold more than allowed: `estimate_bytes` is its admission
-    /// figure ([`crate::CaptureSpec::admission_bytes`]).
-    #[error("the attention capture would take about {estimate_bytes} bytes (its maps and the query rows, keys and scratch that compute them), over the limit of {limit_bytes} bytes; ask for fewer layers, heads or rows, a reduction, top-k or float16")]
-    TooLarge {
-        estimate_bytes: u64,
-        limit_bytes: u64,
-    },
+    /// The capture would hold more than allowed (its admission figure,
+    /// [`crate::CaptureSpec::admission_bytes`], in parts).
+    #[error("{0}")]
+    TooLarge(Box<crate::spec::TooLarge>),
     /// A capture file or message could not be decoded.
     #[error("malformed capture: {0}")]
     Malformed(String),

@@ -18,7 +18,7 @@ use crate::error::CaptureError;
 use crate::result::{
     AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo, CAPTURE_FORMAT,
 };
-use crate::spec::HeadReduce;
+use crate::spec::{HeadReduce, RowSelection};
 
 /// Why the last token of a finished request has no row.
 pub const LAST_TOKEN_ABSENT: &str =
@@ -139,6 +139,9 @@ pub struct PendingCapture {
     /// Per captured layer (in `buffer.spec().layers` order): its attention and keys.
     pub layers: Vec<(AttentionLayerSpec, KeySnapshot)>,
     pub prompt_len: usize,
+    /// The longest the sequence could have grown (the prompt plus `max_tokens`): rows
+    /// of an explicit range up to here that the sequence did not reach are absent.
+    pub max_len: usize,
     /// Every position of the sequence, prompt then generated.
     pub tokens: Vec<TokenInfo>,
     /// Positions whose K/V were computed (the keys), `<= tokens.len()`.
@@ -146,17 +149,27 @@ pub struct PendingCapture {
 }
 
 impl PendingCapture {
-    /// Rows that will be delivered and requested rows that are absent.
+    /// Rows that will be delivered and requested rows that are absent. A range with an
+    /// explicit end names its positions: those the sequence could have reached but did
+    /// not (it stopped early) are absent; `all`, `generated` and an open range mean
+    /// whatever the sequence has.
     pub fn row_plan(&self) -> (Range<usize>, Vec<AbsentRow>) {
         let total = self.tokens.len();
-        let requested = self.buffer.spec().rows.positions(self.prompt_len, total);
+        let rows = self.buffer.spec().rows;
+        let reach = match rows {
+            RowSelection::Range { end, .. } if end != usize::MAX => self.max_len.max(total),
+            _ => total,
+        };
+        let requested = rows.positions(self.prompt_len, reach);
         let present = self
             .buffer
             .rows_present(self.prompt_len, total, self.num_computed);
-        let absent = (present.end..requested.end)
+        let absent = (present.end.max(requested.start)..requested.end)
             .map(|position| AbsentRow {
                 position,
-                reason: if position + 1 == total && position >= self.num_computed {
+                reason: if position >= total {
+                    format!("the sequence ended at {total} tokens, before this position")
+                } else if position + 1 == total && position >= self.num_computed {
                     LAST_TOKEN_ABSENT.to_string()
                 } else {
                     "no query was recorded for this position".to_string()

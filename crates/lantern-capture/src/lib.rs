@@ -26,6 +26,7 @@ pub use error::{CaptureError, CaptureFailure};
 pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
 pub use spec::{
-    CaptureDtype, CaptureGeometry, CaptureSpec, HeadReduce, RowSelection, TOKEN_META_BYTES,
+    human_bytes, largest_fitting, AdmissionParts, CaptureDtype, CaptureGeometry, CaptureSpec,
+    HeadReduce, RowSelection, TooLarge, TOKEN_META_BYTES,
 };
 pub use worker::{CaptureWorker, Pacer, SubmitError, BUSY_DUTY_CYCLE, DEFAULT_MAX_QUEUED_CAPTURES};

@@ -249,17 +249,30 @@ impl CaptureSpec {
 
     /// Bytes a capture holds while it runs beyond what it delivers (an upper bound, for
     /// a prompt of `prompt_len` tokens and up to `max_tokens` generated ones on layers
-    /// of `geometry`): the query rows buffered during the steps (and the attention
-    /// outputs with `keep_attention_output`), the keys (and values) copied out of the
-    /// cache for every captured layer, the maps as finalizing holds them (f32 values
-    /// and u32 indices whatever the wire dtype, alive while they are encoded), one row
-    /// of every head with its scratch, and the positions and tokens of the metadata.
+    /// of `geometry`): the sum of [`AdmissionParts`]' working parts.
     pub fn working_bytes(
         &self,
         prompt_len: usize,
         max_tokens: usize,
         geometry: CaptureGeometry,
     ) -> u64 {
+        self.admission_parts(prompt_len, max_tokens, geometry)
+            .working()
+    }
+
+    /// The parts of the admission figure: the maps delivered, and what computing and
+    /// encoding them holds — the query rows buffered during the steps (and the
+    /// attention outputs with `keep_attention_output`), the keys (and values) copied
+    /// out of the cache for every captured layer, the maps as finalizing holds them
+    /// (f32 values and u32 indices whatever the wire dtype, alive while they are
+    /// encoded), one row of every head with its scratch, the positions and tokens of
+    /// the metadata, and the copy the safetensors encoder makes.
+    pub fn admission_parts(
+        &self,
+        prompt_len: usize,
+        max_tokens: usize,
+        geometry: CaptureGeometry,
+    ) -> AdmissionParts {
         let total = prompt_len.saturating_add(max_tokens) as u64;
         let rows = self
             .rows
@@ -269,18 +282,38 @@ impl CaptureSpec {
         let heads = self.heads.len() as u64;
         let head_dim = geometry.head_dim as u64;
         let copies = if self.keep_attention_output { 2 } else { 1 };
-        let queries = copies * layers * num_rows * heads * head_dim * 4;
-        let key_copies = copies * layers * keys * geometry.num_kv_heads as u64 * head_dim * 4;
+        let mul = |factors: &[u64]| factors.iter().fold(1u64, |a, &b| a.saturating_mul(b));
         let width = self.top_k.map_or(keys, |k| (k as u64).min(keys));
         let per_value = if self.top_k.is_some() { 4 + 4 } else { 4 };
-        let f32_maps = layers * self.output_heads() as u64 * num_rows * width * per_value;
         // One row of every head (`dense`), the logits, the reduced row and the top-k
         // selection order (usize per key).
-        let scratch = keys * (heads * 4 + 4 + 4 + 8);
-        let metadata = (num_rows + keys) * 8 + total * 2 * TOKEN_META_BYTES;
-        [queries, key_copies, f32_maps, scratch, metadata]
-            .into_iter()
-            .fold(0u64, u64::saturating_add)
+        let scratch = mul(&[keys, heads * 4 + 4 + 4 + 8]);
+        let metadata = mul(&[num_rows.saturating_add(keys), 8]).saturating_add(mul(&[
+            total,
+            2,
+            TOKEN_META_BYTES,
+        ]));
+        AdmissionParts {
+            delivered: self.estimate_bytes(prompt_len, max_tokens),
+            queries: mul(&[copies, layers, num_rows, heads, head_dim, 4]),
+            keys: mul(&[
+                copies,
+                layers,
+                keys,
+                geometry.num_kv_heads as u64,
+                head_dim,
+                4,
+            ]),
+            f32_maps: mul(&[
+                layers,
+                self.output_heads() as u64,
+                num_rows,
+                width,
+                per_value,
+            ]),
+            scratch_and_metadata: scratch.saturating_add(metadata),
+            encoding: self.encoding_bytes(prompt_len, max_tokens),
+        }
     }
 
     /// What encoding holds beside the finalized maps and the encoded bytes: the
@@ -299,9 +332,8 @@ impl CaptureSpec {
         max_tokens: usize,
         geometry: CaptureGeometry,
     ) -> u64 {
-        self.estimate_bytes(prompt_len, max_tokens)
-            .saturating_add(self.working_bytes(prompt_len, max_tokens, geometry))
-            .saturating_add(self.encoding_bytes(prompt_len, max_tokens))
+        self.admission_parts(prompt_len, max_tokens, geometry)
+            .total()
     }
 
     /// The most tokens (up to `room`) a request may generate with its capture's
@@ -314,24 +346,13 @@ impl CaptureSpec {
         limit_bytes: u64,
         geometry: CaptureGeometry,
     ) -> Option<usize> {
-        let fits = |m: usize| self.admission_bytes(prompt_len, m, geometry) <= limit_bytes;
-        if !fits(1.min(room)) {
-            return None;
-        }
-        // The figure never shrinks as `max_tokens` grows: bisect.
-        let (mut lo, mut hi) = (1.min(room), room);
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        Some(lo)
+        largest_fitting(room, |m| {
+            self.admission_bytes(prompt_len, m, geometry) <= limit_bytes
+        })
     }
 
-    /// Refuses a capture whose admission figure is over `limit_bytes`.
+    /// Refuses a capture whose admission figure is over `limit_bytes`, saying which
+    /// part dominates and the largest `max_tokens` that would fit.
     pub fn check_size(
         &self,
         prompt_len: usize,
@@ -339,15 +360,198 @@ impl CaptureSpec {
         limit_bytes: u64,
         geometry: CaptureGeometry,
     ) -> Result<(), CaptureError> {
-        let estimate_bytes = self.admission_bytes(prompt_len, max_tokens, geometry);
-        if estimate_bytes > limit_bytes {
-            return Err(CaptureError::TooLarge {
-                estimate_bytes,
-                limit_bytes,
-            });
+        let parts = self.admission_parts(prompt_len, max_tokens, geometry);
+        if parts.total() <= limit_bytes {
+            return Ok(());
         }
-        Ok(())
+        Err(CaptureError::TooLarge(Box::new(TooLarge {
+            parts,
+            limit_bytes,
+            max_tokens,
+            fitting_max_tokens: self.max_tokens_within(
+                prompt_len,
+                max_tokens,
+                limit_bytes,
+                geometry,
+            ),
+        })))
     }
+
+    /// The positions whose rows can ever be captured for a prompt of `prompt_len`
+    /// tokens generating up to `max_tokens`: the last generated token is never run
+    /// through the model, so it has no query.
+    pub fn possible_rows(prompt_len: usize, max_tokens: usize) -> Range<usize> {
+        0..prompt_len.saturating_add(max_tokens.saturating_sub(1))
+    }
+
+    /// Refuses rows that can never exist in this request (a range past the longest
+    /// the sequence can grow, `generated` with `max_tokens` under 2): a capture of no
+    /// row is a mistake, never what was meant.
+    pub fn check_rows(&self, prompt_len: usize, max_tokens: usize) -> Result<(), CaptureError> {
+        let possible = Self::possible_rows(prompt_len, max_tokens);
+        let asked = self
+            .rows
+            .positions(prompt_len, prompt_len.saturating_add(max_tokens));
+        if asked.start < possible.end && !asked.is_empty() {
+            return Ok(());
+        }
+        let reason = match self.rows {
+            RowSelection::Generated => format!(
+                "\"generated\" selects no row with max_tokens {max_tokens}: the last generated token is never run through the model, so generated rows need max_tokens of at least 2"
+            ),
+            _ => format!(
+                "{:?} selects no row that can exist: with a prompt of {prompt_len} tokens and max_tokens {max_tokens}, rows are positions {}..{}{}",
+                self.rows.describe(),
+                possible.start,
+                possible.end,
+                if max_tokens > 0 { " (the last generated token is never run through the model)" } else { "" }
+            ),
+        };
+        Err(CaptureError::InvalidField {
+            field: "attn_capture_rows",
+            message: reason,
+        })
+    }
+}
+
+/// The largest `m <= room` with `fits(m)`, for a `fits` that holds up to some point and
+/// not after (a figure that never shrinks as `max_tokens` grows); `None` when not even
+/// `min(1, room)` fits.
+pub fn largest_fitting(room: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    let mut lo = 1.min(room);
+    if !fits(lo) {
+        return None;
+    }
+    let mut hi = room;
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
+}
+
+/// A capture's admission figure in parts (see [`CaptureSpec::admission_parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionParts {
+    /// The maps (and top-k indices) delivered, in the wire dtype.
+    pub delivered: u64,
+    /// Query rows buffered during the steps.
+    pub queries: u64,
+    /// Keys (and values) copied out of the KV cache for finalizing.
+    pub keys: u64,
+    /// The maps as finalizing holds them (f32, u32 indices).
+    pub f32_maps: u64,
+    pub scratch_and_metadata: u64,
+    /// The copy the safetensors encoder makes.
+    pub encoding: u64,
+}
+
+impl AdmissionParts {
+    /// What computing the maps holds beyond what is delivered and encoded.
+    pub fn working(&self) -> u64 {
+        [
+            self.queries,
+            self.keys,
+            self.f32_maps,
+            self.scratch_and_metadata,
+        ]
+        .into_iter()
+        .fold(0, u64::saturating_add)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.delivered
+            .saturating_add(self.working())
+            .saturating_add(self.encoding)
+    }
+
+    /// The largest part, with what it is in words.
+    pub fn dominant(&self) -> (&'static str, u64) {
+        [
+            ("the maps delivered", self.delivered),
+            (
+                "the query rows buffered while the request runs",
+                self.queries,
+            ),
+            ("the keys copied out of the KV cache to finalize", self.keys),
+            (
+                "the maps in float32 while they are finalized",
+                self.f32_maps,
+            ),
+            ("scratch and token metadata", self.scratch_and_metadata),
+            ("the maps' copy while they are encoded", self.encoding),
+        ]
+        .into_iter()
+        // The first of equal parts: the maps before their copies.
+        .fold(("the maps delivered", 0), |best, part| {
+            if part.1 > best.1 {
+                part
+            } else {
+                best
+            }
+        })
+    }
+}
+
+/// Why a capture was refused as too large: its admission figure in parts, the cap,
+/// and what would fit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TooLarge {
+    pub parts: AdmissionParts,
+    pub limit_bytes: u64,
+    /// The `max_tokens` the figure was computed for.
+    pub max_tokens: usize,
+    /// The largest `max_tokens` whose capture fits, when the rows asked for grow with
+    /// generation and one fits at all.
+    pub fitting_max_tokens: Option<usize>,
+}
+
+impl TooLarge {
+    pub fn estimate_bytes(&self) -> u64 {
+        self.parts.total()
+    }
+}
+
+impl std::fmt::Display for TooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (part, part_bytes) = self.parts.dominant();
+        write!(
+            f,
+            "the attention capture would take about {} ({} bytes: its maps and the query rows, keys and scratch that compute them), over the limit of {} (--max-capture-bytes); most of it is {part} ({})",
+            human_bytes(self.estimate_bytes()),
+            self.estimate_bytes(),
+            human_bytes(self.limit_bytes),
+            human_bytes(part_bytes),
+        )?;
+        match self.fitting_max_tokens {
+            Some(m) => write!(
+                f,
+                ". It fits with max_tokens {m} or fewer (this request's is {}, and rows and keys grow with each generated token); or ask",
+                self.max_tokens
+            )?,
+            None => f.write_str(". Ask")?,
+        }
+        f.write_str(" for fewer layers, heads or rows, a reduction, top-k or float16")
+    }
+}
+
+/// Bytes in binary units, one decimal (`1.5 GiB`, `256.0 MiB`, `900 bytes`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
 
 /// Allowance per position for its [`crate::TokenInfo`] and short text, held in the
@@ -488,6 +692,54 @@ mod tests {
         let e = s.check_size(1000, 0, 1 << 20, g).unwrap_err().to_string();
         let figure = s.admission_bytes(1000, 0, g);
         assert!(e.contains(&figure.to_string()), "{e}");
+    }
+
+    #[test]
+    fn bytes_in_binary_units() {
+        assert_eq!(human_bytes(900), "900 bytes");
+        assert_eq!(human_bytes(20 << 10), "20.0 KiB");
+        assert_eq!(human_bytes(256 << 20), "256.0 MiB");
+        assert_eq!(human_bytes(13_157_767_596), "12.3 GiB");
+    }
+
+    #[test]
+    fn rows_that_can_exist_end_before_the_last_generated_token() {
+        assert_eq!(CaptureSpec::possible_rows(9, 0), 0..9);
+        assert_eq!(CaptureSpec::possible_rows(9, 1), 0..9);
+        assert_eq!(CaptureSpec::possible_rows(9, 5), 0..13);
+        let mut s = CaptureSpec::everything(1, 1);
+        for (rows, max_tokens, ok) in [
+            (RowSelection::Generated, 1, false),
+            (RowSelection::Generated, 2, true),
+            (RowSelection::Range { start: 12, end: 20 }, 5, true),
+            (RowSelection::Range { start: 12, end: 20 }, 4, false),
+            (RowSelection::Prompt, 0, true),
+        ] {
+            s.rows = rows;
+            let result = s.check_rows(9, max_tokens);
+            assert_eq!(result.is_ok(), ok, "{rows:?} {max_tokens}: {result:?}");
+        }
+    }
+
+    #[test]
+    fn too_large_names_the_dominant_part_and_what_fits() {
+        let mut s = CaptureSpec::everything(4, 4);
+        s.rows = RowSelection::Prompt;
+        s.top_k = Some(1);
+        // Top-1 of prompt rows: the buffered queries dominate, whatever max_tokens is.
+        let g = CaptureGeometry {
+            num_kv_heads: 1,
+            head_dim: 256,
+        };
+        let Err(CaptureError::TooLarge(e)) = s.check_size(1000, 8, 1 << 20, g) else {
+            panic!("over the cap");
+        };
+        assert_eq!(
+            e.parts.dominant().0,
+            "the query rows buffered while the request runs"
+        );
+        assert_eq!(e.fitting_max_tokens, None);
+        assert!(e.to_string().contains("limit of 1.0 MiB"), "{e}");
     }
 
     #[test]

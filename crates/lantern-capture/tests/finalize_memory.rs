@@ -100,6 +100,7 @@ fn pending(spec: CaptureSpec) -> PendingCapture {
             })
             .collect(),
         prompt_len,
+        max_len: TOKENS,
         tokens: (0..TOKENS)
             .map(|i| TokenInfo {
                 id: i as u32,

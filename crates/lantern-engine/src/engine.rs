@@ -514,6 +514,7 @@ impl Engine {
                 buffer: *buffer,
                 layers,
                 prompt_len: req.prompt_len(),
+                max_len: req.prompt_len().saturating_add(req.params.max_tokens),
                 tokens,
                 num_computed,
             }),

@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
-    wire, CaptureDtype, CaptureError, CaptureFailure, CaptureGeometry, CaptureSpec, CaptureWorker,
-    HeadReduce, Pacer, PendingCapture, RowSelection,
+    largest_fitting, wire, CaptureDtype, CaptureError, CaptureFailure, CaptureGeometry,
+    CaptureSpec, CaptureWorker, HeadReduce, Pacer, PendingCapture, RowSelection,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
 
+use crate::engine_thread::ItemCapture;
 use crate::error::ApiError;
 use crate::invalid_request::InvalidRequest;
 
@@ -93,25 +94,83 @@ fn field_error(e: CaptureError) -> InvalidRequest {
     }
 }
 
-/// A list of indices from `"all"`, `"0,7,15"`, a list of integers or one integer.
+/// Indices into `count` items (layers or heads), as Python indexes: `"all"`, one
+/// integer, a list of integers, or a string of comma-separated integers and ranges
+/// (`"0,7,15"`, `"0:4"`, `"-4:"`, `"-1"`). Negative numbers count from the end, and a
+/// range `a:b` is `a` up to but not including `b` (either side may be left out).
+/// An index out of range is an error; a range is clipped, as a Python slice is.
 fn parse_indices(
     field: &'static str,
     value: &Value,
-    all: usize,
+    count: usize,
 ) -> Result<Vec<usize>, InvalidRequest> {
     let bad = || {
         InvalidRequest::invalid(
             field,
-            format!("{field} must be \"all\", a comma-separated string like \"0,7,15\" or a list of integers"),
+            format!(
+                "{field} must be \"all\", an integer, a list of integers, or a string like \"0,7,15\", \"0:4\" or \"-1\" (negative counts from the end)"
+            ),
         )
     };
-    let index = |v: &Value| v.as_u64().map(|i| i as usize).ok_or_else(bad);
+    let what = if field == "attn_capture_heads" {
+        "query heads"
+    } else {
+        "layers"
+    };
+    let resolve = |i: i64| -> Result<usize, InvalidRequest> {
+        let resolved = if i < 0 { i + count as i64 } else { i };
+        usize::try_from(resolved)
+            .ok()
+            .filter(|&r| r < count)
+            .ok_or_else(|| {
+                InvalidRequest::invalid(
+                    field,
+                    format!(
+                        "{i} is out of range: the model has {count} {what} (0..{}, or -{count}..-1 from the end)",
+                        count.saturating_sub(1)
+                    ),
+                )
+            })
+    };
+    // A slice bound: negative counts from the end; clipped to 0..=count.
+    let bound = |i: i64| -> usize {
+        let i = if i < 0 { i + count as i64 } else { i };
+        i.clamp(0, count as i64) as usize
+    };
+    let integer = |text: &str| text.trim().parse::<i64>().map_err(|_| bad());
+    let index = |v: &Value| v.as_i64().ok_or_else(bad).and_then(resolve);
     match value {
-        Value::String(s) if s.trim() == "all" => Ok((0..all).collect()),
-        Value::String(s) => s
-            .split(',')
-            .map(|part| part.trim().parse::<usize>().map_err(|_| bad()))
-            .collect(),
+        Value::String(s) if s.trim() == "all" => Ok((0..count).collect()),
+        Value::String(s) => {
+            let mut indices = Vec::new();
+            for part in s.split(',') {
+                match part.split_once(':') {
+                    Some((start, end)) => {
+                        let start = match start.trim() {
+                            "" => 0,
+                            text => bound(integer(text)?),
+                        };
+                        let end = match end.trim() {
+                            "" => count,
+                            text => bound(integer(text)?),
+                        };
+                        if start >= end {
+                            return Err(InvalidRequest::invalid(
+                                field,
+                                format!(
+                                    "{:?} selects no {what}: the model has {count} (0..{})",
+                                    part.trim(),
+                                    count.saturating_sub(1)
+                                ),
+                            ));
+                        }
+                        indices.extend(start..end);
+                    }
+                    None => indices.push(resolve(integer(part)?)?),
+                }
+            }
+            Ok(indices)
+        }
         Value::Array(items) => items.iter().map(index).collect(),
         Value::Number(_) => Ok(vec![index(value)?]),
         _ => Err(bad()),
@@ -132,10 +191,46 @@ fn string_field<'a>(
     }
 }
 
-/// Whether the body asks for capture: `attn_capture` true or 1.
+/// The capture fields a request may send beside `attn_capture`.
+pub const CAPTURE_FIELDS: [&str; 7] = [
+    "attn_capture_layers",
+    "attn_capture_heads",
+    "attn_capture_rows",
+    "attn_capture_reduce",
+    "attn_capture_top_k",
+    "attn_capture_dtype",
+    "attn_capture_delivery",
+];
+
+/// Whether the body asks for capture: `attn_capture` true or 1. Capture fields
+/// without `attn_capture` are refused (they would do nothing); with `attn_capture`
+/// false they are ignored, so a client can switch capture off with one flag.
 fn wants_capture(body: &Value) -> Result<bool, InvalidRequest> {
+    let set = |field: &str| body.get(field).is_some_and(|v| !v.is_null());
+    if let Value::Object(fields) = body {
+        if let Some(unknown) = fields
+            .keys()
+            .find(|k| k.starts_with("attn_capture_") && !CAPTURE_FIELDS.contains(&k.as_str()))
+        {
+            return Err(InvalidRequest::invalid(
+                "attn_capture",
+                format!(
+                    "{unknown} is not a capture field; they are attn_capture, {}",
+                    CAPTURE_FIELDS.join(", ")
+                ),
+            ));
+        }
+    }
     match body.get("attn_capture") {
-        None | Some(Value::Null) => Ok(false),
+        None | Some(Value::Null) => match CAPTURE_FIELDS.into_iter().find(|f| set(f)) {
+            Some(field) => Err(InvalidRequest::invalid(
+                field,
+                format!(
+                    "{field} is set but attn_capture is not: add \"attn_capture\": true to capture"
+                ),
+            )),
+            None => Ok(false),
+        },
         Some(Value::Bool(b)) => Ok(*b),
         Some(Value::Number(n)) if n.as_u64() == Some(0) => Ok(false),
         Some(Value::Number(n)) if n.as_u64() == Some(1) => Ok(true),
@@ -228,26 +323,55 @@ pub fn parse_capture_request(
     Ok(Some(CaptureRequest { spec, delivery }))
 }
 
-/// Refuses a capture whose admission figure (maps plus the memory computing them
-/// holds) is over the server's cap, before any work.
-pub fn check_capture_size(
-    spec: &CaptureSpec,
+/// Refuses, before any work, a capture that cannot be delivered for a prompt of
+/// `prompt_len` tokens and up to `max_tokens` generated ones: rows that can never
+/// exist, an admission figure (maps plus the memory computing them holds) over the
+/// server's cap, or maps larger than the whole capture store for delivery by
+/// reference or file.
+pub fn check_capture(
+    capture: &ItemCapture,
     prompt_len: usize,
     max_tokens: usize,
-    limit: u64,
     geometry: CaptureGeometry,
 ) -> Result<(), InvalidRequest> {
-    spec.check_size(prompt_len, max_tokens, limit, geometry)
+    let spec = &capture.spec;
+    spec.check_rows(prompt_len, max_tokens)
+        .map_err(field_error)?;
+    spec.check_size(prompt_len, max_tokens, capture.max_bytes, geometry)
         .map_err(|e| match e {
-            CaptureError::TooLarge {
-                estimate_bytes,
-                limit_bytes,
-            } => InvalidRequest::CaptureTooLarge {
-                estimate_bytes,
-                limit_bytes,
-            },
+            CaptureError::TooLarge(too_large) => InvalidRequest::CaptureTooLarge(too_large),
             other => field_error(other),
-        })
+        })?;
+    if let Some(store_bytes) = capture.max_stored_bytes {
+        let estimate_bytes = spec.estimate_bytes(prompt_len, max_tokens);
+        if estimate_bytes > store_bytes {
+            return Err(InvalidRequest::CaptureOverStore {
+                estimate_bytes,
+                store_bytes,
+                fitting_max_tokens: largest_fitting(max_tokens, |m| {
+                    spec.estimate_bytes(prompt_len, m) <= store_bytes
+                }),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The most tokens (up to `room`) a capturing request may generate and still pass
+/// [`check_capture`]'s size checks; `None` when not even one token does.
+pub fn max_tokens_within(
+    capture: &ItemCapture,
+    prompt_len: usize,
+    room: usize,
+    geometry: CaptureGeometry,
+) -> Option<usize> {
+    let spec = &capture.spec;
+    largest_fitting(room, |m| {
+        spec.admission_bytes(prompt_len, m, geometry) <= capture.max_bytes
+            && capture
+                .max_stored_bytes
+                .is_none_or(|store| spec.estimate_bytes(prompt_len, m) <= store)
+    })
 }
 
 /// One stored capture.
@@ -259,9 +383,13 @@ struct Stored {
 }
 
 /// Captures delivered by reference, and files written for delivery `"file"`, until
-/// they expire, at most `max_bytes` of them together.
+/// they expire, at most `max_bytes` of them together. A timer task started by
+/// [`CaptureStore::start`] frees each at its expiry; the files still held when the
+/// store is dropped (the server stopping) are deleted then.
 pub struct CaptureStore {
     entries: Mutex<HashMap<String, Stored>>,
+    /// Wakes the expiry timer when something new is stored.
+    stored_new: Arc<tokio::sync::Notify>,
     /// Each file with its expiry and size.
     files: Mutex<Vec<(PathBuf, Instant, u64)>>,
     delivered: AtomicU64,
@@ -310,10 +438,99 @@ fn same_owner(stored: &Option<String>, asking: &Option<String>) -> bool {
     }
 }
 
+/// Whether `name` is one lantern gives a capture file ([`write_private_file`]).
+fn is_capture_file_name(name: &str) -> bool {
+    name.strip_prefix(CAPTURE_FILE_PREFIX)
+        .and_then(|rest| rest.strip_suffix(CAPTURE_FILE_SUFFIX))
+        .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+const CAPTURE_FILE_PREFIX: &str = "lantern-capture-";
+const CAPTURE_FILE_SUFFIX: &str = ".safetensors";
+
+/// Deletes the capture files an earlier server left in `dir` (only names of
+/// lantern's own pattern); returns how many.
+pub fn remove_leftover_files(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_capture_file_name))
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
+/// Frees what expires, at its expiry: sleeps until the next expiry or a new entry,
+/// and ends once the store is gone.
+async fn expire_on_time(store: std::sync::Weak<CaptureStore>) {
+    // Without anything stored, look again now and then to notice the store is gone.
+    const IDLE: Duration = Duration::from_secs(60);
+    loop {
+        let Some(live) = store.upgrade() else { return };
+        live.purge();
+        let wake = live.stored_new.clone();
+        let until = live.next_expiry().unwrap_or_else(|| Instant::now() + IDLE);
+        drop(live);
+        tokio::select! {
+            () = wake.notified() => {}
+            () = tokio::time::sleep_until(until.into()) => {}
+        }
+    }
+}
+
+impl Drop for CaptureStore {
+    /// The server is stopping: its capture files (on a tmpfs, memory) go with it.
+    fn drop(&mut self) {
+        if let Ok(files) = self.files.get_mut() {
+            for (path, _, _) in files.drain(..) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
 impl CaptureStore {
+    /// The server's store: deletes the capture files an earlier server left in the
+    /// capture directory, and, inside a Tokio runtime, starts the timer that frees
+    /// each capture at its expiry.
+    pub fn start(settings: &CaptureSettings) -> Arc<Self> {
+        if let Some(dir) = &settings.dir {
+            let removed = remove_leftover_files(dir);
+            if removed > 0 {
+                tracing::info!(
+                    "removed {removed} capture files an earlier server left in {}",
+                    dir.display()
+                );
+            }
+        }
+        let store = Arc::new(Self::new(settings.max_stored_bytes));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(expire_on_time(Arc::downgrade(&store)));
+        }
+        store
+    }
+
+    /// When the next stored capture or file expires.
+    fn next_expiry(&self) -> Option<Instant> {
+        let entries = self
+            .entries
+            .lock()
+            .ok()
+            .and_then(|e| e.values().map(|s| s.expires).min());
+        let files = self
+            .files
+            .lock()
+            .ok()
+            .and_then(|f| f.iter().map(|(_, expires, _)| *expires).min());
+        entries.into_iter().chain(files).min()
+    }
+
     pub fn new(max_bytes: u64) -> Self {
         Self {
             entries: Mutex::default(),
+            stored_new: Arc::default(),
             files: Mutex::default(),
             delivered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -384,6 +601,7 @@ impl CaptureStore {
         if let Ok(mut entries) = self.entries.lock() {
             entries.insert(id.clone(), stored);
         }
+        self.stored_new.notify_one();
         Ok(id)
     }
 
@@ -446,12 +664,16 @@ impl CaptureStore {
         if let Ok(mut files) = self.files.lock() {
             files.push((path, Instant::now() + ttl, size));
         }
+        self.stored_new.notify_one();
     }
 }
 
 /// Writes `bytes` to a new file with an unguessable name, readable by its owner only.
 fn write_private_file(dir: &std::path::Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
-    let path = dir.join(format!("lantern-capture-{}.safetensors", unguessable()));
+    let path = dir.join(format!(
+        "{CAPTURE_FILE_PREFIX}{}{CAPTURE_FILE_SUFFIX}",
+        unguessable()
+    ));
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
     #[cfg(unix)]
@@ -627,6 +849,68 @@ mod tests {
         assert_eq!(layers(json!("15, 0,7")), vec![0, 7, 15]);
         assert_eq!(layers(json!([3, 1, 3])), vec![1, 3]);
         assert_eq!(layers(json!(4)), vec![4]);
+        // As Python indexes and slices: from the end, and half-open ranges.
+        assert_eq!(layers(json!(-1)), vec![29]);
+        assert_eq!(layers(json!([0, -1])), vec![0, 29]);
+        assert_eq!(layers(json!("-1")), vec![29]);
+        assert_eq!(layers(json!("0:4")), vec![0, 1, 2, 3]);
+        assert_eq!(layers(json!("-2:")), vec![28, 29]);
+        assert_eq!(layers(json!(":2, 10:12, -1")), vec![0, 1, 10, 11, 29]);
+        assert_eq!(layers(json!("28:100")), vec![28, 29]);
+        let heads = parse(json!({"attn_capture": 1, "attn_capture_heads": "-3:"}))
+            .unwrap()
+            .unwrap()
+            .spec
+            .heads;
+        assert_eq!(heads, vec![6, 7, 8]);
+    }
+
+    #[test]
+    fn out_of_range_layers_and_empty_ranges_are_refused() {
+        for (value, says) in [
+            (json!(30), "30 is out of range: the model has 30 layers"),
+            (json!(-31), "-31 is out of range"),
+            (json!("0,-31"), "-31 is out of range"),
+            (json!("4:4"), "\"4:4\" selects no layers"),
+            (json!("30:"), "\"30:\" selects no layers"),
+            (json!("0:x"), "must be \"all\""),
+            (json!(1.5), "must be \"all\""),
+        ] {
+            let e = parse(json!({"attn_capture": true, "attn_capture_layers": value})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("attn_capture_layers"), "{value}");
+            assert!(e.message.contains(says), "{value}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn capture_fields_need_attn_capture() {
+        let e = parse(json!({"attn_capture_layers": [0]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("attn_capture_layers"));
+        assert!(
+            e.message.contains("\"attn_capture\": true"),
+            "{}",
+            e.message
+        );
+        let e = parse(json!({"attn_capture_delivery": "reference"})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("attn_capture_delivery"));
+        // Switched off by the flag, the other fields are ignored.
+        assert!(
+            parse(json!({"attn_capture": false, "attn_capture_layers": [0]}))
+                .unwrap()
+                .is_none()
+        );
+        assert!(parse(json!({"attn_capture_layers": null}))
+            .unwrap()
+            .is_none());
+        // A misspelt field is named, not ignored.
+        let e = parse(json!({"attn_capture": true, "attn_capture_layer": [0]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("attn_capture"));
+        assert!(
+            e.message
+                .contains("attn_capture_layer is not a capture field"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -677,21 +961,144 @@ mod tests {
         }
     }
 
+    fn item(spec: CaptureSpec, max_bytes: u64, max_stored_bytes: Option<u64>) -> ItemCapture {
+        ItemCapture {
+            spec,
+            max_bytes,
+            max_stored_bytes,
+        }
+    }
+
+    const GEOMETRY: CaptureGeometry = CaptureGeometry {
+        num_kv_heads: 3,
+        head_dim: 64,
+    };
+
     #[test]
-    fn size_cap_gives_the_admission_figure() {
+    fn size_cap_gives_the_admission_figure_in_binary_units_and_what_fits() {
         let spec = parse(json!({"attn_capture": true})).unwrap().unwrap().spec;
-        let geometry = CaptureGeometry {
-            num_kv_heads: 3,
-            head_dim: 64,
-        };
-        let e = ApiError::from(check_capture_size(&spec, 100, 100, 1000, geometry).unwrap_err());
-        let figure = spec.admission_bytes(100, 100, geometry);
-        // More than the maps alone (30 layers x 9 heads x 200 rows x 200 keys x 4 bytes).
-        assert!(figure > 30 * 9 * 200 * 200 * 4);
+        let capture = item(spec.clone(), 64 << 20, None);
+        let e = ApiError::from(check_capture(&capture, 100, 4000, GEOMETRY).unwrap_err());
+        let figure = spec.admission_bytes(100, 4000, GEOMETRY);
+        // More than the maps alone (30 layers x 9 heads x 4100 rows x 4100 keys x 4 bytes).
+        assert!(figure > 30 * 9 * 4100 * 4100 * 4);
         assert!(e.message.contains(&figure.to_string()), "{}", e.message);
+        assert!(
+            e.message.contains(&format!("about {}", human(figure))),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.message
+                .contains("limit of 64.0 MiB (--max-capture-bytes)"),
+            "{}",
+            e.message
+        );
+        // Every row of every head: the maps dominate.
+        assert!(
+            e.message.contains("most of it is the maps delivered"),
+            "{}",
+            e.message
+        );
+        let fits = capture_spec_fit(&spec, 100, 4000, 64 << 20);
+        assert!(fits > 0 && fits < 4000);
+        assert!(
+            e.message.contains(&format!(
+                "fits with max_tokens {fits} or fewer (this request's is 4000"
+            )),
+            "{}",
+            e.message
+        );
+        check_capture(&capture, 100, fits, GEOMETRY).unwrap();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.code, Some("capture_too_large"));
         assert_eq!(e.param.as_deref(), Some("attn_capture"));
+        // Prompt rows past the cap: no max_tokens helps, and none is offered.
+        let prompt = parse(json!({"attn_capture": true, "attn_capture_rows": "prompt"}))
+            .unwrap()
+            .unwrap()
+            .spec;
+        let e = ApiError::from(
+            check_capture(&item(prompt, 1 << 20, None), 2000, 10, GEOMETRY).unwrap_err(),
+        );
+        assert!(!e.message.contains("fits with max_tokens"), "{}", e.message);
+        assert!(
+            e.message.contains("fewer layers, heads or rows"),
+            "{}",
+            e.message
+        );
+    }
+
+    fn human(bytes: u64) -> String {
+        lantern_engine::lantern_capture::human_bytes(bytes)
+    }
+
+    fn capture_spec_fit(spec: &CaptureSpec, prompt: usize, room: usize, limit: u64) -> usize {
+        spec.max_tokens_within(prompt, room, limit, GEOMETRY)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_capture_larger_than_the_whole_store_is_refused_before_any_work() {
+        let spec = parse(json!({"attn_capture": true, "attn_capture_delivery": "reference"}))
+            .unwrap()
+            .unwrap()
+            .spec;
+        let maps = spec.estimate_bytes(9, 100);
+        let capture = item(spec.clone(), u64::MAX, Some(maps - 1));
+        let e = ApiError::from(check_capture(&capture, 9, 100, GEOMETRY).unwrap_err());
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("attn_capture_delivery"));
+        assert!(
+            e.message.contains("--max-stored-capture-bytes"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("could never be stored"), "{}", e.message);
+        assert!(
+            e.message.contains("fits with max_tokens 99 or fewer"),
+            "{}",
+            e.message
+        );
+        check_capture(&capture, 9, 99, GEOMETRY).unwrap();
+        // Unasked, max_tokens stops where the store would overflow.
+        assert_eq!(max_tokens_within(&capture, 9, 100, GEOMETRY), Some(99));
+        // Inline delivery stores nothing.
+        check_capture(&item(spec, u64::MAX, None), 9, 100, GEOMETRY).unwrap();
+    }
+
+    #[test]
+    fn rows_that_can_never_exist_are_refused() {
+        let rows = |rows: &str| {
+            let spec = parse(json!({"attn_capture": true, "attn_capture_rows": rows}))
+                .unwrap()
+                .unwrap()
+                .spec;
+            item(spec, u64::MAX, None)
+        };
+        for (selection, prompt, max_tokens) in [
+            ("100:200", 9, 16),
+            ("generated", 9, 0),
+            ("generated", 9, 1),
+            ("9:", 9, 1),
+        ] {
+            let e = ApiError::from(
+                check_capture(&rows(selection), prompt, max_tokens, GEOMETRY).unwrap_err(),
+            );
+            assert_eq!(e.param.as_deref(), Some("attn_capture_rows"), "{selection}");
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        }
+        let e = ApiError::from(check_capture(&rows("100:200"), 9, 16, GEOMETRY).unwrap_err());
+        assert!(e.message.contains("positions 0..24"), "{}", e.message);
+        // Rows that may exist are fine, even where the rest of the range cannot.
+        for (selection, prompt, max_tokens) in [
+            ("generated", 9, 2),
+            ("23:200", 9, 16),
+            ("prompt", 9, 0),
+            ("all", 9, 0),
+        ] {
+            check_capture(&rows(selection), prompt, max_tokens, GEOMETRY).unwrap();
+        }
     }
 
     #[test]
@@ -714,6 +1121,68 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         assert!(store.get(&short, &None).is_err());
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn only_lantern_capture_file_names_are_leftovers() {
+        let dir = tempfile_dir();
+        let id = "0123456789abcdef".repeat(2);
+        let ours = dir.join(format!("lantern-capture-{id}.safetensors"));
+        let others = [
+            dir.join("notes.txt"),
+            dir.join("lantern-capture-short.safetensors"),
+            dir.join(format!("lantern-capture-{id}.npy")),
+            dir.join(format!("my-lantern-capture-{id}.safetensors")),
+        ];
+        for path in others.iter().chain([&ours]) {
+            std::fs::write(path, b"x").unwrap();
+        }
+        assert_eq!(remove_leftover_files(&dir), 1);
+        assert!(!ours.exists());
+        assert!(others.iter().all(|p| p.exists()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("lantern-store-test-{}", unguessable()));
+        std::fs::create_dir(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn files_go_at_their_ttl_by_the_timer_and_with_the_store() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let dir = tempfile_dir();
+        let settings = CaptureSettings {
+            dir: Some(dir.clone()),
+            ..CaptureSettings::default()
+        };
+        runtime.block_on(async {
+            let store = CaptureStore::start(&settings);
+            let short = write_private_file(&dir, b"short").unwrap();
+            store.track_file(short.clone(), Duration::from_millis(50), 5);
+            let long = write_private_file(&dir, b"long").unwrap();
+            store.track_file(long.clone(), Duration::from_secs(600), 4);
+            let id = store
+                .insert(vec![0; 8], None, Duration::from_millis(50))
+                .unwrap();
+            // Nothing touches the store meanwhile: only the timer can free them.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!short.exists(), "the expired file is deleted on time");
+            assert!(long.exists());
+            let entries = store.entries.lock().unwrap();
+            assert!(
+                !entries.contains_key(&id),
+                "the expired capture is freed on time"
+            );
+            drop(entries);
+            drop(store);
+            assert!(!long.exists(), "the store's files go with it");
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

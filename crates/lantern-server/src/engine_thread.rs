@@ -78,7 +78,11 @@ pub struct GenerationItem {
 #[derive(Debug, Clone)]
 pub struct ItemCapture {
     pub spec: CaptureSpec,
+    /// The server's cap on one capture's admission figure.
     pub max_bytes: u64,
+    /// For delivery by reference or file: the capture store's whole size, which the
+    /// maps can never exceed.
+    pub max_stored_bytes: Option<u64>,
 }
 
 /// A request the engine took.
@@ -972,18 +976,12 @@ impl EngineLoop {
                 // Unasked, generation stops where the capture would outgrow the cap.
                 let max_tokens = match item.max_tokens {
                     Some(m) => m,
-                    None => capture
-                        .spec
-                        .max_tokens_within(ids.len(), max_tokens, capture.max_bytes, geometry)
-                        .unwrap_or(max_tokens.min(1)),
+                    None => {
+                        crate::capture::max_tokens_within(capture, ids.len(), max_tokens, geometry)
+                            .unwrap_or(max_tokens.min(1))
+                    }
                 };
-                crate::capture::check_capture_size(
-                    &capture.spec,
-                    ids.len(),
-                    max_tokens,
-                    capture.max_bytes,
-                    geometry,
-                )?;
+                crate::capture::check_capture(capture, ids.len(), max_tokens, geometry)?;
                 max_tokens
             }
             None => max_tokens,

@@ -3,7 +3,7 @@
 //! returns these; the one `From` impl below turns them into OpenAI's error shape.
 
 use crate::error::ApiError;
-use lantern_engine::lantern_capture::CaptureError;
+use lantern_engine::lantern_capture::{human_bytes, TooLarge};
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -38,9 +38,13 @@ pub enum InvalidRequest {
     /// A feature lantern does not offer yet.
     Unsupported { field: &'static str, what: String },
     /// The attention capture asked for would be larger than the server's cap.
-    CaptureTooLarge {
+    CaptureTooLarge(Box<TooLarge>),
+    /// A capture delivered by reference or file could never fit the capture store.
+    CaptureOverStore {
         estimate_bytes: u64,
-        limit_bytes: u64,
+        store_bytes: u64,
+        /// The largest `max_tokens` whose capture would fit, if any.
+        fitting_max_tokens: Option<usize>,
     },
 }
 
@@ -84,7 +88,8 @@ impl InvalidRequest {
             Self::Body(_) => None,
             Self::WrongType { field, .. } => field.as_deref(),
             Self::UnknownModel(_) => Some("model"),
-            Self::CaptureTooLarge { .. } => Some("attn_capture"),
+            Self::CaptureTooLarge(_) => Some("attn_capture"),
+            Self::CaptureOverStore { .. } => Some("attn_capture_delivery"),
             Self::Missing(field)
             | Self::OutOfRange { field, .. }
             | Self::Conflict { field, .. }
@@ -112,14 +117,24 @@ impl fmt::Display for InvalidRequest {
                 got,
             } => write!(f, "{field} must be {allowed}, got {got}"),
             Self::Unsupported { what, .. } => write!(f, "{what} is not supported yet"),
-            Self::CaptureTooLarge {
+            Self::CaptureTooLarge(too_large) => too_large.fmt(f),
+            Self::CaptureOverStore {
                 estimate_bytes,
-                limit_bytes,
-            } => CaptureError::TooLarge {
-                estimate_bytes: *estimate_bytes,
-                limit_bytes: *limit_bytes,
+                store_bytes,
+                fitting_max_tokens,
+            } => {
+                write!(
+                    f,
+                    "the attention capture may take up to {} ({estimate_bytes} bytes) stored, more than this server's whole capture store, {} (--max-stored-capture-bytes), so it could never be stored",
+                    human_bytes(*estimate_bytes),
+                    human_bytes(*store_bytes),
+                )?;
+                match fitting_max_tokens {
+                    Some(m) => write!(f, "; it fits with max_tokens {m} or fewer, or"),
+                    None => f.write_str(";"),
+                }?;
+                f.write_str(" ask for less (fewer layers, heads or rows, a reduction, top-k or float16) or use delivery \"inline\"")
             }
-            .fmt(f),
         }
     }
 }
@@ -132,10 +147,12 @@ impl From<InvalidRequest> for ApiError {
         match &error {
             InvalidRequest::UnknownModel(model) => ApiError::model_not_found(model),
             InvalidRequest::Unsupported { field, what } => ApiError::unsupported(field, what),
-            InvalidRequest::CaptureTooLarge { .. } => ApiError {
-                code: Some("capture_too_large"),
-                ..ApiError::invalid(error.field().map(str::to_string), error.to_string())
-            },
+            InvalidRequest::CaptureTooLarge(_) | InvalidRequest::CaptureOverStore { .. } => {
+                ApiError {
+                    code: Some("capture_too_large"),
+                    ..ApiError::invalid(error.field().map(str::to_string), error.to_string())
+                }
+            }
             _ => ApiError::invalid(error.field().map(str::to_string), error.to_string()),
         }
     }

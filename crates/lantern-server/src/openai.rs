@@ -161,7 +161,8 @@ pub async fn detokenize(
 /// How a response delivers its capture, when its request asked for one.
 struct CaptureDelivery {
     request: CaptureRequest,
-    /// The bearer token of the request: only it can read a stored capture.
+    /// On a server with API keys, the request's key: only it can read a stored
+    /// capture. `None` without keys.
     owner: Option<String>,
     state: AppState,
 }
@@ -210,13 +211,22 @@ fn attach_capture(
         .into());
     }
     capture::check_capacity(&capture, &state.captures, &state.capture_worker)?;
+    let stores = capture.delivery != capture::Delivery::Inline;
     request.items[0].capture = Some(ItemCapture {
         spec: capture.spec.clone(),
         max_bytes: state.capture.max_bytes,
+        max_stored_bytes: stores.then_some(state.capture.max_stored_bytes),
     });
+    // With API keys, a stored capture is its key's; without, its unguessable id is
+    // the capability (as the viewer link is), whatever token a client sent.
+    let owner = if state.api_keys.is_empty() {
+        None
+    } else {
+        crate::bearer_token(headers)
+    };
     Ok(Some(CaptureDelivery {
         request: capture,
-        owner: crate::bearer_token(headers),
+        owner,
         state: state.clone(),
     }))
 }
@@ -915,12 +925,9 @@ impl StreamState {
             let pending_capture = finish.capture.take();
             self.response.finishes[event.index] = Some(finish);
             if self.response.all_finished() {
-                if self.include_usage {
-                    let usage = self.response.usage_chunk();
-                    self.queue.push_back(data(&usage));
-                }
                 if self.capture.is_some() {
-                    // The capture goes in the last chunk, once it is computed.
+                    // The capture goes in a chunk of its own once it is computed, then
+                    // the usage chunk, which OpenAI's clients read as the last.
                     self.capture_due = Some(pending_capture);
                 } else {
                     self.finish_stream();
@@ -929,7 +936,13 @@ impl StreamState {
         }
     }
 
+    /// Ends the stream: the usage chunk when asked for (always the last before
+    /// `[DONE]`, as OpenAI sends it), then `[DONE]`.
     fn finish_stream(&mut self) {
+        if self.include_usage && self.response.all_finished() {
+            let usage = self.response.usage_chunk();
+            self.queue.push_back(data(&usage));
+        }
         self.queue.push_back(Event::default().data("[DONE]"));
         self.done = true;
     }

@@ -26,6 +26,6 @@ from .capture import (  # noqa: F401 (the package's API)
 from .capture import __all__ as _capture_all
 from .convert import HFAttentions
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [*_capture_all, "HFAttentions"]

@@ -17,7 +17,7 @@ use flate2::read::GzDecoder;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use half::f16;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
 use crate::error::CaptureError;
@@ -169,6 +169,12 @@ fn layer_from_json(
 }
 
 /// The capture as a safetensors file; the meta's `dtype` is set to `dtype`.
+///
+/// Written here rather than by `safetensors::serialize`, for two reasons: the file is
+/// the same bytes every time (safetensors writes `__metadata__` from a `HashMap`, whose
+/// order changes from one map to the next), and the tensors are written straight into
+/// the file's one buffer (no copy of each tensor, no second copy of the file), so
+/// encoding holds no more than the capture's admission figure allows.
 pub fn to_safetensors(
     result: &CaptureResult,
     dtype: CaptureDtype,
@@ -176,76 +182,93 @@ pub fn to_safetensors(
     let meta = meta_for(&result.meta, dtype);
     let meta_json = serde_json::to_string(&meta)
         .map_err(|e| malformed(format!("the meta does not serialize: {e}")))?;
-    let st_dtype = match dtype {
-        CaptureDtype::Float32 => Dtype::F32,
-        CaptureDtype::Float16 => Dtype::F16,
+    let values_dtype = match dtype {
+        CaptureDtype::Float32 => "F32",
+        CaptureDtype::Float16 => "F16",
     };
-    // (name, dtype, shape, bytes), then views borrowing the bytes.
-    let mut owned = Vec::new();
+    // 4-byte tensors first (indices, f32 values), then f16 ones, so every tensor starts
+    // aligned to its element size, as safetensors orders them.
+    let mut tensors: Vec<(String, &str, [usize; 3], SafetensorsData)> = Vec::new();
+    for layer in &result.layers {
+        if let Some(indices) = &layer.indices {
+            let name = format!("layer.{}.indices", layer.layer_idx);
+            tensors.push((name, "I32", layer.shape, SafetensorsData::Indices(indices)));
+        }
+    }
     for layer in &result.layers {
         let name = format!("layer.{}", layer.layer_idx);
-        if let Some(indices) = &layer.indices {
-            owned.push((
-                format!("{name}.indices"),
-                Dtype::I32,
-                layer.shape,
-                indices_to_bytes(indices),
-            ));
-        }
-        owned.push((
-            name,
-            st_dtype,
-            layer.shape,
-            values_to_bytes(&layer.values, dtype),
-        ));
+        let data = SafetensorsData::Values(&layer.values, dtype);
+        tensors.push((name, values_dtype, layer.shape, data));
     }
-    let views = owned
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.to_vec(), bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|e| malformed(format!("{name}: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| malformed(e.to_string()))?;
-    with_metadata(bytes, &[("format", CAPTURE_FORMAT), (META_KEY, &meta_json)])
+    tensors.sort_by_key(|(_, dtype, _, _)| *dtype == "F16");
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        json!({"format": CAPTURE_FORMAT, META_KEY: meta_json}),
+    );
+    let mut offset = 0usize;
+    for (name, tensor_dtype, shape, data) in &tensors {
+        let elements: usize = shape.iter().product();
+        if elements != data.len() {
+            return Err(malformed(format!(
+                "{name}: shape {shape:?} holds {elements} values, the map has {}",
+                data.len()
+            )));
+        }
+        let size = if *tensor_dtype == "F16" { 2 } else { 4 };
+        let end = offset + elements * size;
+        header.insert(
+            name.clone(),
+            json!({"dtype": tensor_dtype, "shape": shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    // serde_json keeps insertion order (`preserve_order`) or sorts keys: either way one
+    // capture always gives the same header.
+    let mut header = Value::Object(header).to_string();
+    // Padded with spaces to a multiple of 8, as safetensors pads, so the data is aligned.
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = Vec::with_capacity(8 + header.len() + offset);
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for (_, _, _, data) in &tensors {
+        data.write_to(&mut out);
+    }
+    debug_assert_eq!(out.len(), 8 + header.len() + offset);
+    Ok(out)
 }
 
-/// `bytes` (a safetensors file without `__metadata__`) with `entries` as its
-/// `__metadata__`, in their order. safetensors itself writes the metadata from a
-/// `HashMap`, whose order changes from one map to the next; written here, one capture
-/// is always the same file.
-fn with_metadata(bytes: Vec<u8>, entries: &[(&str, &str)]) -> Result<Vec<u8>, CaptureError> {
-    let header_len = bytes
-        .get(..8)
-        .map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")) as usize)
-        .filter(|&n| n >= 2 && bytes.len() >= 8 + n)
-        .ok_or_else(|| malformed("safetensors wrote no header"))?;
-    let header = std::str::from_utf8(&bytes[8..8 + header_len])
-        .map_err(|e| malformed(format!("safetensors header: {e}")))?
-        .trim_end();
-    let tensors = header
-        .strip_prefix('{')
-        .and_then(|h| h.strip_suffix('}'))
-        .ok_or_else(|| malformed("safetensors header is not a JSON object"))?;
-    let quote = |s: &str| Value::String(s.to_string()).to_string();
-    let metadata = entries
-        .iter()
-        .map(|(k, v)| format!("{}:{}", quote(k), quote(v)))
-        .collect::<Vec<_>>()
-        .join(",");
-    let separator = if tensors.is_empty() { "" } else { "," };
-    let mut new_header = format!("{{\"__metadata__\":{{{metadata}}}{separator}{tensors}}}");
-    // Padded with spaces to a multiple of 8, as safetensors pads, so the data stays aligned.
-    while new_header.len() % 8 != 0 {
-        new_header.push(' ');
+/// A tensor's elements, written little-endian in their wire type.
+enum SafetensorsData<'a> {
+    Values(&'a [f32], CaptureDtype),
+    Indices(&'a [u32]),
+}
+
+impl SafetensorsData<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Values(v, _) => v.len(),
+            Self::Indices(i) => i.len(),
+        }
     }
-    let data = &bytes[8 + header_len..];
-    let mut out = Vec::with_capacity(8 + new_header.len() + data.len());
-    out.extend_from_slice(&(new_header.len() as u64).to_le_bytes());
-    out.extend_from_slice(new_header.as_bytes());
-    out.extend_from_slice(data);
-    Ok(out)
+
+    fn write_to(&self, out: &mut Vec<u8>) {
+        match *self {
+            Self::Values(values, CaptureDtype::Float32) => {
+                out.extend(values.iter().flat_map(|v| v.to_le_bytes()))
+            }
+            Self::Values(values, CaptureDtype::Float16) => {
+                out.extend(values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()))
+            }
+            Self::Indices(indices) => out.extend(
+                indices
+                    .iter()
+                    .flat_map(|&i| i32::try_from(i).unwrap_or(i32::MAX).to_le_bytes()),
+            ),
+        }
+    }
 }
 
 /// Reads a safetensors capture file.
@@ -733,6 +756,7 @@ mod tests {
         assert!(error(b"{\"a\": 1}").contains("not a safetensors"));
 
         // Well-formed safetensors that are not captures, or inconsistent ones.
+        use safetensors::tensor::TensorView;
         let write = |tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)>, meta: Option<String>| {
             let views: Vec<_> = tensors
                 .iter()

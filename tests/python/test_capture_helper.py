@@ -283,15 +283,20 @@ def test_openai_style_objects_and_streams():
     meta, maps, indices, _ = make_capture(dtype="float16", top_k=2, seed=4)
     resp = inline_response(meta, maps, indices)
     check_capture(lantern_attn.from_response(_Pydantic(resp)), meta, maps, indices)
-    # A stream: only the last chunk before [DONE] carries the capture.
+    # A stream: a chunk of its own after the last token's carries the capture, and with
+    # include_usage the usage chunk comes after it.
     chunks = [{"choices": [{"index": 0, "text": t}]} for t in (" a", " b")]
     last = {k: v for k, v in resp.items() if k != "choices"}
     last["choices"] = []
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
     check_capture(lantern_attn.from_response(last), meta, maps, indices)
     check_capture(lantern_attn.from_response(chunks + [last]), meta, maps, indices)
+    check_capture(lantern_attn.from_response(chunks + [last, usage]), meta, maps, indices)
     check_capture(lantern_attn.from_response([_Pydantic(c) for c in chunks + [last]]), meta, maps, indices)
     with pytest.raises(ValueError, match="streamed chunks"):
         lantern_attn.from_response(chunks)
+    with pytest.raises(ValueError, match="pass the list of chunks"):
+        lantern_attn.from_response(usage)
 
 
 def test_real_openai_response_object():

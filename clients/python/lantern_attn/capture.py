@@ -514,7 +514,7 @@ def _as_dict(resp: Any) -> Dict[str, Any]:
         except ValueError as e:
             raise CaptureError(f"not a JSON response: {e}") from None
         if not isinstance(value, dict):
-            raise CaptureError("expected a JSON object (a response or its last streamed chunk)")
+            raise CaptureError("expected a JSON object (a response or its streamed capture chunk)")
         return value
     for method in ("model_dump", "to_dict", "dict"):
         fn = getattr(resp, method, None)
@@ -538,8 +538,10 @@ _RESPONSE_FIELDS = (
 def from_response(resp: Any, client: Any = None) -> Capture:
     """The capture of a completions / chat.completions response.
 
-    `resp`: the parsed JSON (dict) of a response or of the last streamed chunk, its JSON
-    text, an `openai` client response object, or the list of a stream's chunks. Inline
+    `resp`: the parsed JSON (dict) of a response or of the streamed chunk that carries
+    the capture, its JSON text, an `openai` client response object, or the list of a
+    stream's chunks (the capture is on a chunk of its own after the last token's; with
+    ``include_usage`` the usage chunk follows it). Inline
     data is decoded; a response that carries `attn_capture_path` (delivery "file") is
     read from that file (on this machine). A reference (`attn_capture_id`) is
     downloaded with `client`, the `openai.OpenAI` client that made the request (its
@@ -573,7 +575,7 @@ def from_response(resp: Any, client: Any = None) -> Capture:
     raise CaptureError(
         "no attention capture in this response (no attn_capture_data, attn_capture_path or "
         "attn_capture_id): did the request set attn_capture to true? In a stream the capture "
-        "is on the last chunk before [DONE]"
+        "is on a chunk of its own after the last token's: pass the list of chunks"
     )
 
 

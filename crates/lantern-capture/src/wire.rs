@@ -1,4 +1,4 @@
-//! Wire formats of a finished capture (docs/capture-format-draft.md), both ways:
+//! Wire formats of a finished capture (docs/capture-format.md), both ways:
 //!
 //! - JSON: `{"attn_capture_data": [one object per layer], "attn_capture_meta": meta}`,
 //!   each layer's values little-endian in the delivered dtype, gzip-compressed, then

@@ -2,7 +2,7 @@
 //!
 //! A capture is a safetensors file (delivery "reference" or "file") or a JSON file
 //! holding a response, or just an object, with `attn_capture_data` and
-//! `attn_capture_meta` (delivery "inline"); see docs/capture-format-draft.md.
+//! `attn_capture_meta` (delivery "inline"); see docs/capture-format.md.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};

@@ -36,9 +36,6 @@ pub struct EngineArgs {
     /// Turn prefix caching off.
     #[arg(long)]
     pub no_prefix_caching: bool,
-    /// Most requests waiting to run (`serve` answers more with 429 and Retry-After).
-    #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS)]
-    pub max_waiting_requests: usize,
     /// Dequantize weights to f32 at load: matrix products take activations unquantized,
     /// as transformers computes on dequantized weights (slower, more memory).
     #[arg(long)]
@@ -51,7 +48,7 @@ pub struct EngineArgs {
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
     /// Most tokens a request may hold, prompt and generated together (default: the
-    /// model's context). Requests over it are refused with a 400, as vLLM does.
+    /// model's context); `serve` refuses a request over it with a 400, as vLLM does.
     #[arg(long, value_name = "TOKENS")]
     pub max_model_len: Option<usize>,
     /// Threads of the compute pool (matrix products, attention). Default: one per core.
@@ -77,7 +74,8 @@ impl EngineArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             enable_prefix_caching: !self.no_prefix_caching,
-            max_waiting_requests: self.max_waiting_requests,
+            // Only `serve` limits the waiting queue (its own flag); the others queue all.
+            max_waiting_requests: lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS,
             max_model_len: self.max_model_len,
         }
     }
@@ -97,6 +95,11 @@ impl EngineArgs {
 
     /// Loads the model (with a progress bar on a terminal) and starts an engine.
     pub fn build_engine(&self, verbose: bool) -> Result<Engine> {
+        self.build_engine_with(verbose, self.engine_config())
+    }
+
+    /// [`Self::build_engine`] with a configuration the command adjusted.
+    pub fn build_engine_with(&self, verbose: bool, config: EngineConfig) -> Result<Engine> {
         self.init_threads()?;
         let path = self.model_path()?;
         let level = lantern_quant::active_kernel();
@@ -132,7 +135,7 @@ impl EngineArgs {
             .with_context(|| format!("chat template {}", file.display()))?;
             loaded.chat_template = Some(template);
         }
-        let engine = Engine::new(loaded, self.engine_config())?;
+        let engine = Engine::new(loaded, config)?;
         if verbose {
             let info = engine.model_info();
             eprintln!(

@@ -23,16 +23,21 @@ pub struct GenerateArgs {
     /// `{"chat": ...}` (JSON allows newlines inside a prompt).
     #[arg(long)]
     pub file: Option<PathBuf>,
+    /// Most tokens generated per prompt.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling: sample from the smallest set of tokens whose probabilities add
+    /// up to this (1 keeps every token).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
     /// 0 keeps every token.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of the sampler's random numbers, for repeatable sampling at a temperature
+    /// above 0 (default: fresh randomness for each prompt).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Generate exactly --max-tokens, past end-of-sequence.

@@ -61,11 +61,36 @@ fn type_name(dtype: impl std::fmt::Debug) -> String {
     }
 }
 
-/// `Q4_1: avx512 (210 matrices), Q8_0: avx512 (1 matrices)`.
+/// `Q4_1: avx512 (210 matrices), Q8_0: avx512 (1 matrix)`.
 pub fn summary(kernels: &[WeightKernels]) -> String {
     kernels
         .iter()
-        .map(|k| format!("{}: {} ({} matrices)", k.dtype, k.kernel, k.matrices))
+        .map(|k| {
+            let noun = if k.matrices == 1 {
+                "matrix"
+            } else {
+                "matrices"
+            };
+            format!("{}: {} ({} {noun})", k.dtype, k.kernel, k.matrices)
+        })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_says_one_matrix_and_several_matrices() {
+        let kernels = [("Q4_1", 210), ("Q8_0", 1)].map(|(dtype, matrices)| WeightKernels {
+            dtype: dtype.to_string(),
+            matrices,
+            kernel: "avx512",
+        });
+        assert_eq!(
+            summary(&kernels),
+            "Q4_1: avx512 (210 matrices), Q8_0: avx512 (1 matrix)"
+        );
+    }
 }

@@ -87,3 +87,44 @@ fn init_logging(verbose: bool) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subcommand(name: &str) -> clap::Command {
+        Cli::command()
+            .find_subcommand(name)
+            .unwrap_or_else(|| panic!("no subcommand {name}"))
+            .clone()
+    }
+
+    fn has_arg(command: &clap::Command, id: &str) -> bool {
+        command.get_arguments().any(|a| a.get_id() == id)
+    }
+
+    #[test]
+    fn max_waiting_requests_is_a_serve_option_only() {
+        assert!(has_arg(&subcommand("serve"), "max_waiting_requests"));
+        for name in ["generate", "bench"] {
+            assert!(
+                !has_arg(&subcommand(name), "max_waiting_requests"),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_option_says_what_it_does() {
+        for name in ["generate", "serve", "bench", "attn"] {
+            let command = subcommand(name);
+            for arg in command.get_arguments().filter(|a| !a.is_hide_set()) {
+                assert!(
+                    arg.get_help().is_some(),
+                    "lantern {name} --{} has no description",
+                    arg.get_id()
+                );
+            }
+        }
+    }
+}

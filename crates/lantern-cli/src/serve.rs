@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// The model name clients send (default: the model's own name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Most requests waiting to run; a request that would take more sequences than that
+    /// into the waiting queue is answered 429 with Retry-After.
+    #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS)]
+    pub max_waiting_requests: usize,
     /// Let requests ask for their attention maps (`attn_capture`); off by default.
     #[arg(long)]
     pub enable_attention_capture: bool,
@@ -216,11 +220,13 @@ async fn serve_while_loading(
         },
     ));
     let engine_args = args.engine.clone();
+    let mut engine_config = engine_args.engine_config();
+    engine_config.max_waiting_requests = args.max_waiting_requests;
     let engine_faults = args.inject_fault.clone().unwrap_or_default();
     let load = tokio::task::spawn_blocking(move || {
         EngineHandle::start_logging(
             move || {
-                let mut engine = engine_args.build_engine(verbose)?;
+                let mut engine = engine_args.build_engine_with(verbose, engine_config)?;
                 engine.set_fault_plan(engine_faults);
                 Ok::<_, anyhow::Error>(engine)
             },

@@ -227,6 +227,14 @@ async fn serve_while_loading(
         EngineHandle::start_logging(
             move || {
                 let mut engine = engine_args.build_engine_with(verbose, engine_config)?;
+                if engine.shared_chat_template().is_none() {
+                    // Said once at start, so that an operator need not wait for a 400.
+                    tracing::warn!(
+                        "the model has no chat template: /v1/chat/completions will answer 400 \
+                         until the server is started with --chat-template FILE; \
+                         /v1/completions works"
+                    );
+                }
                 engine.set_fault_plan(engine_faults);
                 Ok::<_, anyhow::Error>(engine)
             },

@@ -23,7 +23,7 @@ pub enum RequestError {
         blocks: usize,
         block_size: usize,
     },
-    #[error("this model has no chat template")]
+    #[error("{}", lantern_model::prompt::NO_CHAT_TEMPLATE)]
     NoChatTemplate,
 }
 

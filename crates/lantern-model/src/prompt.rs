@@ -5,11 +5,14 @@ use crate::chat::{tool_strings, ChatMessage, ChatRenderOptions, ChatTemplate, Te
 use crate::error::ModelError;
 use crate::tokenizer::ModelTokenizer;
 
+/// What a chat request to a model without a chat template is told: how to give one.
+pub const NO_CHAT_TEMPLATE: &str = "this model has no chat template: give one with --chat-template FILE (a Jinja template), or send a raw prompt (/v1/completions, `lantern generate --prompt`)";
+
 /// Why a conversation could not become a prompt; every case is about the request's
 /// `messages`.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatPromptError {
-    #[error("this model has no chat template")]
+    #[error("{}", NO_CHAT_TEMPLATE)]
     NoTemplate,
     #[error(transparent)]
     Template(#[from] TemplateError),

@@ -7,6 +7,10 @@ use lantern_kv::KvDtype;
 use lantern_model::GgmlDType;
 use std::path::PathBuf;
 
+/// The largest capture one request (or `generate` prompt) may ask for, as
+/// `lantern_server::capture::DEFAULT_MAX_CAPTURE_BYTES` says.
+pub const DEFAULT_MAX_CAPTURE_BYTES: &str = "256M";
+
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
     /// GGUF model file, or a Hugging Face model directory (config.json, model.safetensors

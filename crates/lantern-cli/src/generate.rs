@@ -1,6 +1,7 @@
 //! `lantern generate`: prompts in, text out, all prompts in one batch.
 
 use crate::args::EngineArgs;
+use crate::generate_capture::CaptureArgs;
 use anyhow::{bail, Context, Result};
 use clap::{ArgMatches, Args};
 use lantern_engine::{Completion, Engine, SamplingParams};
@@ -46,6 +47,8 @@ pub struct GenerateArgs {
     /// One JSON object per prompt, one per line, in input order.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub capture: CaptureArgs,
 }
 
 /// One input prompt, as given.
@@ -59,7 +62,9 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
     if inputs.is_empty() {
         bail!("nothing to generate: give --prompt, --chat or --file");
     }
+    args.capture.check_path()?;
     let mut engine = args.engine.build_engine(verbose)?;
+    let capture = args.capture.spec(&engine)?;
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -73,14 +78,24 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
         ..SamplingParams::default()
     };
     let mut ids = Vec::with_capacity(inputs.len());
-    for input in &inputs {
+    for (i, input) in inputs.iter().enumerate() {
         let prompt = match input {
             PromptInput::Raw(text) => engine.tokenizer().encode(text, true)?,
             PromptInput::Chat(text) => {
                 engine.tokenize_chat(&[ChatMessage::new("user", text)], true)?
             }
         };
-        ids.push(engine.add_request(prompt, params.clone())?);
+        if let Some(spec) = &capture {
+            // The most the engine may generate: up to the context's end.
+            let room = engine
+                .model_info()
+                .context_length
+                .saturating_sub(prompt.len());
+            args.capture
+                .check(spec, &engine, prompt.len(), args.max_tokens.min(room))
+                .with_context(|| format!("prompt {}", i + 1))?;
+        }
+        ids.push(engine.add_request_with_capture(prompt, params.clone(), capture.clone())?);
     }
     // A single prompt in text mode streams as it is produced; otherwise results are
     // printed in input order once done.
@@ -110,6 +125,9 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
         } else {
             writeln!(stdout, "=== prompt {} ===\n{}\n", i + 1, c.text)?;
         }
+    }
+    if let Some(spec) = &capture {
+        args.capture.write_all(spec, &completions)?;
     }
     if verbose {
         for c in &completions {

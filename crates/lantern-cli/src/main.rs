@@ -5,6 +5,7 @@ mod attn;
 mod bench;
 mod bench_capture;
 mod generate;
+mod generate_capture;
 mod kernels;
 mod serve;
 

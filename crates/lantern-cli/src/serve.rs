@@ -39,7 +39,7 @@ pub struct ServeArgs {
     pub attention_capture_layers: LayerList,
     /// Largest capture one request may ask for, in bytes (`256M`, `1G`); larger
     /// requests are refused with the estimate before any work.
-    #[arg(long, default_value = "256M", value_parser = crate::args::parse_bytes)]
+    #[arg(long, default_value = crate::args::DEFAULT_MAX_CAPTURE_BYTES, value_parser = crate::args::parse_bytes)]
     pub max_capture_bytes: usize,
     /// Seconds a capture delivered by reference or file is kept.
     #[arg(long, default_value_t = 600)]

@@ -1,0 +1,28 @@
+"""lantern in Python: the engine in this process, vLLM's offline API, and each
+request's exact attention maps as numpy arrays.
+
+    import lantern
+    llm = lantern.LLM()
+    out = llm.generate("Hello", capture={"layers": [0], "rows": "prompt"})[0]
+    print(out.outputs[0].text, out.attention.maps[0].shape)
+"""
+
+from ._lantern import EngineError, InvalidRequestError, __version__
+from .attention import Attention
+from .llm import LLM
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams, StructuredOutputsParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "Attention",
+    "InvalidRequestError",
+    "EngineError",
+    "__version__",
+]

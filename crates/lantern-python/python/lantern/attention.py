@@ -1,0 +1,33 @@
+"""A finished capture as numpy arrays: ``lantern_attn.Capture`` (``dense()``,
+``to_hf()``, ``to_html()``, ...) made from the engine's own buffers rather than a
+wire format."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+from lantern_attn import Capture
+
+
+class Attention(Capture):
+    """The attention maps one request captured.
+
+    Attributes:
+        meta: the same dict as the server's ``attn_capture_meta`` for that request.
+        maps: ``{layer: np.ndarray [rows, heads, keys]}`` (float32, or float16 as
+            asked), in ``meta["layers"]`` order; the same values as the server's.
+        indices: ``{layer: np.ndarray int32}`` of key positions, with top-k only.
+    """
+
+    def __init__(self, meta: Dict[str, Any], maps: List[np.ndarray], indices: Optional[List[np.ndarray]]):
+        layers = list(meta["layers"])
+        super().__init__(
+            meta,
+            dict(zip(layers, maps)),
+            dict(zip(layers, indices)) if indices is not None else {},
+        )
+
+    @property
+    def maps(self) -> Dict[int, np.ndarray]:
+        return self.layers

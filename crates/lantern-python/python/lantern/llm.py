@@ -1,0 +1,393 @@
+"""``LLM``: lantern's engine in this process, with vLLM's offline API."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+from . import _lantern
+from .attention import Attention
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = Union[str, List[int], Dict[str, Any]]
+Capture = Union[bool, Dict[str, Any], None]
+# Seconds each wait for events lasts: how soon Ctrl-C is seen.
+_POLL_S = 0.1
+_request_ids = itertools.count()
+
+
+def _capture_json(capture: Capture) -> Optional[str]:
+    """``capture=``: ``True`` for the defaults, or a dict of the HTTP capture fields
+    without their ``attn_capture_`` prefix."""
+    if capture is None or capture is False:
+        return None
+    if capture is True:
+        return "{}"
+    if isinstance(capture, dict):
+        return json.dumps(capture)
+    raise _lantern.InvalidRequestError(
+        f"capture must be True or a dict like {{\"layers\": [0, 7]}}, got {type(capture).__name__}"
+    )
+
+
+def _prompt_field(prompt: Prompt) -> Union[str, List[int]]:
+    """A prompt as the completions endpoint takes it: text or token ids (vLLM's
+    ``{"prompt": ...}`` and ``{"prompt_token_ids": ...}`` dicts too)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise _lantern.InvalidRequestError('a prompt dict needs "prompt" or "prompt_token_ids"')
+    return prompt
+
+
+def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int) -> List[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise _lantern.InvalidRequestError(
+            f"sampling_params has {len(params)} entries for {count} prompts; give one, or one per prompt"
+        )
+    return params
+
+
+def _logprob_dict(entry: Dict[str, Any]) -> Dict[int, Logprob]:
+    """vLLM's per-token logprobs: the token itself and its top alternatives."""
+    out: Dict[int, Logprob] = {}
+    for rank, (token_id, text, lp) in enumerate(entry["top"], start=1):
+        out[token_id] = Logprob(lp, rank, text)
+    if entry["token_id"] not in out:
+        out[entry["token_id"]] = Logprob(entry["logprob"], entry.get("rank"), entry["token"])
+    # The chosen token first, as vLLM orders it.
+    chosen = out.pop(entry["token_id"])
+    return {entry["token_id"]: chosen, **out}
+
+
+class _Sequence:
+    def __init__(self, index: int, logprobs: bool):
+        self.index = index
+        self.text = ""
+        self.delta = ""
+        self.token_ids: List[int] = []
+        self.logprobs: Optional[List[Dict[int, Logprob]]] = [] if logprobs else None
+        self.cumulative_logprob: Optional[float] = 0.0 if logprobs else None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Union[int, str, None] = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class _Request:
+    """One prompt's output as its events arrive."""
+
+    def __init__(self, prompt: Optional[str], prompt_token_ids: List[int], params: SamplingParams, arrival: float):
+        self.request_id = str(next(_request_ids))
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sequences = [_Sequence(i, params.logprobs is not None) for i in range(params.n)]
+        self.prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.num_cached_tokens: Optional[int] = None
+        self.attention: Optional[Attention] = None
+        self.attention_error: Optional[str] = None
+        self.error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def add(self, event: Dict[str, Any]) -> None:
+        seq = self.sequences[event["index"]]
+        seq.text += event["text"]
+        seq.delta += event["text"]
+        seq.token_ids.extend(event["token_ids"])
+        if event["token_ids"]:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = event["time"]
+            self.metrics.last_token_time = event["time"]
+        if seq.logprobs is not None and event["logprobs"]:
+            for entry in event["logprobs"]:
+                seq.logprobs.append(_logprob_dict(entry))
+                seq.cumulative_logprob += entry["logprob"]
+        if event["prompt_logprobs"] is not None:
+            self.prompt_logprobs = [
+                None if e["logprob"] is None else {
+                    e["token_id"]: Logprob(e["logprob"], e["rank"], e["token"]),
+                    **{t: Logprob(lp, r, text) for r, (t, text, lp) in enumerate(e["top"], start=1) if t != e["token_id"]},
+                }
+                for e in event["prompt_logprobs"]
+            ]
+        end = event["finished"]
+        if end is None:
+            return
+        seq.finish_reason = end["reason"]
+        seq.stop_reason = end["stop_reason"]
+        self.num_cached_tokens = end["cached_tokens"]
+        if end["error"]:
+            self.error = end["error"]
+        capture = end["capture"]
+        if capture is not None and "error" in capture:
+            self.attention_error = capture["error"]
+        elif capture is not None:
+            self.attention = Attention(json.loads(capture["meta"]), capture["maps"], capture["indices"])
+        if self.finished:
+            self.metrics.finished_time = event["time"]
+
+    def output(self) -> RequestOutput:
+        deltas = [s.delta for s in self.sequences]
+        for s in self.sequences:
+            s.delta = ""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[s.output() for s in self.sequences],
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            attention=self.attention,
+            attention_error=self.attention_error,
+            deltas=deltas,
+        )
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar over prompts when tqdm is installed and there is more than one."""
+    if not enabled or total < 2:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+
+
+class LLM:
+    """lantern's engine in this process.
+
+    ``model``: a GGUF file or a Hugging Face directory; ``None`` is the default model
+    (SmolLM2-135M-Instruct, fetched into lantern's cache directory when missing).
+    Engine options are the CLI's, as keywords: ``kv_cache_memory`` (bytes, or
+    ``"512M"``, ``"1G"``), ``kv_cache_dtype`` (``"f16"``, ``"bf16"``, ``"f32"``),
+    ``block_size``, ``attention_backend``, ``max_num_batched_tokens``,
+    ``max_num_seqs``, ``enable_prefix_caching``, ``f32_weights``, ``quantize``,
+    ``chat_template`` (a file), ``max_model_len``, ``threads``,
+    ``enable_attention_capture`` (default on) and ``max_capture_bytes``.
+    """
+
+    def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):
+        self._engine = _lantern.Engine(None if model is None else os.fspath(model), **engine_options)
+        self._info = self._engine.info()
+
+    # -- generation
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        capture: Capture = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> List[RequestOutput]:
+        """Generates for one prompt or several (text, token ids, or vLLM's prompt
+        dicts), all in one continuous batch; results in input order. ``capture``
+        (``True``, or a dict like ``{"layers": [0, 7], "rows": "prompt"}``) captures
+        each prompt's attention into its output's ``attention``."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        bodies = [dict(p._fields("completion"), prompt=_prompt_field(x)) for x, p in zip(prompts, params)]
+        texts = [x if isinstance(x, str) else x.get("prompt") if isinstance(x, dict) else None for x in prompts]
+        return self._run("completion", bodies, params, texts, capture, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[List[Dict[str, Any]], Sequence[List[Dict[str, Any]]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        capture: Capture = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        tools: Optional[List[Dict[str, Any]]] = None,
+    ) -> List[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}``
+        messages) or several, through the model's chat template."""
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        params = _per_prompt(sampling_params, len(conversations))
+        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        bodies = [dict(p._fields("chat"), messages=list(c), **options) for c, p in zip(conversations, params)]
+        return self._run("chat", bodies, params, [None] * len(bodies), capture, use_tqdm)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: Optional[SamplingParams] = None,
+        capture: Capture = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields the prompt's ``RequestOutput`` as it grows (``deltas`` holds each
+        sequence's new text); the last has ``finished`` set and the capture. Leaving
+        the loop early aborts the request."""
+        params = sampling_params or SamplingParams()
+        body = dict(params._fields("completion"), prompt=_prompt_field(prompt))
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        return self._stream("completion", body, params, text, capture)
+
+    def stream_chat(
+        self,
+        messages: List[Dict[str, Any]],
+        sampling_params: Optional[SamplingParams] = None,
+        capture: Capture = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        tools: Optional[List[Dict[str, Any]]] = None,
+    ) -> Iterator[RequestOutput]:
+        """``stream`` for one conversation."""
+        params = sampling_params or SamplingParams()
+        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        body = dict(params._fields("chat"), messages=list(messages), **options)
+        return self._stream("chat", body, params, None, capture)
+
+    # -- the engine
+
+    @property
+    def model_info(self) -> Dict[str, Any]:
+        """The model: name, context length, vocabulary, layers, heads, block size."""
+        return dict(self._info)
+
+    def stats(self) -> Dict[str, Any]:
+        """Requests running and waiting, and the KV cache's blocks, between two steps."""
+        return self._engine.stats()
+
+    @property
+    def kv_cache_free_blocks(self) -> int:
+        return self._engine.stats()["kv_cache_free_blocks"]
+
+    @property
+    def kv_cache_total_blocks(self) -> int:
+        return self._engine.stats()["kv_cache_total_blocks"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of ``text``, as a prompt is tokenized."""
+        return self._engine.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._engine.decode(list(token_ids), skip_special_tokens)
+
+    def close(self) -> None:
+        """Stops the engine (``with LLM() as llm:`` does it at the end)."""
+        self._engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals
+
+    def _submit(self, batch, kind: str, body: Dict[str, Any], params: SamplingParams, text, capture_json):
+        arrival = time.time()
+        ids = batch.submit(kind, json.dumps(body), capture_json)
+        if kind == "chat":
+            text = self._engine.decode(ids)
+        return _Request(text, ids, params, arrival)
+
+    def _run(self, kind, bodies, params, texts, capture, use_tqdm) -> List[RequestOutput]:
+        capture_json = _capture_json(capture)
+        batch = self._engine.batch()
+        requests: List[_Request] = []
+        bar = None
+        try:
+            for body, p, text in zip(bodies, params, texts):
+                requests.append(self._submit(batch, kind, body, p, text, capture_json))
+            bar = _progress(len(requests), use_tqdm)
+            while True:
+                events = batch.poll(_POLL_S)
+                if events is None:
+                    break
+                for event in events:
+                    request = requests[event["prompt"]]
+                    request.add(event)
+                    if bar is not None and request.finished and event["finished"] is not None:
+                        bar.update(1)
+        except BaseException:
+            # Ctrl-C, or a prompt refused after others were taken: nothing keeps running.
+            batch.abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        _raise_engine_errors(requests)
+        return [r.output() for r in requests]
+
+    def _stream(self, kind, body, params, text, capture) -> Iterator[RequestOutput]:
+        capture_json = _capture_json(capture)
+        batch = self._engine.batch()
+        # Submitted now, so that a bad parameter raises here rather than at the first next().
+        request = self._submit(batch, kind, body, params, text, capture_json)
+        return _stream_events(batch, request)
+
+
+def _stream_events(batch, request: _Request) -> Iterator[RequestOutput]:
+    try:
+        while True:
+            events = batch.poll(_POLL_S)
+            if events is None:
+                break
+            if not events:
+                continue
+            for event in events:
+                request.add(event)
+            _raise_engine_errors([request])
+            yield request.output()
+    finally:
+        if not request.finished:
+            batch.abort()
+
+
+def _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools) -> Dict[str, Any]:
+    options: Dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    if chat_template_kwargs is not None:
+        options["chat_template_kwargs"] = chat_template_kwargs
+    if tools is not None:
+        options["tools"] = tools
+    return options
+
+
+def _raise_engine_errors(requests: List[_Request]) -> None:
+    for r in requests:
+        if r.error:
+            raise _lantern.EngineError(r.error)

@@ -1,0 +1,66 @@
+"""Outputs shaped like vLLM's: ``RequestOutput`` with its ``CompletionOutput``s,
+``Logprob`` and ``RequestMetrics``, plus ``attention`` when a capture was asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from .attention import Attention
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability, its rank (1 is the most likely; ``None`` when the
+    engine did not rank it) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one of ``n``)."""
+
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, Logprob]]]
+    finish_reason: Optional[str] = None
+    # The stop string or stop token id that ended the sequence.
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Unix times in seconds; ``None`` where it did not happen."""
+
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result. ``attention`` is its capture (``None`` without one);
+    when the capture failed after the text was generated, ``attention_error`` says
+    why and the text is still good."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]]
+    outputs: List[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: Optional[int] = None
+    attention: Optional[Attention] = None
+    attention_error: Optional[str] = None
+    # Each sequence's new text in the last streamed update (streaming only).
+    deltas: List[str] = field(default_factory=list, repr=False)

@@ -1,0 +1,137 @@
+"""SamplingParams with vLLM's names and defaults, checked as lantern's server checks
+a request's fields (a bad one raises ``InvalidRequestError``, a ``ValueError``, whose
+``param`` names it)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional, Union
+
+from . import _lantern
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured output: give one of ``json`` (a JSON schema, as a dict or
+    text), ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark) or
+    ``json_object=True``."""
+
+    json: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+# The fields sent to the engine as the server's request fields of the same name.
+_SERVER_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "prompt_logprobs",
+    "include_stop_str_in_output",
+    "logit_bias",
+)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample, with vLLM's names and defaults.
+
+    ``temperature=0`` is greedy. ``max_tokens=None`` generates until the context (or
+    the KV cache) is full. ``logprobs=k`` returns each generated token's logprob with
+    the ``k`` most likely alternatives (up to 5 for ``generate``, 20 for ``chat``, as
+    the server's completions and chat endpoints allow); ``prompt_logprobs=k`` (0 to
+    20) the prompt's. ``structured_outputs`` takes a ``StructuredOutputsParams`` or
+    a dict with the same keys.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[Dict[int, float]] = None
+    structured_outputs: Optional[Union[StructuredOutputsParams, Dict[str, Any]]] = None
+
+    def __post_init__(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+                raise _invalid(name, f"{name} must be a finite number, got {value}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
+        ):
+            raise _invalid("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+        # The server's own checks, on the same fields (a placeholder prompt).
+        _lantern.check_sampling(json.dumps(self._fields("completion", with_logprobs=False)))
+
+    def _structured(self) -> Optional[Dict[str, Any]]:
+        s = self.structured_outputs
+        if s is None:
+            return None
+        if isinstance(s, StructuredOutputsParams):
+            return s.to_dict()
+        if isinstance(s, dict):
+            return dict(s)
+        raise _invalid("structured_outputs", "structured_outputs must be a StructuredOutputsParams or a dict")
+
+    def _fields(self, kind: str, with_logprobs: bool = True) -> Dict[str, Any]:
+        """The request fields these parameters are, for the "completion" or "chat"
+        endpoint's body."""
+        body: Dict[str, Any] = {}
+        for name in _SERVER_FIELDS:
+            value = getattr(self, name)
+            if name == "logit_bias" and value is not None:
+                value = {str(k): v for k, v in value.items()}
+            if value is not None or name == "max_tokens":
+                body[name] = value
+        structured = self._structured()
+        if structured is not None:
+            body["structured_outputs"] = structured
+        if with_logprobs and self.logprobs is not None:
+            if kind == "chat":
+                body["logprobs"] = True
+                body["top_logprobs"] = self.logprobs
+            else:
+                body["logprobs"] = self.logprobs
+        return body
+
+    def clone(self) -> "SamplingParams":
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _invalid(param: str, message: str) -> Exception:
+    e = _lantern.InvalidRequestError(message)
+    e.param = param
+    e.status = 400
+    return e

@@ -1,0 +1,93 @@
+//! lantern's errors as Python exceptions: a request the server would answer with a 4xx
+//! is an `InvalidRequestError` (a `ValueError`) whose `param` names the field at fault,
+//! under the name Python gave it; the engine's own faults are an `EngineError`.
+
+use crate::options::OptionError;
+use lantern_server::ApiError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    _lantern,
+    InvalidRequestError,
+    PyValueError,
+    "A bad parameter; `param` names it, as the server's 400 does."
+);
+pyo3::create_exception!(
+    _lantern,
+    EngineError,
+    PyRuntimeError,
+    "The engine failed, or is not running."
+);
+
+/// HTTP field names and what Python calls them, longest first so that no name is
+/// replaced inside a longer one.
+const PYTHON_NAMES: [(&str, &str); 9] = [
+    ("attn_capture_delivery", "capture[\"delivery\"]"),
+    ("attn_capture_layers", "capture[\"layers\"]"),
+    ("attn_capture_reduce", "capture[\"reduce\"]"),
+    ("attn_capture_heads", "capture[\"heads\"]"),
+    ("attn_capture_dtype", "capture[\"dtype\"]"),
+    ("attn_capture_top_k", "capture[\"top_k\"]"),
+    ("attn_capture_rows", "capture[\"rows\"]"),
+    ("attn_capture", "capture"),
+    // Chat's alternatives per token are SamplingParams.logprobs.
+    ("top_logprobs", "logprobs"),
+];
+
+/// `text` with the HTTP field names Python does not use replaced by its own.
+fn python_names(text: &str) -> String {
+    let mut out = text.to_string();
+    // Placeholders first, so that a replacement is never replaced again.
+    for (i, (field, _)) in PYTHON_NAMES.iter().enumerate() {
+        out = out.replace(field, &format!("\u{0}{i}\u{0}"));
+    }
+    for (i, (_, name)) in PYTHON_NAMES.iter().enumerate() {
+        out = out.replace(&format!("\u{0}{i}\u{0}"), name);
+    }
+    out
+}
+
+/// An exception with `param` and `status` attributes.
+fn raise(is_client: bool, message: String, param: Option<String>, status: u16) -> PyErr {
+    let err = if is_client {
+        InvalidRequestError::new_err(message)
+    } else {
+        EngineError::new_err(message)
+    };
+    Python::attach(|py| {
+        let value = err.value(py);
+        let _ = value.setattr("param", param);
+        let _ = value.setattr("status", status);
+    });
+    err
+}
+
+/// A server error as Python sees it: client faults (4xx but 429) are ValueErrors.
+pub fn api_error(e: ApiError) -> PyErr {
+    let status = e.status.as_u16();
+    let param = e.param.as_deref().map(python_names);
+    let mut message = python_names(&e.message);
+    if let Some(param) = &param {
+        if !message.contains(param.as_str()) {
+            message = format!("{param}: {message}");
+        }
+    }
+    let is_client = e.status.is_client_error() && status != 429;
+    raise(is_client, message, param, status)
+}
+
+/// A bad engine option (`LLM(kv_cache_dtype="f8")`).
+pub fn option_error(e: OptionError) -> PyErr {
+    raise(
+        true,
+        format!("{}: {}", e.option, e.message),
+        Some(e.option.to_string()),
+        400,
+    )
+}
+
+/// The engine could not start, or stopped.
+pub fn engine_error(message: impl Into<String>) -> PyErr {
+    raise(false, message.into(), None, 500)
+}

@@ -1,0 +1,139 @@
+//! The engine thread's events, made ready for Python off the GIL: logprobs with their
+//! tokens' text, prompt logprobs resolved, and a finished request's capture finalized
+//! (the maps computed on the blocking pool, as the server's capture worker does).
+
+use lantern_engine::lantern_capture::{CaptureFailure, CaptureResult, PendingCapture};
+use lantern_server::engine_thread::{
+    EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
+};
+use lantern_server::prompt::Prompter;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+
+/// One generated token's logprob and its alternatives: (id, text, logprob).
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(u32, String, f32)>,
+}
+
+/// How a sequence ended.
+pub struct Finished {
+    /// `stop`, `length`, `abort` or `error`.
+    pub reason: &'static str,
+    /// The stop string or stop token id that ended it.
+    pub stop_reason: Option<StopReason>,
+    pub cached_tokens: usize,
+    /// Why the engine failed it (reason `error`).
+    pub error: Option<String>,
+    /// Its capture, finalized; `Err` says why there is none.
+    pub capture: Option<Result<CaptureResult, String>>,
+}
+
+/// New output of one sequence of prompt `prompt` of a batch.
+pub struct Ready {
+    pub prompt: usize,
+    /// The sample (`n`) it belongs to.
+    pub index: usize,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub prompt_logprobs: Option<Vec<PromptLogprobEntry>>,
+    pub finished: Option<Finished>,
+    /// Unix time in seconds when it arrived.
+    pub time: f64,
+}
+
+pub fn unix_time() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn failure_message(failure: &EngineFailure) -> String {
+    match failure {
+        EngineFailure::Step(message) => format!("the engine failed: {message}"),
+        EngineFailure::Fault { .. } => lantern_server::engine_thread::ENGINE_FAULT_MESSAGE
+            .replace("see the server log", "see the log"),
+    }
+}
+
+async fn finalize(
+    pending: Option<Result<PendingCapture, CaptureFailure>>,
+) -> Result<CaptureResult, String> {
+    let pending = pending
+        .ok_or("the request ended without a capture")?
+        .map_err(|e| e.to_string())?;
+    tokio::task::spawn_blocking(move || pending.finalize())
+        .await
+        .map_err(|e| format!("finalizing the capture failed: {e}"))?
+        .map_err(|e| e.to_string())
+}
+
+async fn ready(prompter: &Prompter, prompt: usize, captures: bool, event: EngineEvent) -> Ready {
+    let text_of = |t: u32| prompter.tokenizer().token_text(t);
+    let logprobs = event.logprobs.map(|lp| {
+        vec![TokenLogprob {
+            token_id: lp.token_id,
+            token: text_of(lp.token_id),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(t, l)| (t, text_of(t), l)).collect(),
+        }]
+    });
+    let prompt_logprobs = match event.prompt_logprobs {
+        // An error here only loses the tables' text (the blocking pool is gone).
+        Some(rows) => prompter.prompt_logprobs(rows).await.ok(),
+        None => None,
+    };
+    let finished = match event.finish {
+        Some(finish) => {
+            let error = match &finish.reason {
+                EndReason::Failed(failure) => Some(failure_message(failure)),
+                _ => None,
+            };
+            let capture = match (&finish.reason, captures) {
+                (EndReason::Stop | EndReason::Length, true) => Some(finalize(finish.capture).await),
+                _ => None,
+            };
+            Some(Finished {
+                reason: finish.reason.as_str(),
+                stop_reason: finish.stop_reason,
+                cached_tokens: finish.cached_tokens,
+                error,
+                capture,
+            })
+        }
+        None => None,
+    };
+    Ready {
+        prompt,
+        index: event.index,
+        text: event.text,
+        token_ids: event.token_ids,
+        logprobs,
+        prompt_logprobs,
+        finished,
+        time: unix_time(),
+    }
+}
+
+/// Forwards prompt `prompt`'s events, made ready, into a batch's one channel, until
+/// the engine drops its side (every sequence finished or aborted). `captures`: the
+/// request asked for a capture, which its end then carries (or says why not).
+pub async fn forward(
+    prompter: Prompter,
+    prompt: usize,
+    captures: bool,
+    mut events: UnboundedReceiver<EngineEvent>,
+    out: UnboundedSender<Ready>,
+) {
+    while let Some(event) = events.recv().await {
+        if out
+            .send(ready(&prompter, prompt, captures, event).await)
+            .is_err()
+        {
+            return;
+        }
+    }
+}

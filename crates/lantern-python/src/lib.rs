@@ -1,0 +1,38 @@
+//! `lantern._lantern`: lantern's engine as a Python extension module, a thin adapter
+//! over the engine thread the server runs (`lantern_server::EngineHandle`). Requests
+//! are the server's request bodies, validated by the server's own code; outputs are
+//! plain dicts, and captures numpy arrays, which the pure-Python `lantern` package
+//! shapes like vLLM's `RequestOutput`.
+
+mod batch;
+mod convert;
+mod engine;
+mod errors;
+mod events;
+mod options;
+mod request;
+
+use pyo3::prelude::*;
+
+/// Checks SamplingParams' fields (their JSON) as the server checks a request's: a bad
+/// one raises InvalidRequestError naming it.
+#[pyfunction]
+fn check_sampling(body: &str) -> PyResult<()> {
+    let body = batch::json_object("sampling params", body)?;
+    request::check_sampling(body).map_err(errors::api_error)
+}
+
+#[pymodule]
+fn _lantern(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<engine::Engine>()?;
+    m.add_class::<batch::Batch>()?;
+    m.add_function(wrap_pyfunction!(check_sampling, m)?)?;
+    m.add(
+        "InvalidRequestError",
+        py.get_type::<errors::InvalidRequestError>(),
+    )?;
+    m.add("EngineError", py.get_type::<errors::EngineError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

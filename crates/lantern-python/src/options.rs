@@ -1,0 +1,244 @@
+//! `LLM(...)`'s engine options, named as the CLI's flags (`kv_cache_memory`,
+//! `block_size`, ...), and loading the model they describe.
+//!
+//! The CLI's own `EngineArgs` lives in the `lantern` binary, which no library can call;
+//! this is the same mapping onto `EngineConfig` and `lantern_model::load_model`, with
+//! each bad value reported as a `ValueError` naming its option.
+
+use lantern_engine::{Engine, EngineConfig};
+use lantern_kv::KvDtype;
+use lantern_model::GgmlDType;
+use lantern_server::capture::DEFAULT_MAX_CAPTURE_BYTES;
+use lantern_server::CaptureSettings;
+use std::path::PathBuf;
+
+/// A bad option: its name and what is wrong.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptionError {
+    pub option: &'static str,
+    pub message: String,
+}
+
+impl OptionError {
+    fn new(option: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            option,
+            message: message.into(),
+        }
+    }
+}
+
+/// Options as Python passed them; `None` is the CLI's default.
+#[derive(Debug, Default, Clone)]
+pub struct RawOptions {
+    pub model: Option<PathBuf>,
+    pub kv_cache_memory: Option<ByteCount>,
+    pub kv_cache_dtype: Option<String>,
+    pub block_size: Option<usize>,
+    pub attention_backend: Option<String>,
+    pub max_num_batched_tokens: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    pub enable_prefix_caching: Option<bool>,
+    pub f32_weights: Option<bool>,
+    pub quantize: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub max_model_len: Option<usize>,
+    pub threads: Option<usize>,
+    pub enable_attention_capture: Option<bool>,
+    pub max_capture_bytes: Option<ByteCount>,
+}
+
+/// A byte count as an int (`1073741824`) or as the CLI writes it (`"512M"`, `"1G"`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ByteCount {
+    Int(i64),
+    Text(String),
+}
+
+/// Options checked and resolved.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub model: Option<PathBuf>,
+    pub config: EngineConfig,
+    pub f32_weights: bool,
+    pub quantize: Option<GgmlDType>,
+    pub chat_template: Option<PathBuf>,
+    pub threads: Option<usize>,
+    pub capture: CaptureSettings,
+}
+
+/// `1073741824`, `"512M"`, `"1G"`, `"64K"` (powers of 1024), as the CLI's `parse_bytes`.
+fn bytes(option: &'static str, value: &ByteCount) -> Result<usize, OptionError> {
+    let text = match value {
+        ByteCount::Int(n) if *n > 0 => return Ok(*n as usize),
+        ByteCount::Int(n) => return Err(OptionError::new(option, format!("{n} must be positive"))),
+        ByteCount::Text(s) => s.trim(),
+    };
+    let (digits, multiplier) = match text.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&text[..text.len() - 1], 1usize << 10),
+        Some('M') => (&text[..text.len() - 1], 1 << 20),
+        Some('G') => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    match digits.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok((v * multiplier as f64) as usize),
+        _ => Err(OptionError::new(
+            option,
+            format!("{text:?} is not a positive byte count (an int, or like \"512M\", \"1G\")"),
+        )),
+    }
+}
+
+fn kv_dtype(s: &str) -> Result<KvDtype, OptionError> {
+    Ok(match s {
+        "f32" | "float32" => KvDtype::F32,
+        "f16" | "float16" => KvDtype::F16,
+        "bf16" | "bfloat16" => KvDtype::BF16,
+        other => {
+            return Err(OptionError::new(
+                "kv_cache_dtype",
+                format!("{other:?} is not a KV cache dtype (f16, bf16, f32)"),
+            ))
+        }
+    })
+}
+
+fn weight_type(s: &str) -> Result<GgmlDType, OptionError> {
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
+        "f32" => GgmlDType::F32,
+        other => {
+            return Err(OptionError::new(
+                "quantize",
+                format!("{other:?} is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"),
+            ))
+        }
+    })
+}
+
+fn positive(option: &'static str, value: Option<usize>) -> Result<Option<usize>, OptionError> {
+    match value {
+        Some(0) => Err(OptionError::new(option, "must be at least 1")),
+        v => Ok(v),
+    }
+}
+
+impl RawOptions {
+    /// Checks every option; the first bad one is the error.
+    pub fn resolve(self) -> Result<EngineOptions, OptionError> {
+        let defaults = EngineConfig::default();
+        let backend = self
+            .attention_backend
+            .unwrap_or(defaults.attention_backend.clone());
+        if !["cpu-flash", "cpu-reference"].contains(&backend.as_str()) {
+            return Err(OptionError::new(
+                "attention_backend",
+                format!("{backend:?} is not an attention backend (cpu-flash, cpu-reference)"),
+            ));
+        }
+        let config = EngineConfig {
+            kv_cache_memory: match &self.kv_cache_memory {
+                Some(v) => bytes("kv_cache_memory", v)?,
+                None => defaults.kv_cache_memory,
+            },
+            block_size: positive("block_size", self.block_size)?.unwrap_or(defaults.block_size),
+            kv_cache_dtype: match &self.kv_cache_dtype {
+                Some(s) => kv_dtype(s)?,
+                None => defaults.kv_cache_dtype,
+            },
+            attention_backend: backend,
+            max_num_batched_tokens: positive(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+            )?
+            .unwrap_or(defaults.max_num_batched_tokens),
+            max_num_seqs: positive("max_num_seqs", self.max_num_seqs)?
+                .unwrap_or(defaults.max_num_seqs),
+            enable_prefix_caching: self
+                .enable_prefix_caching
+                .unwrap_or(defaults.enable_prefix_caching),
+            // As `lantern generate`: a library call queues everything it is given.
+            max_waiting_requests: usize::MAX,
+            max_model_len: positive("max_model_len", self.max_model_len)?,
+        };
+        let capture = CaptureSettings {
+            // On by default here: the caller is the only client, and asks per request.
+            enabled: self.enable_attention_capture.unwrap_or(true),
+            max_bytes: match &self.max_capture_bytes {
+                Some(v) => bytes("max_capture_bytes", v)? as u64,
+                None => DEFAULT_MAX_CAPTURE_BYTES,
+            },
+            ..CaptureSettings::default()
+        };
+        Ok(EngineOptions {
+            model: self.model,
+            config,
+            f32_weights: self.f32_weights.unwrap_or(false),
+            quantize: self.quantize.as_deref().map(weight_type).transpose()?,
+            chat_template: self.chat_template,
+            threads: positive("threads", self.threads)?,
+            capture,
+        })
+    }
+}
+
+impl EngineOptions {
+    /// The model's path: as given, or the default model (fetched when missing).
+    pub fn model_path(&self) -> Result<PathBuf, String> {
+        match &self.model {
+            Some(path) => Ok(path.clone()),
+            None => lantern_model::default_model::ensure_default_model()
+                .map_err(|e| format!("no model given and the default model is unavailable: {e}")),
+        }
+    }
+
+    /// Sizes the process's compute pool (once per process: rayon's global pool).
+    pub fn init_threads(&self) -> Result<(), OptionError> {
+        let Some(n) = self.threads else {
+            return Ok(());
+        };
+        let built = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("lantern-compute-{i}"))
+            .build_global();
+        match built {
+            Ok(()) => Ok(()),
+            Err(_) if rayon::current_num_threads() == n => Ok(()),
+            Err(_) => Err(OptionError::new(
+                "threads",
+                format!(
+                    "the compute pool of this process already has {} threads; threads can be set once per process, before the first LLM",
+                    rayon::current_num_threads()
+                ),
+            )),
+        }
+    }
+
+    /// Loads the model at `path` and builds an engine over it (on the engine thread).
+    pub fn build_engine(&self, path: &std::path::Path) -> Result<Engine, String> {
+        let options = lantern_model::LoadOptions {
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            f32_weights: self.f32_weights,
+            quantize: self.quantize,
+        };
+        let mut loaded = lantern_model::load_model(path, &options)
+            .map_err(|e| format!("loading {}: {e}", path.display()))?;
+        if let Some(file) = &self.chat_template {
+            let source = std::fs::read_to_string(file)
+                .map_err(|e| format!("reading chat template {}: {e}", file.display()))?;
+            let template = lantern_model::ChatTemplate::new(
+                &source,
+                loaded.tokenizer.bos_token().unwrap_or_default(),
+                loaded.tokenizer.eos_token().unwrap_or_default(),
+            )
+            .map_err(|e| format!("chat template {}: {e}", file.display()))?;
+            loaded.chat_template = Some(template);
+        }
+        Engine::new(loaded, self.config.clone()).map_err(|e| e.to_string())
+    }
+}

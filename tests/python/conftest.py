@@ -13,7 +13,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,8 @@ class Server:
     model: str
     context_length: int
     process: subprocess.Popen
+    # What the server printed on stdout up to its `listening on` line.
+    startup_lines: list = field(default_factory=list)
 
     def client(self, **kwargs) -> OpenAI:
         kwargs.setdefault("timeout", 120)
@@ -94,9 +96,18 @@ SERVED_MODEL_NAME = "lantern-test-model"
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 3 * 64 * 16 * 2
 
 
-def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -> Server:
+def start_server(
+    *extra_args: str,
+    kv_cache_memory: str = "256M",
+    stderr=None,
+    served_model_name: "str | None" = SERVED_MODEL_NAME,
+    api_key: "str | None" = API_KEY,
+) -> Server:
     """Starts `lantern serve` on a free port and waits until it listens. `stderr` (a
-    file) receives the server's log, for tests that read it."""
+    file) receives the server's log, for tests that read it. `served_model_name=None`
+    leaves the flag out, so the server names the model itself; `api_key=None` starts it
+    without API keys."""
+    names = ["--served-model-name", served_model_name] if served_model_name else []
     args = [
         str(_binary()),
         "serve",
@@ -104,10 +115,8 @@ def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -
         "127.0.0.1",
         "--port",
         "0",
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        SERVED_MODEL_NAME,
+        *(["--api-key", api_key] if api_key else []),
+        *names,
         "--kv-cache-memory",
         kv_cache_memory,
         *shlex.split(os.environ.get("LANTERN_SERVE_ARGS", "")),
@@ -126,6 +135,7 @@ def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -
 
     threading.Thread(target=pump, daemon=True).start()
     base_url = None
+    startup_lines = []
     deadline = time.monotonic() + START_TIMEOUT_S
     while base_url is None:
         remaining = deadline - time.monotonic()
@@ -138,20 +148,23 @@ def start_server(*extra_args: str, kv_cache_memory: str = "256M", stderr=None) -
             continue
         if line is None:
             raise RuntimeError(f"lantern serve exited early with {process.wait()}")
+        startup_lines.append(line)
         match = LISTENING.search(line)
         if match:
             base_url = match.group(1)
     assert base_url.startswith("http://127.0.0.1:"), base_url
     models = requests.get(
-        base_url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+        base_url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
     ).json()
     card = models["data"][0]
     return Server(
         base_url=base_url,
-        api_key=API_KEY,
+        # The openai client needs some key; a server without keys ignores it.
+        api_key=api_key or "no-key",
         model=card["id"],
         context_length=card["max_model_len"],
         process=process,
+        startup_lines=startup_lines,
     )
 
 

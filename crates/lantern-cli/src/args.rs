@@ -60,7 +60,31 @@ pub struct EngineArgs {
     pub threads: Option<u16>,
 }
 
+/// The default model's name: its file's stem (`SmolLM2-135M-Instruct.Q4_1`).
+pub fn default_model_name() -> &'static str {
+    let file = lantern_model::default_model::DEFAULT_MODEL_FILE;
+    file.strip_suffix(".gguf").unwrap_or(file)
+}
+
 impl EngineArgs {
+    /// The model's name, as vLLM names a model: `--model` as given, or the default
+    /// model's [`default_model_name`].
+    pub fn model_name(&self) -> String {
+        match &self.model {
+            Some(path) => path.to_string_lossy().into_owned(),
+            None => default_model_name().to_string(),
+        }
+    }
+
+    /// `--model` as given, or the default model's path (without fetching it).
+    pub fn model_as_given(&self) -> String {
+        let path = match &self.model {
+            Some(path) => path.clone(),
+            None => lantern_model::default_model::default_model_path(),
+        };
+        path.to_string_lossy().into_owned()
+    }
+
     pub fn model_path(&self) -> Result<PathBuf> {
         match &self.model {
             Some(path) => Ok(path.clone()),
@@ -199,6 +223,24 @@ fn parse_kv_dtype(s: &str) -> Result<KvDtype> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    #[test]
+    fn the_model_is_named_by_model_as_given() {
+        let named = |args: &[&str]| Cli::parse_from(args).engine.model_name();
+        assert_eq!(named(&["x"]), "SmolLM2-135M-Instruct.Q4_1");
+        assert_eq!(
+            named(&["x", "--model", "./models/My Model.gguf"]),
+            "./models/My Model.gguf"
+        );
+        assert_eq!(named(&["x", "--model", "ckpt/"]), "ckpt/");
+    }
 
     #[test]
     fn byte_counts_parse() {

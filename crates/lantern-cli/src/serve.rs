@@ -24,9 +24,11 @@ pub struct ServeArgs {
     /// for several clients; a stored capture is readable only with the key that made it.
     #[arg(long)]
     pub api_key: Vec<String>,
-    /// The model name clients send (default: the model's own name).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// The names clients may send as `model` (several after the flag, or the flag
+    /// repeated); the first is the one responses, `/v1/models` and metrics report.
+    /// Default: --model as given (the default model: `SmolLM2-135M-Instruct.Q4_1`).
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Most requests waiting to run; a request that would take more sequences than that
     /// into the waiting queue is answered 429 with Retry-After.
     #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS)]
@@ -104,6 +106,21 @@ fn parse_layer_list(s: &str) -> Result<LayerList, String> {
         .map(|layers| LayerList(Some(layers)))
 }
 
+/// `--served-model-name`, or else the model as vLLM names it: by `--model` as given.
+fn served_model_names(args: &ServeArgs) -> Vec<String> {
+    let given: Vec<String> = args
+        .served_model_name
+        .iter()
+        .filter(|n| !n.is_empty())
+        .cloned()
+        .collect();
+    if given.is_empty() {
+        vec![args.engine.model_name()]
+    } else {
+        given
+    }
+}
+
 pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
     let mut api_keys: Vec<String> = args
         .api_key
@@ -146,7 +163,8 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
     let faults = args.inject_fault.clone().unwrap_or_default();
     let config = ServerConfig {
         api_keys,
-        served_model_name: args.served_model_name.clone(),
+        served_model_names: served_model_names(&args),
+        model_root: Some(args.engine.model_as_given()),
         capture: CaptureSettings {
             enabled: args.enable_attention_capture,
             default_layers: args.attention_capture_layers.0.clone(),
@@ -277,10 +295,9 @@ async fn serve_while_loading(
     }
     let routes =
         lantern_server::router(engine.clone(), config).context("starting the capture worker")?;
-    let name = engine.meta().name.clone();
     let _ = loaded.set((engine, engine_thread));
     let _ = ready.set(routes);
-    println!("lantern: serving {name}");
+    println!("lantern: serving {}", config.served_model_names.join(", "));
     println!("lantern: listening on http://{addr}");
     std::io::stdout().flush().ok();
     let _keep_open = stop_tx;

@@ -18,6 +18,11 @@ pub struct ApiError {
     pub code: Option<&'static str>,
 }
 
+/// vLLM's answer to a request for a model it does not serve.
+pub fn model_not_found_message(model: &str) -> String {
+    format!("The model `{model}` does not exist.")
+}
+
 impl ApiError {
     /// A 400 naming the field at fault.
     pub fn invalid(param: impl Into<Option<String>>, message: impl Into<String>) -> Self {
@@ -43,10 +48,11 @@ impl ApiError {
         }
     }
 
+    /// A 404 for a model the server does not serve, worded as vLLM's.
     pub fn model_not_found(model: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            message: model_not_found_message(model),
             kind: "invalid_request_error",
             param: Some("model".to_string()),
             code: Some("model_not_found"),

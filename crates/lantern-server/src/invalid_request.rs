@@ -106,10 +106,7 @@ impl fmt::Display for InvalidRequest {
             | Self::WrongType { message, .. }
             | Self::Conflict { message, .. }
             | Self::Invalid { message, .. } => f.write_str(message),
-            Self::UnknownModel(model) => write!(
-                f,
-                "The model `{model}` does not exist or you do not have access to it."
-            ),
+            Self::UnknownModel(model) => f.write_str(&crate::error::model_not_found_message(model)),
             Self::Missing(field) => write!(f, "{field} is required"),
             Self::OutOfRange {
                 field,

@@ -58,8 +58,12 @@ pub struct ServerConfig {
     /// Each key is its own client: a stored capture can be read only with the key
     /// that made it.
     pub api_keys: Vec<String>,
-    /// The name clients use for the model (default: the model's own name).
-    pub served_model_name: Option<String>,
+    /// The names clients may send as `model`; the first is the one responses and
+    /// metrics report (empty: the model's own name).
+    pub served_model_names: Vec<String>,
+    /// The model's `root` on `/v1/models`, as vLLM's: the model as it was given (a
+    /// path). Default: the model's own name.
+    pub model_root: Option<String>,
     /// Larger bodies are refused with 413.
     pub max_body_bytes: usize,
     /// Attention capture: off unless enabled.
@@ -76,7 +80,8 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             api_keys: Vec::new(),
-            served_model_name: None,
+            served_model_names: Vec::new(),
+            model_root: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             capture: CaptureSettings::default(),
             body_read_timeout: request_guards::DEFAULT_BODY_READ_TIMEOUT,
@@ -90,9 +95,12 @@ impl Default for ServerConfig {
 #[derive(Clone)]
 pub struct AppState {
     pub engine: EngineHandle,
+    /// The first of [`Self::served_model_names`]: the name responses report.
     pub served_model_name: Arc<str>,
+    /// Every name a request may give as `model`.
+    pub served_model_names: Arc<[String]>,
+    models: Arc<ModelCards>,
     api_keys: Arc<[String]>,
-    created: u64,
     pub capture: Arc<CaptureSettings>,
     pub captures: Arc<CaptureStore>,
     pub capture_worker: Arc<lantern_engine::lantern_capture::CaptureWorker>,
@@ -102,24 +110,37 @@ pub struct AppState {
 /// worker thread cannot be started.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
     let busy = engine.busy_flag();
-    let served_model_name: Arc<str> = config
-        .served_model_name
-        .clone()
+    let mut names: Vec<String> = config
+        .served_model_names
+        .iter()
         .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| engine.meta().name.clone())
-        .into();
+        .cloned()
+        .collect();
+    if names.is_empty() {
+        names.push(engine.meta().name.clone());
+    }
+    let created = openai::unix_now();
+    let models = ModelCards {
+        root: config
+            .model_root
+            .clone()
+            .unwrap_or_else(|| engine.meta().name.clone()),
+        created,
+        permission_ids: names.iter().map(|_| permission_id()).collect(),
+    };
     let state = AppState {
         engine,
-        served_model_name,
+        served_model_name: names[0].as_str().into(),
+        served_model_names: names.into(),
+        models: Arc::new(models),
         api_keys: config
             .api_keys
             .iter()
             .filter(|k| !k.is_empty())
             .cloned()
             .collect(),
-        created: openai::unix_now(),
         capture: Arc::new(config.capture.clone()),
-        captures: Arc::new(CaptureStore::new(config.capture.max_stored_bytes)),
+        captures: CaptureStore::start(&config.capture),
         capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start(
             busy,
             config.capture.max_queued,
@@ -255,26 +276,63 @@ async fn require_api_key(State(state): State<AppState>, request: Request, next: 
     }
 }
 
-fn model_card(state: &AppState) -> serde_json::Value {
+/// What `/v1/models` says beside each served name.
+struct ModelCards {
+    root: String,
+    created: u64,
+    /// One per served name, made once so that the cards stay the same between calls.
+    permission_ids: Vec<String>,
+}
+
+/// vLLM's `modelperm-` ids: a random 128-bit hex string.
+fn permission_id() -> String {
+    let mut bytes = [0u8; 16];
+    rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut bytes);
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("modelperm-{hex}")
+}
+
+/// The card of the `index`th served name, in vLLM's `ModelCard` shape (its fields and
+/// their order; one `ModelPermission` with vLLM's values).
+fn model_card(state: &AppState, index: usize) -> serde_json::Value {
+    let cards = &state.models;
     json!({
-        "id": &*state.served_model_name,
+        "id": state.served_model_names[index],
         "object": "model",
-        "created": state.created,
+        "created": cards.created,
         "owned_by": "lantern",
-        "root": state.engine.meta().name,
+        "root": cards.root,
+        "parent": null,
         "max_model_len": state.engine.meta().context_length,
+        "permission": [{
+            "id": cards.permission_ids[index],
+            "object": "model_permission",
+            "created": cards.created,
+            "allow_create_engine": false,
+            "allow_sampling": true,
+            "allow_logprobs": true,
+            "allow_search_indices": false,
+            "allow_view": true,
+            "allow_fine_tuning": false,
+            "organization": "*",
+            "group": null,
+            "is_blocking": false,
+        }],
     })
 }
 
+/// `GET /v1/models`: one card per served name, as vLLM lists them.
 async fn list_models(State(state): State<AppState>) -> Response {
-    Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+    let data: Vec<_> = (0..state.served_model_names.len())
+        .map(|i| model_card(&state, i))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
-    if model == *state.served_model_name {
-        Json(model_card(&state)).into_response()
-    } else {
-        ApiError::model_not_found(&model).into_response()
+    match state.served_model_names.iter().position(|n| *n == model) {
+        Some(index) => Json(model_card(&state, index)).into_response(),
+        None => ApiError::model_not_found(&model).into_response(),
     }
 }
 

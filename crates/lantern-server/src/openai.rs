@@ -126,6 +126,7 @@ pub async fn tokenize(
         let value = protocol::parse_body(&body_bytes(body)?)?;
         let limits = ModelLimits {
             served_name: &state.served_model_name,
+            aliases: &state.served_model_names,
         };
         let (prompt, add_special_tokens) = protocol::tokenize_request(&value, &limits)?;
         let tokens = state.engine.tokenize(prompt, add_special_tokens).await?;
@@ -148,6 +149,7 @@ pub async fn detokenize(
         let value = protocol::parse_body(&body_bytes(body)?)?;
         let limits = ModelLimits {
             served_name: &state.served_model_name,
+            aliases: &state.served_model_names,
         };
         let tokens = protocol::detokenize_request(&value, &limits)?;
         let text = state.engine.detokenize(tokens).await?;
@@ -262,6 +264,7 @@ async fn generate(
     let value = protocol::parse_body(&bytes)?;
     let limits = ModelLimits {
         served_name: &state.served_model_name,
+        aliases: &state.served_model_names,
     };
     let mut request = match kind {
         Kind::Chat => protocol::chat_request(&value, &limits)?,

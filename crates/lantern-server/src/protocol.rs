@@ -210,7 +210,10 @@ pub struct GenerationRequest {
 /// The served model's name and limits, as validation needs them.
 #[derive(Debug, Clone)]
 pub struct ModelLimits<'a> {
+    /// The name responses report (`--served-model-name`'s first).
     pub served_name: &'a str,
+    /// Further names a request may give as `model` (the other served names).
+    pub aliases: &'a [String],
 }
 
 /// Settings common to both endpoints, validated.
@@ -228,7 +231,9 @@ struct Common {
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
     match model {
-        Some(m) if m != limits.served_name => Err(InvalidRequest::UnknownModel(m.clone())),
+        Some(m) if m != limits.served_name && !limits.aliases.contains(m) => {
+            Err(InvalidRequest::UnknownModel(m.clone()))
+        }
         _ => Ok(()),
     }
 }
@@ -839,7 +844,24 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const LIMITS: ModelLimits = ModelLimits { served_name: "m" };
+    const LIMITS: ModelLimits = ModelLimits {
+        served_name: "m",
+        aliases: &[],
+    };
+
+    #[test]
+    fn every_served_name_is_accepted() {
+        let aliases = ["alias".to_string()];
+        let limits = ModelLimits {
+            served_name: "m",
+            aliases: &aliases,
+        };
+        for model in ["m", "alias"] {
+            assert!(completion_request(&json!({"model": model, "prompt": "x"}), &limits).is_ok());
+        }
+        let e = completion_request(&json!({"model": "other", "prompt": "x"}), &limits).unwrap_err();
+        assert_eq!(e.code, Some("model_not_found"));
+    }
 
     fn chat_err(body: Value) -> ApiError {
         chat_request(&body, &LIMITS).unwrap_err()

@@ -8,13 +8,13 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
-    _lantern,
+    lantern,
     InvalidRequestError,
     PyValueError,
     "A bad parameter; `param` names it, as the server's 400 does."
 );
 pyo3::create_exception!(
-    _lantern,
+    lantern,
     EngineError,
     PyRuntimeError,
     "The engine failed, or is not running."
@@ -22,7 +22,13 @@ pyo3::create_exception!(
 
 /// HTTP field names and what Python calls them, longest first so that no name is
 /// replaced inside a longer one.
-const PYTHON_NAMES: [(&str, &str); 9] = [
+const PYTHON_NAMES: [(&str, &str); 11] = [
+    // The server's flags are LLM's options.
+    (
+        "--enable-attention-capture",
+        "LLM(enable_attention_capture=True)",
+    ),
+    ("--max-capture-bytes", "LLM(max_capture_bytes=...)"),
     ("attn_capture_delivery", "capture[\"delivery\"]"),
     ("attn_capture_layers", "capture[\"layers\"]"),
     ("attn_capture_reduce", "capture[\"reduce\"]"),

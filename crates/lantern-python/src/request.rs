@@ -56,6 +56,12 @@ pub struct Submitted {
     pub captures: bool,
 }
 
+/// Bodies from Python name no model: an `LLM` serves one.
+const LIMITS: ModelLimits<'static> = ModelLimits {
+    served_name: "",
+    aliases: &[],
+};
+
 /// `max_tokens: 0` runs the prompt only, which is of use only for a capture (the
 /// server's rule; Python has no `echo`).
 fn check_prompt_only(request: &GenerationRequest, captures: bool) -> Result<(), ApiError> {
@@ -73,7 +79,7 @@ fn check_prompt_only(request: &GenerationRequest, captures: bool) -> Result<(), 
 /// itself when it is made): the sampling fields with a placeholder prompt.
 pub fn check_sampling(mut body: Map<String, Value>) -> Result<(), ApiError> {
     body.insert("prompt".into(), Value::from("x"));
-    protocol::completion_request(&Value::Object(body), &ModelLimits { served_name: "" })?;
+    protocol::completion_request(&Value::Object(body), &LIMITS)?;
     Ok(())
 }
 
@@ -94,10 +100,9 @@ pub async fn submit(
         body.insert("max_tokens".into(), Value::from(i64::MAX));
     }
     let body = Value::Object(body);
-    let limits = ModelLimits { served_name: "" };
     let mut request = match kind {
-        Kind::Chat => protocol::chat_request(&body, &limits)?,
-        Kind::Completion => protocol::completion_request(&body, &limits)?,
+        Kind::Chat => protocol::chat_request(&body, &LIMITS)?,
+        Kind::Completion => protocol::completion_request(&body, &LIMITS)?,
     };
     if unbounded {
         for item in &mut request.items {

@@ -1,0 +1,284 @@
+"""The Python API (`import lantern`, crates/lantern-python) against the server and the
+CLI: the same requests generate the same tokens, captures are the server's bit for bit,
+bad parameters raise naming the field, and an interrupted generation gives back every
+KV block. scripts/test-python builds and installs the wheel before running these."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import lantern
+import lantern_attn
+from conftest import _binary, start_server, stop_server
+
+PROMPTS = ["The lighthouse keeper climbed the narrow stairs and", "def fibonacci(n):"]
+MESSAGES = [{"role": "user", "content": "Name three colours of the sea."}]
+MAX_TOKENS = 12
+SEEDED = dict(temperature=0.8, top_p=0.9, top_k=40, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    server = start_server("--enable-attention-capture", api_key=None)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = lantern.LLM(kv_cache_memory="256M")
+    yield engine
+    engine.close()
+
+
+def cli_generate(*flags) -> list:
+    out = subprocess.run(
+        [str(_binary()), "generate", "--json", *map(str, flags)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+# Fields the openai client takes as arguments; the others go in extra_body.
+OPENAI_FIELDS = {"temperature", "top_p", "seed", "max_tokens", "logprobs", "n", "extra_body"}
+
+
+def openai_args(fields):
+    args = {k: v for k, v in fields.items() if k in OPENAI_FIELDS}
+    extra = {k: v for k, v in fields.items() if k not in OPENAI_FIELDS}
+    args["extra_body"] = {**extra, **args.get("extra_body", {})}
+    return args
+
+
+def server_completions(srv, prompt, **fields):
+    return srv.client().completions.create(model=srv.model, prompt=prompt, **openai_args(fields))
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_generations_equal_the_servers_and_the_clis(llm, srv, sampling):
+    fields = {"temperature": 0} if sampling == "greedy" else SEEDED
+    outs = llm.generate(PROMPTS, lantern.SamplingParams(max_tokens=MAX_TOKENS, **fields))
+    assert [o.prompt for o in outs] == PROMPTS
+    cli_flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    cli_flags += ["--max-tokens", MAX_TOKENS]
+    for name, value in fields.items():
+        cli_flags += [f"--{name.replace('_', '-')}", value]
+    cli = cli_generate(*cli_flags)
+    for out, line, prompt in zip(outs, cli, PROMPTS):
+        (seq,) = out.outputs
+        assert out.finished and seq.finish_reason == line["finish_reason"]
+        assert out.prompt_token_ids == line["prompt_token_ids"]
+        assert seq.token_ids == line["token_ids"]
+        assert seq.text == line["text"]
+        served = server_completions(srv, prompt, max_tokens=MAX_TOKENS, **fields).choices[0]
+        assert seq.text == served.text
+        assert seq.finish_reason == served.finish_reason
+        assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
+
+
+def test_chat_and_n_equal_the_servers(llm, srv):
+    params = lantern.SamplingParams(n=2, max_tokens=MAX_TOKENS, **SEEDED)
+    (out,) = llm.chat(MESSAGES, params)
+    served = srv.client().chat.completions.create(
+        model=srv.model, messages=MESSAGES, **openai_args(dict(n=2, max_tokens=MAX_TOKENS, **SEEDED))
+    )
+    assert [o.text for o in out.outputs] == [c.message.content for c in served.choices]
+    assert out.outputs[0].text != out.outputs[1].text  # two samples, two seeds
+    assert "Name three colours" in out.prompt  # the rendered template
+    # Several conversations: one batch, results in input order.
+    other = [{"role": "user", "content": "Hi!"}]
+    greedy = lantern.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    both = llm.chat([MESSAGES, other], greedy)
+    alone = llm.chat(other, greedy)
+    assert both[1].outputs[0].text == alone[0].outputs[0].text
+
+
+def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
+    ids = llm.encode(PROMPTS[0])
+    params = lantern.SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
+    (out,) = llm.generate([ids], params)
+    assert out.prompt is None and out.prompt_token_ids == ids
+    served = server_completions(srv, ids, max_tokens=4, temperature=0, logprobs=2).choices[0]
+    assert out.outputs[0].text == served.text
+    for step, theirs in zip(out.outputs[0].logprobs, served.logprobs.top_logprobs):
+        top = {lp.decoded_token: lp.logprob for lp in step.values() if lp.rank is not None and lp.rank <= 2}
+        assert top == pytest.approx(theirs, abs=1e-6)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(served.logprobs.token_logprobs), abs=1e-5)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+
+
+CAPTURES = {
+    "everything": {},
+    "options": {"layers": "0,-1", "heads": "0:3", "rows": "prompt", "reduce": "mean_heads",
+                "top_k": 4, "dtype": "float16"},
+    "generated rows": {"layers": [7], "rows": "generated"},
+}
+
+
+@pytest.mark.parametrize("case", CAPTURES)
+def test_captures_equal_the_servers_bit_for_bit(llm, srv, case):
+    options = CAPTURES[case]
+    (out,) = llm.generate(PROMPTS[0], lantern.SamplingParams(temperature=0, max_tokens=5),
+                          capture=options or True)
+    fields = {f"attn_capture_{k}": v for k, v in options.items()}
+    r = server_completions(srv, PROMPTS[0], max_tokens=5, temperature=0,
+                           extra_body={"attn_capture": True, **fields})
+    served = lantern_attn.from_response(r)
+    att = out.attention
+    assert out.outputs[0].text == r.choices[0].text
+    assert att.meta == r.model_dump()["attn_capture_meta"]
+    assert list(att.maps) == att.meta["layers"]
+    for layer, theirs in served.layers.items():
+        ours = att.maps[layer]
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert ours.tobytes() == theirs.tobytes()
+    assert att.indices.keys() == served.indices.keys()
+    for layer, theirs in served.indices.items():
+        assert att.indices[layer].dtype == np.int32
+        assert np.array_equal(att.indices[layer], theirs)
+
+
+def test_a_capture_reads_like_transformers_output_attentions(llm):
+    (out,) = llm.generate(PROMPTS[0], lantern.SamplingParams(temperature=0, max_tokens=3),
+                          capture={"layers": [0, 7]})
+    att = out.attention
+    total = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+    assert att.maps[7].shape == (total - 1, 9, total - 1)
+    hf = att.to_hf()
+    assert [a.shape for a in hf] == [(1, 9, total, total)] * 2
+    assert len(att.tokens) == total
+    assert list(att.row_positions) == list(range(total - 1))
+    np.testing.assert_allclose(att.maps[0].sum(axis=-1), 1.0, atol=1e-5)
+
+
+def test_streaming_gives_the_same_text_and_the_capture_last(llm):
+    params = lantern.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    (whole,) = llm.generate(PROMPTS[0], params)
+    updates = list(llm.stream(PROMPTS[0], params, capture={"layers": [0]}))
+    assert len(updates) > 1
+    assert "".join(u.deltas[0] for u in updates) == whole.outputs[0].text
+    assert updates[-1].outputs[0].text == whole.outputs[0].text
+    assert [u.finished for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert updates[-1].attention is not None and updates[0].attention is None
+    chat = list(llm.stream_chat(MESSAGES, params))
+    assert chat[-1].outputs[0].text == llm.chat(MESSAGES, params)[0].outputs[0].text
+
+
+def raises_naming(field, call):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert isinstance(info.value, lantern.InvalidRequestError)
+    assert info.value.param == field, (info.value.param, str(info.value))
+    assert field in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "field, make",
+    [
+        ("temperature", lambda: lantern.SamplingParams(temperature=-1)),
+        ("top_p", lambda: lantern.SamplingParams(top_p=0)),
+        ("n", lambda: lantern.SamplingParams(n=0)),
+        ("top_k", lambda: lantern.SamplingParams(top_k=-5)),
+        ("min_tokens", lambda: lantern.SamplingParams(min_tokens=20, max_tokens=10)),
+        ("stop", lambda: lantern.SamplingParams(stop=[1, 2])),
+        ("presence_penalty", lambda: lantern.SamplingParams(presence_penalty=float("nan"))),
+        ("logprobs", lambda: lantern.SamplingParams(logprobs=-1)),
+        ("structured_outputs", lambda: lantern.SamplingParams(structured_outputs={"xml": "a"})),
+    ],
+)
+def test_bad_sampling_params_raise_naming_the_field(field, make):
+    raises_naming(field, make)
+
+
+def test_bad_requests_raise_naming_the_field(llm):
+    greedy = lantern.SamplingParams(temperature=0, max_tokens=2)
+    e = raises_naming('capture["layers"]', lambda: llm.generate("Hi", greedy, capture={"layers": [99]}))
+    assert "99" in str(e)
+    raises_naming('capture["rows"]', lambda: llm.generate("Hi", greedy, capture={"rows": "nonsense"}))
+    raises_naming('capture["top_k"]', lambda: llm.generate("Hi", greedy, capture={"top_k": 0}))
+    raises_naming("capture", lambda: llm.generate("Hi", greedy, capture={"delivery": "file"}))
+    raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(n=2), capture=True))
+    e = raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=8000),
+                                                      capture=True))
+    assert "max_capture_bytes" in str(e)
+    raises_naming("max_tokens", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=10**6)))
+    raises_naming("max_tokens", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=0)))
+    raises_naming("prompt", lambda: llm.generate([[10**6]], greedy))
+    raises_naming("messages", lambda: llm.chat([{"role": "wizard", "content": "x"}], greedy))
+    raises_naming("logprobs", lambda: llm.chat(MESSAGES, lantern.SamplingParams(logprobs=50)))
+    raises_naming("kv_cache_dtype", lambda: lantern.LLM(kv_cache_dtype="f8"))
+    raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory="lots"))
+    with pytest.raises(TypeError):
+        lantern.LLM(no_such_option=1)
+    with pytest.raises(TypeError):
+        lantern.SamplingParams(no_such_field=1)
+    # A refused prompt in a batch leaves nothing running.
+    raises_naming("prompt", lambda: llm.generate(["Fine", [10**6]], greedy))
+    assert_idle(llm)
+
+
+def assert_idle(llm):
+    stats = llm.stats()
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0, stats
+    assert stats["kv_cache_free_blocks"] == stats["kv_cache_total_blocks"], stats
+
+
+def test_ctrl_c_aborts_and_gives_back_every_block(llm):
+    params = lantern.SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    seen = {}
+
+    def interrupt():
+        # Once the batch holds blocks, as a user's Ctrl-C.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = llm.stats()
+            if stats["kv_cache_free_blocks"] < stats["kv_cache_total_blocks"]:
+                seen.update(stats)
+                break
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=interrupt)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS * 3, params, capture=None)
+    timer.join()
+    assert seen, "the batch never held a block"
+    assert time.monotonic() - started < 60
+    assert_idle(llm)
+    # Leaving a stream early aborts its request too.
+    streamed = lantern.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for update in llm.stream(PROMPTS[0], streamed, capture={"layers": [0]}):
+        if len(update.outputs[0].token_ids) >= 3:
+            break
+    assert_idle(llm)
+    # And the engine goes on serving.
+    assert llm.generate("Hello", lantern.SamplingParams(max_tokens=2))[0].finished
+
+
+def test_the_gil_is_released_while_the_engine_runs(llm):
+    ticks = []
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    started = time.monotonic()
+    llm.generate(PROMPTS, lantern.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    elapsed = time.monotonic() - started
+    done.set()
+    counter.join()
+    # A thread that sleeps 1 ms a tick gets hundreds of ticks a second when the GIL is free.
+    assert len(ticks) > 50 * elapsed, (len(ticks), elapsed)

@@ -25,6 +25,8 @@ CASES = {
         "top_k": 4,
         "dtype": "float16",
     },
+    "statistics": {"layers": "-2:", "stats": "key_mass,block_mass", "stats_heads": "query"},
+    "statistics and maps": {"stats": "key_max", "maps": True, "rows": "generated"},
 }
 
 
@@ -45,6 +47,7 @@ def cli_capture(path, options, *prompts) -> list:
     """Runs `lantern generate --capture path` on `prompts`; returns its --json lines."""
     flags = []
     for name, value in options.items():
+        value = str(value).lower() if isinstance(value, bool) else value
         flags += [f"--capture-{name.replace('_', '-')}", value]
     prompt_flags = [a for p in prompts for a in ("--prompt", p)]
     out = lantern("generate", *prompt_flags, "--max-tokens", MAX_TOKENS, "--json",

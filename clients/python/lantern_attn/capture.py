@@ -112,6 +112,11 @@ class Capture:
         layers: {layer_idx: np.ndarray [rows, heads, keys]}, float32 or float16 as
             delivered, in the order of ``meta["layers"]``.
         indices: {layer_idx: np.ndarray int32, same shape} with top-k, else empty.
+        stats: {layer_idx: {stat: np.ndarray float32}} with ``attn_capture_stats``:
+            ``key_mass`` and ``key_max`` are ``[groups, keys]``, ``block_mass``
+            ``[groups, blocks]`` (blocks of ``meta["block_size"]`` keys); the groups of
+            each layer are ``meta["stats_groups"]`` (the query heads each averages). Empty
+            without statistics; ``layers`` is empty when only statistics were asked for.
     """
 
     def __init__(
@@ -119,10 +124,12 @@ class Capture:
         meta: Dict[str, Any],
         layers: Dict[int, np.ndarray],
         indices: Optional[Dict[int, np.ndarray]] = None,
+        stats: Optional[Dict[int, Dict[str, np.ndarray]]] = None,
     ):
         self.meta = meta
         self.layers = layers
         self.indices = indices if indices is not None else {}
+        self.stats = stats if stats is not None else {}
 
     # -- the meta, conveniently
 
@@ -459,9 +466,10 @@ def _from_inline(obj: Dict[str, Any]) -> Capture:
     data = obj["attn_capture_data"]
     if not isinstance(data, list):
         raise CaptureError("attn_capture_data is not a list")
-    if len(data) != len(meta["layers"]):
+    map_layers = meta["layers"] if meta.get("maps", True) else []
+    if len(data) != len(map_layers):
         raise CaptureError(
-            f"attn_capture_data has {len(data)} layers, the meta lists {len(meta['layers'])}"
+            f"attn_capture_data has {len(data)} layers, the meta implies {len(map_layers)}"
         )
     np_dtype, _ = _WIRE_DTYPES[meta["dtype"]]
     layers: Dict[int, np.ndarray] = {}
@@ -499,7 +507,51 @@ def _from_inline(obj: Dict[str, Any]) -> Capture:
             indices[layer_idx] = _native(idx)
         _check_shape(layer_idx, shape, meta)
         layers[layer_idx] = _native(values)
-    return Capture(meta, layers, indices)
+    return Capture(meta, layers, indices, _stats_from_inline(obj.get("attn_capture_stats_data"), meta))
+
+
+def _expected_stats(meta: Dict[str, Any]) -> List[tuple]:
+    """(layer_idx, stat, shape) of every statistic the meta lists, in delivered order."""
+    stats = meta.get("stats") or []
+    if not stats:
+        return []
+    groups = meta.get("stats_groups")
+    block = meta.get("block_size")
+    if not isinstance(groups, list) or len(groups) != len(meta["layers"]):
+        raise CaptureError("attn_capture_meta.stats_groups does not list every captured layer")
+    if not _is_int(block) or block < 1:
+        raise CaptureError("attn_capture_meta.block_size is missing in a capture with stats")
+    keys = len(meta["key_positions"])
+    out = []
+    for layer_idx, layer_groups in zip(meta["layers"], groups):
+        for stat in stats:
+            if stat not in ("key_mass", "key_max", "block_mass"):
+                raise CaptureError(f"attn_capture_meta.stats: unknown statistic {stat!r}")
+            width = -(-keys // block) if stat == "block_mass" else keys
+            out.append((layer_idx, stat, (len(layer_groups), width)))
+    return out
+
+
+def _stats_from_inline(data: Any, meta: Dict[str, Any]) -> Dict[int, Dict[str, np.ndarray]]:
+    expected = _expected_stats(meta)
+    if not expected:
+        return {}
+    if not isinstance(data, list) or len(data) != len(expected):
+        raise CaptureError(
+            f"attn_capture_stats_data should hold {len(expected)} entries (layers x stats)"
+        )
+    stats: Dict[int, Dict[str, np.ndarray]] = {}
+    for entry, (layer_idx, stat, shape) in zip(data, expected):
+        at = f"attn_capture_stats_data (layer {layer_idx}, {stat})"
+        if not isinstance(entry, dict) or entry.get("layer_idx") != layer_idx or entry.get("stat") != stat:
+            raise CaptureError(f"{at}: expected layer_idx {layer_idx} and stat {stat!r} here")
+        if entry.get("dtype") != "float32" or entry.get("encoding") != ENCODING:
+            raise CaptureError(f"{at}: expected dtype 'float32' and encoding {ENCODING!r}")
+        if list(entry.get("shape", [])) != list(shape):
+            raise CaptureError(f"{at}: shape {entry.get('shape')!r}, the meta implies {list(shape)}")
+        raw = _unbase64_gunzip(entry.get("data"), shape[0] * shape[1] * 4, f"{at}: data")
+        stats.setdefault(layer_idx, {})[stat] = _native(np.frombuffer(raw, dtype="<f4").reshape(shape))
+    return stats
 
 
 # --------------------------------------------------------------------------- responses
@@ -658,7 +710,7 @@ def _from_safetensors(buf: Any, size: int) -> Capture:
     _, want = _WIRE_DTYPES[meta["dtype"]]
     layers: Dict[int, np.ndarray] = {}
     indices: Dict[int, np.ndarray] = {}
-    for layer_idx in meta["layers"]:
+    for layer_idx in meta["layers"] if meta.get("maps", True) else []:
         name = f"layer.{layer_idx}"
         if name not in header:
             raise CaptureError(f"no tensor {name!r} for captured layer {layer_idx}")
@@ -680,7 +732,16 @@ def _from_safetensors(buf: Any, size: int) -> Capture:
             indices[layer_idx] = idx
         _check_shape(layer_idx, values.shape, meta)
         layers[layer_idx] = values
-    return Capture(meta, layers, indices)
+    stats: Dict[int, Dict[str, np.ndarray]] = {}
+    for layer_idx, stat, shape in _expected_stats(meta):
+        name = f"layer.{layer_idx}.{stat}"
+        if name not in header:
+            raise CaptureError(f"no tensor {name!r}: the meta lists {stat}")
+        values, st_dtype = _tensor(buf, header, start, size, name)
+        if st_dtype != "F32" or values.shape != shape:
+            raise CaptureError(f"{name} is {st_dtype} {list(values.shape)}, expected F32 {list(shape)}")
+        stats.setdefault(layer_idx, {})[stat] = values
+    return Capture(meta, layers, indices, stats)
 
 
 def load(source: Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]) -> Capture:

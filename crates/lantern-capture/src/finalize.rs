@@ -19,6 +19,7 @@ use crate::result::{
     AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo, CAPTURE_FORMAT,
 };
 use crate::spec::{HeadReduce, RowSelection};
+use crate::stats::{KeyStat, KeyStatsAccumulator};
 
 /// Why the last token of a finished request has no row.
 pub const LAST_TOKEN_ABSENT: &str =
@@ -142,6 +143,8 @@ pub struct PendingCapture {
     /// The longest the sequence could have grown (the prompt plus `max_tokens`): rows
     /// of an explicit range up to here that the sequence did not reach are absent.
     pub max_len: usize,
+    /// Tokens per KV cache block (the blocks of `block_mass`).
+    pub block_size: usize,
     /// Every position of the sequence, prompt then generated.
     pub tokens: Vec<TokenInfo>,
     /// Positions whose K/V were computed (the keys), `<= tokens.len()`.
@@ -256,14 +259,33 @@ impl PendingCapture {
         let mut reduced = Vec::new();
         let mut logits = Vec::with_capacity(num_keys);
         let mut maps = Vec::with_capacity(self.layers.len());
+        let mut stats = Vec::new();
+        let mut stats_groups = Vec::new();
         for (slot, &layer_idx) in spec.layers.iter().enumerate() {
             let layer = self.layers.get(slot).ok_or_else(|| {
                 CaptureError::Incomplete(format!("no keys for layer slot {slot}"))
             })?;
+            let map_len = if spec.maps { map_len } else { 0 };
             let mut values = Vec::with_capacity(map_len);
             let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
+            let mut accumulator = (!spec.stats.is_empty()).then(|| {
+                let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
+                stats_groups.push(
+                    groups
+                        .iter()
+                        .map(|g| g.iter().map(|&i| spec.heads[i]).collect())
+                        .collect(),
+                );
+                KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
+            });
             for pos in rows.clone() {
                 self.row_probabilities(slot, layer, pos, &mut dense, &mut logits)?;
+                if let Some(accumulator) = &mut accumulator {
+                    accumulator.add_row(&dense);
+                }
+                if !spec.maps {
+                    continue;
+                }
                 match &mut indices {
                     None => reduce_heads(&dense, heads, num_keys, spec.reduce, &mut values),
                     Some(indices) => {
@@ -273,12 +295,17 @@ impl PendingCapture {
                     }
                 }
             }
-            maps.push(LayerMap {
-                layer_idx,
-                shape: [rows.len(), spec.output_heads(), width],
-                values,
-                indices,
-            });
+            if spec.maps {
+                maps.push(LayerMap {
+                    layer_idx,
+                    shape: [rows.len(), spec.output_heads(), width],
+                    values,
+                    indices,
+                });
+            }
+            if let Some(accumulator) = accumulator {
+                stats.extend(accumulator.finish(layer_idx, &spec.stats, self.block_size));
+            }
             after_layer();
         }
         let meta = CaptureMeta {
@@ -309,8 +336,17 @@ impl PendingCapture {
                     num_kv_heads: l.num_kv_heads,
                 })
                 .collect(),
+            maps: spec.maps,
+            stats: spec.stats.iter().map(|s| s.as_str().to_string()).collect(),
+            stats_heads: (!spec.stats.is_empty()).then(|| spec.stats_heads.as_str().to_string()),
+            stats_groups,
+            block_size: (!spec.stats.is_empty()).then_some(self.block_size),
         };
-        Ok(CaptureResult { meta, layers: maps })
+        Ok(CaptureResult {
+            meta,
+            layers: maps,
+            stats,
+        })
     }
 }
 

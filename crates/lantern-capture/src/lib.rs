@@ -4,6 +4,8 @@
 //!   and the size of the result, known before any work starts.
 //! - [`buffer`]: the per-request buffer of query rows, filled by contiguous ranges while
 //!   the request runs (chunked prefill and decode alike).
+//! - [`stats`]: key statistics (each key's mass, its maximum, the mass per KV cache
+//!   block) accumulated row by row from the same probabilities.
 //! - [`finalize`]: the attention probabilities from the buffered queries and the keys
 //!   read back from the paged KV cache through its layout, with the layer's own
 //!   description (scale, masks, soft-cap, sinks, GQA mapping).
@@ -17,6 +19,7 @@ pub mod error;
 pub mod finalize;
 pub mod result;
 pub mod spec;
+pub mod stats;
 pub mod view;
 pub mod wire;
 pub mod worker;
@@ -29,4 +32,5 @@ pub use spec::{
     human_bytes, largest_fitting, AdmissionParts, CaptureDtype, CaptureGeometry, CaptureSpec,
     HeadReduce, RowSelection, TooLarge, TOKEN_META_BYTES,
 };
+pub use stats::{KeyStat, LayerStat, StatHeads};
 pub use worker::{CaptureWorker, Pacer, SubmitError, BUSY_DUTY_CYCLE, DEFAULT_MAX_QUEUED_CAPTURES};

@@ -61,6 +61,31 @@ pub struct CaptureMeta {
     /// Requested positions that have no row, and why.
     pub absent_rows: Vec<AbsentRow>,
     pub layer_attention: Vec<LayerAttentionInfo>,
+    /// Whether the maps are delivered: written only when false (key statistics alone),
+    /// so the meta of every capture with maps is what it has always been.
+    #[serde(default = "delivered", skip_serializing_if = "is_delivered")]
+    pub maps: bool,
+    /// Key statistics delivered: `key_mass`, `key_max`, `block_mass`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stats: Vec<String>,
+    /// With statistics: `kv`, `query` or `mean`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats_heads: Option<String>,
+    /// With statistics: per captured layer, per group (the first dimension of its
+    /// statistics), the query heads whose probabilities it averages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stats_groups: Vec<Vec<Vec<usize>>>,
+    /// With statistics: tokens per KV cache block (the keys of each `block_mass` entry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+}
+
+fn delivered() -> bool {
+    true
+}
+
+fn is_delivered(maps: &bool) -> bool {
+    *maps
 }
 
 /// One layer's map: `[rows, heads, keys]` (heads is 1 after a reduction; keys is `k`
@@ -79,5 +104,8 @@ pub struct LayerMap {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CaptureResult {
     pub meta: CaptureMeta,
+    /// One map per captured layer; none when the maps were not asked for.
     pub layers: Vec<LayerMap>,
+    /// Each asked statistic of each captured layer, layer by layer.
+    pub stats: Vec<crate::stats::LayerStat>,
 }

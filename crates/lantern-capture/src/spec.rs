@@ -6,6 +6,7 @@ use std::ops::Range;
 use lantern_attn::AttentionLayerSpec;
 
 use crate::error::CaptureError;
+pub use crate::stats::{KeyStat, StatHeads};
 
 /// Which query rows (absolute positions) to capture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +159,12 @@ pub struct CaptureSpec {
     /// Also keep each captured row's attention output (the backend's result), so that
     /// `P · V` can be checked against what the model used. For verification.
     pub keep_attention_output: bool,
+    /// Key statistics over the captured rows, ascending, without repeats.
+    pub stats: Vec<KeyStat>,
+    /// Over which heads the statistics are kept.
+    pub stats_heads: StatHeads,
+    /// Whether the maps are delivered (off for statistics alone).
+    pub maps: bool,
 }
 
 impl CaptureSpec {
@@ -171,6 +178,9 @@ impl CaptureSpec {
             top_k: None,
             dtype: CaptureDtype::Float32,
             keep_attention_output: false,
+            stats: Vec::new(),
+            stats_heads: StatHeads::Kv,
+            maps: true,
         }
     }
 
@@ -181,6 +191,14 @@ impl CaptureSpec {
         self.layers.dedup();
         self.heads.sort_unstable();
         self.heads.dedup();
+        self.stats.sort_unstable();
+        self.stats.dedup();
+        if !self.maps && self.stats.is_empty() {
+            return Err(CaptureError::InvalidField {
+                field: "attn_capture_maps",
+                message: "attn_capture_maps is false and no attn_capture_stats are asked for: nothing would be captured".into(),
+            });
+        }
         if self.layers.is_empty() {
             return Err(CaptureError::InvalidField {
                 field: "attn_capture_layers",
@@ -234,6 +252,15 @@ impl CaptureSpec {
     /// a map's columns end at its last row (attention is causal), so prompt rows cost
     /// the same whatever `max_tokens` is. Admission adds [`Self::working_bytes`].
     pub fn estimate_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        self.map_bytes(prompt_len, max_tokens)
+            .saturating_add(self.stats_bytes(prompt_len, max_tokens))
+    }
+
+    /// The maps' part of [`Self::estimate_bytes`] (none without maps).
+    fn map_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        if !self.maps {
+            return 0;
+        }
         let total = prompt_len.saturating_add(max_tokens);
         let rows = self.rows.positions(prompt_len, total);
         let keys = rows.end as u64;
@@ -245,6 +272,32 @@ impl CaptureSpec {
             .saturating_mul(self.output_heads() as u64)
             .saturating_mul(rows.len() as u64)
             .saturating_mul(per_row_head)
+    }
+
+    /// Statistics series kept per layer and group: those delivered, and key mass,
+    /// which block mass is made from, when it is not.
+    fn stats_series(&self) -> u64 {
+        if self.stats.is_empty() {
+            return 0;
+        }
+        self.stats.len() as u64 + u64::from(!self.stats.contains(&KeyStat::KeyMass))
+    }
+
+    /// The key statistics' part of [`Self::estimate_bytes`]: per layer, series, group
+    /// and key (a block holds at least one key), in f32.
+    fn stats_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        let total = prompt_len.saturating_add(max_tokens);
+        let keys = self.rows.positions(prompt_len, total).end as u64;
+        let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
+        [
+            self.layers.len() as u64,
+            self.stats_series(),
+            groups,
+            keys,
+            4,
+        ]
+        .into_iter()
+        .fold(1u64, u64::saturating_mul)
     }
 
     /// Bytes a capture holds while it runs beyond what it delivers (an upper bound, for
@@ -288,6 +341,11 @@ impl CaptureSpec {
         // One row of every head (`dense`), the logits, the reduced row and the top-k
         // selection order (usize per key).
         let scratch = mul(&[keys, heads * 4 + 4 + 4 + 8]);
+        // With statistics: one row of every group, and the running sums beside the
+        // copies finishing makes.
+        let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
+        let stats_scratch =
+            mul(&[keys, groups, (self.stats_series() + 1) * 4]) * u64::from(!self.stats.is_empty());
         let metadata = mul(&[num_rows.saturating_add(keys), 8]).saturating_add(mul(&[
             total,
             2,
@@ -305,13 +363,16 @@ impl CaptureSpec {
                 4,
             ]),
             f32_maps: mul(&[
+                u64::from(self.maps),
                 layers,
                 self.output_heads() as u64,
                 num_rows,
                 width,
                 per_value,
             ]),
-            scratch_and_metadata: scratch.saturating_add(metadata),
+            scratch_and_metadata: scratch
+                .saturating_add(stats_scratch)
+                .saturating_add(metadata),
             encoding: self.encoding_bytes(prompt_len, max_tokens),
         }
     }

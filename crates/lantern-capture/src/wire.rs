@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use crate::error::CaptureError;
 use crate::result::{CaptureMeta, CaptureResult, LayerMap, CAPTURE_FORMAT};
 use crate::spec::CaptureDtype;
+use crate::stats::{KeyStat, LayerStat};
 
 /// The only JSON encoding of the data.
 pub const ENCODING: &str = "gzip+base64";
@@ -37,10 +38,121 @@ fn malformed(message: impl Into<String>) -> CaptureError {
 /// `attn_capture_meta` (whose `dtype` is set to `dtype`).
 pub fn to_json(result: &CaptureResult, dtype: CaptureDtype) -> Value {
     let meta = meta_for(&result.meta, dtype);
-    json!({
+    let mut fields = json!({
         "attn_capture_data": layers_to_json(&result.layers, dtype),
         "attn_capture_meta": serde_json::to_value(&meta).expect("CaptureMeta serializes"),
-    })
+    });
+    if !result.stats.is_empty() {
+        fields["attn_capture_stats_data"] = Value::Array(stats_to_json(&result.stats));
+    }
+    fields
+}
+
+/// One `attn_capture_stats_data` object per layer and statistic, in order: always
+/// float32 (sums of many probabilities), gzip+base64 as the maps are.
+pub fn stats_to_json(stats: &[LayerStat]) -> Vec<Value> {
+    stats
+        .iter()
+        .map(|s| {
+            json!({
+                "layer_idx": s.layer_idx,
+                "stat": s.stat.as_str(),
+                "shape": s.shape,
+                "dtype": "float32",
+                "encoding": ENCODING,
+                "data": gzip_base64(&values_to_bytes(&s.values, CaptureDtype::Float32)),
+            })
+        })
+        .collect()
+}
+
+/// The statistics the meta lists, from `attn_capture_stats_data` entries.
+fn stats_from_json(
+    data: Option<&Value>,
+    meta: &CaptureMeta,
+) -> Result<Vec<LayerStat>, CaptureError> {
+    let expected = expected_stats(meta)?;
+    let entries = match data {
+        None if expected.is_empty() => return Ok(Vec::new()),
+        None => {
+            return Err(malformed(
+                "the meta lists stats but there is no attn_capture_stats_data",
+            ))
+        }
+        Some(data) => data
+            .as_array()
+            .ok_or_else(|| malformed("attn_capture_stats_data is not an array"))?,
+    };
+    if entries.len() != expected.len() {
+        return Err(malformed(format!(
+            "attn_capture_stats_data has {} entries, the meta implies {} (layers x stats)",
+            entries.len(),
+            expected.len()
+        )));
+    }
+    entries
+        .iter()
+        .zip(expected)
+        .map(|(entry, (layer_idx, stat, shape))| {
+            let at = format!("attn_capture_stats_data (layer {layer_idx}, {})", stat.as_str());
+            if entry["layer_idx"].as_u64() != Some(layer_idx as u64)
+                || entry["stat"].as_str() != Some(stat.as_str())
+                || entry["dtype"].as_str() != Some("float32")
+                || entry["encoding"].as_str() != Some(ENCODING)
+            {
+                return Err(malformed(format!(
+                    "{at}: expected layer_idx {layer_idx}, stat {:?}, dtype \"float32\", encoding {ENCODING:?}",
+                    stat.as_str()
+                )));
+            }
+            let text = entry["data"]
+                .as_str()
+                .ok_or_else(|| malformed(format!("{at}: data is not a string")))?;
+            let bytes = unbase64_gunzip(text, shape[0] * shape[1] * 4)
+                .map_err(|e| malformed(format!("{at}: {e}")))?;
+            Ok(LayerStat {
+                layer_idx,
+                stat,
+                shape,
+                values: values_from_bytes(&bytes, CaptureDtype::Float32),
+            })
+        })
+        .collect()
+}
+
+/// The statistics a meta implies, in their delivered order (layer by layer, each in
+/// the meta's order), with their shapes: `[groups, keys]`, `[groups, blocks]`.
+fn expected_stats(meta: &CaptureMeta) -> Result<Vec<(usize, KeyStat, [usize; 2])>, CaptureError> {
+    if meta.stats.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stats = meta
+        .stats
+        .iter()
+        .map(|s| KeyStat::parse(s).map_err(|e| malformed(format!("attn_capture_meta.stats: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    if meta.stats_groups.len() != meta.layers.len() {
+        return Err(malformed(format!(
+            "attn_capture_meta.stats_groups has {} layers, layers lists {}",
+            meta.stats_groups.len(),
+            meta.layers.len()
+        )));
+    }
+    let keys = meta.key_positions.len();
+    let block_size = meta.block_size.filter(|&b| b > 0).ok_or_else(|| {
+        malformed("attn_capture_meta.block_size is missing or 0 in a capture with stats")
+    })?;
+    let mut expected = Vec::new();
+    for (&layer_idx, groups) in meta.layers.iter().zip(&meta.stats_groups) {
+        for &stat in &stats {
+            let width = match stat {
+                KeyStat::BlockMass => keys.div_ceil(block_size),
+                KeyStat::KeyMass | KeyStat::KeyMax => keys,
+            };
+            expected.push((layer_idx, stat, [groups.len(), width]));
+        }
+    }
+    Ok(expected)
 }
 
 /// One `attn_capture_data` object per layer, in order.
@@ -87,11 +199,12 @@ pub fn from_json(value: &Value) -> Result<CaptureResult, CaptureError> {
     let entries = data
         .as_array()
         .ok_or_else(|| malformed("attn_capture_data is not an array"))?;
-    if entries.len() != meta.layers.len() {
+    let map_layers = if meta.maps { meta.layers.len() } else { 0 };
+    if entries.len() != map_layers {
         return Err(malformed(format!(
-            "attn_capture_data has {} layers, the meta lists {}",
+            "attn_capture_data has {} layers, the meta implies {map_layers} (maps: {})",
             entries.len(),
-            meta.layers.len()
+            meta.maps
         )));
     }
     let dtype = meta_dtype(&meta)?;
@@ -100,7 +213,12 @@ pub fn from_json(value: &Value) -> Result<CaptureResult, CaptureError> {
         .zip(&meta.layers)
         .map(|(entry, &layer_idx)| layer_from_json(entry, layer_idx, dtype, &meta))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(CaptureResult { meta, layers })
+    let stats = stats_from_json(object.get("attn_capture_stats_data"), &meta)?;
+    Ok(CaptureResult {
+        meta,
+        layers,
+        stats,
+    })
 }
 
 fn layer_from_json(
@@ -188,17 +306,23 @@ pub fn to_safetensors(
     };
     // 4-byte tensors first (indices, f32 values), then f16 ones, so every tensor starts
     // aligned to its element size, as safetensors orders them.
-    let mut tensors: Vec<(String, &str, [usize; 3], SafetensorsData)> = Vec::new();
+    let mut tensors: Vec<(String, &str, Vec<usize>, SafetensorsData)> = Vec::new();
     for layer in &result.layers {
         if let Some(indices) = &layer.indices {
             let name = format!("layer.{}.indices", layer.layer_idx);
-            tensors.push((name, "I32", layer.shape, SafetensorsData::Indices(indices)));
+            let data = SafetensorsData::Indices(indices);
+            tensors.push((name, "I32", layer.shape.to_vec(), data));
         }
     }
     for layer in &result.layers {
         let name = format!("layer.{}", layer.layer_idx);
         let data = SafetensorsData::Values(&layer.values, dtype);
-        tensors.push((name, values_dtype, layer.shape, data));
+        tensors.push((name, values_dtype, layer.shape.to_vec(), data));
+    }
+    for s in &result.stats {
+        let name = format!("layer.{}.{}", s.layer_idx, s.stat.as_str());
+        let data = SafetensorsData::Values(&s.values, CaptureDtype::Float32);
+        tensors.push((name, "F32", s.shape.to_vec(), data));
     }
     tensors.sort_by_key(|(_, dtype, _, _)| *dtype == "F16");
     let mut header = serde_json::Map::new();
@@ -227,7 +351,7 @@ pub fn to_safetensors(
     // capture always gives the same header.
     let mut header = Value::Object(header).to_string();
     // Padded with spaces to a multiple of 8, as safetensors pads, so the data is aligned.
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
     let mut out = Vec::with_capacity(8 + header.len() + offset);
@@ -290,8 +414,8 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<CaptureResult, CaptureError> {
         .map_err(|e| malformed(format!("{META_KEY} metadata is not JSON: {e}")))?;
     let meta = parse_meta(meta_value)?;
     let dtype = meta_dtype(&meta)?;
-    let layers = meta
-        .layers
+    let map_layers = if meta.maps { &meta.layers[..] } else { &[] };
+    let layers = map_layers
         .iter()
         .map(|&layer_idx| {
             let name = format!("layer.{layer_idx}");
@@ -341,7 +465,36 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<CaptureResult, CaptureError> {
             Ok(layer)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(CaptureResult { meta, layers })
+    let stats = expected_stats(&meta)?
+        .into_iter()
+        .map(|(layer_idx, stat, shape)| {
+            let name = format!("layer.{layer_idx}.{}", stat.as_str());
+            let view = tensors.tensor(&name).map_err(|_| {
+                malformed(format!(
+                    "no tensor {name:?}: the meta lists {}",
+                    stat.as_str()
+                ))
+            })?;
+            if view.dtype() != Dtype::F32 || view.shape() != shape {
+                return Err(malformed(format!(
+                    "{name} is {:?} {:?}, expected F32 {shape:?}",
+                    view.dtype(),
+                    view.shape()
+                )));
+            }
+            Ok(LayerStat {
+                layer_idx,
+                stat,
+                shape,
+                values: values_from_bytes(view.data(), CaptureDtype::Float32),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(CaptureResult {
+        meta,
+        layers,
+        stats,
+    })
 }
 
 fn meta_for(meta: &CaptureMeta, dtype: CaptureDtype) -> CaptureMeta {
@@ -568,8 +721,80 @@ mod tests {
                     num_kv_heads: 3,
                 })
                 .collect(),
+            maps: true,
+            stats: Vec::new(),
+            stats_heads: None,
+            stats_groups: Vec::new(),
+            block_size: None,
         };
-        CaptureResult { meta, layers: maps }
+        CaptureResult {
+            meta,
+            layers: maps,
+            stats: Vec::new(),
+        }
+    }
+
+    /// `result` with key statistics of every layer (two kv groups, blocks of 4 keys),
+    /// with or without its maps.
+    fn with_stats(mut result: CaptureResult, maps: bool) -> CaptureResult {
+        let keys = result.meta.key_positions.len();
+        let mut rng = StdRng::seed_from_u64(99);
+        result.meta.maps = maps;
+        if !maps {
+            result.layers.clear();
+        }
+        result.meta.stats = vec!["key_mass".into(), "block_mass".into()];
+        result.meta.stats_heads = Some("kv".into());
+        result.meta.block_size = Some(4);
+        result.meta.stats_groups = result
+            .meta
+            .layers
+            .iter()
+            .map(|_| vec![vec![0, 1], vec![3]])
+            .collect();
+        result.stats = result
+            .meta
+            .layers
+            .iter()
+            .flat_map(|&layer_idx| {
+                let blocks = keys.div_ceil(4);
+                [(KeyStat::KeyMass, keys), (KeyStat::BlockMass, blocks)].map(|(stat, width)| {
+                    LayerStat {
+                        layer_idx,
+                        stat,
+                        shape: [2, width],
+                        values: (0..2 * width).map(|_| rng.gen_range(0.0..3.0)).collect(),
+                    }
+                })
+            })
+            .collect();
+        result
+    }
+
+    #[test]
+    fn key_statistics_round_trip_in_both_formats_with_and_without_maps() {
+        for maps in [true, false] {
+            let result = with_stats(random_capture(5, 11, "none", None), maps);
+            let json = to_json(&result, CaptureDtype::Float32);
+            assert_eq!(
+                json["attn_capture_stats_data"].as_array().unwrap().len(),
+                2 * 2
+            );
+            assert_eq!(from_json(&json).unwrap(), result);
+            let bytes = to_safetensors(&result, CaptureDtype::Float32).unwrap();
+            assert_eq!(from_safetensors(&bytes).unwrap(), result);
+            let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+            let names: Vec<_> = header.tensors().keys().cloned().collect();
+            assert!(names.contains(&"layer.3.key_mass".to_string()), "{names:?}");
+            assert_eq!(names.iter().any(|n| n == "layer.3"), maps, "{names:?}");
+        }
+        // A meta that lists stats the data does not carry is refused.
+        let result = with_stats(random_capture(5, 11, "none", None), true);
+        let mut json = to_json(&result, CaptureDtype::Float32);
+        json.as_object_mut()
+            .unwrap()
+            .remove("attn_capture_stats_data");
+        assert!(from_json(&json).is_err());
     }
 
     /// `result` as f16 would deliver it.

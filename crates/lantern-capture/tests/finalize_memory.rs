@@ -101,6 +101,7 @@ fn pending(spec: CaptureSpec) -> PendingCapture {
             .collect(),
         prompt_len,
         max_len: TOKENS,
+        block_size: 16,
         tokens: (0..TOKENS)
             .map(|i| TokenInfo {
                 id: i as u32,

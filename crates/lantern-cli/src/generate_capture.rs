@@ -58,6 +58,19 @@ pub struct CaptureArgs {
     /// `float16`.
     #[arg(long, value_name = "DTYPE", requires = "capture")]
     pub capture_dtype: Option<String>,
+    /// Key statistics over the captured rows (`attn_capture_stats`): any of
+    /// `key_mass`, `key_max`, `block_mass`, comma-separated. Without --capture-maps
+    /// true, only the statistics are written.
+    #[arg(long, value_name = "STATS", requires = "capture")]
+    pub capture_stats: Option<String>,
+    /// Heads the statistics are kept for (`attn_capture_stats_heads`): `kv` (default:
+    /// per KV head), `query` or `mean`.
+    #[arg(long, value_name = "HEADS", requires = "capture")]
+    pub capture_stats_heads: Option<String>,
+    /// Write the maps too (`attn_capture_maps`): `true` (the default without
+    /// --capture-stats) or `false`.
+    #[arg(long, value_name = "BOOL", requires = "capture")]
+    pub capture_maps: Option<bool>,
     /// Largest capture one prompt may ask for, in bytes (`256M`, `1G`), as the
     /// server's flag of the same name: a larger one is refused with the estimate
     /// before anything runs.
@@ -67,8 +80,11 @@ pub struct CaptureArgs {
 
 /// The HTTP field names and the options that stand for them here, longest first so
 /// that a name is never replaced inside a longer one.
-const FIELD_OPTIONS: [(&str, &str); 8] = [
+const FIELD_OPTIONS: [(&str, &str); 11] = [
+    ("attn_capture_stats_heads", "--capture-stats-heads"),
     ("attn_capture_layers", "--capture-layers"),
+    ("attn_capture_stats", "--capture-stats"),
+    ("attn_capture_maps", "--capture-maps"),
     ("attn_capture_reduce", "--capture-reduce"),
     ("attn_capture_heads", "--capture-heads"),
     ("attn_capture_dtype", "--capture-dtype"),
@@ -107,6 +123,8 @@ impl CaptureArgs {
             ("attn_capture_rows", &self.capture_rows),
             ("attn_capture_reduce", &self.capture_reduce),
             ("attn_capture_dtype", &self.capture_dtype),
+            ("attn_capture_stats", &self.capture_stats),
+            ("attn_capture_stats_heads", &self.capture_stats_heads),
         ];
         for (field, value) in text {
             if let Some(value) = value {
@@ -115,6 +133,9 @@ impl CaptureArgs {
         }
         if let Some(k) = self.capture_top_k {
             body["attn_capture_top_k"] = json!(k);
+        }
+        if let Some(maps) = self.capture_maps {
+            body["attn_capture_maps"] = json!(maps);
         }
         body
     }

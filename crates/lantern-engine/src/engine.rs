@@ -515,6 +515,7 @@ impl Engine {
                 layers,
                 prompt_len: req.prompt_len(),
                 max_len: req.prompt_len().saturating_add(req.params.max_tokens),
+                block_size: self.config.block_size,
                 tokens,
                 num_computed,
             }),

@@ -434,7 +434,7 @@ fn captured_attention_of_every_layer_equals_the_reference() {
         let heads = info.attention[0].num_heads;
         for p in case.prompts() {
             let name = format!("{} {}", case.name(), p.id);
-            let mut spec = CaptureSpec::everything(info.num_layers, heads);
+            let mut spec = common::with_every_stat(CaptureSpec::everything(info.num_layers, heads));
             spec.rows = RowSelection::Prompt;
             spec.keep_attention_output = true;
             let out = common::run_to_completion(
@@ -444,6 +444,7 @@ fn captured_attention_of_every_layer_equals_the_reference() {
             let pending = out[0].capture.as_ref().unwrap().as_ref().unwrap();
             let result = pending.finalize().unwrap();
             common::check_capture_invariants(pending, &result);
+            common::check_stats_equal_the_maps(&result);
             let n = p.all_ids.len();
             let mut worst = 0f32;
             for map in &result.layers {

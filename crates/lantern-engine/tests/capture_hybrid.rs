@@ -64,11 +64,14 @@ fn sliding_layers_are_zero_outside_the_window_and_every_invariant_holds() {
         max_num_batched_tokens: 7,
         ..config()
     });
-    let spec = spec();
+    let spec = common::with_every_stat(spec());
     let out = run(&mut engine, vec![(prompt(30, 1), params(12), Some(spec))]);
     let pending = pending(&out[0]);
     let result = pending.finalize().unwrap();
     common::check_capture_invariants(pending, &result);
+    // Key statistics over sliding and global layers are the maps' reductions.
+    common::check_stats_equal_the_maps(&result);
+    assert_eq!(result.meta.block_size, Some(4));
     let info = engine.model_info();
     let keys = result.meta.key_positions.len();
     assert_eq!(keys, 41);

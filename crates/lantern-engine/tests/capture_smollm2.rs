@@ -50,7 +50,10 @@ fn every_row_sums_to_one_is_masked_and_reproduces_the_attention_output() {
         ..common::f32_kv()
     });
     let info = engine.model_info().clone();
-    let mut spec = CaptureSpec::everything(info.num_layers, info.attention[0].num_heads);
+    let mut spec = common::with_every_stat(CaptureSpec::everything(
+        info.num_layers,
+        info.attention[0].num_heads,
+    ));
     spec.keep_attention_output = true;
     let p = prompt(&engine, STORY);
     let out = run(&mut engine, vec![(p.clone(), params(6), Some(spec))]);
@@ -69,6 +72,7 @@ fn every_row_sums_to_one_is_masked_and_reproduces_the_attention_output() {
     }
     let worst_rel = common::check_capture_invariants(pending, &result);
     eprintln!("worst relative error of P·V against the attention output: {worst_rel:.2e}");
+    common::check_stats_equal_the_maps(&result);
 }
 
 /// Reads `attn_L{layer}` (`[P+32, heads, P+32]` f16) of a reference prompt.

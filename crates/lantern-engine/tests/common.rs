@@ -251,3 +251,61 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Asks a capture spec for every key statistic per query head, beside its maps.
+pub fn with_every_stat(mut spec: lantern_capture::CaptureSpec) -> lantern_capture::CaptureSpec {
+    spec.stats = lantern_capture::KeyStat::ALL.to_vec();
+    spec.stats_heads = lantern_capture::StatHeads::Query;
+    spec.maps = true;
+    spec
+}
+
+/// Checks a capture of [`with_every_stat`] (full maps, no reduction): each layer's key
+/// mass and key max are its map summed and maxed over the rows (in row order, f32: bit
+/// for bit), and block mass is key mass summed per block.
+pub fn check_stats_equal_the_maps(result: &lantern_capture::CaptureResult) {
+    use lantern_capture::KeyStat;
+    let block = result.meta.block_size.expect("block_size with stats");
+    for map in &result.layers {
+        let [rows, heads, keys] = map.shape;
+        let stat = |which: KeyStat| {
+            result
+                .stats
+                .iter()
+                .find(|s| s.layer_idx == map.layer_idx && s.stat == which)
+                .unwrap_or_else(|| panic!("layer {}: no {which:?}", map.layer_idx))
+        };
+        let (mut mass, mut max) = (vec![0f32; heads * keys], vec![0f32; heads * keys]);
+        for r in 0..rows {
+            let row = &map.values[r * heads * keys..(r + 1) * heads * keys];
+            for (i, &p) in row.iter().enumerate() {
+                mass[i] += p;
+                max[i] = max[i].max(p);
+            }
+        }
+        assert_eq!(
+            stat(KeyStat::KeyMass).values,
+            mass,
+            "layer {}",
+            map.layer_idx
+        );
+        assert_eq!(stat(KeyStat::KeyMax).values, max, "layer {}", map.layer_idx);
+        let blocks: Vec<f32> = mass
+            .chunks(keys)
+            .flat_map(|head| head.chunks(block).map(|b| b.iter().sum::<f32>()))
+            .collect();
+        assert_eq!(
+            stat(KeyStat::BlockMass).values,
+            blocks,
+            "layer {}",
+            map.layer_idx
+        );
+        for head in mass.chunks(keys) {
+            let total: f32 = head.iter().sum();
+            assert!(
+                (total - rows as f32).abs() <= 1e-4 * rows as f32,
+                "masses sum to {total}, rows {rows}"
+            );
+        }
+    }
+}

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
     largest_fitting, wire, CaptureDtype, CaptureError, CaptureFailure, CaptureGeometry,
-    CaptureSpec, CaptureWorker, HeadReduce, Pacer, PendingCapture, RowSelection,
+    CaptureSpec, CaptureWorker, HeadReduce, KeyStat, Pacer, PendingCapture, RowSelection,
+    StatHeads,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
@@ -177,6 +178,34 @@ fn parse_indices(
     }
 }
 
+/// Key statistics from a list of names or one comma-separated string.
+fn parse_stats(value: &Value) -> Result<Vec<KeyStat>, InvalidRequest> {
+    let names: Vec<&str> = match value {
+        Value::String(s) => s.split(',').collect(),
+        Value::Array(items) => items
+            .iter()
+            .map(|v| {
+                v.as_str().ok_or_else(|| {
+                    InvalidRequest::invalid(
+                        "attn_capture_stats",
+                        "attn_capture_stats must be a list of \"key_mass\", \"key_max\", \"block_mass\"",
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(InvalidRequest::invalid(
+                "attn_capture_stats",
+                "attn_capture_stats must be a list of \"key_mass\", \"key_max\", \"block_mass\"",
+            ))
+        }
+    };
+    names
+        .into_iter()
+        .map(|name| KeyStat::parse(name).map_err(field_error))
+        .collect()
+}
+
 fn string_field<'a>(
     body: &'a Value,
     field: &'static str,
@@ -192,7 +221,7 @@ fn string_field<'a>(
 }
 
 /// The capture fields a request may send beside `attn_capture`.
-pub const CAPTURE_FIELDS: [&str; 7] = [
+pub const CAPTURE_FIELDS: [&str; 10] = [
     "attn_capture_layers",
     "attn_capture_heads",
     "attn_capture_rows",
@@ -200,6 +229,9 @@ pub const CAPTURE_FIELDS: [&str; 7] = [
     "attn_capture_top_k",
     "attn_capture_dtype",
     "attn_capture_delivery",
+    "attn_capture_stats",
+    "attn_capture_stats_heads",
+    "attn_capture_maps",
 ];
 
 /// Whether the body asks for capture: `attn_capture` true or 1. Capture fields
@@ -310,6 +342,25 @@ pub fn parse_capture_request(
             ))
         }
     };
+    let stats = match body.get("attn_capture_stats") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => parse_stats(v)?,
+    };
+    let stats_heads = match string_field(body, "attn_capture_stats_heads")? {
+        None => StatHeads::default(),
+        Some(s) => StatHeads::parse(s).map_err(field_error)?,
+    };
+    // Statistics are asked for instead of the maps, unless the maps are asked too.
+    let maps = match body.get("attn_capture_maps") {
+        None | Some(Value::Null) => stats.is_empty(),
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(InvalidRequest::invalid(
+                "attn_capture_maps",
+                "attn_capture_maps must be true or false",
+            ))
+        }
+    };
     let mut spec = CaptureSpec {
         layers,
         heads,
@@ -318,6 +369,9 @@ pub fn parse_capture_request(
         top_k,
         dtype,
         keep_attention_output: false,
+        stats,
+        stats_heads,
+        maps,
     };
     spec.validate(num_layers, num_heads).map_err(field_error)?;
     Ok(Some(CaptureRequest { spec, delivery }))

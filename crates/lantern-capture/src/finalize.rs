@@ -18,6 +18,7 @@ use crate::error::CaptureError;
 use crate::result::{
     AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo, CAPTURE_FORMAT,
 };
+use crate::spans::SpanMassAccumulator;
 use crate::spec::{HeadReduce, RowSelection};
 use crate::stats::{KeyStat, KeyStatsAccumulator};
 
@@ -261,6 +262,20 @@ impl PendingCapture {
         let mut maps = Vec::with_capacity(self.layers.len());
         let mut stats = Vec::new();
         let mut stats_groups = Vec::new();
+        let mut span_mass = Vec::new();
+        let span_ranges = spec
+            .spans
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.tokens.clone().ok_or_else(|| {
+                    CaptureError::Incomplete(format!(
+                        "span {i} ({:?}) was never resolved to tokens",
+                        s.label
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         for (slot, &layer_idx) in spec.layers.iter().enumerate() {
             let layer = self.layers.get(slot).ok_or_else(|| {
                 CaptureError::Incomplete(format!("no keys for layer slot {slot}"))
@@ -268,20 +283,28 @@ impl PendingCapture {
             let map_len = if spec.maps { map_len } else { 0 };
             let mut values = Vec::with_capacity(map_len);
             let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
-            let mut accumulator = (!spec.stats.is_empty()).then(|| {
-                let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
+            let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
+            if !spec.stats.is_empty() || !spec.spans.is_empty() {
                 stats_groups.push(
                     groups
                         .iter()
                         .map(|g| g.iter().map(|&i| spec.heads[i]).collect())
                         .collect(),
                 );
+            }
+            let mut spans = (!spec.spans.is_empty()).then(|| {
+                SpanMassAccumulator::new(groups.clone(), num_keys, &span_ranges, rows.len())
+            });
+            let mut accumulator = (!spec.stats.is_empty()).then(|| {
                 KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
             });
             for pos in rows.clone() {
                 self.row_probabilities(slot, layer, pos, &mut dense, &mut logits)?;
                 if let Some(accumulator) = &mut accumulator {
                     accumulator.add_row(&dense);
+                }
+                if let Some(spans) = &mut spans {
+                    spans.add_row(&dense);
                 }
                 if !spec.maps {
                     continue;
@@ -305,6 +328,9 @@ impl PendingCapture {
             }
             if let Some(accumulator) = accumulator {
                 stats.extend(accumulator.finish(layer_idx, &spec.stats, self.block_size));
+            }
+            if let Some(spans) = spans {
+                span_mass.push(spans.finish(layer_idx));
             }
             after_layer();
         }
@@ -338,14 +364,20 @@ impl PendingCapture {
                 .collect(),
             maps: spec.maps,
             stats: spec.stats.iter().map(|s| s.as_str().to_string()).collect(),
-            stats_heads: (!spec.stats.is_empty()).then(|| spec.stats_heads.as_str().to_string()),
+            stats_heads: (!spec.stats.is_empty() || !spec.spans.is_empty())
+                .then(|| spec.stats_heads.as_str().to_string()),
             stats_groups,
             block_size: (!spec.stats.is_empty()).then_some(self.block_size),
+            spans: spec.spans.iter().map(|s| s.info()).collect(),
+            span_offsets: spec.span_text.as_ref().map(|t| t.offsets.clone()),
+            span_messages: spec.span_text.as_ref().and_then(|t| t.messages.clone()),
+            span_prompt: spec.span_text.as_ref().and_then(|t| t.prompt.clone()),
         };
         Ok(CaptureResult {
             meta,
             layers: maps,
             stats,
+            span_mass,
         })
     }
 }

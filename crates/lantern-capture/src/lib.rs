@@ -6,6 +6,8 @@
 //!   the request runs (chunked prefill and decode alike).
 //! - [`stats`]: key statistics (each key's mass, its maximum, the mass per KV cache
 //!   block) accumulated row by row from the same probabilities.
+//! - [`spans`]: labelled spans of the prompt (character ranges resolved to tokens) and
+//!   the attention mass each row gives each of them.
 //! - [`finalize`]: the attention probabilities from the buffered queries and the keys
 //!   read back from the paged KV cache through its layout, with the layer's own
 //!   description (scale, masks, soft-cap, sinks, GQA mapping).
@@ -18,6 +20,7 @@ pub mod buffer;
 pub mod error;
 pub mod finalize;
 pub mod result;
+pub mod spans;
 pub mod spec;
 pub mod stats;
 pub mod view;
@@ -28,6 +31,9 @@ pub use buffer::{QueryRowBuffer, StepTap};
 pub use error::{CaptureError, CaptureFailure};
 pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
+pub use spans::{
+    resolve_spans, CaptureSpan, LayerSpanMass, PromptText, SpanAt, SpanInfo, SpanText, MAX_SPANS,
+};
 pub use spec::{
     human_bytes, largest_fitting, AdmissionParts, CaptureDtype, CaptureGeometry, CaptureSpec,
     HeadReduce, RowSelection, TooLarge, TOKEN_META_BYTES,

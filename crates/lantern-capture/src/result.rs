@@ -78,6 +78,20 @@ pub struct CaptureMeta {
     /// With statistics: tokens per KV cache block (the keys of each `block_mass` entry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
+    /// With spans: each span, in the order of the last axis of `span_mass`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spans: Vec<crate::spans::SpanInfo>,
+    /// With spans named by text: per prompt token, its characters `[start, end)` of the
+    /// prompt text (for chat, of `span_prompt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub span_offsets: Option<Vec<[usize; 2]>>,
+    /// Chat, with spans named by text: each message's content as characters of
+    /// `span_prompt` (`null` where the template does not write it as it is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub span_messages: Option<Vec<Option<[usize; 2]>>>,
+    /// Chat, with spans named by text: the prompt the chat template rendered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub span_prompt: Option<String>,
 }
 
 fn delivered() -> bool {
@@ -108,4 +122,6 @@ pub struct CaptureResult {
     pub layers: Vec<LayerMap>,
     /// Each asked statistic of each captured layer, layer by layer.
     pub stats: Vec<crate::stats::LayerStat>,
+    /// With spans: each captured layer's span masses, layer by layer.
+    pub span_mass: Vec<crate::spans::LayerSpanMass>,
 }

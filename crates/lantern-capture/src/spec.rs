@@ -6,6 +6,7 @@ use std::ops::Range;
 use lantern_attn::AttentionLayerSpec;
 
 use crate::error::CaptureError;
+pub use crate::spans::{CaptureSpan, SpanAt, SpanText};
 pub use crate::stats::{KeyStat, StatHeads};
 
 /// Which query rows (absolute positions) to capture.
@@ -163,8 +164,13 @@ pub struct CaptureSpec {
     pub stats: Vec<KeyStat>,
     /// Over which heads the statistics are kept.
     pub stats_heads: StatHeads,
-    /// Whether the maps are delivered (off for statistics alone).
+    /// Whether the maps are delivered (off for statistics or spans alone).
     pub maps: bool,
+    /// Labelled spans of the prompt whose attention mass each row gives (over the
+    /// groups of `stats_heads`); resolved to tokens before the request runs.
+    pub spans: Vec<CaptureSpan>,
+    /// With spans named by text: the characters of each prompt token.
+    pub span_text: Option<SpanText>,
 }
 
 impl CaptureSpec {
@@ -181,6 +187,8 @@ impl CaptureSpec {
             stats: Vec::new(),
             stats_heads: StatHeads::Kv,
             maps: true,
+            spans: Vec::new(),
+            span_text: None,
         }
     }
 
@@ -193,12 +201,13 @@ impl CaptureSpec {
         self.heads.dedup();
         self.stats.sort_unstable();
         self.stats.dedup();
-        if !self.maps && self.stats.is_empty() {
+        if !self.maps && self.stats.is_empty() && self.spans.is_empty() {
             return Err(CaptureError::InvalidField {
                 field: "attn_capture_maps",
-                message: "attn_capture_maps is false and no attn_capture_stats are asked for: nothing would be captured".into(),
+                message: "attn_capture_maps is false and no attn_capture_stats or attn_capture_spans are asked for: nothing would be captured".into(),
             });
         }
+        crate::spans::check_spans(&self.spans)?;
         if self.layers.is_empty() {
             return Err(CaptureError::InvalidField {
                 field: "attn_capture_layers",
@@ -254,6 +263,34 @@ impl CaptureSpec {
     pub fn estimate_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
         self.map_bytes(prompt_len, max_tokens)
             .saturating_add(self.stats_bytes(prompt_len, max_tokens))
+            .saturating_add(self.span_bytes(prompt_len, max_tokens))
+    }
+
+    /// The span masses' part of [`Self::estimate_bytes`]: per layer, row, group and
+    /// span (and the rest), in f32; and the meta's mapping (two offsets per prompt
+    /// token, the rendered chat prompt).
+    fn span_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        if self.spans.is_empty() {
+            return 0;
+        }
+        let total = prompt_len.saturating_add(max_tokens);
+        let rows = self.rows.positions(prompt_len, total).len() as u64;
+        let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
+        let masses = [
+            self.layers.len() as u64,
+            rows,
+            groups,
+            self.spans.len() as u64 + 1,
+            4,
+        ]
+        .into_iter()
+        .fold(1u64, u64::saturating_mul);
+        let mapping = self.span_text.as_ref().map_or(0, |t| {
+            (t.offsets.len() as u64)
+                .saturating_mul(16)
+                .saturating_add(t.prompt.as_ref().map_or(0, |p| p.len() as u64))
+        });
+        masses.saturating_add(mapping)
     }
 
     /// The maps' part of [`Self::estimate_bytes`] (none without maps).
@@ -346,6 +383,8 @@ impl CaptureSpec {
         let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
         let stats_scratch =
             mul(&[keys, groups, (self.stats_series() + 1) * 4]) * u64::from(!self.stats.is_empty());
+        // With spans: one row of every group and the key -> span table.
+        let span_scratch = mul(&[keys, groups * 4 + 4]) * u64::from(!self.spans.is_empty());
         let metadata = mul(&[num_rows.saturating_add(keys), 8]).saturating_add(mul(&[
             total,
             2,
@@ -372,6 +411,7 @@ impl CaptureSpec {
             ]),
             scratch_and_metadata: scratch
                 .saturating_add(stats_scratch)
+                .saturating_add(span_scratch)
                 .saturating_add(metadata),
             encoding: self.encoding_bytes(prompt_len, max_tokens),
         }

@@ -116,6 +116,25 @@ pub struct LayerStat {
     pub values: Vec<f32>,
 }
 
+/// One row's probability per group and key into `out` (`[groups, keys]`) from `dense`
+/// (`[heads, keys]`): the mean of each group's heads, summed in head order then scaled,
+/// as `mean_heads` maps are.
+pub(crate) fn group_row(groups: &[Vec<usize>], dense: &[f32], keys: usize, out: &mut [f32]) {
+    for (g, members) in groups.iter().enumerate() {
+        let out = &mut out[g * keys..(g + 1) * keys];
+        out.fill(0.0);
+        for &h in members {
+            for (o, &p) in out.iter_mut().zip(&dense[h * keys..(h + 1) * keys]) {
+                *o += p;
+            }
+        }
+        if members.len() > 1 {
+            let inv = 1.0 / members.len() as f32;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+}
+
 /// Accumulates one layer's statistics as its rows are computed.
 pub(crate) struct KeyStatsAccumulator {
     groups: Vec<Vec<usize>>,
@@ -142,20 +161,7 @@ impl KeyStatsAccumulator {
     /// head (zero where a key is not visible). A group's value is the mean of its
     /// heads' probabilities, summed in head order then scaled, as `mean_heads` maps are.
     pub(crate) fn add_row(&mut self, dense: &[f32]) {
-        let keys = self.num_keys;
-        for (g, members) in self.groups.iter().enumerate() {
-            let out = &mut self.row[g * keys..(g + 1) * keys];
-            out.fill(0.0);
-            for &h in members {
-                for (o, &p) in out.iter_mut().zip(&dense[h * keys..(h + 1) * keys]) {
-                    *o += p;
-                }
-            }
-            if members.len() > 1 {
-                let inv = 1.0 / members.len() as f32;
-                out.iter_mut().for_each(|o| *o *= inv);
-            }
-        }
+        group_row(&self.groups, dense, self.num_keys, &mut self.row);
         for (m, &v) in self.mass.iter_mut().zip(&self.row) {
             *m += v;
         }

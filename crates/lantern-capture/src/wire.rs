@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::error::CaptureError;
 use crate::result::{CaptureMeta, CaptureResult, LayerMap, CAPTURE_FORMAT};
+use crate::spans::LayerSpanMass;
 use crate::spec::CaptureDtype;
 use crate::stats::{KeyStat, LayerStat};
 
@@ -45,7 +46,111 @@ pub fn to_json(result: &CaptureResult, dtype: CaptureDtype) -> Value {
     if !result.stats.is_empty() {
         fields["attn_capture_stats_data"] = Value::Array(stats_to_json(&result.stats));
     }
+    if !result.meta.spans.is_empty() {
+        fields["attn_capture_span_data"] = Value::Array(span_mass_to_json(&result.span_mass));
+    }
     fields
+}
+
+/// The name of the span masses (`stat` inline, `layer.{L}.span_mass` in safetensors).
+pub const SPAN_MASS: &str = "span_mass";
+
+/// One `attn_capture_span_data` object per layer, in order: `[rows, groups, spans + 1]`
+/// float32, gzip+base64 as the maps are.
+pub fn span_mass_to_json(masses: &[LayerSpanMass]) -> Vec<Value> {
+    masses
+        .iter()
+        .map(|m| {
+            json!({
+                "layer_idx": m.layer_idx,
+                "stat": SPAN_MASS,
+                "shape": m.shape,
+                "dtype": "float32",
+                "encoding": ENCODING,
+                "data": gzip_base64(&values_to_bytes(&m.values, CaptureDtype::Float32)),
+            })
+        })
+        .collect()
+}
+
+/// The span masses a meta implies, layer by layer, with their shapes.
+fn expected_span_mass(meta: &CaptureMeta) -> Result<Vec<(usize, [usize; 3])>, CaptureError> {
+    if meta.spans.is_empty() {
+        return Ok(Vec::new());
+    }
+    if meta.stats_groups.len() != meta.layers.len() {
+        return Err(malformed(format!(
+            "attn_capture_meta.stats_groups has {} layers, layers lists {}",
+            meta.stats_groups.len(),
+            meta.layers.len()
+        )));
+    }
+    let rows = meta.row_positions.len();
+    Ok(meta
+        .layers
+        .iter()
+        .zip(&meta.stats_groups)
+        .map(|(&layer_idx, groups)| (layer_idx, [rows, groups.len(), meta.spans.len() + 1]))
+        .collect())
+}
+
+/// The span masses the meta lists, from `attn_capture_span_data` entries.
+fn span_mass_from_json(
+    data: Option<&Value>,
+    meta: &CaptureMeta,
+) -> Result<Vec<LayerSpanMass>, CaptureError> {
+    let expected = expected_span_mass(meta)?;
+    let entries = match data {
+        None if expected.is_empty() => return Ok(Vec::new()),
+        None => {
+            return Err(malformed(
+                "the meta lists spans but there is no attn_capture_span_data",
+            ))
+        }
+        Some(data) => data
+            .as_array()
+            .ok_or_else(|| malformed("attn_capture_span_data is not an array"))?,
+    };
+    if entries.len() != expected.len() {
+        return Err(malformed(format!(
+            "attn_capture_span_data has {} entries, the meta implies {} (one per layer)",
+            entries.len(),
+            expected.len()
+        )));
+    }
+    entries
+        .iter()
+        .zip(expected)
+        .map(|(entry, (layer_idx, shape))| {
+            let at = format!("attn_capture_span_data (layer {layer_idx})");
+            if entry["layer_idx"].as_u64() != Some(layer_idx as u64)
+                || entry["stat"].as_str() != Some(SPAN_MASS)
+                || entry["dtype"].as_str() != Some("float32")
+                || entry["encoding"].as_str() != Some(ENCODING)
+            {
+                return Err(malformed(format!(
+                    "{at}: expected layer_idx {layer_idx}, stat {SPAN_MASS:?}, dtype \"float32\", encoding {ENCODING:?}"
+                )));
+            }
+            if parse_shape(&entry["shape"]).ok() != Some(shape) {
+                return Err(malformed(format!(
+                    "{at}: shape {} does not match the meta, which implies {shape:?} (rows, groups, spans + 1)",
+                    entry["shape"]
+                )));
+            }
+            let text = entry["data"]
+                .as_str()
+                .ok_or_else(|| malformed(format!("{at}: data is not a string")))?;
+            let count = element_count(shape).map_err(|e| malformed(format!("{at}: {e}")))?;
+            let bytes =
+                unbase64_gunzip(text, count * 4).map_err(|e| malformed(format!("{at}: {e}")))?;
+            Ok(LayerSpanMass {
+                layer_idx,
+                shape,
+                values: values_from_bytes(&bytes, CaptureDtype::Float32),
+            })
+        })
+        .collect()
 }
 
 /// One `attn_capture_stats_data` object per layer and statistic, in order: always
@@ -214,10 +319,12 @@ pub fn from_json(value: &Value) -> Result<CaptureResult, CaptureError> {
         .map(|(entry, &layer_idx)| layer_from_json(entry, layer_idx, dtype, &meta))
         .collect::<Result<Vec<_>, _>>()?;
     let stats = stats_from_json(object.get("attn_capture_stats_data"), &meta)?;
+    let span_mass = span_mass_from_json(object.get("attn_capture_span_data"), &meta)?;
     Ok(CaptureResult {
         meta,
         layers,
         stats,
+        span_mass,
     })
 }
 
@@ -323,6 +430,11 @@ pub fn to_safetensors(
         let name = format!("layer.{}.{}", s.layer_idx, s.stat.as_str());
         let data = SafetensorsData::Values(&s.values, CaptureDtype::Float32);
         tensors.push((name, "F32", s.shape.to_vec(), data));
+    }
+    for m in &result.span_mass {
+        let name = format!("layer.{}.{SPAN_MASS}", m.layer_idx);
+        let data = SafetensorsData::Values(&m.values, CaptureDtype::Float32);
+        tensors.push((name, "F32", m.shape.to_vec(), data));
     }
     tensors.sort_by_key(|(_, dtype, _, _)| *dtype == "F16");
     let mut header = serde_json::Map::new();
@@ -490,10 +602,32 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<CaptureResult, CaptureError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let span_mass = expected_span_mass(&meta)?
+        .into_iter()
+        .map(|(layer_idx, shape)| {
+            let name = format!("layer.{layer_idx}.{SPAN_MASS}");
+            let view = tensors
+                .tensor(&name)
+                .map_err(|_| malformed(format!("no tensor {name:?}: the meta lists spans")))?;
+            if view.dtype() != Dtype::F32 || view.shape() != shape {
+                return Err(malformed(format!(
+                    "{name} is {:?} {:?}, expected F32 {shape:?}",
+                    view.dtype(),
+                    view.shape()
+                )));
+            }
+            Ok(LayerSpanMass {
+                layer_idx,
+                shape,
+                values: values_from_bytes(view.data(), CaptureDtype::Float32),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(CaptureResult {
         meta,
         layers,
         stats,
+        span_mass,
     })
 }
 
@@ -726,11 +860,16 @@ mod tests {
             stats_heads: None,
             stats_groups: Vec::new(),
             block_size: None,
+            spans: Vec::new(),
+            span_offsets: None,
+            span_messages: None,
+            span_prompt: None,
         };
         CaptureResult {
             meta,
             layers: maps,
             stats: Vec::new(),
+            span_mass: Vec::new(),
         }
     }
 
@@ -795,6 +934,103 @@ mod tests {
             .unwrap()
             .remove("attn_capture_stats_data");
         assert!(from_json(&json).is_err());
+    }
+
+    /// `result` with span masses of every layer (two spans, two groups), with or
+    /// without its maps and key statistics.
+    fn with_spans(mut result: CaptureResult, maps: bool, stats: bool) -> CaptureResult {
+        use crate::spans::SpanInfo;
+        if stats {
+            result = with_stats(result, maps);
+        } else {
+            result.meta.maps = maps;
+            if !maps {
+                result.layers.clear();
+            }
+            result.meta.stats_heads = Some("kv".into());
+            result.meta.stats_groups = result
+                .meta
+                .layers
+                .iter()
+                .map(|_| vec![vec![0, 1], vec![3]])
+                .collect();
+        }
+        let mut rng = StdRng::seed_from_u64(7);
+        let prompt = result.meta.prompt_len;
+        result.meta.spans = vec![
+            SpanInfo {
+                label: "doc 1".into(),
+                tokens: [0, 2],
+                message: None,
+                chars: Some([0, 9]),
+                prompt_chars: Some([0, 9]),
+                cuts_token: Some(true),
+            },
+            SpanInfo {
+                label: "tail".into(),
+                tokens: [2, 3],
+                message: None,
+                chars: None,
+                prompt_chars: None,
+                cuts_token: None,
+            },
+        ];
+        result.meta.span_offsets = Some((0..prompt).map(|i| [4 * i, 4 * i + 4]).collect());
+        let rows = result.meta.row_positions.len();
+        result.span_mass = result
+            .meta
+            .layers
+            .iter()
+            .map(|&layer_idx| LayerSpanMass {
+                layer_idx,
+                shape: [rows, 2, 3],
+                values: (0..rows * 6).map(|_| rng.gen_range(0.0..1.0)).collect(),
+            })
+            .collect();
+        result
+    }
+
+    #[test]
+    fn span_masses_round_trip_in_both_formats() {
+        for (maps, stats) in [(true, false), (false, false), (false, true), (true, true)] {
+            let result = with_spans(random_capture(5, 11, "none", None), maps, stats);
+            let json = to_json(&result, CaptureDtype::Float32);
+            let text = serde_json::to_string(&json).unwrap();
+            let back = from_json(&serde_json::from_str(&text).unwrap()).unwrap();
+            assert_eq!(back, result);
+            let rows = result.meta.row_positions.len();
+            assert_eq!(
+                json["attn_capture_span_data"][1]["shape"],
+                json!([rows, 2, 3])
+            );
+            assert_eq!(json["attn_capture_span_data"][1]["stat"], "span_mass");
+            let bytes = to_safetensors(&result, CaptureDtype::Float32).unwrap();
+            assert_eq!(from_safetensors(&bytes).unwrap(), result);
+            let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+            let names: Vec<_> = header.tensors().keys().cloned().collect();
+            assert!(
+                names.contains(&"layer.3.span_mass".to_string()),
+                "{names:?}"
+            );
+            assert_eq!(names.iter().any(|n| n == "layer.3"), maps, "{names:?}");
+        }
+        // Data that the meta does not match is refused.
+        let result = with_spans(random_capture(5, 11, "none", None), false, false);
+        let good = to_json(&result, CaptureDtype::Float32);
+        let mut missing = good.clone();
+        missing
+            .as_object_mut()
+            .unwrap()
+            .remove("attn_capture_span_data");
+        assert!(json_error(&missing).contains("attn_capture_span_data"));
+        let mut shape = good.clone();
+        shape["attn_capture_span_data"][0]["shape"][2] = json!(2);
+        assert!(json_error(&shape).contains("does not match"));
+        // A capture without spans carries none of their keys.
+        let plain = to_json(&random_capture(5, 11, "none", None), CaptureDtype::Float32);
+        assert!(plain.get("attn_capture_span_data").is_none());
+        let meta = plain["attn_capture_meta"].as_object().unwrap();
+        assert!(meta.keys().all(|k| !k.starts_with("span")), "{meta:?}");
     }
 
     /// `result` as f16 would deliver it.

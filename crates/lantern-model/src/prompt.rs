@@ -1,7 +1,10 @@
 //! A conversation to token ids: rendered through the chat template within its limits,
 //! then tokenized so that only the template's own markup becomes control tokens.
 
-use crate::chat::{tool_strings, ChatMessage, ChatRenderOptions, ChatTemplate, TemplateError};
+use crate::chat::{
+    tool_strings, ChatMessage, ChatRenderOptions, ChatSegment, ChatTemplate, RenderedChat,
+    TemplateError,
+};
 use crate::error::ModelError;
 use crate::tokenizer::ModelTokenizer;
 
@@ -55,6 +58,27 @@ pub fn tokenize_chat_with(
     add_special_tokens: bool,
     max_output_bytes: usize,
 ) -> Result<Vec<u32>, ChatPromptError> {
+    tokenize_chat_rendered(
+        template,
+        tokenizer,
+        messages,
+        options,
+        add_special_tokens,
+        max_output_bytes,
+    )
+    .map(|(ids, _)| ids)
+}
+
+/// [`tokenize_chat_with`], with the conversation as the template rendered it (the
+/// text the ids spell, and where the contents are in it).
+pub fn tokenize_chat_rendered(
+    template: Option<&ChatTemplate>,
+    tokenizer: &ModelTokenizer,
+    messages: &[ChatMessage],
+    options: &ChatRenderOptions,
+    add_special_tokens: bool,
+    max_output_bytes: usize,
+) -> Result<(Vec<u32>, RenderedChat), ChatPromptError> {
     let template = template.ok_or(ChatPromptError::NoTemplate)?;
     let rendered = template.render_parts_with(messages, options, max_output_bytes)?;
     let tool_strings = tool_strings(messages, options);
@@ -66,8 +90,8 @@ pub fn tokenize_chat_with(
     {
         return Err(ChatPromptError::ControlTextInTools);
     }
-    Ok(match rendered.segments {
-        Some(segments) => tokenizer.encode_chat(&segments, add_special_tokens)?,
+    let ids = match &rendered.segments {
+        Some(segments) => tokenizer.encode_chat(segments, add_special_tokens)?,
         None => {
             if let Some(index) = messages
                 .iter()
@@ -77,5 +101,50 @@ pub fn tokenize_chat_with(
             }
             tokenizer.encode(&rendered.text, add_special_tokens)?
         }
-    })
+    };
+    Ok((ids, rendered))
+}
+
+/// Where each message's content lies in a rendered conversation, as bytes of
+/// `rendered.text`: found in order, each after the one before, among the contents the
+/// template wrote as they are (or anywhere in the text when the template's split is not
+/// known). `None` for a content not found as it is (a template that trims or changes
+/// it); an empty content is an empty range.
+pub fn locate_messages(
+    rendered: &RenderedChat,
+    messages: &[ChatMessage],
+) -> Vec<Option<std::ops::Range<usize>>> {
+    let mut at = 0;
+    let contents: Option<Vec<(usize, &str)>> = rendered.segments.as_ref().map(|segments| {
+        let mut offset = 0;
+        segments
+            .iter()
+            .filter_map(|segment| {
+                let (text, content) = match segment {
+                    ChatSegment::Template(t) => (t, false),
+                    ChatSegment::Content(c) => (c, true),
+                };
+                let start = offset;
+                offset += text.len();
+                content.then_some((start, text.as_str()))
+            })
+            .collect()
+    });
+    messages
+        .iter()
+        .map(|m| {
+            if m.content.is_empty() {
+                return Some(at..at);
+            }
+            let start = match &contents {
+                Some(contents) => contents
+                    .iter()
+                    .find(|&&(start, text)| start >= at && text == m.content)
+                    .map(|&(start, _)| start),
+                None => rendered.text[at..].find(&m.content).map(|i| at + i),
+            }?;
+            at = start + m.content.len();
+            Some(start..at)
+        })
+        .collect()
 }

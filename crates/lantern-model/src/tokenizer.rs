@@ -340,27 +340,70 @@ impl ModelTokenizer {
     /// against), and whether it is a special (control) token, which spells no text.
     pub fn token_bytes(&self) -> Vec<(Vec<u8>, bool)> {
         let byte_of_char = byte_level_chars();
-        self.tokens
-            .iter()
-            .enumerate()
-            .map(|(id, piece)| {
-                if self.is_special(id as u32) {
-                    return (piece.as_bytes().to_vec(), true);
-                }
-                let bytes = match self.pieces {
-                    PieceEncoding::ByteLevel => piece
-                        .chars()
-                        .map(|c| byte_of_char.get(&c).copied())
-                        .collect::<Option<Vec<u8>>>()
-                        // Added tokens are stored as plain text.
-                        .unwrap_or_else(|| piece.as_bytes().to_vec()),
-                    PieceEncoding::SentencePiece => sentencepiece_byte(piece)
-                        .map(|b| vec![b])
-                        .unwrap_or_else(|| piece.replace('▁', " ").into_bytes()),
-                };
-                (bytes, false)
-            })
+        (0..self.tokens.len())
+            .map(|id| self.piece_bytes(id as u32, &byte_of_char))
             .collect()
+    }
+
+    /// The raw bytes token `id` stands for (a control token: its text), and whether it
+    /// is a control token. `byte_of_char` is [`byte_level_chars`].
+    fn piece_bytes(
+        &self,
+        id: u32,
+        byte_of_char: &std::collections::HashMap<char, u8>,
+    ) -> (Vec<u8>, bool) {
+        let Some(piece) = self.tokens.get(id as usize) else {
+            return (Vec::new(), false);
+        };
+        if self.is_special(id) {
+            return (piece.as_bytes().to_vec(), true);
+        }
+        let bytes = match self.pieces {
+            PieceEncoding::ByteLevel => piece
+                .chars()
+                .map(|c| byte_of_char.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+                // Added tokens are stored as plain text.
+                .unwrap_or_else(|| piece.as_bytes().to_vec()),
+            PieceEncoding::SentencePiece => sentencepiece_byte(piece)
+                .map(|b| vec![b])
+                .unwrap_or_else(|| piece.replace('▁', " ").into_bytes()),
+        };
+        (bytes, false)
+    }
+
+    /// Each token's bytes of `text`, where `ids` are `text` tokenized ([`Self::encode`],
+    /// or [`Self::encode_chat`] of a rendered conversation): the tokens' own bytes, laid
+    /// end to end, spell `text`. A token that spells nothing there (a BOS the tokenizer
+    /// added) has an empty range; a word-start space the tokenizer put in front of a
+    /// piece of text (SentencePiece's `▁`) is not in the text, so its token starts after
+    /// it. Exact by construction: `None` when the tokens do not spell `text` (a
+    /// normalizer that changes the text), never a guess.
+    pub fn token_byte_ranges(
+        &self,
+        text: &str,
+        ids: &[u32],
+    ) -> Option<Vec<std::ops::Range<usize>>> {
+        let byte_of_char = byte_level_chars();
+        let text = text.as_bytes();
+        let mut at = 0;
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let (bytes, special) = self.piece_bytes(id, &byte_of_char);
+            let rest = &text[at..];
+            let len = if !bytes.is_empty() && rest.starts_with(&bytes) {
+                bytes.len()
+            } else if bytes.first() == Some(&b' ') && rest.starts_with(&bytes[1..]) {
+                bytes.len() - 1
+            } else if special {
+                0
+            } else {
+                return None;
+            };
+            out.push(at..at + len);
+            at += len;
+        }
+        (at == text.len()).then_some(out)
     }
 }
 

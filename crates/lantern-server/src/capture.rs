@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use lantern_engine::lantern_capture::{
     largest_fitting, wire, CaptureDtype, CaptureError, CaptureFailure, CaptureGeometry,
-    CaptureSpec, CaptureWorker, HeadReduce, KeyStat, Pacer, PendingCapture, RowSelection,
-    StatHeads,
+    CaptureSpan, CaptureSpec, CaptureWorker, HeadReduce, KeyStat, Pacer, PendingCapture,
+    RowSelection, SpanAt, StatHeads, MAX_SPANS,
 };
 use rand::RngCore;
 use serde_json::{json, Map, Value};
@@ -206,6 +206,91 @@ fn parse_stats(value: &Value) -> Result<Vec<KeyStat>, InvalidRequest> {
         .collect()
 }
 
+/// Spans of the prompt: a list of `{"label": str}` objects, each with one of
+/// `"tokens": [start, end)`, `"chars": [start, end)`, `"message": i`, or `"message": i`
+/// with `"chars"`. Checked here as far as the request alone allows; resolved to tokens
+/// once the prompt is tokenized ([`crate::prompt`]).
+fn parse_spans(value: &Value) -> Result<Vec<CaptureSpan>, InvalidRequest> {
+    const FIELD: &str = "attn_capture_spans";
+    let bad = |message: String| InvalidRequest::invalid(FIELD, message);
+    let items = value.as_array().ok_or_else(|| {
+        bad(format!(
+            "{FIELD} must be a list of objects like {{\"label\": \"doc 1\", \"chars\": [0, 120]}}"
+        ))
+    })?;
+    if items.is_empty() {
+        return Err(bad(format!(
+            "{FIELD} is empty; name at least one span or leave it out"
+        )));
+    }
+    if items.len() > MAX_SPANS {
+        return Err(bad(format!(
+            "{FIELD} names {} spans; at most {MAX_SPANS} are allowed",
+            items.len()
+        )));
+    }
+    let range =
+        |at: &str, key: &str, v: &Value| -> Result<std::ops::Range<usize>, InvalidRequest> {
+            let pair = v
+                .as_array()
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)));
+            match pair {
+                Some((start, end)) => Ok(start as usize..end as usize),
+                None => Err(bad(format!(
+                    "{at}: \"{key}\" must be [start, end), two integers >= 0 (end excluded)"
+                ))),
+            }
+        };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let at = format!("{FIELD}[{i}]");
+            let object = item.as_object().ok_or_else(|| {
+                bad(format!("{at} must be an object with \"label\" and one of \"tokens\", \"chars\", \"message\""))
+            })?;
+            if let Some(unknown) = object
+                .keys()
+                .find(|k| !["label", "tokens", "chars", "message"].contains(&k.as_str()))
+            {
+                return Err(bad(format!(
+                    "{at}: unknown key {unknown:?}; a span has \"label\" and one of \"tokens\", \"chars\", \"message\" (or \"message\" with \"chars\")"
+                )));
+            }
+            let label = object
+                .get("label")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("{at}: \"label\" must be a string")))?;
+            let message = match object.get("message") {
+                None => None,
+                Some(v) => Some(v.as_u64().ok_or_else(|| {
+                    bad(format!("{at}: \"message\" must be a message index (an integer >= 0)"))
+                })? as usize),
+            };
+            let tokens = object.get("tokens").map(|v| range(&at, "tokens", v)).transpose()?;
+            let chars = object.get("chars").map(|v| range(&at, "chars", v)).transpose()?;
+            let span_at = match (tokens, chars, message) {
+                (Some(t), None, None) => SpanAt::Tokens(t),
+                (None, Some(c), None) => SpanAt::Chars(c),
+                (None, None, Some(m)) => SpanAt::Message(m),
+                (None, Some(c), Some(m)) => SpanAt::MessageChars(m, c),
+                (None, None, None) => {
+                    return Err(bad(format!(
+                        "{at} ({label:?}) names no range: give \"tokens\", \"chars\" or \"message\""
+                    )))
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "{at} ({label:?}): \"tokens\" goes alone; give one of \"tokens\", \"chars\", \"message\" (or \"message\" with \"chars\")"
+                    )))
+                }
+            };
+            Ok(CaptureSpan::new(label, span_at))
+        })
+        .collect()
+}
+
 fn string_field<'a>(
     body: &'a Value,
     field: &'static str,
@@ -221,7 +306,7 @@ fn string_field<'a>(
 }
 
 /// The capture fields a request may send beside `attn_capture`.
-pub const CAPTURE_FIELDS: [&str; 10] = [
+pub const CAPTURE_FIELDS: [&str; 11] = [
     "attn_capture_layers",
     "attn_capture_heads",
     "attn_capture_rows",
@@ -232,6 +317,7 @@ pub const CAPTURE_FIELDS: [&str; 10] = [
     "attn_capture_stats",
     "attn_capture_stats_heads",
     "attn_capture_maps",
+    "attn_capture_spans",
 ];
 
 /// Whether the body asks for capture: `attn_capture` true or 1. Capture fields
@@ -350,9 +436,14 @@ pub fn parse_capture_request(
         None => StatHeads::default(),
         Some(s) => StatHeads::parse(s).map_err(field_error)?,
     };
-    // Statistics are asked for instead of the maps, unless the maps are asked too.
+    let spans = match body.get("attn_capture_spans") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => parse_spans(v)?,
+    };
+    // Statistics and spans are asked for instead of the maps, unless the maps are
+    // asked too.
     let maps = match body.get("attn_capture_maps") {
-        None | Some(Value::Null) => stats.is_empty(),
+        None | Some(Value::Null) => stats.is_empty() && spans.is_empty(),
         Some(Value::Bool(b)) => *b,
         Some(_) => {
             return Err(InvalidRequest::invalid(
@@ -372,6 +463,8 @@ pub fn parse_capture_request(
         stats,
         stats_heads,
         maps,
+        spans,
+        span_text: None,
     };
     spec.validate(num_layers, num_heads).map_err(field_error)?;
     Ok(Some(CaptureRequest { spec, delivery }))
@@ -866,6 +959,63 @@ mod tests {
 
     fn parse(body: Value) -> Result<Option<CaptureRequest>, ApiError> {
         Ok(parse_capture_request(&body, &enabled(), 30, 9)?)
+    }
+
+    #[test]
+    fn span_forms_and_bad_spans() {
+        let spans = |v: Value| {
+            parse(json!({"attn_capture": true, "attn_capture_spans": v})).map(|r| r.unwrap().spec)
+        };
+        let spec = spans(json!([
+            {"label": "a", "tokens": [0, 3]},
+            {"label": "b", "chars": [5, 9]},
+            {"label": "c", "message": 2},
+            {"label": "d", "message": 1, "chars": [0, 4]},
+        ]))
+        .unwrap();
+        let at: Vec<_> = spec.spans.iter().map(|s| s.at.clone()).collect();
+        assert_eq!(
+            at,
+            [
+                SpanAt::Tokens(0..3),
+                SpanAt::Chars(5..9),
+                SpanAt::Message(2),
+                SpanAt::MessageChars(1, 0..4)
+            ]
+        );
+        // Spans alone: no maps unless asked.
+        assert!(!spec.maps);
+        let too_many: Vec<Value> = (0..=MAX_SPANS)
+            .map(|i| json!({"label": i.to_string(), "tokens": [i, i + 1]}))
+            .collect();
+        for (bad, expected) in [
+            (json!({"label": "a"}), "must be a list"),
+            (json!([]), "empty"),
+            (json!(too_many), "at most 256"),
+            (
+                json!([{"label": "a", "tokens": [0, 2]}, {"label": "b", "tokens": [1, 3]}]),
+                "overlap",
+            ),
+            (json!([{"label": "a", "tokens": [2, 2]}]), "empty"),
+            (json!([{"label": "a", "tokens": [0, -2]}]), "two integers"),
+            (
+                json!([{"label": "a", "tokens": [0, 2], "chars": [0, 2]}]),
+                "goes alone",
+            ),
+            (json!([{"label": "a"}]), "names no range"),
+            (json!([{"tokens": [0, 2]}]), "label"),
+            (json!([{"label": "a", "words": [0, 2]}]), "unknown key"),
+            (json!([{"label": "a", "message": -1}]), "message index"),
+            (
+                json!([{"label": "a", "tokens": [0, 1]}, {"label": "a", "tokens": [2, 3]}]),
+                "labels must differ",
+            ),
+        ] {
+            let e = ApiError::from(spans(bad.clone()).unwrap_err());
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert_eq!(e.param.as_deref(), Some("attn_capture_spans"), "{bad}");
+            assert!(e.message.contains(expected), "{bad}: {}", e.message);
+        }
     }
 
     #[test]

@@ -12,8 +12,11 @@ use crate::engine_thread::{
 };
 use crate::error::ApiError;
 use crate::invalid_request::InvalidRequest;
+use lantern_engine::lantern_capture::{
+    resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt,
+};
 use lantern_engine::{PromptTokenLogprob, TokenLogprobs};
-use lantern_model::prompt::{tokenize_chat_with, ChatPromptError};
+use lantern_model::prompt::{locate_messages, tokenize_chat_rendered, ChatPromptError};
 use lantern_model::{ChatTemplate, ModelTokenizer};
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +34,14 @@ pub struct PreparedItem {
     pub prompt_ids: Arc<[u32]>,
     /// The prompt's text, when the item asked for `echo`.
     pub echo_text: Option<Arc<str>>,
+}
+
+/// The text a prompt's tokens spell, for capture spans named by characters or messages.
+struct PromptSource {
+    /// The prompt text (for chat, as the template rendered it).
+    text: String,
+    /// Chat: each message's content as bytes of `text` (`None`: not found as it is).
+    messages: Option<Vec<Option<std::ops::Range<usize>>>>,
 }
 
 /// The prompt logprobs of one sequence as the engine reduced them, to turn into text.
@@ -162,16 +173,32 @@ impl Prompter {
             let mut prepared: Vec<PreparedItem> = Vec::with_capacity(items.len());
             type Done = (Arc<PromptInput>, Arc<[u32]>, Option<Arc<str>>);
             let mut last: Option<Done> = None;
-            for item in items {
+            for mut item in items {
                 this.check_logit_bias(&item.params.logit_bias)?;
                 let prompt = item.prompt.clone();
+                let spans = item
+                    .capture
+                    .as_mut()
+                    .map(|c| &mut c.spec)
+                    .filter(|spec| !spec.spans.is_empty());
                 let (ids, text) = match &last {
-                    Some((p, ids, text)) if Arc::ptr_eq(p, &prompt) || *p == prompt => {
+                    Some((p, ids, text))
+                        if spans.is_none() && (Arc::ptr_eq(p, &prompt) || *p == prompt) =>
+                    {
                         (ids.clone(), text.clone())
                     }
                     _ => {
-                        let ids = this.tokenize_now(&prompt, true, item.prompt_field)?;
+                        let by_text = spans.as_ref().is_some_and(|spec| {
+                            spec.spans
+                                .iter()
+                                .any(|s| !matches!(s.at, SpanAt::Tokens(_)))
+                        });
+                        let (ids, source) =
+                            this.tokenize_sourced(&prompt, true, item.prompt_field, by_text)?;
                         this.check_prompt(&ids, item.prompt_field)?;
+                        if let Some(spec) = spans {
+                            this.resolve_spans(spec, &ids, source.as_ref())?;
+                        }
                         let text: Option<Arc<str>> = match &*prompt {
                             PromptInput::Text(text) => Some(text.as_str().into()),
                             _ if item.echo => Some(
@@ -206,6 +233,59 @@ impl Prompter {
         add_special_tokens: bool,
         field: &'static str,
     ) -> Result<Vec<u32>, InvalidRequest> {
+        self.tokenize_sourced(prompt, add_special_tokens, field, false)
+            .map(|(ids, _)| ids)
+    }
+
+    /// Resolves a capture's spans to the prompt's tokens (characters through each
+    /// token's bytes of `source`), before the request is admitted: its spans and the
+    /// mapping are then part of the spec that admission counts.
+    fn resolve_spans(
+        &self,
+        spec: &mut CaptureSpec,
+        ids: &[u32],
+        source: Option<&PromptSource>,
+    ) -> Result<(), InvalidRequest> {
+        const FIELD: &str = "attn_capture_spans";
+        let by_text = spec
+            .spans
+            .iter()
+            .any(|s| !matches!(s.at, SpanAt::Tokens(_)));
+        let bytes = match source.filter(|_| by_text) {
+            Some(source) => Some(self.tokenizer.token_byte_ranges(&source.text, ids).ok_or_else(|| {
+                InvalidRequest::invalid(
+                    FIELD,
+                    "this model's tokenizer changes the text it tokenizes (its tokens do not spell the prompt), so characters cannot be mapped to tokens; name spans by \"tokens\"",
+                )
+            })?),
+            None => None,
+        };
+        let text = source
+            .zip(bytes.as_deref())
+            .map(|(source, token_bytes)| PromptText {
+                text: &source.text,
+                token_bytes,
+                messages: source.messages.as_deref(),
+            });
+        spec.span_text =
+            resolve_spans(&mut spec.spans, ids.len(), text.as_ref()).map_err(|e| match e {
+                CaptureError::InvalidField { field, message } => {
+                    InvalidRequest::invalid(field, message)
+                }
+                other => InvalidRequest::invalid(FIELD, other.to_string()),
+            })?;
+        Ok(())
+    }
+
+    /// Token ids of a prompt and, when `with_source`, the text they spell (a chat's as
+    /// rendered, with where each message's content is).
+    fn tokenize_sourced(
+        &self,
+        prompt: &PromptInput,
+        add_special_tokens: bool,
+        field: &'static str,
+        with_source: bool,
+    ) -> Result<(Vec<u32>, Option<PromptSource>), InvalidRequest> {
         let limit = self.max_prompt_bytes();
         match prompt {
             PromptInput::Text(text) if text.len() > limit => Err(InvalidRequest::invalid(
@@ -216,14 +296,22 @@ impl Prompter {
                     self.context_length
                 ),
             )),
-            PromptInput::Text(text) => self
-                .tokenizer
-                .encode(text, add_special_tokens)
-                .map_err(|e| {
-                    InvalidRequest::invalid(field, format!("could not tokenize the prompt: {e}"))
-                }),
-            PromptInput::Tokens(ids) => Ok(ids.clone()),
+            PromptInput::Text(text) => {
+                let ids = self
+                    .tokenizer
+                    .encode(text, add_special_tokens)
+                    .map_err(|e| {
+                        InvalidRequest::invalid(field, format!("could not tokenize the prompt: {e}"))
+                    })?;
+                let source = with_source.then(|| PromptSource {
+                    text: text.clone(),
+                    messages: None,
+                });
+                Ok((ids, source))
+            }
+            PromptInput::Tokens(ids) => Ok((ids.clone(), None)),
             PromptInput::Chat(messages, options) => {
+                let asked = messages.as_slice();
                 let template = self.template.as_deref();
                 let fitted = template.and_then(|t| {
                     crate::tools::fit_template(t.tool_support(), messages, options)
@@ -232,7 +320,7 @@ impl Prompter {
                     Some((m, o)) => (m.as_slice(), o),
                     None => (messages.as_slice(), options),
                 };
-                tokenize_chat_with(
+                let (ids, rendered) = tokenize_chat_rendered(
                     template,
                     &self.tokenizer,
                     messages,
@@ -240,7 +328,13 @@ impl Prompter {
                     add_special_tokens,
                     limit,
                 )
-                .map_err(|e| chat_error(field, e, self.context_length))
+                .map_err(|e| chat_error(field, e, self.context_length))?;
+                // Messages as the request numbered them (before any rewriting for tools).
+                let source = with_source.then(|| PromptSource {
+                    messages: Some(locate_messages(&rendered, asked)),
+                    text: rendered.text,
+                });
+                Ok((ids, source))
             }
         }
     }

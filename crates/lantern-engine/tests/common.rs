@@ -252,19 +252,79 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Asks a capture spec for every key statistic per query head, beside its maps.
+/// Asks a capture spec for every key statistic per query head, and the masses of three
+/// token spans (the first token, two neighbouring runs after a gap), beside its maps.
 pub fn with_every_stat(mut spec: lantern_capture::CaptureSpec) -> lantern_capture::CaptureSpec {
+    use lantern_capture::CaptureSpan;
     spec.stats = lantern_capture::KeyStat::ALL.to_vec();
     spec.stats_heads = lantern_capture::StatHeads::Query;
     spec.maps = true;
+    spec.spans = vec![
+        CaptureSpan::tokens("first", 0..1),
+        CaptureSpan::tokens("a", 2..5),
+        CaptureSpan::tokens("b", 5..9),
+    ];
     spec
+}
+
+/// Checks the span masses of a capture of [`with_every_stat`]: for every row and head,
+/// each span's mass is its keys' probabilities in the map summed in key order (bit for
+/// bit), the last column is the same over the keys outside every span, and together
+/// they sum to 1 (less the sinks' share).
+pub fn check_spans_equal_the_maps(result: &lantern_capture::CaptureResult) {
+    let spans: Vec<std::ops::Range<usize>> = result
+        .meta
+        .spans
+        .iter()
+        .map(|s| s.tokens[0]..s.tokens[1])
+        .collect();
+    assert_eq!(result.span_mass.len(), result.layers.len());
+    for (map, mass) in result.layers.iter().zip(&result.span_mass) {
+        let [rows, heads, keys] = map.shape;
+        let width = spans.len() + 1;
+        assert_eq!(mass.layer_idx, map.layer_idx);
+        assert_eq!(mass.shape, [rows, heads, width]);
+        let has_sinks = result
+            .meta
+            .layer_attention
+            .iter()
+            .any(|l| l.layer_idx == map.layer_idx && l.has_sinks);
+        for r in 0..rows {
+            for h in 0..heads {
+                let probs = &map.values[(r * heads + h) * keys..][..keys];
+                let mut expected = vec![0f32; width];
+                for (k, &p) in probs.iter().enumerate() {
+                    let s = spans
+                        .iter()
+                        .position(|s| s.contains(&k))
+                        .unwrap_or(spans.len());
+                    expected[s] += p;
+                }
+                let got = &mass.values[(r * heads + h) * width..][..width];
+                assert_eq!(
+                    got,
+                    &expected[..],
+                    "layer {} row {r} head {h}",
+                    map.layer_idx
+                );
+                let total: f32 = got.iter().sum();
+                assert!(
+                    has_sinks || (total - 1.0).abs() < 1e-5,
+                    "layer {} row {r}: spans and the rest sum to {total}",
+                    map.layer_idx
+                );
+            }
+        }
+    }
 }
 
 /// Checks a capture of [`with_every_stat`] (full maps, no reduction): each layer's key
 /// mass and key max are its map summed and maxed over the rows (in row order, f32: bit
-/// for bit), and block mass is key mass summed per block.
+/// for bit), and block mass is key mass summed per block; and its span masses are the
+/// maps summed over the spans ([`check_spans_equal_the_maps`]).
 pub fn check_stats_equal_the_maps(result: &lantern_capture::CaptureResult) {
     use lantern_capture::KeyStat;
+    check_spans_equal_the_maps(result);
     let block = result.meta.block_size.expect("block_size with stats");
     for map in &result.layers {
         let [rows, heads, keys] = map.shape;

@@ -117,6 +117,10 @@ class Capture:
             ``[groups, blocks]`` (blocks of ``meta["block_size"]`` keys); the groups of
             each layer are ``meta["stats_groups"]`` (the query heads each averages). Empty
             without statistics; ``layers`` is empty when only statistics were asked for.
+        span_mass: {layer_idx: np.ndarray float32 [rows, groups, spans + 1]} with
+            ``attn_capture_spans``: per captured row and group (as ``stats``), the
+            attention mass on each span of ``meta["spans"]``, the last column the mass
+            outside every span (``span_labels`` names the columns). Empty without spans.
     """
 
     def __init__(
@@ -125,11 +129,19 @@ class Capture:
         layers: Dict[int, np.ndarray],
         indices: Optional[Dict[int, np.ndarray]] = None,
         stats: Optional[Dict[int, Dict[str, np.ndarray]]] = None,
+        span_mass: Optional[Dict[int, np.ndarray]] = None,
     ):
         self.meta = meta
         self.layers = layers
         self.indices = indices if indices is not None else {}
         self.stats = stats if stats is not None else {}
+        self.span_mass = span_mass if span_mass is not None else {}
+
+    @property
+    def span_labels(self) -> List[str]:
+        """The columns of ``span_mass``: each span's label, then ``"other"``."""
+        spans = self.meta.get("spans") or []
+        return [s["label"] for s in spans] + ["other"] if spans else []
 
     # -- the meta, conveniently
 
@@ -507,7 +519,45 @@ def _from_inline(obj: Dict[str, Any]) -> Capture:
             indices[layer_idx] = _native(idx)
         _check_shape(layer_idx, shape, meta)
         layers[layer_idx] = _native(values)
-    return Capture(meta, layers, indices, _stats_from_inline(obj.get("attn_capture_stats_data"), meta))
+    return Capture(
+        meta,
+        layers,
+        indices,
+        _stats_from_inline(obj.get("attn_capture_stats_data"), meta),
+        _span_mass_from_inline(obj.get("attn_capture_span_data"), meta),
+    )
+
+
+def _expected_span_mass(meta: Dict[str, Any]) -> List[tuple]:
+    """(layer_idx, shape) of every layer's span masses the meta implies."""
+    spans = meta.get("spans") or []
+    if not spans:
+        return []
+    groups = meta.get("stats_groups")
+    if not isinstance(groups, list) or len(groups) != len(meta["layers"]):
+        raise CaptureError("attn_capture_meta.stats_groups does not list every captured layer")
+    rows = len(meta["row_positions"])
+    return [(layer_idx, (rows, len(g), len(spans) + 1)) for layer_idx, g in zip(meta["layers"], groups)]
+
+
+def _span_mass_from_inline(data: Any, meta: Dict[str, Any]) -> Dict[int, np.ndarray]:
+    expected = _expected_span_mass(meta)
+    if not expected:
+        return {}
+    if not isinstance(data, list) or len(data) != len(expected):
+        raise CaptureError(f"attn_capture_span_data should hold {len(expected)} entries (one per layer)")
+    out: Dict[int, np.ndarray] = {}
+    for entry, (layer_idx, shape) in zip(data, expected):
+        at = f"attn_capture_span_data (layer {layer_idx})"
+        if not isinstance(entry, dict) or entry.get("layer_idx") != layer_idx or entry.get("stat") != "span_mass":
+            raise CaptureError(f"{at}: expected layer_idx {layer_idx} and stat 'span_mass' here")
+        if entry.get("dtype") != "float32" or entry.get("encoding") != ENCODING:
+            raise CaptureError(f"{at}: expected dtype 'float32' and encoding {ENCODING!r}")
+        if list(entry.get("shape", [])) != list(shape):
+            raise CaptureError(f"{at}: shape {entry.get('shape')!r}, the meta implies {list(shape)}")
+        raw = _unbase64_gunzip(entry.get("data"), shape[0] * shape[1] * shape[2] * 4, f"{at}: data")
+        out[layer_idx] = _native(np.frombuffer(raw, dtype="<f4").reshape(shape))
+    return out
 
 
 def _expected_stats(meta: Dict[str, Any]) -> List[tuple]:
@@ -741,7 +791,16 @@ def _from_safetensors(buf: Any, size: int) -> Capture:
         if st_dtype != "F32" or values.shape != shape:
             raise CaptureError(f"{name} is {st_dtype} {list(values.shape)}, expected F32 {list(shape)}")
         stats.setdefault(layer_idx, {})[stat] = values
-    return Capture(meta, layers, indices, stats)
+    span_mass: Dict[int, np.ndarray] = {}
+    for layer_idx, shape in _expected_span_mass(meta):
+        name = f"layer.{layer_idx}.span_mass"
+        if name not in header:
+            raise CaptureError(f"no tensor {name!r}: the meta lists spans")
+        values, st_dtype = _tensor(buf, header, start, size, name)
+        if st_dtype != "F32" or values.shape != shape:
+            raise CaptureError(f"{name} is {st_dtype} {list(values.shape)}, expected F32 {list(shape)}")
+        span_mass[layer_idx] = values
+    return Capture(meta, layers, indices, stats, span_mass)
 
 
 def load(source: Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]) -> Capture:

@@ -55,7 +55,9 @@ pub struct EngineArgs {
     /// model's context); `serve` refuses a request over it with a 400, as vLLM does.
     #[arg(long, value_name = "TOKENS")]
     pub max_model_len: Option<usize>,
-    /// Threads of the compute pool (matrix products, attention). Default: one per core.
+    /// Threads of the compute pool (matrix products, attention; the product helpers are
+    /// one fewer). Default: $RAYON_NUM_THREADS, else the physical cores this process may
+    /// use (a core's second hardware thread slows these kernels down).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
 }
@@ -108,17 +110,11 @@ impl EngineArgs {
         }
     }
 
-    /// Sizes the global compute pool (`--threads`) before anything uses it; returns the
-    /// pool's size.
+    /// Sizes the global compute pool (`--threads`, else the physical cores) before
+    /// anything uses it; returns the pool's size.
     pub fn init_threads(&self) -> Result<usize> {
-        if let Some(n) = self.threads {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(usize::from(n))
-                .thread_name(|i| format!("lantern-compute-{i}"))
-                .build_global()
-                .context("sizing the compute thread pool")?;
-        }
-        Ok(rayon::current_num_threads())
+        lantern_quant::threads::init_compute_pool(self.threads.map(usize::from))
+            .context("sizing the compute thread pool")
     }
 
     /// Loads the model (with a progress bar on a terminal) and starts an engine.

@@ -35,7 +35,8 @@ const ENVIRONMENT: &str = "Environment:
   LANTERN_CACHE_DIR  Where the default model is fetched to (default:
                      $XDG_CACHE_HOME/lantern or ~/.cache/lantern)
   LANTERN_API_KEY    serve: the API key when --api-key is not given
-  RAYON_NUM_THREADS  Compute threads when --threads is not given (default: one per core)";
+  RAYON_NUM_THREADS  Compute threads when --threads is not given (default: the
+                     physical cores this process may use)";
 
 #[derive(Subcommand)]
 enum Command {

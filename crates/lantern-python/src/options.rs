@@ -197,26 +197,12 @@ impl EngineOptions {
         }
     }
 
-    /// Sizes the process's compute pool (once per process: rayon's global pool).
+    /// Sizes the process's compute pool (once per process: rayon's global pool), to
+    /// `threads` or, as the CLI does, the physical cores.
     pub fn init_threads(&self) -> Result<(), OptionError> {
-        let Some(n) = self.threads else {
-            return Ok(());
-        };
-        let built = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("lantern-compute-{i}"))
-            .build_global();
-        match built {
-            Ok(()) => Ok(()),
-            Err(_) if rayon::current_num_threads() == n => Ok(()),
-            Err(_) => Err(OptionError::new(
-                "threads",
-                format!(
-                    "the compute pool of this process already has {} threads; threads can be set once per process, before the first LLM",
-                    rayon::current_num_threads()
-                ),
-            )),
-        }
+        lantern_quant::threads::init_compute_pool(self.threads)
+            .map(|_| ())
+            .map_err(|e| OptionError::new("threads", e.to_string()))
     }
 
     /// Loads the model at `path` and builds an engine over it (on the engine thread).

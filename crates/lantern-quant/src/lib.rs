@@ -120,6 +120,7 @@ mod level;
 mod scalar;
 pub mod share;
 pub mod simd;
+pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -118,6 +118,9 @@ CAPTURES = {
     "options": {"layers": "0,-1", "heads": "0:3", "rows": "prompt", "reduce": "mean_heads",
                 "top_k": 4, "dtype": "float16"},
     "generated rows": {"layers": [7], "rows": "generated"},
+    "key statistics": {"layers": "-3:", "stats": ["key_mass", "key_max", "block_mass"],
+                       "stats_heads": "query"},
+    "statistics and maps": {"layers": [2], "stats": "key_mass", "maps": True, "rows": "generated"},
 }
 
 
@@ -133,7 +136,13 @@ def test_captures_equal_the_servers_bit_for_bit(llm, srv, case):
     att = out.attention
     assert out.outputs[0].text == r.choices[0].text
     assert att.meta == r.model_dump()["attn_capture_meta"]
-    assert list(att.maps) == att.meta["layers"]
+    assert list(att.maps) == (att.meta["layers"] if att.meta.get("maps", True) else [])
+    assert att.stats.keys() == served.stats.keys()
+    for layer, theirs in served.stats.items():
+        assert att.stats[layer].keys() == theirs.keys()
+        for name, values in theirs.items():
+            assert att.stats[layer][name].dtype == np.float32
+            assert att.stats[layer][name].tobytes() == values.tobytes(), (layer, name)
     for layer, theirs in served.layers.items():
         ours = att.maps[layer]
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape

@@ -6,7 +6,7 @@ use crate::events::{Finished, Ready, TokenLogprob};
 use half::f16;
 use lantern_engine::lantern_capture::{CaptureResult, LayerMap};
 use lantern_server::engine_thread::{PromptLogprobEntry, StopReason};
-use numpy::ndarray::Array3;
+use numpy::ndarray::{Array2, Array3};
 use numpy::PyArray;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -45,8 +45,9 @@ fn indices<'py>(
     Ok(PyArray::from_owned_array(py, array).into_any())
 }
 
-/// `{"meta": <JSON text>, "maps": [...], "indices": [...] or None}`, maps in
-/// `meta.layers` order.
+/// `{"meta": <JSON text>, "maps": [...], "indices": [...] or None, "stats": [...]}`,
+/// maps in `meta.layers` order (none without maps), statistics as
+/// `(layer, name, float32 array)`.
 fn capture<'py>(py: Python<'py>, result: CaptureResult) -> PyResult<Bound<'py, PyDict>> {
     let meta = serde_json::to_string(&result.meta)
         .map_err(|e| PyValueError::new_err(format!("the capture's meta: {e}")))?;
@@ -61,7 +62,18 @@ fn capture<'py>(py: Python<'py>, result: CaptureResult) -> PyResult<Bound<'py, P
         }
         maps.append(values(py, layer, float16)?)?;
     }
+    let stats = PyList::empty(py);
+    for stat in result.stats {
+        let array = Array2::from_shape_vec((stat.shape[0], stat.shape[1]), stat.values)
+            .map_err(bad_shape)?;
+        stats.append((
+            stat.layer_idx,
+            stat.stat.as_str(),
+            PyArray::from_owned_array(py, array),
+        ))?;
+    }
     let out = PyDict::new(py);
+    out.set_item("stats", stats)?;
     out.set_item("meta", meta)?;
     out.set_item("maps", maps)?;
     out.set_item("indices", if top_k { Some(index_maps) } else { None })?;

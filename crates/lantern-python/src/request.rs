@@ -20,9 +20,14 @@ pub enum Kind {
     Chat,
 }
 
-/// The keys of a `capture=` dict: the HTTP fields without `attn_capture_`.
-/// (`delivery` is HTTP's alone: here the maps are numpy arrays in the output.)
-const CAPTURE_KEYS: [&str; 6] = ["layers", "heads", "rows", "reduce", "top_k", "dtype"];
+/// The keys of a `capture=` dict: the server's capture fields without `attn_capture_`,
+/// but `delivery`, which is HTTP's alone (here the maps are numpy arrays in the output).
+fn capture_keys() -> impl Iterator<Item = &'static str> {
+    lantern_server::capture::CAPTURE_FIELDS
+        .iter()
+        .filter_map(|f| f.strip_prefix("attn_capture_"))
+        .filter(|&key| key != "delivery")
+}
 
 /// The body's capture fields for a `capture=` dict (`None`: no capture).
 pub fn capture_fields(
@@ -33,12 +38,12 @@ pub fn capture_fields(
         return Ok(fields);
     };
     for (key, value) in capture {
-        if !CAPTURE_KEYS.contains(&key.as_str()) {
+        if !capture_keys().any(|k| k == key) {
             return Err(ApiError::field(
                 "capture",
                 format!(
                     "capture[{key:?}] is not a capture option; they are {}",
-                    CAPTURE_KEYS.join(", ")
+                    capture_keys().collect::<Vec<_>>().join(", ")
                 ),
             ));
         }

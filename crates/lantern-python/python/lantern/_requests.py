@@ -100,7 +100,9 @@ class Request:
         if capture is not None and "error" in capture:
             self.attention_error = capture["error"]
         elif capture is not None:
-            self.attention = Attention(json.loads(capture["meta"]), capture["maps"], capture["indices"])
+            self.attention = Attention(
+                json.loads(capture["meta"]), capture["maps"], capture["indices"], capture["stats"]
+            )
         if self.finished:
             self.metrics.finished_time = event["time"]
 

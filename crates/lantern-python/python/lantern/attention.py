@@ -18,14 +18,27 @@ class Attention(Capture):
         maps: ``{layer: np.ndarray [rows, heads, keys]}`` (float32, or float16 as
             asked), in ``meta["layers"]`` order; the same values as the server's.
         indices: ``{layer: np.ndarray int32}`` of key positions, with top-k only.
+        stats: ``{layer: {"key_mass" | "key_max" | "block_mass": np.ndarray float32}}``
+            with ``capture={"stats": [...]}`` (see docs/attention-capture.md, "Key
+            statistics"); ``maps`` is empty when only statistics were asked for.
     """
 
-    def __init__(self, meta: Dict[str, Any], maps: List[np.ndarray], indices: Optional[List[np.ndarray]]):
-        layers = list(meta["layers"])
+    def __init__(
+        self,
+        meta: Dict[str, Any],
+        maps: List[np.ndarray],
+        indices: Optional[List[np.ndarray]],
+        stats: Optional[List[tuple]] = None,
+    ):
+        layers = list(meta["layers"]) if meta.get("maps", True) else []
+        by_layer: Dict[int, Dict[str, np.ndarray]] = {}
+        for layer, name, values in stats or []:
+            by_layer.setdefault(layer, {})[name] = values
         super().__init__(
             meta,
             dict(zip(layers, maps)),
             dict(zip(layers, indices)) if indices is not None else {},
+            by_layer,
         )
 
     @property

@@ -1011,7 +1011,7 @@ mod tests {
                 "labels must differ",
             ),
         ] {
-            let e = ApiError::from(spans(bad.clone()).unwrap_err());
+            let e = spans(bad.clone()).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
             assert_eq!(e.param.as_deref(), Some("attn_capture_spans"), "{bad}");
             assert!(e.message.contains(expected), "{bad}: {}", e.message);

@@ -6,6 +6,9 @@ checks out against the tokenizer; the span masses equal the full maps of the sam
 request summed over each span's keys; inline and safetensors deliveries agree; a
 RAG-citation computation as the docs show it; bad spans get a 400 naming the field."""
 
+import base64
+import gzip
+import re
 import sys
 from pathlib import Path
 
@@ -230,6 +233,19 @@ def test_rag_citation_as_the_docs_show_it(srv):
     assert set(cited) <= {0, 1, 2}
     np.testing.assert_allclose(mass.sum(-1), 1.0, rtol=1e-5)
     assert len(r.model_dump_json()) < 64 << 10
+
+
+def test_the_format_docs_reader_reads_span_masses(srv):
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "capture-format.md").read_text(encoding="utf-8")
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "attn_capture_span_data" in b]
+    body = complete(srv, attn_capture_spans=completion_spans(), attn_capture_layers=[0, -1]).model_dump()
+    namespace = {"body": body, "gzip": gzip, "base64": base64, "np": np}
+    exec(compile(block, "capture-format.md (spans)", "exec"), namespace)
+    cap = lantern_attn.from_response(body)
+    assert namespace["labels"] == cap.span_labels
+    assert sorted(namespace["span_mass"]) == [0, 29]
+    for layer, values in namespace["span_mass"].items():
+        np.testing.assert_array_equal(values, cap.span_mass[layer])
 
 
 @pytest.mark.parametrize(

@@ -385,6 +385,8 @@ def run_format_doc(workdir: Path, monkeypatch, meta, maps, indices, base_url=Non
             kind = "numpy-safetensors"
         elif "attn_capture_stats_data" in block:
             kind = "stats"
+        elif "attn_capture_span_data" in block:
+            kind = "spans"
         elif "attn_capture_data" in block:
             kind = "inline"
         else:

@@ -121,6 +121,8 @@ CAPTURES = {
     "key statistics": {"layers": "-3:", "stats": ["key_mass", "key_max", "block_mass"],
                        "stats_heads": "query"},
     "statistics and maps": {"layers": [2], "stats": "key_mass", "maps": True, "rows": "generated"},
+    "spans": {"layers": "0,-1", "rows": "generated", "stats_heads": "mean",
+              "spans": [{"label": "keeper", "chars": [4, 21]}, {"label": "stairs", "tokens": [5, 7]}]},
 }
 
 
@@ -143,6 +145,10 @@ def test_captures_equal_the_servers_bit_for_bit(llm, srv, case):
         for name, values in theirs.items():
             assert att.stats[layer][name].dtype == np.float32
             assert att.stats[layer][name].tobytes() == values.tobytes(), (layer, name)
+    assert att.span_mass.keys() == served.span_mass.keys()
+    for layer, theirs in served.span_mass.items():
+        assert att.span_mass[layer].dtype == np.float32
+        assert att.span_mass[layer].tobytes() == theirs.tobytes(), layer
     for layer, theirs in served.layers.items():
         ours = att.maps[layer]
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape

@@ -45,9 +45,9 @@ fn indices<'py>(
     Ok(PyArray::from_owned_array(py, array).into_any())
 }
 
-/// `{"meta": <JSON text>, "maps": [...], "indices": [...] or None, "stats": [...]}`,
-/// maps in `meta.layers` order (none without maps), statistics as
-/// `(layer, name, float32 array)`.
+/// `{"meta": <JSON text>, "maps": [...], "indices": [...] or None, "stats": [...],
+/// "span_mass": [...]}`, maps in `meta.layers` order (none without maps), statistics as
+/// `(layer, name, float32 array)`, span masses as `(layer, float32 array)`.
 fn capture<'py>(py: Python<'py>, result: CaptureResult) -> PyResult<Bound<'py, PyDict>> {
     let meta = serde_json::to_string(&result.meta)
         .map_err(|e| PyValueError::new_err(format!("the capture's meta: {e}")))?;
@@ -72,8 +72,16 @@ fn capture<'py>(py: Python<'py>, result: CaptureResult) -> PyResult<Bound<'py, P
             PyArray::from_owned_array(py, array),
         ))?;
     }
+    let span_mass = PyList::empty(py);
+    for layer in result.span_mass {
+        let [rows, groups, columns] = layer.shape;
+        let array =
+            Array3::from_shape_vec((rows, groups, columns), layer.values).map_err(bad_shape)?;
+        span_mass.append((layer.layer_idx, PyArray::from_owned_array(py, array)))?;
+    }
     let out = PyDict::new(py);
     out.set_item("stats", stats)?;
+    out.set_item("span_mass", span_mass)?;
     out.set_item("meta", meta)?;
     out.set_item("maps", maps)?;
     out.set_item("indices", if top_k { Some(index_maps) } else { None })?;

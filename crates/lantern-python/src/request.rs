@@ -156,9 +156,18 @@ pub async fn submit(
         .tokenize((*first.prompt).clone(), true, field)
         .await?
         .into();
-    let tokens = Arc::new(PromptInput::Tokens(ids.to_vec()));
-    for item in &mut request.items {
-        item.prompt = tokens.clone();
+    // Capture spans by characters or messages are resolved from the prompt's text: such
+    // a prompt stays text, and the prompter tokenizes it again (the same code, so the
+    // same ids).
+    let spans = request
+        .items
+        .iter()
+        .any(|i| i.capture.as_ref().is_some_and(|c| !c.spec.spans.is_empty()));
+    if !spans {
+        let tokens = Arc::new(PromptInput::Tokens(ids.to_vec()));
+        for item in &mut request.items {
+            item.prompt = tokens.clone();
+        }
     }
     let (accepted, events) = engine.add(request.items).await?;
     Ok(Submitted {

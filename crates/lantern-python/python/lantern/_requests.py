@@ -101,7 +101,11 @@ class Request:
             self.attention_error = capture["error"]
         elif capture is not None:
             self.attention = Attention(
-                json.loads(capture["meta"]), capture["maps"], capture["indices"], capture["stats"]
+                json.loads(capture["meta"]),
+                capture["maps"],
+                capture["indices"],
+                capture["stats"],
+                capture["span_mass"],
             )
         if self.finished:
             self.metrics.finished_time = event["time"]

@@ -21,6 +21,9 @@ class Attention(Capture):
         stats: ``{layer: {"key_mass" | "key_max" | "block_mass": np.ndarray float32}}``
             with ``capture={"stats": [...]}`` (see docs/attention-capture.md, "Key
             statistics"); ``maps`` is empty when only statistics were asked for.
+        span_mass: ``{layer: np.ndarray float32 [rows, groups, spans + 1]}`` with
+            ``capture={"spans": [...]}`` (docs/attention-capture.md, "Spans"); the last
+            column is the mass outside every span.
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class Attention(Capture):
         maps: List[np.ndarray],
         indices: Optional[List[np.ndarray]],
         stats: Optional[List[tuple]] = None,
+        span_mass: Optional[List[tuple]] = None,
     ):
         layers = list(meta["layers"]) if meta.get("maps", True) else []
         by_layer: Dict[int, Dict[str, np.ndarray]] = {}
@@ -39,6 +43,7 @@ class Attention(Capture):
             dict(zip(layers, maps)),
             dict(zip(layers, indices)) if indices is not None else {},
             by_layer,
+            dict(span_mass or []),
         )
 
     @property

@@ -4,11 +4,16 @@
 //!   requests capturing every layer (the Q-row copies ride along in each step);
 //! - finalize time per layer and the memory a capture holds, against prompt length;
 //! - the decode rate of a batch while another thread finalizes a large capture (what
-//!   other requests lose while a capture is computed off the step loop).
+//!   other requests lose while a capture is computed off the step loop);
+//! - key statistics: a batch of `STATS_BATCH` requests each asking for key statistics
+//!   of every layer, against the same requests without capture, with and without the
+//!   time their statistics take to finalize.
 
 use crate::bench::{decode_params, decode_rate_with_capture, median, synthetic_prompt};
 use anyhow::{Context, Result};
-use lantern_engine::lantern_capture::{CaptureSpec, CaptureWorker, PendingCapture, RowSelection};
+use lantern_engine::lantern_capture::{
+    CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
+};
 use lantern_engine::Engine;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -37,6 +42,91 @@ fn decode_rate(engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>
         })
         .collect();
     decode_rate_with_capture(engine, requests, DECODE_TOKENS)
+}
+
+/// Requests in the batch of the key statistics figures.
+const STATS_BATCH: usize = 32;
+
+/// Every key statistic of every layer over the generated rows, without maps: what an
+/// eviction study asks of each request.
+fn key_statistics(engine: &Engine) -> CaptureSpec {
+    let mut spec = everything(engine);
+    spec.rows = RowSelection::Generated;
+    spec.stats = KeyStat::ALL.to_vec();
+    spec.maps = false;
+    spec
+}
+
+/// Aggregate tokens/s of `STATS_BATCH` requests each capturing with `capture`: over the
+/// decode steps alone (tokens sampled after every request has its first token), and
+/// counting the time their captures then take to finalize on one thread, as the
+/// server's capture worker does.
+fn statistics_rates(
+    engine: &mut Engine,
+    salt: &mut u64,
+    capture: Option<CaptureSpec>,
+) -> Result<(f64, f64)> {
+    let vocab = engine.model_info().vocab_size;
+    let ids = (0..STATS_BATCH)
+        .map(|_| {
+            *salt += 1;
+            let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
+            engine.add_request_with_capture(prompt, decode_params(DECODE_TOKENS), capture.clone())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut started = std::collections::HashSet::new();
+    let (mut decode_start, mut decoded) = (None, 0usize);
+    while engine.has_unfinished() {
+        let outputs = engine.step()?;
+        match decode_start {
+            Some(_) => decoded += outputs.len(),
+            None => {
+                started.extend(outputs.iter().map(|o| o.id));
+                if started.len() == ids.len() {
+                    decode_start = Some(Instant::now());
+                }
+            }
+        }
+    }
+    let start = decode_start.context("every request started")?;
+    let decode_seconds = start.elapsed().as_secs_f64();
+    for id in ids {
+        let completion = engine.take_completion(id).context("request finished")?;
+        if let Some(pending) = completion.capture {
+            pending.map_err(anyhow::Error::msg)?.finalize()?;
+        }
+    }
+    let total_seconds = start.elapsed().as_secs_f64();
+    let rate = |seconds: f64| decoded as f64 / seconds.max(1e-9);
+    Ok((rate(decode_seconds), rate(total_seconds)))
+}
+
+fn print_statistics_figures(engine: &mut Engine, salt: &mut u64, repeat: usize) -> Result<()> {
+    let num_layers = engine.model_info().num_layers;
+    let spec = key_statistics(engine);
+    // Alternated, so that a change in the machine's load falls on both alike.
+    let (mut plain, mut decode, mut with_finalize) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeat {
+        plain.push(statistics_rates(engine, salt, None)?.0);
+        let (d, f) = statistics_rates(engine, salt, Some(spec.clone()))?;
+        decode.push(d);
+        with_finalize.push(f);
+    }
+    let (plain, decode, with_finalize) = (median(plain), median(decode), median(with_finalize));
+    println!(
+        "capture: key statistics, batch {STATS_BATCH} ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each), \
+         every request asking key_mass, key_max and block_mass of all {num_layers} layers over its generated rows"
+    );
+    println!("  no capture                      {plain:8.1} tokens/s");
+    println!(
+        "  statistics, decode steps        {decode:8.1} tokens/s  ({:.1}% of no capture)",
+        100.0 * decode / plain
+    );
+    println!(
+        "  statistics, with finalizing     {with_finalize:8.1} tokens/s  ({:.1}% of no capture)",
+        100.0 * with_finalize / plain
+    );
+    Ok(())
 }
 
 /// A finished capture of every layer, head and row of a `prompt_len`-token prompt.
@@ -76,6 +166,8 @@ pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Resu
         "  one capturing all {num_layers} layers    {capturing:8.1} tokens/s  ({:+.1}% change)",
         100.0 * (capturing / plain - 1.0)
     );
+
+    print_statistics_figures(engine, &mut salt, repeat)?;
 
     println!("capture: finalize (every layer and head, prompt rows), per prompt length");
     let mut largest = None;

@@ -28,9 +28,11 @@ def _b64(array: np.ndarray, dtype: str) -> str:
 
 def to_html(cap: "Capture", title: Optional[str] = None) -> str:
     """See `Capture.to_html`: values as base64 little-endian float32 (top-k values with
-    their int32 key positions, which the page scatters), as `lantern attn view` writes."""
+    their int32 key positions, which the page scatters), as `lantern attn view` writes;
+    key statistics and span masses likewise, in `stats` and `span_mass`."""
     layers = []
-    for layer in cap.meta["layers"]:
+    # A capture of statistics or spans alone (meta "maps": false) has no maps.
+    for layer in cap.meta["layers"] if cap.meta.get("maps", True) else []:
         values = cap.layers[layer]
         indices = cap.indices.get(layer)
         layers.append(
@@ -41,7 +43,21 @@ def to_html(cap: "Capture", title: Optional[str] = None) -> str:
                 "indices": None if indices is None else _b64(indices, "<i4"),
             }
         )
-    data = {"source": title or "lantern capture", "meta": cap.meta, "layers": layers}
+    # Key statistics and span masses, each {layer_idx, stat, shape, values} with the
+    # values as base64 little-endian float32, layer by layer (statistics in meta order).
+    stats = [
+        {"layer_idx": layer, "stat": stat, "shape": list(cap.stats[layer][stat].shape),
+         "values": _b64(cap.stats[layer][stat], "<f4")}
+        for layer in cap.meta["layers"] if layer in cap.stats
+        for stat in cap.meta.get("stats") or [] if stat in cap.stats[layer]
+    ]
+    span_mass = [
+        {"layer_idx": layer, "stat": "span_mass", "shape": list(cap.span_mass[layer].shape),
+         "values": _b64(cap.span_mass[layer], "<f4")}
+        for layer in cap.meta["layers"] if layer in cap.span_mass
+    ]
+    data = {"source": title or "lantern capture", "meta": cap.meta, "layers": layers,
+            "stats": stats, "span_mass": span_mass}
     # Inside <script>, "</script>" in a token must not end the element: `<` only occurs
     # in JSON strings, where \u003c means the same.
     text = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")

@@ -106,7 +106,13 @@ PROBE = """<script>
       cell.dispatchEvent(new MouseEvent("mousemove", { clientX: box.left + 1, clientY: box.top + 1, bubbles: true }));
       return $("tip").style.display === "block" ? $("tip").textContent : null;
     });
+    const barTips = [...document.querySelectorAll("#bars .row:not(.mean) .track span:first-child")].map((part) => {
+      const box = part.getBoundingClientRect();
+      part.dispatchEvent(new MouseEvent("mousemove", { clientX: box.left + 1, clientY: box.top + 1, bubbles: true }));
+      return $("tip").style.display === "block" ? $("tip").textContent : null;
+    });
     results.push({
+      barTips,
       keys: keys.map((c) => [Number(c.dataset.k), rgb(c)]),
       blocks: [...document.querySelectorAll("#strip .blocks span")].map((c) => [Number(c.dataset.b), rgb(c)]),
       tips,
@@ -247,6 +253,11 @@ def check_bars(result: dict, cap: "lantern_attn.Capture", layer: int, group: int
         np.testing.assert_allclose(sum(w for _, _, w in row["parts"]), 100 * row["total"], rtol=1e-4)
         # The row's token beside it.
         assert row["text"] == f"{row['position']} {shown_token(cap.tokens[row['position']])}", row["text"]
+    # Pointing at a row's first part names the row's token, the span and its mass.
+    assert len(result["barTips"]) == len(rows)
+    for row, tip in zip(rows, result["barTips"]):
+        assert tip is not None and tip.startswith(f"row   {json.dumps(cap.tokens[row['position']])}  position "), tip
+        assert f"{json.dumps(labels[0])}: " in tip, tip
     # The mean over the rows comes first.
     mean = [row for row in result["rows"] if row["r"] is None]
     assert len(mean) == 1 and result["rows"][0] is mean[0]
@@ -276,7 +287,7 @@ def test_statistics_alone_show_a_heat_strip_per_key(srv, tmp_path):
         for k, tip in enumerate(result["tips"]):
             assert tip is not None, k
             assert f"key    {json.dumps(cap.tokens[k])}  position {k}" in tip, tip
-            assert f"key_mass = " in tip and f"block {k // block} " in tip, tip
+            assert "key_mass = " in tip and f"block {k // block} " in tip, tip
 
 
 def test_spans_show_a_bar_per_generated_row(srv, tmp_path):

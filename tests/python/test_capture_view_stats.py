@@ -10,6 +10,7 @@ error."""
 import html
 import http.server
 import json
+import os
 import re
 import subprocess
 import sys
@@ -332,3 +333,27 @@ def test_view_endpoint_reads_statistics_and_spans_from_safetensors(srv):
     [result] = probe["results"]
     assert result["blocks"] == []
     check_strip(result["keys"], cap.stats[3]["key_max"][1], "key_max")
+
+
+def test_lantern_attn_view_shows_statistics_and_spans_of_a_file(srv, tmp_path):
+    """`lantern attn view` on a file without maps (the CLI's page, compiled in): the strip
+    and the bars read the statistics and span masses the file holds."""
+    r = complete(srv, attn_capture_delivery="reference", attn_capture_layers=[0, -1],
+                 attn_capture_stats=["key_mass", "block_mass"], attn_capture_spans=SPANS,
+                 attn_capture_stats_heads="mean")
+    got = requests.get(f"{srv.base_url}/v1/captures/{r.attn_capture_id}", headers=srv.headers(), timeout=60)
+    assert got.status_code == 200
+    capture = tmp_path / "cap.safetensors"
+    capture.write_bytes(got.content)
+    page = tmp_path / "cap.html"
+    subprocess.run([str(ROOT / "target" / "release" / "lantern") if not os.environ.get("LANTERN_BIN")
+                    else os.environ["LANTERN_BIN"], "attn", "view", str(capture), "-o", str(page)],
+                   check=True, capture_output=True, timeout=120)
+    cap = lantern_attn.load(capture)
+    status, probe, console = probe_html(page.read_text(encoding="utf-8"), tmp_path, [[1, 0, None]])
+    check_clean(status, probe, console)
+    assert not probe["map"] and probe["stats"] and probe["spans"]
+    [result] = probe["results"]
+    check_strip(result["keys"], cap.stats[29]["key_mass"][0], "key_mass")
+    check_strip(result["blocks"], cap.stats[29]["block_mass"][0], "block_mass")
+    check_bars(result, cap, 29, 0)

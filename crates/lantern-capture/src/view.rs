@@ -21,14 +21,20 @@ fn page(data: Value) -> String {
     VIEW_TEMPLATE.replacen(DATA_SLOT, &data, 1)
 }
 
+/// Little-endian f32 bytes, base64.
+fn f32_base64(values: &[f32]) -> String {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    BASE64.encode(bytes)
+}
+
 /// The page with the capture inside (no network): values as base64 little-endian f32,
-/// top-k indices as base64 little-endian i32 (the page scatters them into dense maps).
+/// top-k indices as base64 little-endian i32 (the page scatters them into dense maps);
+/// key statistics and span masses as `{layer_idx, stat, shape, values}`, values likewise.
 pub fn embedded_page(result: &CaptureResult, source: &str) -> String {
     let layers: Vec<Value> = result
         .layers
         .iter()
         .map(|layer| {
-            let values: Vec<u8> = layer.values.iter().flat_map(|v| v.to_le_bytes()).collect();
             let indices = layer.indices.as_ref().map(|indices| {
                 let bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
                 BASE64.encode(bytes)
@@ -36,12 +42,42 @@ pub fn embedded_page(result: &CaptureResult, source: &str) -> String {
             json!({
                 "layer_idx": layer.layer_idx,
                 "shape": layer.shape,
-                "values": BASE64.encode(values),
+                "values": f32_base64(&layer.values),
                 "indices": indices,
             })
         })
         .collect();
-    page(json!({ "source": source, "meta": result.meta, "layers": layers }))
+    let stats: Vec<Value> = result
+        .stats
+        .iter()
+        .map(|s| {
+            json!({
+                "layer_idx": s.layer_idx,
+                "stat": s.stat.as_str(),
+                "shape": s.shape,
+                "values": f32_base64(&s.values),
+            })
+        })
+        .collect();
+    let span_mass: Vec<Value> = result
+        .span_mass
+        .iter()
+        .map(|s| {
+            json!({
+                "layer_idx": s.layer_idx,
+                "stat": "span_mass",
+                "shape": s.shape,
+                "values": f32_base64(&s.values),
+            })
+        })
+        .collect();
+    page(json!({
+        "source": source,
+        "meta": result.meta,
+        "layers": layers,
+        "stats": stats,
+        "span_mass": span_mass,
+    }))
 }
 
 /// The page that fetches its capture, as safetensors, from `url` (relative to the page).

@@ -183,7 +183,14 @@ pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
         },
         ..ServerConfig::default()
     };
+    // The HTTP side waits on sockets and the engine: it needs no more threads than
+    // the compute pool, whose --threads also bounds it (tokio's default is every CPU).
+    let http_workers = args
+        .engine
+        .threads
+        .map_or_else(lantern_quant::threads::default_compute_threads, usize::from);
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(http_workers.max(1))
         .enable_all()
         .thread_name("lantern-http")
         .build()

@@ -1,0 +1,51 @@
+"""`--threads N` sizes the pools `lantern serve` computes with: N compute threads and
+N - 1 product helpers (the HTTP runtime's workers are bounded by N too; not counted
+here, since tokio gives its on-demand blocking threads the same name)."""
+
+import collections
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import start_server, stop_server
+
+
+def thread_names(pid: int) -> collections.Counter:
+    names = collections.Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        names[name.rsplit("-", 1)[0] if name[-1:].isdigit() else name] += 1
+    return names
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_sizes_every_pool(threads):
+    srv = start_server("--threads", str(threads))
+    try:
+        # A request runs products, which start the helpers.
+        srv.client().completions.create(model=srv.model, prompt="Hello", max_tokens=4)
+        names = thread_names(srv.process.pid)
+        assert names["lantern-compute"] == threads, names
+        assert names["lantern-quant"] == threads - 1, names
+        assert 1 <= names["lantern-http"], names
+    finally:
+        stop_server(srv)
+
+
+def test_the_default_is_the_physical_cores():
+    srv = start_server()
+    try:
+        srv.client().completions.create(model=srv.model, prompt="Hello", max_tokens=2)
+        names = thread_names(srv.process.pid)
+        # The machine's physical cores, at most the CPUs this process may use.
+        cpus = Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology")
+        physical = len({((t / "physical_package_id").read_text(), (t / "core_id").read_text()) for t in cpus})
+        expected = int(os.environ.get("RAYON_NUM_THREADS", 0)) or min(physical, len(os.sched_getaffinity(0)))
+        assert names["lantern-compute"] == expected, (names, physical)
+    finally:
+        stop_server(srv)

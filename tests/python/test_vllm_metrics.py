@@ -68,7 +68,9 @@ def scrape(server):
     """[(name, labels, value)] of every series of `/metrics`."""
     r = requests.get(server.base_url + "/metrics", timeout=30)
     assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain")
+    # OpenMetrics text (prometheus-client writes it), which ends in `# EOF`.
+    assert r.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert r.text.endswith("# EOF\n")
     out = []
     for line in r.text.splitlines():
         if not line or line.startswith("#"):

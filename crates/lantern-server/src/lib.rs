@@ -7,8 +7,9 @@
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 //! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
 //! `GET /version`,
-//! `GET /metrics` (Prometheus text under vLLM's metric names, `vllm:*`; lantern's own
-//! metrics are `lantern:*`). With an API key, `/v1/*` and the tokenizer endpoints want
+//! `GET /metrics` (OpenMetrics text, written by prometheus-client, under vLLM's metric
+//! names, `vllm:*`; lantern's own metrics are `lantern:*`). With an API key, `/v1/*` and
+//! the tokenizer endpoints want
 //! `Authorization: Bearer KEY`; `/health` and `/metrics` stay open (`/health` shows an
 //! engine fault's message only with the key).
 
@@ -377,12 +378,8 @@ pub(crate) fn version_json() -> Json<serde_json::Value> {
 async fn metrics(State(state): State<AppState>) -> Response {
     match state.engine.stats().await {
         Ok(stats) => (
-            [(
-                header::CONTENT_TYPE,
-                "text/plain; version=0.0.4; charset=utf-8",
-            )],
-            metrics::render(&stats, &state.served_model_name)
-                + &metrics::render_captures(&state.captures.stats(), &state.served_model_name),
+            [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+            metrics::render(&stats, &state.captures.stats(), &state.served_model_name),
         )
             .into_response(),
         Err(e) => e.into_response(),

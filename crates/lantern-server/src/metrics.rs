@@ -2,10 +2,30 @@
 //! vLLM's Grafana dashboards and the routers that read vLLM's metrics (the Kubernetes
 //! Gateway API Inference Extension, llm-d) work unchanged. Metrics vLLM does not have
 //! (KV block counts, attention captures) keep lantern's own `lantern:` prefix.
+//!
+//! The exposition is written by the Prometheus project's client, `prometheus-client`
+//! (OpenMetrics text, [`CONTENT_TYPE`]). Its metrics live behind atomics and its
+//! families behind a lock, so the engine thread does not use them: it counts into
+//! plain fields ([`EngineMetrics`], a [`Histogram`] is a bucket array), which costs a
+//! few additions per step and takes no lock and no allocation. `/metrics` asks the
+//! engine for a snapshot ([`EngineStats`]) and [`render`] builds a fresh registry from
+//! it, per scrape: counters and gauges as prometheus-client's constant metrics,
+//! labelled ones as its `Family`, and the histograms through its histogram encoding
+//! (`EncodeMetric` for [`Histogram`]).
 
-use std::fmt::Write;
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{
+    EncodeGaugeValue, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 
 /// vLLM's buckets for time to first token (seconds).
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -221,6 +241,52 @@ pub struct EngineStats {
     pub metrics: EngineMetrics,
 }
 
+/// The content type of [`render`]'s text: OpenMetrics, which prometheus-client writes
+/// (Prometheus asks for it first and reads it; vLLM's routers parse it as text).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The engine's metrics, cumulative, as a histogram snapshot encodes them.
+impl EncodeMetric for Histogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        // Per-bucket counts; the encoder sums them up. `f64::MAX` is its `+Inf`.
+        let buckets: Vec<(f64, u64)> = self
+            .bounds
+            .iter()
+            .copied()
+            .chain([f64::MAX])
+            .zip(self.counts.iter().copied())
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FinishedReasonLabels {
+    finished_reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheConfigLabels {
+    block_size: usize,
+    num_gpu_blocks: usize,
+    num_cpu_blocks: usize,
+    cache_dtype: &'static str,
+    enable_prefix_caching: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LoraLabels {
+    max_lora: usize,
+    running_lora_adapters: &'static str,
+    waiting_lora_adapters: &'static str,
+}
+
+/// A label value as the text format wants it (prometheus-client writes const label
+/// values as they are).
 fn escape_label(value: &str) -> String {
     value
         .replace('\\', "\\\\")
@@ -228,81 +294,49 @@ fn escape_label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
-fn format_value(v: f64) -> String {
-    if v.is_infinite() {
-        if v > 0.0 { "+Inf" } else { "-Inf" }.to_string()
-    } else {
-        format!("{v}")
-    }
-}
+/// Registers metrics under their exposed names: the registry appends `_total` to a
+/// counter's name and a full stop to every help text, so both are taken off here.
+struct Metrics(Registry);
 
-/// Writes metrics in Prometheus' text exposition format (version 0.0.4), every series
-/// labelled with the model's name.
-struct Exposition {
-    out: String,
-    model_label: String,
-}
-
-impl Exposition {
+impl Metrics {
     fn new(model_name: &str) -> Self {
-        Self {
-            out: String::new(),
-            model_label: format!("model_name=\"{}\"", escape_label(model_name)),
-        }
+        Self(Registry::with_labels(std::iter::once((
+            Cow::Borrowed("model_name"),
+            Cow::Owned(escape_label(model_name)),
+        ))))
     }
 
-    fn header(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    fn register(&mut self, name: &str, help: &str, metric: impl Metric) {
+        self.0
+            .register(name, help.strip_suffix('.').unwrap_or(help), metric);
     }
 
-    fn series(&mut self, name: &str, extra: &[(&str, String)], value: f64) {
-        let mut labels = self.model_label.clone();
-        for (key, v) in extra {
-            let _ = write!(labels, ",{key}=\"{}\"", escape_label(v));
-        }
-        let _ = writeln!(self.out, "{name}{{{labels}}} {}", format_value(value));
+    fn gauge<N>(&mut self, name: &str, help: &str, value: N)
+    where
+        N: EncodeGaugeValue + Send + Sync + std::fmt::Debug + 'static,
+    {
+        self.register(name, help, ConstGauge::new(value));
     }
 
-    fn gauge(&mut self, name: &str, help: &str, value: f64) {
-        self.header(name, "gauge", help);
-        self.series(name, &[], value);
-    }
-
-    fn counter(&mut self, name: &str, help: &str, value: f64) {
-        self.header(name, "counter", help);
-        self.series(name, &[], value);
-    }
-
-    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
-        self.header(name, "histogram", help);
-        let mut cumulative = 0;
-        for (i, n) in h.counts.iter().enumerate() {
-            cumulative += n;
-            let le = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            self.series(
-                &format!("{name}_bucket"),
-                &[("le", format_value(le))],
-                cumulative as f64,
-            );
-        }
-        self.series(&format!("{name}_sum"), &[], h.sum);
-        self.series(&format!("{name}_count"), &[], h.count as f64);
+    fn counter(&mut self, name: &str, help: &str, value: u64) {
+        let family = name
+            .strip_suffix("_total")
+            .expect("a counter's name ends in _total");
+        self.register(family, help, ConstCounter::new(value));
     }
 }
 
-/// Renders the engine's stats: vLLM's metrics, then lantern's KV block counts.
-pub fn render(stats: &EngineStats, model_name: &str) -> String {
-    let mut x = Exposition::new(model_name);
+/// Registers the engine's stats: vLLM's metrics, then lantern's KV block counts.
+fn register_engine(x: &mut Metrics, stats: &EngineStats) {
     x.gauge(
         "vllm:num_requests_running",
         "Number of requests in model execution batches.",
-        stats.num_requests_running as f64,
+        stats.num_requests_running as i64,
     );
     x.gauge(
         "vllm:num_requests_waiting",
         "Number of requests waiting to be processed.",
-        stats.num_requests_waiting as f64,
+        stats.num_requests_waiting as i64,
     );
     x.gauge(
         "vllm:kv_cache_usage_perc",
@@ -310,83 +344,74 @@ pub fn render(stats: &EngineStats, model_name: &str) -> String {
         stats.kv_cache_usage,
     );
     let c = &stats.cache_config;
-    x.header(
+    let info = Family::<CacheConfigLabels, Gauge>::default();
+    info.get_or_create(&CacheConfigLabels {
+        block_size: c.block_size,
+        num_gpu_blocks: c.num_gpu_blocks,
+        num_cpu_blocks: 0,
+        cache_dtype: c.cache_dtype,
+        enable_prefix_caching: if c.enable_prefix_caching {
+            "True"
+        } else {
+            "False"
+        },
+    })
+    .set(1);
+    x.register(
         "vllm:cache_config_info",
-        "gauge",
         "Information of the LLMEngine CacheConfig.",
-    );
-    x.series(
-        "vllm:cache_config_info",
-        &[
-            ("block_size", c.block_size.to_string()),
-            ("num_gpu_blocks", c.num_gpu_blocks.to_string()),
-            ("num_cpu_blocks", "0".to_string()),
-            ("cache_dtype", c.cache_dtype.to_string()),
-            (
-                "enable_prefix_caching",
-                if c.enable_prefix_caching {
-                    "True"
-                } else {
-                    "False"
-                }
-                .to_string(),
-            ),
-        ],
-        1.0,
+        info,
     );
     // No LoRA adapters: routers that look for adapters find none loaded.
-    x.header(
+    let lora = Family::<LoraLabels, Gauge>::default();
+    lora.get_or_create(&LoraLabels {
+        max_lora: 0,
+        running_lora_adapters: "",
+        waiting_lora_adapters: "",
+    })
+    .set(1);
+    x.register(
         "vllm:lora_requests_info",
-        "gauge",
         "Running stats on lora requests.",
-    );
-    x.series(
-        "vllm:lora_requests_info",
-        &[
-            ("max_lora", "0".to_string()),
-            ("running_lora_adapters", String::new()),
-            ("waiting_lora_adapters", String::new()),
-        ],
-        1.0,
+        lora,
     );
     x.counter(
         "vllm:num_preemptions_total",
         "Cumulative number of preemptions from the engine.",
-        stats.num_preemptions as f64,
+        stats.num_preemptions,
     );
     x.counter(
         "vllm:prefix_cache_queries_total",
         "Prefix cache queries, in terms of number of queried tokens.",
-        stats.prefix_cache_queries as f64,
+        stats.prefix_cache_queries,
     );
     x.counter(
         "vllm:prefix_cache_hits_total",
         "Prefix cache hits, in terms of number of cached tokens.",
-        stats.prefix_cache_hits as f64,
+        stats.prefix_cache_hits,
     );
     let m = &stats.metrics;
     x.counter(
         "vllm:prompt_tokens_total",
         "Number of prefill tokens processed.",
-        m.prompt_tokens_total as f64,
+        m.prompt_tokens_total,
     );
     x.counter(
         "vllm:generation_tokens_total",
         "Number of generation tokens processed.",
-        m.generation_tokens_total as f64,
+        m.generation_tokens_total,
     );
-    x.header(
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-    );
-    for (reason, n) in &m.request_success_total {
-        x.series(
-            "vllm:request_success_total",
-            &[("finished_reason", reason.to_string())],
-            *n as f64,
-        );
+    let success = Family::<FinishedReasonLabels, Counter>::default();
+    for &(finished_reason, n) in &m.request_success_total {
+        success
+            .get_or_create(&FinishedReasonLabels { finished_reason })
+            .inc_by(n);
     }
+    x.register(
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        success,
+    );
     for (name, help, h) in [
         (
             "vllm:time_to_first_token_seconds",
@@ -459,24 +484,23 @@ pub fn render(stats: &EngineStats, model_name: &str) -> String {
             &m.iteration_tokens,
         ),
     ] {
-        x.histogram(name, help, h);
+        x.register(name, help, h.clone());
     }
     x.gauge(
         "lantern:kv_cache_free_blocks",
         "KV cache blocks free (cached prefix blocks nobody holds count as free).",
-        stats.kv_cache_free_blocks as f64,
+        stats.kv_cache_free_blocks as i64,
     );
     x.gauge(
         "lantern:kv_cache_total_blocks",
         "KV cache blocks in the pool.",
-        stats.kv_cache_total_blocks as f64,
+        stats.kv_cache_total_blocks as i64,
     );
     x.counter(
         "lantern:engine_faults_total",
         "Panics on the engine thread, contained: each failed the requests in flight and restarted the engine.",
-        stats.engine_faults as f64,
+        stats.engine_faults,
     );
-    x.out
 }
 
 /// Attention captures delivered, failed and stored, for `/metrics`.
@@ -490,30 +514,39 @@ pub struct CaptureStats {
     pub stored: usize,
 }
 
-/// The capture metrics (lantern's own, so `lantern:`).
-pub fn render_captures(stats: &CaptureStats, model_name: &str) -> String {
-    let mut x = Exposition::new(model_name);
+/// Registers the capture metrics (lantern's own, so `lantern:`).
+fn register_captures(x: &mut Metrics, stats: &CaptureStats) {
     x.counter(
         "lantern:attention_captures_total",
         "Attention captures delivered (inline, by reference or as a file).",
-        stats.delivered as f64,
+        stats.delivered,
     );
     x.counter(
         "lantern:attention_capture_failures_total",
         "Attention captures that could not be delivered (the text still was).",
-        stats.failed as f64,
+        stats.failed,
     );
     x.gauge(
         "lantern:attention_captures_stored",
         "Attention captures stored for GET /v1/captures/{id}.",
-        stats.stored as f64,
+        stats.stored as i64,
     );
     x.counter(
         "lantern:capture_worker_faults_total",
         "Panics on the capture worker, contained: each failed its capture only.",
-        stats.panicked as f64,
+        stats.panicked,
     );
-    x.out
+}
+
+/// `/metrics`: the engine's stats and the capture counts, every series labelled with
+/// the model's name, in the OpenMetrics text format ([`CONTENT_TYPE`]).
+pub fn render(stats: &EngineStats, captures: &CaptureStats, model_name: &str) -> String {
+    let mut x = Metrics::new(model_name);
+    register_engine(&mut x, stats);
+    register_captures(&mut x, captures);
+    let mut out = String::new();
+    encode(&mut out, &x.0).expect("writing to a String does not fail");
+    out
 }
 
 #[cfg(test)]
@@ -541,6 +574,10 @@ mod tests {
         }
     }
 
+    fn render(stats: &EngineStats, model_name: &str) -> String {
+        super::render(stats, &CaptureStats::default(), model_name)
+    }
+
     #[test]
     fn histogram_buckets_are_cumulative() {
         let mut stats = stats();
@@ -565,8 +602,145 @@ mod tests {
         assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 3\n"));
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
         assert!(text.contains("lantern:kv_cache_total_blocks{model_name=\"m\\\"x\"} 40\n"));
-        assert!(text.contains("# TYPE lantern:engine_faults_total counter\n"));
+        // OpenMetrics names a counter's family without `_total`; its series keep it.
+        assert!(text.contains("# TYPE lantern:engine_faults counter\n"));
         assert!(text.contains("lantern:engine_faults_total{model_name=\"m\\\"x\"} 2\n"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn histograms_keep_vllms_buckets() {
+        let text = render(&stats(), "m");
+        let bounds = |name: &str| -> Vec<f64> {
+            let prefix = format!("{name}_bucket{{");
+            text.lines()
+                .filter(|l| l.starts_with(&prefix))
+                .map(|l| {
+                    let le = l.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
+                    if le == "+Inf" {
+                        f64::INFINITY
+                    } else {
+                        le.parse().unwrap()
+                    }
+                })
+                .collect()
+        };
+        let with_inf =
+            |b: &[f64]| -> Vec<f64> { b.iter().copied().chain([f64::INFINITY]).collect() };
+        assert_eq!(
+            bounds("vllm:time_to_first_token_seconds"),
+            with_inf(TTFT_BUCKETS)
+        );
+        assert_eq!(
+            bounds("vllm:inter_token_latency_seconds"),
+            with_inf(ITL_BUCKETS)
+        );
+        assert_eq!(
+            bounds("vllm:e2e_request_latency_seconds"),
+            with_inf(REQUEST_LATENCY_BUCKETS)
+        );
+        assert_eq!(
+            bounds("vllm:request_prompt_tokens"),
+            with_inf(&buckets_1_2_5(2048))
+        );
+        assert_eq!(
+            bounds("vllm:iteration_tokens_total"),
+            with_inf(&[1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0])
+        );
+    }
+
+    /// Every series name the hand-written exposition had (taken from a running server's
+    /// `/metrics` before prometheus-client wrote it).
+    const NAMES_BEFORE: &[&str] = &[
+        "lantern:attention_capture_failures_total",
+        "lantern:attention_captures_stored",
+        "lantern:attention_captures_total",
+        "lantern:capture_worker_faults_total",
+        "lantern:engine_faults_total",
+        "lantern:kv_cache_free_blocks",
+        "lantern:kv_cache_total_blocks",
+        "vllm:cache_config_info",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum",
+        "vllm:generation_tokens_total",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:inter_token_latency_seconds_sum",
+        "vllm:iteration_tokens_total_bucket",
+        "vllm:iteration_tokens_total_count",
+        "vllm:iteration_tokens_total_sum",
+        "vllm:kv_cache_usage_perc",
+        "vllm:lora_requests_info",
+        "vllm:num_preemptions_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prompt_tokens_total",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_decode_time_seconds_sum",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:request_generation_tokens_count",
+        "vllm:request_generation_tokens_sum",
+        "vllm:request_inference_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_count",
+        "vllm:request_inference_time_seconds_sum",
+        "vllm:request_max_num_generation_tokens_bucket",
+        "vllm:request_max_num_generation_tokens_count",
+        "vllm:request_max_num_generation_tokens_sum",
+        "vllm:request_params_max_tokens_bucket",
+        "vllm:request_params_max_tokens_count",
+        "vllm:request_params_max_tokens_sum",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_prompt_tokens_sum",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_success_total",
+        "vllm:request_time_per_output_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_count",
+        "vllm:request_time_per_output_token_seconds_sum",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:time_per_output_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_to_first_token_seconds_sum",
+    ];
+
+    #[test]
+    fn every_name_of_the_old_exposition_is_still_exposed() {
+        let text = render(&stats(), "m");
+        let names: std::collections::BTreeSet<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(['{', ' ']).next().unwrap())
+            .collect();
+        let before: std::collections::BTreeSet<&str> = NAMES_BEFORE.iter().copied().collect();
+        assert_eq!(names, before);
+        // Each series carries the model's name, `request_success_total` every reason.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(line.contains("{model_name=\"m\""), "{line}");
+        }
+        for reason in ["stop", "length", "abort", "error"] {
+            assert!(text.contains(&format!(
+                "vllm:request_success_total{{model_name=\"m\",finished_reason=\"{reason}\"}} 0\n"
+            )));
+        }
+        assert!(text.contains(
+            "vllm:lora_requests_info{model_name=\"m\",max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1\n"
+        ));
+        assert!(text
+            .contains("# HELP vllm:request_success Count of successfully processed requests.\n"));
+        assert!(text.contains(
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        ));
     }
 
     #[test]

@@ -613,10 +613,11 @@ fn metrics_text() -> String {
         .send()
         .unwrap();
     assert_eq!(r.status(), 200);
+    // OpenMetrics, as prometheus-client writes it.
     assert!(r.headers()["content-type"]
         .to_str()
         .unwrap()
-        .starts_with("text/plain"));
+        .starts_with("application/openmetrics-text; version=1.0.0"));
     r.text().unwrap()
 }
 

@@ -209,31 +209,12 @@ impl PendingCapture {
     fn row_probabilities(
         &self,
         slot: usize,
-        (layer, keys): &(AttentionLayerSpec, KeySnapshot),
+        layer: &(AttentionLayerSpec, KeySnapshot),
         pos: usize,
         out: &mut [f32],
         logits: &mut Vec<f32>,
     ) -> Result<(), CaptureError> {
-        let num_keys = out.len() / self.buffer.spec().heads.len().max(1);
-        out.fill(0.0);
-        let visible = layer.visible_key_range(pos);
-        let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys);
-        for (hi, &h) in self.buffer.spec().heads.iter().enumerate() {
-            let q = self.buffer.query(slot, pos, hi).ok_or_else(|| {
-                CaptureError::Incomplete(format!("no query row for position {pos}"))
-            })?;
-            let kv_head = layer.kv_head_for(h);
-            logits.clear();
-            logits.extend(
-                visible
-                    .clone()
-                    .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
-            );
-            layer.softmax_in_place(h, logits);
-            let base = hi * num_keys;
-            out[base + visible.start..base + visible.end].copy_from_slice(logits);
-        }
-        Ok(())
+        row_probabilities(&self.buffer, slot, layer, pos, out, logits)
     }
 
     /// Computes the maps: probabilities, then the head reduction, then top-k.
@@ -382,6 +363,39 @@ impl PendingCapture {
     }
 }
 
+/// Probabilities of the row at position `pos` on captured layer slot `slot` (its
+/// attention and keys `keys`) for every requested head of `buffer`, into `out`:
+/// `[heads, num_keys]`, zero where a key is not visible. `logits` is scratch space.
+pub(crate) fn row_probabilities(
+    buffer: &QueryRowBuffer,
+    slot: usize,
+    (layer, keys): &(AttentionLayerSpec, KeySnapshot),
+    pos: usize,
+    out: &mut [f32],
+    logits: &mut Vec<f32>,
+) -> Result<(), CaptureError> {
+    let num_keys = out.len() / buffer.spec().heads.len().max(1);
+    out.fill(0.0);
+    let visible = layer.visible_key_range(pos);
+    let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys).min(num_keys);
+    for (hi, &h) in buffer.spec().heads.iter().enumerate() {
+        let q = buffer
+            .query(slot, pos, hi)
+            .ok_or_else(|| CaptureError::Incomplete(format!("no query row for position {pos}")))?;
+        let kv_head = layer.kv_head_for(h);
+        logits.clear();
+        logits.extend(
+            visible
+                .clone()
+                .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
+        );
+        layer.softmax_in_place(h, logits);
+        let base = hi * num_keys;
+        out[base + visible.start..base + visible.end].copy_from_slice(logits);
+    }
+    Ok(())
+}
+
 /// `a · b` in f32 over eight partial sums, which the compiler turns into SIMD lanes.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -428,7 +442,13 @@ fn reduce_heads(dense: &[f32], heads: usize, keys: usize, reduce: HeadReduce, ou
 
 /// Appends the `k` largest values of each row of `keys` in `values` to `vals`
 /// (descending; ties by lower position), and their key positions to `idx`.
-fn top_k(values: &[f32], keys: usize, k: usize, vals: &mut Vec<f32>, idx: &mut Vec<u32>) {
+pub(crate) fn top_k(
+    values: &[f32],
+    keys: usize,
+    k: usize,
+    vals: &mut Vec<f32>,
+    idx: &mut Vec<u32>,
+) {
     if keys == 0 || k == 0 {
         return;
     }

@@ -171,6 +171,9 @@ pub struct CaptureSpec {
     pub spans: Vec<CaptureSpan>,
     /// With spans named by text: the characters of each prompt token.
     pub span_text: Option<SpanText>,
+    /// Streamed responses: each captured row's span masses and top-k keys are computed
+    /// as the row is run and sent with the token it samples ([`crate::live`]).
+    pub stream_rows: bool,
 }
 
 impl CaptureSpec {
@@ -189,6 +192,7 @@ impl CaptureSpec {
             maps: true,
             spans: Vec::new(),
             span_text: None,
+            stream_rows: false,
         }
     }
 

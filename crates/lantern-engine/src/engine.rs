@@ -12,8 +12,8 @@ use crate::sampling::{
 use crate::scheduler::Scheduler;
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
-    keys_needed, snapshot_layer, CaptureFailure, CaptureSpec, PendingCapture, QueryRowBuffer,
-    StepTap, TokenInfo,
+    keys_needed, row_capture, snapshot_layer, CaptureFailure, CaptureSpec, PendingCapture,
+    QueryRowBuffer, RowCapture, StepTap, TokenInfo,
 };
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
@@ -43,6 +43,9 @@ pub struct RequestOutput {
     pub finished: Option<FinishReason>,
     /// Log-probabilities of the new token, when the request asked for them.
     pub logprobs: Option<TokenLogprobs>,
+    /// A streamed capture's live figures of the row that sampled the new token, when
+    /// that row is captured ([`CaptureSpec::stream_rows`]).
+    pub capture_row: Option<Box<RowCapture>>,
 }
 
 /// A finished request, all of it.
@@ -613,8 +616,13 @@ impl Engine {
             if rows.samples && req.params.max_tokens == 0 {
                 outputs.push(self.finish_prompt_only(rows.id));
             } else if rows.samples {
+                // Before the token is appended: a token that ends the request takes
+                // its capture, and with it the query row.
+                let live = self.live_row(rows.id);
                 let row = logits.rows(sample_row, 1)?;
-                outputs.push(self.append_token(rows.id, row)?);
+                let mut output = self.append_token(rows.id, row)?;
+                output.capture_row = live;
+                outputs.push(output);
             }
         }
         Ok(outputs)
@@ -711,6 +719,32 @@ impl Engine {
         result
     }
 
+    /// A streamed capture's live figures of the row that samples this step's token
+    /// (the last computed position), when that row is captured: its keys read from the
+    /// cache through the backend, as finalizing reads them. `None` otherwise, or when
+    /// they cannot be computed (the finished capture then says why).
+    fn live_row(&self, id: RequestId) -> Option<Box<RowCapture>> {
+        let req = self.requests.get(&id)?;
+        let buffer = req.capture.as_deref()?;
+        let spec = buffer.spec();
+        let num_computed = req.num_computed_tokens;
+        let pos = num_computed.checked_sub(1)?;
+        if !spec.stream_rows || buffer.query(0, pos, 0).is_none() {
+            return None;
+        }
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for &l in &spec.layers {
+            let layer = self.info.attention.get(l)?;
+            let cache = self.runner.caches().get(l)?;
+            let keys = keys_needed(layer, pos..pos + 1, num_computed);
+            let table = self.kv.block_table(id, self.runner.layer_group(l));
+            let snapshot =
+                snapshot_layer(self.runner.backend(), cache.as_ref(), table, keys, false).ok()?;
+            layers.push((layer.clone(), snapshot));
+        }
+        row_capture(buffer, pos, &layers).ok().map(Box::new)
+    }
+
     /// Ends a `max_tokens: 0` request once its whole prompt has run: nothing is
     /// sampled, its capture covers every prompt row.
     fn finish_prompt_only(&mut self, id: RequestId) -> RequestOutput {
@@ -721,6 +755,7 @@ impl Engine {
             new_text: String::new(),
             finished: Some(FinishReason::Length),
             logprobs: None,
+            capture_row: None,
         }
     }
 
@@ -809,6 +844,7 @@ impl Engine {
             new_text,
             finished,
             logprobs,
+            capture_row: None,
         })
     }
 

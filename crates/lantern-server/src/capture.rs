@@ -465,6 +465,8 @@ pub fn parse_capture_request(
         maps,
         spans,
         span_text: None,
+        // Set by the endpoint, which knows whether the response streams.
+        stream_rows: false,
     };
     spec.validate(num_layers, num_heads).map_err(field_error)?;
     Ok(Some(CaptureRequest { spec, delivery }))

@@ -21,7 +21,7 @@ use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedReques
 use crate::prompt::{PreparedItem, PromptLogprobRows, Prompter};
 use crate::request_log::{log_finished, EngineLogging, StatsLog};
 use crate::stop::StopMatcher;
-use lantern_engine::lantern_capture::{CaptureFailure, CaptureSpec, PendingCapture};
+use lantern_engine::lantern_capture::{CaptureFailure, CaptureSpec, PendingCapture, RowCapture};
 use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
 use lantern_engine::{
     Completion, Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
@@ -191,6 +191,8 @@ pub struct EngineEvent {
     pub token_ids: Vec<u32>,
     pub logprobs: Option<TokenLogprobs>,
     pub prompt_logprobs: Option<PromptLogprobRows>,
+    /// A streamed capture's live figures of the row that sampled the new token.
+    pub capture_row: Option<Box<RowCapture>>,
     pub finish: Option<Finish>,
 }
 
@@ -204,6 +206,8 @@ pub struct ChoiceEvent {
     pub logprobs: Vec<LogprobEntry>,
     /// One entry per prompt token, on the first event of a sequence that asked for them.
     pub prompt_logprobs: Option<Vec<PromptLogprobEntry>>,
+    /// A streamed capture's live figures of the row that sampled the new token.
+    pub capture_row: Option<Box<RowCapture>>,
     pub finish: Option<Finish>,
 }
 
@@ -743,6 +747,7 @@ impl EngineLoop {
                 token_ids: Vec::new(),
                 logprobs: None,
                 prompt_logprobs: None,
+                capture_row: None,
                 finish: Some(Finish {
                     reason,
                     stop_reason: None,
@@ -1071,6 +1076,7 @@ impl EngineLoop {
                 token_ids: out.new_token_ids,
                 logprobs: out.logprobs,
                 prompt_logprobs,
+                capture_row: out.capture_row,
                 finish: None,
             };
             match finish {
@@ -1185,6 +1191,7 @@ impl EngineLoop {
                 token_ids: Vec::new(),
                 logprobs: None,
                 prompt_logprobs: None,
+                capture_row: None,
                 finish: Some(Finish {
                     reason: reason.clone(),
                     stop_reason: None,

@@ -214,8 +214,11 @@ fn attach_capture(
     }
     capture::check_capacity(&capture, &state.captures, &state.capture_worker)?;
     let stores = capture.delivery != capture::Delivery::Inline;
+    let mut spec = capture.spec.clone();
+    // Streamed, a row's span masses and top-k keys go out with its token.
+    spec.stream_rows = request.stream && (!spec.spans.is_empty() || spec.top_k.is_some());
     request.items[0].capture = Some(ItemCapture {
-        spec: capture.spec.clone(),
+        spec,
         max_bytes: state.capture.max_bytes,
         max_stored_bytes: stores.then_some(state.capture.max_stored_bytes),
     });
@@ -851,7 +854,12 @@ impl StreamState {
             .then(|| self.response.accepted[event.index].prompt_text.clone())
             .flatten()
             .map(|p| p.to_string() + &event.text);
-        if event.text.is_empty() && event.finish.is_none() && !has_logprobs && echoed.is_none() {
+        if event.text.is_empty()
+            && event.finish.is_none()
+            && !has_logprobs
+            && echoed.is_none()
+            && event.capture_row.is_none()
+        {
             return;
         }
         let text = echoed.as_deref().or_else(|| {
@@ -864,7 +872,7 @@ impl StreamState {
         } else {
             Value::Null
         };
-        let chunk = self.response.chunk(
+        let mut chunk = self.response.chunk(
             event.index,
             text,
             false,
@@ -872,6 +880,12 @@ impl StreamState {
             logprobs,
             self.include_usage,
         );
+        if let (Some(row), Value::Object(fields)) = (&event.capture_row, &mut chunk) {
+            // Beside `choices`, as the finished capture's fields are.
+            if let Ok(row) = serde_json::to_value(row) {
+                fields.insert("attn_capture_row".into(), row);
+            }
+        }
         self.queue.push_back(data(&chunk));
         self.after_chunk(event);
     }

@@ -396,6 +396,7 @@ impl Prompter {
                 .map(|lp| self.logprob_entry(lp))
                 .collect(),
             prompt_logprobs,
+            capture_row: event.capture_row,
             finish: event.finish,
         })
     }

@@ -185,6 +185,44 @@ def test_streaming_gives_the_same_text_and_the_capture_last(llm):
     assert chat[-1].outputs[0].text == llm.chat(MESSAGES, params)[0].outputs[0].text
 
 
+def test_streaming_sends_live_rows_equal_to_the_servers_and_the_final_capture(llm, srv):
+    spans = [{"label": "keeper", "chars": [4, 21]}, {"label": "stairs", "tokens": [5, 7]}]
+    capture = {"layers": [0, -1], "spans": spans, "stats_heads": "mean", "top_k": 2, "reduce": "mean_heads",
+               "maps": True}
+    params = lantern.SamplingParams(temperature=0, max_tokens=5)
+    updates = list(llm.stream(PROMPTS[0], params, capture=capture))
+    rows = [row for u in updates for row in u.attention_rows]
+    final = updates[-1].attention
+    prompt_len = final.prompt_len
+    assert [r["position"] for r in rows] == list(range(prompt_len - 1, prompt_len + 4))
+    positions = list(final.row_positions)
+    for row in rows:
+        for layer in row["layers"]:
+            r = positions.index(row["position"])
+            np.testing.assert_array_equal(np.array(layer["span_mass"], dtype=np.float32),
+                                          final.span_mass[layer["layer_idx"]][r])
+            assert layer["top_k"][0]["positions"] == final.indices[layer["layer_idx"]][r, 0].tolist()
+    fields = {f"attn_capture_{k}": v for k, v in capture.items()}
+    chunks = list(srv.client().completions.create(
+        model=srv.model, prompt=PROMPTS[0], max_tokens=5, temperature=0, stream=True,
+        extra_body={"attn_capture": True, **fields}))
+    served = [c.model_dump()["attn_capture_row"] for c in chunks if c.model_dump().get("attn_capture_row")]
+
+    def as_f32(value):  # JSON writes an f32 as f32 or as its f64 expansion: the same value
+        if isinstance(value, float):
+            return np.float32(value)
+        if isinstance(value, list):
+            return [as_f32(v) for v in value]
+        if isinstance(value, dict):
+            return {k: as_f32(v) for k, v in value.items()}
+        return value
+
+    assert as_f32(served) == as_f32(rows)
+    # Not streamed, no live rows.
+    (out,) = llm.generate(PROMPTS[0], params, capture=capture)
+    assert out.attention_rows == []
+
+
 def raises_naming(field, call):
     with pytest.raises(ValueError) as info:
         call()

@@ -66,15 +66,17 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[pymethods]
 impl Batch {
     /// Submits one prompt's request: `kind` "completion" or "chat", `body` the JSON
-    /// the server's endpoint would take, `capture` the `capture=` dict as JSON.
-    /// Returns the prompt's token ids.
-    #[pyo3(signature = (kind, body, capture=None))]
+    /// the server's endpoint would take, `capture` the `capture=` dict as JSON;
+    /// `stream`: its events are read as they come, so a capture with spans or top-k
+    /// sends each row's live figures. Returns the prompt's token ids.
+    #[pyo3(signature = (kind, body, capture=None, stream=false))]
     fn submit(
         &self,
         py: Python<'_>,
         kind: &str,
         body: &str,
         capture: Option<&str>,
+        stream: bool,
     ) -> PyResult<Vec<u32>> {
         let kind = match kind {
             "completion" => Kind::Completion,
@@ -89,8 +91,14 @@ impl Batch {
             .ok_or_else(|| PyValueError::new_err("this batch is already running"))?;
         let submitted = py
             .detach(|| {
-                self.runtime
-                    .block_on(submit(&self.engine, &self.settings, kind, body, fields))
+                self.runtime.block_on(submit(
+                    &self.engine,
+                    &self.settings,
+                    kind,
+                    body,
+                    fields,
+                    stream,
+                ))
             })
             .map_err(api_error)?;
         locked(&self.ids).extend(&submitted.ids);

@@ -137,6 +137,7 @@ pub fn ready<'py>(py: Python<'py>, r: Ready) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("index", r.index)?;
     d.set_item("text", r.text)?;
     d.set_item("token_ids", r.token_ids)?;
+    d.set_item("capture_row", r.capture_row)?;
     let logprobs = match r.logprobs {
         Some(lps) => {
             let list = PyList::empty(py);

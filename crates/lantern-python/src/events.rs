@@ -40,6 +40,9 @@ pub struct Ready {
     pub token_ids: Vec<u32>,
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub prompt_logprobs: Option<Vec<PromptLogprobEntry>>,
+    /// A streamed capture's live figures of the row that sampled the new token, as the
+    /// JSON of the HTTP chunk's `attn_capture_row`.
+    pub capture_row: Option<String>,
     pub finished: Option<Finished>,
     /// Unix time in seconds when it arrived.
     pub time: f64,
@@ -113,6 +116,9 @@ async fn ready(prompter: &Prompter, prompt: usize, captures: bool, event: Engine
         token_ids: event.token_ids,
         logprobs,
         prompt_logprobs,
+        capture_row: event
+            .capture_row
+            .and_then(|row| serde_json::to_string(&row).ok()),
         finished,
         time: unix_time(),
     }

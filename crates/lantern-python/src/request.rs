@@ -95,6 +95,7 @@ pub async fn submit(
     kind: Kind,
     mut body: Map<String, Value>,
     capture: Map<String, Value>,
+    stream: bool,
 ) -> Result<Submitted, ApiError> {
     body.extend(capture);
     // vLLM's `max_tokens=None`: as many as the context and the KV cache allow, as a
@@ -128,8 +129,11 @@ pub async fn submit(
             .into());
         }
         debug_assert_eq!(capture.delivery, Delivery::Inline);
+        let mut spec = capture.spec.clone();
+        // Streamed, a row's span masses and top-k keys go out with its token, as over HTTP.
+        spec.stream_rows = stream && (!spec.spans.is_empty() || spec.top_k.is_some());
         request.items[0].capture = Some(ItemCapture {
-            spec: capture.spec.clone(),
+            spec,
             max_bytes: settings.max_bytes,
             max_stored_bytes: None,
         });

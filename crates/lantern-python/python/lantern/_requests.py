@@ -61,6 +61,8 @@ class Request:
         self.num_cached_tokens: Optional[int] = None
         self.attention: Optional[Attention] = None
         self.attention_error: Optional[str] = None
+        # Streamed: the live rows that arrived since the last update.
+        self.attention_rows: List[Dict[str, Any]] = []
         self.error: Optional[str] = None
 
     @property
@@ -72,6 +74,8 @@ class Request:
         seq.text += event["text"]
         seq.delta += event["text"]
         seq.token_ids.extend(event["token_ids"])
+        if event.get("capture_row"):
+            self.attention_rows.append(json.loads(event["capture_row"]))
         if event["token_ids"]:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = event["time"]
@@ -114,6 +118,7 @@ class Request:
         deltas = [s.delta for s in self.sequences]
         for s in self.sequences:
             s.delta = ""
+        rows, self.attention_rows = self.attention_rows, []
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -126,4 +131,5 @@ class Request:
             attention=self.attention,
             attention_error=self.attention_error,
             deltas=deltas,
+            attention_rows=rows,
         )

@@ -203,9 +203,10 @@ class LLM:
 
     # -- internals
 
-    def _submit(self, batch, kind: str, body: Dict[str, Any], params: SamplingParams, text, capture_json):
+    def _submit(self, batch, kind: str, body: Dict[str, Any], params: SamplingParams, text, capture_json,
+                stream: bool = False):
         arrival = time.time()
-        ids = batch.submit(kind, json.dumps(body), capture_json)
+        ids = batch.submit(kind, json.dumps(body), capture_json, stream)
         if kind == "chat":
             text = self._engine.decode(ids)
         return Request(text, ids, params, arrival)
@@ -242,7 +243,7 @@ class LLM:
         capture_json = _capture_json(capture)
         batch = self._engine.batch()
         # Submitted now, so that a bad parameter raises here rather than at the first next().
-        request = self._submit(batch, kind, body, params, text, capture_json)
+        request = self._submit(batch, kind, body, params, text, capture_json, stream=True)
         return _stream_events(batch, request)
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from .attention import Attention
 
@@ -64,3 +64,6 @@ class RequestOutput:
     attention_error: Optional[str] = None
     # Each sequence's new text in the last streamed update (streaming only).
     deltas: List[str] = field(default_factory=list, repr=False)
+    # Streaming with a capture of spans or top-k: the live figures of the rows that
+    # sampled this update's tokens, as the HTTP chunks' `attn_capture_row`.
+    attention_rows: List[Dict[str, Any]] = field(default_factory=list, repr=False)

@@ -384,11 +384,12 @@ pub(crate) fn row_probabilities(
             .ok_or_else(|| CaptureError::Incomplete(format!("no query row for position {pos}")))?;
         let kv_head = layer.kv_head_for(h);
         logits.clear();
-        logits.extend(
-            visible
-                .clone()
-                .map(|j| layer.transform_score(dot(q, keys.key(j, kv_head)))),
-        );
+        let stride = keys.num_kv_heads * keys.head_dim;
+        let first = (visible.start - keys.first_key) * stride + kv_head * keys.head_dim;
+        dots(q, &keys.keys[first..], stride, visible.len(), logits);
+        for score in logits.iter_mut() {
+            *score = layer.transform_score(*score);
+        }
         layer.softmax_in_place(h, logits);
         let base = hi * num_keys;
         out[base + visible.start..base + visible.end].copy_from_slice(logits);
@@ -396,7 +397,21 @@ pub(crate) fn row_probabilities(
     Ok(())
 }
 
+lantern_quant::per_level! {
+    /// Appends `q · k` for `count` keys of `q.len()` values each, every `stride` values
+    /// of `keys` from its start. Compiled for each kernel level: the same eight partial
+    /// sums in the same order at every level (no contraction into fused multiply-adds),
+    /// so the scores are the same bits on every CPU, only computed wider.
+    fn dots(q: &[f32], keys: &[f32], stride: usize, count: usize, out: &mut Vec<f32>) {
+        let dim = q.len();
+        for j in 0..count {
+            out.push(dot(q, &keys[j * stride..j * stride + dim]));
+        }
+    }
+}
+
 /// `a · b` in f32 over eight partial sums, which the compiler turns into SIMD lanes.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -470,6 +485,32 @@ pub(crate) fn top_k(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scores_are_the_same_bits_at_every_kernel_level() {
+        use lantern_quant::{force_kernel, Kernel};
+        let (dim, stride, count) = (67, 3 * 67, 41);
+        let q: Vec<f32> = (0..dim)
+            .map(|i| ((i * 7919) as f32 * 0.013).sin())
+            .collect();
+        let keys: Vec<f32> = (0..stride * count)
+            .map(|i| ((i * 104_729) as f32 * 0.007).cos())
+            .collect();
+        let plain: Vec<f32> = (0..count)
+            .map(|j| dot(&q, &keys[j * stride..j * stride + dim]))
+            .collect();
+        for level in [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512] {
+            let ran = force_kernel(Some(level));
+            let mut out = Vec::new();
+            dots(&q, &keys, stride, count, &mut out);
+            let same = out
+                .iter()
+                .zip(&plain)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same && out.len() == count, "level {ran}");
+        }
+        force_kernel(None);
+    }
 
     #[test]
     fn dot_matches_a_plain_sum() {

@@ -106,3 +106,18 @@ def test_bad_statistics_fields_get_a_400_naming_them(srv, fields, param):
     r = requests.post(srv.base_url + "/v1/completions", json=body, headers=srv.headers(), timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_capture_of_statistics_alone_saves_and_loads_back(srv, tmp_path):
+    r = capture(srv, attn_capture_stats=["key_mass", "block_mass"], attn_capture_layers="0:2",
+                attn_capture_dtype="float16", attn_capture_spans=[{"label": "keeper", "chars": [4, 21]}])
+    cap = lantern_attn.from_response(r)
+    assert cap.layers == {} and cap.stats and cap.span_mass
+    path = tmp_path / "stats.safetensors"
+    lantern_attn.save_safetensors(cap, path)
+    again = lantern_attn.load(path)
+    assert again.meta == cap.meta and again.layers == {}
+    for layer in (0, 1):
+        for stat in ("key_mass", "block_mass"):
+            np.testing.assert_array_equal(again.stats[layer][stat], cap.stats[layer][stat])
+        np.testing.assert_array_equal(again.span_mass[layer], cap.span_mass[layer])

@@ -889,7 +889,7 @@ def save_safetensors(capture: Capture, path: Union[str, "os.PathLike[str]"]) -> 
     meta = _check_meta(capture.meta)
     np_dtype, st_dtype = _WIRE_DTYPES[meta["dtype"]]
     tensors = []
-    for layer_idx in meta["layers"]:
+    for layer_idx in meta["layers"] if meta.get("maps", True) else []:
         if layer_idx not in capture.layers:
             raise CaptureError(f"the meta lists layer {layer_idx}, the capture has no map for it")
         values = np.ascontiguousarray(capture.layers[layer_idx], dtype=np_dtype)
@@ -902,6 +902,15 @@ def save_safetensors(capture: Capture, path: Union[str, "os.PathLike[str]"]) -> 
             if idx.shape != values.shape:
                 raise CaptureError(f"layer {layer_idx}: indices shape differs from the values")
             tensors.append((f"layer.{layer_idx}.indices", "I32", idx))
+    for layer_idx, stat, shape in _expected_stats(meta):
+        values = np.ascontiguousarray(capture.stats.get(layer_idx, {}).get(stat), dtype="<f4")
+        if values.shape != shape:
+            raise CaptureError(f"layer {layer_idx}: {stat} is {list(values.shape)}, the meta implies {list(shape)}")
+        tensors.append((f"layer.{layer_idx}.{stat}", "F32", values))
+    for layer_idx, values in sorted(capture.span_mass.items()):
+        tensors.append((f"layer.{layer_idx}.span_mass", "F32", np.ascontiguousarray(values, dtype="<f4")))
+    # 4-byte tensors first, then f16 maps: every tensor starts aligned to its element size.
+    tensors.sort(key=lambda t: t[1] == "F16")
     header: Dict[str, Any] = {
         "__metadata__": {"format": FORMAT, META_KEY: json.dumps(meta, ensure_ascii=False)}
     }

@@ -60,15 +60,84 @@ pub const SPAN_MASS: &str = "span_mass";
 pub fn span_mass_to_json(masses: &[LayerSpanMass]) -> Vec<Value> {
     masses
         .iter()
-        .map(|m| {
-            json!({
-                "layer_idx": m.layer_idx,
-                "stat": SPAN_MASS,
-                "shape": m.shape,
-                "dtype": "float32",
-                "encoding": ENCODING,
-                "data": gzip_base64(&values_to_bytes(&m.values, CaptureDtype::Float32)),
-            })
+        .map(|m| float32_entry(m.layer_idx, SPAN_MASS, &m.shape, &m.values))
+        .collect()
+}
+
+/// An inline float32 array of one layer (a statistic, span masses): always float32
+/// (sums of many probabilities), gzip+base64 as the maps are.
+fn float32_entry(layer_idx: usize, stat: &str, shape: &[usize], values: &[f32]) -> Value {
+    json!({
+        "layer_idx": layer_idx,
+        "stat": stat,
+        "shape": shape,
+        "dtype": "float32",
+        "encoding": ENCODING,
+        "data": gzip_base64(&values_to_bytes(values, CaptureDtype::Float32)),
+    })
+}
+
+/// The values of the float32 entries of `field` (`data`, its JSON), one per `expected`
+/// `(layer, stat, shape)` in order, each checked against what the meta implies.
+fn float32_entries(
+    field: &str,
+    data: Option<&Value>,
+    expected: &[(usize, &str, Vec<usize>)],
+) -> Result<Vec<Vec<f32>>, CaptureError> {
+    let entries = match data {
+        None if expected.is_empty() => return Ok(Vec::new()),
+        None => {
+            return Err(malformed(format!(
+                "the meta implies {field}, and there is none"
+            )))
+        }
+        Some(data) => data
+            .as_array()
+            .ok_or_else(|| malformed(format!("{field} is not an array")))?,
+    };
+    if entries.len() != expected.len() {
+        return Err(malformed(format!(
+            "{field} has {} entries, the meta implies {}",
+            entries.len(),
+            expected.len()
+        )));
+    }
+    entries
+        .iter()
+        .zip(expected)
+        .map(|(entry, (layer_idx, stat, shape))| {
+            let at = format!("{field} (layer {layer_idx}, {stat})");
+            if entry["layer_idx"].as_u64() != Some(*layer_idx as u64)
+                || entry["stat"].as_str() != Some(*stat)
+                || entry["dtype"].as_str() != Some("float32")
+                || entry["encoding"].as_str() != Some(ENCODING)
+            {
+                return Err(malformed(format!(
+                    "{at}: expected layer_idx {layer_idx}, stat {stat:?}, dtype \"float32\", encoding {ENCODING:?}"
+                )));
+            }
+            let dims: Option<Vec<usize>> = entry["shape"].as_array().and_then(|d| {
+                d.iter()
+                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                    .collect()
+            });
+            if dims.as_ref() != Some(shape) {
+                return Err(malformed(format!(
+                    "{at}: shape {} does not match the meta, which implies {shape:?}",
+                    entry["shape"]
+                )));
+            }
+            let count = shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .filter(|&n| n.checked_mul(4).is_some())
+                .ok_or_else(|| malformed(format!("{at}: shape {shape:?} is too large")))?;
+            let text = entry["data"]
+                .as_str()
+                .ok_or_else(|| malformed(format!("{at}: data is not a string")))?;
+            let bytes =
+                unbase64_gunzip(text, count * 4).map_err(|e| malformed(format!("{at}: {e}")))?;
+            Ok(values_from_bytes(&bytes, CaptureDtype::Float32))
         })
         .collect()
 }
@@ -100,57 +169,20 @@ fn span_mass_from_json(
     meta: &CaptureMeta,
 ) -> Result<Vec<LayerSpanMass>, CaptureError> {
     let expected = expected_span_mass(meta)?;
-    let entries = match data {
-        None if expected.is_empty() => return Ok(Vec::new()),
-        None => {
-            return Err(malformed(
-                "the meta lists spans but there is no attn_capture_span_data",
-            ))
-        }
-        Some(data) => data
-            .as_array()
-            .ok_or_else(|| malformed("attn_capture_span_data is not an array"))?,
-    };
-    if entries.len() != expected.len() {
-        return Err(malformed(format!(
-            "attn_capture_span_data has {} entries, the meta implies {} (one per layer)",
-            entries.len(),
-            expected.len()
-        )));
-    }
-    entries
+    let wanted: Vec<_> = expected
         .iter()
-        .zip(expected)
-        .map(|(entry, (layer_idx, shape))| {
-            let at = format!("attn_capture_span_data (layer {layer_idx})");
-            if entry["layer_idx"].as_u64() != Some(layer_idx as u64)
-                || entry["stat"].as_str() != Some(SPAN_MASS)
-                || entry["dtype"].as_str() != Some("float32")
-                || entry["encoding"].as_str() != Some(ENCODING)
-            {
-                return Err(malformed(format!(
-                    "{at}: expected layer_idx {layer_idx}, stat {SPAN_MASS:?}, dtype \"float32\", encoding {ENCODING:?}"
-                )));
-            }
-            if parse_shape(&entry["shape"]).ok() != Some(shape) {
-                return Err(malformed(format!(
-                    "{at}: shape {} does not match the meta, which implies {shape:?} (rows, groups, spans + 1)",
-                    entry["shape"]
-                )));
-            }
-            let text = entry["data"]
-                .as_str()
-                .ok_or_else(|| malformed(format!("{at}: data is not a string")))?;
-            let count = element_count(shape).map_err(|e| malformed(format!("{at}: {e}")))?;
-            let bytes =
-                unbase64_gunzip(text, count * 4).map_err(|e| malformed(format!("{at}: {e}")))?;
-            Ok(LayerSpanMass {
-                layer_idx,
-                shape,
-                values: values_from_bytes(&bytes, CaptureDtype::Float32),
-            })
+        .map(|&(layer_idx, shape)| (layer_idx, SPAN_MASS, shape.to_vec()))
+        .collect();
+    let values = float32_entries("attn_capture_span_data", data, &wanted)?;
+    Ok(expected
+        .into_iter()
+        .zip(values)
+        .map(|((layer_idx, shape), values)| LayerSpanMass {
+            layer_idx,
+            shape,
+            values,
         })
-        .collect()
+        .collect())
 }
 
 /// One `attn_capture_stats_data` object per layer and statistic, in order: always
@@ -158,16 +190,7 @@ fn span_mass_from_json(
 pub fn stats_to_json(stats: &[LayerStat]) -> Vec<Value> {
     stats
         .iter()
-        .map(|s| {
-            json!({
-                "layer_idx": s.layer_idx,
-                "stat": s.stat.as_str(),
-                "shape": s.shape,
-                "dtype": "float32",
-                "encoding": ENCODING,
-                "data": gzip_base64(&values_to_bytes(&s.values, CaptureDtype::Float32)),
-            })
-        })
+        .map(|s| float32_entry(s.layer_idx, s.stat.as_str(), &s.shape, &s.values))
         .collect()
 }
 
@@ -177,52 +200,21 @@ fn stats_from_json(
     meta: &CaptureMeta,
 ) -> Result<Vec<LayerStat>, CaptureError> {
     let expected = expected_stats(meta)?;
-    let entries = match data {
-        None if expected.is_empty() => return Ok(Vec::new()),
-        None => {
-            return Err(malformed(
-                "the meta lists stats but there is no attn_capture_stats_data",
-            ))
-        }
-        Some(data) => data
-            .as_array()
-            .ok_or_else(|| malformed("attn_capture_stats_data is not an array"))?,
-    };
-    if entries.len() != expected.len() {
-        return Err(malformed(format!(
-            "attn_capture_stats_data has {} entries, the meta implies {} (layers x stats)",
-            entries.len(),
-            expected.len()
-        )));
-    }
-    entries
+    let wanted: Vec<_> = expected
         .iter()
-        .zip(expected)
-        .map(|(entry, (layer_idx, stat, shape))| {
-            let at = format!("attn_capture_stats_data (layer {layer_idx}, {})", stat.as_str());
-            if entry["layer_idx"].as_u64() != Some(layer_idx as u64)
-                || entry["stat"].as_str() != Some(stat.as_str())
-                || entry["dtype"].as_str() != Some("float32")
-                || entry["encoding"].as_str() != Some(ENCODING)
-            {
-                return Err(malformed(format!(
-                    "{at}: expected layer_idx {layer_idx}, stat {:?}, dtype \"float32\", encoding {ENCODING:?}",
-                    stat.as_str()
-                )));
-            }
-            let text = entry["data"]
-                .as_str()
-                .ok_or_else(|| malformed(format!("{at}: data is not a string")))?;
-            let bytes = unbase64_gunzip(text, shape[0] * shape[1] * 4)
-                .map_err(|e| malformed(format!("{at}: {e}")))?;
-            Ok(LayerStat {
-                layer_idx,
-                stat,
-                shape,
-                values: values_from_bytes(&bytes, CaptureDtype::Float32),
-            })
+        .map(|&(layer_idx, stat, shape)| (layer_idx, stat.as_str(), shape.to_vec()))
+        .collect();
+    let values = float32_entries("attn_capture_stats_data", data, &wanted)?;
+    Ok(expected
+        .into_iter()
+        .zip(values)
+        .map(|((layer_idx, stat, shape), values)| LayerStat {
+            layer_idx,
+            stat,
+            shape,
+            values,
         })
-        .collect()
+        .collect())
 }
 
 /// The statistics a meta implies, in their delivered order (layer by layer, each in
@@ -577,52 +569,42 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<CaptureResult, CaptureError> {
             Ok(layer)
         })
         .collect::<Result<Vec<_>, _>>()?;
+    // A layer's float32 tensor `layer.{L}.{stat}` of `shape`.
+    let float32 = |layer_idx: usize, stat: &str, shape: &[usize]| {
+        let name = format!("layer.{layer_idx}.{stat}");
+        let view = tensors
+            .tensor(&name)
+            .map_err(|_| malformed(format!("no tensor {name:?}: the meta lists {stat}")))?;
+        if view.dtype() != Dtype::F32 || view.shape() != shape {
+            return Err(malformed(format!(
+                "{name} is {:?} {:?}, expected F32 {shape:?}",
+                view.dtype(),
+                view.shape()
+            )));
+        }
+        Ok(values_from_bytes(view.data(), CaptureDtype::Float32))
+    };
     let stats = expected_stats(&meta)?
         .into_iter()
         .map(|(layer_idx, stat, shape)| {
-            let name = format!("layer.{layer_idx}.{}", stat.as_str());
-            let view = tensors.tensor(&name).map_err(|_| {
-                malformed(format!(
-                    "no tensor {name:?}: the meta lists {}",
-                    stat.as_str()
-                ))
-            })?;
-            if view.dtype() != Dtype::F32 || view.shape() != shape {
-                return Err(malformed(format!(
-                    "{name} is {:?} {:?}, expected F32 {shape:?}",
-                    view.dtype(),
-                    view.shape()
-                )));
-            }
             Ok(LayerStat {
                 layer_idx,
                 stat,
                 shape,
-                values: values_from_bytes(view.data(), CaptureDtype::Float32),
+                values: float32(layer_idx, stat.as_str(), &shape)?,
             })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, CaptureError>>()?;
     let span_mass = expected_span_mass(&meta)?
         .into_iter()
         .map(|(layer_idx, shape)| {
-            let name = format!("layer.{layer_idx}.{SPAN_MASS}");
-            let view = tensors
-                .tensor(&name)
-                .map_err(|_| malformed(format!("no tensor {name:?}: the meta lists spans")))?;
-            if view.dtype() != Dtype::F32 || view.shape() != shape {
-                return Err(malformed(format!(
-                    "{name} is {:?} {:?}, expected F32 {shape:?}",
-                    view.dtype(),
-                    view.shape()
-                )));
-            }
             Ok(LayerSpanMass {
                 layer_idx,
                 shape,
-                values: values_from_bytes(view.data(), CaptureDtype::Float32),
+                values: float32(layer_idx, SPAN_MASS, &shape)?,
             })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, CaptureError>>()?;
     Ok(CaptureResult {
         meta,
         layers,

@@ -121,6 +121,7 @@ mod scalar;
 pub mod share;
 pub mod simd;
 pub mod threads;
+pub mod topology;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

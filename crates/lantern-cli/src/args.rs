@@ -135,7 +135,14 @@ impl EngineArgs {
                 lantern_quant::KERNELS_ENV
             );
         }
+        let topology = lantern_quant::topology::Topology::read()
+            .with_compute_threads(rayon::current_num_threads());
+        if let Some(warning) = topology.numa_warning() {
+            // Said even when not verbose: it costs every step memory bandwidth.
+            eprintln!("lantern: warning: {warning}");
+        }
         if verbose {
+            eprintln!("lantern: CPU {topology}");
             eprintln!("lantern: SIMD level {}", lantern_model::simd_level());
             let kernels = crate::kernels::weight_kernels(&path, self.f32_weights, self.quantize)?;
             eprintln!("lantern: kernels {}", crate::kernels::summary(&kernels));

@@ -221,6 +221,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     let peak = peak_memory_bytes();
     let info = engine.model_info();
     let level = lantern_model::simd_level();
+    let topology = lantern_quant::topology::Topology::read().with_compute_threads(rayon_threads());
     let kernels = crate::kernels::weight_kernels(
         &args.engine.model_path()?,
         args.engine.f32_weights,
@@ -248,6 +249,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "kernel_level": lantern_quant::kernel_level(),
                 "kernels": kernels_json,
                 "threads": rayon_threads(),
+                "topology": topology.to_string(),
                 "attention_backend": engine.attention_backend(),
                 "prefill_tokens_per_s": prefill,
                 "prompt_tokens": args.prompt_tokens,
@@ -268,6 +270,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         println!("simd               {level}");
         println!("kernels            {}", crate::kernels::summary(&kernels));
         println!("threads            {}", rayon_threads());
+        println!("cpu                {topology}");
         println!("attention backend  {}", engine.attention_backend());
         println!(
             "prefill            {prefill:8.1} tokens/s  ({}-token prompt)",

@@ -2,17 +2,17 @@
 //! safetensors file, without a server.
 //!
 //! The options mean what the HTTP request fields mean: they are turned into those
-//! fields and read by the server's own parser and size check
-//! (`lantern_server::capture`), and the file is the one the server delivers by
+//! fields and read by the engine's validation and size check, as the server's are
+//! (`lantern_engine::validate::capture`), and the file is the one the server delivers by
 //! reference for the same request, byte for byte.
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use lantern_engine::lantern_capture::{wire, CaptureGeometry, CaptureSpec, PendingCapture};
+use lantern_engine::serving::ItemCapture;
+use lantern_engine::validate::capture::{check_capture, parse_capture_request, CaptureSettings};
+use lantern_engine::validate::InvalidRequest;
 use lantern_engine::{Completion, Engine};
-use lantern_server::capture::{check_capture, parse_capture_request, CaptureSettings};
-use lantern_server::engine_thread::ItemCapture;
-use lantern_server::invalid_request::InvalidRequest;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 

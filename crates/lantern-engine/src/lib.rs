@@ -1,5 +1,7 @@
 //! The lantern engine: requests and their states, the scheduler, the model runner, the
-//! sampler, and the loop that ties them together. This is lantern's public Rust API.
+//! sampler, and the loop that ties them together ([`serving`]), with the validation of
+//! requests into one typed value ([`validate`]). This is lantern's public Rust API, which
+//! the HTTP server and the Python module both drive.
 
 pub mod config;
 pub mod engine;
@@ -9,6 +11,8 @@ pub mod request;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod serving;
+pub mod validate;
 mod vocab_row;
 
 pub use config::EngineConfig;

@@ -2,11 +2,13 @@
 //! thread, their events merged into one channel that Python polls with the GIL
 //! released.
 
-use crate::errors::api_error;
+use crate::errors::{invalid_request, serve_error};
 use crate::events::{forward, Ready};
-use crate::request::{capture_fields, submit, Kind};
+use crate::request::{capture_fields, submit};
+use lantern_engine::serving::EngineHandle;
+use lantern_engine::validate::CaptureSettings;
+use lantern_engine::validate::Endpoint;
 use lantern_kv::RequestId;
-use lantern_server::{CaptureSettings, EngineHandle};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -79,13 +81,13 @@ impl Batch {
         stream: bool,
     ) -> PyResult<Vec<u32>> {
         let kind = match kind {
-            "completion" => Kind::Completion,
-            "chat" => Kind::Chat,
+            "completion" => Endpoint::Completion,
+            "chat" => Endpoint::Chat,
             other => return Err(PyValueError::new_err(format!("unknown kind {other:?}"))),
         };
         let body = json_object("body", body)?;
         let capture = capture.map(|c| json_object("capture", c)).transpose()?;
-        let fields = capture_fields(capture.as_ref()).map_err(api_error)?;
+        let fields = capture_fields(capture.as_ref()).map_err(invalid_request)?;
         let tx = locked(&self.tx)
             .clone()
             .ok_or_else(|| PyValueError::new_err("this batch is already running"))?;
@@ -100,7 +102,7 @@ impl Batch {
                     stream,
                 ))
             })
-            .map_err(api_error)?;
+            .map_err(serve_error)?;
         locked(&self.ids).extend(&submitted.ids);
         let mut prompts = locked(&self.prompts);
         let prompt = *prompts;

@@ -5,7 +5,7 @@
 use crate::events::{Finished, Ready, TokenLogprob};
 use half::f16;
 use lantern_engine::lantern_capture::{CaptureResult, LayerMap};
-use lantern_server::engine_thread::{PromptLogprobEntry, StopReason};
+use lantern_engine::serving::{PromptLogprobEntry, StopReason};
 use numpy::ndarray::{Array2, Array3};
 use numpy::PyArray;
 use pyo3::exceptions::PyValueError;

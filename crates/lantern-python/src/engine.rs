@@ -2,9 +2,10 @@
 //! thread (the server's `EngineHandle`), so the GIL is never held while it steps.
 
 use crate::batch::Batch;
-use crate::errors::{api_error, engine_error, option_error};
+use crate::errors::{engine_error, option_error, serve_error};
 use crate::options::{ByteCount, RawOptions};
-use lantern_server::{CaptureSettings, EngineBuildPanicked, EngineHandle, EngineThread};
+use lantern_engine::serving::{EngineBuildPanicked, EngineHandle, EngineThread};
+use lantern_engine::validate::CaptureSettings;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
@@ -147,7 +148,7 @@ impl Engine {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = py
             .detach(|| self.runtime.block_on(self.handle.stats()))
-            .map_err(api_error)?;
+            .map_err(serve_error)?;
         let d = PyDict::new(py);
         d.set_item("num_requests_running", stats.num_requests_running)?;
         d.set_item("num_requests_waiting", stats.num_requests_waiting)?;

@@ -1,9 +1,10 @@
-//! lantern's errors as Python exceptions: a request the server would answer with a 4xx
-//! is an `InvalidRequestError` (a `ValueError`) whose `param` names the field at fault,
-//! under the name Python gave it; the engine's own faults are an `EngineError`.
+//! lantern's errors as Python exceptions: a request the engine's validation refuses is an
+//! `InvalidRequestError` (a `ValueError`) whose `param` names the field at fault, under
+//! the name Python gave it; the engine's own faults are an `EngineError`.
 
 use crate::options::OptionError;
-use lantern_server::ApiError;
+use lantern_engine::serving::ServeError;
+use lantern_engine::validate::InvalidRequest;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -69,18 +70,43 @@ fn raise(is_client: bool, message: String, param: Option<String>, status: u16) -
     err
 }
 
-/// A server error as Python sees it: client faults (4xx but 429) are ValueErrors.
-pub fn api_error(e: ApiError) -> PyErr {
-    let status = e.status.as_u16();
-    let param = e.param.as_deref().map(python_names);
-    let mut message = python_names(&e.message);
+/// A refused request: a ValueError naming the field as Python calls it.
+pub fn invalid_request(e: InvalidRequest) -> PyErr {
+    let status = match e {
+        InvalidRequest::UnknownModel(_) => 404,
+        _ => 400,
+    };
+    let param = e.field().map(python_names);
+    let mut message = python_names(&e.to_string());
     if let Some(param) = &param {
         if !message.contains(param.as_str()) {
             message = format!("{param}: {message}");
         }
     }
-    let is_client = e.status.is_client_error() && status != 429;
-    raise(is_client, message, param, status)
+    raise(true, message, param, status)
+}
+
+/// The engine API's error as Python sees it: a request at fault is a ValueError
+/// ([`invalid_request`]); anything else an `EngineError`, with the status the server
+/// would answer.
+pub fn serve_error(e: ServeError) -> PyErr {
+    let status = match &e {
+        ServeError::Invalid(_) => 400,
+        ServeError::TooManyWaiting { .. } => 429,
+        ServeError::Unavailable | ServeError::Stopped => 503,
+        ServeError::Fault { .. } | ServeError::Engine(_) | ServeError::Internal(_) => 500,
+    };
+    match e {
+        ServeError::Invalid(invalid) => invalid_request(invalid),
+        other => raise(
+            false,
+            other
+                .to_string()
+                .replace("see the server log", "see the log"),
+            None,
+            status,
+        ),
+    }
 }
 
 /// A bad engine option (`LLM(kv_cache_dtype="f8")`).

@@ -3,10 +3,10 @@
 //! (the maps computed on the blocking pool, as the server's capture worker does).
 
 use lantern_engine::lantern_capture::{CaptureFailure, CaptureResult, PendingCapture};
-use lantern_server::engine_thread::{
+use lantern_engine::serving::Prompter;
+use lantern_engine::serving::{
     EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
 };
-use lantern_server::prompt::Prompter;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -57,7 +57,7 @@ pub fn unix_time() -> f64 {
 fn failure_message(failure: &EngineFailure) -> String {
     match failure {
         EngineFailure::Step(message) => format!("the engine failed: {message}"),
-        EngineFailure::Fault { .. } => lantern_server::engine_thread::ENGINE_FAULT_MESSAGE
+        EngineFailure::Fault { .. } => lantern_engine::serving::ENGINE_FAULT_MESSAGE
             .replace("see the server log", "see the log"),
     }
 }

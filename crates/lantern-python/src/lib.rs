@@ -1,6 +1,7 @@
 //! `lantern._lantern`: lantern's engine as a Python extension module, a thin adapter
-//! over the engine thread the server runs (`lantern_server::EngineHandle`). Requests
-//! are the server's request bodies, validated by the server's own code; outputs are
+//! over the engine's API (`lantern_engine::serving::EngineHandle`), as the HTTP server is.
+//! Requests are the server's request bodies, validated by the engine's one validation
+//! (`lantern_engine::validate`); outputs are
 //! plain dicts, and captures numpy arrays, which the pure-Python `lantern` package
 //! shapes like vLLM's `RequestOutput`.
 
@@ -19,7 +20,7 @@ use pyo3::prelude::*;
 #[pyfunction]
 fn check_sampling(body: &str) -> PyResult<()> {
     let body = batch::json_object("sampling params", body)?;
-    request::check_sampling(body).map_err(errors::api_error)
+    request::check_sampling(body).map_err(errors::invalid_request)
 }
 
 #[pymodule]

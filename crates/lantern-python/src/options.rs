@@ -5,11 +5,11 @@
 //! this is the same mapping onto `EngineConfig` and `lantern_model::load_model`, with
 //! each bad value reported as a `ValueError` naming its option.
 
+use lantern_engine::validate::capture::DEFAULT_MAX_CAPTURE_BYTES;
+use lantern_engine::validate::CaptureSettings;
 use lantern_engine::{Engine, EngineConfig};
 use lantern_kv::KvDtype;
 use lantern_model::GgmlDType;
-use lantern_server::capture::DEFAULT_MAX_CAPTURE_BYTES;
-use lantern_server::CaptureSettings;
 use std::path::PathBuf;
 
 /// A bad option: its name and what is wrong.

@@ -1,29 +1,22 @@
 //! One prompt's request, from the body the server would receive to sequences on the
-//! engine: the server's own parsing (`lantern_server::protocol`), capture fields
-//! (`lantern_server::capture`) and structured output, so that a call means what the
-//! same HTTP request means and fails with the same field named.
+//! engine: the engine's one validation (`lantern_engine::validate`, which the server runs
+//! too), so that a call means what the same HTTP request means and fails with the same
+//! field named.
 
+use lantern_engine::serving::{EngineEvent, EngineHandle, PromptInput, ServeError};
+use lantern_engine::validate::capture::CAPTURE_FIELDS;
+use lantern_engine::validate::{
+    self, CaptureSettings, Endpoint, InvalidRequest, ModelLimits, RequestContext,
+};
 use lantern_kv::RequestId;
-use lantern_server::capture::{parse_capture_request, Delivery};
-use lantern_server::engine_thread::{EngineEvent, ItemCapture};
-use lantern_server::invalid_request::InvalidRequest;
-use lantern_server::protocol::{self, GenerationRequest, ModelLimits};
-use lantern_server::{ApiError, CaptureSettings, EngineHandle, PromptInput};
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-/// Which endpoint's body a request is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Completion,
-    Chat,
-}
-
 /// The keys of a `capture=` dict: the server's capture fields without `attn_capture_`,
 /// but `delivery`, which is HTTP's alone (here the maps are numpy arrays in the output).
 fn capture_keys() -> impl Iterator<Item = &'static str> {
-    lantern_server::capture::CAPTURE_FIELDS
+    CAPTURE_FIELDS
         .iter()
         .filter_map(|f| f.strip_prefix("attn_capture_"))
         .filter(|&key| key != "delivery")
@@ -32,14 +25,14 @@ fn capture_keys() -> impl Iterator<Item = &'static str> {
 /// The body's capture fields for a `capture=` dict (`None`: no capture).
 pub fn capture_fields(
     capture: Option<&Map<String, Value>>,
-) -> Result<Map<String, Value>, ApiError> {
+) -> Result<Map<String, Value>, InvalidRequest> {
     let mut fields = Map::new();
     let Some(capture) = capture else {
         return Ok(fields);
     };
     for (key, value) in capture {
         if !capture_keys().any(|k| k == key) {
-            return Err(ApiError::field(
+            return Err(InvalidRequest::invalid(
                 "capture",
                 format!(
                     "capture[{key:?}] is not a capture option; they are {}",
@@ -67,24 +60,11 @@ const LIMITS: ModelLimits<'static> = ModelLimits {
     aliases: &[],
 };
 
-/// `max_tokens: 0` runs the prompt only, which is of use only for a capture (the
-/// server's rule; Python has no `echo`).
-fn check_prompt_only(request: &GenerationRequest, captures: bool) -> Result<(), ApiError> {
-    if captures || request.items.iter().all(|i| i.max_tokens != Some(0)) {
-        return Ok(());
-    }
-    Err(InvalidRequest::conflict(
-        "max_tokens",
-        "max_tokens must be at least 1; 0 (the prompt only) needs a capture",
-    )
-    .into())
-}
-
 /// Validates a body as the server would, without an engine (SamplingParams checks
 /// itself when it is made): the sampling fields with a placeholder prompt.
-pub fn check_sampling(mut body: Map<String, Value>) -> Result<(), ApiError> {
+pub fn check_sampling(mut body: Map<String, Value>) -> Result<(), InvalidRequest> {
     body.insert("prompt".into(), Value::from("x"));
-    protocol::completion_request(&Value::Object(body), &LIMITS)?;
+    validate::completion_request(&Value::Object(body), &LIMITS)?;
     Ok(())
 }
 
@@ -92,11 +72,11 @@ pub fn check_sampling(mut body: Map<String, Value>) -> Result<(), ApiError> {
 pub async fn submit(
     engine: &EngineHandle,
     settings: &CaptureSettings,
-    kind: Kind,
+    endpoint: Endpoint,
     mut body: Map<String, Value>,
     capture: Map<String, Value>,
     stream: bool,
-) -> Result<Submitted, ApiError> {
+) -> Result<Submitted, ServeError> {
     body.extend(capture);
     // vLLM's `max_tokens=None`: as many as the context and the KV cache allow, as a
     // chat request without max_tokens gets (a completion's default is 16). Parsed as
@@ -106,54 +86,38 @@ pub async fn submit(
         body.insert("max_tokens".into(), Value::from(i64::MAX));
     }
     let body = Value::Object(body);
-    let mut request = match kind {
-        Kind::Chat => protocol::chat_request(&body, &LIMITS)?,
-        Kind::Completion => protocol::completion_request(&body, &LIMITS)?,
+    let meta = engine.meta();
+    let context = RequestContext {
+        limits: LIMITS,
+        capture: settings,
+        num_layers: meta.num_layers,
+        num_heads: meta.num_heads,
     };
-    if unbounded {
-        for item in &mut request.items {
+    let mut request = validate::generation_request(endpoint, &body, &context)?;
+    for item in &mut request.items {
+        if unbounded {
             item.max_tokens = None;
         }
-    }
-    let meta = engine.meta();
-    let capture = parse_capture_request(&body, settings, meta.num_layers, meta.num_heads)?;
-    if let Some(capture) = &capture {
-        if request.items.len() != 1 {
-            return Err(InvalidRequest::conflict(
-                "attn_capture",
-                format!(
-                    "a capturing request must generate exactly one sequence (n = 1); this one asks for {}",
-                    request.items.len()
-                ),
-            )
-            .into());
+        if let Some(capture) = &mut item.capture {
+            // Streamed, a capture's rows go out with their tokens, as over HTTP.
+            capture.stream_rows(stream);
         }
-        debug_assert_eq!(capture.delivery, Delivery::Inline);
-        let mut spec = capture.spec.clone();
-        // Streamed, a row's span masses and top-k keys go out with its token, as over HTTP.
-        spec.stream_rows = stream && (!spec.spans.is_empty() || spec.top_k.is_some());
-        request.items[0].capture = Some(ItemCapture {
-            spec,
-            max_bytes: settings.max_bytes,
-            max_stored_bytes: None,
-        });
     }
-    check_prompt_only(&request, capture.is_some())?;
     if let Some(guide) = request.guide.take() {
-        let constraint = lantern_server::structured::compile(&meta.guided, guide).await?;
+        let constraint = validate::structured::compile(&meta.guided, guide).await?;
         for item in &mut request.items {
             item.constraint = Some(constraint.fork());
         }
     }
     if request.items.len() != request.n {
-        return Err(ApiError::field("prompt", "one prompt per request"));
+        return Err(InvalidRequest::invalid("prompt", "one prompt per request").into());
     }
     // Tokenized here, as the engine's prompter would (the same code), so that the
     // output can carry the prompt's token ids; the samples of the prompt share them.
     let first = request
         .items
         .first()
-        .ok_or_else(|| ApiError::field("prompt", "the request has no prompt"))?;
+        .ok_or_else(|| InvalidRequest::invalid("prompt", "the request has no prompt"))?;
     let field = first.prompt_field;
     let ids: Arc<[u32]> = engine
         .prompter()
@@ -178,6 +142,6 @@ pub async fn submit(
         ids: accepted.iter().map(|a| a.id).collect(),
         prompt_token_ids: ids,
         events,
-        captures: capture.is_some(),
+        captures: request.capture.is_some(),
     })
 }

@@ -3,6 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use lantern_engine::serving::ServeError;
 use lantern_engine::EngineError;
 use serde_json::json;
 
@@ -18,10 +19,7 @@ pub struct ApiError {
     pub code: Option<&'static str>,
 }
 
-/// vLLM's answer to a request for a model it does not serve.
-pub fn model_not_found_message(model: &str) -> String {
-    format!("The model `{model}` does not exist.")
-}
+pub use lantern_engine::validate::model_not_found_message;
 
 impl ApiError {
     /// A 400 naming the field at fault.
@@ -116,7 +114,7 @@ impl ApiError {
     /// A panic on the engine thread ended this request; the engine restarted, or
     /// stopped for good when that failed too.
     pub fn engine_fault(restarted: bool) -> Self {
-        use crate::engine_thread::{ENGINE_FAULT_MESSAGE, ENGINE_FAULT_STOPPED_MESSAGE};
+        use lantern_engine::serving::{ENGINE_FAULT_MESSAGE, ENGINE_FAULT_STOPPED_MESSAGE};
         let message = if restarted {
             ENGINE_FAULT_MESSAGE
         } else {
@@ -173,6 +171,29 @@ impl From<EngineError> for ApiError {
                 code: Some("engine_error"),
                 ..Self::internal(format!("the engine failed: {e}"))
             }
+        }
+    }
+}
+
+/// The engine API's errors as HTTP answers: a request at fault is a 400 naming its field
+/// (a 404 for an unknown model), a full queue a 429, an engine that does not run a 503,
+/// the engine's own failures 500s.
+impl From<ServeError> for ApiError {
+    fn from(e: ServeError) -> Self {
+        match e {
+            ServeError::Invalid(invalid) => invalid.into(),
+            ServeError::TooManyWaiting { .. } => Self {
+                code: Some("too_many_waiting_requests"),
+                ..Self::with_status(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            },
+            ServeError::Unavailable => Self::unavailable(),
+            ServeError::Stopped => Self::engine_stopped(),
+            ServeError::Fault { restarted } => Self::engine_fault(restarted),
+            ServeError::Engine(message) => Self {
+                code: Some("engine_error"),
+                ..Self::internal(format!("the engine failed: {message}"))
+            },
+            ServeError::Internal(message) => Self::internal(message),
         }
     }
 }

@@ -1,8 +1,10 @@
 //! lantern's OpenAI-compatible HTTP server (axum + tokio).
 //!
-//! The engine runs on its own thread ([`EngineHandle`]); the HTTP handlers validate
-//! requests, submit them through the handle and turn the engine's events into OpenAI
-//! responses, whole or streamed as server-sent events.
+//! A thin adapter over the engine's API (`lantern_engine::serving`): the engine runs on
+//! its own thread ([`EngineHandle`]); the HTTP handlers read a body, have the engine's
+//! validation turn it into one typed request (`lantern_engine::validate`), submit it
+//! through the handle and turn the engine's events into OpenAI responses, whole or
+//! streamed as server-sent events.
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 //! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
@@ -15,29 +17,21 @@
 
 pub mod capture;
 pub mod connections;
-pub mod engine_thread;
 pub mod error;
 pub mod invalid_request;
 pub mod loading;
 pub mod metrics;
 mod openai;
-pub mod prompt;
-pub mod protocol;
 pub mod request_guards;
-pub mod request_log;
-pub mod stop;
-pub mod structured;
 pub mod tool_stream;
-pub mod tools;
 
 pub use capture::{CaptureSettings, CaptureStore};
 pub use connections::{serve_with_limits, ConnectionLimits};
-pub use engine_thread::{
-    EngineBuildPanicked, EngineHandle, EngineHealth, EngineThread, GenerationItem, ModelMeta,
-    PromptInput,
-};
 pub use error::ApiError;
-pub use request_log::EngineLogging;
+pub use lantern_engine::serving::{
+    EngineBuildPanicked, EngineHandle, EngineHealth, EngineLogging, EngineThread, GenerationItem,
+    ModelMeta, PromptInput,
+};
 
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
@@ -339,7 +333,7 @@ async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> 
 
 /// `200 {"status": "ok"}`; `200 {"status": "degraded", ...}` after the engine thread
 /// contained a panic, until the restarted engine has run
-/// [`engine_thread::CLEAN_STEPS_TO_RECOVER`] steps without one; 503 once the engine
+/// [`lantern_engine::serving::CLEAN_STEPS_TO_RECOVER`] steps without one; 503 once the engine
 /// thread is gone. The panic's message is shown only to clients that may use `/v1/*`.
 async fn health(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
     let faults = state.engine.faults();
@@ -349,14 +343,14 @@ async fn health(State(state): State<AppState>, headers: axum::http::HeaderMap) -
         EngineHealth::Stopped
     };
     match health {
-        EngineHealth::Stopped => state.engine.gone().into_response(),
+        EngineHealth::Stopped => ApiError::from(state.engine.gone()).into_response(),
         EngineHealth::Ok => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
         EngineHealth::Degraded => {
             let mut body = json!({
                 "status": "degraded",
                 "engine_faults": faults.count(),
                 "clean_steps_since_fault": faults.clean_steps_since_last(),
-                "clean_steps_to_recover": engine_thread::CLEAN_STEPS_TO_RECOVER,
+                "clean_steps_to_recover": lantern_engine::serving::CLEAN_STEPS_TO_RECOVER,
             });
             if is_authorized(&state, &headers) {
                 body["last_engine_fault"] = json!(faults.last());
@@ -382,7 +376,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
             metrics::render(&stats, &state.captures.stats(), &state.served_model_name),
         )
             .into_response(),
-        Err(e) => e.into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

@@ -1,14 +1,7 @@
 //! The OpenAI endpoints: completions and chat completions, whole or streamed (SSE).
 
-use crate::capture::{self, CaptureRequest};
-use crate::engine_thread::{
-    Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure, EngineHandle, Finish,
-    ItemCapture, LogprobEntry, PromptLogprobEntry, StopReason,
-};
+use crate::capture;
 use crate::error::ApiError;
-use crate::invalid_request::InvalidRequest;
-use crate::prompt::Prompter;
-use crate::protocol::{self, GenerationRequest, ModelLimits};
 use crate::tool_stream::{ToolCallStream, ToolDelta};
 use crate::AppState;
 use axum::body::Bytes;
@@ -20,6 +13,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
+use lantern_engine::serving::prompter::Prompter;
+use lantern_engine::serving::{
+    Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure, EngineHandle, Finish,
+    LogprobEntry, PromptLogprobEntry, StopReason,
+};
+use lantern_engine::validate::CaptureRequest;
+use lantern_engine::validate::{
+    self as protocol, Endpoint, GenerationRequest, ModelLimits, RequestContext,
+};
 use lantern_kv::RequestId;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -189,39 +191,17 @@ impl CaptureDelivery {
     }
 }
 
-/// Reads the capture fields of a request and attaches them to its one sequence.
-fn attach_capture(
+/// How the validated request's capture will be delivered, once the store and the capture
+/// worker have room for it.
+fn capture_delivery(
     state: &AppState,
     headers: &HeaderMap,
-    body: &Value,
-    request: &mut GenerationRequest,
+    request: &GenerationRequest,
 ) -> Result<Option<CaptureDelivery>, ApiError> {
-    let meta = state.engine.meta();
-    let Some(capture) =
-        capture::parse_capture_request(body, &state.capture, meta.num_layers, meta.num_heads)?
-    else {
+    let Some(capture) = &request.capture else {
         return Ok(None);
     };
-    if request.items.len() != 1 {
-        return Err(InvalidRequest::conflict(
-            "attn_capture",
-            format!(
-                "a capturing request must generate exactly one sequence (n = 1 and one prompt); this one asks for {}",
-                request.items.len()
-            ),
-        )
-        .into());
-    }
-    capture::check_capacity(&capture, &state.captures, &state.capture_worker)?;
-    let stores = capture.delivery != capture::Delivery::Inline;
-    let mut spec = capture.spec.clone();
-    // Streamed, a row's span masses and top-k keys go out with its token.
-    spec.stream_rows = request.stream && (!spec.spans.is_empty() || spec.top_k.is_some());
-    request.items[0].capture = Some(ItemCapture {
-        spec,
-        max_bytes: state.capture.max_bytes,
-        max_stored_bytes: stores.then_some(state.capture.max_stored_bytes),
-    });
+    capture::check_capacity(capture, &state.captures, &state.capture_worker)?;
     // With API keys, a stored capture is its key's; without, its unguessable id is
     // the capability (as the viewer link is), whatever token a client sent.
     let owner = if state.api_keys.is_empty() {
@@ -230,31 +210,10 @@ fn attach_capture(
         crate::bearer_token(headers)
     };
     Ok(Some(CaptureDelivery {
-        request: capture,
+        request: capture.clone(),
         owner,
         state: state.clone(),
     }))
-}
-
-/// `max_tokens: 0` runs the prompt only, which is only of use for what the prompt
-/// yields: a capture, or the prompt echoed (with its logprobs on completions, as vLLM).
-fn check_prompt_only(
-    body: &Value,
-    request: &GenerationRequest,
-    captures: bool,
-) -> Result<(), ApiError> {
-    if captures || request.echo || request.items.iter().all(|i| i.max_tokens != Some(0)) {
-        return Ok(());
-    }
-    let field = match body.get("max_completion_tokens") {
-        Some(v) if !v.is_null() => "max_completion_tokens",
-        _ => "max_tokens",
-    };
-    Err(InvalidRequest::conflict(
-        field,
-        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture or echo"),
-    )
-    .into())
 }
 
 async fn generate(
@@ -265,14 +224,21 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body)?;
     let value = protocol::parse_body(&bytes)?;
-    let limits = ModelLimits {
-        served_name: &state.served_model_name,
-        aliases: &state.served_model_names,
+    let meta = state.engine.meta();
+    let context = RequestContext {
+        limits: ModelLimits {
+            served_name: &state.served_model_name,
+            aliases: &state.served_model_names,
+        },
+        capture: &state.capture,
+        num_layers: meta.num_layers,
+        num_heads: meta.num_heads,
     };
-    let mut request = match kind {
-        Kind::Chat => protocol::chat_request(&value, &limits)?,
-        Kind::Completion => protocol::completion_request(&value, &limits)?,
+    let endpoint = match kind {
+        Kind::Chat => Endpoint::Chat,
+        Kind::Completion => Endpoint::Completion,
     };
+    let mut request = protocol::generation_request(endpoint, &value, &context)?;
     if !request.ignored_fields.is_empty() {
         // As vLLM: one line naming what a client sent in vain.
         tracing::warn!(
@@ -280,10 +246,11 @@ async fn generate(
             request.ignored_fields.join(", ")
         );
     }
-    let capture = attach_capture(&state, headers, &value, &mut request)?;
-    check_prompt_only(&value, &request, capture.is_some())?;
+    let capture = capture_delivery(&state, headers, &request)?;
     if let Some(guide) = request.guide.take() {
-        let constraint = crate::structured::compile(&state.engine.meta().guided, guide).await?;
+        let constraint =
+            lantern_engine::validate::structured::compile(&state.engine.meta().guided, guide)
+                .await?;
         for item in &mut request.items {
             item.constraint = Some(constraint.fork());
         }
@@ -352,7 +319,11 @@ fn call_id(response_id: &str, choice: usize, i: usize) -> String {
 }
 
 /// OpenAI's `tool_calls` list.
-fn tool_calls_json(calls: &[crate::tools::ToolCall], response_id: &str, choice: usize) -> Value {
+fn tool_calls_json(
+    calls: &[lantern_engine::validate::tools::ToolCall],
+    response_id: &str,
+    choice: usize,
+) -> Value {
     calls
         .iter()
         .enumerate()
@@ -394,7 +365,7 @@ fn chat_message(
     choice: usize,
 ) -> (Value, Value) {
     if tools {
-        let (calls, rest) = crate::tools::parse_tool_calls(text);
+        let (calls, rest) = lantern_engine::validate::tools::parse_tool_calls(text);
         if !calls.is_empty() {
             let content = if rest.is_empty() {
                 Value::Null
@@ -1015,10 +986,15 @@ fn sse_events(state: StreamState) -> impl Stream<Item = Result<Event, Infallible
                 continue;
             }
             match state.events.recv().await {
-                Some(event) => match state.prompter.resolve(event).await.and_then(|event| {
-                    check_index(&event, state.response.accepted.len())?;
-                    Ok(event)
-                }) {
+                Some(event) => match state
+                    .prompter
+                    .resolve(event)
+                    .await
+                    .map_err(ApiError::from)
+                    .and_then(|event| {
+                        check_index(&event, state.response.accepted.len())?;
+                        Ok(event)
+                    }) {
                     Ok(event) => state.on_event(event),
                     Err(error) => {
                         state.queue.push_back(data(&error.body()));

@@ -9,7 +9,7 @@
 //! call (it begins with `{` or `<|python_tag|>`) is held to its end and parsed whole,
 //! as a response that is not streamed is ([`parse_tool_calls`]).
 
-use crate::tools::{parse_tool_call_body, parse_tool_calls};
+use lantern_engine::validate::tools::{parse_tool_call_body, parse_tool_calls};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";

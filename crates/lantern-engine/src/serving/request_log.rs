@@ -2,7 +2,7 @@
 //! request (target `lantern::requests`) and, while busy, a periodic stats line with
 //! throughput, queue and KV cache use (target `lantern::stats`). Both at `info`.
 
-use crate::metrics::{EngineStats, FinishedRequest};
+use crate::serving::metrics::{EngineStats, FinishedRequest};
 use std::time::{Duration, Instant};
 
 /// Default time between two stats lines (vLLM's).

@@ -7,15 +7,13 @@
 //! a fuel budget (see `lantern_model::chat`) and within a time limit; past either the
 //! request gets a 400 naming the chat template.
 
-use crate::engine_thread::{
+use crate::serving::ServeError;
+use crate::serving::{
     ChoiceEvent, EngineEvent, GenerationItem, LogprobEntry, PromptInput, PromptLogprobEntry,
 };
-use crate::error::ApiError;
-use crate::invalid_request::InvalidRequest;
-use lantern_engine::lantern_capture::{
-    resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt,
-};
-use lantern_engine::{PromptTokenLogprob, TokenLogprobs};
+use crate::validate::InvalidRequest;
+use crate::{PromptTokenLogprob, TokenLogprobs};
+use lantern_capture::{resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt};
 use lantern_model::prompt::{locate_messages, tokenize_chat_rendered, ChatPromptError};
 use lantern_model::{ChatTemplate, ModelTokenizer};
 use std::sync::Arc;
@@ -110,14 +108,14 @@ impl Prompter {
     async fn blocking<T: Send + 'static>(
         &self,
         field: &'static str,
-        work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-    ) -> Result<T, ApiError> {
+        work: impl FnOnce() -> Result<T, ServeError> + Send + 'static,
+    ) -> Result<T, ServeError> {
         let permit = self
             .permits
             .clone()
             .acquire_owned()
             .await
-            .map_err(|_| ApiError::unavailable())?;
+            .map_err(|_| ServeError::Unavailable)?;
         let task = tokio::task::spawn_blocking(move || {
             let result = work();
             drop(permit);
@@ -125,7 +123,7 @@ impl Prompter {
         });
         match tokio::time::timeout(self.timeout, task).await {
             Ok(Ok(result)) => result,
-            Ok(Err(join)) => Err(ApiError::internal(format!(
+            Ok(Err(join)) => Err(ServeError::Internal(format!(
                 "preparing the prompt failed: {join}"
             ))),
             Err(_) => Err(InvalidRequest::invalid(
@@ -145,7 +143,7 @@ impl Prompter {
         prompt: PromptInput,
         add_special_tokens: bool,
         field: &'static str,
-    ) -> Result<Vec<u32>, ApiError> {
+    ) -> Result<Vec<u32>, ServeError> {
         let this = self.clone();
         self.blocking(field, move || {
             Ok(this.tokenize_now(&prompt, add_special_tokens, field)?)
@@ -154,7 +152,7 @@ impl Prompter {
     }
 
     /// The text of token ids (special tokens included).
-    pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
+    pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ServeError> {
         let this = self.clone();
         self.blocking("tokens", move || {
             Ok(this
@@ -166,7 +164,10 @@ impl Prompter {
     }
 
     /// Tokenizes and checks every item; samples of one prompt are tokenized once.
-    pub async fn prepare(&self, items: Vec<GenerationItem>) -> Result<Vec<PreparedItem>, ApiError> {
+    pub async fn prepare(
+        &self,
+        items: Vec<GenerationItem>,
+    ) -> Result<Vec<PreparedItem>, ServeError> {
         let field = items.first().map_or("prompt", |i| i.prompt_field);
         let this = self.clone();
         self.blocking(field, move || {
@@ -314,7 +315,7 @@ impl Prompter {
                 let asked = messages.as_slice();
                 let template = self.template.as_deref();
                 let fitted = template.and_then(|t| {
-                    crate::tools::fit_template(t.tool_support(), messages, options)
+                    crate::validate::tools::fit_template(t.tool_support(), messages, options)
                 });
                 let (messages, options) = match &fitted {
                     Some((m, o)) => (m.as_slice(), o),
@@ -381,7 +382,7 @@ impl Prompter {
     }
 
     /// An engine event with its logprobs as text (prompt logprobs on the blocking pool).
-    pub async fn resolve(&self, event: EngineEvent) -> Result<ChoiceEvent, ApiError> {
+    pub async fn resolve(&self, event: EngineEvent) -> Result<ChoiceEvent, ServeError> {
         let prompt_logprobs = match event.prompt_logprobs {
             Some(rows) => Some(self.prompt_logprobs(rows).await?),
             None => None,
@@ -415,7 +416,7 @@ impl Prompter {
     pub async fn prompt_logprobs(
         &self,
         rows: PromptLogprobRows,
-    ) -> Result<Vec<PromptLogprobEntry>, ApiError> {
+    ) -> Result<Vec<PromptLogprobEntry>, ServeError> {
         let this = self.clone();
         self.blocking("prompt_logprobs", move || {
             Ok(prompt_logprob_entries(

@@ -6,11 +6,11 @@
 //! warning, as vLLM does; fields it knows but cannot honour yet are refused with a 400
 //! rather than silently ignored.
 
-use crate::engine_thread::{GenerationItem, PromptInput};
-use crate::error::ApiError;
-use crate::invalid_request::InvalidRequest;
-use crate::structured::{parse_guide, FieldGuide};
-use lantern_engine::SamplingParams;
+use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
+use super::structured::{parse_guide, FieldGuide};
+use crate::serving::{GenerationItem, ItemCapture, PromptInput};
+use crate::validate::InvalidRequest;
+use crate::SamplingParams;
 use lantern_model::{ChatMessage, ChatRenderOptions};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -205,6 +205,9 @@ pub struct GenerationRequest {
     pub chat_echo: Option<String>,
     /// Top-level fields lantern does not know (ignored; the server logs them).
     pub ignored_fields: Vec<String>,
+    /// The attention capture asked for (its spec is also on the one item) and how it is
+    /// to be delivered.
+    pub capture: Option<CaptureRequest>,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -525,8 +528,87 @@ fn expand(
     Ok(items)
 }
 
-/// Validates a `POST /v1/chat/completions` body.
-pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequest, ApiError> {
+/// Which endpoint's body a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`: a `prompt`.
+    Completion,
+    /// `POST /v1/chat/completions`: `messages`.
+    Chat,
+}
+
+/// What validation needs to know beyond the body: the model's names and shape, and what
+/// the front end allows of capture.
+#[derive(Debug, Clone)]
+pub struct RequestContext<'a> {
+    pub limits: ModelLimits<'a>,
+    pub capture: &'a CaptureSettings,
+    pub num_layers: usize,
+    pub num_heads: usize,
+}
+
+/// Validates a body once into the typed request every front end submits: the endpoint's
+/// fields, the capture fields (the spec attached to the request's one sequence) and the
+/// rules between them. Nothing needs to read the body afterwards.
+pub fn generation_request(
+    endpoint: Endpoint,
+    body: &Value,
+    context: &RequestContext,
+) -> Result<GenerationRequest, InvalidRequest> {
+    let mut request = match endpoint {
+        Endpoint::Chat => chat_request(body, &context.limits)?,
+        Endpoint::Completion => completion_request(body, &context.limits)?,
+    };
+    request.capture =
+        parse_capture_request(body, context.capture, context.num_layers, context.num_heads)?;
+    if let Some(capture) = &request.capture {
+        if request.items.len() != 1 {
+            return Err(InvalidRequest::conflict(
+                "attn_capture",
+                format!(
+                    "a capturing request must generate exactly one sequence (n = 1 and one prompt); this one asks for {}",
+                    request.items.len()
+                ),
+            ));
+        }
+        let stores = capture.delivery != Delivery::Inline;
+        let mut item_capture = ItemCapture {
+            spec: capture.spec.clone(),
+            max_bytes: context.capture.max_bytes,
+            max_stored_bytes: stores.then_some(context.capture.max_stored_bytes),
+        };
+        item_capture.stream_rows(request.stream);
+        request.items[0].capture = Some(item_capture);
+    }
+    check_prompt_only(body, &request)?;
+    Ok(request)
+}
+
+/// `max_tokens: 0` runs the prompt only, which is only of use for what the prompt
+/// yields: a capture, or the prompt echoed (with its logprobs on completions, as vLLM).
+fn check_prompt_only(body: &Value, request: &GenerationRequest) -> Result<(), InvalidRequest> {
+    if request.capture.is_some()
+        || request.echo
+        || request.items.iter().all(|i| i.max_tokens != Some(0))
+    {
+        return Ok(());
+    }
+    let field = match body.get("max_completion_tokens") {
+        Some(v) if !v.is_null() => "max_completion_tokens",
+        _ => "max_tokens",
+    };
+    Err(InvalidRequest::conflict(
+        field,
+        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture or echo"),
+    ))
+}
+
+/// Validates a `POST /v1/chat/completions` body's own fields (not the capture's: see
+/// [`generation_request`]).
+pub fn chat_request(
+    body: &Value,
+    limits: &ModelLimits,
+) -> Result<GenerationRequest, InvalidRequest> {
     let fields: CommonFields = typed(body)?;
     check_model(&fields.model, limits)?;
     let chat: ChatFields = typed(body)?;
@@ -538,21 +620,19 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
                 "top_logprobs",
                 format!("in [0, {MAX_CHAT_TOP_LOGPROBS}]"),
                 n,
-            )
-            .into())
+            ))
         }
         Some(n) if n > 0 && !logprobs => {
             return Err(InvalidRequest::conflict(
                 "top_logprobs",
                 "top_logprobs needs logprobs set to true",
-            )
-            .into())
+            ))
         }
         Some(n) => n as usize,
         None => 0,
     };
     let mut guide = parse_guide(body)?;
-    let tools = crate::tools::parse_tools(body)?;
+    let tools = super::tools::parse_tools(body)?;
     if let Some(tools) = &tools {
         if let Some(tool_guide) = tools.guide() {
             if let Some(other) = &guide {
@@ -562,8 +642,7 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
                         "a required or named tool_choice cannot be combined with {}",
                         other.field
                     ),
-                )
-                .into());
+                ));
             }
             guide = Some(FieldGuide {
                 guide: tool_guide,
@@ -572,7 +651,7 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         }
     }
     let mut options = chat_render_options(&chat)?;
-    options.tools = tools.as_ref().map(crate::tools::ChatTools::offered);
+    options.tools = tools.as_ref().map(super::tools::ChatTools::offered);
     // vLLM's chat `echo`: the final message, when it is the assistant's, is echoed.
     let chat_echo = match messages.last() {
         Some(last) if chat.echo.unwrap_or(false) && last.role == "assistant" => {
@@ -602,6 +681,7 @@ pub fn chat_request(body: &Value, limits: &ModelLimits) -> Result<GenerationRequ
         tool_calls: tools.is_some(),
         chat_echo,
         ignored_fields: ignored_fields(body, CHAT_FIELD_NAMES),
+        capture: None,
     })
 }
 
@@ -687,15 +767,16 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
         Some(_) => return Err(at("`content` must be a string or a list of content parts")),
     };
     let mut message = ChatMessage::new(role, &content);
-    crate::tools::read_tool_fields(role, obj, &mut message).map_err(|e| at(&e))?;
+    super::tools::read_tool_fields(role, obj, &mut message).map_err(|e| at(&e))?;
     Ok(message)
 }
 
-/// Validates a `POST /v1/completions` body.
+/// Validates a `POST /v1/completions` body's own fields (not the capture's: see
+/// [`generation_request`]).
 pub fn completion_request(
     body: &Value,
     limits: &ModelLimits,
-) -> Result<GenerationRequest, ApiError> {
+) -> Result<GenerationRequest, InvalidRequest> {
     let fields: CommonFields = typed(body)?;
     check_model(&fields.model, limits)?;
     let completion: CompletionFields = typed(body)?;
@@ -706,14 +787,13 @@ pub fn completion_request(
                 "logprobs",
                 format!("in [0, {MAX_COMPLETION_LOGPROBS}]"),
                 n,
-            )
-            .into())
+            ))
         }
         Some(n) => Some(n as usize),
         None => None,
     };
     if completion.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(InvalidRequest::unsupported("suffix", "suffix").into());
+        return Err(InvalidRequest::unsupported("suffix", "suffix"));
     }
     let echo = completion.echo.unwrap_or(false);
     let guide = parse_guide(body)?;
@@ -740,6 +820,7 @@ pub fn completion_request(
         tool_calls: false,
         chat_echo: None,
         ignored_fields: ignored_fields(body, COMPLETION_FIELD_NAMES),
+        capture: None,
     })
 }
 
@@ -755,7 +836,7 @@ struct TokenizeFields {
 pub fn tokenize_request(
     body: &Value,
     limits: &ModelLimits,
-) -> Result<(PromptInput, bool), ApiError> {
+) -> Result<(PromptInput, bool), InvalidRequest> {
     let fields: TokenizeFields = typed(body)?;
     check_model(&fields.model, limits)?;
     let add_special_tokens = fields.add_special_tokens.unwrap_or(true);
@@ -765,7 +846,7 @@ pub fn tokenize_request(
             // vLLM's rendering fields apply here too.
             let chat: ChatFields = typed(body)?;
             let mut options = chat_render_options(&chat)?;
-            options.tools = crate::tools::parse_tools(body)?.map(|t| t.offered());
+            options.tools = super::tools::parse_tools(body)?.map(|t| t.offered());
             Ok((
                 PromptInput::Chat(parse_messages(&fields.messages)?, options),
                 add_special_tokens,
@@ -774,8 +855,7 @@ pub fn tokenize_request(
         _ => Err(InvalidRequest::invalid(
             "prompt",
             "give either `prompt` (a string) or `messages`",
-        )
-        .into()),
+        )),
     }
 }
 
@@ -842,6 +922,7 @@ fn parse_prompts(value: &Option<Value>) -> Result<Vec<PromptInput>, InvalidReque
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::Seen;
     use serde_json::json;
 
     const LIMITS: ModelLimits = ModelLimits {
@@ -860,15 +941,16 @@ mod tests {
             assert!(completion_request(&json!({"model": model, "prompt": "x"}), &limits).is_ok());
         }
         let e = completion_request(&json!({"model": "other", "prompt": "x"}), &limits).unwrap_err();
+        let e = Seen::from(e);
         assert_eq!(e.code, Some("model_not_found"));
     }
 
-    fn chat_err(body: Value) -> ApiError {
-        chat_request(&body, &LIMITS).unwrap_err()
+    fn chat_err(body: Value) -> Seen {
+        chat_request(&body, &LIMITS).unwrap_err().into()
     }
 
-    fn completion_err(body: Value) -> ApiError {
-        completion_request(&body, &LIMITS).unwrap_err()
+    fn completion_err(body: Value) -> Seen {
+        completion_request(&body, &LIMITS).unwrap_err().into()
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! `response_format`, vLLM's `structured_outputs` and `guided_*`), and compiling it off
 //! the engine thread, so that a bad schema or grammar is a 400 naming its field.
 
-use crate::error::ApiError;
-use crate::invalid_request::InvalidRequest;
-use lantern_engine::lantern_guided::{Constraint, Guide, GuidedVocab};
+use crate::serving::ServeError;
+use crate::validate::InvalidRequest;
+use lantern_guided::{Constraint, Guide, GuidedVocab};
 use serde_json::Value;
 
 /// A guide and the body field it came from.
@@ -171,7 +171,7 @@ pub fn parse_guide(body: &Value) -> Result<Option<FieldGuide>, InvalidRequest> {
 pub async fn compile(
     vocab: &Result<GuidedVocab, String>,
     guide: FieldGuide,
-) -> Result<Constraint, ApiError> {
+) -> Result<Constraint, ServeError> {
     let vocab = vocab.clone().map_err(|e| {
         InvalidRequest::invalid(
             guide.field,
@@ -181,13 +181,14 @@ pub async fn compile(
     let field = guide.field;
     tokio::task::spawn_blocking(move || vocab.compile(&guide.guide))
         .await
-        .map_err(|e| ApiError::internal(format!("compiling the grammar failed: {e}")))?
+        .map_err(|e| ServeError::Internal(format!("compiling the grammar failed: {e}")))?
         .map_err(|e| InvalidRequest::invalid(field, format!("{field}: {e}")).into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::Seen;
     use serde_json::json;
 
     #[test]
@@ -257,7 +258,7 @@ mod tests {
                 "guided_choice",
             ),
         ] {
-            let e = ApiError::from(parse_guide(&body).unwrap_err());
+            let e = Seen::from(parse_guide(&body).unwrap_err());
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
         }

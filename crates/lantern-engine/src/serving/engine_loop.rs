@@ -15,562 +15,24 @@
 //! the engine has run [`CLEAN_STEPS_TO_RECOVER`] steps without a panic. Only when the
 //! reset itself fails does the thread end: `/health` and every request then answer 503.
 
-use crate::error::ApiError;
-use crate::invalid_request::InvalidRequest;
-use crate::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
-use crate::prompt::{PreparedItem, PromptLogprobRows, Prompter};
-use crate::request_log::{log_finished, EngineLogging, StatsLog};
-use crate::stop::StopMatcher;
-use lantern_engine::lantern_capture::{CaptureFailure, CaptureSpec, PendingCapture, RowCapture};
-use lantern_engine::lantern_guided::{Constraint, GuidedVocab};
-use lantern_engine::{
-    Completion, Engine, EngineError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs,
-};
+use super::events::{EndReason, EngineEvent, EngineFailure, Finish, StopReason};
+use super::generation::{Accepted, GenerationItem};
+use super::handle::Command;
+use super::health::{panic_message, EngineFaults};
+use super::metrics::{CacheConfigInfo, EngineMetrics, EngineStats, FinishedRequest};
+use super::prompter::{PreparedItem, PromptLogprobRows};
+use super::request_log::{log_finished, EngineLogging, StatsLog};
+use super::stop::StopMatcher;
+use super::ServeError;
+use crate::validate::InvalidRequest;
+use crate::{Completion, Engine, EngineError, FinishReason, RequestOutput};
 use lantern_kv::{KvDtype, RequestId};
-use lantern_model::{ChatMessage, ChatRenderOptions};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc as tmpsc, oneshot};
-
-/// A prompt as the client gave it; a request task renders and tokenizes it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PromptInput {
-    /// Raw text, tokenized as is (BOS added when the model asks for it).
-    Text(String),
-    /// Token ids, used as they are.
-    Tokens(Vec<u32>),
-    /// A conversation, rendered through the model's chat template with these options.
-    Chat(Vec<ChatMessage>, ChatRenderOptions),
-}
-
-/// One sequence to generate (one choice of a response).
-#[derive(Debug, Clone)]
-pub struct GenerationItem {
-    /// Shared by the samples of one prompt (`n > 1`): one copy, however many samples.
-    pub prompt: Arc<PromptInput>,
-    /// `max_tokens` is overwritten by [`Self::max_tokens`] once the prompt's length is known.
-    pub params: SamplingParams,
-    /// `None`: as many as the context (and the KV cache) allow.
-    pub max_tokens: Option<usize>,
-    /// Shared by every sample of the request.
-    pub stop: Arc<[String]>,
-    pub include_stop_str_in_output: bool,
-    /// Return the prompt's text (completions' `echo`).
-    pub echo: bool,
-    /// Which field holds the prompt, for error messages (`prompt` or `messages`).
-    pub prompt_field: &'static str,
-    /// Attention capture, when the request asked for it.
-    pub capture: Option<ItemCapture>,
-    /// Prompt logprobs with this many alternatives per token (completions' `echo` with
-    /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logprobs` must be set too.
-    pub prompt_logprobs: Option<usize>,
-    /// Structured output: the compiled grammar the output follows.
-    pub constraint: Option<Constraint>,
-    /// The response's id, for the request log.
-    pub request_id: Option<Arc<str>>,
-}
-
-/// What a sequence captures, and the most bytes it may take.
-#[derive(Debug, Clone)]
-pub struct ItemCapture {
-    pub spec: CaptureSpec,
-    /// The server's cap on one capture's admission figure.
-    pub max_bytes: u64,
-    /// For delivery by reference or file: the capture store's whole size, which the
-    /// maps can never exceed.
-    pub max_stored_bytes: Option<u64>,
-}
-
-/// A request the engine took.
-#[derive(Debug, Clone)]
-pub struct Accepted {
-    pub id: RequestId,
-    pub prompt_tokens: usize,
-    /// The prompt's text, when the item asked for `echo` (shared by its samples).
-    pub prompt_text: Option<Arc<str>>,
-}
-
-/// Why a sequence stopped: the stop string or stop token id that ended it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StopReason {
-    Text(String),
-    Token(u32),
-}
-
-/// Why a sequence ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EndReason {
-    /// An end-of-sequence or stop token, a stop string, or a complete grammar.
-    Stop,
-    /// `max_tokens` or the context.
-    Length,
-    /// Its client went away, the server shut down, or structured output failed.
-    Abort,
-    /// The engine failed while running it: the client gets a 500.
-    Failed(EngineFailure),
-}
-
-/// How the engine failed a sequence.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EngineFailure {
-    /// A step returned this error.
-    Step(String),
-    /// A panic on the engine thread, contained ([`ENGINE_FAULT_MESSAGE`]); `restarted`
-    /// is false when restarting the engine failed too (the thread then ended).
-    Fault { restarted: bool },
-}
-
-impl EndReason {
-    /// The name OpenAI's `finish_reason` (and vLLM's metrics) use.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            EndReason::Stop => "stop",
-            EndReason::Length => "length",
-            EndReason::Abort => "abort",
-            EndReason::Failed(_) => "error",
-        }
-    }
-}
-
-impl From<FinishReason> for EndReason {
-    fn from(reason: FinishReason) -> Self {
-        match reason {
-            FinishReason::Stop => EndReason::Stop,
-            FinishReason::Length => EndReason::Length,
-            FinishReason::Abort => EndReason::Abort,
-        }
-    }
-}
-
-/// The end of one sequence.
-#[derive(Debug, Clone)]
-pub struct Finish {
-    pub reason: EndReason,
-    pub stop_reason: Option<StopReason>,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub cached_tokens: usize,
-    /// A capturing sequence's capture, to finalize off the engine thread.
-    pub capture: Option<Result<PendingCapture, CaptureFailure>>,
-}
-
-/// The log-probability of one generated token and its most likely alternatives, with
-/// each token as text (the token decoded alone, special tokens included).
-#[derive(Debug, Clone)]
-pub struct LogprobEntry {
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<(String, f32)>,
-}
-
-/// One prompt token with its log-probability given the tokens before it: the log-softmax
-/// of the raw logits (no penalties, no temperature).
-#[derive(Debug, Clone)]
-pub struct PromptLogprobEntry {
-    pub token_id: u32,
-    /// The token decoded alone (special tokens included).
-    pub token: String,
-    /// `None` for the first prompt token: nothing predicts it.
-    pub logprob: Option<f32>,
-    /// 1 + how many tokens are more likely (0 for the first prompt token).
-    pub rank: usize,
-    /// The most likely tokens (id, text, logprob), most likely first; empty for the first.
-    pub top: Vec<(u32, String, f32)>,
-}
-
-/// New output of one sequence as the engine thread sends it: logprobs still as ids and
-/// logits, for the request task to turn into text ([`Prompter::resolve`]).
-#[derive(Debug)]
-pub struct EngineEvent {
-    pub index: usize,
-    pub text: String,
-    pub token_ids: Vec<u32>,
-    pub logprobs: Option<TokenLogprobs>,
-    pub prompt_logprobs: Option<PromptLogprobRows>,
-    /// A streamed capture's live figures of the row that sampled the new token.
-    pub capture_row: Option<Box<RowCapture>>,
-    pub finish: Option<Finish>,
-}
-
-/// New output of one sequence, tagged with its choice index.
-#[derive(Debug, Clone)]
-pub struct ChoiceEvent {
-    pub index: usize,
-    pub text: String,
-    pub token_ids: Vec<u32>,
-    /// One entry per new token, when the request asked for logprobs.
-    pub logprobs: Vec<LogprobEntry>,
-    /// One entry per prompt token, on the first event of a sequence that asked for them.
-    pub prompt_logprobs: Option<Vec<PromptLogprobEntry>>,
-    /// A streamed capture's live figures of the row that sampled the new token.
-    pub capture_row: Option<Box<RowCapture>>,
-    pub finish: Option<Finish>,
-}
-
-/// What the model is, as the HTTP side needs to know it.
-#[derive(Debug, Clone)]
-pub struct ModelMeta {
-    pub name: String,
-    pub context_length: usize,
-    pub vocab_size: usize,
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub num_layers: usize,
-    /// Query heads per layer (the smallest, if layers differ).
-    pub num_heads: usize,
-    /// Compiles structured-output grammars for this model's vocabulary (`Err`: why
-    /// structured output is unavailable).
-    pub guided: Result<GuidedVocab, String>,
-}
-
-type AddReply = oneshot::Sender<Result<Vec<Accepted>, ApiError>>;
-
-enum Command {
-    /// Sequences to add together: all are taken or none is.
-    Add {
-        items: Vec<PreparedItem>,
-        events: tmpsc::UnboundedSender<EngineEvent>,
-        reply: AddReply,
-    },
-    Abort(Vec<RequestId>),
-    Stats(oneshot::Sender<EngineStats>),
-    /// Abort everything and end the thread.
-    Shutdown,
-}
-
-/// Building the engine panicked; the panic's message.
-#[derive(Debug, Clone)]
-pub struct EngineBuildPanicked(pub String);
-
-impl std::fmt::Display for EngineBuildPanicked {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "building the engine panicked: {}", self.0)
-    }
-}
-
-impl std::error::Error for EngineBuildPanicked {}
-
-impl EngineBuildPanicked {
-    fn from_payload(payload: Box<dyn std::any::Any + Send>) -> Self {
-        Self(panic_message(payload.as_ref()))
-    }
-}
-
-/// The message a panic was raised with.
-pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_string())
-}
-
-/// What a client is told when a panic ended its request (the panic's own message goes
-/// to the log, not to clients).
-pub const ENGINE_FAULT_MESSAGE: &str =
-    "an internal engine fault occurred (a panic on the engine thread); this request was ended and the engine restarted; see the server log";
-
-/// [`ENGINE_FAULT_MESSAGE`] when restarting the engine failed too.
-pub const ENGINE_FAULT_STOPPED_MESSAGE: &str =
-    "an internal engine fault occurred (a panic on the engine thread); this request was ended and the engine could not restart: the server must be restarted; see the server log";
-
-/// Steps the engine must run without a panic after a contained one before `/health`
-/// says `ok` again: proof that the restarted engine works, not only that it restarted.
-pub const CLEAN_STEPS_TO_RECOVER: u64 = 32;
-
-/// What `/health` reports about the engine thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EngineHealth {
-    /// No panic yet, or [`CLEAN_STEPS_TO_RECOVER`] clean steps since the last one.
-    Ok,
-    /// A panic was contained and the engine restarted, but has not yet run
-    /// [`CLEAN_STEPS_TO_RECOVER`] steps since.
-    Degraded,
-    /// Restarting after a panic failed: the engine thread ended for good.
-    Stopped,
-}
-
-/// Panics the engine thread contained, for `/health` and `/metrics`.
-#[derive(Debug, Default)]
-pub struct EngineFaults {
-    count: AtomicU64,
-    last: Mutex<Option<String>>,
-    clean_steps_since_last: AtomicU64,
-    unrecoverable: AtomicBool,
-}
-
-impl EngineFaults {
-    fn record(&self, message: &str) {
-        self.count.fetch_add(1, Ordering::SeqCst);
-        self.clean_steps_since_last.store(0, Ordering::SeqCst);
-        if let Ok(mut last) = self.last.lock() {
-            *last = Some(message.to_string());
-        }
-    }
-
-    /// Counts a step that computed tokens and returned without a panic or an error.
-    fn step_succeeded(&self) {
-        if self.count() > 0 {
-            self.clean_steps_since_last.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// The restart after a panic failed: the engine thread ends.
-    fn record_unrecoverable(&self) {
-        self.unrecoverable.store(true, Ordering::SeqCst);
-    }
-
-    /// Panics contained since the server started.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::SeqCst)
-    }
-
-    /// The last panic's message.
-    pub fn last(&self) -> Option<String> {
-        self.last.lock().ok().and_then(|l| l.clone())
-    }
-
-    /// Steps run without a panic since the last one.
-    pub fn clean_steps_since_last(&self) -> u64 {
-        self.clean_steps_since_last.load(Ordering::Relaxed)
-    }
-
-    /// Whether a restart after a panic failed, so the engine thread ended.
-    pub fn unrecoverable(&self) -> bool {
-        self.unrecoverable.load(Ordering::SeqCst)
-    }
-
-    pub fn health(&self) -> EngineHealth {
-        if self.unrecoverable() {
-            EngineHealth::Stopped
-        } else if self.count() == 0 || self.clean_steps_since_last() >= CLEAN_STEPS_TO_RECOVER {
-            EngineHealth::Ok
-        } else {
-            EngineHealth::Degraded
-        }
-    }
-}
-
-/// A cloneable handle on the engine thread, for the HTTP handlers.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
-    meta: Arc<ModelMeta>,
-    prompter: Prompter,
-    alive: Arc<AtomicBool>,
-    busy: Arc<AtomicBool>,
-    faults: Arc<EngineFaults>,
-}
-
-/// The engine thread itself: join it after [`EngineHandle::shutdown`].
-pub struct EngineThread {
-    join: Option<JoinHandle<()>>,
-}
-
-impl EngineThread {
-    /// Waits for the thread to end.
-    pub fn join(mut self) {
-        if let Some(join) = self.join.take() {
-            let _ = join.join();
-        }
-    }
-}
-
-impl EngineHandle {
-    /// Builds the engine on a new thread (so the engine never has to be `Send`) and starts
-    /// its loop. Returns once the engine is built, or with the builder's error.
-    /// A builder that panics (it should not: a bad model file is an error) is reported as
-    /// [`EngineBuildPanicked`], never as a second panic here.
-    pub fn start<F, E>(build: F) -> Result<(EngineHandle, EngineThread), E>
-    where
-        F: FnOnce() -> Result<Engine, E> + Send + 'static,
-        E: From<EngineBuildPanicked> + Send + 'static,
-    {
-        Self::start_logging(build, EngineLogging::default())
-    }
-
-    /// [`Self::start`], writing the request log and stats lines `logging` asks for.
-    pub fn start_logging<F, E>(
-        build: F,
-        logging: EngineLogging,
-    ) -> Result<(EngineHandle, EngineThread), E>
-    where
-        F: FnOnce() -> Result<Engine, E> + Send + 'static,
-        E: From<EngineBuildPanicked> + Send + 'static,
-    {
-        let (tx, rx) = mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<(ModelMeta, Prompter), E>>();
-        let alive = Arc::new(AtomicBool::new(true));
-        let alive_in_thread = alive.clone();
-        let busy = Arc::new(AtomicBool::new(false));
-        let busy_in_thread = busy.clone();
-        let faults = Arc::new(EngineFaults::default());
-        let faults_in_thread = faults.clone();
-        let join = std::thread::Builder::new()
-            .name("lantern-engine".to_string())
-            .spawn(move || {
-                let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(build))
-                    .unwrap_or_else(|panic| Err(EngineBuildPanicked::from_payload(panic).into()));
-                let engine = match built {
-                    Ok(engine) => engine,
-                    Err(e) => {
-                        alive_in_thread.store(false, Ordering::SeqCst);
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let info = engine.model_info();
-                let meta = ModelMeta {
-                    name: info.name.clone(),
-                    context_length: info.context_length,
-                    vocab_size: info.vocab_size,
-                    num_blocks: engine.kv_cache().num_blocks(),
-                    block_size: engine.config().block_size,
-                    num_layers: info.num_layers,
-                    num_heads: info
-                        .attention
-                        .iter()
-                        .map(|a| a.num_heads)
-                        .min()
-                        .unwrap_or(0),
-                    guided: GuidedVocab::new(engine.tokenizer(), info.vocab_size)
-                        .map_err(|e| e.to_string()),
-                };
-                let prompter = Prompter::new(
-                    engine.shared_tokenizer(),
-                    engine.shared_chat_template(),
-                    info.vocab_size,
-                    info.context_length,
-                );
-                let _ = ready_tx.send(Ok((meta, prompter)));
-                EngineLoop::new(engine, rx, busy_in_thread, logging, faults_in_thread).run();
-                alive_in_thread.store(false, Ordering::SeqCst);
-            })
-            .expect("spawning the engine thread");
-        let thread = EngineThread { join: Some(join) };
-        match ready_rx.recv() {
-            Ok(Ok((meta, prompter))) => Ok((
-                EngineHandle {
-                    tx,
-                    meta: Arc::new(meta),
-                    prompter,
-                    alive,
-                    busy,
-                    faults,
-                },
-                thread,
-            )),
-            Ok(Err(e)) => {
-                thread.join();
-                Err(e)
-            }
-            Err(_) => {
-                // The thread ended without an answer (it cannot, short of an abort).
-                thread.join();
-                Err(EngineBuildPanicked("the engine thread ended without a result".into()).into())
-            }
-        }
-    }
-
-    pub fn meta(&self) -> &ModelMeta {
-        &self.meta
-    }
-
-    /// Tokenizer and chat template, for work on request tasks.
-    pub fn prompter(&self) -> &Prompter {
-        &self.prompter
-    }
-
-    /// Set while the engine has requests to run (background work paces itself by it).
-    pub fn busy_flag(&self) -> Arc<AtomicBool> {
-        self.busy.clone()
-    }
-
-    /// Whether the engine thread is still running.
-    pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::SeqCst)
-    }
-
-    /// Panics the engine thread contained (each one restarted the engine's state).
-    pub fn faults(&self) -> &EngineFaults {
-        &self.faults
-    }
-
-    /// Why the engine thread does not answer: it stopped after a fault, or the server
-    /// is shutting down.
-    pub fn gone(&self) -> ApiError {
-        if self.faults.unrecoverable() {
-            ApiError::engine_stopped()
-        } else {
-            ApiError::unavailable()
-        }
-    }
-
-    /// Prepares sequences (on a request task) and submits them; their events arrive on
-    /// the returned receiver, tagged with their index in `items`.
-    pub async fn add(
-        &self,
-        items: Vec<GenerationItem>,
-    ) -> Result<(Vec<Accepted>, tmpsc::UnboundedReceiver<EngineEvent>), ApiError> {
-        if !self.is_alive() {
-            // Before tokenizing: a stopped engine answers at once.
-            return Err(self.gone());
-        }
-        let items = self.prompter.prepare(items).await?;
-        let (events, rx) = tmpsc::unbounded_channel();
-        let (reply, reply_rx) = oneshot::channel();
-        self.tx
-            .send(Command::Add {
-                items,
-                events,
-                reply,
-            })
-            .map_err(|_| self.gone())?;
-        let accepted = reply_rx.await.map_err(|_| self.gone())??;
-        Ok((accepted, rx))
-    }
-
-    /// Cancels requests (finished or unknown ids are ignored).
-    pub fn abort(&self, ids: Vec<RequestId>) {
-        if !ids.is_empty() {
-            let _ = self.tx.send(Command::Abort(ids));
-        }
-    }
-
-    /// A view of the engine taken between two steps.
-    pub async fn stats(&self) -> Result<EngineStats, ApiError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Stats(reply))
-            .map_err(|_| self.gone())?;
-        rx.await.map_err(|_| self.gone())
-    }
-
-    /// The token ids of a prompt, as a generation request would see them.
-    pub async fn tokenize(
-        &self,
-        prompt: PromptInput,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>, ApiError> {
-        self.prompter
-            .tokenize(prompt, add_special_tokens, "prompt")
-            .await
-    }
-
-    /// The text of token ids (special tokens included).
-    pub async fn detokenize(&self, tokens: Vec<u32>) -> Result<String, ApiError> {
-        self.prompter.detokenize(tokens).await
-    }
-
-    /// Asks the engine thread to abort every request and end.
-    pub fn shutdown(&self) {
-        let _ = self.tx.send(Command::Shutdown);
-    }
-}
+use tokio::sync::mpsc as tmpsc;
 
 /// Book-keeping of one live sequence.
 struct Live {
@@ -594,7 +56,7 @@ struct Live {
 /// A prepared item with its `max_tokens` settled: the item, its prompt ids, its echo text.
 type Settled = (GenerationItem, Arc<[u32]>, Option<Arc<str>>);
 
-struct EngineLoop {
+pub(super) struct EngineLoop {
     engine: Engine,
     rx: mpsc::Receiver<Command>,
     live: HashMap<RequestId, Live>,
@@ -609,7 +71,7 @@ struct EngineLoop {
 }
 
 impl EngineLoop {
-    fn new(
+    pub(super) fn new(
         engine: Engine,
         rx: mpsc::Receiver<Command>,
         busy: Arc<AtomicBool>,
@@ -659,7 +121,7 @@ impl EngineLoop {
         }
     }
 
-    fn run(mut self) {
+    pub(super) fn run(mut self) {
         loop {
             self.busy
                 .store(self.engine.has_unfinished(), Ordering::Relaxed);
@@ -779,7 +241,9 @@ impl EngineLoop {
                 }
                 Err(panic) => {
                     self.recover(panic.as_ref());
-                    let _ = reply.send(Err(ApiError::engine_fault(!self.broken)));
+                    let _ = reply.send(Err(ServeError::Fault {
+                        restarted: !self.broken,
+                    }));
                 }
             },
             Command::Abort(ids) => {
@@ -826,18 +290,14 @@ impl EngineLoop {
 
     /// Refuses `new` more sequences with a 429 when they would take the waiting queue
     /// past `max_waiting_requests`, before any work is done for them.
-    fn check_waiting_room(&self, new: usize) -> Result<(), ApiError> {
+    fn check_waiting_room(&self, new: usize) -> Result<(), ServeError> {
         let limit = self.engine.config().max_waiting_requests;
         let waiting = self.engine.num_waiting();
         if waiting.saturating_add(new) > limit {
-            return Err(ApiError {
-                code: Some("too_many_waiting_requests"),
-                ..ApiError::with_status(
-                    axum::http::StatusCode::TOO_MANY_REQUESTS,
-                    format!(
-                        "{waiting} requests are waiting to run and this one adds {new}; the server's limit is {limit} (--max-waiting-requests); retry later"
-                    ),
-                )
+            return Err(ServeError::TooManyWaiting {
+                waiting,
+                new,
+                limit,
             });
         }
         Ok(())
@@ -848,9 +308,9 @@ impl EngineLoop {
         &mut self,
         items: Vec<PreparedItem>,
         events: &tmpsc::UnboundedSender<EngineEvent>,
-    ) -> Result<Vec<Accepted>, ApiError> {
+    ) -> Result<Vec<Accepted>, ServeError> {
         if self.shutting_down {
-            return Err(ApiError::unavailable());
+            return Err(ServeError::Unavailable);
         }
         self.check_waiting_room(items.len())?;
         let mut prepared = Vec::with_capacity(items.len());
@@ -924,7 +384,7 @@ impl EngineLoop {
                         self.engine.abort(a.id);
                         let _ = self.engine.take_completion(a.id);
                     }
-                    return Err(ApiError::from(e).for_prompt_field(item.prompt_field));
+                    return Err(ServeError::from(e).for_prompt_field(item.prompt_field));
                 }
             }
         }
@@ -937,7 +397,7 @@ impl EngineLoop {
 
     /// Settles one prepared item's `max_tokens` against the context and the KV cache,
     /// and checks its capture's size.
-    fn prepare(&self, prepared: PreparedItem) -> Result<Settled, ApiError> {
+    fn prepare(&self, prepared: PreparedItem) -> Result<Settled, ServeError> {
         let PreparedItem {
             mut item,
             prompt_ids: ids,
@@ -974,19 +434,22 @@ impl EngineLoop {
         };
         let max_tokens = match &item.capture {
             Some(capture) => {
-                let geometry = lantern_engine::lantern_capture::CaptureGeometry::of_layers(
+                let geometry = lantern_capture::CaptureGeometry::of_layers(
                     &capture.spec,
                     &self.engine.model_info().attention,
                 );
                 // Unasked, generation stops where the capture would outgrow the cap.
                 let max_tokens = match item.max_tokens {
                     Some(m) => m,
-                    None => {
-                        crate::capture::max_tokens_within(capture, ids.len(), max_tokens, geometry)
-                            .unwrap_or(max_tokens.min(1))
-                    }
+                    None => crate::validate::capture::max_tokens_within(
+                        capture,
+                        ids.len(),
+                        max_tokens,
+                        geometry,
+                    )
+                    .unwrap_or(max_tokens.min(1)),
                 };
-                crate::capture::check_capture(capture, ids.len(), max_tokens, geometry)?;
+                crate::validate::capture::check_capture(capture, ids.len(), max_tokens, geometry)?;
                 max_tokens
             }
             None => max_tokens,
@@ -1203,22 +666,6 @@ impl EngineLoop {
                     capture: None,
                 }),
             });
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_builder_that_panics_is_an_error_naming_the_panic() {
-        let result = EngineHandle::start(|| -> Result<Engine, EngineBuildPanicked> {
-            panic!("tensor table is nonsense")
-        });
-        match result {
-            Err(e) => assert!(e.to_string().contains("tensor table is nonsense"), "{e}"),
-            Ok(_) => panic!("a panicking builder started an engine"),
         }
     }
 }

@@ -11,8 +11,8 @@
 //! Tool results (`role: tool`) then go back as user turns wrapped in `<tool_response>`,
 //! an assistant turn's `tool_calls` as `<tool_call>` blocks ([`fit_template`]).
 
-use crate::invalid_request::InvalidRequest;
-use lantern_engine::lantern_guided::Guide;
+use crate::validate::InvalidRequest;
+use lantern_guided::Guide;
 use lantern_model::{ChatMessage, ChatRenderOptions, ToolSupport};
 use serde_json::{json, Value};
 

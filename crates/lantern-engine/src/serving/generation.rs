@@ -1,0 +1,76 @@
+//! A validated generation request as the engine takes it: its prompt, its sampling,
+//! its stops, its capture and structured output, one item per sequence.
+
+use crate::SamplingParams;
+use lantern_capture::CaptureSpec;
+use lantern_guided::Constraint;
+use lantern_kv::RequestId;
+use lantern_model::{ChatMessage, ChatRenderOptions};
+use std::sync::Arc;
+
+/// A prompt as the client gave it; a request task renders and tokenizes it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Raw text, tokenized as is (BOS added when the model asks for it).
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+    /// A conversation, rendered through the model's chat template with these options.
+    Chat(Vec<ChatMessage>, ChatRenderOptions),
+}
+
+/// One sequence to generate (one choice of a response).
+#[derive(Debug, Clone)]
+pub struct GenerationItem {
+    /// Shared by the samples of one prompt (`n > 1`): one copy, however many samples.
+    pub prompt: Arc<PromptInput>,
+    /// `max_tokens` is overwritten by [`Self::max_tokens`] once the prompt's length is known.
+    pub params: SamplingParams,
+    /// `None`: as many as the context (and the KV cache) allow.
+    pub max_tokens: Option<usize>,
+    /// Shared by every sample of the request.
+    pub stop: Arc<[String]>,
+    pub include_stop_str_in_output: bool,
+    /// Return the prompt's text (completions' `echo`).
+    pub echo: bool,
+    /// Which field holds the prompt, for error messages (`prompt` or `messages`).
+    pub prompt_field: &'static str,
+    /// Attention capture, when the request asked for it.
+    pub capture: Option<ItemCapture>,
+    /// Prompt logprobs with this many alternatives per token (completions' `echo` with
+    /// `logprobs`, vLLM's `prompt_logprobs`); `params.prompt_logprobs` must be set too.
+    pub prompt_logprobs: Option<usize>,
+    /// Structured output: the compiled grammar the output follows.
+    pub constraint: Option<Constraint>,
+    /// The response's id, for the request log.
+    pub request_id: Option<Arc<str>>,
+}
+
+/// What a sequence captures, and the most bytes it may take.
+#[derive(Debug, Clone)]
+pub struct ItemCapture {
+    pub spec: CaptureSpec,
+    /// The server's cap on one capture's admission figure.
+    pub max_bytes: u64,
+    /// For delivery by reference or file: the capture store's whole size, which the
+    /// maps can never exceed.
+    pub max_stored_bytes: Option<u64>,
+}
+
+impl ItemCapture {
+    /// Whether each row's span masses and top-k keys go out with its token: when the
+    /// response streams and the capture asks for either.
+    pub fn stream_rows(&mut self, streamed: bool) {
+        let spec = &mut self.spec;
+        spec.stream_rows = streamed && (!spec.spans.is_empty() || spec.top_k.is_some());
+    }
+}
+
+/// A request the engine took.
+#[derive(Debug, Clone)]
+pub struct Accepted {
+    pub id: RequestId,
+    pub prompt_tokens: usize,
+    /// The prompt's text, when the item asked for `echo` (shared by its samples).
+    pub prompt_text: Option<Arc<str>>,
+}

@@ -1,6 +1,6 @@
 //! Options shared by the commands that load a model and run the engine.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use lantern_engine::{Engine, EngineConfig};
 use lantern_kv::KvDtype;
@@ -8,7 +8,7 @@ use lantern_model::GgmlDType;
 use std::path::PathBuf;
 
 /// The largest capture one request (or `generate` prompt) may ask for, as
-/// `lantern_server::capture::DEFAULT_MAX_CAPTURE_BYTES` says.
+/// `lantern_engine::validate::capture::DEFAULT_MAX_CAPTURE_BYTES` says.
 pub const DEFAULT_MAX_CAPTURE_BYTES: &str = "256M";
 
 #[derive(Args, Debug, Clone)]
@@ -147,26 +147,13 @@ impl EngineArgs {
             let kernels = crate::kernels::weight_kernels(&path, self.f32_weights, self.quantize)?;
             eprintln!("lantern: kernels {}", crate::kernels::summary(&kernels));
         }
-        let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-        let options = lantern_model::LoadOptions {
-            progress: show_progress,
+        let load = lantern_engine::options::ModelLoad {
             f32_weights: self.f32_weights,
             quantize: self.quantize,
+            chat_template: self.chat_template.clone(),
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         };
-        let mut loaded = lantern_model::load_model(&path, &options)
-            .with_context(|| format!("loading {}", path.display()))?;
-        if let Some(file) = &self.chat_template {
-            let source = std::fs::read_to_string(file)
-                .with_context(|| format!("reading chat template {}", file.display()))?;
-            let template = lantern_model::ChatTemplate::new(
-                &source,
-                loaded.tokenizer.bos_token().unwrap_or_default(),
-                loaded.tokenizer.eos_token().unwrap_or_default(),
-            )
-            .with_context(|| format!("chat template {}", file.display()))?;
-            loaded.chat_template = Some(template);
-        }
-        let engine = Engine::new(loaded, config)?;
+        let engine = lantern_engine::options::load_engine(&path, &load, config)?;
         if verbose {
             let info = engine.model_info();
             eprintln!(
@@ -185,42 +172,15 @@ impl EngineArgs {
 
 /// Parses `1073741824`, `512M`, `1G`, `64K` (powers of 1024).
 pub fn parse_bytes(s: &str) -> Result<usize> {
-    let s = s.trim();
-    let (digits, multiplier) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1usize << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let value: f64 = digits
-        .parse()
-        .with_context(|| format!("`{s}` is not a byte count"))?;
-    if !value.is_finite() || value <= 0.0 {
-        bail!("`{s}` must be positive");
-    }
-    Ok((value * multiplier as f64) as usize)
+    lantern_engine::options::parse_byte_count(s).map_err(anyhow::Error::msg)
 }
 
 fn parse_quantize(s: &str) -> Result<GgmlDType> {
-    Ok(match s.to_ascii_lowercase().as_str() {
-        "q8_0" => GgmlDType::Q8_0,
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        "f16" => GgmlDType::F16,
-        "bf16" => GgmlDType::BF16,
-        "f32" => GgmlDType::F32,
-        other => bail!("`{other}` is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"),
-    })
+    lantern_engine::options::parse_weight_type(s).map_err(anyhow::Error::msg)
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype> {
-    Ok(match s {
-        "f32" | "float32" => KvDtype::F32,
-        "f16" | "float16" => KvDtype::F16,
-        "bf16" | "bfloat16" => KvDtype::BF16,
-        other => bail!("unknown KV cache dtype `{other}` (f32, f16, bf16)"),
-    })
+    lantern_engine::options::parse_kv_dtype(s).map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod options;
 pub mod request;
 pub mod runner;
 pub mod sampling;

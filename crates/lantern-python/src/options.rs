@@ -1,14 +1,16 @@
 //! `LLM(...)`'s engine options, named as the CLI's flags (`kv_cache_memory`,
 //! `block_size`, ...), and loading the model they describe.
 //!
-//! The CLI's own `EngineArgs` lives in the `lantern` binary, which no library can call;
-//! this is the same mapping onto `EngineConfig` and `lantern_model::load_model`, with
-//! each bad value reported as a `ValueError` naming its option.
+//! The CLI's own `EngineArgs` (clap) lives in the `lantern` binary; both parse values and
+//! load the model through `lantern_engine::options`, and here each bad value is a
+//! `ValueError` naming its option.
 
+use lantern_engine::options::{
+    load_engine, parse_byte_count, parse_kv_dtype, parse_weight_type, ModelLoad,
+};
 use lantern_engine::validate::capture::DEFAULT_MAX_CAPTURE_BYTES;
 use lantern_engine::validate::CaptureSettings;
 use lantern_engine::{Engine, EngineConfig};
-use lantern_kv::KvDtype;
 use lantern_model::GgmlDType;
 use std::path::PathBuf;
 
@@ -67,58 +69,13 @@ pub struct EngineOptions {
     pub capture: CaptureSettings,
 }
 
-/// `1073741824`, `"512M"`, `"1G"`, `"64K"` (powers of 1024), as the CLI's `parse_bytes`.
+/// An int, or a byte count as the CLI writes it (`"512M"`, `"1G"`).
 fn bytes(option: &'static str, value: &ByteCount) -> Result<usize, OptionError> {
-    let text = match value {
-        ByteCount::Int(n) if *n > 0 => return Ok(*n as usize),
-        ByteCount::Int(n) => return Err(OptionError::new(option, format!("{n} must be positive"))),
-        ByteCount::Text(s) => s.trim(),
-    };
-    let (digits, multiplier) = match text.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&text[..text.len() - 1], 1usize << 10),
-        Some('M') => (&text[..text.len() - 1], 1 << 20),
-        Some('G') => (&text[..text.len() - 1], 1 << 30),
-        _ => (text, 1),
-    };
-    match digits.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok((v * multiplier as f64) as usize),
-        _ => Err(OptionError::new(
-            option,
-            format!("{text:?} is not a positive byte count (an int, or like \"512M\", \"1G\")"),
-        )),
+    match value {
+        ByteCount::Int(n) if *n > 0 => Ok(*n as usize),
+        ByteCount::Int(n) => Err(OptionError::new(option, format!("{n} must be positive"))),
+        ByteCount::Text(s) => parse_byte_count(s).map_err(|e| OptionError::new(option, e)),
     }
-}
-
-fn kv_dtype(s: &str) -> Result<KvDtype, OptionError> {
-    Ok(match s {
-        "f32" | "float32" => KvDtype::F32,
-        "f16" | "float16" => KvDtype::F16,
-        "bf16" | "bfloat16" => KvDtype::BF16,
-        other => {
-            return Err(OptionError::new(
-                "kv_cache_dtype",
-                format!("{other:?} is not a KV cache dtype (f16, bf16, f32)"),
-            ))
-        }
-    })
-}
-
-fn weight_type(s: &str) -> Result<GgmlDType, OptionError> {
-    Ok(match s.to_ascii_lowercase().as_str() {
-        "q8_0" => GgmlDType::Q8_0,
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        "f16" => GgmlDType::F16,
-        "bf16" => GgmlDType::BF16,
-        "f32" => GgmlDType::F32,
-        other => {
-            return Err(OptionError::new(
-                "quantize",
-                format!("{other:?} is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"),
-            ))
-        }
-    })
 }
 
 fn positive(option: &'static str, value: Option<usize>) -> Result<Option<usize>, OptionError> {
@@ -148,7 +105,7 @@ impl RawOptions {
             },
             block_size: positive("block_size", self.block_size)?.unwrap_or(defaults.block_size),
             kv_cache_dtype: match &self.kv_cache_dtype {
-                Some(s) => kv_dtype(s)?,
+                Some(s) => parse_kv_dtype(s).map_err(|e| OptionError::new("kv_cache_dtype", e))?,
                 None => defaults.kv_cache_dtype,
             },
             attention_backend: backend,
@@ -179,7 +136,11 @@ impl RawOptions {
             model: self.model,
             config,
             f32_weights: self.f32_weights.unwrap_or(false),
-            quantize: self.quantize.as_deref().map(weight_type).transpose()?,
+            quantize: self
+                .quantize
+                .as_deref()
+                .map(|s| parse_weight_type(s).map_err(|e| OptionError::new("quantize", e)))
+                .transpose()?,
             chat_template: self.chat_template,
             threads: positive("threads", self.threads)?,
             capture,
@@ -207,24 +168,12 @@ impl EngineOptions {
 
     /// Loads the model at `path` and builds an engine over it (on the engine thread).
     pub fn build_engine(&self, path: &std::path::Path) -> Result<Engine, String> {
-        let options = lantern_model::LoadOptions {
-            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        let load = ModelLoad {
             f32_weights: self.f32_weights,
             quantize: self.quantize,
+            chat_template: self.chat_template.clone(),
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         };
-        let mut loaded = lantern_model::load_model(path, &options)
-            .map_err(|e| format!("loading {}: {e}", path.display()))?;
-        if let Some(file) = &self.chat_template {
-            let source = std::fs::read_to_string(file)
-                .map_err(|e| format!("reading chat template {}: {e}", file.display()))?;
-            let template = lantern_model::ChatTemplate::new(
-                &source,
-                loaded.tokenizer.bos_token().unwrap_or_default(),
-                loaded.tokenizer.eos_token().unwrap_or_default(),
-            )
-            .map_err(|e| format!("chat template {}: {e}", file.display()))?;
-            loaded.chat_template = Some(template);
-        }
-        Engine::new(loaded, self.config.clone()).map_err(|e| e.to_string())
+        load_engine(path, &load, self.config.clone()).map_err(|e| e.to_string())
     }
 }

@@ -1,0 +1,163 @@
+//! Engine options as every front end spells them (the CLI's flags, `LLM(...)`'s keyword
+//! arguments): their values parsed one way, and the model they name loaded one way —
+//! weights, the chat template that may replace the model's own, the engine over them.
+
+use crate::{Engine, EngineConfig, EngineError};
+use lantern_kv::KvDtype;
+use lantern_model::{ChatTemplate, GgmlDType, LoadOptions, ModelError};
+use std::path::{Path, PathBuf};
+
+/// `1073741824`, `512M`, `1G`, `64K` (powers of 1024): a positive byte count.
+pub fn parse_byte_count(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, multiplier) = match text.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&text[..text.len() - 1], 1usize << 10),
+        Some('M') => (&text[..text.len() - 1], 1 << 20),
+        Some('G') => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    match digits.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok((v * multiplier as f64) as usize),
+        _ => Err(format!(
+            "{text:?} is not a positive byte count (a number, or like \"512M\", \"1G\")"
+        )),
+    }
+}
+
+/// The KV cache's element type: `f16`, `bf16` or `f32` (or their long names).
+pub fn parse_kv_dtype(text: &str) -> Result<KvDtype, String> {
+    Ok(match text {
+        "f32" | "float32" => KvDtype::F32,
+        "f16" | "float16" => KvDtype::F16,
+        "bf16" | "bfloat16" => KvDtype::BF16,
+        other => {
+            return Err(format!(
+                "{other:?} is not a KV cache dtype (f16, bf16, f32)"
+            ))
+        }
+    })
+}
+
+/// A weight type Hugging Face directories can be quantized to at load.
+pub fn parse_weight_type(text: &str) -> Result<GgmlDType, String> {
+    Ok(match text.to_ascii_lowercase().as_str() {
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
+        "f32" => GgmlDType::F32,
+        other => {
+            return Err(format!(
+                "{other:?} is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"
+            ))
+        }
+    })
+}
+
+/// How to load a model for an engine.
+#[derive(Debug, Clone, Default)]
+pub struct ModelLoad {
+    /// Dequantize weights to f32 at load.
+    pub f32_weights: bool,
+    /// Hugging Face directories: quantize every weight matrix to this type at load.
+    pub quantize: Option<GgmlDType>,
+    /// A Jinja chat template file that replaces the model's own.
+    pub chat_template: Option<PathBuf>,
+    /// A progress bar on standard error while the weights load.
+    pub progress: bool,
+}
+
+/// Why a model could not be loaded into an engine; each names the file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadEngineError {
+    #[error("loading {path}: {source}")]
+    Model {
+        path: PathBuf,
+        source: Box<ModelError>,
+    },
+    #[error("reading chat template {path}: {source}")]
+    ReadChatTemplate {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("chat template {path}: {message}")]
+    ChatTemplate { path: PathBuf, message: String },
+    #[error(transparent)]
+    Engine(#[from] Box<EngineError>),
+}
+
+/// Loads the model at `path` as `load` says and starts an engine over it.
+pub fn load_engine(
+    path: &Path,
+    load: &ModelLoad,
+    config: EngineConfig,
+) -> Result<Engine, LoadEngineError> {
+    let options = LoadOptions {
+        progress: load.progress,
+        f32_weights: load.f32_weights,
+        quantize: load.quantize,
+    };
+    let mut loaded =
+        lantern_model::load_model(path, &options).map_err(|source| LoadEngineError::Model {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        })?;
+    if let Some(file) = &load.chat_template {
+        let source =
+            std::fs::read_to_string(file).map_err(|source| LoadEngineError::ReadChatTemplate {
+                path: file.clone(),
+                source,
+            })?;
+        let template = ChatTemplate::new(
+            &source,
+            loaded.tokenizer.bos_token().unwrap_or_default(),
+            loaded.tokenizer.eos_token().unwrap_or_default(),
+        )
+        .map_err(|e| LoadEngineError::ChatTemplate {
+            path: file.clone(),
+            message: e.to_string(),
+        })?;
+        loaded.chat_template = Some(template);
+    }
+    Engine::new(loaded, config).map_err(|e| Box::new(e).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_take_binary_suffixes_and_refuse_the_rest() {
+        assert_eq!(parse_byte_count("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_byte_count("512M"), Ok(512 << 20));
+        assert_eq!(parse_byte_count(" 1g "), Ok(1 << 30));
+        assert_eq!(parse_byte_count("64K"), Ok(64 << 10));
+        assert_eq!(parse_byte_count("1.5K"), Ok(1536));
+        for bad in ["", "0", "-1G", "lots", "NaN", "1T"] {
+            let e = parse_byte_count(bad).unwrap_err();
+            assert!(e.contains("not a positive byte count"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn dtypes_and_weight_types_by_name() {
+        assert_eq!(parse_kv_dtype("bfloat16"), Ok(KvDtype::BF16));
+        assert!(parse_kv_dtype("f8").unwrap_err().contains("f16, bf16, f32"));
+        assert_eq!(parse_weight_type("Q4_K"), Ok(GgmlDType::Q4K));
+        assert!(parse_weight_type("q3_k").unwrap_err().contains("q8_0"));
+    }
+
+    #[test]
+    fn a_missing_model_or_template_names_the_file() {
+        let e = load_engine(
+            Path::new("/nonexistent/model.gguf"),
+            &ModelLoad::default(),
+            EngineConfig::default(),
+        )
+        .err()
+        .expect("no such model");
+        assert!(e.to_string().contains("/nonexistent/model.gguf"), "{e}");
+    }
+}

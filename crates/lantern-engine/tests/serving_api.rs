@@ -1,0 +1,157 @@
+//! The engine's API as a front end drives it, with no server: a body validated once
+//! into a typed request, submitted to the engine thread, its events read back, an abort
+//! that gives every KV block back, and refusals that name their field.
+
+mod common;
+
+use lantern_engine::serving::{
+    EndReason, EngineBuildPanicked, EngineEvent, EngineHandle, ServeError,
+};
+use lantern_engine::validate::{
+    generation_request, CaptureSettings, Endpoint, GenerationRequest, ModelLimits, RequestContext,
+};
+use lantern_engine::{Engine, EngineConfig};
+use serde_json::{json, Value};
+
+fn start() -> EngineHandle {
+    let (handle, _thread) = EngineHandle::start(|| -> Result<Engine, EngineBuildPanicked> {
+        Ok(common::engine_with(EngineConfig::default()))
+    })
+    .expect("the engine starts");
+    handle
+}
+
+fn validate(handle: &EngineHandle, body: Value) -> GenerationRequest {
+    let capture = CaptureSettings {
+        enabled: true,
+        ..CaptureSettings::default()
+    };
+    let meta = handle.meta();
+    let context = RequestContext {
+        limits: ModelLimits {
+            served_name: "m",
+            aliases: &[],
+        },
+        capture: &capture,
+        num_layers: meta.num_layers,
+        num_heads: meta.num_heads,
+    };
+    generation_request(Endpoint::Completion, &body, &context).expect("a valid body")
+}
+
+/// Every event of one request, until its finish (or the channel's end).
+async fn drain(
+    mut events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+) -> (Vec<u32>, Option<EndReason>) {
+    let mut tokens = Vec::new();
+    while let Some(event) = events.recv().await {
+        tokens.extend(&event.token_ids);
+        if let Some(finish) = event.finish {
+            return (tokens, Some(finish.reason));
+        }
+    }
+    (tokens, None)
+}
+
+/// The same greedy request run on an engine directly, step by step.
+fn direct_greedy(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut engine = common::engine_with(EngineConfig::default());
+    let params = lantern_engine::SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ..Default::default()
+    };
+    let id = engine.add_request(prompt.to_vec(), params).unwrap();
+    while engine.has_unfinished() {
+        engine.step().unwrap();
+    }
+    engine.take_completion(id).unwrap().token_ids
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_validated_request_runs_as_on_the_engine_itself() {
+    let handle = start();
+    let request = validate(
+        &handle,
+        json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    );
+    assert!(request.capture.is_none());
+    let prompt = handle
+        .prompter()
+        .tokenize((*request.items[0].prompt).clone(), true, "prompt")
+        .await
+        .unwrap();
+    let (accepted, events) = handle.add(request.items).await.unwrap();
+    assert_eq!(accepted[0].prompt_tokens, prompt.len());
+    let (tokens, reason) = drain(events).await;
+    assert_eq!(reason, Some(EndReason::Length));
+    assert_eq!(tokens, direct_greedy(&prompt, 8));
+    handle.shutdown();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_aborted_request_gives_every_kv_block_back() {
+    let handle = start();
+    let request = validate(
+        &handle,
+        json!({"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 500, "ignore_eos": true}),
+    );
+    let (accepted, mut events) = handle.add(request.items).await.unwrap();
+    let first = events.recv().await.expect("a first token");
+    assert!(first.finish.is_none());
+    let busy = handle.stats().await.unwrap();
+    assert!(busy.kv_cache_free_blocks < busy.kv_cache_total_blocks);
+    handle.abort(accepted.iter().map(|a| a.id).collect());
+    // The engine drops the request's channel: no finish, and nothing after it.
+    let (_, reason) = drain(events).await;
+    assert_eq!(reason, None);
+    let idle = handle.stats().await.unwrap();
+    assert_eq!(idle.num_requests_running, 0);
+    assert_eq!(idle.kv_cache_free_blocks, idle.kv_cache_total_blocks);
+    handle.shutdown();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn refusals_name_their_field() {
+    let handle = start();
+    let capture = CaptureSettings::default();
+    let meta = handle.meta();
+    let context = RequestContext {
+        limits: ModelLimits {
+            served_name: "m",
+            aliases: &[],
+        },
+        capture: &capture,
+        num_layers: meta.num_layers,
+        num_heads: meta.num_heads,
+    };
+    let refused = |body: Value| {
+        generation_request(Endpoint::Completion, &body, &context)
+            .expect_err("refused")
+            .field()
+            .map(str::to_string)
+    };
+    assert_eq!(
+        refused(json!({"prompt": "x", "temperature": -1})).as_deref(),
+        Some("temperature")
+    );
+    // Capture on an engine whose front end did not enable it.
+    assert_eq!(
+        refused(json!({"prompt": "x", "attn_capture": true})).as_deref(),
+        Some("attn_capture")
+    );
+    // The prompt only, without a capture or echo, yields nothing.
+    assert_eq!(
+        refused(json!({"prompt": "x", "max_tokens": 0})).as_deref(),
+        Some("max_tokens")
+    );
+    // A prompt longer than the context is refused by the engine, naming the prompt.
+    let long = vec![1u32; meta.context_length + 1];
+    let request = validate(&handle, json!({"prompt": long, "max_tokens": 1}));
+    match handle.add(request.items).await {
+        Err(ServeError::Invalid(e)) => assert_eq!(e.field(), Some("prompt"), "{e}"),
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("a prompt over the context was taken"),
+    }
+    handle.shutdown();
+}

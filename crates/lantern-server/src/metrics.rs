@@ -10,7 +10,7 @@
 //! step and takes no lock and no allocation. `/metrics` asks the engine for a snapshot
 //! ([`EngineStats`]) and [`render`] builds a fresh registry from it, per scrape:
 //! counters and gauges as prometheus-client's constant metrics, labelled ones as its
-//! `Family`, and the histograms through its histogram encoding ([`HistogramMetric`]).
+//! `Family`, and the histograms through its histogram encoding (`HistogramMetric`).
 
 use std::borrow::Cow;
 

@@ -1,19 +1,21 @@
 //! The engine on its own OS thread, fed by a channel of commands.
 //!
 //! The engine is single-threaded (`&mut self`), so one thread owns it, and it only
-//! steps: prompts arrive tokenized and checked ([`Prompter`], on request tasks), and
-//! logprobs leave as ids and logits for the request tasks to turn into text. It drains the
-//! command channel, runs a step while there is work, and sends each request's new text
-//! to that request's event channel; when there is no work it blocks on the channel.
+//! steps: prompts arrive tokenized and checked ([`super::Prompter`], on request tasks),
+//! and logprobs leave as ids and logits for the request tasks to turn into text. It drains
+//! the command channel, runs a step while there is work, and sends each request's new
+//! text to that request's event channel; when there is no work it blocks on the channel.
 //! A request whose event channel is closed (its client went away) is aborted, so its KV
 //! blocks are freed.
 //!
 //! A panic while the thread admits requests or steps is contained: every request in
-//! flight ends with an internal-fault error (a 500, or an error event on a stream), the
-//! engine's book-keeping starts over ([`Engine::reset`]: no block in use, nothing
-//! waiting) and the thread goes on serving, with `/health` reporting `degraded` until
-//! the engine has run [`CLEAN_STEPS_TO_RECOVER`] steps without a panic. Only when the
-//! reset itself fails does the thread end: `/health` and every request then answer 503.
+//! flight ends with an internal-fault finish ([`EngineFailure::Fault`]; the server answers
+//! a 500 or an error event on a stream), the engine's book-keeping starts over
+//! ([`Engine::reset`]: no block in use, nothing waiting) and the thread goes on serving,
+//! with [`EngineFaults::health`] `Degraded` until the engine has run
+//! [`super::CLEAN_STEPS_TO_RECOVER`] steps without a panic. Only when the reset itself
+//! fails does the thread end: the health is then `Stopped`, and every request is refused
+//! ([`super::ServeError::Stopped`]).
 
 use super::events::{EndReason, EngineEvent, EngineFailure, Finish, StopReason};
 use super::generation::{Accepted, GenerationItem};

@@ -30,7 +30,7 @@ pub enum EndReason {
 pub enum EngineFailure {
     /// A step returned this error.
     Step(String),
-    /// A panic on the engine thread, contained ([`ENGINE_FAULT_MESSAGE`]); `restarted`
+    /// A panic on the engine thread, contained ([`super::ENGINE_FAULT_MESSAGE`]); `restarted`
     /// is false when restarting the engine failed too (the thread then ended).
     Fault { restarted: bool },
 }
@@ -94,7 +94,7 @@ pub struct PromptLogprobEntry {
 }
 
 /// New output of one sequence as the engine thread sends it: logprobs still as ids and
-/// logits, for the request task to turn into text ([`Prompter::resolve`]).
+/// logits, for the request task to turn into text ([`super::Prompter::resolve`]).
 #[derive(Debug)]
 pub struct EngineEvent {
     pub index: usize,

@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
-/// What the model is, as the HTTP side needs to know it.
+/// What the model is, as a front end needs to know it.
 #[derive(Debug, Clone)]
 pub struct ModelMeta {
     pub name: String,
@@ -48,7 +48,7 @@ pub(super) enum Command {
     Shutdown,
 }
 
-/// A cloneable handle on the engine thread, for the HTTP handlers.
+/// A cloneable handle on the engine thread, for a front end's request tasks.
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,

@@ -18,9 +18,8 @@ use lantern_engine::serving::{
     Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure, EngineHandle, Finish,
     LogprobEntry, PromptLogprobEntry, StopReason,
 };
-use lantern_engine::validate::CaptureRequest;
 use lantern_engine::validate::{
-    self as protocol, Endpoint, GenerationRequest, ModelLimits, RequestContext,
+    self, CaptureRequest, Endpoint, GenerationRequest, ModelLimits, RequestContext,
 };
 use lantern_kv::RequestId;
 use serde_json::{json, Value};
@@ -125,12 +124,12 @@ pub async fn tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let value = protocol::parse_body(&body_bytes(body)?)?;
+        let value = validate::parse_body(&body_bytes(body)?)?;
         let limits = ModelLimits {
             served_name: &state.served_model_name,
             aliases: &state.served_model_names,
         };
-        let (prompt, add_special_tokens) = protocol::tokenize_request(&value, &limits)?;
+        let (prompt, add_special_tokens) = validate::tokenize_request(&value, &limits)?;
         let tokens = state.engine.tokenize(prompt, add_special_tokens).await?;
         Ok::<_, ApiError>(Json(json!({
             "count": tokens.len(),
@@ -148,12 +147,12 @@ pub async fn detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let value = protocol::parse_body(&body_bytes(body)?)?;
+        let value = validate::parse_body(&body_bytes(body)?)?;
         let limits = ModelLimits {
             served_name: &state.served_model_name,
             aliases: &state.served_model_names,
         };
-        let tokens = protocol::detokenize_request(&value, &limits)?;
+        let tokens = validate::detokenize_request(&value, &limits)?;
         let text = state.engine.detokenize(tokens).await?;
         Ok::<_, ApiError>(Json(json!({"prompt": text})))
     };
@@ -223,7 +222,7 @@ async fn generate(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body)?;
-    let value = protocol::parse_body(&bytes)?;
+    let value = validate::parse_body(&bytes)?;
     let meta = state.engine.meta();
     let context = RequestContext {
         limits: ModelLimits {
@@ -238,7 +237,7 @@ async fn generate(
         Kind::Chat => Endpoint::Chat,
         Kind::Completion => Endpoint::Completion,
     };
-    let mut request = protocol::generation_request(endpoint, &value, &context)?;
+    let mut request = validate::generation_request(endpoint, &value, &context)?;
     if !request.ignored_fields.is_empty() {
         // As vLLM: one line naming what a client sent in vain.
         tracing::warn!(

@@ -256,6 +256,11 @@ def test_bad_requests_raise_naming_the_field(llm):
     assert "99" in str(e)
     raises_naming('capture["rows"]', lambda: llm.generate("Hi", greedy, capture={"rows": "nonsense"}))
     raises_naming('capture["top_k"]', lambda: llm.generate("Hi", greedy, capture={"top_k": 0}))
+    raises_naming('capture["stats"]', lambda: llm.generate("Hi", greedy, capture={"stats": ["nope"]}))
+    raises_naming('capture["stats_heads"]',
+                  lambda: llm.generate("Hi", greedy, capture={"stats": ["key_mass"], "stats_heads": "x"}))
+    raises_naming('capture["spans"]', lambda: llm.generate("Hi", greedy, capture={"spans": []}))
+    raises_naming('capture["maps"]', lambda: llm.generate("Hi", greedy, capture={"maps": 3}))
     raises_naming("capture", lambda: llm.generate("Hi", greedy, capture={"delivery": "file"}))
     raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(n=2), capture=True))
     e = raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=8000),

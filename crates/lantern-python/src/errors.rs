@@ -23,20 +23,24 @@ pyo3::create_exception!(
 
 /// HTTP field names and what Python calls them, longest first so that no name is
 /// replaced inside a longer one.
-const PYTHON_NAMES: [(&str, &str); 11] = [
+const PYTHON_NAMES: [(&str, &str); 15] = [
     // The server's flags are LLM's options.
     (
         "--enable-attention-capture",
         "LLM(enable_attention_capture=True)",
     ),
     ("--max-capture-bytes", "LLM(max_capture_bytes=...)"),
+    ("attn_capture_stats_heads", "capture[\"stats_heads\"]"),
     ("attn_capture_delivery", "capture[\"delivery\"]"),
     ("attn_capture_layers", "capture[\"layers\"]"),
     ("attn_capture_reduce", "capture[\"reduce\"]"),
     ("attn_capture_heads", "capture[\"heads\"]"),
     ("attn_capture_dtype", "capture[\"dtype\"]"),
     ("attn_capture_top_k", "capture[\"top_k\"]"),
+    ("attn_capture_spans", "capture[\"spans\"]"),
+    ("attn_capture_stats", "capture[\"stats\"]"),
     ("attn_capture_rows", "capture[\"rows\"]"),
+    ("attn_capture_maps", "capture[\"maps\"]"),
     ("attn_capture", "capture"),
     // Chat's alternatives per token are SamplingParams.logprobs.
     ("top_logprobs", "logprobs"),

@@ -148,10 +148,12 @@ impl EngineArgs {
             eprintln!("lantern: kernels {}", crate::kernels::summary(&kernels));
         }
         let load = lantern_engine::options::ModelLoad {
-            f32_weights: self.f32_weights,
-            quantize: self.quantize,
+            weights: lantern_model::LoadOptions {
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                f32_weights: self.f32_weights,
+                quantize: self.quantize,
+            },
             chat_template: self.chat_template.clone(),
-            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         };
         let engine = lantern_engine::options::load_engine(&path, &load, config)?;
         if verbose {

@@ -56,17 +56,13 @@ pub fn parse_weight_type(text: &str) -> Result<GgmlDType, String> {
     })
 }
 
-/// How to load a model for an engine.
+/// How to load a model for an engine: the weights as `lantern_model` loads them, and a
+/// chat template that may replace the model's own.
 #[derive(Debug, Clone, Default)]
 pub struct ModelLoad {
-    /// Dequantize weights to f32 at load.
-    pub f32_weights: bool,
-    /// Hugging Face directories: quantize every weight matrix to this type at load.
-    pub quantize: Option<GgmlDType>,
+    pub weights: LoadOptions,
     /// A Jinja chat template file that replaces the model's own.
     pub chat_template: Option<PathBuf>,
-    /// A progress bar on standard error while the weights load.
-    pub progress: bool,
 }
 
 /// Why a model could not be loaded into an engine; each names the file at fault.
@@ -94,16 +90,12 @@ pub fn load_engine(
     load: &ModelLoad,
     config: EngineConfig,
 ) -> Result<Engine, LoadEngineError> {
-    let options = LoadOptions {
-        progress: load.progress,
-        f32_weights: load.f32_weights,
-        quantize: load.quantize,
-    };
-    let mut loaded =
-        lantern_model::load_model(path, &options).map_err(|source| LoadEngineError::Model {
+    let mut loaded = lantern_model::load_model(path, &load.weights).map_err(|source| {
+        LoadEngineError::Model {
             path: path.to_path_buf(),
             source: Box::new(source),
-        })?;
+        }
+    })?;
     if let Some(file) = &load.chat_template {
         let source =
             std::fs::read_to_string(file).map_err(|source| LoadEngineError::ReadChatTemplate {

@@ -8,7 +8,8 @@ use lantern_engine::serving::{
     EndReason, EngineBuildPanicked, EngineEvent, EngineHandle, ServeError,
 };
 use lantern_engine::validate::{
-    generation_request, CaptureSettings, Endpoint, GenerationRequest, ModelLimits, RequestContext,
+    generation_request, CaptureSettings, Endpoint, GenerationRequest, InvalidRequest, ModelLimits,
+    RequestContext,
 };
 use lantern_engine::{Engine, EngineConfig};
 use serde_json::{json, Value};
@@ -21,22 +22,26 @@ fn start() -> EngineHandle {
     handle
 }
 
-fn validate(handle: &EngineHandle, body: Value) -> GenerationRequest {
+/// Validates a completion body against the engine's model, capture enabled or not.
+fn check(
+    handle: &EngineHandle,
+    capture_enabled: bool,
+    body: &Value,
+) -> Result<GenerationRequest, InvalidRequest> {
     let capture = CaptureSettings {
-        enabled: true,
+        enabled: capture_enabled,
         ..CaptureSettings::default()
     };
-    let meta = handle.meta();
-    let context = RequestContext {
-        limits: ModelLimits {
-            served_name: "m",
-            aliases: &[],
-        },
-        capture: &capture,
-        num_layers: meta.num_layers,
-        num_heads: meta.num_heads,
+    let limits = ModelLimits {
+        served_name: "m",
+        aliases: &[],
     };
-    generation_request(Endpoint::Completion, &body, &context).expect("a valid body")
+    let context = RequestContext::new(limits, &capture, handle.meta());
+    generation_request(Endpoint::Completion, body, &context)
+}
+
+fn validate(handle: &EngineHandle, body: Value) -> GenerationRequest {
+    check(handle, true, &body).expect("a valid body")
 }
 
 /// Every event of one request, until its finish (or the channel's end).
@@ -114,19 +119,8 @@ async fn an_aborted_request_gives_every_kv_block_back() {
 #[tokio::test(flavor = "current_thread")]
 async fn refusals_name_their_field() {
     let handle = start();
-    let capture = CaptureSettings::default();
-    let meta = handle.meta();
-    let context = RequestContext {
-        limits: ModelLimits {
-            served_name: "m",
-            aliases: &[],
-        },
-        capture: &capture,
-        num_layers: meta.num_layers,
-        num_heads: meta.num_heads,
-    };
     let refused = |body: Value| {
-        generation_request(Endpoint::Completion, &body, &context)
+        check(&handle, false, &body)
             .expect_err("refused")
             .field()
             .map(str::to_string)
@@ -146,7 +140,7 @@ async fn refusals_name_their_field() {
         Some("max_tokens")
     );
     // A prompt longer than the context is refused by the engine, naming the prompt.
-    let long = vec![1u32; meta.context_length + 1];
+    let long = vec![1u32; handle.meta().context_length + 1];
     let request = validate(&handle, json!({"prompt": long, "max_tokens": 1}));
     match handle.add(request.items).await {
         Err(ServeError::Invalid(e)) => assert_eq!(e.field(), Some("prompt"), "{e}"),

@@ -169,10 +169,12 @@ impl EngineOptions {
     /// Loads the model at `path` and builds an engine over it (on the engine thread).
     pub fn build_engine(&self, path: &std::path::Path) -> Result<Engine, String> {
         let load = ModelLoad {
-            f32_weights: self.f32_weights,
-            quantize: self.quantize,
+            weights: lantern_model::LoadOptions {
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+                f32_weights: self.f32_weights,
+                quantize: self.quantize,
+            },
             chat_template: self.chat_template.clone(),
-            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         };
         load_engine(path, &load, self.config.clone()).map_err(|e| e.to_string())
     }

@@ -87,12 +87,7 @@ pub async fn submit(
     }
     let body = Value::Object(body);
     let meta = engine.meta();
-    let context = RequestContext {
-        limits: LIMITS,
-        capture: settings,
-        num_layers: meta.num_layers,
-        num_heads: meta.num_heads,
-    };
+    let context = RequestContext::new(LIMITS, settings, meta);
     let mut request = validate::generation_request(endpoint, &body, &context)?;
     for item in &mut request.items {
         if unbounded {

@@ -223,16 +223,11 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body)?;
     let value = validate::parse_body(&bytes)?;
-    let meta = state.engine.meta();
-    let context = RequestContext {
-        limits: ModelLimits {
-            served_name: &state.served_model_name,
-            aliases: &state.served_model_names,
-        },
-        capture: &state.capture,
-        num_layers: meta.num_layers,
-        num_heads: meta.num_heads,
+    let limits = ModelLimits {
+        served_name: &state.served_model_name,
+        aliases: &state.served_model_names,
     };
+    let context = RequestContext::new(limits, &state.capture, state.engine.meta());
     let endpoint = match kind {
         Kind::Chat => Endpoint::Chat,
         Kind::Completion => Endpoint::Completion,

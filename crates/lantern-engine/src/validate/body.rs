@@ -8,7 +8,7 @@
 
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
-use crate::serving::{GenerationItem, ItemCapture, PromptInput};
+use crate::serving::{GenerationItem, ItemCapture, ModelMeta, PromptInput};
 use crate::validate::InvalidRequest;
 use crate::SamplingParams;
 use lantern_model::{ChatMessage, ChatRenderOptions};
@@ -545,6 +545,18 @@ pub struct RequestContext<'a> {
     pub capture: &'a CaptureSettings,
     pub num_layers: usize,
     pub num_heads: usize,
+}
+
+impl<'a> RequestContext<'a> {
+    /// The context of a request to the engine whose model is `meta`.
+    pub fn new(limits: ModelLimits<'a>, capture: &'a CaptureSettings, meta: &ModelMeta) -> Self {
+        Self {
+            limits,
+            capture,
+            num_layers: meta.num_layers,
+            num_heads: meta.num_heads,
+        }
+    }
 }
 
 /// Validates a body once into the typed request every front end submits: the endpoint's

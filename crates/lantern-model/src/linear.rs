@@ -196,6 +196,35 @@ impl Linear {
 
     /// `x` is `[rows, in_features]` row-major; returns `[rows, out_features]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let mut parts = self.forward_parts(x, rows, &[self.out_features])?;
+        Ok(parts.pop().unwrap_or_default())
+    }
+
+    /// [`forward`](Self::forward) with the output rows split by `widths` (a stacked
+    /// q/k/v or gate/up): one `[rows, width]` buffer each, filled directly where the
+    /// kernels can.
+    pub fn forward_parts(&self, x: &[f32], rows: usize, widths: &[usize]) -> Result<Vec<Vec<f32>>> {
+        self.check_input(x, rows)?;
+        let w = match &self.weight {
+            Weight::Packed(p) => {
+                return p
+                    .matmul_parts(x, rows, widths)
+                    .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))
+            }
+            Weight::Candle(w) => w,
+        };
+        let whole = self.candle_forward(w, x, rows)?;
+        let total: usize = widths.iter().sum();
+        if total != self.out_features {
+            return Err(ModelError::Compute(format!(
+                "`{}`: output widths {widths:?} do not add up to its {} rows",
+                self.name, self.out_features
+            )));
+        }
+        Ok(lantern_quant::split_columns(&whole, widths))
+    }
+
+    fn check_input(&self, x: &[f32], rows: usize) -> Result<()> {
         if x.len() != rows * self.in_features {
             return Err(ModelError::Compute(format!(
                 "`{}`: input has {} values, expected {} rows of {}",
@@ -205,39 +234,33 @@ impl Linear {
                 self.in_features
             )));
         }
+        Ok(())
+    }
+
+    /// The product through candle (the types lantern-quant does not pack).
+    fn candle_forward(&self, w: &QMatMul, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let wrap = |source| ModelError::Tensor {
             name: self.name.clone(),
             source,
         };
-        match &self.weight {
-            Weight::Packed(p) => {
-                let mut out = vec![0f32; rows * self.out_features];
-                p.matmul(x, rows, &mut out)
-                    .map_err(|e| ModelError::Compute(format!("`{}`: {e}", self.name)))?;
-                Ok(out)
-            }
-            Weight::Candle(w) => {
-                // candle's x86 kernels take their repacked path for Q6_K only when there is
-                // more than one row, and the two paths round differently: a lone row goes in
-                // twice so that a request decoding alone gets the bits it gets in a batch.
-                let pad =
-                    rows == 1 && self.dtype == GgmlDType::Q6K && matches!(w, QMatMul::QTensor(_));
-                let input = if pad {
-                    Tensor::from_iter(x.iter().chain(x).copied(), &Device::Cpu)
-                        .and_then(|t| t.reshape((2, self.in_features)))
-                } else {
-                    Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)
-                }
-                .map_err(wrap)?;
-                let output = w.forward(&input).map_err(wrap)?;
-                let mut values = output
-                    .flatten_all()
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(wrap)?;
-                values.truncate(rows * self.out_features);
-                Ok(values)
-            }
+        // candle's x86 kernels take their repacked path for Q6_K only when there is more
+        // than one row, and the two paths round differently: a lone row goes in twice so
+        // that a request decoding alone gets the bits it gets in a batch.
+        let pad = rows == 1 && self.dtype == GgmlDType::Q6K && matches!(w, QMatMul::QTensor(_));
+        let input = if pad {
+            Tensor::from_iter(x.iter().chain(x).copied(), &Device::Cpu)
+                .and_then(|t| t.reshape((2, self.in_features)))
+        } else {
+            Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)
         }
+        .map_err(wrap)?;
+        let output = w.forward(&input).map_err(wrap)?;
+        let mut values = output
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(wrap)?;
+        values.truncate(rows * self.out_features);
+        Ok(values)
     }
 
     /// Rows of the matrix selected by `ids`, dequantized (an embedding lookup).

@@ -1,8 +1,11 @@
 //! Row-wise operations on `[rows, dim]` f32 activations, compiled per kernel level and
 //! dispatched at run time like the matrix kernels (see [`lantern_quant::per_level`]).
+//! A step's worth of rows is cut into chunks that the matrix products' threads share
+//! ([`lantern_quant::share`]); each value is computed the same way in any chunk, so the
+//! results do not depend on the thread count.
 
-use lantern_quant::per_level;
 use lantern_quant::simd::{exp, fma};
+use lantern_quant::{per_level, share};
 
 const LANES: usize = 16;
 
@@ -31,7 +34,7 @@ fn tanh(x: f32) -> f32 {
 
 per_level! {
     /// RMS normalization of every row of `x` into `out`, scaled by `weight`.
-    fn rms_norm_into(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let dim = weight.len();
         for (row, out_row) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
             let inv = 1.0 / (sum_squares(row) / dim as f32 + eps).sqrt();
@@ -42,14 +45,14 @@ per_level! {
     }
 
     /// `acc += x`, element-wise.
-    pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    fn add_values(acc: &mut [f32], x: &[f32]) {
         for (a, &b) in acc.iter_mut().zip(x) {
             *a += b;
         }
     }
 
     /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
-    pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    fn silu_mul_values(gate: &mut [f32], up: &[f32]) {
         for (g, &u) in gate.iter_mut().zip(up) {
             *g = *g / (1.0 + exp(-*g)) * u;
         }
@@ -57,7 +60,7 @@ per_level! {
 
     /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's
     /// `gelu(approximate="tanh")`).
-    pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    fn gelu_tanh_mul_values(gate: &mut [f32], up: &[f32]) {
         const SQRT_2_OVER_PI: f32 = 0.797_884_6;
         for (g, &u) in gate.iter_mut().zip(up) {
             let x = *g;
@@ -67,14 +70,14 @@ per_level! {
     }
 
     /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).
-    pub fn soft_cap(x: &mut [f32], cap: f32) {
+    fn soft_cap_values(x: &mut [f32], cap: f32) {
         for v in x.iter_mut() {
             *v = cap * tanh(*v / cap);
         }
     }
 
     /// `x *= alpha`.
-    pub fn scale(x: &mut [f32], alpha: f32) {
+    fn scale_values(x: &mut [f32], alpha: f32) {
         for v in x.iter_mut() {
             *v *= alpha;
         }
@@ -84,8 +87,46 @@ per_level! {
 /// RMS normalization of every row of `x`, scaled by `weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    rms_norm_into(x, weight, eps, &mut out);
+    let chunk = share::rows_per_chunk(weight.len()) * weight.len();
+    share::for_each_chunk(&mut out, chunk, &|c, out| {
+        rms_norm_rows(&x[c * chunk..][..out.len()], weight, eps, out)
+    });
     out
+}
+
+/// `acc += x`, element-wise.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    const CHUNK: usize = share::SERIAL_VALUES;
+    share::for_each_chunk(acc, CHUNK, &|c, acc| {
+        add_values(acc, &x[c * CHUNK..][..acc.len()])
+    });
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    const CHUNK: usize = share::SERIAL_VALUES;
+    share::for_each_chunk(gate, CHUNK, &|c, gate| {
+        silu_mul_values(gate, &up[c * CHUNK..][..gate.len()])
+    });
+}
+
+/// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's
+/// `gelu(approximate="tanh")`).
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const CHUNK: usize = share::SERIAL_VALUES;
+    share::for_each_chunk(gate, CHUNK, &|c, gate| {
+        gelu_tanh_mul_values(gate, &up[c * CHUNK..][..gate.len()])
+    });
+}
+
+/// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).
+pub fn soft_cap(x: &mut [f32], cap: f32) {
+    share::for_each_chunk(x, share::SERIAL_VALUES, &|_, x| soft_cap_values(x, cap));
+}
+
+/// `x *= alpha`.
+pub fn scale(x: &mut [f32], alpha: f32) {
+    share::for_each_chunk(x, share::SERIAL_VALUES, &|_, x| scale_values(x, alpha));
 }
 
 #[cfg(test)]
@@ -170,6 +211,46 @@ mod tests {
                 a.0,
                 b.0
             );
+        }
+    }
+
+    /// Many rows, cut into chunks on several threads, give each row the bits it gets
+    /// alone (the chunks' offsets line every input up with its output).
+    #[test]
+    fn chunked_passes_equal_row_by_row() {
+        let (rows, dim) = (300, 576);
+        let x = random(rows * dim, 4);
+        let y = random(rows * dim, 5);
+        let w = random(dim, 6);
+        let norm = rms_norm(&x, &w, 1e-6);
+        let (mut add, mut silu, mut gelu, mut capped, mut scaled) =
+            (x.clone(), x.clone(), x.clone(), x.clone(), x.clone());
+        add_in_place(&mut add, &y);
+        silu_mul(&mut silu, &y);
+        gelu_tanh_mul(&mut gelu, &y);
+        soft_cap(&mut capped, 2.5);
+        scale(&mut scaled, 0.3);
+        for r in 0..rows {
+            let at = r * dim..(r + 1) * dim;
+            let (xr, yr) = (&x[at.clone()], &y[at.clone()]);
+            assert_eq!(rms_norm(xr, &w, 1e-6), norm[at.clone()], "row {r}");
+            let (mut a, mut s, mut g, mut c, mut k) = (
+                xr.to_vec(),
+                xr.to_vec(),
+                xr.to_vec(),
+                xr.to_vec(),
+                xr.to_vec(),
+            );
+            add_in_place(&mut a, yr);
+            silu_mul(&mut s, yr);
+            gelu_tanh_mul(&mut g, yr);
+            soft_cap(&mut c, 2.5);
+            scale(&mut k, 0.3);
+            assert_eq!(a, add[at.clone()], "add, row {r}");
+            assert_eq!(s, silu[at.clone()], "silu, row {r}");
+            assert_eq!(g, gelu[at.clone()], "gelu, row {r}");
+            assert_eq!(c, capped[at.clone()], "soft cap, row {r}");
+            assert_eq!(k, scaled[at], "scale, row {r}");
         }
     }
 }

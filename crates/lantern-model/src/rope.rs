@@ -226,9 +226,14 @@ pub struct RopeTable {
 impl RopeTable {
     /// Rotates `x`: `[tokens, heads, head_dim]`, in place.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize) {
-        rotate(
-            x, &self.cos, &self.sin, self.half, heads, head_dim, self.pairs,
-        );
+        let row = heads * head_dim;
+        let tokens = lantern_quant::share::rows_per_chunk(row);
+        let (half, pairs) = (self.half, self.pairs);
+        lantern_quant::share::for_each_chunk(x, tokens * row, &|c, x| {
+            let angles = c * tokens * half..;
+            let (cos, sin) = (&self.cos[angles.clone()], &self.sin[angles]);
+            rotate(x, cos, sin, half, heads, head_dim, pairs);
+        });
     }
 }
 
@@ -282,6 +287,28 @@ mod tests {
         let mut x = vec![1.0, 2.0, 3.0, 4.0];
         rope.table(&[0]).apply(&mut x, 1, 4);
         assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+
+    /// A step's tokens rotated together (in chunks, on several threads) get the bits each
+    /// gets alone, in both pair layouts.
+    #[test]
+    fn many_tokens_rotate_as_each_alone() {
+        let (heads, head_dim, tokens) = (9, 64, 300);
+        let positions: Vec<usize> = (0..tokens).map(|t| 7 * t + 3).collect();
+        for pairs in [RopePairs::Adjacent, RopePairs::Halves] {
+            let rope = Rope::new(head_dim, 10000.0, pairs, None, &RopeScaling::None);
+            let x: Vec<f32> = (0..tokens * heads * head_dim)
+                .map(|i| ((i % 97) as f32 * 0.37).sin() + 0.01)
+                .collect();
+            let mut all = x.clone();
+            rope.table(&positions).apply(&mut all, heads, head_dim);
+            for (t, &p) in positions.iter().enumerate() {
+                let row = t * heads * head_dim..(t + 1) * heads * head_dim;
+                let mut alone = x[row.clone()].to_vec();
+                rope.table(&[p]).apply(&mut alone, heads, head_dim);
+                assert_eq!(alone, all[row], "{pairs:?}, token {t}");
+            }
+        }
     }
 
     #[test]

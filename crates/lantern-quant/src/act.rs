@@ -1,7 +1,6 @@
 //! Activation quantization (per 32-value block, to int8, like ggml's `Q8_1`).
 
-use crate::{AlignedBuf, Kernel, BLOCK};
-use rayon::prelude::*;
+use crate::{share, AlignedBuf, Kernel, BLOCK};
 
 /// Quantized activations of `m` tokens: token `t`, block `b` lives at index `t · nb + b`.
 pub(crate) struct QuantAct {
@@ -22,8 +21,16 @@ type TokenSlices<'a> = (
     (&'a mut [f32], &'a mut [[i32; 2]]),
 );
 
-/// Below this many values the quantization runs on the calling thread.
-const SERIAL_VALUES: usize = 1 << 15;
+/// The output buffers of [`QuantAct::quantize`], handed to the chunks that fill disjoint
+/// tokens of them.
+struct TokenPtrs {
+    q: *mut u8,
+    d: *mut f32,
+    s: *mut f32,
+    isum: *mut [i32; 2],
+}
+// SAFETY: each chunk writes only its own tokens' ranges.
+unsafe impl Sync for TokenPtrs {}
 
 impl QuantAct {
     pub(crate) fn quantize(kernel: Kernel, x: &[f32], m: usize, k: usize, parallel: bool) -> Self {
@@ -45,12 +52,39 @@ impl QuantAct {
             }
         };
         let qs = q.as_mut_slice();
-        if parallel && m > 1 && m * k >= SERIAL_VALUES {
-            x.par_chunks(k)
-                .zip(qs.par_chunks_mut(k))
-                .zip(d.par_chunks_mut(nb))
-                .zip(s.par_chunks_mut(nb).zip(isum.par_chunks_mut(nb)))
-                .for_each(one_token);
+        let per = share::rows_per_chunk(k);
+        if parallel && m > per {
+            // Chunks of whole tokens on the product's threads.
+            let ptrs = TokenPtrs {
+                q: qs.as_mut_ptr(),
+                d: d.as_mut_ptr(),
+                s: s.as_mut_ptr(),
+                isum: isum.as_mut_ptr(),
+            };
+            share::run(m.div_ceil(per), &|c| {
+                let (t0, t1) = (c * per, (c * per + per).min(m));
+                let p = &ptrs;
+                for t in t0..t1 {
+                    // SAFETY: chunks hold disjoint tokens, and token `t`'s slices lie
+                    // inside the buffers (`t < m`), which outlive `share::run`.
+                    let slices = unsafe {
+                        (
+                            (
+                                (
+                                    &x[t * k..(t + 1) * k],
+                                    std::slice::from_raw_parts_mut(p.q.add(t * k), k),
+                                ),
+                                std::slice::from_raw_parts_mut(p.d.add(t * nb), nb),
+                            ),
+                            (
+                                std::slice::from_raw_parts_mut(p.s.add(t * nb), nb),
+                                std::slice::from_raw_parts_mut(p.isum.add(t * nb), nb),
+                            ),
+                        )
+                    };
+                    one_token(slices);
+                }
+            });
         } else {
             x.chunks(k)
                 .zip(qs.chunks_mut(k))

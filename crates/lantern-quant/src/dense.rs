@@ -16,7 +16,7 @@
 //! weights it rounds the activations to bf16 and sums pairs with `vdpbf16ps` (see
 //! `x86::bf16dot`).
 
-use crate::{PackedMatrix, QuantType, PANEL};
+use crate::{Dst, PackedMatrix, QuantType, PANEL};
 use half::{bf16, f16};
 
 /// Bytes of one value.
@@ -71,7 +71,8 @@ pub(crate) fn pack_row(ty: QuantType, src: &[u8], panel: &mut [u8], r: usize, k:
 /// Computes dst for panels `p0..p1` and tokens `t0..t1` from the f32 activations `x`.
 ///
 /// # Safety
-/// `dst` points to an `m x n` f32 buffer and no other thread writes this rectangle.
+/// `dst` holds rows `p0·16..` of every token in `t0..t1` and no other thread writes
+/// this rectangle.
 pub(crate) unsafe fn run_tile_scalar(
     mat: &PackedMatrix,
     x: &[f32],
@@ -79,7 +80,7 @@ pub(crate) unsafe fn run_tile_scalar(
     p1: usize,
     t0: usize,
     t1: usize,
-    dst: *mut f32,
+    dst: Dst,
 ) {
     let (ty, k) = (mat.ty, mat.k);
     for p in p0..p1 {
@@ -94,7 +95,7 @@ pub(crate) unsafe fn run_tile_scalar(
                 }
             }
             // SAFETY: row t, columns p*16 .. p*16+valid are inside dst and ours.
-            let out = unsafe { dst.add(t * mat.n + p * PANEL) };
+            let out = unsafe { dst.at(t, p * PANEL) };
             for (r, &v) in acc.iter().enumerate().take(mat.valid_rows(p)) {
                 unsafe { out.add(r).write(v) };
             }

@@ -104,13 +104,17 @@
 //!
 //! # Threads
 //!
-//! `matmul` splits the work over rayon tasks of (panel range x token range); each output
-//! element is produced by exactly one task with the full k loop, so the thread count and
-//! the split do not change any result. Single-token products (batch-1 decode) are instead
-//! cut into chunks of panels that the calling thread and helper threads claim from one
-//! counter (`share`): a rayon fork-join would park the caller and wake a sleeping worker,
-//! costing about as much as a whole layer product. Other products below ~2M
-//! multiply-adds run on the calling thread.
+//! A product runs on the calling thread and the helper threads of [`share`] (one fewer
+//! than the compute pool's size), which claim its tasks from one counter: (panel range x
+//! token range) rectangles for batches, chunks of panels for a single token. The caller
+//! computes too instead of parking, and the helpers stay awake between the products of a
+//! step, so entering a product costs about a microsecond where a rayon fork-join from
+//! outside its pool cost tens. Each output element is produced by exactly one task with
+//! the full k loop, so the thread count and the split do not change any result. Products
+//! below ~2M multiply-adds (and single-token ones below ~128K) run on the calling thread.
+//!
+//! [`PackedMatrix::matmul_parts`] computes a stacked matrix (q/k/v, gate/up) into one
+//! buffer per part, each task writing its rows straight into their part.
 
 mod act;
 pub mod convert;
@@ -155,6 +159,8 @@ pub enum QuantError {
         expected: usize,
         got: usize,
     },
+    #[error("output widths {widths:?} do not split the matrix's {rows} rows")]
+    Widths { widths: Vec<usize>, rows: usize },
     #[error("row {row} out of range for {rows} rows")]
     RowOutOfRange { row: usize, rows: usize },
 }
@@ -227,12 +233,10 @@ struct Split {
     tokens_per_task: usize,
 }
 
-/// Below this many multiply-adds a batched `matmul` runs on the calling thread. A rayon
-/// fork-join costs several microseconds (more on a loaded machine, where the other
-/// worker may not be running), about the time of a whole 1536 x 576 product at m = 1
-/// (~4.5 us on one Zen 5 core). Measured on a loaded 2-core machine: threshold 2^18 ->
-/// 6.5 ms per SmolLM2 decode pass of matmuls, 3M -> 4.4 ms (before single-token
-/// products were shared, see `SHARE_MACS`).
+/// Below this many multiply-adds a batched `matmul` runs on the calling thread. Measured
+/// with rayon's fork-join on a loaded 2-core machine: threshold 2^18 -> 6.5 ms per SmolLM2
+/// decode pass of matmuls, 3M -> 4.4 ms. With the helpers' cheaper entry, 2^17 measured
+/// no faster at batch 4 and 32 (2-core Zen 4), so the threshold stayed.
 const SERIAL_MACS: usize = 1 << 21;
 /// From this many multiply-adds a single-token product is shared with the helper threads
 /// (`share`): the caller keeps computing instead of parking, so only a helper's chunk
@@ -398,8 +402,8 @@ impl PackedMatrix {
         self.quants.len + self.scales.len
     }
 
-    /// `dst[m, n] = x[m, k] · Wᵀ` (row-major f32), multi-threaded with rayon, at the
-    /// level in effect ([`active_kernel`]).
+    /// `dst[m, n] = x[m, k] · Wᵀ` (row-major f32), multi-threaded, at the level in effect
+    /// ([`active_kernel`]).
     pub fn matmul(&self, x: &[f32], m: usize, dst: &mut [f32]) -> Result<(), QuantError> {
         self.matmul_with(active_kernel(), x, m, dst)
     }
@@ -413,17 +417,7 @@ impl PackedMatrix {
         m: usize,
         dst: &mut [f32],
     ) -> Result<(), QuantError> {
-        let kernel = kernel.capped().for_type(self.ty);
-        let xlen = m
-            .checked_mul(self.k)
-            .ok_or(QuantError::Overflow { n: m, k: self.k })?;
-        if x.len() != xlen {
-            return Err(QuantError::Length {
-                what: "x",
-                expected: xlen,
-                got: x.len(),
-            });
-        }
+        self.check_input(x, m)?;
         let dlen = m
             .checked_mul(self.n)
             .ok_or(QuantError::Overflow { n: m, k: self.n })?;
@@ -434,8 +428,98 @@ impl PackedMatrix {
                 got: dst.len(),
             });
         }
+        let whole = Part {
+            dst: Dst {
+                ptr: dst.as_mut_ptr(),
+                ldo: self.n,
+                row0: 0,
+            },
+            panels: (0, self.np),
+        };
+        // SAFETY: `dst` holds m x n values.
+        unsafe { self.product(kernel, x, m, &[whole]) };
+        Ok(())
+    }
+
+    /// The product split by output rows: `widths` (summing to the rows) give one
+    /// `[m, width]` buffer each, as [`matmul`](Self::matmul)'s columns would, bit for bit.
+    /// A stacked q/k/v or gate/up matrix fills its outputs directly when the widths are
+    /// whole panels (16 rows), with no copy and no zeroing of the outputs first.
+    pub fn matmul_parts(
+        &self,
+        x: &[f32],
+        m: usize,
+        widths: &[usize],
+    ) -> Result<Vec<Vec<f32>>, QuantError> {
+        self.check_input(x, m)?;
+        let total = widths.iter().try_fold(0usize, |a, &w| a.checked_add(w));
+        if total != Some(self.n) || widths.contains(&0) {
+            return Err(QuantError::Widths {
+                widths: widths.to_vec(),
+                rows: self.n,
+            });
+        }
+        let overflow = QuantError::Overflow { n: m, k: self.n };
+        m.checked_mul(self.n).ok_or(overflow)?;
+        let aligned = widths[..widths.len() - 1]
+            .iter()
+            .all(|w| w.is_multiple_of(PANEL));
+        if !aligned {
+            let mut whole = vec![0f32; m * self.n];
+            self.matmul(x, m, &mut whole)?;
+            return Ok(split_columns(&whole, widths));
+        }
+        let mut outputs: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(m * w)).collect();
+        let mut parts = Vec::with_capacity(widths.len());
+        let mut row0 = 0;
+        for (out, &w) in outputs.iter_mut().zip(widths) {
+            parts.push(Part {
+                dst: Dst {
+                    ptr: out.as_mut_ptr(),
+                    ldo: w,
+                    row0,
+                },
+                panels: (row0 / PANEL, (row0 + w).div_ceil(PANEL)),
+            });
+            row0 += w;
+        }
+        // SAFETY: each output has room for m x width values; the parts' panels cover
+        // every panel once (the widths are whole panels but the last).
+        unsafe { self.product(active_kernel(), x, m, &parts) };
+        for (out, &w) in outputs.iter_mut().zip(widths) {
+            // SAFETY: the product wrote every (token, row) of every part: each panel's
+            // existing rows are stored for every token (the padding of the last panel
+            // lies past the last part's rows and is never stored).
+            unsafe { out.set_len(m * w) };
+        }
+        Ok(outputs)
+    }
+
+    fn check_input(&self, x: &[f32], m: usize) -> Result<(), QuantError> {
+        let xlen = m
+            .checked_mul(self.k)
+            .ok_or(QuantError::Overflow { n: m, k: self.k })?;
+        if x.len() != xlen {
+            return Err(QuantError::Length {
+                what: "x",
+                expected: xlen,
+                got: x.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Computes the parts' panels for every token: single-token products on the shared
+    /// helpers, larger ones as (panel range x token range) tasks on them, small ones on
+    /// the calling thread.
+    ///
+    /// # Safety
+    /// Each part's `dst` has room for every token's rows of its panels; parts' panel
+    /// ranges do not overlap; the panel ranges lie within the matrix.
+    unsafe fn product(&self, kernel: Kernel, x: &[f32], m: usize, parts: &[Part]) {
+        let kernel = kernel.capped().for_type(self.ty);
         if m == 0 {
-            return Ok(());
+            return;
         }
         let macs = m * self.n * self.k;
         let threads = rayon::current_num_threads();
@@ -449,40 +533,38 @@ impl PackedMatrix {
             _ => Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel)),
         };
         let act = &input;
-        let dst_ptr = SendPtr(dst.as_mut_ptr());
-        if shared {
+        if !shared && !parallel {
+            for part in parts {
+                // SAFETY: the caller's contract; this thread is the only writer.
+                unsafe { self.run_tile(kernel, act, part.panels, (0, m), part.dst) };
+            }
+            return;
+        }
+        let (panels_per_task, tokens_per_task) = if shared {
             // Chunks of whole register tiles (4 panels fit every level's m = 1 tile).
-            let per = (self.np / 16).clamp(4, 64).div_ceil(4) * 4;
-            let count = self.np.div_ceil(per);
-            share::run(count, &|c| {
-                let p0 = c * per;
-                let p1 = (p0 + per).min(self.np);
-                let ptr = dst_ptr;
-                // SAFETY: chunks write disjoint row ranges of dst.
-                unsafe { self.run_tile(kernel, act, p0, p1, 0, 1, ptr.0) };
-            });
-            return Ok(());
-        }
-        if !parallel {
-            // SAFETY: the whole of dst is ours; tile bounds are in range.
-            unsafe { self.run_tile(kernel, act, 0, self.np, 0, m, dst_ptr.0) };
-            return Ok(());
-        }
-        let split = self.split(m);
-        let pt = self.np.div_ceil(split.panels_per_task);
-        let tt = m.div_ceil(split.tokens_per_task);
+            ((self.np / 16).clamp(4, 64).div_ceil(4) * 4, 1)
+        } else {
+            let split = self.split(m);
+            (split.panels_per_task, split.tokens_per_task)
+        };
         // Panel chunk outer, token chunk inner: neighbouring tasks share weights.
-        (0..pt * tt).into_par_iter().for_each(|task| {
-            let (pi, ti) = (task / tt, task % tt);
-            let p0 = pi * split.panels_per_task;
-            let p1 = (p0 + split.panels_per_task).min(self.np);
-            let t0 = ti * split.tokens_per_task;
-            let t1 = (t0 + split.tokens_per_task).min(m);
-            let ptr = dst_ptr;
-            // SAFETY: tasks write disjoint (token, row) rectangles of dst.
-            unsafe { self.run_tile(kernel, act, p0, p1, t0, t1, ptr.0) };
+        let token_tasks = m.div_ceil(tokens_per_task);
+        let mut tasks = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            let (first, end) = part.panels;
+            for p0 in (first..end).step_by(panels_per_task) {
+                let panels = (p0, (p0 + panels_per_task).min(end));
+                tasks.extend((0..token_tasks).map(|ti| {
+                    let t0 = ti * tokens_per_task;
+                    (i, panels, (t0, (t0 + tokens_per_task).min(m)))
+                }));
+            }
+        }
+        share::run(tasks.len(), &|task| {
+            let (part, panels, tokens) = tasks[task];
+            // SAFETY: tasks write disjoint (token, row) rectangles of the parts.
+            unsafe { self.run_tile(kernel, act, panels, tokens, parts[part].dst) };
         });
-        Ok(())
     }
 
     /// The portable scalar path (same results as [`matmul`](Self::matmul), bit for bit).
@@ -511,20 +593,18 @@ impl PackedMatrix {
         }
     }
 
-    /// Computes dst for panels `p0..p1` and tokens `t0..t1`.
+    /// Computes the outputs of panels `p0..p1` for tokens `t0..t1` into `dst`.
     ///
     /// # Safety
-    /// `dst` points to an `m x n` f32 buffer; no other thread writes this rectangle.
-    #[allow(clippy::too_many_arguments)]
+    /// `dst` holds rows `p0·16..` of every token in `t0..t1`; no other thread writes this
+    /// rectangle.
     unsafe fn run_tile(
         &self,
         kernel: Kernel,
         input: &Input,
-        p0: usize,
-        p1: usize,
-        t0: usize,
-        t1: usize,
-        dst: *mut f32,
+        (p0, p1): (usize, usize),
+        (t0, t1): (usize, usize),
+        dst: Dst,
     ) {
         match (kernel, input) {
             (Kernel::Scalar, Input::Quantized(act)) => {
@@ -620,8 +700,52 @@ enum Input<'a> {
     Bf16Pairs(Vec<half::bf16>),
 }
 
+/// Where a product's outputs go: the value of token `t` and output row `r` at
+/// `ptr + t·ldo + (r − row0)`, for the rows of one part (a whole matrix, or one of the
+/// matrices a stacked product holds).
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: only used to hand disjoint output rectangles to rayon tasks.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+pub(crate) struct Dst {
+    pub ptr: *mut f32,
+    pub ldo: usize,
+    pub row0: usize,
+}
+
+impl Dst {
+    /// Where token `t`'s output row `row` goes.
+    ///
+    /// # Safety
+    /// `row` is one of this part's rows and `t` one of the product's tokens.
+    #[inline(always)]
+    pub(crate) unsafe fn at(self, t: usize, row: usize) -> *mut f32 {
+        unsafe { self.ptr.add(t * self.ldo + row - self.row0) }
+    }
+}
+
+// SAFETY: only used to hand disjoint output rectangles to the product's threads.
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+/// One output buffer of a product and the panels whose rows it holds.
+#[derive(Clone, Copy)]
+struct Part {
+    dst: Dst,
+    panels: (usize, usize),
+}
+
+/// `[m, Σ widths]` row-major → one `[m, width]` buffer per width, in order.
+pub fn split_columns(whole: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
+    let total: usize = widths.iter().sum();
+    let rows = whole.len() / total.max(1);
+    let mut parts: Vec<Vec<f32>> = widths
+        .iter()
+        .map(|w| Vec::with_capacity(rows * w))
+        .collect();
+    for row in whole.chunks_exact(total) {
+        let mut at = 0;
+        for (part, &w) in parts.iter_mut().zip(widths) {
+            part.extend_from_slice(&row[at..at + w]);
+            at += w;
+        }
+    }
+    parts
+}

@@ -3,7 +3,7 @@
 
 use crate::act::QuantAct;
 use crate::format::{decode_quants, decode_scales, BlockScales};
-use crate::{PackedMatrix, BLOCK, PANEL};
+use crate::{Dst, PackedMatrix, BLOCK, PANEL};
 
 /// The f32 update of one (row, token) accumulator by one block: the arithmetic every
 /// level performs, in this order.
@@ -33,7 +33,8 @@ pub(crate) fn update(
 /// Computes dst for panels `p0..p1` and tokens `t0..t1`.
 ///
 /// # Safety
-/// `dst` points to an `m x n` f32 buffer and no other thread writes this rectangle.
+/// `dst` holds rows `p0·16..` of every token in `t0..t1` and no other thread writes
+/// this rectangle.
 pub(crate) unsafe fn run_tile(
     mat: &PackedMatrix,
     act: &QuantAct,
@@ -41,7 +42,7 @@ pub(crate) unsafe fn run_tile(
     p1: usize,
     t0: usize,
     t1: usize,
-    dst: *mut f32,
+    dst: Dst,
 ) {
     let ty = mat.ty;
     let nb = mat.nb;
@@ -87,7 +88,7 @@ pub(crate) unsafe fn run_tile(
         let valid = mat.valid_rows(p);
         for (t, accr) in (t0..t1).zip(&acc) {
             // SAFETY: row t, columns p*16 .. p*16+valid are inside dst and ours.
-            let out = unsafe { dst.add(t * mat.n + p * PANEL) };
+            let out = unsafe { dst.at(t, p * PANEL) };
             for (r, &v) in accr.iter().enumerate().take(valid) {
                 unsafe { out.add(r).write(v) };
             }

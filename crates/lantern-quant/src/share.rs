@@ -209,6 +209,48 @@ pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Values below which an element-wise pass over rows runs on the calling thread alone:
+/// about the work a helper's wake-up and the chunk claims cost.
+pub const SERIAL_VALUES: usize = 1 << 14;
+
+/// Runs `work(i, chunk)` over the chunks of `chunk_len` elements of `data` (the last may be
+/// shorter), on the calling thread and the helpers; on the calling thread alone when
+/// `data` fits in one chunk. For element-wise passes over a step's rows (norms, residual
+/// adds, activations, RoPE), which would otherwise leave the helpers idle between the
+/// products of a layer.
+pub fn for_each_chunk<T: Send>(
+    data: &mut [T],
+    chunk_len: usize,
+    work: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    let chunk_len = chunk_len.max(1);
+    if data.len() <= chunk_len {
+        work(0, data);
+        return;
+    }
+    let len = data.len();
+    let base = SharedMut(data.as_mut_ptr());
+    run(len.div_ceil(chunk_len), &|c| {
+        let start = c * chunk_len;
+        let end = (start + chunk_len).min(len);
+        let base = &base;
+        // SAFETY: chunks are disjoint ranges of `data`, which `run` outlives.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+        work(c, chunk);
+    });
+}
+
+/// Rows per chunk for an element-wise pass over `rows` rows of `row_len` values: whole
+/// rows, at least [`SERIAL_VALUES`] values per chunk.
+pub fn rows_per_chunk(row_len: usize) -> usize {
+    SERIAL_VALUES.div_ceil(row_len.max(1))
+}
+
+/// A slice's base pointer, shared with the threads that write its disjoint chunks.
+struct SharedMut<T>(*mut T);
+// SAFETY: each thread reaches only its own chunk through it.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,5 +289,23 @@ mod tests {
             again.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(again.load(Ordering::Relaxed), 16);
+    }
+
+    #[test]
+    fn every_chunk_of_a_slice_is_visited_once_with_its_index() {
+        for (len, chunk) in [(0, 4), (3, 4), (4, 4), (1000, 7), (100_000, 1 << 14)] {
+            let mut data = vec![0usize; len];
+            for_each_chunk(&mut data, chunk, &|c, part| {
+                for (i, v) in part.iter_mut().enumerate() {
+                    *v += c * chunk + i + 1;
+                }
+            });
+            assert!(
+                data.iter().enumerate().all(|(i, &v)| v == i + 1),
+                "{len}/{chunk}"
+            );
+        }
+        assert_eq!(rows_per_chunk(576), 29);
+        assert_eq!(rows_per_chunk(1 << 15), 1);
     }
 }

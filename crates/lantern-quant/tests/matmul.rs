@@ -703,3 +703,62 @@ fn packed_matrix_is_send_sync() {
     fn check<T: Send + Sync>() {}
     check::<PackedMatrix>();
 }
+
+/// A product split by output rows (a stacked q/k/v or gate/up) gives, bit for bit, the
+/// columns of the whole product: widths of whole panels (written in place) and not
+/// (computed whole and split), a partial last panel, one token (shared between
+/// threads), a few (calling thread) and many (tasks), quantized and dense types.
+#[test]
+fn split_products_equal_the_whole_products_columns() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let types =
+        QuantType::QUANTIZED
+            .into_iter()
+            .chain([QuantType::F16, QuantType::BF16, QuantType::F32]);
+    for ty in types {
+        let (n, k) = (1000, 512);
+        let bytes = if ty.is_dense() {
+            random_dense(&mut rng, ty, n * k).0
+        } else {
+            random_gguf(&mut rng, ty, n, k)
+        };
+        let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+        for widths in [
+            vec![n],
+            vec![576, 192, 232],
+            vec![16, 984],
+            vec![10, 500, 490],
+        ] {
+            for m in [1, 3, 70] {
+                let x = random_x(&mut rng, m * k, true);
+                let mut whole = vec![0f32; m * n];
+                pm.matmul(&x, m, &mut whole).unwrap();
+                let parts = pm.matmul_parts(&x, m, &widths).unwrap();
+                assert_eq!(parts.len(), widths.len());
+                let mut at = 0;
+                for (part, &w) in parts.iter().zip(&widths) {
+                    assert_eq!(part.len(), m * w, "{ty} {widths:?} m={m}");
+                    for t in 0..m {
+                        let expected = &whole[t * n + at..t * n + at + w];
+                        assert!(
+                            same_bits(&part[t * w..(t + 1) * w], expected),
+                            "{ty} {widths:?} m={m}: token {t}, rows {at}..{}",
+                            at + w
+                        );
+                    }
+                    at += w;
+                }
+            }
+        }
+        let x = random_x(&mut rng, k, false);
+        for bad in [vec![999], vec![500, 0, 500], vec![600, 600]] {
+            assert_eq!(
+                pm.matmul_parts(&x, 1, &bad).unwrap_err(),
+                QuantError::Widths {
+                    widths: bad,
+                    rows: n
+                }
+            );
+        }
+    }
+}

@@ -1,10 +1,10 @@
 //! `cpu-flash`: the default CPU backend. Tiled online softmax over the paged cache,
-//! multi-threaded with rayon, f32/f16/bf16 caches.
+//! multi-threaded, f32/f16/bf16 caches.
 //!
 //! Work is cut into items of (request, kv head, tile of query tokens, range of keys), run
-//! on the calling thread when a layer's attention is tiny, on `lantern_quant`'s shared
-//! helper threads when it is decode-sized (no rayon fork-join, which costs about as much),
-//! and on rayon otherwise:
+//! on the calling thread when a layer's attention is tiny, else on the calling thread
+//! and `lantern_quant`'s helper threads, which run the matrix products too (the caller
+//! works instead of parking, and the helpers are awake between a layer's parts):
 //! - every item handles all query heads of one GQA group, so each K/V tile is read from
 //!   the cache (and converted to f32) once for the whole group and all its query tokens;
 //! - long prefills are cut into query tiles, so they spread over threads;
@@ -30,10 +30,10 @@
 //! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
 //! are one contiguous `block_size x head_dim` tile, read (and converted) in one pass.
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use lantern_quant::share;
-use rayon::prelude::*;
 
 use crate::backend::{AttentionMetadata, CPU_FLASH};
 use crate::backends::kernels::{
@@ -161,35 +161,29 @@ enum Runner {
     Inline,
     /// The calling thread and `lantern_quant`'s shared helper threads.
     Shared,
-    /// Rayon's pool.
-    Rayon,
 }
 
 impl Runner {
     fn for_work(multiply_adds: usize) -> Self {
         if multiply_adds < INLINE_WORK {
             Runner::Inline
-        } else if multiply_adds < SHARED_WORK {
-            Runner::Shared
         } else {
-            Runner::Rayon
+            Runner::Shared
         }
     }
 }
 
 fn run_items(ctx: &Ctx<'_>, items: &[WorkItem], runner: Runner) -> Vec<Partial> {
     match runner {
-        Runner::Inline => {
-            let mut scratch = Scratch::new(ctx);
-            items
-                .iter()
-                .map(|item| run_item(ctx, item, &mut scratch))
-                .collect()
-        }
+        Runner::Inline => items
+            .iter()
+            .map(|item| with_scratch(ctx, |scratch| run_item(ctx, item, scratch)))
+            .collect(),
         Runner::Shared => {
             let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
             share::run(items.len(), &|i| {
-                let _ = slots[i].set(run_item(ctx, &items[i], &mut Scratch::new(ctx)));
+                let partial = with_scratch(ctx, |scratch| run_item(ctx, &items[i], scratch));
+                let _ = slots[i].set(partial);
             });
             // `share::run` returns only once every item has run (it resumes a panic).
             slots
@@ -197,23 +191,12 @@ fn run_items(ctx: &Ctx<'_>, items: &[WorkItem], runner: Runner) -> Vec<Partial> 
                 .map(|s| s.into_inner().unwrap_or_default())
                 .collect()
         }
-        Runner::Rayon => items
-            .par_iter()
-            .map_init(
-                || Scratch::new(ctx),
-                |scratch, item| run_item(ctx, item, scratch),
-            )
-            .collect(),
     }
 }
 
 /// Multiply-adds of a layer's attention below which it runs on the calling thread: waking
 /// any other thread costs more.
 const INLINE_WORK: usize = 1 << 15;
-/// Below this, items are shared with `lantern_quant`'s helper threads, which the caller
-/// joins without parking (a batch-1 decode's attention is a few microseconds to a
-/// millisecond, about what a rayon fork-join from outside its pool costs); above, rayon.
-const SHARED_WORK: usize = 1 << 23;
 
 /// Everything a work item reads.
 struct Ctx<'a> {
@@ -300,7 +283,9 @@ fn split_keys(keys: (usize, usize), piece_len: usize) -> Vec<(usize, usize)> {
     pieces
 }
 
-/// Per-thread buffers for tiles converted to f32 and for one row's logits.
+/// Per-thread buffers for tiles converted to f32 and for one row's logits. Every value
+/// an item reads from them it has written first.
+#[derive(Default)]
 struct Scratch {
     keys: Vec<f32>,
     values: Vec<f32>,
@@ -308,15 +293,34 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(ctx: &Ctx<'_>) -> Self {
+    /// Grows the buffers to what `ctx`'s layer needs (never shrinks them).
+    fn fit(&mut self, ctx: &Ctx<'_>) {
         let geom = ctx.cache.geometry();
         let keys = group_len(geom.block_size, geom.head_dim);
-        Self {
-            keys: vec![0.0; keys * geom.head_dim],
-            values: vec![0.0; keys * geom.head_dim],
-            logits: vec![0.0; keys],
+        for (buf, len) in [
+            (&mut self.keys, keys * geom.head_dim),
+            (&mut self.values, keys * geom.head_dim),
+            (&mut self.logits, keys),
+        ] {
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
         }
     }
+}
+
+thread_local! {
+    /// This thread's scratch, kept between items, layers and steps: a decode step runs
+    /// thousands of items, and zeroing fresh tiles for each cost more than some items.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch, fitted to `ctx`'s layer.
+fn with_scratch<R>(ctx: &Ctx<'_>, f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with_borrow_mut(|scratch| {
+        scratch.fit(ctx);
+        f(scratch)
+    })
 }
 
 /// Keys per online-softmax update: whole blocks, as many as keep one K tile within 4096
@@ -618,7 +622,7 @@ mod tests {
         let items = plan(&common, &layer, &FlashTuning::default(), block_size);
         assert!(items.len() > 10);
         let inline = run_items(&ctx, &items, Runner::Inline);
-        for runner in [Runner::Shared, Runner::Rayon] {
+        for runner in [Runner::Shared] {
             let other = run_items(&ctx, &items, runner);
             for (a, b) in inline.iter().zip(&other) {
                 assert_eq!(a.max, b.max, "{runner:?}");

@@ -99,24 +99,7 @@ impl Projections {
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
         let mut outputs = Vec::with_capacity(self.biases.len());
         for (product, widths) in &self.stacks {
-            let y = product.forward(x, rows)?;
-            if widths.len() == 1 {
-                outputs.push(y);
-                continue;
-            }
-            let total: usize = widths.iter().sum();
-            let mut parts: Vec<Vec<f32>> = widths
-                .iter()
-                .map(|w| Vec::with_capacity(rows * w))
-                .collect();
-            for row in y.chunks_exact(total) {
-                let mut at = 0;
-                for (part, &w) in parts.iter_mut().zip(widths) {
-                    part.extend_from_slice(&row[at..at + w]);
-                    at += w;
-                }
-            }
-            outputs.extend(parts);
+            outputs.extend(product.forward_parts(x, rows, widths)?);
         }
         for (out, bias) in outputs.iter_mut().zip(&self.biases) {
             if let Some(bias) = bias {

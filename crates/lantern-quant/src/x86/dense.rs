@@ -6,7 +6,7 @@
 
 use super::bf16dot;
 use crate::dense::{elem_bytes, panel_bytes};
-use crate::{Kernel, PackedMatrix, QuantType, PANEL};
+use crate::{Dst, Kernel, PackedMatrix, QuantType, PANEL};
 use std::arch::x86_64::*;
 
 /// Pointers and strides of one register tile (panels `P` x tokens `T`).
@@ -226,7 +226,8 @@ macro_rules! dense_tiles {
 ///
 /// # Safety
 /// The CPU supports `level`; `x` holds the matrix's `m` tokens of activations; `dst`
-/// points to an `m x n` f32 buffer and no other thread writes this rectangle.
+/// holds rows `p0·16..` of every token in `t0..t1` and no other thread writes this
+/// rectangle.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn run_tile(
     level: Kernel,
@@ -237,7 +238,7 @@ pub(crate) unsafe fn run_tile(
     p1: usize,
     t0: usize,
     t1: usize,
-    dst: *mut f32,
+    dst: Dst,
 ) {
     let (ty, k) = (mat.ty, mat.k);
     // Decode takes more panels (independent chains); batches reuse each weight register
@@ -274,8 +275,8 @@ pub(crate) unsafe fn run_tile(
                 k,
                 x: x.add(t * ldx),
                 ldx,
-                out: dst.add(t * mat.n + p * PANEL),
-                ldo: mat.n,
+                out: dst.at(t, p * PANEL),
+                ldo: dst.ldo,
                 valid,
             };
             match level {

@@ -6,7 +6,7 @@ pub(crate) mod bf16dot;
 pub(crate) mod dense;
 
 use crate::act::QuantAct;
-use crate::{Kernel, PackedMatrix, BLOCK, PANEL};
+use crate::{Dst, Kernel, PackedMatrix, BLOCK, PANEL};
 
 /// Whether the CPU runs the AVX2 level.
 pub(crate) fn avx2_available() -> bool {
@@ -93,8 +93,8 @@ struct Shapes {
 /// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level).
 ///
 /// # Safety
-/// The CPU supports `level`; `dst` points to an `m x n` f32 buffer and no other thread
-/// writes this rectangle.
+/// The CPU supports `level`; `dst` holds rows `p0·16..` of every token in `t0..t1` and
+/// no other thread writes this rectangle.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn run_tile(
     level: Kernel,
@@ -104,7 +104,7 @@ pub(crate) unsafe fn run_tile(
     p1: usize,
     t0: usize,
     t1: usize,
-    dst: *mut f32,
+    dst: Dst,
 ) {
     let shapes = match level {
         Kernel::Avx512 | Kernel::Avx512Bf16 => avx512::SHAPES,
@@ -139,8 +139,8 @@ pub(crate) unsafe fn run_tile(
                 ad: act.d.as_ptr().add(t * nb),
                 as_: act.s.as_ptr().add(t * nb),
                 isum: act.isum.as_ptr().add(t * nb),
-                out: dst.add(t * mat.n + p * PANEL),
-                ldo: mat.n,
+                out: dst.at(t, p * PANEL),
+                ldo: dst.ldo,
                 valid,
             };
             match level {

@@ -55,9 +55,10 @@ pub struct EngineArgs {
     /// model's context); `serve` refuses a request over it with a 400, as vLLM does.
     #[arg(long, value_name = "TOKENS")]
     pub max_model_len: Option<usize>,
-    /// Threads of the compute pool (matrix products, attention; the product helpers are
-    /// one fewer). Default: $RAYON_NUM_THREADS, else the physical cores this process may
-    /// use (a core's second hardware thread slows these kernels down).
+    /// Threads that compute a step: the engine thread and N - 1 product helpers (matrix
+    /// products, attention, norms); rayon's pool of N repacks weights at load. Default:
+    /// $RAYON_NUM_THREADS, else the physical cores this process may use (a core's second
+    /// hardware thread slows these kernels down).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
 }

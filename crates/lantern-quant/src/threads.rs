@@ -1,6 +1,6 @@
-//! How many compute threads lantern starts: the one pool (rayon's global pool) that
-//! runs matrix products and attention, whose size also sets the product helpers'
-//! ([`crate::share`]: one fewer than the pool).
+//! How many compute threads lantern starts: rayon's global pool (weight repacking at load,
+//! structured-output masks), whose size also sets the product helpers' ([`crate::share`]:
+//! one fewer than the pool), which compute every step with the engine thread.
 //!
 //! The default is the machine's physical cores, not its logical CPUs: two hardware
 //! threads of one core share its vector units and caches, so a second thread per core

@@ -7,7 +7,9 @@
 //! overwrite them. The probabilities themselves are computed by
 //! [`PendingCapture::finalize`], which needs nothing from the engine and runs on any
 //! thread: the scores use the layer's own description — scale, causal/window/chunk
-//! masks, soft-cap, sinks, GQA head mapping — accumulated in f32.
+//! masks, soft-cap, sinks, GQA head mapping — in f32, through the attention kernel's own
+//! dot-product, scaling and exponential code ([`lantern_attn::row_probabilities`]): the
+//! same bits at every kernel level.
 
 use std::ops::Range;
 
@@ -35,49 +37,49 @@ pub struct KeySnapshot {
     pub num_keys: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// `[num_keys - first_key, num_kv_heads, head_dim]`.
+    /// `[num_kv_heads, num_keys - first_key, head_dim]`: each head's keys contiguous, as
+    /// the score kernel reads them.
     pub keys: Vec<f32>,
     /// Same shape, when values were asked for.
     pub values: Option<Vec<f32>>,
 }
 
 impl KeySnapshot {
-    fn row(
-        plane: &[f32],
-        first: usize,
-        heads: usize,
-        dim: usize,
-        pos: usize,
-        head: usize,
-    ) -> &[f32] {
-        let start = ((pos - first) * heads + head) * dim;
-        &plane[start..start + dim]
+    /// Keys (or values) `positions` of kv head `head`, `[positions.len(), head_dim]`.
+    fn rows<'a>(&self, plane: &'a [f32], positions: Range<usize>, head: usize) -> &'a [f32] {
+        let per_head = self.num_keys - self.first_key;
+        let start = (head * per_head + positions.start - self.first_key) * self.head_dim;
+        &plane[start..start + positions.len() * self.head_dim]
+    }
+
+    /// The keys of positions `positions` (within `first_key..num_keys`) for kv head
+    /// `head`, one after another.
+    pub fn keys_of(&self, positions: Range<usize>, head: usize) -> &[f32] {
+        self.rows(&self.keys, positions, head)
     }
 
     /// The key of position `pos` (`first_key <= pos < num_keys`) for kv head `head`.
     pub fn key(&self, pos: usize, head: usize) -> &[f32] {
-        Self::row(
-            &self.keys,
-            self.first_key,
-            self.num_kv_heads,
-            self.head_dim,
-            pos,
-            head,
-        )
+        self.keys_of(pos..pos + 1, head)
     }
 
     /// The value of position `pos` for kv head `head`, when values were read.
     pub fn value(&self, pos: usize, head: usize) -> Option<&[f32]> {
         let v = self.values.as_deref()?;
-        Some(Self::row(
-            v,
-            self.first_key,
-            self.num_kv_heads,
-            self.head_dim,
-            pos,
-            head,
-        ))
+        Some(self.rows(v, pos..pos + 1, head))
     }
+}
+
+/// `[tokens, heads, dim]` → `[heads, tokens, dim]`.
+fn heads_first(rows: &[f32], heads: usize, dim: usize) -> Vec<f32> {
+    let tokens = rows.len() / (heads * dim).max(1);
+    let mut out = Vec::with_capacity(rows.len());
+    for h in 0..heads {
+        for t in 0..tokens {
+            out.extend_from_slice(&rows[(t * heads + h) * dim..][..dim]);
+        }
+    }
+    out
 }
 
 /// Reads keys `keys` of a request from one layer's cache, through the backend that
@@ -113,8 +115,8 @@ pub fn snapshot_layer(
         num_keys: keys.end,
         num_kv_heads: heads,
         head_dim: dim,
-        keys: k,
-        values: with_values.then_some(v),
+        keys: heads_first(&k, heads, dim),
+        values: with_values.then(|| heads_first(&v, heads, dim)),
     })
 }
 
@@ -205,16 +207,15 @@ impl PendingCapture {
 
     /// Probabilities of the row at position `pos` on layer `layer` (captured layer slot
     /// `slot`, keys `keys`) for every requested head, into `out`: `[heads, num_keys]`,
-    /// zero where a key is not visible. `logits` is scratch space.
+    /// zero where a key is not visible.
     fn row_probabilities(
         &self,
         slot: usize,
         layer: &(AttentionLayerSpec, KeySnapshot),
         pos: usize,
         out: &mut [f32],
-        logits: &mut Vec<f32>,
     ) -> Result<(), CaptureError> {
-        row_probabilities(&self.buffer, slot, layer, pos, out, logits)
+        row_probabilities(&self.buffer, slot, layer, pos, out)
     }
 
     /// Computes the maps: probabilities, then the head reduction, then top-k.
@@ -239,7 +240,6 @@ impl PendingCapture {
         // admission estimate counts.
         let mut dense = vec![0f32; heads * num_keys];
         let mut reduced = Vec::new();
-        let mut logits = Vec::with_capacity(num_keys);
         let mut maps = Vec::with_capacity(self.layers.len());
         let mut stats = Vec::new();
         let mut stats_groups = Vec::new();
@@ -280,7 +280,7 @@ impl PendingCapture {
                 KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
             });
             for pos in rows.clone() {
-                self.row_probabilities(slot, layer, pos, &mut dense, &mut logits)?;
+                self.row_probabilities(slot, layer, pos, &mut dense)?;
                 if let Some(accumulator) = &mut accumulator {
                     accumulator.add_row(&dense);
                 }
@@ -365,68 +365,30 @@ impl PendingCapture {
 
 /// Probabilities of the row at position `pos` on captured layer slot `slot` (its
 /// attention and keys `keys`) for every requested head of `buffer`, into `out`:
-/// `[heads, num_keys]`, zero where a key is not visible. `logits` is scratch space.
+/// `[heads, num_keys]`, zero where a key is not visible.
 pub(crate) fn row_probabilities(
     buffer: &QueryRowBuffer,
     slot: usize,
     (layer, keys): &(AttentionLayerSpec, KeySnapshot),
     pos: usize,
     out: &mut [f32],
-    logits: &mut Vec<f32>,
 ) -> Result<(), CaptureError> {
     let num_keys = out.len() / buffer.spec().heads.len().max(1);
     out.fill(0.0);
     let visible = layer.visible_key_range(pos);
     let visible = visible.start.max(keys.first_key)..visible.end.min(keys.num_keys).min(num_keys);
+    if visible.is_empty() {
+        return Ok(());
+    }
     for (hi, &h) in buffer.spec().heads.iter().enumerate() {
         let q = buffer
             .query(slot, pos, hi)
             .ok_or_else(|| CaptureError::Incomplete(format!("no query row for position {pos}")))?;
-        let kv_head = layer.kv_head_for(h);
-        logits.clear();
-        let stride = keys.num_kv_heads * keys.head_dim;
-        let first = (visible.start - keys.first_key) * stride + kv_head * keys.head_dim;
-        dots(q, &keys.keys[first..], stride, visible.len(), logits);
-        for score in logits.iter_mut() {
-            *score = layer.transform_score(*score);
-        }
-        layer.softmax_in_place(h, logits);
-        let base = hi * num_keys;
-        out[base + visible.start..base + visible.end].copy_from_slice(logits);
+        let row = &mut out[hi * num_keys..][visible.clone()];
+        let k = keys.keys_of(visible.clone(), layer.kv_head_for(h));
+        lantern_attn::row_probabilities(layer, h, q, k, row);
     }
     Ok(())
-}
-
-lantern_quant::per_level! {
-    /// Appends `q · k` for `count` keys of `q.len()` values each, every `stride` values
-    /// of `keys` from its start. Compiled for each kernel level: the same eight partial
-    /// sums in the same order at every level (no contraction into fused multiply-adds),
-    /// so the scores are the same bits on every CPU, only computed wider.
-    fn dots(q: &[f32], keys: &[f32], stride: usize, count: usize, out: &mut Vec<f32>) {
-        let dim = q.len();
-        for j in 0..count {
-            out.push(dot(q, &keys[j * stride..j * stride + dim]));
-        }
-    }
-}
-
-/// `a · b` in f32 over eight partial sums, which the compiler turns into SIMD lanes.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8
-        .remainder()
-        .iter()
-        .zip(b8.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a8.zip(b8) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Appends `dense` (`[rows, heads, keys]`) to `out` reduced to `[rows, 1, keys]` by the
@@ -485,46 +447,6 @@ pub(crate) fn top_k(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn scores_are_the_same_bits_at_every_kernel_level() {
-        use lantern_quant::{force_kernel, Kernel};
-        let (dim, stride, count) = (67, 3 * 67, 41);
-        let q: Vec<f32> = (0..dim)
-            .map(|i| ((i * 7919) as f32 * 0.013).sin())
-            .collect();
-        let keys: Vec<f32> = (0..stride * count)
-            .map(|i| ((i * 104_729) as f32 * 0.007).cos())
-            .collect();
-        let plain: Vec<f32> = (0..count)
-            .map(|j| dot(&q, &keys[j * stride..j * stride + dim]))
-            .collect();
-        for level in [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512] {
-            let ran = force_kernel(Some(level));
-            let mut out = Vec::new();
-            dots(&q, &keys, stride, count, &mut out);
-            let same = out
-                .iter()
-                .zip(&plain)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same && out.len() == count, "level {ran}");
-        }
-        force_kernel(None);
-    }
-
-    #[test]
-    fn dot_matches_a_plain_sum() {
-        for n in [1, 7, 8, 9, 64, 67] {
-            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-            let plain: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
-            let fast = f64::from(dot(&a, &b));
-            assert!(
-                (fast - plain).abs() <= 1e-5 * plain.abs().max(1.0),
-                "{n}: {fast} vs {plain}"
-            );
-        }
-    }
 
     #[test]
     fn reductions() {

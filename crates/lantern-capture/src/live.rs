@@ -60,10 +60,9 @@ pub fn row_capture(
         .collect::<Option<Vec<_>>>()
         .ok_or_else(|| CaptureError::Incomplete("a span was never resolved to tokens".into()))?;
     let mut dense = vec![0f32; heads * num_keys];
-    let mut logits = Vec::with_capacity(num_keys);
     let mut out = Vec::with_capacity(layers.len());
     for (slot, (&layer_idx, layer)) in spec.layers.iter().zip(layers).enumerate() {
-        row_probabilities(buffer, slot, layer, pos, &mut dense, &mut logits)?;
+        row_probabilities(buffer, slot, layer, pos, &mut dense)?;
         let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
         let span_mass = (!spans.is_empty()).then(|| {
             let mut accumulator = SpanMassAccumulator::new(groups.clone(), num_keys, &spans, 1);

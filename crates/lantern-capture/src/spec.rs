@@ -379,9 +379,9 @@ impl CaptureSpec {
         let mul = |factors: &[u64]| factors.iter().fold(1u64, |a, &b| a.saturating_mul(b));
         let width = self.top_k.map_or(keys, |k| (k as u64).min(keys));
         let per_value = if self.top_k.is_some() { 4 + 4 } else { 4 };
-        // One row of every head (`dense`), the logits, the reduced row and the top-k
-        // selection order (usize per key).
-        let scratch = mul(&[keys, heads * 4 + 4 + 4 + 8]);
+        // One row of every head (`dense`), the reduced row and the top-k selection order
+        // (usize per key).
+        let scratch = mul(&[keys, heads * 4 + 4 + 8]);
         // With statistics: one row of every group, and the running sums beside the
         // copies finishing makes.
         let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
@@ -784,7 +784,7 @@ mod tests {
         let queries = layers * n * 9 * 64 * 4;
         let keys = layers * n * 3 * 64 * 4;
         let f32_maps = layers * n * (4 + 4);
-        let scratch = n * (9 * 4 + 4 + 4 + 8);
+        let scratch = n * (9 * 4 + 4 + 8);
         let metadata = 2 * n * 8 + 2 * n * TOKEN_META_BYTES;
         let working = queries + keys + f32_maps + scratch + metadata;
         assert_eq!(s.working_bytes(1000, 0, g), working);

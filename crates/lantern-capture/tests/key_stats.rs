@@ -127,3 +127,44 @@ fn statistics_alone_are_the_same_numbers_without_the_maps() {
     let with_maps = spec(RowSelection::All, StatHeads::Kv, true);
     assert!(s.estimate_bytes(PROMPT, GENERATED) * 4 < with_maps.estimate_bytes(PROMPT, GENERATED));
 }
+
+/// The maps and statistics are the same bits at every exact kernel level this CPU runs
+/// (the scores are the attention kernel's own, written per level), on every kind of
+/// layer, and a map row is a probability distribution (less a sink's share).
+#[test]
+fn captures_are_the_same_bits_at_every_kernel_level() {
+    use lantern_quant::{force_kernel, Kernel};
+    let spec = spec(RowSelection::All, StatHeads::Query, true);
+    let mut results = Vec::new();
+    for level in Kernel::ALL
+        .into_iter()
+        .filter(|k| k.available() && k.is_exact())
+    {
+        force_kernel(Some(level));
+        let result = pending(spec.clone(), 11).finalize().unwrap();
+        force_kernel(None);
+        results.push((level, result));
+    }
+    let (_, first) = &results[0];
+    for (level, result) in &results[1..] {
+        for (a, b) in first.layers.iter().zip(&result.layers) {
+            let same = a
+                .values
+                .iter()
+                .zip(&b.values)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "layer {}: {level}", a.layer_idx);
+        }
+        assert_eq!(first.stats, result.stats, "{level}");
+    }
+    for map in first.layers.iter().filter(|m| m.layer_idx != 3) {
+        for row in map.values.chunks(map.shape[2]) {
+            let sum: f32 = row.iter().sum();
+            assert!(
+                (sum - 1.0).abs() < 1e-5,
+                "layer {}: a row sums to {sum}",
+                map.layer_idx
+            );
+        }
+    }
+}

@@ -21,6 +21,10 @@ type TokenSlices<'a> = (
     (&'a mut [f32], &'a mut [[i32; 2]]),
 );
 
+/// Values per chunk of a parallel quantization: about 4 us of work, small enough that a
+/// decode batch's few tokens (32 x 576 values) still make several chunks.
+const CHUNK_VALUES: usize = 1 << 12;
+
 /// The output buffers of [`QuantAct::quantize`], handed to the chunks that fill disjoint
 /// tokens of them.
 struct TokenPtrs {
@@ -52,7 +56,7 @@ impl QuantAct {
             }
         };
         let qs = q.as_mut_slice();
-        let per = share::rows_per_chunk(k);
+        let per = CHUNK_VALUES.div_ceil(k);
         if parallel && m > per {
             // Chunks of whole tokens on the product's threads.
             let ptrs = TokenPtrs {

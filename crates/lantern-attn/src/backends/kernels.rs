@@ -386,6 +386,35 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 }
 }
 
+/// The probabilities one query row of query head `query_head` gives `keys` (`[n, d]`
+/// row-major: the keys it sees, in position order) on `layer`, into `out` (`n` long):
+/// scores from the flash kernel's code (its dot products, then scale and soft-cap as
+/// [`AttentionLayerSpec::transform_score`](crate::AttentionLayerSpec::transform_score)),
+/// exponentials shifted by the row's maximum and summed in fixed lanes, and the head's
+/// sink in the denominator (with one the row sums to less than 1). The same bits at every
+/// kernel level; all zeros when every score is minus infinity.
+pub fn row_probabilities(
+    layer: &crate::AttentionLayerSpec,
+    query_head: usize,
+    q: &[f32],
+    keys: &[f32],
+    out: &mut [f32],
+) {
+    if out.is_empty() {
+        return;
+    }
+    dots(q, keys, layer.head_dim, out);
+    let sink = layer.sink_logit(query_head);
+    let floor = sink.unwrap_or(f32::NEG_INFINITY);
+    let (max, _) = logits_and_rescale(out, layer.scale, layer.logits_soft_cap, floor);
+    if max == f32::NEG_INFINITY {
+        out.fill(0.0);
+        return;
+    }
+    let sum = exp_shifted_sum(out, max) + sink.map_or(0.0, |s| exp_f32(s - max));
+    scale(out, 1.0 / sum);
+}
+
 per_level! {
 /// `acc += alpha * x` over the shorter of the two (a plain element-wise loop: no
 /// reduction, so the compiler vectorizes it as is).
@@ -453,6 +482,78 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A row's probabilities: an f64 softmax of the layer's scores to 1e-5 (plain,
+    /// soft-capped, with a sink), the same bits at every level, zeros for a row that
+    /// sees nothing but minus infinity.
+    #[test]
+    fn row_probabilities_match_an_f64_softmax_at_every_level() {
+        use crate::AttentionLayerSpec;
+        use lantern_quant::{force_kernel, Kernel};
+        let (d, n) = (64, 37);
+        let q: Vec<f32> = (0..d)
+            .map(|i| (i as f32 * 0.37).sin() * 2.0 + 0.1)
+            .collect();
+        let keys: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.113).cos() * 1.5).collect();
+        let plain = AttentionLayerSpec::new(4, 2, d);
+        let mut capped = plain.clone();
+        capped.logits_soft_cap = Some(5.0);
+        let mut sink = plain.clone();
+        sink.sinks = Some(vec![0.5, -1.0, 2.0, 0.0]);
+        for (name, layer) in [("plain", &plain), ("capped", &capped), ("sink", &sink)] {
+            let h = 2;
+            let scores: Vec<f64> = (0..n)
+                .map(|j| {
+                    let dot: f64 = (0..d).map(|i| q[i] as f64 * keys[j * d + i] as f64).sum();
+                    let s = dot * layer.scale as f64;
+                    match layer.logits_soft_cap {
+                        Some(cap) => cap as f64 * (s / cap as f64).tanh(),
+                        None => s,
+                    }
+                })
+                .collect();
+            let sink_logit = layer.sink_logit(h).map(f64::from);
+            let max = scores
+                .iter()
+                .copied()
+                .chain(sink_logit)
+                .fold(f64::MIN, f64::max);
+            let total: f64 = scores
+                .iter()
+                .chain(sink_logit.iter())
+                .map(|s| (s - max).exp())
+                .sum();
+            let mut results = Vec::new();
+            for level in Kernel::ALL
+                .into_iter()
+                .filter(|k| k.available() && k.is_exact())
+            {
+                force_kernel(Some(level));
+                let mut p = vec![f32::NAN; n];
+                row_probabilities(layer, h, &q, &keys, &mut p);
+                force_kernel(None);
+                for (j, &pj) in p.iter().enumerate() {
+                    let e = (scores[j] - max).exp() / total;
+                    assert!(
+                        (pj as f64 - e).abs() <= 1e-5 * e + 1e-9,
+                        "{name} {level} key {j}"
+                    );
+                }
+                results.push((level, p));
+            }
+            for pair in results.windows(2) {
+                assert_eq!(
+                    pair[0].1, pair[1].1,
+                    "{name}: {} vs {}",
+                    pair[0].0, pair[1].0
+                );
+            }
+        }
+        let q_inf = vec![f32::NEG_INFINITY; d];
+        let mut p = vec![f32::NAN; 3];
+        row_probabilities(&plain, 0, &q_inf, &vec![1.0; 3 * d], &mut p);
+        assert_eq!(p, [0.0; 3]);
     }
 
     /// `dots` (whose four-key lane sums are written per level) gives the same bits at

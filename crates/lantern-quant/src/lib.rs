@@ -541,8 +541,10 @@ impl PackedMatrix {
             return;
         }
         let (panels_per_task, tokens_per_task) = if shared {
-            // Chunks of whole register tiles (4 panels fit every level's m = 1 tile).
-            ((self.np / 16).clamp(4, 64).div_ceil(4) * 4, 1)
+            // Chunks of whole register tiles (4 panels fit every level's m = 1 tile),
+            // about four per thread (at least 16) so that many threads all get some.
+            let chunks = (4 * threads).max(16);
+            ((self.np / chunks).clamp(4, 64).div_ceil(4) * 4, 1)
         } else {
             let split = self.split(m);
             (split.panels_per_task, split.tokens_per_task)

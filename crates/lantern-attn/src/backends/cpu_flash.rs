@@ -31,7 +31,7 @@
 //! are one contiguous `block_size x head_dim` tile, read (and converted) in one pass.
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use lantern_quant::share;
 
@@ -485,25 +485,80 @@ fn merge_and_store(
     layer: &AttentionLayerSpec,
     out: &mut [f32],
 ) {
-    let (d, group) = (layer.head_dim, layer.group_size());
-    let mut iter = items.iter().zip(partials).peekable();
-    while let Some((item, mut merged)) = iter.next() {
-        while let Some((_, next)) = iter.next_if(|(it, _)| it.output == item.output) {
-            merge_into(&mut merged, &next, d);
+    // Consecutive items with the same output: one output's key-range pieces.
+    let mut outputs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        match outputs.last_mut() {
+            Some(last) if items[last.start].output == item.output => last.end = i + 1,
+            _ => outputs.push(i..i + 1),
         }
-        for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
-            for j in 0..group {
-                let h = item.kv_head * group + j;
-                let r = ti * group + j;
-                let dst = &mut out[(row * layer.num_heads + h) * d..][..d];
-                finalize_row(
-                    merged.max[r],
-                    merged.sum[r],
-                    &merged.acc[r * d..(r + 1) * d],
-                    layer.sink_logit(h),
-                    dst,
-                );
+    }
+    let runner = if outputs.len() > 1 && out.len() >= MERGE_SERIAL_VALUES {
+        Runner::Shared
+    } else {
+        Runner::Inline
+    };
+    let partials: Vec<Mutex<Partial>> = partials.into_iter().map(Mutex::new).collect();
+    let out_len = out.len();
+    let out = SharedOut(out.as_mut_ptr());
+    let store = |o: usize| {
+        let pieces = outputs[o].clone();
+        let item = &items[pieces.start];
+        let (Some(first), Some(rest)) = (partials.get(pieces.start), partials.get(pieces.clone()))
+        else {
+            return;
+        };
+        let Ok(mut merged) = first.lock() else { return };
+        for next in &rest[1..] {
+            if let Ok(next) = next.lock() {
+                merge_into(&mut merged, &next, layer.head_dim);
             }
+        }
+        store_rows(item, &merged, layer, &out, out_len);
+    };
+    match runner {
+        Runner::Inline => (0..outputs.len()).for_each(store),
+        Runner::Shared => share::run(outputs.len(), &store),
+    }
+}
+
+/// Below this many output values the outputs are merged and stored on the calling thread:
+/// a decode's few outputs cost less than waking a helper.
+const MERGE_SERIAL_VALUES: usize = 1 << 14;
+
+/// The layer's output buffer, shared with the threads that store disjoint outputs.
+struct SharedOut(*mut f32);
+// SAFETY: each thread writes only the rows and heads of its own outputs.
+unsafe impl Sync for SharedOut {}
+
+/// Normalizes an output's merged state into its rows of `out` (`out_len` values).
+fn store_rows(
+    item: &WorkItem,
+    merged: &Partial,
+    layer: &AttentionLayerSpec,
+    out: &SharedOut,
+    out_len: usize,
+) {
+    let (d, group) = (layer.head_dim, layer.group_size());
+    for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
+        for j in 0..group {
+            let h = item.kv_head * group + j;
+            let r = ti * group + j;
+            let at = (row * layer.num_heads + h) * d;
+            assert!(
+                at + d <= out_len,
+                "output row {row}, head {h} outside the output"
+            );
+            // SAFETY: in bounds (checked); this (row, head) belongs to this output alone,
+            // whose pieces one thread merges and stores.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(at), d) };
+            finalize_row(
+                merged.max[r],
+                merged.sum[r],
+                &merged.acc[r * d..(r + 1) * d],
+                layer.sink_logit(h),
+                dst,
+            );
         }
     }
 }

@@ -94,29 +94,28 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// `op(out, input)` over matching chunks of the two, on the helpers when large.
+fn zip_chunks(out: &mut [f32], input: &[f32], op: fn(&mut [f32], &[f32])) {
+    const CHUNK: usize = share::SERIAL_VALUES;
+    share::for_each_chunk(out, CHUNK, &|c, out| {
+        op(out, &input[c * CHUNK..][..out.len()])
+    });
+}
+
 /// `acc += x`, element-wise.
 pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
-    const CHUNK: usize = share::SERIAL_VALUES;
-    share::for_each_chunk(acc, CHUNK, &|c, acc| {
-        add_values(acc, &x[c * CHUNK..][..acc.len()])
-    });
+    zip_chunks(acc, x, add_values);
 }
 
 /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    const CHUNK: usize = share::SERIAL_VALUES;
-    share::for_each_chunk(gate, CHUNK, &|c, gate| {
-        silu_mul_values(gate, &up[c * CHUNK..][..gate.len()])
-    });
+    zip_chunks(gate, up, silu_mul_values);
 }
 
 /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's
 /// `gelu(approximate="tanh")`).
 pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
-    const CHUNK: usize = share::SERIAL_VALUES;
-    share::for_each_chunk(gate, CHUNK, &|c, gate| {
-        gelu_tanh_mul_values(gate, &up[c * CHUNK..][..gate.len()])
-    });
+    zip_chunks(gate, up, gelu_tanh_mul_values);
 }
 
 /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).

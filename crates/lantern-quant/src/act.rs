@@ -1,6 +1,7 @@
 //! Activation quantization (per 32-value block, to int8, like ggml's `Q8_1`).
 
-use crate::{share, AlignedBuf, Kernel, BLOCK};
+use crate::share::{self, SharedMut};
+use crate::{AlignedBuf, Kernel, BLOCK};
 
 /// Quantized activations of `m` tokens: token `t`, block `b` lives at index `t · nb + b`.
 pub(crate) struct QuantAct {
@@ -25,17 +26,6 @@ type TokenSlices<'a> = (
 /// decode batch's few tokens (32 x 576 values) still make several chunks.
 const CHUNK_VALUES: usize = 1 << 12;
 
-/// The output buffers of [`QuantAct::quantize`], handed to the chunks that fill disjoint
-/// tokens of them.
-struct TokenPtrs {
-    q: *mut u8,
-    d: *mut f32,
-    s: *mut f32,
-    isum: *mut [i32; 2],
-}
-// SAFETY: each chunk writes only its own tokens' ranges.
-unsafe impl Sync for TokenPtrs {}
-
 impl QuantAct {
     pub(crate) fn quantize(kernel: Kernel, x: &[f32], m: usize, k: usize, parallel: bool) -> Self {
         let nb = k / BLOCK;
@@ -59,31 +49,22 @@ impl QuantAct {
         let per = CHUNK_VALUES.div_ceil(k);
         if parallel && m > per {
             // Chunks of whole tokens on the product's threads.
-            let ptrs = TokenPtrs {
-                q: qs.as_mut_ptr(),
-                d: d.as_mut_ptr(),
-                s: s.as_mut_ptr(),
-                isum: isum.as_mut_ptr(),
-            };
+            let (qs, d, s, isum) = (
+                SharedMut::new(qs),
+                SharedMut::new(&mut d[..]),
+                SharedMut::new(&mut s[..]),
+                SharedMut::new(&mut isum[..]),
+            );
             share::run(m.div_ceil(per), &|c| {
-                let (t0, t1) = (c * per, (c * per + per).min(m));
-                let p = &ptrs;
-                for t in t0..t1 {
-                    // SAFETY: chunks hold disjoint tokens, and token `t`'s slices lie
-                    // inside the buffers (`t < m`), which outlive `share::run`.
+                for t in c * per..(c * per + per).min(m) {
+                    // SAFETY: chunks hold disjoint tokens.
                     let slices = unsafe {
                         (
                             (
-                                (
-                                    &x[t * k..(t + 1) * k],
-                                    std::slice::from_raw_parts_mut(p.q.add(t * k), k),
-                                ),
-                                std::slice::from_raw_parts_mut(p.d.add(t * nb), nb),
+                                (&x[t * k..(t + 1) * k], qs.range(t * k, k)),
+                                d.range(t * nb, nb),
                             ),
-                            (
-                                std::slice::from_raw_parts_mut(p.s.add(t * nb), nb),
-                                std::slice::from_raw_parts_mut(p.isum.add(t * nb), nb),
-                            ),
+                            (s.range(t * nb, nb), isum.range(t * nb, nb)),
                         )
                     };
                     one_token(slices);

@@ -229,14 +229,13 @@ pub fn for_each_chunk<T: Send>(
         return;
     }
     let len = data.len();
-    let base = SharedMut(data.as_mut_ptr());
+    let shared = SharedMut::new(data);
     run(len.div_ceil(chunk_len), &|c| {
         let start = c * chunk_len;
-        let end = (start + chunk_len).min(len);
-        let base = &base;
-        // SAFETY: chunks are disjoint ranges of `data`, which `run` outlives.
-        let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
-        work(c, chunk);
+        // SAFETY: chunks are disjoint ranges of `data`.
+        work(c, unsafe {
+            shared.range(start, chunk_len.min(len - start))
+        });
     });
 }
 
@@ -246,10 +245,42 @@ pub fn rows_per_chunk(row_len: usize) -> usize {
     SERIAL_VALUES.div_ceil(row_len.max(1))
 }
 
-/// A slice's base pointer, shared with the threads that write its disjoint chunks.
-struct SharedMut<T>(*mut T);
-// SAFETY: each thread reaches only its own chunk through it.
-unsafe impl<T: Send> Sync for SharedMut<T> {}
+/// A mutable slice shared with the threads of one `run`, each of which writes its own
+/// disjoint ranges of it (outputs that are not one contiguous chunk per task).
+pub struct SharedMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _slice: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: threads reach the slice only through `range`, whose callers promise disjoint
+// ranges.
+unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
+
+impl<'a, T> SharedMut<'a, T> {
+    pub fn new(slice: &'a mut [T]) -> Self {
+        SharedMut {
+            ptr: slice.as_mut_ptr(),
+            len: slice.len(),
+            _slice: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `start..start + len` (panics when outside the slice).
+    ///
+    /// # Safety
+    /// No other thread uses any of these elements while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= self.len),
+            "range {start}+{len} outside a slice of {}",
+            self.len
+        );
+        // SAFETY: in bounds (checked); exclusive by the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
 
 #[cfg(test)]
 mod tests {

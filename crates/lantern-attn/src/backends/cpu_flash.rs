@@ -498,23 +498,21 @@ fn merge_and_store(
     } else {
         Runner::Inline
     };
+    // One task per output, which alone locks its pieces (the locks only make them `Sync`).
     let partials: Vec<Mutex<Partial>> = partials.into_iter().map(Mutex::new).collect();
-    let out_len = out.len();
-    let out = SharedOut(out.as_mut_ptr());
+    let out = share::SharedMut::new(out);
     let store = |o: usize| {
         let pieces = outputs[o].clone();
-        let item = &items[pieces.start];
-        let (Some(first), Some(rest)) = (partials.get(pieces.start), partials.get(pieces.clone()))
-        else {
+        let Some((first, rest)) = partials.get(pieces.clone()).and_then(<[_]>::split_first) else {
             return;
         };
         let Ok(mut merged) = first.lock() else { return };
-        for next in &rest[1..] {
+        for next in rest {
             if let Ok(next) = next.lock() {
                 merge_into(&mut merged, &next, layer.head_dim);
             }
         }
-        store_rows(item, &merged, layer, &out, out_len);
+        store_rows(&items[pieces.start], &merged, layer, &out);
     };
     match runner {
         Runner::Inline => (0..outputs.len()).for_each(store),
@@ -528,32 +526,21 @@ fn merge_and_store(
 /// prefill's (295K) gained ~4.6%.
 const MERGE_SERIAL_VALUES: usize = 1 << 16;
 
-/// The layer's output buffer, shared with the threads that store disjoint outputs.
-struct SharedOut(*mut f32);
-// SAFETY: each thread writes only the rows and heads of its own outputs.
-unsafe impl Sync for SharedOut {}
-
-/// Normalizes an output's merged state into its rows of `out` (`out_len` values).
+/// Normalizes an output's merged state into its rows of `out`.
 fn store_rows(
     item: &WorkItem,
     merged: &Partial,
     layer: &AttentionLayerSpec,
-    out: &SharedOut,
-    out_len: usize,
+    out: &share::SharedMut<'_, f32>,
 ) {
     let (d, group) = (layer.head_dim, layer.group_size());
     for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
         for j in 0..group {
             let h = item.kv_head * group + j;
             let r = ti * group + j;
-            let at = (row * layer.num_heads + h) * d;
-            assert!(
-                at + d <= out_len,
-                "output row {row}, head {h} outside the output"
-            );
-            // SAFETY: in bounds (checked); this (row, head) belongs to this output alone,
-            // whose pieces one thread merges and stores.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(at), d) };
+            // SAFETY: this (row, head) belongs to this output alone, whose pieces one
+            // thread merges and stores.
+            let dst = unsafe { out.range((row * layer.num_heads + h) * d, d) };
             finalize_row(
                 merged.max[r],
                 merged.sum[r],

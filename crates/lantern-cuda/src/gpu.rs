@@ -1,0 +1,287 @@
+//! One CUDA device: its context, the stream all work runs on, the compiled kernels, cuBLAS.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys, Ptx};
+
+use crate::error::{CudaError, Result};
+use crate::kernels::{KernelSource, PRELUDE, SOURCES};
+use crate::libs;
+
+/// A CUDA device ready for lantern's work.
+///
+/// All work (kernels, copies, cuBLAS) is queued on one stream, [`Gpu::stream`], a created
+/// (non-blocking) stream so that it can be captured into CUDA graphs. cudarc's per-buffer
+/// event tracking is turned off for the context: buffers used on another stream must be
+/// synchronized by their user.
+pub struct Gpu {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) functions: HashMap<&'static str, CudaFunction>,
+    pub(crate) blas: CudaBlas,
+    name: String,
+    ordinal: usize,
+    compute_capability: (i32, i32),
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("name", &self.name)
+            .field("ordinal", &self.ordinal)
+            .field("compute_capability", &self.compute_capability)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: checks the libraries, creates the context and stream, compiles every kernel.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        libs::check_driver()?;
+        libs::check_nvrtc()?;
+        libs::check_cublas()?;
+        let count = CudaContext::device_count()?.max(0) as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: called before any buffer of this context exists; all of lantern's work
+        // runs on the one stream below, which orders it.
+        unsafe { ctx.disable_event_tracking() };
+        let compute_capability = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        let stream = ctx.new_stream()?;
+        let (major, minor) = compute_capability;
+        let cc = (major * 10 + minor) as u32;
+        let target = Target::for_device(cc)?;
+        let mut functions = HashMap::new();
+        for src in SOURCES {
+            let image = compile(src, &target)?;
+            let module = ctx.load_module(image)?;
+            for &f in src.functions {
+                functions.insert(f, module.load_function(f)?);
+            }
+        }
+        let blas = CudaBlas::new(stream.clone())?;
+        // True f32 products: no TF32 (16-bit inputs still use tensor cores).
+        // SAFETY: a valid handle; the mode is a plain enum.
+        unsafe {
+            cublas_sys::cublasSetMathMode(
+                *blas.handle(),
+                cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+            )
+        }
+        .result()?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            functions,
+            blas,
+            name,
+            ordinal,
+            compute_capability,
+        }))
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device ordinal this was opened on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every operation of this `Gpu` is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The cuBLAS handle (bound to [`Gpu::stream`]).
+    pub fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// Copies `data` to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.check_fits(std::mem::size_of_val(data))?;
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// A new device buffer of `n` zeros.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.check_fits(n.saturating_mul(std::mem::size_of::<T>()))?;
+        Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    /// Copies a device buffer (slice, view) back to the host, waiting for the stream.
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(src)?)
+    }
+
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// The compiled kernel `name`.
+    pub(crate) fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| CudaError::Driver(format!("kernel {name} is not loaded")))
+    }
+
+    /// An allocation of `bytes` fails early with [`CudaError::OutOfMemory`] when it cannot fit.
+    fn check_fits(&self, bytes: usize) -> Result<()> {
+        if let Ok((free, _)) = self.ctx.mem_get_info() {
+            if bytes > free {
+                return Err(CudaError::OutOfMemory { bytes, free });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What NVRTC produces: a cubin for a real architecture, or PTX for the driver to finish.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    Cubin(u32),
+    Ptx(u32),
+}
+
+impl Target {
+    /// A cubin for `cc` when NVRTC knows it, else PTX for the newest architecture below it.
+    fn for_device(cc: u32) -> Result<Target> {
+        let archs = supported_archs()?;
+        if archs.contains(&cc) {
+            return Ok(Target::Cubin(cc));
+        }
+        archs
+            .iter()
+            .copied()
+            .filter(|&a| a <= cc)
+            .max()
+            .map(Target::Ptx)
+            .ok_or_else(|| CudaError::Nvrtc {
+                kernel: String::from("(all)"),
+                log: format!(
+                    "this NVRTC supports architectures {archs:?}, none at or below sm_{cc}"
+                ),
+            })
+    }
+}
+
+/// The architectures (as 10 * major + minor) this NVRTC compiles for.
+fn supported_archs() -> Result<Vec<u32>> {
+    let mut n: c_int = 0;
+    // SAFETY: plain out-parameters sized by the first call.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n) }.result()?;
+    let mut archs = vec![0 as c_int; n.max(0) as usize];
+    unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }.result()?;
+    Ok(archs.into_iter().map(|a| a as u32).collect())
+}
+
+/// The full text NVRTC compiles for a kernel source (the prelude, then the source).
+pub(crate) fn full_source(src: &KernelSource) -> String {
+    format!("{PRELUDE}\n#line 1 \"{}\"\n{}", src.name, src.source)
+}
+
+/// Compiles one kernel source for `target` with NVRTC.
+pub(crate) fn compile(src: &KernelSource, target: &Target) -> Result<Ptx> {
+    let err = |log: String| CudaError::Nvrtc {
+        kernel: src.name.to_string(),
+        log,
+    };
+    let text = std::ffi::CString::new(full_source(src)).map_err(|e| err(e.to_string()))?;
+    let name = std::ffi::CString::new(src.name).map_err(|e| err(e.to_string()))?;
+    let prog =
+        nvrtc_result::create_program(&text, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
+    let arch = match target {
+        Target::Cubin(cc) => format!("--gpu-architecture=sm_{cc}"),
+        Target::Ptx(cc) => format!("--gpu-architecture=compute_{cc}"),
+    };
+    let options = [arch, String::from("--std=c++17")];
+    // SAFETY: `prog` is a live program until destroyed at the end of this function.
+    let out = unsafe {
+        match nvrtc_result::compile_program(prog, &options) {
+            Ok(()) => match target {
+                Target::Cubin(_) => get_cubin(prog).map(Ptx::from_binary),
+                Target::Ptx(_) => get_ptx(prog).map(Ptx::from_src),
+            }
+            .map_err(|e| err(format!("{e:?}"))),
+            Err(e) => Err(err(format!(
+                "{e:?} ({})\n{}",
+                options.join(" "),
+                program_log(prog)
+            ))),
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nvrtc_result::destroy_program(prog) };
+    out
+}
+
+unsafe fn program_log(prog: nvrtc_sys::nvrtcProgram) -> String {
+    match nvrtc_result::get_program_log(prog) {
+        Ok(raw) => CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned(),
+        Err(e) => format!("(no log: {e:?})"),
+    }
+}
+
+unsafe fn get_ptx(
+    prog: nvrtc_sys::nvrtcProgram,
+) -> std::result::Result<String, nvrtc_result::NvrtcError> {
+    let raw = nvrtc_result::get_ptx(prog)?;
+    Ok(CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
+}
+
+unsafe fn get_cubin(
+    prog: nvrtc_sys::nvrtcProgram,
+) -> std::result::Result<Vec<u8>, nvrtc_result::NvrtcError> {
+    let mut size: usize = 0;
+    nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size).result()?;
+    let mut buf = vec![0u8; size];
+    nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char).result()?;
+    Ok(buf)
+}
+
+/// Compiles every kernel source with NVRTC, to PTX for compute_90 and to a cubin for sm_90
+/// (which runs ptxas over the inline PTX); needs no device. Errors name the source and carry the log.
+pub fn compile_all_kernels_ptx() -> Result<()> {
+    libs::check_nvrtc()?;
+    for src in SOURCES {
+        let ptx = compile(src, &Target::Ptx(90))?.to_src();
+        for f in src.functions {
+            if !ptx.contains(&format!(".entry {f}(")) {
+                return Err(CudaError::Nvrtc {
+                    kernel: src.name.to_string(),
+                    log: format!("the compiled PTX has no kernel {f}"),
+                });
+            }
+        }
+        compile(src, &Target::Cubin(90))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,876 @@
+//! lantern's CUDA kernels (CUDA C in `kernels/*.cu`, compiled by NVRTC when a [`Gpu`] opens)
+//! and their typed launchers. Activations are f32, row-major; every launcher checks the
+//! buffer lengths and answers [`CudaError::Shape`] instead of launching on a mismatch.
+
+use cudarc::driver::{
+    CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+
+use crate::error::{ensure, CudaError, Result};
+use crate::gpu::Gpu;
+
+/// One CUDA C source file and the kernels it defines.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name, used in error messages.
+    pub name: &'static str,
+    /// The CUDA C text (compiled after [`PRELUDE`]).
+    pub source: &'static str,
+    /// The `extern "C"` kernels it defines.
+    pub functions: &'static [&'static str],
+}
+
+/// Type definitions and conversions shared by every source.
+pub const PRELUDE: &str = include_str!("kernels/prelude.cu");
+
+/// Every kernel source.
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "elementwise.cu",
+        source: include_str!("kernels/elementwise.cu"),
+        functions: &[
+            "cast_f32_bf16",
+            "add_in_place",
+            "add_bias",
+            "act_mul",
+            "scale_f32",
+            "soft_cap_f32",
+            "embed_bf16",
+            "embed_f16",
+            "embed_f32",
+            "gather_rows",
+        ],
+    },
+    KernelSource {
+        name: "rows.cu",
+        source: include_str!("kernels/rows.cu"),
+        functions: &["rms_norm", "argmax_rows", "rope"],
+    },
+    KernelSource {
+        name: "kv.cu",
+        source: include_str!("kernels/kv.cu"),
+        functions: &["kv_write_bf16", "kv_write_f16", "kv_write_f32"],
+    },
+    KernelSource {
+        name: "attention.cu",
+        source: include_str!("kernels/attention.cu"),
+        functions: &[
+            "paged_attention_bf16",
+            "paged_attention_f16",
+            "paged_attention_f32",
+        ],
+    },
+];
+
+/// An element type of the KV cache or of an embedding table: bf16, f16 or f32.
+pub trait CacheElem: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + 'static {
+    /// Kernel name suffix ("bf16", "f16", "f32").
+    const SUFFIX: &'static str;
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// The nearest value (round to nearest even), as the kernels store it.
+    fn from_f32(v: f32) -> Self;
+}
+
+impl CacheElem for half::bf16 {
+    const SUFFIX: &'static str = "bf16";
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl CacheElem for half::f16 {
+    const SUFFIX: &'static str = "f16";
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+impl CacheElem for f32 {
+    const SUFFIX: &'static str = "f32";
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+/// The activation of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// silu(gate) * up.
+    Silu,
+    /// gelu(gate) * up, PyTorch's tanh approximation.
+    GeluTanh,
+}
+
+/// Element strides of a paged KV cache. The key of token slot `s`, kv head `h`, dim `i` is
+/// at `(s / block_size) * block + (s % block_size) * in_block + h * head + i * dim`; its
+/// value at the same plus `kv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvStrides {
+    pub kv: usize,
+    pub block: usize,
+    pub in_block: usize,
+    pub head: usize,
+    pub dim: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvStrides {
+    /// Layout `[2, num_blocks, block_size, num_kv_heads, head_dim]` (all keys, then all values).
+    pub fn kv_first(
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        let head = head_dim;
+        let in_block = num_kv_heads * head;
+        let block = block_size * in_block;
+        KvStrides {
+            kv: num_blocks * block,
+            block,
+            in_block,
+            head,
+            dim: 1,
+            block_size,
+            num_kv_heads,
+            head_dim,
+        }
+    }
+
+    /// Layout `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (keys then values per block).
+    pub fn block_first(block_size: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        let head = head_dim;
+        let in_block = num_kv_heads * head;
+        let kv = block_size * in_block;
+        KvStrides {
+            kv,
+            block: 2 * kv,
+            in_block,
+            head,
+            dim: 1,
+            block_size,
+            num_kv_heads,
+            head_dim,
+        }
+    }
+
+    /// Elements of a cache of `num_blocks` blocks in either layout above.
+    pub fn cache_len(&self, num_blocks: usize) -> usize {
+        2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Element offset of the key of `slot`, kv head `head`, dim `i` (the value is `+ kv`).
+    pub fn key_offset(&self, slot: usize, head: usize, i: usize) -> usize {
+        (slot / self.block_size) * self.block
+            + (slot % self.block_size) * self.in_block
+            + head * self.head
+            + i * self.dim
+    }
+}
+
+/// Per-step metadata of paged attention, on the device.
+#[derive(Debug)]
+pub struct PagedMeta<'a> {
+    /// `[num_reqs + 1]`: request r owns query tokens `query_start_loc[r]..query_start_loc[r+1]`.
+    pub query_start_loc: CudaView<'a, u32>,
+    /// `[num_reqs]`: tokens in context of each request, this step's included.
+    pub seq_lens: CudaView<'a, u32>,
+    /// `[num_reqs * table_stride]`: physical block ids per request (0xFFFFFFFF: none).
+    pub block_table: CudaView<'a, u32>,
+    /// Row length of `block_table`.
+    pub table_stride: usize,
+    /// Requests in the step.
+    pub num_reqs: usize,
+    /// Query tokens in the step (rows of q); tokens past `query_start_loc[num_reqs]` get zeros.
+    pub num_tokens: usize,
+    /// Longest query of the step (for a split variant; may be 0 when unknown).
+    pub max_query_len: usize,
+    /// Longest context of the step (for a split variant; may be 0 when unknown).
+    pub max_seq_len: usize,
+}
+
+/// What a layer's attention computes.
+#[derive(Debug)]
+pub struct AttnParams<'a> {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplies q·k.
+    pub scale: f32,
+    /// A query at p sees keys k with p - k < window.
+    pub sliding_window: Option<usize>,
+    /// A query at p sees keys k with k / chunk == p / chunk.
+    pub chunk_size: Option<usize>,
+    /// logit -> cap * tanh(logit / cap).
+    pub soft_cap: Option<f32>,
+    /// One logit per query head joining the softmax denominator.
+    pub sinks: Option<CudaView<'a, f32>>,
+}
+
+/// Threads of an element-wise launch over `n` values (grid-stride).
+fn elementwise_cfg(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_536) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per row, threads a multiple of 32 fitted to `width`.
+fn row_cfg(rows: usize, width: usize) -> LaunchConfig {
+    let threads = width.next_multiple_of(32).clamp(32, 1024) as u32;
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn u32_of(what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} does not fit in 32 bits")))
+}
+
+/// Grid dimension limit of y and z.
+const GRID_YZ: usize = 65_535;
+/// Threads of a paged-attention block, keys per tile, accumulator values per thread (attention.cu).
+const ATTN_THREADS: usize = 128;
+const ATTN_TILE: usize = 16;
+const ATTN_ACC: usize = 16;
+/// Largest head_dim paged attention serves.
+pub const MAX_HEAD_DIM: usize = 256;
+
+impl Gpu {
+    /// out[i] = bf16(x[i]), round to nearest even.
+    pub fn cast_f32_to_bf16(
+        &self,
+        x: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<half::bf16>,
+    ) -> Result<()> {
+        let n = x.len();
+        ensure(out.len() == n, || {
+            format!("cast: x has {n} values, out {}", out.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("cast_f32_bf16")?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&op).arg(&n64);
+        // SAFETY: argument types and lengths match the kernel's signature.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// out[r] = table[ids[r]] * scale for a table `[vocab, hidden]` (an id past the table gives NaN).
+    pub fn embed<T: CacheElem>(
+        &self,
+        table: &impl DevicePtr<T>,
+        ids: &impl DevicePtr<u32>,
+        out: &mut impl DevicePtrMut<f32>,
+        hidden: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let n = ids.len();
+        ensure(hidden > 0 && table.len().is_multiple_of(hidden), || {
+            format!(
+                "embed: table of {} values is not rows of {hidden}",
+                table.len()
+            )
+        })?;
+        ensure(out.len() == n * hidden, || {
+            format!("embed: out has {} values, want {n} x {hidden}", out.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let vocab = u32_of("vocab", table.len() / hidden)?;
+        let hidden32 = u32_of("hidden", hidden)?;
+        let rows = u32_of("tokens", n)?;
+        let f = self.function(&format!("embed_{}", T::SUFFIX))?;
+        let (tp, _gt) = table.device_ptr(&self.stream);
+        let (ip, _gi) = ids.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&tp)
+            .arg(&ip)
+            .arg(&op)
+            .arg(&hidden32)
+            .arg(&vocab)
+            .arg(&scale);
+        // SAFETY: as above.
+        unsafe { b.launch(row_cfg(rows as usize, hidden.min(1024))) }?;
+        Ok(())
+    }
+
+    /// out = x / sqrt(mean(x²) + eps) * weight over rows of `weight.len()` values.
+    pub fn rms_norm(
+        &self,
+        x: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        eps: f32,
+    ) -> Result<()> {
+        ensure(out.len() == x.len(), || {
+            format!("rms_norm: x has {} values, out {}", x.len(), out.len())
+        })?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        self.rms_norm_raw(xp, x.len(), weight, op, eps)
+    }
+
+    /// x = x / sqrt(mean(x²) + eps) * weight in place, over rows of `weight.len()` values.
+    pub fn rms_norm_in_place(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+    ) -> Result<()> {
+        let n = x.len();
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        self.rms_norm_raw(xp, n, weight, xp, eps)
+    }
+
+    fn rms_norm_raw(
+        &self,
+        xp: u64,
+        n: usize,
+        weight: &impl DevicePtr<f32>,
+        op: u64,
+        eps: f32,
+    ) -> Result<()> {
+        let width = weight.len();
+        ensure(width > 0 && n.is_multiple_of(width), || {
+            format!("rms_norm: {n} values are not rows of {width}")
+        })?;
+        let rows = n / width;
+        if rows == 0 {
+            return Ok(());
+        }
+        u32_of("rows", rows)?;
+        let width32 = u32_of("width", width)?;
+        let f = self.function("rms_norm")?;
+        let (wp, _gw) = weight.device_ptr(&self.stream);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&wp).arg(&op).arg(&width32).arg(&eps);
+        // SAFETY: as above; the kernel allows out == x.
+        unsafe { b.launch(row_cfg(rows, width)) }?;
+        Ok(())
+    }
+
+    /// x += y.
+    pub fn add_in_place(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let n = x.len();
+        ensure(y.len() == n, || {
+            format!("add: x has {n} values, y {}", y.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("add_in_place")?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let (yp, _gy) = y.device_ptr(&self.stream);
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&yp).arg(&n64);
+        // SAFETY: as above.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// x[r, i] += bias[i] for rows of `bias.len()` values.
+    pub fn add_bias(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        bias: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let n = x.len();
+        let w = bias.len();
+        ensure(w > 0 && n.is_multiple_of(w), || {
+            format!("add_bias: {n} values are not rows of {w}")
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("add_bias")?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let (bp, _gb) = bias.device_ptr(&self.stream);
+        let n64 = n as u64;
+        let w32 = u32_of("width", w)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&bp).arg(&n64).arg(&w32);
+        // SAFETY: as above.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// gate = act(gate) * up.
+    pub fn act_mul(
+        &self,
+        gate: &mut impl DevicePtrMut<f32>,
+        up: &impl DevicePtr<f32>,
+        act: Activation,
+    ) -> Result<()> {
+        let n = gate.len();
+        ensure(up.len() == n, || {
+            format!("act_mul: gate has {n} values, up {}", up.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("act_mul")?;
+        let (gp, _gg) = gate.device_ptr_mut(&self.stream);
+        let (up_, _gu) = up.device_ptr(&self.stream);
+        let n64 = n as u64;
+        let code: u32 = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&gp).arg(&up_).arg(&n64).arg(&code);
+        // SAFETY: as above.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// x *= s.
+    pub fn scale(&self, x: &mut impl DevicePtrMut<f32>, s: f32) -> Result<()> {
+        self.unary("scale_f32", x, s)
+    }
+
+    /// x = cap * tanh(x / cap); `cap` must be positive.
+    pub fn soft_cap(&self, x: &mut impl DevicePtrMut<f32>, cap: f32) -> Result<()> {
+        ensure(cap > 0.0, || format!("soft_cap: cap {cap} is not positive"))?;
+        self.unary("soft_cap_f32", x, cap)
+    }
+
+    fn unary(&self, name: &str, x: &mut impl DevicePtrMut<f32>, s: f32) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(name)?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&n64).arg(&s);
+        // SAFETY: as above.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Rotary embedding in place on x `[tokens, heads, head_dim]` with cos, sin `[tokens, half]`;
+    /// pairs (2i, 2i+1) when `adjacent`, else (i, i + half); dims past 2*half are left alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        heads: usize,
+        head_dim: usize,
+        half: usize,
+        adjacent: bool,
+    ) -> Result<()> {
+        ensure(half > 0 && 2 * half <= head_dim, || {
+            format!("rope: half {half} does not fit head_dim {head_dim}")
+        })?;
+        let row = heads * head_dim;
+        ensure(row > 0 && x.len().is_multiple_of(row), || {
+            format!(
+                "rope: {} values are not rows of {heads} x {head_dim}",
+                x.len()
+            )
+        })?;
+        let tokens = x.len() / row;
+        ensure(
+            cos.len() == tokens * half && sin.len() == tokens * half,
+            || {
+                format!(
+                    "rope: cos {} and sin {} values, want {tokens} x {half}",
+                    cos.len(),
+                    sin.len()
+                )
+            },
+        )?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let f = self.function("rope")?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let (cp, _gc) = cos.device_ptr(&self.stream);
+        let (sp, _gs) = sin.device_ptr(&self.stream);
+        let (h32, d32, half32) = (
+            u32_of("heads", heads)?,
+            u32_of("head_dim", head_dim)?,
+            u32_of("half", half)?,
+        );
+        let adj = adjacent as u32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp)
+            .arg(&cp)
+            .arg(&sp)
+            .arg(&h32)
+            .arg(&d32)
+            .arg(&half32)
+            .arg(&adj);
+        // SAFETY: as above.
+        unsafe {
+            b.launch(row_cfg(
+                u32_of("tokens", tokens)? as usize,
+                (heads * half).min(1024),
+            ))
+        }?;
+        Ok(())
+    }
+
+    /// out[r] = x[idx[r]] for rows of `width` values (an index past x gives NaN).
+    pub fn gather_rows(
+        &self,
+        x: &impl DevicePtr<f32>,
+        idx: &impl DevicePtr<u32>,
+        out: &mut impl DevicePtrMut<f32>,
+        width: usize,
+    ) -> Result<()> {
+        let n = idx.len();
+        ensure(width > 0 && x.len().is_multiple_of(width), || {
+            format!("gather_rows: {} values are not rows of {width}", x.len())
+        })?;
+        ensure(out.len() == n * width, || {
+            format!(
+                "gather_rows: out has {} values, want {n} x {width}",
+                out.len()
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = u32_of("rows", x.len() / width)?;
+        let w32 = u32_of("width", width)?;
+        let f = self.function("gather_rows")?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (ip, _gi) = idx.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&ip).arg(&op).arg(&w32).arg(&rows);
+        // SAFETY: as above.
+        unsafe {
+            b.launch(row_cfg(
+                u32_of("gathered rows", n)? as usize,
+                width.min(1024),
+            ))
+        }?;
+        Ok(())
+    }
+
+    /// out[r] = index of the first maximum of row r of x `[rows, n]` (rows = out.len()).
+    pub fn argmax_rows(
+        &self,
+        x: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        let rows = out.len();
+        ensure(
+            rows > 0 && x.len().is_multiple_of(rows) && x.len() > 0,
+            || {
+                format!(
+                    "argmax_rows: {} values are not {rows} non-empty rows",
+                    x.len()
+                )
+            },
+        )?;
+        let n = x.len() / rows;
+        let n32 = u32_of("row length", n)?;
+        let f = self.function("argmax_rows")?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&xp).arg(&op).arg(&n32);
+        // SAFETY: as above.
+        unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
+        Ok(())
+    }
+
+    /// Writes k, v `[t, kv_heads, head_dim]` into the cache at `slots[t]` (negative: skipped).
+    pub fn kv_write<T: CacheElem>(
+        &self,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        slots: &impl DevicePtr<i64>,
+        cache: &mut impl DevicePtrMut<T>,
+        strides: &KvStrides,
+    ) -> Result<()> {
+        let t = slots.len();
+        let row = strides.num_kv_heads * strides.head_dim;
+        ensure(k.len() == t * row && v.len() == t * row, || {
+            format!(
+                "kv_write: k {} and v {} values, want {t} x {} x {}",
+                k.len(),
+                v.len(),
+                strides.num_kv_heads,
+                strides.head_dim
+            )
+        })?;
+        ensure(strides.block_size > 0, || {
+            "kv_write: block_size is 0".into()
+        })?;
+        if t == 0 || row == 0 {
+            return Ok(());
+        }
+        ensure(strides.num_kv_heads <= GRID_YZ, || {
+            format!("kv_write: {} kv heads", strides.num_kv_heads)
+        })?;
+        let f = self.function(&format!("kv_write_{}", T::SUFFIX))?;
+        let cache_len = cache.len() as u64;
+        let (kp, _gk) = k.device_ptr(&self.stream);
+        let (vp, _gv) = v.device_ptr(&self.stream);
+        let (sp, _gs) = slots.device_ptr(&self.stream);
+        let (cp, _gc) = cache.device_ptr_mut(&self.stream);
+        let s = StrideArgs::new(strides)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&kp).arg(&vp).arg(&sp).arg(&cp).arg(&cache_len);
+        b.arg(&s.kv)
+            .arg(&s.block)
+            .arg(&s.in_block)
+            .arg(&s.head)
+            .arg(&s.dim);
+        b.arg(&s.block_size).arg(&s.num_kv_heads).arg(&s.head_dim);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("tokens", t)?, strides.num_kv_heads as u32, 1),
+            block_dim: (strides.head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; the kernel bounds every write by the cache length.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Paged attention: out `[t, heads, d]` from q `[t, heads, d]` and the cache (see attention.cu).
+    pub fn paged_attention<T: CacheElem>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        cache: &impl DevicePtr<T>,
+        strides: &KvStrides,
+        meta: &PagedMeta<'_>,
+        spec: &AttnParams<'_>,
+    ) -> Result<()> {
+        let (heads, kv_heads, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+        ensure(
+            kv_heads > 0 && heads > 0 && heads.is_multiple_of(kv_heads),
+            || format!("paged_attention: {heads} heads over {kv_heads} kv heads"),
+        )?;
+        ensure(d > 0 && d <= MAX_HEAD_DIM, || {
+            format!("paged_attention: head_dim {d} outside 1..={MAX_HEAD_DIM}")
+        })?;
+        ensure(
+            strides.num_kv_heads == kv_heads && strides.head_dim == d,
+            || {
+                format!(
+                "paged_attention: cache strides are for {} kv heads of {}, the layer has {kv_heads} of {d}",
+                strides.num_kv_heads, strides.head_dim
+            )
+            },
+        )?;
+        ensure(strides.block_size > 0, || {
+            "paged_attention: block_size is 0".into()
+        })?;
+        let t = meta.num_tokens;
+        ensure(
+            q.len() == t * heads * d && out.len() == t * heads * d,
+            || {
+                format!(
+                    "paged_attention: q {} and out {} values, want {t} x {heads} x {d}",
+                    q.len(),
+                    out.len()
+                )
+            },
+        )?;
+        let r = meta.num_reqs;
+        ensure(
+            meta.query_start_loc.len() > r
+                && meta.seq_lens.len() >= r
+                && meta.block_table.len() >= r * meta.table_stride,
+            || {
+                format!(
+                    "paged_attention: {r} requests need query_start_loc {} > {r}, seq_lens {} >= {r}, block_table {} >= {r} x {}",
+                    meta.query_start_loc.len(),
+                    meta.seq_lens.len(),
+                    meta.block_table.len(),
+                    meta.table_stride
+                )
+            },
+        )?;
+        ensure(r > 0 || t == 0, || {
+            "paged_attention: tokens without requests".into()
+        })?;
+        ensure(spec.sliding_window != Some(0), || {
+            "paged_attention: window 0".into()
+        })?;
+        ensure(spec.chunk_size != Some(0), || {
+            "paged_attention: chunk 0".into()
+        })?;
+        ensure(spec.soft_cap.is_none_or(|c| c > 0.0), || {
+            format!(
+                "paged_attention: soft cap {:?} is not positive",
+                spec.soft_cap
+            )
+        })?;
+        if let Some(s) = &spec.sinks {
+            ensure(s.len() == heads, || {
+                format!("paged_attention: {} sinks for {heads} heads", s.len())
+            })?;
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let group = heads / kv_heads;
+        let group_block = group.min(ATTN_THREADS * ATTN_ACC / d).max(1);
+        let splits = group.div_ceil(group_block);
+        ensure(kv_heads <= GRID_YZ && splits <= GRID_YZ, || {
+            format!("paged_attention: {kv_heads} kv heads")
+        })?;
+        let shared = 8 * ATTN_TILE
+            + 4 * (2 * ATTN_TILE * (d + 1)
+                + group_block * d
+                + group_block * ATTN_TILE
+                + 3 * group_block);
+        let f = self.function(&format!("paged_attention_{}", T::SUFFIX))?;
+        let s = StrideArgs::new(strides)?;
+        let cache_len = cache.len() as u64;
+        let (qp, _gq) = q.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let (cp, _gc) = cache.device_ptr(&self.stream);
+        let (qsl, _g1) = meta.query_start_loc.device_ptr(&self.stream);
+        let (sl, _g2) = meta.seq_lens.device_ptr(&self.stream);
+        let (bt, _g3) = meta.block_table.device_ptr(&self.stream);
+        let sinks_ptr = spec.sinks.as_ref().map(|s| s.device_ptr(&self.stream));
+        let sinks_p: u64 = sinks_ptr.as_ref().map_or(0, |(p, _)| *p);
+        let heads32 = u32_of("heads", heads)?;
+        let kvh32 = kv_heads as u32;
+        let d32 = d as u32;
+        let gb32 = group_block as u32;
+        let stride32 = u32_of("table_stride", meta.table_stride)?;
+        let r32 = u32_of("requests", r)?;
+        let window = u32_of("window", spec.sliding_window.unwrap_or(0))?;
+        let chunk = u32_of("chunk", spec.chunk_size.unwrap_or(0))?;
+        let cap = spec.soft_cap.unwrap_or(0.0);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&qp).arg(&op).arg(&cp).arg(&cache_len);
+        b.arg(&s.kv)
+            .arg(&s.block)
+            .arg(&s.in_block)
+            .arg(&s.head)
+            .arg(&s.dim);
+        b.arg(&s.block_size)
+            .arg(&heads32)
+            .arg(&kvh32)
+            .arg(&d32)
+            .arg(&gb32);
+        b.arg(&qsl).arg(&sl).arg(&bt).arg(&stride32).arg(&r32);
+        b.arg(&spec.scale)
+            .arg(&window)
+            .arg(&chunk)
+            .arg(&cap)
+            .arg(&sinks_p);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("tokens", t)?, kv_heads as u32, splits as u32),
+            block_dim: (ATTN_THREADS as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: argument types and lengths match the kernel's signature; the kernel reads
+        // only visible keys and bounds every cache read by the cache length.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// The stride arguments as the kernels take them.
+struct StrideArgs {
+    kv: u64,
+    block: u64,
+    in_block: u64,
+    head: u64,
+    dim: u64,
+    block_size: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+}
+
+impl StrideArgs {
+    fn new(s: &KvStrides) -> Result<StrideArgs> {
+        Ok(StrideArgs {
+            kv: s.kv as u64,
+            block: s.block as u64,
+            in_block: s.in_block as u64,
+            head: s.head as u64,
+            dim: s.dim as u64,
+            block_size: u32_of("block_size", s.block_size)?,
+            num_kv_heads: u32_of("num_kv_heads", s.num_kv_heads)?,
+            head_dim: u32_of("head_dim", s.head_dim)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_layouts_place_keys_and_values_apart() {
+        let (blocks, bs, h, d) = (5, 16, 2, 8);
+        for s in [
+            KvStrides::kv_first(blocks, bs, h, d),
+            KvStrides::block_first(bs, h, d),
+        ] {
+            let len = s.cache_len(blocks);
+            let mut seen = vec![false; len];
+            for slot in 0..blocks * bs {
+                for head in 0..h {
+                    for i in 0..d {
+                        for off in [
+                            s.key_offset(slot, head, i),
+                            s.key_offset(slot, head, i) + s.kv,
+                        ] {
+                            assert!(!seen[off], "{s:?} slot {slot}");
+                            seen[off] = true;
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&b| b));
+        }
+    }
+
+    #[test]
+    fn attention_shared_memory_fits_48k() {
+        for d in [64usize, 80, 96, 128, 192, 256] {
+            for group in [1usize, 2, 4, 7, 8, 16, 32] {
+                let gb = group.min(ATTN_THREADS * ATTN_ACC / d).max(1);
+                let shared = 8 * ATTN_TILE
+                    + 4 * (2 * ATTN_TILE * (d + 1) + gb * d + gb * ATTN_TILE + 3 * gb);
+                assert!(shared <= 48 * 1024, "d {d} group {group}: {shared}");
+                assert!(gb * d <= ATTN_THREADS * ATTN_ACC);
+            }
+        }
+    }
+}

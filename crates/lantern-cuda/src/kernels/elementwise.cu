@@ -1,0 +1,79 @@
+// Element-wise and row-copy kernels over f32 activations (grid-stride loops).
+
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, lt_bf16* __restrict__ out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = from_f32<lt_bf16>(x[i]);
+}
+
+extern "C" __global__ void add_in_place(float* __restrict__ x, const float* __restrict__ y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, u64 n, u32 width) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] += bias[i % width];
+}
+
+// act 0: SiLU, 1: GELU (tanh approximation, as PyTorch's approximate="tanh").
+extern "C" __global__ void act_mul(float* __restrict__ gate, const float* __restrict__ up, u64 n, u32 act) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        float a;
+        if (act == 0) {
+            a = g / (1.0f + expf(-g));
+        } else {
+            const float k = 0.7978845608028654f;  // sqrt(2/pi)
+            a = 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
+        }
+        gate[i] = a * up[i];
+    }
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ x, u64 n, float s) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
+extern "C" __global__ void soft_cap_f32(float* __restrict__ x, u64 n, float cap) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
+// One block per output row; an id at or past `vocab` gives a row of NaN.
+template <typename T>
+__device__ void embed_impl(const T* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ out,
+                           u32 hidden, u32 vocab, float scale) {
+    const u32 row = blockIdx.x;
+    const u32 id = ids[row];
+    float* dst = out + (u64)row * hidden;
+    if (id >= vocab) {
+        for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = LT_NAN;
+        return;
+    }
+    const T* src = table + (u64)id * hidden;
+    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = to_f32(src[i]) * scale;
+}
+extern "C" __global__ void embed_bf16(const lt_bf16* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    embed_impl(t, ids, out, hidden, vocab, scale);
+}
+extern "C" __global__ void embed_f16(const lt_f16* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    embed_impl(t, ids, out, hidden, vocab, scale);
+}
+extern "C" __global__ void embed_f32(const float* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    embed_impl(t, ids, out, hidden, vocab, scale);
+}
+
+// One block per output row; an index at or past `rows` gives a row of NaN.
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, float* __restrict__ out,
+                                       u32 width, u32 rows) {
+    const u32 row = blockIdx.x;
+    const u32 src_row = idx[row];
+    float* dst = out + (u64)row * width;
+    if (src_row >= rows) {
+        for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = LT_NAN;
+        return;
+    }
+    const float* src = x + (u64)src_row * width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}

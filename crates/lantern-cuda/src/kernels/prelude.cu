@@ -1,0 +1,65 @@
+// Shared by every lantern kernel source (prepended before compilation; NVRTC needs no
+// headers). 16-bit storage types are plain structs; conversions are exact bit operations
+// or PTX cvt instructions, so no CUDA header is needed at run time.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+
+#define LT_NEG_INF __int_as_float(0xff800000)
+#define LT_NAN __int_as_float(0x7fc00000)
+
+struct __align__(2) lt_bf16 { unsigned short bits; };
+struct __align__(2) lt_f16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(lt_bf16 v) {
+    return __uint_as_float(((u32)v.bits) << 16);
+}
+__device__ __forceinline__ float to_f32(lt_f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+// Round to nearest, ties to even; NaN stays NaN (quiet).
+template <> __device__ __forceinline__ lt_bf16 from_f32<lt_bf16>(float v) {
+    u32 u = __float_as_uint(v);
+    lt_bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x40u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        r.bits = (unsigned short)(u >> 16);
+    }
+    return r;
+}
+template <> __device__ __forceinline__ lt_f16 from_f32<lt_f16>(float v) {
+    lt_f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}

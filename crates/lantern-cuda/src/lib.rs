@@ -1,0 +1,18 @@
+//! lantern on NVIDIA GPUs: the low-level layer (libraries, device, kernels, cuBLAS).
+
+pub use cudarc;
+
+pub mod backend;
+pub mod cache;
+pub mod compute;
+pub mod error;
+pub mod gemm;
+pub mod gpu;
+pub mod kernels;
+pub mod libs;
+
+pub use error::{CudaError, Result};
+pub use gpu::{compile_all_kernels_ptx, Gpu};
+pub use kernels::{Activation, AttnParams, CacheElem, KvStrides, PagedMeta, MAX_HEAD_DIM};
+pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};
+pub use compute::CudaCompute;

@@ -1,0 +1,703 @@
+//! Kernels against CPU references. The NVRTC test needs only libnvrtc; the GPU tests skip
+//! (one printed line) where no device can be opened.
+
+use lantern_cuda::{compile_all_kernels_ptx, CudaError};
+
+#[test]
+fn every_kernel_compiles_with_nvrtc() {
+    match compile_all_kernels_ptx() {
+        Ok(()) => {}
+        Err(CudaError::LibraryMissing { looked_for, .. }) => {
+            println!("skipped: no NVRTC ({looked_for})");
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+mod gpu_tests {
+    use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+    use half::{bf16, f16};
+    use lantern_cuda::{Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The device, or None (after one printed line) where there is none; tests take turns.
+    fn gpu() -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
+        static GPU: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
+        static TURN: Mutex<()> = Mutex::new(());
+        let g = GPU.get_or_init(|| match Gpu::open(0) {
+            Ok(g) => Some(g),
+            Err(
+                e @ (CudaError::LibraryMissing { .. }
+                | CudaError::NoDevice { .. }
+                | CudaError::Driver(_)),
+            ) => {
+                println!("skipped: no GPU ({e})");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        });
+        let g = g.clone()?;
+        Some((g, TURN.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    fn rng(seed: u64) -> StdRng {
+        StdRng::seed_from_u64(seed)
+    }
+
+    fn rand_vec(r: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| r.gen_range(-1.0f32..1.0) * scale).collect()
+    }
+
+    /// max |got - want| / max |want| within `tol` (want must not be all zeros).
+    fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let norm = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+        assert!(norm > 0.0, "{what}: reference is all zeros");
+        let mut worst = (0.0f64, 0usize);
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let e = (*g as f64 - w).abs();
+            if e.is_nan() || e > worst.0 {
+                worst = (if e.is_nan() { f64::INFINITY } else { e }, i);
+            }
+        }
+        let rel = worst.0 / norm;
+        assert!(
+            rel <= tol,
+            "{what}: relative error {rel:e} > {tol:e} at {} (got {}, want {})",
+            worst.1,
+            got[worst.1],
+            want[worst.1]
+        );
+    }
+
+    #[test]
+    fn rms_norm_matches_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(1);
+        for (rows, width) in [(3usize, 64usize), (5, 256), (2, 5000), (4, 8192)] {
+            let x = rand_vec(&mut r, rows * width, 3.0);
+            let w = rand_vec(&mut r, width, 1.0);
+            let eps = 1e-6f32;
+            let want: Vec<f64> = x
+                .chunks(width)
+                .flat_map(|row| {
+                    let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / width as f64;
+                    let inv = 1.0 / (ms + eps as f64).sqrt();
+                    row.iter()
+                        .zip(&w)
+                        .map(move |(&v, &wi)| v as f64 * inv * wi as f64)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let dx = g.upload(&x).unwrap();
+            let dw = g.upload(&w).unwrap();
+            let mut out = g.zeros::<f32>(x.len()).unwrap();
+            g.rms_norm(&dx, &dw, &mut out, eps).unwrap();
+            assert_close(
+                &g.download(&out).unwrap(),
+                &want,
+                1e-5,
+                &format!("rms_norm {rows}x{width}"),
+            );
+            let mut dx = dx;
+            g.rms_norm_in_place(&mut dx, &dw, eps).unwrap();
+            assert_close(&g.download(&dx).unwrap(), &want, 1e-5, "rms_norm in place");
+        }
+        let dx = g.upload(&[1.0f32; 10]).unwrap();
+        let dw = g.upload(&[1.0f32; 4]).unwrap();
+        let mut out = g.zeros::<f32>(10).unwrap();
+        assert!(matches!(
+            g.rms_norm(&dx, &dw, &mut out, 1e-6),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn elementwise_kernels_match_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(2);
+        let (rows, w) = (7usize, 300usize);
+        let n = rows * w;
+        let x = rand_vec(&mut r, n, 4.0);
+        let y = rand_vec(&mut r, n, 4.0);
+        let bias = rand_vec(&mut r, w, 1.0);
+        let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+
+        let mut dx = g.upload(&x).unwrap();
+        let dy = g.upload(&y).unwrap();
+        g.add_in_place(&mut dx, &dy).unwrap();
+        let want: Vec<f64> = x
+            .iter()
+            .zip(&y)
+            .map(|(&a, &b)| a as f64 + b as f64)
+            .collect();
+        assert_close(&g.download(&dx).unwrap(), &want, 1e-6, "add_in_place");
+
+        let mut dx = g.upload(&x).unwrap();
+        let db = g.upload(&bias).unwrap();
+        g.add_bias(&mut dx, &db).unwrap();
+        let want: Vec<f64> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| a as f64 + bias[i % w] as f64)
+            .collect();
+        assert_close(&g.download(&dx).unwrap(), &want, 1e-6, "add_bias");
+
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            let mut dg = g.upload(&x).unwrap();
+            g.act_mul(&mut dg, &dy, act).unwrap();
+            let want: Vec<f64> = x
+                .iter()
+                .zip(&y)
+                .map(|(&a, &b)| {
+                    let a = a as f64;
+                    let act = match act {
+                        Activation::Silu => a / (1.0 + (-a).exp()),
+                        Activation::GeluTanh => {
+                            let k = (2.0 / std::f64::consts::PI).sqrt();
+                            0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
+                        }
+                    };
+                    act * b as f64
+                })
+                .collect();
+            assert_close(
+                &g.download(&dg).unwrap(),
+                &want,
+                1e-5,
+                &format!("act_mul {act:?}"),
+            );
+        }
+
+        let mut dx = g.upload(&x).unwrap();
+        g.scale(&mut dx, 0.37).unwrap();
+        let want: Vec<f64> = f64s(&x).iter().map(|a| a * 0.37f32 as f64).collect();
+        assert_close(&g.download(&dx).unwrap(), &want, 1e-6, "scale");
+
+        let mut dx = g.upload(&x).unwrap();
+        g.soft_cap(&mut dx, 2.5).unwrap();
+        let want: Vec<f64> = f64s(&x).iter().map(|a| 2.5 * (a / 2.5).tanh()).collect();
+        assert_close(&g.download(&dx).unwrap(), &want, 1e-5, "soft_cap");
+        assert!(matches!(g.soft_cap(&mut dx, 0.0), Err(CudaError::Shape(_))));
+        assert!(matches!(
+            g.add_in_place(&mut dx, &db),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn rope_matches_reference_in_both_pair_layouts() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(3);
+        let (tokens, heads, d) = (5usize, 3usize, 64usize);
+        for half in [16usize, 32] {
+            for adjacent in [false, true] {
+                let x = rand_vec(&mut r, tokens * heads * d, 2.0);
+                let angles: Vec<f32> = (0..tokens * half)
+                    .map(|_| r.gen_range(0.0f32..6.3))
+                    .collect();
+                let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+                let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+                let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+                for t in 0..tokens {
+                    for h in 0..heads {
+                        let base = (t * heads + h) * d;
+                        for i in 0..half {
+                            let (a, b) = if adjacent {
+                                (2 * i, 2 * i + 1)
+                            } else {
+                                (i, i + half)
+                            };
+                            let (c, s) = (cos[t * half + i] as f64, sin[t * half + i] as f64);
+                            let (x0, x1) = (x[base + a] as f64, x[base + b] as f64);
+                            want[base + a] = x0 * c - x1 * s;
+                            want[base + b] = x0 * s + x1 * c;
+                        }
+                    }
+                }
+                let mut dx = g.upload(&x).unwrap();
+                let dc = g.upload(&cos).unwrap();
+                let ds = g.upload(&sin).unwrap();
+                g.rope(&mut dx, &dc, &ds, heads, d, half, adjacent).unwrap();
+                assert_close(
+                    &g.download(&dx).unwrap(),
+                    &want,
+                    1e-6,
+                    &format!("rope half {half} adjacent {adjacent}"),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn embed_gather_argmax_and_cast() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(4);
+        let (vocab, hidden) = (50usize, 96usize);
+        let table = rand_vec(&mut r, vocab * hidden, 1.0);
+        let ids: Vec<u32> = (0..9).map(|_| r.gen_range(0..vocab as u32)).collect();
+        let scale = 1.5f32;
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&id| table[id as usize * hidden..][..hidden].to_vec())
+            .map(|v| v as f64)
+            .collect();
+        let did = g.upload(&ids).unwrap();
+        let mut out = g.zeros::<f32>(ids.len() * hidden).unwrap();
+        g.embed(&g.upload(&table).unwrap(), &did, &mut out, hidden, scale)
+            .unwrap();
+        let want_scaled: Vec<f64> = want.iter().map(|v| v * scale as f64).collect();
+        assert_close(&g.download(&out).unwrap(), &want_scaled, 1e-7, "embed f32");
+        let tb: Vec<bf16> = table.iter().map(|&v| bf16::from_f32(v)).collect();
+        g.embed(&g.upload(&tb).unwrap(), &did, &mut out, hidden, 1.0)
+            .unwrap();
+        let want_b: Vec<f64> = ids
+            .iter()
+            .flat_map(|&id| tb[id as usize * hidden..][..hidden].to_vec())
+            .map(|v| v.to_f32() as f64)
+            .collect();
+        assert_close(&g.download(&out).unwrap(), &want_b, 0.0, "embed bf16");
+
+        // gather: rows of x in a random order, some repeated.
+        let (rows, w) = (20usize, 70usize);
+        let x = rand_vec(&mut r, rows * w, 1.0);
+        let idx: Vec<u32> = (0..13).map(|_| r.gen_range(0..rows as u32)).collect();
+        let mut out = g.zeros::<f32>(idx.len() * w).unwrap();
+        g.gather_rows(
+            &g.upload(&x).unwrap(),
+            &g.upload(&idx).unwrap(),
+            &mut out,
+            w,
+        )
+        .unwrap();
+        let want: Vec<f64> = idx
+            .iter()
+            .flat_map(|&i| x[i as usize * w..][..w].to_vec())
+            .map(|v| v as f64)
+            .collect();
+        assert_close(&g.download(&out).unwrap(), &want, 0.0, "gather_rows");
+
+        // argmax with planted ties: the first index wins.
+        let (rows, n) = (6usize, 5000usize);
+        let mut x = rand_vec(&mut r, rows * n, 1.0);
+        let mut want = Vec::new();
+        for row in 0..rows {
+            let a = r.gen_range(0..n - 1);
+            let b = r.gen_range(a + 1..n);
+            x[row * n + a] = 2.0;
+            x[row * n + b] = 2.0;
+            want.push(a as u32);
+        }
+        let mut out = g.zeros::<u32>(rows).unwrap();
+        g.argmax_rows(&g.upload(&x).unwrap(), &mut out).unwrap();
+        assert_eq!(g.download(&out).unwrap(), want, "argmax_rows");
+
+        // cast: bit-exact round to nearest even, specials included.
+        let mut x = rand_vec(&mut r, 4000, 100.0);
+        x.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -3e-39,
+            f32::MAX,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+        ]);
+        let mut out = g.zeros::<bf16>(x.len()).unwrap();
+        g.cast_f32_to_bf16(&g.upload(&x).unwrap(), &mut out)
+            .unwrap();
+        let got: Vec<u16> = g
+            .download(&out)
+            .unwrap()
+            .iter()
+            .map(|b| b.to_bits())
+            .collect();
+        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(got, want, "cast_f32_to_bf16");
+    }
+
+    #[test]
+    fn gemms_match_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(5);
+        for (m, n, k) in [(1usize, 33usize, 64usize), (7, 96, 256), (64, 130, 512)] {
+            let x = rand_vec(&mut r, m * k, 1.0);
+            let w = rand_vec(&mut r, n * k, 1.0);
+            let reference = |x: &[f32], w: &[f32]| -> Vec<f64> {
+                let mut y = vec![0.0f64; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        y[i * n + j] = (0..k)
+                            .map(|l| x[i * k + l] as f64 * w[j * k + l] as f64)
+                            .sum();
+                    }
+                }
+                y
+            };
+            let mut y = g.zeros::<f32>(m * n).unwrap();
+            g.gemm_f32(
+                &g.upload(&x).unwrap(),
+                &g.upload(&w).unwrap(),
+                &mut y,
+                m,
+                n,
+                k,
+            )
+            .unwrap();
+            assert_close(
+                &g.download(&y).unwrap(),
+                &reference(&x, &w),
+                1e-6,
+                &format!("gemm_f32 {m}x{n}x{k}"),
+            );
+
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            let wr: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+            g.gemm_bf16(
+                &g.upload(&xb).unwrap(),
+                &g.upload(&wb).unwrap(),
+                &mut y,
+                m,
+                n,
+                k,
+            )
+            .unwrap();
+            assert_close(
+                &g.download(&y).unwrap(),
+                &reference(&xr, &wr),
+                1e-5,
+                &format!("gemm_bf16 {m}x{n}x{k}"),
+            );
+        }
+        let x = g.zeros::<f32>(10).unwrap();
+        let mut y = g.zeros::<f32>(4).unwrap();
+        assert!(matches!(
+            g.gemm_f32(&x, &x, &mut y, 2, 2, 4),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    const NUM_BLOCKS: usize = 200;
+
+    fn layouts(bs: usize, kvh: usize, d: usize) -> [(&'static str, KvStrides); 2] {
+        [
+            ("kv_first", KvStrides::kv_first(NUM_BLOCKS, bs, kvh, d)),
+            ("block_first", KvStrides::block_first(bs, kvh, d)),
+        ]
+    }
+
+    fn kv_write_case<T: CacheElem + PartialEq + std::fmt::Debug>(g: &Gpu, r: &mut StdRng) {
+        let (bs, kvh, d) = (16usize, 2usize, 64usize);
+        for (name, s) in layouts(bs, kvh, d) {
+            let len = s.cache_len(NUM_BLOCKS);
+            let t = 40;
+            let k = rand_vec(r, t * kvh * d, 1.0);
+            let v = rand_vec(r, t * kvh * d, 1.0);
+            let mut pool: Vec<i64> = (0..(NUM_BLOCKS * bs) as i64).collect();
+            let slots: Vec<i64> = (0..t)
+                .map(|_| {
+                    if r.gen_bool(0.2) {
+                        -1
+                    } else {
+                        pool.swap_remove(r.gen_range(0..pool.len()))
+                    }
+                })
+                .collect();
+            let sentinel = T::from_f32(7.0);
+            let mut want = vec![sentinel; len];
+            for (ti, &slot) in slots.iter().enumerate() {
+                if slot < 0 {
+                    continue;
+                }
+                for h in 0..kvh {
+                    for i in 0..d {
+                        let off = s.key_offset(slot as usize, h, i);
+                        want[off] = T::from_f32(k[(ti * kvh + h) * d + i]);
+                        want[off + s.kv] = T::from_f32(v[(ti * kvh + h) * d + i]);
+                    }
+                }
+            }
+            let mut cache = g.upload(&vec![sentinel; len]).unwrap();
+            g.kv_write(
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &g.upload(&slots).unwrap(),
+                &mut cache,
+                &s,
+            )
+            .unwrap();
+            let got = g.download(&cache).unwrap();
+            assert!(got == want, "kv_write {} {name}", T::SUFFIX);
+        }
+    }
+
+    #[test]
+    fn kv_write_fills_both_layouts_and_skips_negative_slots() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(6);
+        kv_write_case::<bf16>(&g, &mut r);
+        kv_write_case::<f16>(&g, &mut r);
+        kv_write_case::<f32>(&g, &mut r);
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    struct Variant {
+        window: Option<usize>,
+        chunk: Option<usize>,
+        cap: Option<f32>,
+        sinks: bool,
+    }
+
+    const BASE: Variant = Variant {
+        window: None,
+        chunk: None,
+        cap: None,
+        sinks: false,
+    };
+
+    /// One random batch of prefills and decodes through `paged_attention`, against a naive
+    /// softmax over the visible keys read from the same cache.
+    fn attention_case<T: CacheElem>(
+        g: &Gpu,
+        r: &mut StdRng,
+        heads: usize,
+        kvh: usize,
+        d: usize,
+        variant: Variant,
+    ) {
+        let bs = 16usize;
+        let num_reqs = 6usize;
+        let mut qlens = Vec::new();
+        let mut seqs = Vec::new();
+        for i in 0..num_reqs {
+            let q = if i % 2 == 0 { 1 } else { r.gen_range(1..=40) };
+            qlens.push(q);
+            seqs.push(q + r.gen_range(0..=260));
+        }
+        let padding = 2usize;
+        let t_real: usize = qlens.iter().sum();
+        let t = t_real + padding;
+        let mut qsl = vec![0u32];
+        for q in &qlens {
+            qsl.push(qsl.last().unwrap() + *q as u32);
+        }
+        let stride = seqs.iter().map(|s| s.div_ceil(bs)).max().unwrap() + 1;
+        let mut free: Vec<u32> = (0..NUM_BLOCKS as u32).collect();
+        let mut table = vec![u32::MAX; num_reqs * stride];
+        // The first key any query of request `ri` sees.
+        let first_visible = |ri: usize| -> usize {
+            let p = seqs[ri] - qlens[ri];
+            let mut lo = 0usize;
+            if let Some(w) = variant.window {
+                lo = lo.max((p + 1).saturating_sub(w));
+            }
+            if let Some(c) = variant.chunk {
+                lo = lo.max(p / c * c);
+            }
+            lo
+        };
+        for ri in 0..num_reqs {
+            for b in first_visible(ri) / bs..seqs[ri].div_ceil(bs) {
+                table[ri * stride + b] = free.swap_remove(r.gen_range(0..free.len()));
+            }
+        }
+        for (name, s) in layouts(bs, kvh, d) {
+            let len = s.cache_len(NUM_BLOCKS);
+            let cache_host: Vec<T> = (0..len)
+                .map(|_| T::from_f32(r.gen_range(-1.0f32..1.0)))
+                .collect();
+            let q = rand_vec(r, t * heads * d, 1.0);
+            let sinks: Vec<f32> = (0..heads).map(|_| r.gen_range(-1.0f32..3.0)).collect();
+            let scale = if variant.cap.is_some() {
+                1.5
+            } else {
+                1.0 / (d as f32).sqrt()
+            };
+
+            let mut want = vec![0.0f64; t * heads * d];
+            for ri in 0..num_reqs {
+                for i in 0..qlens[ri] {
+                    let tok = qsl[ri] as usize + i;
+                    let p = seqs[ri] - qlens[ri] + i;
+                    for h in 0..heads {
+                        let kh = h / (heads / kvh);
+                        let qv = &q[(tok * heads + h) * d..][..d];
+                        let mut keys = Vec::new();
+                        for k in 0..=p {
+                            if variant.window.is_some_and(|w| p - k >= w) {
+                                continue;
+                            }
+                            if variant.chunk.is_some_and(|c| k / c != p / c) {
+                                continue;
+                            }
+                            let slot = table[ri * stride + k / bs] as usize * bs + k % bs;
+                            let mut logit = 0.0f64;
+                            for j in 0..d {
+                                logit += qv[j] as f64
+                                    * cache_host[s.key_offset(slot, kh, j)].to_f32() as f64;
+                            }
+                            logit *= scale as f64;
+                            if let Some(c) = variant.cap {
+                                logit = c as f64 * (logit / c as f64).tanh();
+                            }
+                            keys.push((slot, logit));
+                        }
+                        let mut mx = keys.iter().fold(f64::NEG_INFINITY, |m, &(_, l)| m.max(l));
+                        if variant.sinks {
+                            mx = mx.max(sinks[h] as f64);
+                        }
+                        let mut denom: f64 = keys.iter().map(|&(_, l)| (l - mx).exp()).sum();
+                        if variant.sinks {
+                            denom += (sinks[h] as f64 - mx).exp();
+                        }
+                        let o = &mut want[(tok * heads + h) * d..][..d];
+                        for &(slot, l) in &keys {
+                            let pk = (l - mx).exp() / denom;
+                            for j in 0..d {
+                                o[j] += pk
+                                    * cache_host[s.key_offset(slot, kh, j) + s.kv].to_f32() as f64;
+                            }
+                        }
+                    }
+                }
+            }
+
+            let dq = g.upload(&q).unwrap();
+            let mut dout = g.upload(&vec![f32::NAN; t * heads * d]).unwrap();
+            let dcache = g.upload(&cache_host).unwrap();
+            let dqsl = g.upload(&qsl).unwrap();
+            let seq32: Vec<u32> = seqs.iter().map(|&s| s as u32).collect();
+            let dseq = g.upload(&seq32).unwrap();
+            let dtable = g.upload(&table).unwrap();
+            let dsinks = g.upload(&sinks).unwrap();
+            let meta = PagedMeta {
+                query_start_loc: dqsl.as_view(),
+                seq_lens: dseq.as_view(),
+                block_table: dtable.as_view(),
+                table_stride: stride,
+                num_reqs,
+                num_tokens: t,
+                max_query_len: *qlens.iter().max().unwrap(),
+                max_seq_len: *seqs.iter().max().unwrap(),
+            };
+            let spec = AttnParams {
+                num_heads: heads,
+                num_kv_heads: kvh,
+                head_dim: d,
+                scale,
+                sliding_window: variant.window,
+                chunk_size: variant.chunk,
+                soft_cap: variant.cap,
+                sinks: variant.sinks.then(|| dsinks.as_view()),
+            };
+            g.paged_attention(&dq, &mut dout, &dcache, &s, &meta, &spec)
+                .unwrap();
+            let got = g.download(&dout).unwrap();
+            let what = format!(
+                "paged_attention {} {name} heads {heads}/{kvh} d {d} {variant:?}",
+                T::SUFFIX
+            );
+            for row in 0..t_real * heads {
+                assert_close(
+                    &got[row * d..][..d],
+                    &want[row * d..][..d],
+                    2e-5,
+                    &format!("{what} row {row}"),
+                );
+            }
+            assert!(
+                got[t_real * heads * d..].iter().all(|&v| v == 0.0),
+                "{what}: padding rows"
+            );
+        }
+    }
+
+    fn attention_all<T: CacheElem>(g: &Gpu, seed: u64) {
+        let mut r = rng(seed);
+        let variants = [
+            BASE,
+            Variant {
+                window: Some(37),
+                ..BASE
+            },
+            Variant {
+                chunk: Some(64),
+                ..BASE
+            },
+            Variant {
+                cap: Some(5.0),
+                ..BASE
+            },
+            Variant {
+                sinks: true,
+                ..BASE
+            },
+            Variant {
+                window: Some(100),
+                cap: Some(20.0),
+                sinks: true,
+                ..BASE
+            },
+        ];
+        for v in variants {
+            attention_case::<T>(g, &mut r, 4, 2, 64, v);
+        }
+        for v in [variants[0], variants[5]] {
+            attention_case::<T>(g, &mut r, 4, 2, 128, v);
+        }
+    }
+
+    #[test]
+    fn paged_attention_bf16_cache() {
+        let Some((g, _t)) = gpu() else { return };
+        attention_all::<bf16>(&g, 10);
+    }
+
+    #[test]
+    fn paged_attention_f16_cache() {
+        let Some((g, _t)) = gpu() else { return };
+        attention_all::<f16>(&g, 11);
+    }
+
+    #[test]
+    fn paged_attention_f32_cache() {
+        let Some((g, _t)) = gpu() else { return };
+        attention_all::<f32>(&g, 12);
+    }
+
+    #[test]
+    fn paged_attention_large_groups_and_head_dims() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(13);
+        // 40 query heads on one kv head at d 128: the group is split over three blocks.
+        attention_case::<bf16>(&g, &mut r, 40, 1, 128, BASE);
+        attention_case::<bf16>(
+            &g,
+            &mut r,
+            16,
+            2,
+            256,
+            Variant {
+                sinks: true,
+                ..BASE
+            },
+        );
+        attention_case::<f32>(
+            &g,
+            &mut r,
+            7,
+            7,
+            80,
+            Variant {
+                window: Some(50),
+                ..BASE
+            },
+        );
+    }
+}

@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""lantern against transformers on one GPU, side by side, in one run (~3-4 minutes on an
+H200): the random bf16 models of scripts/gpu/make_models.py in SmolLM2-135M's and
+Llama-3.2-1B's shapes.
+
+    python3 scripts/gpu/bench.py --lantern BIN [--models DIR] [--json OUT.json]
+        [--names smollm2-135m,llama-3.2-1b] [--budget 230]
+
+lantern, first (so that nothing of transformers' holds the GPU meanwhile):
+  lantern bench --device cuda --model DIR --json --prompt-tokens 512 --decode-tokens 64
+      --batches 8,32,256 --repeat 2
+  lantern bench --device cuda --model DIR --capture --capture-prompt-tokens 512 --repeat 1
+      (text; its "512 tokens: X ms per layer" finalize line is read)
+transformers (bf16, SDPA, its default dynamic cache, `generate` greedy with
+min_new_tokens = max_new_tokens so that EOS cannot stop it), the same figures as lantern
+defines them:
+  prefill      a 512-token prompt, one forward and the first token, tokens/s
+  decode b1    64 tokens after a 16-token prompt (lantern: after a 1-token prompt)
+  decode b1@512  64 tokens after the 512-token prompt
+  decode bN    aggregate tokens/s of N requests of 16-token prompts, 64 tokens each
+               (lantern bench's batched figure: its prompts are 16 tokens)
+               decode time = generate(65 tokens) - generate(1 token), over 64 x N tokens
+  capture 512  one forward of a 512-token prompt with output_attentions=True (eager
+               attention) and every layer's map copied to the host, ms; lantern: its
+               512-token prefill plus its capture's finalize (ms per layer x layers)
+The compiled static-cache path of transformers is left out (torch.compile takes 14 to 53 s
+per shape); see docs/gpu.md for the figures measured once.
+
+Prompts are random token ids (from 256 up, as lantern bench's), the same seed each run.
+Output: a table of lantern / transformers ratios, and --json.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Budget:
+    """--budget seconds, cut to scripts/test-gpu's step deadline ($TEST_GPU_STEP_DEADLINE)."""
+
+    def __init__(self, seconds):
+        step_end = float(os.environ.get("TEST_GPU_STEP_DEADLINE", "inf")) - 10
+        self.end = min(time.time() + seconds, step_end)
+
+    def left(self):
+        return self.end - time.time()
+
+
+def run(cmd, timeout):
+    start = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout}s", time.time() - start
+    if p.returncode != 0:
+        return None, f"exit {p.returncode}: {p.stderr.strip()[-600:]}", time.time() - start
+    return p.stdout, p.stderr, time.time() - start
+
+
+def lantern_figures(args, model_dir, budget):
+    base = [args.lantern, "bench"]
+    if args.lantern_device:
+        base += ["--device", args.lantern_device]
+    base += ["--model", model_dir, "--kv-cache-memory", args.kv_cache_memory] + args.lantern_arg
+    res = {}
+    batches = [b for b in args.batches if b > 1]
+    cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
+                  str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
+                  "--repeat", str(args.repeat)]
+    # Leave transformers about 90 s of the budget.
+    timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+    out, err, secs = run(cmd, timeout)
+    res["bench_cmd"] = " ".join(cmd)
+    res["bench_seconds"] = round(secs, 1)
+    if out is None:
+        res["bench_error"] = err
+    else:
+        lines = [l for l in out.splitlines() if l.startswith("{")]
+        try:
+            res["bench"] = json.loads(lines[-1])
+        except Exception as e:
+            res["bench_error"] = f"unreadable output ({e}): {out[-400:]}"
+    if args.no_capture:
+        return res
+    cmd = base + ["--capture", "--capture-prompt-tokens", str(args.capture_tokens), "--repeat", "1"]
+    timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+    out, err, secs = run(cmd, timeout)
+    res["capture_cmd"] = " ".join(cmd)
+    res["capture_seconds"] = round(secs, 1)
+    if out is None:
+        res["capture_error"] = err
+        return res
+    res["capture_text"] = out
+    m = re.search(r"^\s*(\d+) tokens:\s+([\d.]+) ms per layer", out, re.M)
+    if m and int(m.group(1)) == args.capture_tokens:
+        res["capture_finalize_ms_per_layer"] = float(m.group(2))
+    m = re.search(r"no capturing request\s+([\d.]+) tokens/s", out)
+    if m:
+        res["capture_decode_plain_tokens_per_s"] = float(m.group(1))
+    m = re.search(r"one capturing all \d+ layers\s+([\d.]+) tokens/s", out)
+    if m:
+        res["capture_decode_capturing_tokens_per_s"] = float(m.group(1))
+    return res
+
+
+def load_kwargs(dtype, attn):
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return {key: dtype, "attn_implementation": attn}
+
+
+def transformers_figures(args, model_dir, budget):
+    import torch
+    from transformers import AutoModelForCausalLM
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    res = {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(torch.bfloat16, args.attn))
+    model.to(device).eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+
+    def prompts(batch, length):
+        return torch.randint(256, vocab, (batch, length), generator=gen).to(device)
+
+    def timed(fn):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    def manual_greedy(ids, new):
+        # What generate does here, without it: argmax of each step, the dynamic cache.
+        past, nxt = None, ids
+        for _ in range(new):
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = torch.argmax(out.logits[:, -1], dim=-1, keepdim=True)
+        return nxt
+
+    def generate(ids, new):
+        if res.get("generate_fallback"):
+            return manual_greedy(ids, new)
+        try:
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  pad_token_id=model.config.pad_token_id or 0)
+        except Exception as e:
+            res["generate_fallback"] = f"generate failed ({e!r}); a plain greedy loop was timed"
+            print(res["generate_fallback"], flush=True)
+            return manual_greedy(ids, new)
+
+    with torch.no_grad():
+        # prefill: forward of the prompt and its first token, as lantern's figure.
+        ids = prompts(1, args.prompt_tokens)
+        def prefill():
+            torch.argmax(model(input_ids=ids).logits[0, -1])
+        prefill()
+        t = statistics.median(timed(prefill) for _ in range(3))
+        res["prefill_tokens_per_s"] = args.prompt_tokens / t
+
+        def decode_rate(batch, length):
+            ids = prompts(batch, length)
+            generate(ids, 2)  # warm-up of this shape
+            firsts, fulls = [], []
+            for _ in range(args.repeat):
+                firsts.append(timed(lambda: generate(ids, 1)))
+                fulls.append(timed(lambda: generate(ids, args.decode_tokens + 1)))
+            seconds = statistics.median(fulls) - statistics.median(firsts)
+            return batch * args.decode_tokens / max(seconds, 1e-9)
+
+        res["decode_tokens_per_s"] = {}
+        for b in args.batches:
+            if budget.left() < 20:
+                res.setdefault("skipped", []).append(f"decode batch {b}: out of time")
+                continue
+            res["decode_tokens_per_s"][str(b)] = decode_rate(b, args.batch_prompt_tokens)
+        if budget.left() > 20:
+            res["decode_after_prompt_tokens_per_s"] = decode_rate(1, args.prompt_tokens)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    if args.no_capture or budget.left() < 20:
+        return res
+    # Attention maps: eager attention with output_attentions, every layer's map to the host.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(torch.bfloat16, "eager"))
+    model.to(device).eval()
+    ids = prompts(1, args.capture_tokens)
+    with torch.no_grad():
+        def capture():
+            out = model(input_ids=ids, output_attentions=True)
+            maps = [a.to("cpu") for a in out.attentions]
+            return sum(m.numel() * m.element_size() for m in maps)
+        nbytes = capture()
+        res["capture_ms"] = 1e3 * statistics.median(timed(capture) for _ in range(3))
+        res["capture_map_bytes"] = nbytes
+        res["capture_map_dtype"] = "bfloat16"
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def ratio(a, b):
+    return a / b if a and b else None
+
+
+def table(name, layers, lan, hf, args):
+    """Rows of (metric, transformers, lantern, lantern/transformers; >1: lantern better)."""
+    rows = []
+    bench = lan.get("bench") or {}
+    batched = bench.get("batched_decode_tokens_per_s") or {}
+    hf_dec = hf.get("decode_tokens_per_s") or {}
+
+    def add(metric, h, l, higher_better=True, unit="tok/s"):
+        r = ratio(l, h) if higher_better else ratio(h, l)
+        rows.append({"model": name, "metric": metric, "unit": unit, "transformers": h,
+                     "lantern": l, "speedup": r})
+
+    add(f"prefill {args.prompt_tokens}", hf.get("prefill_tokens_per_s"), bench.get("prefill_tokens_per_s"))
+    for b in args.batches:
+        l = bench.get("decode_tokens_per_s") if b == 1 else batched.get(str(b))
+        add(f"decode batch {b}", hf_dec.get(str(b)), l)
+    add(f"decode b1 after {args.prompt_tokens}", hf.get("decode_after_prompt_tokens_per_s"),
+        bench.get("decode_after_prompt_tokens_per_s"))
+    per_layer = lan.get("capture_finalize_ms_per_layer")
+    lan_capture = None
+    if per_layer is not None and bench.get("prefill_tokens_per_s") and layers:
+        lan_capture = 1e3 * args.capture_tokens / bench["prefill_tokens_per_s"] + per_layer * layers
+    add(f"capture {args.capture_tokens} (prefill + maps)", hf.get("capture_ms"), lan_capture,
+        higher_better=False, unit="ms")
+    return rows
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    return f"{v:,.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lantern", default=os.path.join(ROOT, "target", "release", "lantern"))
+    ap.add_argument("--lantern-device", default="cuda", help="--device given to lantern (empty: none)")
+    ap.add_argument("--lantern-arg", action="append", default=[], help="one more lantern bench argument")
+    ap.add_argument("--lantern-timeout", type=int, default=90, help="seconds per lantern command")
+    ap.add_argument("--kv-cache-memory", default="8G")
+    ap.add_argument("--models", default="/tmp/lantern-test-gpu/models")
+    ap.add_argument("--names", default="smollm2-135m,llama-3.2-1b")
+    ap.add_argument("--batches", default="1,8,32,256")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch-prompt-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--capture-tokens", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", help="transformers' attention for the speed figures")
+    ap.add_argument("--no-capture", action="store_true")
+    ap.add_argument("--skip-lantern", action="store_true")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--budget", type=float, default=230, help="seconds for the whole run")
+    ap.add_argument("--device", default=None, help="transformers' device (default cuda if available)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    budget = Budget(args.budget)
+
+    names = [n for n in args.names.split(",") if n]
+    dirs = {n: os.path.join(args.models, n) for n in names}
+    missing = [n for n, d in dirs.items() if not os.path.isfile(os.path.join(d, "config.json"))]
+    if missing:
+        print(f"missing model directories {missing} under {args.models} (scripts/gpu/make_models.py)")
+    names = [n for n in names if n not in missing]
+
+    out = {"settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
+           "lantern": {}, "transformers": {}, "rows": [], "errors": [],
+           "not_measured": "transformers' compiled static-cache path (torch.compile, 14-53 s of compiling per shape)"}
+    # lantern first: nothing of transformers' on the GPU meanwhile.
+    if not args.skip_lantern:
+        for n in names:
+            if budget.left() < 30:
+                out["errors"].append(f"lantern {n}: out of time")
+                continue
+            r = lantern_figures(args, dirs[n], budget)
+            out["lantern"][n] = r
+            for key in ("bench_error", "capture_error"):
+                if key in r:
+                    out["errors"].append(f"lantern {n} {key}: {r[key][:300]}")
+            print(f"lantern {n}: bench {r.get('bench_seconds')}s, capture {r.get('capture_seconds')}s", flush=True)
+    if not args.skip_transformers:
+        import torch
+        import transformers
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        out["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+        for n in names:
+            if budget.left() < 30:
+                out["errors"].append(f"transformers {n}: out of time")
+                continue
+            start = time.time()
+            try:
+                out["transformers"][n] = transformers_figures(args, dirs[n], budget)
+            except Exception as e:
+                out["errors"].append(f"transformers {n}: {e!r}")
+                out["transformers"][n] = {"error": repr(e)}
+            print(f"transformers {n}: {time.time() - start:.1f}s", flush=True)
+
+    for n in names:
+        with open(os.path.join(dirs[n], "config.json")) as f:
+            layers = json.load(f)["num_hidden_layers"]
+        out["rows"] += table(n, layers, out["lantern"].get(n, {}), out["transformers"].get(n, {}), args)
+    lines = [f"{'model':<14} {'figure':<30} {'transformers':>13} {'lantern':>11} {'lantern/HF':>10}"]
+    for r in out["rows"]:
+        unit = r["unit"]
+        lines.append(f"{r['model']:<14} {r['metric'] + ' (' + unit + ')':<30} {fmt(r['transformers']):>13} "
+                     f"{fmt(r['lantern']):>11} {fmt(r['speedup']) + 'x' if r['speedup'] else '-':>10}")
+    out["table"] = lines
+    out["seconds"] = round(args.budget - budget.left(), 1)
+    print("\n".join(lines))
+    print("lantern/HF: how many times faster lantern is (capture: HF ms / lantern ms)")
+    for e in out["errors"]:
+        print("error:", e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    sys.exit(1 if out["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()

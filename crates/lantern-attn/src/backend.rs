@@ -209,6 +209,12 @@ pub trait AttentionBackend: Send + Sync {
         keys: &mut [f32],
         values: Option<&mut [f32]>,
     ) -> Result<(), AttnError>;
+
+    /// The backend itself, for a device's model code that calls its native (non-host)
+    /// entry points; `None` for backends that have none.
+    fn as_any(&self) -> Option<&dyn Any> {
+        None
+    }
 }
 
 /// The backend called `name` with its default layout.
@@ -232,6 +238,23 @@ pub fn validate_forward_inputs(
     layer: &AttentionLayerSpec,
     common: &CommonAttentionMetadata,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
+    cache: &dyn LayerKvCache,
+) -> Result<(), AttnError> {
+    validate_step(backend_layout, layer, common, cache)?;
+    let t = common.num_actual_tokens;
+    expect_f32_dims("q", q, &[t, layer.num_heads, layer.head_dim])?;
+    expect_f32_dims("k", k, &[t, layer.num_kv_heads, layer.head_dim])?;
+    expect_f32_dims("v", v, &[t, layer.num_kv_heads, layer.head_dim])?;
+    Ok(())
+}
+
+/// [`validate_forward_inputs`] without the tensors, for a backend whose q/k/v are not
+/// host tensors: the layer spec, the cache's layout and geometry, the metadata, block
+/// ids inside the cache.
+pub fn validate_step(
+    backend_layout: &KvCacheLayout,
+    layer: &AttentionLayerSpec,
+    common: &CommonAttentionMetadata,
     cache: &dyn LayerKvCache,
 ) -> Result<(), AttnError> {
     layer.validate()?;
@@ -279,9 +302,5 @@ pub fn validate_forward_inputs(
             });
         }
     }
-    let t = common.num_actual_tokens;
-    expect_f32_dims("q", q, &[t, layer.num_heads, layer.head_dim])?;
-    expect_f32_dims("k", k, &[t, layer.num_kv_heads, layer.head_dim])?;
-    expect_f32_dims("v", v, &[t, layer.num_kv_heads, layer.head_dim])?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
+use lantern_engine::device::DeviceChoice;
 use lantern_engine::{Engine, EngineConfig};
 use lantern_kv::KvDtype;
 use lantern_model::GgmlDType;
@@ -28,9 +29,18 @@ pub struct EngineArgs {
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Attention backend: cpu-flash or cpu-reference.
+    /// Attention backend: cpu-flash or cpu-reference on the CPU; on a GPU cuda
+    /// (FlashAttention's KV cache layout, the default there) or cuda-flashinfer.
     #[arg(long, default_value = "cpu-flash")]
     pub attention_backend: String,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N (needs a build with the cargo
+    /// feature `cuda`, an NVIDIA driver, and the NVRTC and cuBLAS libraries).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceChoice,
+    /// GPU only: the share of the card's memory lantern may use; the KV cache gets what
+    /// the weights and a 1 GiB activation reserve leave (instead of --kv-cache-memory).
+    #[arg(long, value_name = "FRACTION")]
+    pub gpu_memory_utilization: Option<f32>,
     /// Most tokens computed in one step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
@@ -154,6 +164,8 @@ impl EngineArgs {
                 f32_weights: self.f32_weights,
                 quantize: self.quantize,
             },
+            device: self.device,
+            gpu_memory_utilization: self.gpu_memory_utilization,
             chat_template: self.chat_template.clone(),
         };
         let engine = lantern_engine::options::load_engine(&path, &load, config)?;
@@ -180,6 +192,10 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
 
 fn parse_quantize(s: &str) -> Result<GgmlDType> {
     lantern_engine::options::parse_weight_type(s).map_err(anyhow::Error::msg)
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice> {
+    lantern_engine::device::parse_device(s).map_err(anyhow::Error::msg)
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype> {

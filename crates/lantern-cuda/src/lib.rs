@@ -11,8 +11,8 @@ pub mod gpu;
 pub mod kernels;
 pub mod libs;
 
+pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};
+pub use compute::CudaCompute;
 pub use error::{CudaError, Result};
 pub use gpu::{compile_all_kernels_ptx, Gpu};
 pub use kernels::{Activation, AttnParams, CacheElem, KvStrides, PagedMeta, MAX_HEAD_DIM};
-pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};
-pub use compute::CudaCompute;

@@ -61,6 +61,11 @@ pub fn parse_weight_type(text: &str) -> Result<GgmlDType, String> {
 #[derive(Debug, Clone, Default)]
 pub struct ModelLoad {
     pub weights: LoadOptions,
+    /// Where the model runs.
+    pub device: crate::device::DeviceChoice,
+    /// GPU only: the share of the card's memory the process may use, the KV cache sized
+    /// from what the weights leave (instead of `kv_cache_memory`).
+    pub gpu_memory_utilization: Option<f32>,
     /// A Jinja chat template file that replaces the model's own.
     pub chat_template: Option<PathBuf>,
 }
@@ -90,12 +95,15 @@ pub fn load_engine(
     load: &ModelLoad,
     config: EngineConfig,
 ) -> Result<Engine, LoadEngineError> {
-    let mut loaded = lantern_model::load_model(path, &load.weights).map_err(|source| {
-        LoadEngineError::Model {
-            path: path.to_path_buf(),
-            source: Box::new(source),
-        }
-    })?;
+    let mut placed =
+        crate::device::load_on(load.device, path, &load.weights).map_err(|e| match e {
+            EngineError::Model(source) => LoadEngineError::Model {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            },
+            other => Box::new(other).into(),
+        })?;
+    let loaded = &mut placed.loaded;
     if let Some(file) = &load.chat_template {
         let source =
             std::fs::read_to_string(file).map_err(|source| LoadEngineError::ReadChatTemplate {
@@ -113,7 +121,9 @@ pub fn load_engine(
         })?;
         loaded.chat_template = Some(template);
     }
-    Engine::new(loaded, config).map_err(|e| Box::new(e).into())
+    placed
+        .start(config, load.gpu_memory_utilization)
+        .map_err(|e| Box::new(e).into())
 }
 
 #[cfg(test)]

@@ -4,10 +4,10 @@
 //! [`DecoderSpec`] (see [`crate::archs`]).
 
 use crate::blocks::{Activation, Attention, AttentionShape, Loader, Mlp, RmsNorm};
+use crate::compute::{AttentionCall, Compute};
 use crate::error::Result;
 use crate::hparams::HParams;
-use crate::linear::{tensor_to_vec, Linear};
-use crate::ops;
+use crate::linear::tensor_to_vec;
 use crate::rope::{Rope, RopePairs, RopeScaling};
 use crate::source::WeightSource;
 use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
@@ -90,31 +90,35 @@ impl DecoderSpec {
     }
 }
 
-struct Layer {
-    attn_norm: RmsNorm,
-    attention: Attention,
-    post_attention_norm: Option<RmsNorm>,
-    ffn_norm: RmsNorm,
-    mlp: Mlp,
-    post_ffn_norm: Option<RmsNorm>,
+struct Layer<C: Compute> {
+    attn_norm: RmsNorm<C>,
+    attention: Attention<C>,
+    post_attention_norm: Option<RmsNorm<C>>,
+    ffn_norm: RmsNorm<C>,
+    mlp: Mlp<C>,
+    post_ffn_norm: Option<RmsNorm<C>>,
 }
 
-pub struct Decoder {
+/// A decoder whose blocks run on `C` (the host CPU unless a device crate says otherwise).
+pub struct Decoder<C: Compute> {
+    compute: C,
     info: ModelInfo,
-    token_embd: Linear,
+    token_embd: C::Matrix,
     embed_scale: Option<f32>,
-    layers: Vec<Layer>,
-    output_norm: RmsNorm,
+    layers: Vec<Layer<C>>,
+    output_norm: RmsNorm<C>,
     /// `None` when the output projection is tied to the token embeddings.
-    output: Option<Linear>,
+    output: Option<C::Matrix>,
     final_soft_cap: Option<f32>,
     /// The distinct rotary embeddings, and which one each layer uses.
     ropes: Vec<Rope>,
     layer_rope: Vec<usize>,
 }
 
-impl Decoder {
+impl<C: Compute> Decoder<C> {
+    /// Reads the weights `spec` names from `source` onto `compute`.
     pub fn load(
+        compute: C,
         source: &mut dyn WeightSource,
         spec: DecoderSpec,
         progress: &LoadProgress,
@@ -122,8 +126,9 @@ impl Decoder {
     ) -> Result<Self> {
         let p = &spec.params;
         let (h, eps) = (p.hidden_size, spec.rms_norm_eps);
+        let c = &compute;
         let mut loader = Loader::new(source, progress, options);
-        let token_embd = loader.linear("token_embd.weight", p.vocab_size, h)?;
+        let token_embd = loader.linear(c, "token_embd.weight", p.vocab_size, h)?;
         let shape = AttentionShape {
             hidden: h,
             num_heads: p.num_heads,
@@ -135,20 +140,21 @@ impl Decoder {
             let name = |t: &str| format!("blk.{l}.{t}.weight");
             let sandwich = |loader: &mut Loader, t: &str| {
                 spec.sandwich_norms
-                    .then(|| RmsNorm::load(loader, &name(t), h, eps))
+                    .then(|| RmsNorm::load(c, loader, &name(t), h, eps))
                     .transpose()
             };
+            let qk_norm_eps = spec.qk_norm.then_some(eps);
             layers.push(Layer {
-                attn_norm: RmsNorm::load(&mut loader, &name("attn_norm"), h, eps)?,
-                attention: Attention::load(&mut loader, l, shape, spec.qk_norm.then_some(eps))?,
+                attn_norm: RmsNorm::load(c, &mut loader, &name("attn_norm"), h, eps)?,
+                attention: Attention::load(c, &mut loader, l, shape, qk_norm_eps)?,
                 post_attention_norm: sandwich(&mut loader, "post_attention_norm")?,
-                ffn_norm: RmsNorm::load(&mut loader, &name("ffn_norm"), h, eps)?,
-                mlp: Mlp::load(&mut loader, l, h, p.intermediate_size, spec.activation)?,
+                ffn_norm: RmsNorm::load(c, &mut loader, &name("ffn_norm"), h, eps)?,
+                mlp: Mlp::load(c, &mut loader, l, h, p.intermediate_size, spec.activation)?,
                 post_ffn_norm: sandwich(&mut loader, "post_ffw_norm")?,
             });
         }
-        let output_norm = RmsNorm::load(&mut loader, "output_norm.weight", h, eps)?;
-        let output = loader.opt_linear("output.weight", p.vocab_size, h)?;
+        let output_norm = RmsNorm::load(c, &mut loader, "output_norm.weight", h, eps)?;
+        let output = loader.opt_linear(c, "output.weight", p.vocab_size, h)?;
         let freq_factors = if loader.has("rope_freqs.weight") {
             let t = loader.tensor("rope_freqs.weight", &[p.rope_dim / 2])?;
             Some(tensor_to_vec("rope_freqs.weight", &t)?)
@@ -195,6 +201,7 @@ impl Decoder {
             attention: spec.attention_specs(),
         };
         Ok(Self {
+            compute,
             info,
             token_embd,
             embed_scale: spec.embed_scale,
@@ -208,7 +215,7 @@ impl Decoder {
     }
 }
 
-impl CausalLm for Decoder {
+impl<C: Compute> CausalLm for Decoder<C> {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
@@ -221,52 +228,46 @@ impl CausalLm for Decoder {
         mut tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>> {
         batch.validate(&self.info, caches.len())?;
+        let c = &self.compute;
         let tokens = batch.token_ids.len();
-        let hidden = self.info.hidden_size;
-        let tables: Vec<_> = self
+        let tables = self
             .ropes
             .iter()
-            .map(|r| r.table(batch.positions))
-            .collect();
-        let mut x = self.token_embd.rows(batch.token_ids)?;
-        if let Some(scale) = self.embed_scale {
-            ops::scale(&mut x, scale);
-        }
+            .map(|r| c.rope_table(r, batch.positions))
+            .collect::<Result<Vec<_>>>()?;
+        let mut x = c.embed(&self.token_embd, batch.token_ids, self.embed_scale)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(&x);
-            let o = layer.attention.forward(
-                l,
-                &h,
+            let h = layer.attn_norm.forward(c, &x)?;
+            let call = AttentionCall {
+                layer: l,
                 tokens,
-                &tables[self.layer_rope[l]],
-                &self.info.attention[l],
-                &batch.attention[batch.layer_group[l]],
+                spec: &self.info.attention[l],
+                meta: &batch.attention[batch.layer_group[l]],
                 backend,
-                caches[l].as_mut(),
-                tap.as_deref_mut(),
-            )?;
+                cache: caches[l].as_mut(),
+                tap: tap.as_deref_mut(),
+            };
+            let o = layer
+                .attention
+                .forward(c, &h, &tables[self.layer_rope[l]], call)?;
             match &layer.post_attention_norm {
-                Some(norm) => ops::add_in_place(&mut x, &norm.forward(&o)),
-                None => ops::add_in_place(&mut x, &o),
+                Some(norm) => c.add(&mut x, &norm.forward(c, &o)?)?,
+                None => c.add(&mut x, &o)?,
             }
-            let h = layer.ffn_norm.forward(&x);
-            let m = layer.mlp.forward(&h, tokens)?;
+            let h = layer.ffn_norm.forward(c, &x)?;
+            let m = layer.mlp.forward(c, &h, tokens)?;
             match &layer.post_ffn_norm {
-                Some(norm) => ops::add_in_place(&mut x, &norm.forward(&m)),
-                None => ops::add_in_place(&mut x, &m),
+                Some(norm) => c.add(&mut x, &norm.forward(c, &m)?)?,
+                None => c.add(&mut x, &m)?,
             }
         }
-        let selected: Vec<f32> = batch
-            .logits_rows
-            .iter()
-            .flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied())
-            .collect();
-        let normed = self.output_norm.forward(&selected);
+        let selected = c.select_rows(&x, batch.logits_rows, self.info.hidden_size)?;
+        let normed = self.output_norm.forward(c, &selected)?;
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
-        let mut logits = output.forward(&normed, batch.logits_rows.len())?;
+        let mut logits = c.matmul(output, &normed, batch.logits_rows.len())?;
         if let Some(cap) = self.final_soft_cap {
-            ops::soft_cap(&mut logits, cap);
+            c.soft_cap(&mut logits, cap)?;
         }
-        Ok(logits)
+        c.to_host(logits)
     }
 }

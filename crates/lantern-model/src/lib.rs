@@ -4,6 +4,7 @@
 pub mod archs;
 pub mod blocks;
 pub mod chat;
+pub mod compute;
 pub mod cpu;
 pub mod decoder;
 pub mod default_model;
@@ -161,8 +162,47 @@ pub struct LoadOptions {
 /// Loads a model: a GGUF file, or a Hugging Face directory (`config.json`, safetensors,
 /// `tokenizer.json`); weights, tokenizer and chat template.
 pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
+    load_model_on(path, options, &compute::Cpu)
+}
+
+/// A device a model can be loaded onto: builds the decoder an architecture describes
+/// over its own [`compute::Compute`].
+pub trait ModelDevice {
+    fn build(
+        &self,
+        source: &mut dyn WeightSource,
+        spec: decoder::DecoderSpec,
+        progress: &LoadProgress,
+        options: &LoadOptions,
+    ) -> Result<Box<dyn CausalLm>>;
+}
+
+impl<C: compute::Compute + Clone> ModelDevice for C {
+    fn build(
+        &self,
+        source: &mut dyn WeightSource,
+        spec: decoder::DecoderSpec,
+        progress: &LoadProgress,
+        options: &LoadOptions,
+    ) -> Result<Box<dyn CausalLm>> {
+        Ok(Box::new(decoder::Decoder::load(
+            self.clone(),
+            source,
+            spec,
+            progress,
+            options,
+        )?))
+    }
+}
+
+/// [`load_model`] with the model's blocks on `device`.
+pub fn load_model_on(
+    path: &Path,
+    options: &LoadOptions,
+    device: &dyn ModelDevice,
+) -> Result<LoadedModel> {
     if hf::is_hf_directory(path) {
-        return load_hf_directory(path, options);
+        return load_hf_directory(path, options, device);
     }
     let mut gguf = GgufFile::open(path)?;
     let progress = LoadProgress::new(options.progress);
@@ -173,7 +213,8 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
     );
     let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
     let chat_template = chat_template(&gguf, &tokenizer);
-    let model = load_architecture(&mut gguf, &progress, options)?;
+    let spec = archs::describe(&gguf)?;
+    let model = device.build(&mut gguf, spec, &progress, options)?;
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -181,7 +222,11 @@ pub fn load_model(path: &Path, options: &LoadOptions) -> Result<LoadedModel> {
     })
 }
 
-fn load_hf_directory(dir: &Path, options: &LoadOptions) -> Result<LoadedModel> {
+fn load_hf_directory(
+    dir: &Path,
+    options: &LoadOptions,
+    device: &dyn ModelDevice,
+) -> Result<LoadedModel> {
     let mut source = hf::HfDirectory::open(dir, options.quantize)?;
     let progress = LoadProgress::new(options.progress);
     progress.bar.set_message(
@@ -200,7 +245,8 @@ fn load_hf_directory(dir: &Path, options: &LoadOptions) -> Result<LoadedModel> {
             tokenizer.eos_token().unwrap_or_default(),
         )
     });
-    let model = load_architecture(&mut source, &progress, options)?;
+    let spec = archs::describe(&source)?;
+    let model = device.build(&mut source, spec, &progress, options)?;
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -215,9 +261,7 @@ pub fn load_architecture(
     options: &LoadOptions,
 ) -> Result<Box<dyn CausalLm>> {
     let spec = archs::describe(source)?;
-    Ok(Box::new(decoder::Decoder::load(
-        source, spec, progress, options,
-    )?))
+    compute::Cpu.build(source, spec, progress, options)
 }
 
 /// The file's chat template. One that cannot be used (not a string, does not compile) is

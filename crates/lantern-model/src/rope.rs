@@ -224,6 +224,25 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// `[positions, half]` cosines.
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// `[positions, half]` sines.
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
+    /// Rotated pairs per head (half the rotary dimension).
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    pub fn pairs(&self) -> RopePairs {
+        self.pairs
+    }
+
     /// Rotates `x`: `[tokens, heads, head_dim]`, in place.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize) {
         let row = heads * head_dim;

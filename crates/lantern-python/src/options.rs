@@ -175,6 +175,7 @@ impl EngineOptions {
                 quantize: self.quantize,
             },
             chat_template: self.chat_template.clone(),
+            ..ModelLoad::default()
         };
         load_engine(path, &load, self.config.clone()).map_err(|e| e.to_string())
     }

@@ -1,7 +1,8 @@
 //! Reading a model's tensors from a [`WeightSource`] with their expected shapes.
 
+use crate::compute::Compute;
 use crate::error::{ModelError, Result};
-use crate::linear::{tensor_to_vec, Linear};
+use crate::linear::tensor_to_vec;
 use crate::source::WeightSource;
 use crate::{LoadOptions, LoadProgress};
 use candle_core::quantized::QTensor;
@@ -38,16 +39,28 @@ impl<'a> Loader<'a> {
         t
     }
 
-    /// A weight matrix `[out, in]` as a product.
-    pub fn linear(&mut self, name: &str, out: usize, input: usize) -> Result<Linear> {
+    /// A weight matrix `[out, in]` as a product on `c`.
+    pub fn linear<C: Compute>(
+        &mut self,
+        c: &C,
+        name: &str,
+        out: usize,
+        input: usize,
+    ) -> Result<C::Matrix> {
         let t = self.tensor(name, &[out, input])?;
-        Linear::load(self.options, name, t)
+        c.matrix(self.options, name, t)
     }
 
     /// The matrix if the source has it.
-    pub fn opt_linear(&mut self, name: &str, out: usize, input: usize) -> Result<Option<Linear>> {
+    pub fn opt_linear<C: Compute>(
+        &mut self,
+        c: &C,
+        name: &str,
+        out: usize,
+        input: usize,
+    ) -> Result<Option<C::Matrix>> {
         if self.has(name) {
-            self.linear(name, out, input).map(Some)
+            self.linear(c, name, out, input).map(Some)
         } else {
             Ok(None)
         }

@@ -1,8 +1,9 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, gate and up separate or fused.
 
 use super::{Loader, Projections};
+use crate::compute::Compute;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+#[cfg(test)]
 use crate::ops;
 
 /// The gate's activation.
@@ -18,29 +19,25 @@ impl Activation {
     #[cfg(test)]
     fn apply(self, gate: &[f32], up: &[f32]) -> Vec<f32> {
         let mut out = gate.to_vec();
-        self.apply_in_place(&mut out, up);
-        out
-    }
-
-    /// `gate = act(gate) * up`.
-    fn apply_in_place(self, gate: &mut [f32], up: &[f32]) {
         match self {
-            Self::Silu => ops::silu_mul(gate, up),
-            Self::GeluTanh => ops::gelu_tanh_mul(gate, up),
+            Self::Silu => ops::silu_mul(&mut out, up),
+            Self::GeluTanh => ops::gelu_tanh_mul(&mut out, up),
         }
+        out
     }
 }
 
-pub struct Mlp {
-    gate_up: Projections,
-    down: Linear,
+pub struct Mlp<C: Compute> {
+    gate_up: Projections<C>,
+    down: C::Matrix,
     activation: Activation,
 }
 
-impl Mlp {
+impl<C: Compute> Mlp<C> {
     /// Layer `l`'s `ffn_gate`/`ffn_up`/`ffn_down`; without `ffn_gate`, `ffn_up` holds gate
     /// and up stacked (`2 * ffn` rows, gate first: Phi-3).
     pub fn load(
+        c: &C,
         loader: &mut Loader,
         l: usize,
         hidden: usize,
@@ -52,29 +49,30 @@ impl Mlp {
             let gate = loader.tensor(&name("ffn_gate"), &[ffn, hidden])?;
             let up = loader.tensor(&name("ffn_up"), &[ffn, hidden])?;
             Projections::separate(
+                c,
                 loader.options,
                 vec![(name("ffn_gate"), gate), (name("ffn_up"), up)],
             )?
         } else {
             let fused = loader.tensor(&name("ffn_up"), &[2 * ffn, hidden])?;
-            Projections::fused(loader.options, &name("ffn_up"), fused, vec![ffn, ffn])?
+            Projections::fused(c, loader.options, &name("ffn_up"), fused, vec![ffn, ffn])?
         };
         Ok(Self {
             gate_up,
-            down: loader.linear(&name("ffn_down"), hidden, ffn)?,
+            down: loader.linear(c, &name("ffn_down"), hidden, ffn)?,
             activation,
         })
     }
 
-    pub fn forward(&self, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
-        let mut gate_up = self.gate_up.forward(x, tokens)?.into_iter();
+    pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        let mut gate_up = self.gate_up.forward(c, x, tokens)?.into_iter();
         let (Some(mut gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
             return Err(ModelError::Compute(
                 "gate/up projections are incomplete".into(),
             ));
         };
-        self.activation.apply_in_place(&mut gate, &up);
-        self.down.forward(&gate, tokens)
+        c.act_mul(self.activation, &mut gate, &up)?;
+        c.matmul(&self.down, &gate, tokens)
     }
 }
 

@@ -2,24 +2,24 @@
 //! [`crate::source`]).
 
 use super::Loader;
+use crate::compute::Compute;
 use crate::error::Result;
-use crate::ops;
 
-pub struct RmsNorm {
-    weight: Vec<f32>,
+pub struct RmsNorm<C: Compute> {
+    weight: C::Vector,
     eps: f32,
 }
 
-impl RmsNorm {
-    pub fn load(loader: &mut Loader, name: &str, len: usize, eps: f32) -> Result<Self> {
+impl<C: Compute> RmsNorm<C> {
+    pub fn load(c: &C, loader: &mut Loader, name: &str, len: usize, eps: f32) -> Result<Self> {
         Ok(Self {
-            weight: loader.vector(name, len)?,
+            weight: c.vector(loader.vector(name, len)?)?,
             eps,
         })
     }
 
-    /// Normalizes every row of `weight.len()` values (a token, or one head of a token).
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        ops::rms_norm(x, &self.weight, self.eps)
+    /// Normalizes every row of the weight's length (a token, or one head of a token).
+    pub fn forward(&self, c: &C, x: &C::Act) -> Result<C::Act> {
+        c.rms_norm(x, &self.weight, self.eps)
     }
 }

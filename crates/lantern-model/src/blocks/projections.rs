@@ -1,7 +1,7 @@
 //! Several matrices applied to the same input (q/k/v, gate/up), with optional biases.
 
+use crate::compute::Compute;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
 use crate::LoadOptions;
 use candle_core::quantized::QTensor;
 
@@ -9,16 +9,16 @@ use candle_core::quantized::QTensor;
 /// are stacked into one product; real files mix types inside a layer (Q4_K_M: q, k in
 /// Q4_K, v in Q6_K; Gemma: q, k in Q5_0, v in Q8_0), so a single stack is not always
 /// possible. A fused tensor (Phi-3's `attn_qkv`) is one product split by widths.
-pub struct Projections {
+pub struct Projections<C: Compute> {
     /// Each product and the output widths of the matrices it stacks.
-    stacks: Vec<(Linear, Vec<usize>)>,
+    stacks: Vec<(C::Matrix, Vec<usize>)>,
     /// One optional bias per output, in order.
-    biases: Vec<Option<Vec<f32>>>,
+    biases: Vec<Option<C::Vector>>,
 }
 
-impl Projections {
+impl<C: Compute> Projections<C> {
     /// `parts`: each matrix with its tensor name (errors name the tensors involved).
-    pub fn separate(options: &LoadOptions, parts: Vec<(String, QTensor)>) -> Result<Self> {
+    pub fn separate(c: &C, options: &LoadOptions, parts: Vec<(String, QTensor)>) -> Result<Self> {
         let mut runs: Vec<Vec<(String, QTensor)>> = Vec::new();
         for part in parts {
             match runs.last_mut() {
@@ -39,8 +39,8 @@ impl Projections {
                     .join(" + ");
                 let mut tensors: Vec<QTensor> = run.into_iter().map(|(_, t)| t).collect();
                 let product = match tensors.len() {
-                    1 => Linear::load(options, &name, tensors.remove(0))?,
-                    _ => Linear::load_stacked(options, &name, tensors)?,
+                    1 => c.matrix(options, &name, tensors.remove(0))?,
+                    _ => c.stacked_matrix(options, &name, tensors)?,
                 };
                 Ok((product, widths))
             })
@@ -48,12 +48,13 @@ impl Projections {
         let outputs = stacks.iter().map(|(_, w)| w.len()).sum();
         Ok(Self {
             stacks,
-            biases: vec![None; outputs],
+            biases: (0..outputs).map(|_| None).collect(),
         })
     }
 
     /// One stored matrix whose rows are several outputs of `widths` rows each.
     pub fn fused(
+        c: &C,
         options: &LoadOptions,
         name: &str,
         tensor: QTensor,
@@ -70,13 +71,13 @@ impl Projections {
         }
         let outputs = widths.len();
         Ok(Self {
-            stacks: vec![(Linear::load(options, name, tensor)?, widths)],
-            biases: vec![None; outputs],
+            stacks: vec![(c.matrix(options, name, tensor)?, widths)],
+            biases: (0..outputs).map(|_| None).collect(),
         })
     }
 
     /// Adds a bias to output `index` (its length must be that output's width).
-    pub fn set_bias(&mut self, index: usize, name: &str, bias: Vec<f32>) -> Result<()> {
+    pub fn set_bias(&mut self, c: &C, index: usize, name: &str, bias: Vec<f32>) -> Result<()> {
         let width = self.widths().nth(index).ok_or_else(|| {
             ModelError::InvalidConfig(format!("bias `{name}` has no projection to add to"))
         })?;
@@ -87,7 +88,7 @@ impl Projections {
                 expected: vec![width],
             });
         }
-        self.biases[index] = Some(bias);
+        self.biases[index] = Some(c.vector(bias)?);
         Ok(())
     }
 
@@ -96,16 +97,14 @@ impl Projections {
     }
 
     /// `[rows, in]` → one `[rows, width]` buffer per matrix, in the order given.
-    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(&self, c: &C, x: &C::Act, rows: usize) -> Result<Vec<C::Act>> {
         let mut outputs = Vec::with_capacity(self.biases.len());
         for (product, widths) in &self.stacks {
-            outputs.extend(product.forward_parts(x, rows, widths)?);
+            outputs.extend(c.matmul_parts(product, x, rows, widths)?);
         }
         for (out, bias) in outputs.iter_mut().zip(&self.biases) {
             if let Some(bias) = bias {
-                for row in out.chunks_exact_mut(bias.len()) {
-                    crate::ops::add_in_place(row, bias);
-                }
+                c.add_bias(out, bias)?;
             }
         }
         Ok(outputs)
@@ -115,6 +114,8 @@ impl Projections {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compute::Cpu;
+    use crate::linear::Linear;
     use candle_core::quantized::GgmlDType;
     use candle_core::{Device, Tensor};
 
@@ -164,7 +165,7 @@ mod tests {
             .map(|(i, (&t, w))| Linear::new("single", matrix(w, input, t, i as u64)).unwrap())
             .collect();
         let options = LoadOptions::default();
-        let mut p = Projections::separate(&options, parts).unwrap();
+        let mut p = Projections::separate(&Cpu, &options, parts).unwrap();
         assert_eq!(
             p.stacks.len(),
             2,
@@ -176,10 +177,10 @@ mod tests {
             .map(|(i, &w)| random(1, w, 10 + i as u64))
             .collect();
         for (i, b) in biases.iter().enumerate() {
-            p.set_bias(i, "bias", b.clone()).unwrap();
+            p.set_bias(&Cpu, i, "bias", b.clone()).unwrap();
         }
         let x = random(rows, input, 99);
-        let outputs = p.forward(&x, rows).unwrap();
+        let outputs = p.forward(&Cpu, &x, rows).unwrap();
         for ((out, single), bias) in outputs.iter().zip(&singles).zip(&biases) {
             let mut expected = single.forward(&x, rows).unwrap();
             for row in expected.chunks_exact_mut(bias.len()) {
@@ -187,7 +188,10 @@ mod tests {
             }
             assert!(max_rel(out, &expected) < 1e-6);
         }
-        assert!(p.set_bias(0, "bias", vec![0.0; 3]).is_err(), "wrong width");
+        assert!(
+            p.set_bias(&Cpu, 0, "bias", vec![0.0; 3]).is_err(),
+            "wrong width"
+        );
     }
 
     /// A fused matrix splits into the products of its row blocks.
@@ -203,13 +207,13 @@ mod tests {
             .unwrap()
         };
         let options = LoadOptions::default();
-        let p = Projections::fused(&options, "f", tensor(&fused, 48), vec![16, 32]).unwrap();
+        let p = Projections::fused(&Cpu, &options, "f", tensor(&fused, 48), vec![16, 32]).unwrap();
         let x = random(rows, input, 6);
-        let outputs = p.forward(&x, rows).unwrap();
+        let outputs = p.forward(&Cpu, &x, rows).unwrap();
         let first = Linear::new("a", tensor(&fused[..16 * input], 16)).unwrap();
         let second = Linear::new("b", tensor(&fused[16 * input..], 32)).unwrap();
         assert!(max_rel(&outputs[0], &first.forward(&x, rows).unwrap()) < 1e-6);
         assert!(max_rel(&outputs[1], &second.forward(&x, rows).unwrap()) < 1e-6);
-        assert!(Projections::fused(&options, "f", tensor(&fused, 48), vec![16, 16]).is_err());
+        assert!(Projections::fused(&Cpu, &options, "f", tensor(&fused, 48), vec![16, 16]).is_err());
     }
 }

@@ -1,0 +1,281 @@
+//! The CUDA attention backend: paged KV caches in device memory (either layout), the
+//! step's metadata uploaded once per KV cache group, and the paged attention kernel over
+//! them. The model's attention calls [`CudaBackend::attend`] on device buffers; the
+//! [`AttentionBackend`] trait's host-tensor `forward` is served too (copying q/k/v in and
+//! the output out), so anything written against the trait runs here unchanged.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use lantern_attn::{
+    host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
+    AttnError, CacheGeometry, CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape,
+    LayerKvCache, Tensor, DECODE_THRESHOLD,
+};
+use lantern_kv::KvDtype;
+
+use crate::cache::{attn_error, CacheData, CudaKvCache};
+use crate::gpu::Gpu;
+use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta};
+
+/// FlashAttention's layout, `[2, num_blocks, block_size, kv_heads, head_dim]`.
+pub const CUDA: &str = "cuda";
+/// FlashInfer's layout, `[num_blocks, 2, block_size, kv_heads, head_dim]`.
+pub const CUDA_FLASHINFER: &str = "cuda-flashinfer";
+pub const CUDA_BACKEND_NAMES: &[&str] = &[CUDA, CUDA_FLASHINFER];
+
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    name: &'static str,
+    layout: KvCacheLayout,
+}
+
+/// One step's metadata of one KV cache group, on the device.
+pub struct DeviceMetadata {
+    query_start_loc: CudaSlice<u32>,
+    seq_lens: CudaSlice<u32>,
+    block_table: CudaSlice<u32>,
+    table_stride: usize,
+    slot_mapping: CudaSlice<i64>,
+}
+
+/// What `build_metadata` attached: the device copy, or why it could not be made (the
+/// trait's `build_metadata` cannot fail; the layer's forward reports it).
+type Uploaded = Result<DeviceMetadata, String>;
+
+fn u32s(what: &str, values: &[usize]) -> Result<Vec<u32>, String> {
+    values
+        .iter()
+        .map(|&v| u32::try_from(v).map_err(|_| format!("{what} value {v} exceeds 32 bits")))
+        .collect()
+}
+
+impl CudaBackend {
+    /// The backend `name` (one of [`CUDA_BACKEND_NAMES`]) on `gpu`.
+    pub fn new(gpu: Arc<Gpu>, name: &str) -> Result<Self, AttnError> {
+        let (name, shape) = match name {
+            CUDA => (CUDA, KvCacheShape::KvFirst),
+            CUDA_FLASHINFER => (CUDA_FLASHINFER, KvCacheShape::BlocksFirst),
+            _ => {
+                return Err(AttnError::UnknownBackend {
+                    name: name.to_string(),
+                    known: CUDA_BACKEND_NAMES.join(", "),
+                })
+            }
+        };
+        Ok(Self {
+            gpu,
+            name,
+            layout: KvCacheLayout::contiguous(shape),
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn upload(&self, common: &CommonAttentionMetadata) -> Uploaded {
+        let e = |e: crate::CudaError| e.to_string();
+        let table = common.block_table.as_padded();
+        let stride = common.block_table.max_blocks_per_row();
+        // An empty table still needs a buffer to point at.
+        let table: Vec<u32> = if table.is_empty() {
+            vec![0]
+        } else {
+            table.to_vec()
+        };
+        Ok(DeviceMetadata {
+            query_start_loc: self
+                .gpu
+                .upload(&u32s("query_start_loc", &common.query_start_loc)?)
+                .map_err(e)?,
+            seq_lens: self
+                .gpu
+                .upload(&u32s("seq_lens", &common.seq_lens)?)
+                .map_err(e)?,
+            block_table: self.gpu.upload(&table).map_err(e)?,
+            table_stride: stride,
+            slot_mapping: self.gpu.upload(&common.slot_mapping).map_err(e)?,
+        })
+    }
+
+    /// Attention of one layer on device buffers: writes this step's `k`/`v` into `cache`
+    /// by the slot mapping, then attends `q` over the paged cache. All `[tokens, heads,
+    /// head_dim]` f32.
+    pub fn attend(
+        &self,
+        spec: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        cache: &mut dyn LayerKvCache,
+    ) -> Result<CudaSlice<f32>, AttnError> {
+        let common = &meta.common;
+        validate_step(&self.layout, spec, common, &*cache)?;
+        let t = common.num_actual_tokens;
+        for (what, buf, heads) in [
+            ("q", q, spec.num_heads),
+            ("k", k, spec.num_kv_heads),
+            ("v", v, spec.num_kv_heads),
+        ] {
+            let expected = t * heads * spec.head_dim;
+            if buf.len() != expected {
+                return Err(AttnError::LengthMismatch {
+                    what,
+                    expected,
+                    got: buf.len(),
+                });
+            }
+        }
+        let device = match meta.backend_data::<Uploaded>() {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => return Err(AttnError::InvalidMetadata(e.clone())),
+            None => {
+                return Err(AttnError::InvalidMetadata(
+                    "metadata was not built by the cuda backend".into(),
+                ))
+            }
+        };
+        let cache: &mut CudaKvCache = cache
+            .as_any_mut()
+            .downcast_mut()
+            .ok_or(AttnError::ForeignCache { backend: self.name })?;
+        let sinks = match &spec.sinks {
+            Some(s) => Some(self.gpu.upload(s).map_err(attn_error)?),
+            None => None,
+        };
+        let mut out = self.gpu.zeros::<f32>(q.len()).map_err(attn_error)?;
+        let paged = PagedMeta {
+            query_start_loc: device.query_start_loc.as_view(),
+            seq_lens: device.seq_lens.as_view(),
+            block_table: device.block_table.as_view(),
+            table_stride: device.table_stride,
+            num_reqs: common.num_reqs,
+            num_tokens: t,
+            max_query_len: common.max_query_len,
+            max_seq_len: common.max_seq_len,
+        };
+        let params = AttnParams {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            scale: spec.scale,
+            sliding_window: spec.sliding_window,
+            chunk_size: spec.chunk_size,
+            soft_cap: spec.logits_soft_cap,
+            sinks: sinks.as_ref().map(|s| s.as_view()),
+        };
+        let strides = *cache.strides();
+        let slots = &device.slot_mapping;
+        let step = Step {
+            gpu: &self.gpu,
+            strides: &strides,
+            paged: &paged,
+            params: &params,
+        };
+        match &mut cache.data {
+            CacheData::F32(c) => step.run(c, (q, k, v), slots, &mut out),
+            CacheData::F16(c) => step.run(c, (q, k, v), slots, &mut out),
+            CacheData::Bf16(c) => step.run(c, (q, k, v), slots, &mut out),
+        }
+        .map_err(attn_error)?;
+        Ok(out)
+    }
+}
+
+/// The two launches of one layer's step, generic over the cache's element type.
+struct Step<'a> {
+    gpu: &'a Gpu,
+    strides: &'a KvStrides,
+    paged: &'a PagedMeta<'a>,
+    params: &'a AttnParams<'a>,
+}
+
+impl Step<'_> {
+    fn run<T: CacheElem>(
+        &self,
+        cache: &mut CudaSlice<T>,
+        (q, k, v): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        slots: &CudaSlice<i64>,
+        out: &mut CudaSlice<f32>,
+    ) -> crate::Result<()> {
+        self.gpu.kv_write(k, v, slots, cache, self.strides)?;
+        self.gpu
+            .paged_attention(q, out, cache, self.strides, self.paged, self.params)
+    }
+}
+
+impl AttentionBackend for CudaBackend {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The host: tensors crossing this trait are host tensors; the model's own path
+    /// keeps everything on the GPU through [`CudaBackend::attend`].
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn kv_cache_layout(&self) -> KvCacheLayout {
+        self.layout
+    }
+
+    fn allocate_cache(
+        &self,
+        geometry: CacheGeometry,
+        dtype: KvDtype,
+    ) -> Result<Box<dyn LayerKvCache>, AttnError> {
+        Ok(Box::new(CudaKvCache::new(
+            Arc::clone(&self.gpu),
+            geometry,
+            self.layout,
+            dtype,
+        )?))
+    }
+
+    fn build_metadata(&self, common: Arc<CommonAttentionMetadata>) -> AttentionMetadata {
+        let uploaded = self.upload(&common);
+        AttentionMetadata::new(common, DECODE_THRESHOLD).with_backend_data(uploaded)
+    }
+
+    fn forward(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerKvCache,
+    ) -> Result<Tensor, AttnError> {
+        let up = |t: &Tensor| -> Result<CudaSlice<f32>, AttnError> {
+            self.gpu.upload(&host_f32(t)?).map_err(attn_error)
+        };
+        let out = self.attend(layer, meta, &up(q)?, &up(k)?, &up(v)?, cache)?;
+        let host = self.gpu.download(&out).map_err(attn_error)?;
+        let dims = [
+            meta.common.num_actual_tokens,
+            layer.num_heads,
+            layer.head_dim,
+        ];
+        tensor3(host, dims, &Device::Cpu)
+    }
+
+    fn read_slots(
+        &self,
+        cache: &dyn LayerKvCache,
+        slots: &[usize],
+        keys: &mut [f32],
+        values: Option<&mut [f32]>,
+    ) -> Result<(), AttnError> {
+        let cache: &CudaKvCache = cache
+            .as_any()
+            .downcast_ref()
+            .ok_or(AttnError::ForeignCache { backend: self.name })?;
+        cache.read_slots(slots, keys, values)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}

@@ -1,0 +1,269 @@
+//! The device a model's blocks run on: the few operations the decoder is written over
+//! (products, norms, element-wise passes, RoPE, the attention call), candle-style. The
+//! blocks are written once over [`Compute`]; [`Cpu`] runs them on lantern-quant's kernels
+//! and `lantern-attn`'s backends, and a GPU crate implements the same trait over device
+//! buffers, so no architecture is ever written twice.
+
+use crate::blocks::Activation;
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+use crate::rope::{Rope, RopeTable};
+use crate::{ops, LoadOptions};
+use candle_core::quantized::QTensor;
+use lantern_attn::{
+    host_f32, tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap,
+    LayerKvCache,
+};
+
+/// One attention call: the layer, its description and metadata, where it runs and reads
+/// its cache, and the capture tap.
+pub struct AttentionCall<'a, 't> {
+    pub layer: usize,
+    pub tokens: usize,
+    pub spec: &'a AttentionLayerSpec,
+    pub meta: &'a AttentionMetadata,
+    pub backend: &'a dyn AttentionBackend,
+    pub cache: &'a mut dyn LayerKvCache,
+    pub tap: Option<&'a mut (dyn AttentionTap + 't)>,
+}
+
+/// The operations the shared blocks are written over. Activations are `[rows, width]`
+/// f32 values wherever they live; every operation checks its sizes and returns an error
+/// rather than panicking.
+pub trait Compute: Send + Sync + Sized + 'static {
+    /// `[rows, width]` activations.
+    type Act: Send + Sync;
+    /// A weight matrix `[out, in]` (possibly several stacked) ready for products.
+    type Matrix: Send + Sync;
+    /// A vector of f32 values: a norm's weight, a bias.
+    type Vector: Send + Sync;
+    /// One step's RoPE cos/sin.
+    type RopeTable: Send + Sync;
+
+    /// `tensor` (`[out, in]`) as a product.
+    fn matrix(&self, options: &LoadOptions, name: &str, tensor: QTensor) -> Result<Self::Matrix>;
+    /// Matrices of one type and input width stacked into one product.
+    fn stacked_matrix(
+        &self,
+        options: &LoadOptions,
+        name: &str,
+        parts: Vec<QTensor>,
+    ) -> Result<Self::Matrix>;
+    fn vector(&self, values: Vec<f32>) -> Result<Self::Vector>;
+    fn rope_table(&self, rope: &Rope, positions: &[usize]) -> Result<Self::RopeTable>;
+
+    /// Rows `ids` of `table` (an embedding lookup), times `scale` when given.
+    fn embed(&self, table: &Self::Matrix, ids: &[u32], scale: Option<f32>) -> Result<Self::Act>;
+    /// `x · Wᵀ` for `x` of `rows` rows, its output split by `widths` (one product for a
+    /// stacked q/k/v or gate/up).
+    fn matmul_parts(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<Vec<Self::Act>>;
+    /// Output rows of `w`.
+    fn out_features(&self, w: &Self::Matrix) -> usize;
+
+    /// `x · Wᵀ` for `x` of `rows` rows.
+    fn matmul(&self, w: &Self::Matrix, x: &Self::Act, rows: usize) -> Result<Self::Act> {
+        let mut out = self.matmul_parts(w, x, rows, &[self.out_features(w)])?;
+        out.pop()
+            .ok_or_else(|| ModelError::Compute("a product gave no output".into()))
+    }
+
+    /// RMS norm of every row of `weight.len()` values.
+    fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Result<Self::Act>;
+    /// `acc += x`.
+    fn add(&self, acc: &mut Self::Act, x: &Self::Act) -> Result<()>;
+    /// Adds `bias` to every row.
+    fn add_bias(&self, x: &mut Self::Act, bias: &Self::Vector) -> Result<()>;
+    /// `gate = act(gate) * up`.
+    fn act_mul(&self, act: Activation, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// `x = cap · tanh(x / cap)`.
+    fn soft_cap(&self, x: &mut Self::Act, cap: f32) -> Result<()>;
+    /// Rotates `x` (`[tokens, heads, head_dim]`) by the step's table.
+    fn rope(
+        &self,
+        table: &Self::RopeTable,
+        x: &mut Self::Act,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// The rows `rows` of `x` (rows of `width` values).
+    fn select_rows(&self, x: &Self::Act, rows: &[usize], width: usize) -> Result<Self::Act>;
+
+    /// Attention over rotated `q` and this step's `k`/`v` (`[tokens, heads, head_dim]`):
+    /// writes K/V into the cache, hands the tap what it asks for, returns the output.
+    fn attention(
+        &self,
+        call: AttentionCall<'_, '_>,
+        q: Self::Act,
+        k: Self::Act,
+        v: Self::Act,
+    ) -> Result<Self::Act>;
+
+    /// The values on the host.
+    fn to_host(&self, x: Self::Act) -> Result<Vec<f32>>;
+}
+
+/// The host CPU: lantern-quant's kernels for products, the chunked passes of [`ops`],
+/// and any [`AttentionBackend`] for attention.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cpu;
+
+fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(ModelError::Compute(format!(
+            "{what}: {a} values against {b}"
+        )))
+    }
+}
+
+fn whole_rows(what: &str, len: usize, width: usize) -> Result<()> {
+    if width > 0 && len.is_multiple_of(width) {
+        Ok(())
+    } else {
+        Err(ModelError::Compute(format!(
+            "{what}: {len} values are not rows of {width}"
+        )))
+    }
+}
+
+impl Compute for Cpu {
+    type Act = Vec<f32>;
+    type Matrix = Linear;
+    type Vector = Vec<f32>;
+    type RopeTable = RopeTable;
+
+    fn matrix(&self, options: &LoadOptions, name: &str, tensor: QTensor) -> Result<Linear> {
+        Linear::load(options, name, tensor)
+    }
+
+    fn stacked_matrix(
+        &self,
+        options: &LoadOptions,
+        name: &str,
+        parts: Vec<QTensor>,
+    ) -> Result<Linear> {
+        Linear::load_stacked(options, name, parts)
+    }
+
+    fn vector(&self, values: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(values)
+    }
+
+    fn rope_table(&self, rope: &Rope, positions: &[usize]) -> Result<RopeTable> {
+        Ok(rope.table(positions))
+    }
+
+    fn embed(&self, table: &Linear, ids: &[u32], scale: Option<f32>) -> Result<Vec<f32>> {
+        let mut x = table.rows(ids)?;
+        if let Some(s) = scale {
+            ops::scale(&mut x, s);
+        }
+        Ok(x)
+    }
+
+    fn matmul_parts(
+        &self,
+        w: &Linear,
+        x: &Vec<f32>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        w.forward_parts(x, rows, widths)
+    }
+
+    fn out_features(&self, w: &Linear) -> usize {
+        w.out_features()
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32) -> Result<Vec<f32>> {
+        whole_rows("rms_norm", x.len(), weight.len())?;
+        Ok(ops::rms_norm(x, weight, eps))
+    }
+
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+        same_len("add", acc.len(), x.len())?;
+        ops::add_in_place(acc, x);
+        Ok(())
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>) -> Result<()> {
+        whole_rows("add_bias", x.len(), bias.len())?;
+        for row in x.chunks_exact_mut(bias.len()) {
+            ops::add_in_place(row, bias);
+        }
+        Ok(())
+    }
+
+    fn act_mul(&self, act: Activation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
+        same_len("act_mul", gate.len(), up.len())?;
+        match act {
+            Activation::Silu => ops::silu_mul(gate, up),
+            Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+        }
+        Ok(())
+    }
+
+    fn soft_cap(&self, x: &mut Vec<f32>, cap: f32) -> Result<()> {
+        ops::soft_cap(x, cap);
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        table: &RopeTable,
+        x: &mut Vec<f32>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        whole_rows("rope", x.len(), heads * head_dim)?;
+        table.apply(x, heads, head_dim);
+        Ok(())
+    }
+
+    fn select_rows(&self, x: &Vec<f32>, rows: &[usize], width: usize) -> Result<Vec<f32>> {
+        whole_rows("select_rows", x.len(), width)?;
+        let available = x.len() / width;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= available) {
+            return Err(ModelError::Compute(format!(
+                "row {bad} of {available} selected"
+            )));
+        }
+        Ok(rows
+            .iter()
+            .flat_map(|&r| x[r * width..(r + 1) * width].iter().copied())
+            .collect())
+    }
+
+    fn attention(
+        &self,
+        call: AttentionCall<'_, '_>,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let (spec, tokens) = (call.spec, call.tokens);
+        let device = call.backend.device();
+        let q = tensor3(q, [tokens, spec.num_heads, spec.head_dim], &device)?;
+        let k = tensor3(k, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
+        let v = tensor3(v, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
+        let out = call
+            .backend
+            .forward(spec, call.meta, &q, &k, &v, call.cache)?;
+        if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
+            tap.record(call.layer, &q, &out)?;
+        }
+        let values = host_f32(&out)?.to_vec();
+        Ok(values)
+    }
+
+    fn to_host(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(x)
+    }
+}

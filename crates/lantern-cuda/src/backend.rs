@@ -145,7 +145,7 @@ impl CudaBackend {
             Some(s) => Some(self.gpu.upload(s).map_err(attn_error)?),
             None => None,
         };
-        let mut out = self.gpu.zeros::<f32>(q.len()).map_err(attn_error)?;
+        let mut out = self.gpu.output::<f32>(q.len()).map_err(attn_error)?;
         let paged = PagedMeta {
             query_start_loc: device.query_start_loc.as_view(),
             seq_lens: device.seq_lens.as_view(),

@@ -174,7 +174,7 @@ impl Compute for CudaCompute {
         let ids_dev = self.gpu.upload(ids).map_err(model_error)?;
         let mut out = self
             .gpu
-            .zeros::<f32>(ids.len() * hidden)
+            .output::<f32>(ids.len() * hidden)
             .map_err(model_error)?;
         let scale = scale.unwrap_or(1.0);
         match &table.weight {
@@ -204,7 +204,7 @@ impl Compute for CudaCompute {
         let mut outputs = Vec::with_capacity(widths.len());
         let x_bf16 = match &w.weight {
             Weight::Bf16(_) => {
-                let mut h = self.gpu.zeros::<bf16>(x.len()).map_err(model_error)?;
+                let mut h = self.gpu.output::<bf16>(x.len()).map_err(model_error)?;
                 self.gpu.cast_f32_to_bf16(x, &mut h).map_err(model_error)?;
                 Some(h)
             }
@@ -212,7 +212,7 @@ impl Compute for CudaCompute {
         };
         let mut row0 = 0;
         for &n in widths {
-            let mut y = self.gpu.zeros::<f32>(rows * n).map_err(model_error)?;
+            let mut y = self.gpu.output::<f32>(rows * n).map_err(model_error)?;
             let part = row0 * k..(row0 + n) * k;
             match (&w.weight, &x_bf16) {
                 (Weight::Bf16(wb), Some(xb)) => {
@@ -238,7 +238,7 @@ impl Compute for CudaCompute {
         weight: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<CudaSlice<f32>> {
-        let mut out = self.gpu.zeros::<f32>(x.len()).map_err(model_error)?;
+        let mut out = self.gpu.output::<f32>(x.len()).map_err(model_error)?;
         self.gpu
             .rms_norm(x, weight, &mut out, eps)
             .map_err(model_error)?;
@@ -306,7 +306,7 @@ impl Compute for CudaCompute {
         let idx = self.gpu.upload(&idx).map_err(model_error)?;
         let mut out = self
             .gpu
-            .zeros::<f32>(rows.len() * width)
+            .output::<f32>(rows.len() * width)
             .map_err(model_error)?;
         self.gpu
             .gather_rows(x, &idx, &mut out, width)

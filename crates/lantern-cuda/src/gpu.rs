@@ -136,6 +136,15 @@ impl Gpu {
         Ok(self.stream.alloc_zeros(n)?)
     }
 
+    /// A new device buffer of `n` elements left as they are, for an output a kernel
+    /// overwrites entirely (no memset launch on the step's path).
+    pub fn output<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.check_fits(n.saturating_mul(std::mem::size_of::<T>()))?;
+        // SAFETY: callers hand the buffer to a kernel that writes every element before
+        // anything reads it.
+        Ok(unsafe { self.stream.alloc(n) }?)
+    }
+
     /// Copies a device buffer (slice, view) back to the host, waiting for the stream.
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
         Ok(self.stream.clone_dtoh(src)?)
@@ -154,7 +163,14 @@ impl Gpu {
     }
 
     /// An allocation of `bytes` fails early with [`CudaError::OutOfMemory`] when it cannot fit.
+    /// Refuses an allocation larger than the free memory with a clear error (instead of
+    /// the driver's). Small ones (a step's activations) skip the query, which costs a
+    /// driver call.
     fn check_fits(&self, bytes: usize) -> Result<()> {
+        const ASK_ABOVE: usize = 64 << 20;
+        if bytes < ASK_ABOVE {
+            return Ok(());
+        }
         if let Ok((free, _)) = self.ctx.mem_get_info() {
             if bytes > free {
                 return Err(CudaError::OutOfMemory { bytes, free });

@@ -17,13 +17,20 @@ use lantern_model::{LoadOptions, ModelError, Result};
 use crate::backend::CudaBackend;
 use crate::gpu::Gpu;
 use crate::kernels::Activation;
+use crate::pool::{Pool, Pooled};
 use crate::CudaError;
 
 /// The model's blocks on one GPU.
 #[derive(Clone)]
 pub struct CudaCompute {
     gpu: Arc<Gpu>,
+    /// Activations and the bf16 copies products take, reused from step to step.
+    acts: Arc<Pool<f32>>,
+    halves: Arc<Pool<bf16>>,
 }
+
+/// `[rows, width]` activations on the device.
+pub type GpuAct = Pooled<f32>;
 
 /// A weight matrix `[out, in]` on the device.
 pub struct GpuMatrix {
@@ -59,7 +66,15 @@ fn tensor_error(name: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
 
 impl CudaCompute {
     pub fn new(gpu: Arc<Gpu>) -> Self {
-        Self { gpu }
+        Self {
+            acts: Pool::new(Arc::clone(&gpu)),
+            halves: Pool::new(Arc::clone(&gpu)),
+            gpu,
+        }
+    }
+
+    fn act(&self, n: usize) -> Result<GpuAct> {
+        self.acts.output(n).map_err(model_error)
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -118,7 +133,7 @@ impl CudaCompute {
         })
     }
 
-    fn expect_len(what: &str, buf: &CudaSlice<f32>, len: usize) -> Result<()> {
+    fn expect_len(what: &str, buf: &GpuAct, len: usize) -> Result<()> {
         if buf.len() == len {
             Ok(())
         } else {
@@ -131,7 +146,7 @@ impl CudaCompute {
 }
 
 impl Compute for CudaCompute {
-    type Act = CudaSlice<f32>;
+    type Act = GpuAct;
     type Matrix = GpuMatrix;
     type Vector = CudaSlice<f32>;
     type RopeTable = GpuRopeTable;
@@ -163,7 +178,7 @@ impl Compute for CudaCompute {
         })
     }
 
-    fn embed(&self, table: &GpuMatrix, ids: &[u32], scale: Option<f32>) -> Result<CudaSlice<f32>> {
+    fn embed(&self, table: &GpuMatrix, ids: &[u32], scale: Option<f32>) -> Result<GpuAct> {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.out_features) {
             return Err(ModelError::Compute(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
@@ -172,14 +187,11 @@ impl Compute for CudaCompute {
         }
         let hidden = table.in_features;
         let ids_dev = self.gpu.upload(ids).map_err(model_error)?;
-        let mut out = self
-            .gpu
-            .output::<f32>(ids.len() * hidden)
-            .map_err(model_error)?;
+        let mut out = self.act(ids.len() * hidden)?;
         let scale = scale.unwrap_or(1.0);
         match &table.weight {
-            Weight::Bf16(w) => self.gpu.embed(w, &ids_dev, &mut out, hidden, scale),
-            Weight::F32(w) => self.gpu.embed(w, &ids_dev, &mut out, hidden, scale),
+            Weight::Bf16(w) => self.gpu.embed(w, &ids_dev, &mut *out, hidden, scale),
+            Weight::F32(w) => self.gpu.embed(w, &ids_dev, &mut *out, hidden, scale),
         }
         .map_err(model_error)?;
         Ok(out)
@@ -188,10 +200,10 @@ impl Compute for CudaCompute {
     fn matmul_parts(
         &self,
         w: &GpuMatrix,
-        x: &CudaSlice<f32>,
+        x: &GpuAct,
         rows: usize,
         widths: &[usize],
-    ) -> Result<Vec<CudaSlice<f32>>> {
+    ) -> Result<Vec<GpuAct>> {
         let k = w.in_features;
         Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
         if widths.iter().sum::<usize>() != w.out_features {
@@ -204,22 +216,33 @@ impl Compute for CudaCompute {
         let mut outputs = Vec::with_capacity(widths.len());
         let x_bf16 = match &w.weight {
             Weight::Bf16(_) => {
-                let mut h = self.gpu.output::<bf16>(x.len()).map_err(model_error)?;
-                self.gpu.cast_f32_to_bf16(x, &mut h).map_err(model_error)?;
+                let mut h = self.halves.output(x.len()).map_err(model_error)?;
+                self.gpu
+                    .cast_f32_to_bf16(&**x, &mut *h)
+                    .map_err(model_error)?;
                 Some(h)
             }
             Weight::F32(_) => None,
         };
         let mut row0 = 0;
         for &n in widths {
-            let mut y = self.gpu.output::<f32>(rows * n).map_err(model_error)?;
+            let mut y = self.act(rows * n)?;
             let part = row0 * k..(row0 + n) * k;
             match (&w.weight, &x_bf16) {
                 (Weight::Bf16(wb), Some(xb)) => {
-                    self.gpu.gemm_bf16(xb, &wb.slice(part), &mut y, rows, n, k)
+                    self.gpu
+                        .gemm_bf16(&**xb, &wb.slice(part), &mut *y, rows, n, k)
                 }
-                (Weight::F32(wf), _) => self.gpu.gemm_f32(x, &wf.slice(part), &mut y, rows, n, k),
-                (Weight::Bf16(_), None) => unreachable!("bf16 weights always cast x"),
+                (Weight::F32(wf), _) => {
+                    self.gpu
+                        .gemm_f32(&**x, &wf.slice(part), &mut *y, rows, n, k)
+                }
+                (Weight::Bf16(_), None) => {
+                    return Err(ModelError::Compute(format!(
+                        "`{}`: bf16 weights without a bf16 input",
+                        w.name
+                    )))
+                }
             }
             .map_err(model_error)?;
             outputs.push(y);
@@ -232,54 +255,46 @@ impl Compute for CudaCompute {
         w.out_features
     }
 
-    fn rms_norm(
-        &self,
-        x: &CudaSlice<f32>,
-        weight: &CudaSlice<f32>,
-        eps: f32,
-    ) -> Result<CudaSlice<f32>> {
-        let mut out = self.gpu.output::<f32>(x.len()).map_err(model_error)?;
+    fn rms_norm(&self, x: &GpuAct, weight: &CudaSlice<f32>, eps: f32) -> Result<GpuAct> {
+        let mut out = self.act(x.len())?;
         self.gpu
-            .rms_norm(x, weight, &mut out, eps)
+            .rms_norm(&**x, weight, &mut *out, eps)
             .map_err(model_error)?;
         Ok(out)
     }
 
-    fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<()> {
-        self.gpu.add_in_place(acc, x).map_err(model_error)
+    fn add(&self, acc: &mut GpuAct, x: &GpuAct) -> Result<()> {
+        self.gpu.add_in_place(&mut **acc, &**x).map_err(model_error)
     }
 
-    fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<()> {
-        self.gpu.add_bias(x, bias).map_err(model_error)
+    fn add_bias(&self, x: &mut GpuAct, bias: &CudaSlice<f32>) -> Result<()> {
+        self.gpu.add_bias(&mut **x, bias).map_err(model_error)
     }
 
-    fn act_mul(
-        &self,
-        act: ModelActivation,
-        gate: &mut CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-    ) -> Result<()> {
+    fn act_mul(&self, act: ModelActivation, gate: &mut GpuAct, up: &GpuAct) -> Result<()> {
         let act = match act {
             ModelActivation::Silu => Activation::Silu,
             ModelActivation::GeluTanh => Activation::GeluTanh,
         };
-        self.gpu.act_mul(gate, up, act).map_err(model_error)
+        self.gpu
+            .act_mul(&mut **gate, &**up, act)
+            .map_err(model_error)
     }
 
-    fn soft_cap(&self, x: &mut CudaSlice<f32>, cap: f32) -> Result<()> {
-        self.gpu.soft_cap(x, cap).map_err(model_error)
+    fn soft_cap(&self, x: &mut GpuAct, cap: f32) -> Result<()> {
+        self.gpu.soft_cap(&mut **x, cap).map_err(model_error)
     }
 
     fn rope(
         &self,
         table: &GpuRopeTable,
-        x: &mut CudaSlice<f32>,
+        x: &mut GpuAct,
         heads: usize,
         head_dim: usize,
     ) -> Result<()> {
         self.gpu
             .rope(
-                x,
+                &mut **x,
                 &table.cos,
                 &table.sin,
                 heads,
@@ -290,12 +305,7 @@ impl Compute for CudaCompute {
             .map_err(model_error)
     }
 
-    fn select_rows(
-        &self,
-        x: &CudaSlice<f32>,
-        rows: &[usize],
-        width: usize,
-    ) -> Result<CudaSlice<f32>> {
+    fn select_rows(&self, x: &GpuAct, rows: &[usize], width: usize) -> Result<GpuAct> {
         let available = x.len() / width.max(1);
         if let Some(&bad) = rows.iter().find(|&&r| r >= available) {
             return Err(ModelError::Compute(format!(
@@ -304,12 +314,9 @@ impl Compute for CudaCompute {
         }
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.gpu.upload(&idx).map_err(model_error)?;
-        let mut out = self
-            .gpu
-            .output::<f32>(rows.len() * width)
-            .map_err(model_error)?;
+        let mut out = self.act(rows.len() * width)?;
         self.gpu
-            .gather_rows(x, &idx, &mut out, width)
+            .gather_rows(&**x, &idx, &mut *out, width)
             .map_err(model_error)?;
         Ok(out)
     }
@@ -317,18 +324,19 @@ impl Compute for CudaCompute {
     fn attention(
         &self,
         call: AttentionCall<'_, '_>,
-        q: CudaSlice<f32>,
-        k: CudaSlice<f32>,
-        v: CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
+        q: GpuAct,
+        k: GpuAct,
+        v: GpuAct,
+    ) -> Result<GpuAct> {
         let backend: &CudaBackend = as_cuda(call.backend)?;
         let out = backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?;
+        let out = self.acts.adopt(out);
         // Capture: only a tap that wants this layer costs a copy to the host.
         if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
             let (spec, tokens) = (call.spec, call.tokens);
             let dims = [tokens, spec.num_heads, spec.head_dim];
-            let host = |b: &CudaSlice<f32>| -> Result<lantern_attn::Tensor> {
-                let values = self.gpu.download(b).map_err(model_error)?;
+            let host = |b: &GpuAct| -> Result<lantern_attn::Tensor> {
+                let values = self.gpu.download(&**b).map_err(model_error)?;
                 Ok(tensor3(values, dims, &Device::Cpu)?)
             };
             tap.record(call.layer, &host(&q)?, &host(&out)?)?;
@@ -336,8 +344,8 @@ impl Compute for CudaCompute {
         Ok(out)
     }
 
-    fn to_host(&self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
-        self.gpu.download(&x).map_err(model_error)
+    fn to_host(&self, x: GpuAct) -> Result<Vec<f32>> {
+        self.gpu.download(&*x).map_err(model_error)
     }
 }
 

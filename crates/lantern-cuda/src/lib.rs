@@ -10,6 +10,7 @@ pub mod gemm;
 pub mod gpu;
 pub mod kernels;
 pub mod libs;
+pub mod pool;
 
 pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};
 pub use compute::CudaCompute;

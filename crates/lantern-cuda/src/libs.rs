@@ -49,9 +49,13 @@ pub fn check_cublas() -> Result<()> {
     .clone()
 }
 
-/// The file names cudarc tries for a library stem (`"cuda"`, `"nvrtc"`, ...), in its order.
+/// The file names cudarc tries for a library stem (`"cuda"`, `"nvrtc"`, ...), in its
+/// order, each once (its list repeats some).
 pub fn candidates(stem: &str) -> Vec<String> {
-    cudarc::get_lib_name_candidates(stem)
+    let mut names = cudarc::get_lib_name_candidates(stem);
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
+    names
 }
 
 /// The extra directories searched when the loader does not find a library by name.

@@ -2,9 +2,10 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
@@ -13,6 +14,9 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys, Ptx};
 use crate::error::{CudaError, Result};
 use crate::kernels::{KernelSource, PRELUDE, SOURCES};
 use crate::libs;
+
+/// The SM count assumed when the driver does not report one (an H100 SXM's).
+const DEFAULT_SM_COUNT: usize = 132;
 
 /// A CUDA device ready for lantern's work.
 ///
@@ -28,6 +32,10 @@ pub struct Gpu {
     name: String,
     ordinal: usize,
     compute_capability: (i32, i32),
+    sm_count: usize,
+    /// Split-K attention's partial results, kept between calls and grown as needed (all
+    /// work is on the one stream, so a call's kernels follow the previous call's merge).
+    pub(crate) attn_scratch: Mutex<Option<CudaSlice<f32>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -36,6 +44,7 @@ impl std::fmt::Debug for Gpu {
             .field("name", &self.name)
             .field("ordinal", &self.ordinal)
             .field("compute_capability", &self.compute_capability)
+            .field("sm_count", &self.sm_count)
             .finish()
     }
 }
@@ -56,6 +65,12 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let compute_capability = ctx.compute_capability()?;
         let name = ctx.name()?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(DEFAULT_SM_COUNT);
         let stream = ctx.new_stream()?;
         let (major, minor) = compute_capability;
         let cc = (major * 10 + minor) as u32;
@@ -86,6 +101,8 @@ impl Gpu {
             name,
             ordinal,
             compute_capability,
+            sm_count,
+            attn_scratch: Mutex::new(None),
         }))
     }
 
@@ -102,6 +119,11 @@ impl Gpu {
     /// The compute capability (major, minor).
     pub fn compute_capability(&self) -> (i32, i32) {
         self.compute_capability
+    }
+
+    /// Streaming multiprocessors of the device (132 where the driver does not say).
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     /// Free and total device memory in bytes.
@@ -166,7 +188,7 @@ impl Gpu {
     /// Refuses an allocation larger than the free memory with a clear error (instead of
     /// the driver's). Small ones (a step's activations) skip the query, which costs a
     /// driver call.
-    fn check_fits(&self, bytes: usize) -> Result<()> {
+    pub(crate) fn check_fits(&self, bytes: usize) -> Result<()> {
         const ASK_ABOVE: usize = 64 << 20;
         if bytes < ASK_ABOVE {
             return Ok(());

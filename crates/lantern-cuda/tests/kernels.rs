@@ -385,16 +385,21 @@ mod gpu_tests {
 
     const NUM_BLOCKS: usize = 200;
 
-    fn layouts(bs: usize, kvh: usize, d: usize) -> [(&'static str, KvStrides); 2] {
+    fn layouts(
+        num_blocks: usize,
+        bs: usize,
+        kvh: usize,
+        d: usize,
+    ) -> [(&'static str, KvStrides); 2] {
         [
-            ("kv_first", KvStrides::kv_first(NUM_BLOCKS, bs, kvh, d)),
+            ("kv_first", KvStrides::kv_first(num_blocks, bs, kvh, d)),
             ("block_first", KvStrides::block_first(bs, kvh, d)),
         ]
     }
 
     fn kv_write_case<T: CacheElem + PartialEq + std::fmt::Debug>(g: &Gpu, r: &mut StdRng) {
         let (bs, kvh, d) = (16usize, 2usize, 64usize);
-        for (name, s) in layouts(bs, kvh, d) {
+        for (name, s) in layouts(NUM_BLOCKS, bs, kvh, d) {
             let len = s.cache_len(NUM_BLOCKS);
             let t = 40;
             let k = rand_vec(r, t * kvh * d, 1.0);
@@ -461,8 +466,21 @@ mod gpu_tests {
         sinks: false,
     };
 
-    /// One random batch of prefills and decodes through `paged_attention`, against a naive
-    /// softmax over the visible keys read from the same cache.
+    /// The batches attention is tested on.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Batch {
+        /// Six requests: decodes and prefill chunks over contexts of up to 300 keys.
+        Mixed,
+        /// One to four decodes over 1000..=3000 keys (the third, if any, over at most 40).
+        LongDecode,
+    }
+
+    /// Key splits every attention case also runs through `paged_attention_split`.
+    const SPLITS: [usize; 5] = [1, 2, 3, 7, 16];
+
+    /// One random batch through `paged_attention` (automatic path), the plain kernel and
+    /// the split path with each of `SPLITS`, against a naive softmax over the visible keys
+    /// read from the same cache; the split outputs also against the plain kernel's.
     fn attention_case<T: CacheElem>(
         g: &Gpu,
         r: &mut StdRng,
@@ -470,16 +488,33 @@ mod gpu_tests {
         kvh: usize,
         d: usize,
         variant: Variant,
+        batch: Batch,
     ) {
         let bs = 16usize;
-        let num_reqs = 6usize;
         let mut qlens = Vec::new();
         let mut seqs = Vec::new();
-        for i in 0..num_reqs {
-            let q = if i % 2 == 0 { 1 } else { r.gen_range(1..=40) };
-            qlens.push(q);
-            seqs.push(q + r.gen_range(0..=260));
+        match batch {
+            Batch::Mixed => {
+                for i in 0..6 {
+                    let q = if i % 2 == 0 { 1 } else { r.gen_range(1..=40) };
+                    qlens.push(q);
+                    seqs.push(q + r.gen_range(0..=260));
+                }
+            }
+            Batch::LongDecode => {
+                for i in 0..r.gen_range(1..=4) {
+                    qlens.push(1);
+                    seqs.push(if i == 2 {
+                        r.gen_range(1..=40)
+                    } else {
+                        r.gen_range(1000..=3000)
+                    });
+                }
+            }
         }
+        let num_reqs = qlens.len();
+        let num_blocks =
+            NUM_BLOCKS.max(seqs.iter().map(|s: &usize| s.div_ceil(bs)).sum::<usize>() + 8);
         let padding = 2usize;
         let t_real: usize = qlens.iter().sum();
         let t = t_real + padding;
@@ -488,7 +523,7 @@ mod gpu_tests {
             qsl.push(qsl.last().unwrap() + *q as u32);
         }
         let stride = seqs.iter().map(|s| s.div_ceil(bs)).max().unwrap() + 1;
-        let mut free: Vec<u32> = (0..NUM_BLOCKS as u32).collect();
+        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
         let mut table = vec![u32::MAX; num_reqs * stride];
         // The first key any query of request `ri` sees.
         let first_visible = |ri: usize| -> usize {
@@ -507,8 +542,8 @@ mod gpu_tests {
                 table[ri * stride + b] = free.swap_remove(r.gen_range(0..free.len()));
             }
         }
-        for (name, s) in layouts(bs, kvh, d) {
-            let len = s.cache_len(NUM_BLOCKS);
+        for (name, s) in layouts(num_blocks, bs, kvh, d) {
+            let len = s.cache_len(num_blocks);
             let cache_host: Vec<T> = (0..len)
                 .map(|_| T::from_f32(r.gen_range(-1.0f32..1.0)))
                 .collect();
@@ -596,31 +631,53 @@ mod gpu_tests {
                 soft_cap: variant.cap,
                 sinks: variant.sinks.then(|| dsinks.as_view()),
             };
-            g.paged_attention(&dq, &mut dout, &dcache, &s, &meta, &spec)
-                .unwrap();
-            let got = g.download(&dout).unwrap();
             let what = format!(
-                "paged_attention {} {name} heads {heads}/{kvh} d {d} {variant:?}",
+                "paged_attention {} {name} heads {heads}/{kvh} d {d} {variant:?} {batch:?}",
                 T::SUFFIX
             );
-            for row in 0..t_real * heads {
-                assert_close(
-                    &got[row * d..][..d],
-                    &want[row * d..][..d],
-                    2e-5,
-                    &format!("{what} row {row}"),
+            let check = |got: &[f32], want: &[f64], tol: f64, what: &str| {
+                for row in 0..t_real * heads {
+                    assert_close(
+                        &got[row * d..][..d],
+                        &want[row * d..][..d],
+                        tol,
+                        &format!("{what} row {row}"),
+                    );
+                }
+                assert!(
+                    got[t_real * heads * d..].iter().all(|&v| v == 0.0),
+                    "{what}: padding rows"
                 );
+            };
+            g.paged_attention(&dq, &mut dout, &dcache, &s, &meta, &spec)
+                .unwrap();
+            check(&g.download(&dout).unwrap(), &want, 2e-5, &what);
+            // The plain kernel (0), then each split count, on the same inputs.
+            let mut plain = Vec::new();
+            for splits in std::iter::once(0).chain(SPLITS) {
+                dout = g.upload(&vec![f32::NAN; t * heads * d]).unwrap();
+                g.paged_attention_split(&dq, &mut dout, &dcache, &s, &meta, &spec, splits)
+                    .unwrap();
+                let got = g.download(&dout).unwrap();
+                let what = format!("{what} splits {splits}");
+                check(&got, &want, 2e-5, &what);
+                if splits == 0 {
+                    plain = got.iter().map(|&v| v as f64).collect();
+                } else {
+                    check(
+                        &got,
+                        &plain,
+                        1e-5,
+                        &format!("{what} against the plain kernel"),
+                    );
+                }
             }
-            assert!(
-                got[t_real * heads * d..].iter().all(|&v| v == 0.0),
-                "{what}: padding rows"
-            );
         }
     }
 
-    fn attention_all<T: CacheElem>(g: &Gpu, seed: u64) {
-        let mut r = rng(seed);
-        let variants = [
+    /// Plain, window, chunk, soft cap, sinks, and window + soft cap + sinks.
+    fn variants() -> [Variant; 6] {
+        [
             BASE,
             Variant {
                 window: Some(37),
@@ -644,12 +701,17 @@ mod gpu_tests {
                 sinks: true,
                 ..BASE
             },
-        ];
+        ]
+    }
+
+    fn attention_all<T: CacheElem>(g: &Gpu, seed: u64) {
+        let mut r = rng(seed);
+        let variants = variants();
         for v in variants {
-            attention_case::<T>(g, &mut r, 4, 2, 64, v);
+            attention_case::<T>(g, &mut r, 4, 2, 64, v, Batch::Mixed);
         }
         for v in [variants[0], variants[5]] {
-            attention_case::<T>(g, &mut r, 4, 2, 128, v);
+            attention_case::<T>(g, &mut r, 4, 2, 128, v, Batch::Mixed);
         }
     }
 
@@ -676,7 +738,7 @@ mod gpu_tests {
         let Some((g, _t)) = gpu() else { return };
         let mut r = rng(13);
         // 40 query heads on one kv head at d 128: the group is split over three blocks.
-        attention_case::<bf16>(&g, &mut r, 40, 1, 128, BASE);
+        attention_case::<bf16>(&g, &mut r, 40, 1, 128, BASE, Batch::Mixed);
         attention_case::<bf16>(
             &g,
             &mut r,
@@ -687,6 +749,7 @@ mod gpu_tests {
                 sinks: true,
                 ..BASE
             },
+            Batch::Mixed,
         );
         attention_case::<f32>(
             &g,
@@ -698,6 +761,36 @@ mod gpu_tests {
                 window: Some(50),
                 ..BASE
             },
+            Batch::Mixed,
         );
+    }
+
+    /// Long-context decodes (the split-K path's case) at SmolLM2's heads (9 over 3) and a
+    /// wider head_dim, every variant (windows and chunks scaled to the context), both layouts.
+    fn long_decode_all<T: CacheElem>(g: &Gpu, seed: u64) {
+        let mut r = rng(seed);
+        let long = |v: Variant| Variant {
+            window: v.window.map(|w| w * 20),
+            chunk: v.chunk.map(|c| c * 16),
+            ..v
+        };
+        for v in variants() {
+            attention_case::<T>(g, &mut r, 9, 3, 64, long(v), Batch::LongDecode);
+        }
+        for v in [variants()[0], variants()[5]] {
+            attention_case::<T>(g, &mut r, 8, 2, 128, long(v), Batch::LongDecode);
+        }
+    }
+
+    #[test]
+    fn paged_attention_split_long_decodes_bf16_cache() {
+        let Some((g, _t)) = gpu() else { return };
+        long_decode_all::<bf16>(&g, 14);
+    }
+
+    #[test]
+    fn paged_attention_split_long_decodes_f32_cache() {
+        let Some((g, _t)) = gpu() else { return };
+        long_decode_all::<f32>(&g, 15);
     }
 }

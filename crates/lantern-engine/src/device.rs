@@ -192,9 +192,9 @@ mod tests {
     #[test]
     fn utilization_leaves_the_weights_and_a_reserve() {
         let gib = 1usize << 30;
-        // 80 GiB card, 2 GiB in use (weights): 0.9 allows 72 GiB, minus 2 used, minus 1.
-        let budget = kv_budget_from_utilization(0.9, (78 * gib, 80 * gib)).unwrap();
-        assert_eq!(budget, (80 * gib * 9 / 10) - 2 * gib - gib);
+        // 80 GiB card, 2 GiB in use (weights): 0.5 allows 40 GiB, minus 2 used, minus 1.
+        let budget = kv_budget_from_utilization(0.5, (78 * gib, 80 * gib)).unwrap();
+        assert_eq!(budget, 40 * gib - 2 * gib - gib);
         assert!(kv_budget_from_utilization(0.01, (78 * gib, 80 * gib)).is_err());
         assert!(kv_budget_from_utilization(1.5, (78 * gib, 80 * gib)).is_err());
     }

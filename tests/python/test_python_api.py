@@ -273,6 +273,11 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("logprobs", lambda: llm.chat(MESSAGES, lantern.SamplingParams(logprobs=50)))
     raises_naming("kv_cache_dtype", lambda: lantern.LLM(kv_cache_dtype="f8"))
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory="lots"))
+    raises_naming("device", lambda: lantern.LLM(device="gpu"))
+    raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
+    raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
+    raises_naming("gpu_memory_utilization",
+                  lambda: lantern.LLM(device="cuda", gpu_memory_utilization=1.5))
     with pytest.raises(TypeError):
         lantern.LLM(no_such_option=1)
     with pytest.raises(TypeError):
@@ -340,3 +345,18 @@ def test_the_gil_is_released_while_the_engine_runs(llm):
     counter.join()
     # A thread that sleeps 1 ms a tick gets hundreds of ticks a second when the GIL is free.
     assert len(ticks) > 50 * elapsed, (len(ticks), elapsed)
+
+
+def test_a_gpu_asked_for_where_none_answers_is_a_clear_error():
+    """device="cuda" on a machine without an NVIDIA driver (CI): the engine does not
+    start, and the error says what was missing (where a GPU answers, it starts)."""
+    try:
+        llm = lantern.LLM(device="cuda", kv_cache_memory="64M")
+    except lantern.EngineError as e:
+        message = str(e)
+        assert "cuda" in message, message
+        assert "libcuda" in message or "without CUDA" in message, message
+        return
+    # A GPU answered: the engine runs there.
+    (out,) = llm.generate("Hello", lantern.SamplingParams(max_tokens=4, temperature=0))
+    assert len(out.outputs[0].token_ids) == 4

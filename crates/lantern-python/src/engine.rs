@@ -54,7 +54,7 @@ impl Engine {
         attention_backend=None, max_num_batched_tokens=None, max_num_seqs=None,
         enable_prefix_caching=None, f32_weights=None, quantize=None, chat_template=None,
         max_model_len=None, threads=None, enable_attention_capture=None,
-        max_capture_bytes=None
+        max_capture_bytes=None, device=None, gpu_memory_utilization=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -74,6 +74,8 @@ impl Engine {
         threads: Option<usize>,
         enable_attention_capture: Option<bool>,
         max_capture_bytes: Option<Bytes>,
+        device: Option<String>,
+        gpu_memory_utilization: Option<f32>,
     ) -> PyResult<Self> {
         let options = RawOptions {
             model,
@@ -91,6 +93,8 @@ impl Engine {
             threads,
             enable_attention_capture,
             max_capture_bytes: max_capture_bytes.map(Into::into),
+            device,
+            gpu_memory_utilization,
         }
         .resolve()
         .map_err(option_error)?;

@@ -5,6 +5,7 @@
 //! load the model through `lantern_engine::options`, and here each bad value is a
 //! `ValueError` naming its option.
 
+use lantern_engine::device::{parse_device, DeviceChoice};
 use lantern_engine::options::{
     load_engine, parse_byte_count, parse_kv_dtype, parse_weight_type, ModelLoad,
 };
@@ -48,6 +49,8 @@ pub struct RawOptions {
     pub threads: Option<usize>,
     pub enable_attention_capture: Option<bool>,
     pub max_capture_bytes: Option<ByteCount>,
+    pub device: Option<String>,
+    pub gpu_memory_utilization: Option<f32>,
 }
 
 /// A byte count as an int (`1073741824`) or as the CLI writes it (`"512M"`, `"1G"`).
@@ -67,6 +70,8 @@ pub struct EngineOptions {
     pub chat_template: Option<PathBuf>,
     pub threads: Option<usize>,
     pub capture: CaptureSettings,
+    pub device: DeviceChoice,
+    pub gpu_memory_utilization: Option<f32>,
 }
 
 /// An int, or a byte count as the CLI writes it (`"512M"`, `"1G"`).
@@ -89,14 +94,41 @@ impl RawOptions {
     /// Checks every option; the first bad one is the error.
     pub fn resolve(self) -> Result<EngineOptions, OptionError> {
         let defaults = EngineConfig::default();
+        let device = match &self.device {
+            Some(d) => parse_device(d).map_err(|e| OptionError::new("device", e))?,
+            None => DeviceChoice::Cpu,
+        };
         let backend = self
             .attention_backend
             .unwrap_or(defaults.attention_backend.clone());
-        if !["cpu-flash", "cpu-reference"].contains(&backend.as_str()) {
+        // The backend follows the device (on a GPU a CPU backend's name means the
+        // default CUDA one, as on the command line).
+        let known: &[&str] = match device {
+            DeviceChoice::Cpu => &["cpu-flash", "cpu-reference"],
+            DeviceChoice::Cuda(_) => &["cpu-flash", "cpu-reference", "cuda", "cuda-flashinfer"],
+        };
+        if !known.contains(&backend.as_str()) {
             return Err(OptionError::new(
                 "attention_backend",
-                format!("{backend:?} is not an attention backend (cpu-flash, cpu-reference)"),
+                format!(
+                    "{backend:?} is not an attention backend on {device} ({})",
+                    known.join(", ")
+                ),
             ));
+        }
+        if let Some(u) = self.gpu_memory_utilization {
+            if device == DeviceChoice::Cpu {
+                return Err(OptionError::new(
+                    "gpu_memory_utilization",
+                    "applies to device=\"cuda\" only",
+                ));
+            }
+            if !(u > 0.0 && u <= 1.0) {
+                return Err(OptionError::new(
+                    "gpu_memory_utilization",
+                    format!("{u} must be in (0, 1]"),
+                ));
+            }
         }
         let config = EngineConfig {
             kv_cache_memory: match &self.kv_cache_memory {
@@ -144,6 +176,8 @@ impl RawOptions {
             chat_template: self.chat_template,
             threads: positive("threads", self.threads)?,
             capture,
+            device,
+            gpu_memory_utilization: self.gpu_memory_utilization,
         })
     }
 }
@@ -174,8 +208,9 @@ impl EngineOptions {
                 f32_weights: self.f32_weights,
                 quantize: self.quantize,
             },
+            device: self.device,
+            gpu_memory_utilization: self.gpu_memory_utilization,
             chat_template: self.chat_template.clone(),
-            ..ModelLoad::default()
         };
         load_engine(path, &load, self.config.clone()).map_err(|e| e.to_string())
     }

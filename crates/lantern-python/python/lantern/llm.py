@@ -87,7 +87,10 @@ class LLM:
     ``block_size``, ``attention_backend``, ``max_num_batched_tokens``,
     ``max_num_seqs``, ``enable_prefix_caching``, ``f32_weights``, ``quantize``,
     ``chat_template`` (a file), ``max_model_len``, ``threads``,
-    ``enable_attention_capture`` (default on) and ``max_capture_bytes``.
+    ``enable_attention_capture`` (default on), ``max_capture_bytes``, ``device``
+    (``"cpu"``, ``"cuda"``, ``"cuda:N"``: an NVIDIA GPU, with the NVRTC and cuBLAS 13
+    libraries) and ``gpu_memory_utilization`` (GPU only: the share of the card's memory
+    lantern may use, the KV cache sized from what the weights leave).
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):

@@ -142,7 +142,10 @@ mod cuda {
     use lantern_cuda::{CudaCompute, Gpu};
 
     pub fn gpu_error(e: lantern_cuda::CudaError) -> EngineError {
-        EngineError::InvalidConfig(format!("cuda: {e}"))
+        EngineError::Device {
+            device: "cuda".into(),
+            message: e.to_string(),
+        }
     }
 
     pub fn load(
@@ -150,7 +153,10 @@ mod cuda {
         path: &Path,
         weights: &LoadOptions,
     ) -> Result<PlacedModel, EngineError> {
-        let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
+        let gpu = Gpu::open(ordinal).map_err(|e| EngineError::Device {
+            device: DeviceChoice::Cuda(ordinal).to_string(),
+            message: e.to_string(),
+        })?;
         let compute = CudaCompute::new(gpu.clone());
         Ok(PlacedModel {
             loaded: lantern_model::load_model_on(path, weights, &compute)?,
@@ -164,15 +170,16 @@ mod cuda {
     use super::*;
 
     pub fn load(
-        _ordinal: usize,
+        ordinal: usize,
         _path: &Path,
         _weights: &LoadOptions,
     ) -> Result<PlacedModel, EngineError> {
-        Err(EngineError::InvalidConfig(
-            "this lantern was built without CUDA: build it with `--features cuda` to use \
-             --device cuda"
+        Err(EngineError::Device {
+            device: DeviceChoice::Cuda(ordinal).to_string(),
+            message: "this lantern was built without CUDA: build it with `--features cuda` \
+                      to use --device cuda"
                 .into(),
-        ))
+        })
     }
 }
 

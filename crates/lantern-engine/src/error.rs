@@ -49,6 +49,9 @@ pub enum EngineError {
     InvalidRequest(#[from] RequestError),
     #[error("invalid engine configuration: {0}")]
     InvalidConfig(String),
+    /// The device asked for cannot be used (no driver or library, a build without it).
+    #[error("device {device}: {message}")]
+    Device { device: String, message: String },
     #[error("the scheduler cannot make progress: {waiting} requests wait with {free_blocks} free blocks")]
     Stalled { waiting: usize, free_blocks: usize },
     #[error(transparent)]

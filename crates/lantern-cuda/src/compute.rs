@@ -347,6 +347,24 @@ impl Compute for CudaCompute {
     fn to_host(&self, x: GpuAct) -> Result<Vec<f32>> {
         self.gpu.download(&*x).map_err(model_error)
     }
+
+    /// Greedy rows are reduced here: one id per row crosses to the host, not the row.
+    const PICKS_ON_DEVICE: bool = true;
+
+    fn argmax_rows(&self, x: &GpuAct, width: usize) -> Result<Vec<u32>> {
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(ModelError::Compute(format!(
+                "argmax_rows: {} values are not rows of {width}",
+                x.len()
+            )));
+        }
+        let mut ids = self
+            .gpu
+            .output::<u32>(x.len() / width)
+            .map_err(model_error)?;
+        self.gpu.argmax_rows(&**x, &mut ids).map_err(model_error)?;
+        self.gpu.download(&ids).map_err(model_error)
+    }
 }
 
 /// The backend as the CUDA one: the GPU model attends on no other.

@@ -205,6 +205,13 @@ impl Engine {
         self.runner.backend_name()
     }
 
+    /// Testing: rows that need only their argmax are reduced by the model even when it
+    /// keeps its logits on the host (as a GPU model does on its device), so the path
+    /// that takes a picked token runs without a GPU.
+    pub fn set_pick_on_host(&mut self, on: bool) {
+        self.runner.pick_on_host = on;
+    }
+
     pub fn kv_cache(&self) -> &KvCacheManager {
         &self.kv
     }
@@ -619,8 +626,10 @@ impl Engine {
                 // Before the token is appended: a token that ends the request takes
                 // its capture, and with it the query row.
                 let live = self.live_row(rows.id);
-                let row = logits.rows(sample_row, 1)?;
-                let mut output = self.append_token(rows.id, row)?;
+                let mut output = match logits.picked(sample_row) {
+                    Some(token) => self.append_picked(rows.id, token)?,
+                    None => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
+                };
                 output.capture_row = live;
                 outputs.push(output);
             }
@@ -760,7 +769,6 @@ impl Engine {
     }
 
     fn append_token(&mut self, id: RequestId, logits: &[f32]) -> Result<RequestOutput> {
-        let context_length = self.info.context_length;
         let req = self
             .requests
             .get_mut(&id)
@@ -811,6 +819,28 @@ impl Engine {
             .params
             .logprobs
             .map(|k| token_logprobs(logits, token, k));
+        self.push_token(id, token, logprobs, guided_failure)
+    }
+
+    /// Appends the token the model picked on its device for a request that needs only
+    /// the argmax (`Request::needs_only_argmax`): what `append_token` would choose.
+    fn append_picked(&mut self, id: RequestId, token: u32) -> Result<RequestOutput> {
+        self.push_token(id, token, None, None)
+    }
+
+    /// Appends the sampled `token` and decides whether the request is done.
+    fn push_token(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        guided_failure: Option<String>,
+    ) -> Result<RequestOutput> {
+        let context_length = self.info.context_length;
+        let req = self
+            .requests
+            .get_mut(&id)
+            .ok_or(EngineError::LostRequest(id))?;
         req.push_output(token);
         let now = Instant::now();
         req.times.first_token.get_or_insert(now);

@@ -192,6 +192,19 @@ impl Request {
     }
 
     /// Whether the steps must return a logits row for every prompt position.
+    /// Whether its next token is the argmax of the model's logits row and nothing else
+    /// reads that row: greedy, no penalty or bias, past `min_tokens`, no structured
+    /// output, no logprobs, no prompt rows. A device model then hands back the id alone.
+    pub fn needs_only_argmax(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0
+            && !p.has_penalties()
+            && self.num_output_tokens() >= p.min_tokens
+            && self.constraint.is_none()
+            && p.logprobs.is_none()
+            && !self.wants_prompt_rows()
+    }
+
     pub fn wants_prompt_rows(&self) -> bool {
         self.params.prompt_logits || self.params.prompt_logprobs.is_some()
     }

@@ -8,7 +8,7 @@ use lantern_attn::{
     LayerKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
-use lantern_model::{CausalLm, ForwardBatch};
+use lantern_model::{CausalLm, ForwardBatch, StepLogitRows};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -26,27 +26,47 @@ pub struct RequestRows {
 /// The logits a step computed: the rows each request needs, in plan order.
 pub struct StepLogits {
     pub requests: Vec<RequestRows>,
-    /// `[rows, vocab]`
+    /// `[whole rows, vocab]`: every row but the picked ones, in row order.
     pub logits: Vec<f32>,
+    /// Per row: its argmax when the model reduced it to that (empty: no row was).
+    pub picked: Vec<Option<u32>>,
     pub vocab: usize,
 }
 
 impl StepLogits {
-    /// Rows `first..first + count`, or an error when the step computed fewer.
+    /// Rows `first..first + count` (none of them picked), or an error when the step
+    /// computed fewer.
     pub fn rows(&self, first: usize, count: usize) -> Result<&[f32]> {
-        first
+        // Picked rows are left out of `logits`: whole rows before `first` shift it.
+        let skipped = self
+            .picked
+            .iter()
+            .take(first.saturating_add(count))
+            .enumerate()
+            .filter(|(_, p)| p.is_some())
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>();
+        let start_row = first - skipped.iter().filter(|&&i| i < first).count();
+        let none_inside = skipped.iter().all(|&i| i < first);
+        start_row
             .checked_mul(self.vocab)
             .zip(
-                first
+                start_row
                     .checked_add(count)
                     .and_then(|e| e.checked_mul(self.vocab)),
             )
+            .filter(|_| none_inside)
             .and_then(|(start, end)| self.logits.get(start..end))
             .ok_or(EngineError::MissingLogits {
                 first,
                 count,
                 rows: self.logits.len() / self.vocab.max(1),
             })
+    }
+
+    /// The token the model picked for row `row`, if it reduced that row to its argmax.
+    pub fn picked(&self, row: usize) -> Option<u32> {
+        self.picked.get(row).copied().flatten()
     }
 }
 
@@ -60,6 +80,9 @@ pub struct ModelRunner {
     /// virtual batch is built with the group's metadata, once per step.
     group_chunk: Vec<Option<usize>>,
     block_size: usize,
+    /// Ask for argmax-only rows even from a model that keeps its logits on the host (it
+    /// reduces them there): the picked-row path tested without a GPU.
+    pub pick_on_host: bool,
 }
 
 impl ModelRunner {
@@ -102,6 +125,7 @@ impl ModelRunner {
                 })
                 .collect(),
             block_size,
+            pick_on_host: false,
         })
     }
 
@@ -135,7 +159,10 @@ impl ModelRunner {
         let num_tokens = plan.num_tokens();
         let mut token_ids = Vec::with_capacity(num_tokens);
         let mut positions = Vec::with_capacity(num_tokens);
+        let picking = model.picks_on_device() || self.pick_on_host;
         let mut logits_rows = Vec::new();
+        // Per logits row: only its argmax is needed (see `Request::needs_only_argmax`).
+        let mut pick = Vec::new();
         let mut rows = Vec::new();
         for s in &plan.scheduled {
             let req = requests.get(&s.id).ok_or(EngineError::LostRequest(s.id))?;
@@ -158,8 +185,10 @@ impl ModelRunner {
             };
             let first_row = logits_rows.len();
             logits_rows.extend(first_token_row..first_token_row + num_prompt_rows);
+            pick.resize(logits_rows.len(), false);
             if samples {
                 logits_rows.push(token_ids.len() - 1);
+                pick.push(picking && req.needs_only_argmax());
             }
             if samples || num_prompt_rows > 0 {
                 rows.push(RequestRows {
@@ -180,10 +209,21 @@ impl ModelRunner {
             layer_group: &self.layer_group,
             logits_rows: &logits_rows,
         };
-        let logits = model.forward(&batch, self.backend.as_ref(), &mut self.caches, tap)?;
+        let out = if pick.contains(&true) {
+            let backend = self.backend.as_ref();
+            model.forward_picking(&batch, backend, &mut self.caches, tap, &pick)?
+        } else {
+            StepLogitRows::all(model.forward(
+                &batch,
+                self.backend.as_ref(),
+                &mut self.caches,
+                tap,
+            )?)
+        };
         Ok(StepLogits {
             requests: rows,
-            logits,
+            logits: out.logits,
+            picked: out.picked,
             vocab: model.info().vocab_size,
         })
     }

@@ -106,6 +106,12 @@ pub trait Compute: Send + Sync + Sized + 'static {
 
     /// The values on the host.
     fn to_host(&self, x: Self::Act) -> Result<Vec<f32>>;
+
+    /// Whether rows reduced to their argmax here save a copy to the host.
+    const PICKS_ON_DEVICE: bool = false;
+
+    /// The index of the largest value of each row of `width` (the first on ties).
+    fn argmax_rows(&self, x: &Self::Act, width: usize) -> Result<Vec<u32>>;
 }
 
 /// The host CPU: lantern-quant's kernels for products, the chunked passes of [`ops`],
@@ -266,4 +272,20 @@ impl Compute for Cpu {
     fn to_host(&self, x: Vec<f32>) -> Result<Vec<f32>> {
         Ok(x)
     }
+
+    fn argmax_rows(&self, x: &Vec<f32>, width: usize) -> Result<Vec<u32>> {
+        whole_rows("argmax_rows", x.len(), width)?;
+        Ok(x.chunks_exact(width).map(first_max).collect())
+    }
+}
+
+/// The first index of the largest value (NaN never wins).
+fn first_max(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] || row[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
 }

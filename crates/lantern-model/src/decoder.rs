@@ -10,7 +10,7 @@ use crate::hparams::HParams;
 use crate::linear::tensor_to_vec;
 use crate::rope::{Rope, RopePairs, RopeScaling};
 use crate::source::WeightSource;
-use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo};
+use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo, StepLogitRows};
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, LayerKvCache};
 
 /// What an architecture is, in terms of the shared blocks.
@@ -215,18 +215,15 @@ impl<C: Compute> Decoder<C> {
     }
 }
 
-impl<C: Compute> CausalLm for Decoder<C> {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn forward(
+impl<C: Compute> Decoder<C> {
+    /// The logits of `batch.logits_rows`, where the blocks run.
+    fn logits(
         &self,
         batch: &ForwardBatch,
         backend: &dyn AttentionBackend,
         caches: &mut [Box<dyn LayerKvCache>],
         mut tap: Option<&mut dyn AttentionTap>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<C::Act> {
         batch.validate(&self.info, caches.len())?;
         let c = &self.compute;
         let tokens = batch.token_ids.len();
@@ -268,6 +265,72 @@ impl<C: Compute> CausalLm for Decoder<C> {
         if let Some(cap) = self.final_soft_cap {
             c.soft_cap(&mut logits, cap)?;
         }
-        c.to_host(logits)
+        Ok(logits)
+    }
+}
+
+impl<C: Compute> CausalLm for Decoder<C> {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        backend: &dyn AttentionBackend,
+        caches: &mut [Box<dyn LayerKvCache>],
+        tap: Option<&mut dyn AttentionTap>,
+    ) -> Result<Vec<f32>> {
+        let logits = self.logits(batch, backend, caches, tap)?;
+        self.compute.to_host(logits)
+    }
+
+    fn picks_on_device(&self) -> bool {
+        C::PICKS_ON_DEVICE
+    }
+
+    /// Picked rows go through [`Compute::argmax_rows`] where the logits are; only the
+    /// other rows (and the picked rows' ids) are copied to the host.
+    fn forward_picking(
+        &self,
+        batch: &ForwardBatch,
+        backend: &dyn AttentionBackend,
+        caches: &mut [Box<dyn LayerKvCache>],
+        tap: Option<&mut dyn AttentionTap>,
+        pick: &[bool],
+    ) -> Result<StepLogitRows> {
+        if pick.len() != batch.logits_rows.len() {
+            return Err(crate::ModelError::Compute(format!(
+                "{} pick flags for {} logits rows",
+                pick.len(),
+                batch.logits_rows.len()
+            )));
+        }
+        let c = &self.compute;
+        let vocab = self.info.vocab_size;
+        let logits = self.logits(batch, backend, caches, tap)?;
+        let rows_where = |wanted: bool| -> Vec<usize> {
+            (0..pick.len()).filter(|&i| pick[i] == wanted).collect()
+        };
+        let (picked_rows, whole_rows) = (rows_where(true), rows_where(false));
+        if picked_rows.is_empty() {
+            return Ok(StepLogitRows::all(c.to_host(logits)?));
+        }
+        let mut ids = c
+            .argmax_rows(&c.select_rows(&logits, &picked_rows, vocab)?, vocab)?
+            .into_iter();
+        let whole = if whole_rows.is_empty() {
+            Vec::new()
+        } else {
+            c.to_host(c.select_rows(&logits, &whole_rows, vocab)?)?
+        };
+        let picked = pick
+            .iter()
+            .map(|&p| if p { ids.next() } else { None })
+            .collect();
+        Ok(StepLogitRows {
+            logits: whole,
+            picked,
+        })
     }
 }

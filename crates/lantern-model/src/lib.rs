@@ -102,6 +102,49 @@ pub trait CausalLm: Send + Sync {
         caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Vec<f32>>;
+
+    /// Whether [`Self::forward_picking`] saves work: the logits live on a device and a
+    /// row reduced there to its argmax is not copied to the host.
+    fn picks_on_device(&self) -> bool {
+        false
+    }
+
+    /// [`Self::forward`] where the logits rows marked in `pick` (one flag per
+    /// `batch.logits_rows` entry) are only wanted for their argmax (greedy sampling).
+    /// Models that do not pick on a device return every row whole.
+    fn forward_picking(
+        &self,
+        batch: &ForwardBatch,
+        backend: &dyn AttentionBackend,
+        caches: &mut [Box<dyn LayerKvCache>],
+        tap: Option<&mut dyn AttentionTap>,
+        pick: &[bool],
+    ) -> Result<StepLogitRows> {
+        let _ = pick;
+        Ok(StepLogitRows::all(
+            self.forward(batch, backend, caches, tap)?,
+        ))
+    }
+}
+
+/// A step's logits rows as the model returns them: whole rows, and rows reduced to their
+/// argmax where the caller asked only for that.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepLogitRows {
+    /// The whole rows, in the order of `ForwardBatch::logits_rows`, picked rows left out.
+    pub logits: Vec<f32>,
+    /// Per `logits_rows` entry: its argmax when it was picked (empty: none was).
+    pub picked: Vec<Option<u32>>,
+}
+
+impl StepLogitRows {
+    /// Every row whole.
+    pub fn all(logits: Vec<f32>) -> Self {
+        Self {
+            logits,
+            picked: Vec::new(),
+        }
+    }
 }
 
 /// A model with its tokenizer and chat template, as loaded from one file.

@@ -1,0 +1,103 @@
+//! Rows reduced to their argmax by the model (what a GPU model does for greedy requests,
+//! so that only one id per row crosses to the host) give exactly the tokens the host
+//! sampler gives, and leave every other kind of request to the sampler: a batch mixing
+//! plain greedy, greedy with logprobs, penalties, `min_tokens`, prompt logits and
+//! seeded sampling runs identically with picking on and off.
+
+mod common;
+
+use lantern_engine::{Engine, EngineConfig, SamplingParams};
+use lantern_kv::KvDtype;
+use lantern_model::LoadOptions;
+use std::path::Path;
+
+fn engine() -> Engine {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/archs/llama/hf");
+    let loaded = lantern_model::load_model(&path, &LoadOptions::default()).unwrap();
+    let config = EngineConfig {
+        kv_cache_memory: 16 << 20,
+        kv_cache_dtype: KvDtype::F32,
+        ..EngineConfig::default()
+    };
+    Engine::new(loaded, config).unwrap()
+}
+
+fn requests() -> Vec<(
+    Vec<u32>,
+    SamplingParams,
+    Option<lantern_capture::CaptureSpec>,
+)> {
+    let greedy = |n| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(n)
+    };
+    let prompt = |seed: u32, len: u32| -> Vec<u32> {
+        (0..len)
+            .map(|i| 300 + (seed * 37 + i * 11) % 1500)
+            .collect()
+    };
+    vec![
+        (prompt(1, 9), greedy(12), None),
+        (prompt(2, 23), greedy(7), None),
+        (
+            prompt(3, 5),
+            SamplingParams {
+                logprobs: Some(3),
+                ..greedy(6)
+            },
+            None,
+        ),
+        (
+            prompt(4, 14),
+            SamplingParams {
+                repetition_penalty: 1.3,
+                ..greedy(9)
+            },
+            None,
+        ),
+        (
+            prompt(5, 6),
+            SamplingParams {
+                min_tokens: 4,
+                ignore_eos: false,
+                ..SamplingParams::greedy(8)
+            },
+            None,
+        ),
+        (
+            prompt(6, 11),
+            SamplingParams {
+                prompt_logits: true,
+                ..greedy(5)
+            },
+            None,
+        ),
+        (
+            prompt(7, 8),
+            SamplingParams {
+                temperature: 0.8,
+                seed: Some(7),
+                ..greedy(10)
+            },
+            None,
+        ),
+    ]
+}
+
+#[test]
+fn picked_rows_give_the_samplers_tokens_and_leave_the_rest_alone() {
+    let mut plain = engine();
+    let mut picking = engine();
+    picking.set_pick_on_host(true);
+    let expected = common::run_to_completion(&mut plain, requests());
+    let got = common::run_to_completion(&mut picking, requests());
+    for (i, (a, b)) in expected.iter().zip(&got).enumerate() {
+        assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
+        assert_eq!(
+            a.prompt_logits, b.prompt_logits,
+            "request {i}: prompt logits"
+        );
+        assert_eq!(a.finish_reason, b.finish_reason, "request {i}: finish");
+    }
+    assert!(expected.iter().all(|c| !c.token_ids.is_empty()));
+}

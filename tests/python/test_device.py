@@ -33,3 +33,9 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu():
     done = lantern("generate", "--gpu-memory-utilization", "0.5", "--prompt", "Hi")
     assert done.returncode != 0
     assert "--gpu-memory-utilization" in done.stderr, done.stderr
+
+
+def test_a_gpu_backend_on_the_cpu_says_to_ask_for_the_gpu():
+    done = lantern("generate", "--attention-backend", "cuda", "--prompt", "Hi")
+    assert done.returncode != 0
+    assert "--device cuda" in done.stderr, done.stderr

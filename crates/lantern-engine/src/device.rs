@@ -113,6 +113,12 @@ impl PlacedModel {
                         "--gpu-memory-utilization applies to --device cuda only".into(),
                     ));
                 }
+                if config.attention_backend.starts_with("cuda") {
+                    return Err(EngineError::InvalidConfig(format!(
+                        "the attention backend {} runs on a GPU: add --device cuda",
+                        config.attention_backend
+                    )));
+                }
                 Engine::new(self.loaded, config)
             }
             #[cfg(feature = "cuda")]

@@ -79,11 +79,7 @@ impl CudaBackend {
         let table = common.block_table.as_padded();
         let stride = common.block_table.max_blocks_per_row();
         // An empty table still needs a buffer to point at.
-        let table: Vec<u32> = if table.is_empty() {
-            vec![0]
-        } else {
-            table.to_vec()
-        };
+        let table = if table.is_empty() { &[0][..] } else { table };
         Ok(DeviceMetadata {
             query_start_loc: self
                 .gpu
@@ -93,7 +89,7 @@ impl CudaBackend {
                 .gpu
                 .upload(&u32s("seq_lens", &common.seq_lens)?)
                 .map_err(e)?,
-            block_table: self.gpu.upload(&table).map_err(e)?,
+            block_table: self.gpu.upload(table).map_err(e)?,
             table_stride: stride,
             slot_mapping: self.gpu.upload(&common.slot_mapping).map_err(e)?,
         })

@@ -131,7 +131,7 @@ impl PlacedModel {
                     CUDA.to_string()
                 };
                 if let Some(u) = utilization {
-                    let memory = gpu.memory_info().map_err(cuda::gpu_error)?;
+                    let memory = gpu.memory_info().map_err(cuda::gpu_error(gpu.ordinal()))?;
                     config.kv_cache_memory = kv_budget_from_utilization(u, memory)?;
                 }
                 let backend = CudaBackend::new(gpu, &name)?;
@@ -147,9 +147,10 @@ mod cuda {
     use super::*;
     use lantern_cuda::{CudaCompute, Gpu};
 
-    pub fn gpu_error(e: lantern_cuda::CudaError) -> EngineError {
-        EngineError::Device {
-            device: "cuda".into(),
+    /// An error of GPU `ordinal` as the engine's.
+    pub fn gpu_error(ordinal: usize) -> impl Fn(lantern_cuda::CudaError) -> EngineError {
+        move |e| EngineError::Device {
+            device: DeviceChoice::Cuda(ordinal).to_string(),
             message: e.to_string(),
         }
     }
@@ -159,10 +160,7 @@ mod cuda {
         path: &Path,
         weights: &LoadOptions,
     ) -> Result<PlacedModel, EngineError> {
-        let gpu = Gpu::open(ordinal).map_err(|e| EngineError::Device {
-            device: DeviceChoice::Cuda(ordinal).to_string(),
-            message: e.to_string(),
-        })?;
+        let gpu = Gpu::open(ordinal).map_err(gpu_error(ordinal))?;
         let compute = CudaCompute::new(gpu.clone());
         Ok(PlacedModel {
             loaded: lantern_model::load_model_on(path, weights, &compute)?,

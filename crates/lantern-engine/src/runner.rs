@@ -37,17 +37,15 @@ impl StepLogits {
     /// Rows `first..first + count` (none of them picked), or an error when the step
     /// computed fewer.
     pub fn rows(&self, first: usize, count: usize) -> Result<&[f32]> {
-        // Picked rows are left out of `logits`: whole rows before `first` shift it.
-        let skipped = self
-            .picked
-            .iter()
-            .take(first.saturating_add(count))
-            .enumerate()
-            .filter(|(_, p)| p.is_some())
-            .map(|(i, _)| i)
-            .collect::<Vec<_>>();
-        let start_row = first - skipped.iter().filter(|&&i| i < first).count();
-        let none_inside = skipped.iter().all(|&i| i < first);
+        // Picked rows are left out of `logits`: those before `first` shift it, and none
+        // of the rows asked for may be one.
+        let picked_in = |rows: std::ops::Range<usize>| {
+            self.picked
+                .get(rows.start.min(self.picked.len())..rows.end.min(self.picked.len()))
+                .map_or(0, |p| p.iter().filter(|p| p.is_some()).count())
+        };
+        let end = first.saturating_add(count);
+        let start_row = first - picked_in(0..first);
         start_row
             .checked_mul(self.vocab)
             .zip(
@@ -55,7 +53,7 @@ impl StepLogits {
                     .checked_add(count)
                     .and_then(|e| e.checked_mul(self.vocab)),
             )
-            .filter(|_| none_inside)
+            .filter(|_| picked_in(first..end) == 0)
             .and_then(|(start, end)| self.logits.get(start..end))
             .ok_or(EngineError::MissingLogits {
                 first,

@@ -52,10 +52,11 @@ class Budget:
         return self.end - time.time()
 
 
-def run(cmd, timeout):
+def run(cmd, timeout, env=None):
     start = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout}s", time.time() - start
     if p.returncode != 0:
@@ -86,6 +87,29 @@ def lantern_figures(args, model_dir, budget):
             res["bench"] = json.loads(lines[-1])
         except Exception as e:
             res["bench_error"] = f"unreadable output ({e}): {out[-400:]}"
+    if args.lantern_eager:
+        # The same figures with every step eager: what CUDA graphs give, in the same run.
+        cmd = cmd + ["--enforce-eager"]
+        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+        out, err, secs = run(cmd, timeout)
+        res["eager_seconds"] = round(secs, 1)
+        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
+        try:
+            res["bench_eager"] = json.loads(lines[-1])
+        except Exception:
+            res["bench_eager_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+    if args.lantern_no_small_products:
+        # The same figures with cuBLAS for every product: what the small-product kernels give.
+        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
+                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
+                      "--repeat", str(args.repeat)]
+        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+        out, err, secs = run(cmd, timeout, env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
+        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
+        try:
+            res["bench_cublas"] = json.loads(lines[-1])
+        except Exception:
+            res["bench_cublas_error"] = err or f"unreadable output: {(out or '')[-400:]}"
     if args.no_capture:
         return res
     cmd = base + ["--capture", "--capture-prompt-tokens", str(args.capture_tokens), "--repeat", "1"]
@@ -238,6 +262,16 @@ def table(name, layers, lan, hf, args):
         lan_capture = 1e3 * args.capture_tokens / bench["prefill_tokens_per_s"] + per_layer * layers
     add(f"capture {args.capture_tokens} (prefill + maps)", hf.get("capture_ms"), lan_capture,
         higher_better=False, unit="ms")
+    for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only")):
+        other = lan.get(key)
+        if not other:
+            continue
+        other_batched = other.get("batched_decode_tokens_per_s") or {}
+        for b in args.batches:
+            e = other.get("decode_tokens_per_s") if b == 1 else other_batched.get(str(b))
+            g = bench.get("decode_tokens_per_s") if b == 1 else batched.get(str(b))
+            rows.append({"model": name, "metric": f"decode batch {b}: {label}", "unit": "tok/s",
+                         "transformers": e, "lantern": g, "speedup": ratio(g, e)})
     return rows
 
 
@@ -264,6 +298,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", help="transformers' attention for the speed figures")
     ap.add_argument("--no-capture", action="store_true")
+    ap.add_argument("--lantern-no-small-products", action="store_true",
+                    help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
+    ap.add_argument("--lantern-eager", action="store_true",
+                    help="also run lantern's bench with --enforce-eager (rows 'graphs / eager': the eager figure in the transformers column)")
     ap.add_argument("--skip-lantern", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--budget", type=float, default=230, help="seconds for the whole run")

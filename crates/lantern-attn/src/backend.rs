@@ -215,6 +215,12 @@ pub trait AttentionBackend: Send + Sync {
     fn as_any(&self) -> Option<&dyn Any> {
         None
     }
+
+    /// Its recorded decode steps (CUDA graphs), when it replays them; `None`: every
+    /// step runs eagerly.
+    fn step_graphs(&self) -> Option<&dyn crate::StepGraphs> {
+        None
+    }
 }
 
 /// The backend called `name` with its default layout.

@@ -72,6 +72,32 @@ impl BlockTable {
     pub fn as_padded(&self) -> &[BlockId] {
         &self.data
     }
+
+    /// The table padded to `width` blocks a row (at least its longest row) and to
+    /// `num_rows` rows; an added row holds one valid [`Self::PAD_BLOCK`].
+    pub fn padded_to(&self, num_rows: usize, width: usize) -> Result<Self, AttnError> {
+        if width < self.max_blocks_per_row || num_rows < self.num_rows {
+            return Err(AttnError::InvalidMetadata(format!(
+                "a block table of {} rows of {} blocks cannot pad to {num_rows} rows of {width}",
+                self.num_rows, self.max_blocks_per_row
+            )));
+        }
+        let mut data = Vec::with_capacity(num_rows * width);
+        let mut row_lens = self.row_lens.clone();
+        for r in 0..self.num_rows {
+            let start = r * self.max_blocks_per_row;
+            data.extend_from_slice(&self.data[start..start + self.max_blocks_per_row]);
+            data.resize((r + 1) * width, Self::PAD_BLOCK);
+        }
+        data.resize(num_rows * width, Self::PAD_BLOCK);
+        row_lens.resize(num_rows, 1);
+        Ok(Self {
+            num_rows,
+            max_blocks_per_row: width,
+            data,
+            row_lens,
+        })
+    }
 }
 
 /// What the scheduler decided for one request in this step.
@@ -184,6 +210,36 @@ impl CommonAttentionMetadata {
             causal: true,
             block_size,
         })
+    }
+
+    /// The batch padded to `num_reqs` requests with a block table `table_width` blocks
+    /// wide: the fixed shapes a recorded graph step replays. Each added request computes
+    /// one token at position 0 that reads the first slot of [`BlockTable::PAD_BLOCK`] and
+    /// writes nothing (`PAD_SLOT_ID`); its output is thrown away. Padding a batch never
+    /// changes what its own requests compute.
+    pub fn padded_for_graph(&self, num_reqs: usize, table_width: usize) -> Result<Self, AttnError> {
+        let extra = num_reqs.checked_sub(self.num_reqs).ok_or_else(|| {
+            AttnError::InvalidMetadata(format!(
+                "a batch of {} requests cannot pad to {num_reqs}",
+                self.num_reqs
+            ))
+        })?;
+        let mut padded = self.clone();
+        padded.block_table = self.block_table.padded_to(num_reqs, table_width)?;
+        for _ in 0..extra {
+            let end = padded.num_actual_tokens + 1;
+            padded.query_start_loc.push(end);
+            padded.seq_lens.push(1);
+            padded.num_computed_tokens.push(0);
+            padded.slot_mapping.push(PAD_SLOT_ID);
+            padded.num_actual_tokens = end;
+        }
+        padded.num_reqs = num_reqs;
+        if extra > 0 {
+            padded.max_query_len = padded.max_query_len.max(1);
+            padded.max_seq_len = padded.max_seq_len.max(1);
+        }
+        Ok(padded)
     }
 
     /// Number of this step's tokens of request `r` (0 for a request that does not exist).
@@ -401,6 +457,30 @@ mod tests {
             },
         ];
         CommonAttentionMetadata::build(&seqs, 4).unwrap()
+    }
+
+    #[test]
+    fn padding_for_a_graph_adds_requests_that_write_nothing() {
+        let m = mixed_batch();
+        let p = m.padded_for_graph(6, 8).unwrap();
+        p.validate().unwrap();
+        assert_eq!((p.num_reqs, p.num_actual_tokens), (6, 17));
+        assert_eq!(p.query_start_loc, vec![0, 1, 2, 11, 15, 16, 17]);
+        assert_eq!(p.seq_lens, vec![6, 4, 9, 10, 1, 1]);
+        assert_eq!(&p.slot_mapping[..15], &m.slot_mapping[..]);
+        assert_eq!(&p.slot_mapping[15..], &[PAD_SLOT_ID, PAD_SLOT_ID]);
+        assert_eq!(p.block_table.max_blocks_per_row(), 8);
+        assert_eq!(p.block_table.as_padded().len(), 48);
+        for r in 0..4 {
+            assert_eq!(p.block_table.row(r), m.block_table.row(r));
+        }
+        assert_eq!(p.block_table.row(5), &[BlockTable::PAD_BLOCK]);
+        assert_eq!((p.max_seq_len, p.max_query_len), (10, 9));
+        // A table narrower than a row, or fewer requests than the batch has, is refused.
+        assert!(m.padded_for_graph(6, 2).is_err());
+        assert!(m.padded_for_graph(3, 8).is_err());
+        // No padding at all is the batch itself.
+        assert_eq!(m.padded_for_graph(4, 3).unwrap(), m);
     }
 
     #[test]

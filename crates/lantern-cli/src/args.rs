@@ -41,6 +41,9 @@ pub struct EngineArgs {
     /// the weights and a 1 GiB activation reserve leave (instead of --kv-cache-memory).
     #[arg(long, value_name = "FRACTION")]
     pub gpu_memory_utilization: Option<f32>,
+    /// GPU only: run every step eagerly, without replaying decode steps from CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// Most tokens computed in one step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
@@ -118,6 +121,7 @@ impl EngineArgs {
             // Only `serve` limits the waiting queue (its own flag); the others queue all.
             max_waiting_requests: lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS,
             max_model_len: self.max_model_len,
+            enforce_eager: self.enforce_eager,
         }
     }
 

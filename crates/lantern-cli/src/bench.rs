@@ -258,6 +258,13 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
                 "peak_memory_bytes": peak,
+                "cuda_graphs": engine.graph_stats().map(|g| json!({
+                    "recorded": g.recorded,
+                    "captured": g.captured,
+                    "replayed": g.replayed,
+                    "failed": g.failed,
+                    "arena_bytes": g.arena_bytes,
+                })),
                 "kv_memory_bytes": kv_memory.map(|(held, all)| json!({
                     "tokens": args.kv_memory_tokens,
                     "with_window_release": held,
@@ -294,6 +301,15 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 mib(held),
                 args.kv_memory_tokens,
                 mib(all)
+            );
+        }
+        if let Some(g) = engine.graph_stats() {
+            println!(
+                "CUDA graphs        {} captured, {} steps replayed, {} failed, {:.1} MiB of buffers",
+                g.captured,
+                g.replayed,
+                g.failed,
+                g.arena_bytes as f64 / (1 << 20) as f64
             );
         }
         if let Some(p) = peak {

@@ -9,14 +9,16 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use lantern_attn::{
     host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
-    AttnError, CacheGeometry, CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape,
-    LayerKvCache, Tensor, DECODE_THRESHOLD,
+    AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KvCacheLayout,
+    KvCacheShape, LayerKvCache, StepGraphs, Tensor, DECODE_THRESHOLD,
 };
 use lantern_kv::KvDtype;
 
 use crate::cache::{attn_error, CacheData, CudaKvCache};
 use crate::gpu::Gpu;
+use crate::graph::GRAPH_BATCH_SIZES;
 use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta};
+use crate::pool::Pooled;
 
 /// FlashAttention's layout, `[2, num_blocks, block_size, kv_heads, head_dim]`.
 pub const CUDA: &str = "cuda";
@@ -28,15 +30,17 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     name: &'static str,
     layout: KvCacheLayout,
+    /// Whether decode steps are replayed from CUDA graphs.
+    graphs: bool,
 }
 
 /// One step's metadata of one KV cache group, on the device.
 pub struct DeviceMetadata {
-    query_start_loc: CudaSlice<u32>,
-    seq_lens: CudaSlice<u32>,
-    block_table: CudaSlice<u32>,
+    query_start_loc: Pooled<u32>,
+    seq_lens: Pooled<u32>,
+    block_table: Pooled<u32>,
     table_stride: usize,
-    slot_mapping: CudaSlice<i64>,
+    slot_mapping: Pooled<i64>,
 }
 
 /// What `build_metadata` attached: the device copy, or why it could not be made (the
@@ -67,7 +71,14 @@ impl CudaBackend {
             gpu,
             name,
             layout: KvCacheLayout::contiguous(shape),
+            graphs: true,
         })
+    }
+
+    /// The backend with decode steps always run eagerly (`--enforce-eager`).
+    pub fn eager(mut self) -> Self {
+        self.graphs = false;
+        self
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -83,15 +94,15 @@ impl CudaBackend {
         Ok(DeviceMetadata {
             query_start_loc: self
                 .gpu
-                .upload(&u32s("query_start_loc", &common.query_start_loc)?)
+                .step_upload(&u32s("query_start_loc", &common.query_start_loc)?)
                 .map_err(e)?,
             seq_lens: self
                 .gpu
-                .upload(&u32s("seq_lens", &common.seq_lens)?)
+                .step_upload(&u32s("seq_lens", &common.seq_lens)?)
                 .map_err(e)?,
-            block_table: self.gpu.upload(table).map_err(e)?,
+            block_table: self.gpu.step_upload(table).map_err(e)?,
             table_stride: stride,
-            slot_mapping: self.gpu.upload(&common.slot_mapping).map_err(e)?,
+            slot_mapping: self.gpu.step_upload(&common.slot_mapping).map_err(e)?,
         })
     }
 
@@ -106,7 +117,7 @@ impl CudaBackend {
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
         cache: &mut dyn LayerKvCache,
-    ) -> Result<CudaSlice<f32>, AttnError> {
+    ) -> Result<Pooled<f32>, AttnError> {
         let common = &meta.common;
         validate_step(&self.layout, spec, common, &*cache)?;
         let t = common.num_actual_tokens;
@@ -138,10 +149,17 @@ impl CudaBackend {
             .downcast_mut()
             .ok_or(AttnError::ForeignCache { backend: self.name })?;
         let sinks = match &spec.sinks {
-            Some(s) => Some(self.gpu.upload(s).map_err(attn_error)?),
+            Some(s) => Some(self.gpu.step_upload(s).map_err(attn_error)?),
             None => None,
         };
-        let mut out = self.gpu.output::<f32>(q.len()).map_err(attn_error)?;
+        let mut out = self.gpu.step_output::<f32>(q.len()).map_err(attn_error)?;
+        // A graph step plans its key splits for the longest sequence its table can hold:
+        // the plan is recorded, and must hold for every step replayed.
+        let planning_len = if self.gpu.in_graph_step() {
+            device.table_stride * common.block_size
+        } else {
+            common.max_seq_len
+        };
         let paged = PagedMeta {
             query_start_loc: device.query_start_loc.as_view(),
             seq_lens: device.seq_lens.as_view(),
@@ -150,7 +168,7 @@ impl CudaBackend {
             num_reqs: common.num_reqs,
             num_tokens: t,
             max_query_len: common.max_query_len,
-            max_seq_len: common.max_seq_len,
+            max_seq_len: planning_len,
         };
         let params = AttnParams {
             num_heads: spec.num_heads,
@@ -163,7 +181,7 @@ impl CudaBackend {
             sinks: sinks.as_ref().map(|s| s.as_view()),
         };
         let strides = *cache.strides();
-        let slots = &device.slot_mapping;
+        let slots = &*device.slot_mapping;
         let step = Step {
             gpu: &self.gpu,
             strides: &strides,
@@ -248,7 +266,7 @@ impl AttentionBackend for CudaBackend {
             self.gpu.upload(&host_f32(t)?).map_err(attn_error)
         };
         let out = self.attend(layer, meta, &up(q)?, &up(k)?, &up(v)?, cache)?;
-        let host = self.gpu.download(&out).map_err(attn_error)?;
+        let host = self.gpu.download(&*out).map_err(attn_error)?;
         let dims = [
             meta.common.num_actual_tokens,
             layer.num_heads,
@@ -273,5 +291,30 @@ impl AttentionBackend for CudaBackend {
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
+    }
+
+    fn step_graphs(&self) -> Option<&dyn StepGraphs> {
+        self.graphs.then_some(self as &dyn StepGraphs)
+    }
+}
+
+/// Decode steps replayed from CUDA graphs (see `graph.rs`): the paged attention kernels
+/// read their metadata from device buffers and take a fixed grid for a fixed batch and
+/// block-table width, so a whole decode step is one graph (vLLM's FULL_DECODE_ONLY).
+impl StepGraphs for CudaBackend {
+    fn batch_sizes(&self) -> &[usize] {
+        GRAPH_BATCH_SIZES
+    }
+
+    fn begin_step(&self, key: GraphKey) -> Result<bool, AttnError> {
+        self.gpu.begin_graph_step(key).map_err(attn_error)
+    }
+
+    fn end_step(&self, ok: bool) -> Result<(), AttnError> {
+        self.gpu.end_graph_step(ok).map_err(attn_error)
+    }
+
+    fn stats(&self) -> lantern_attn::GraphStats {
+        self.gpu.graph_stats()
     }
 }

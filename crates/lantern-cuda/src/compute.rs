@@ -15,6 +15,8 @@ use lantern_model::rope::{Rope, RopePairs};
 use lantern_model::{LoadOptions, ModelError, Result};
 
 use crate::backend::CudaBackend;
+use crate::fused::MAX_SPLIT_PARTS;
+use crate::gemv::{gemv_fits, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
 use crate::kernels::Activation;
 use crate::pool::{Pool, Pooled};
@@ -24,13 +26,66 @@ use crate::CudaError;
 #[derive(Clone)]
 pub struct CudaCompute {
     gpu: Arc<Gpu>,
+    /// Products of a few rows with bf16 weights take the small-product kernels (gemv.rs);
+    /// `LANTERN_CUDA_SMALL_PRODUCTS=off` sends them to cuBLAS (for comparing the two).
+    small_products: bool,
     /// Activations and the bf16 copies products take, reused from step to step.
     acts: Arc<Pool<f32>>,
     halves: Arc<Pool<bf16>>,
 }
 
-/// `[rows, width]` activations on the device.
-pub type GpuAct = Pooled<f32>;
+/// `[rows, width]` f32 activations on the device, with their bf16 copy when the kernel
+/// that made them wrote one: the input of the next product, which then needs no cast.
+/// Changing the values (through `DerefMut`) drops the copy.
+pub struct GpuAct {
+    values: Pooled<f32>,
+    bf16: Option<Pooled<bf16>>,
+}
+
+impl GpuAct {
+    fn new(values: Pooled<f32>) -> Self {
+        Self { values, bf16: None }
+    }
+
+    fn with_bf16(values: Pooled<f32>, bf16: Pooled<bf16>) -> Self {
+        Self {
+            values,
+            bf16: Some(bf16),
+        }
+    }
+}
+
+impl std::ops::Deref for GpuAct {
+    type Target = CudaSlice<f32>;
+
+    fn deref(&self) -> &CudaSlice<f32> {
+        &self.values
+    }
+}
+
+impl std::ops::DerefMut for GpuAct {
+    fn deref_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.bf16 = None;
+        &mut self.values
+    }
+}
+
+/// A product's bf16 input: the activation's own copy, or a cast made for the product.
+enum Bf16Input<'a> {
+    Copy(&'a Pooled<bf16>),
+    Cast(Pooled<bf16>),
+}
+
+impl std::ops::Deref for Bf16Input<'_> {
+    type Target = Pooled<bf16>;
+
+    fn deref(&self) -> &Pooled<bf16> {
+        match self {
+            Self::Copy(h) => h,
+            Self::Cast(h) => h,
+        }
+    }
+}
 
 /// A weight matrix `[out, in]` on the device.
 pub struct GpuMatrix {
@@ -47,8 +102,8 @@ enum Weight {
 
 /// One step's RoPE cos/sin on the device.
 pub struct GpuRopeTable {
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
+    cos: Pooled<f32>,
+    sin: Pooled<f32>,
     half: usize,
     adjacent: bool,
 }
@@ -66,15 +121,77 @@ fn tensor_error(name: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
 
 impl CudaCompute {
     pub fn new(gpu: Arc<Gpu>) -> Self {
+        let small_products = std::env::var("LANTERN_CUDA_SMALL_PRODUCTS")
+            .map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false"));
         Self {
             acts: Pool::new(Arc::clone(&gpu)),
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
+            small_products,
         }
     }
 
     fn act(&self, n: usize) -> Result<GpuAct> {
-        self.acts.output(n).map_err(model_error)
+        Ok(GpuAct::new(self.acts.output(n).map_err(model_error)?))
+    }
+
+    /// An output and its bf16 copy, for a kernel that writes both.
+    fn twin(&self, n: usize) -> Result<(Pooled<f32>, Pooled<bf16>)> {
+        Ok((
+            self.acts.output(n).map_err(model_error)?,
+            self.halves.output(n).map_err(model_error)?,
+        ))
+    }
+
+    /// A norm's output over rows of `width`, with a bf16 copy where the next product
+    /// will want one (more rows than the small-product kernels take, which read f32).
+    fn norm_output(&self, n: usize, width: usize) -> Result<(Pooled<f32>, Option<Pooled<bf16>>)> {
+        let values = self.acts.output(n).map_err(model_error)?;
+        let copy = if n / width.max(1) > GEMV_MAX_ROWS || !self.small_products {
+            Some(self.halves.output(n).map_err(model_error)?)
+        } else {
+            None
+        };
+        Ok((values, copy))
+    }
+
+    /// `x` as a product's bf16 input: its copy when it has one, else a cast.
+    fn bf16_input<'a>(&self, x: &'a GpuAct) -> Result<Bf16Input<'a>> {
+        if let Some(h) = &x.bf16 {
+            return Ok(Bf16Input::Copy(h));
+        }
+        let mut h = self.halves.output(x.len()).map_err(model_error)?;
+        self.gpu
+            .cast_f32_to_bf16(&**x, &mut *h)
+            .map_err(model_error)?;
+        Ok(Bf16Input::Cast(h))
+    }
+
+    /// `y = x · Wᵀ` for the rows `out_rows` of W (`n` of them).
+    fn product(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        x_bf16: Option<&Pooled<bf16>>,
+        rows: usize,
+        out_rows: std::ops::Range<usize>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (k, n) = (w.in_features, out_rows.len());
+        let part = out_rows.start * k..out_rows.end * k;
+        match (&w.weight, x_bf16) {
+            (Weight::Bf16(wb), Some(xb)) => {
+                self.gpu.gemm_bf16(&**xb, &wb.slice(part), y, rows, n, k)
+            }
+            (Weight::F32(wf), _) => self.gpu.gemm_f32(&**x, &wf.slice(part), y, rows, n, k),
+            (Weight::Bf16(_), None) => {
+                return Err(ModelError::Compute(format!(
+                    "`{}`: bf16 weights without a bf16 input",
+                    w.name
+                )))
+            }
+        }
+        .map_err(model_error)
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -171,8 +288,8 @@ impl Compute for CudaCompute {
     fn rope_table(&self, rope: &Rope, positions: &[usize]) -> Result<GpuRopeTable> {
         let table = rope.table(positions);
         Ok(GpuRopeTable {
-            cos: self.gpu.upload(table.cos()).map_err(model_error)?,
-            sin: self.gpu.upload(table.sin()).map_err(model_error)?,
+            cos: self.gpu.step_upload(table.cos()).map_err(model_error)?,
+            sin: self.gpu.step_upload(table.sin()).map_err(model_error)?,
             half: table.half(),
             adjacent: table.pairs() == RopePairs::Adjacent,
         })
@@ -186,12 +303,12 @@ impl Compute for CudaCompute {
             )));
         }
         let hidden = table.in_features;
-        let ids_dev = self.gpu.upload(ids).map_err(model_error)?;
+        let ids_dev = self.gpu.step_upload(ids).map_err(model_error)?;
         let mut out = self.act(ids.len() * hidden)?;
         let scale = scale.unwrap_or(1.0);
         match &table.weight {
-            Weight::Bf16(w) => self.gpu.embed(w, &ids_dev, &mut *out, hidden, scale),
-            Weight::F32(w) => self.gpu.embed(w, &ids_dev, &mut *out, hidden, scale),
+            Weight::Bf16(w) => self.gpu.embed(w, &*ids_dev, &mut *out, hidden, scale),
+            Weight::F32(w) => self.gpu.embed(w, &*ids_dev, &mut *out, hidden, scale),
         }
         .map_err(model_error)?;
         Ok(out)
@@ -212,41 +329,45 @@ impl Compute for CudaCompute {
                 w.name, w.out_features
             )));
         }
-        // Each part's rows of W are contiguous: one product per part, no split copy.
-        let mut outputs = Vec::with_capacity(widths.len());
-        let x_bf16 = match &w.weight {
-            Weight::Bf16(_) => {
-                let mut h = self.halves.output(x.len()).map_err(model_error)?;
+        let mut outputs = widths
+            .iter()
+            .map(|&n| self.act(rows * n))
+            .collect::<Result<Vec<_>>>()?;
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.small_products && gemv_fits(rows, k) && widths.len() <= GEMV_MAX_PARTS {
+                // A decode step's few rows: one launch from f32, split as it writes.
+                let mut parts: Vec<&mut CudaSlice<f32>> =
+                    outputs.iter_mut().map(|o| &mut **o).collect();
                 self.gpu
-                    .cast_f32_to_bf16(&**x, &mut *h)
+                    .gemv_bf16(&**x, wb, rows, k, &mut parts)
                     .map_err(model_error)?;
-                Some(h)
+                return Ok(outputs);
             }
+        }
+        let x_bf16 = match &w.weight {
+            Weight::Bf16(_) => Some(self.bf16_input(x)?),
             Weight::F32(_) => None,
         };
-        let mut row0 = 0;
-        for &n in widths {
-            let mut y = self.act(rows * n)?;
-            let part = row0 * k..(row0 + n) * k;
-            match (&w.weight, &x_bf16) {
-                (Weight::Bf16(wb), Some(xb)) => {
-                    self.gpu
-                        .gemm_bf16(&**xb, &wb.slice(part), &mut *y, rows, n, k)
-                }
-                (Weight::F32(wf), _) => {
-                    self.gpu
-                        .gemm_f32(&**x, &wf.slice(part), &mut *y, rows, n, k)
-                }
-                (Weight::Bf16(_), None) => {
-                    return Err(ModelError::Compute(format!(
-                        "`{}`: bf16 weights without a bf16 input",
-                        w.name
-                    )))
-                }
+        let x_bf16 = x_bf16.as_deref();
+        if let [y] = outputs.as_mut_slice() {
+            self.product(w, x, x_bf16, rows, 0..w.out_features, y)?;
+        } else if widths.len() <= MAX_SPLIT_PARTS && rows > 0 {
+            // One product over every part (a larger, faster GEMM than one per part),
+            // then one launch that splits its rows' columns into the parts.
+            let mut whole = self.act(rows * w.out_features)?;
+            self.product(w, x, x_bf16, rows, 0..w.out_features, &mut whole)?;
+            let mut parts: Vec<&mut CudaSlice<f32>> =
+                outputs.iter_mut().map(|o| &mut **o).collect();
+            self.gpu
+                .split_columns(&whole, rows, &mut parts)
+                .map_err(model_error)?;
+        } else {
+            // Each part's rows of W are contiguous: one product per part.
+            let mut row0 = 0;
+            for (y, &n) in outputs.iter_mut().zip(widths) {
+                self.product(w, x, x_bf16, rows, row0..row0 + n, y)?;
+                row0 += n;
             }
-            .map_err(model_error)?;
-            outputs.push(y);
-            row0 += n;
         }
         Ok(outputs)
     }
@@ -256,11 +377,69 @@ impl Compute for CudaCompute {
     }
 
     fn rms_norm(&self, x: &GpuAct, weight: &CudaSlice<f32>, eps: f32) -> Result<GpuAct> {
-        let mut out = self.act(x.len())?;
+        let (mut out, mut half) = self.norm_output(x.len(), weight.len())?;
         self.gpu
-            .rms_norm(&**x, weight, &mut *out, eps)
+            .rms_norm_twin(x, weight, &mut out, half.as_deref_mut(), eps)
             .map_err(model_error)?;
-        Ok(out)
+        Ok(GpuAct {
+            values: out,
+            bf16: half,
+        })
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut GpuAct,
+        delta: &GpuAct,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<GpuAct> {
+        let (mut out, mut half) = self.norm_output(x.len(), weight.len())?;
+        self.gpu
+            .add_rms_norm(x, delta, weight, &mut out, half.as_deref_mut(), eps)
+            .map_err(model_error)?;
+        Ok(GpuAct {
+            values: out,
+            bf16: half,
+        })
+    }
+
+    fn matmul_gated(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        rows: usize,
+        width: usize,
+        act: ModelActivation,
+    ) -> Result<GpuAct> {
+        let k = w.in_features;
+        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+        if w.out_features != 2 * width {
+            return Err(ModelError::Compute(format!(
+                "`{}`: {} rows are not gate and up of {width}",
+                w.name, w.out_features
+            )));
+        }
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.small_products && gemv_fits(rows, k) {
+                let mut out = self.act(rows * width)?;
+                self.gpu
+                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act))
+                    .map_err(model_error)?;
+                return Ok(out);
+            }
+        }
+        let x_bf16 = match &w.weight {
+            Weight::Bf16(_) => Some(self.bf16_input(x)?),
+            Weight::F32(_) => None,
+        };
+        let mut gate_up = self.act(rows * 2 * width)?;
+        self.product(w, x, x_bf16.as_deref(), rows, 0..2 * width, &mut gate_up)?;
+        let (mut out, mut half) = self.twin(rows * width)?;
+        self.gpu
+            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act))
+            .map_err(model_error)?;
+        Ok(GpuAct::with_bf16(out, half))
     }
 
     fn add(&self, acc: &mut GpuAct, x: &GpuAct) -> Result<()> {
@@ -272,12 +451,8 @@ impl Compute for CudaCompute {
     }
 
     fn act_mul(&self, act: ModelActivation, gate: &mut GpuAct, up: &GpuAct) -> Result<()> {
-        let act = match act {
-            ModelActivation::Silu => Activation::Silu,
-            ModelActivation::GeluTanh => Activation::GeluTanh,
-        };
         self.gpu
-            .act_mul(&mut **gate, &**up, act)
+            .act_mul(&mut **gate, &**up, activation(act))
             .map_err(model_error)
     }
 
@@ -295,8 +470,8 @@ impl Compute for CudaCompute {
         self.gpu
             .rope(
                 &mut **x,
-                &table.cos,
-                &table.sin,
+                &*table.cos,
+                &*table.sin,
                 heads,
                 head_dim,
                 table.half,
@@ -313,10 +488,10 @@ impl Compute for CudaCompute {
             )));
         }
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.gpu.upload(&idx).map_err(model_error)?;
+        let idx = self.gpu.step_upload(&idx).map_err(model_error)?;
         let mut out = self.act(rows.len() * width)?;
         self.gpu
-            .gather_rows(&**x, &idx, &mut *out, width)
+            .gather_rows(&**x, &*idx, &mut *out, width)
             .map_err(model_error)?;
         Ok(out)
     }
@@ -329,8 +504,7 @@ impl Compute for CudaCompute {
         v: GpuAct,
     ) -> Result<GpuAct> {
         let backend: &CudaBackend = as_cuda(call.backend)?;
-        let out = backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?;
-        let out = self.acts.adopt(out);
+        let out = GpuAct::new(backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?);
         // Capture: only a tap that wants this layer costs a copy to the host.
         if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
             let (spec, tokens) = (call.spec, call.tokens);
@@ -342,6 +516,26 @@ impl Compute for CudaCompute {
             tap.record(call.layer, &host(&q)?, &host(&out)?)?;
         }
         Ok(out)
+    }
+
+    fn rope_qk(
+        &self,
+        table: &GpuRopeTable,
+        (q, q_heads): (&mut GpuAct, usize),
+        (k, k_heads): (&mut GpuAct, usize),
+        head_dim: usize,
+    ) -> Result<()> {
+        self.gpu
+            .rope_qk(
+                (&mut **q, q_heads),
+                (&mut **k, k_heads),
+                &table.cos,
+                &table.sin,
+                head_dim,
+                table.half,
+                table.adjacent,
+            )
+            .map_err(model_error)
     }
 
     fn to_host(&self, x: GpuAct) -> Result<Vec<f32>> {
@@ -360,10 +554,17 @@ impl Compute for CudaCompute {
         }
         let mut ids = self
             .gpu
-            .output::<u32>(x.len() / width)
+            .step_output::<u32>(x.len() / width)
             .map_err(model_error)?;
-        self.gpu.argmax_rows(&**x, &mut ids).map_err(model_error)?;
-        self.gpu.download(&ids).map_err(model_error)
+        self.gpu.argmax_rows(&**x, &mut *ids).map_err(model_error)?;
+        self.gpu.download(&*ids).map_err(model_error)
+    }
+}
+
+fn activation(act: ModelActivation) -> Activation {
+    match act {
+        ModelActivation::Silu => Activation::Silu,
+        ModelActivation::GeluTanh => Activation::GeluTanh,
     }
 }
 

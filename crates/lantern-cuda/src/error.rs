@@ -32,6 +32,9 @@ pub enum CudaError {
     /// A device allocation did not fit.
     #[error("out of device memory: asked for {bytes} bytes, {free} free")]
     OutOfMemory { bytes: usize, free: usize },
+    /// A decode-step graph could not be recorded or replayed (the step runs eagerly).
+    #[error("CUDA graph: {0}")]
+    Graph(String),
     /// Buffers whose lengths or parameters do not agree.
     #[error("shape error: {0}")]
     Shape(String),

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
+use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
@@ -12,11 +13,15 @@ use cudarc::driver::{
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys, Ptx};
 
 use crate::error::{CudaError, Result};
+use crate::graph::{GraphState, EAGER};
 use crate::kernels::{KernelSource, PRELUDE, SOURCES};
 use crate::libs;
 
 /// The SM count assumed when the driver does not report one (an H100 SXM's).
 const DEFAULT_SM_COUNT: usize = 132;
+/// cuBLAS's workspace, set once so that no product allocates one inside a captured graph
+/// (32 MiB: what cuBLAS asks for on Hopper).
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A CUDA device ready for lantern's work.
 ///
@@ -36,6 +41,11 @@ pub struct Gpu {
     /// Split-K attention's partial results, kept between calls and grown as needed (all
     /// work is on the one stream, so a call's kernels follow the previous call's merge).
     pub(crate) attn_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Decode-step graphs (see `graph.rs`), and whether a graph step is running.
+    pub(crate) graphs: Mutex<GraphState>,
+    pub(crate) graph_mode: AtomicU8,
+    /// Held for cuBLAS, which was given its address.
+    _blas_workspace: CudaSlice<u8>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -93,6 +103,20 @@ impl Gpu {
             )
         }
         .result()?;
+        // SAFETY: cuBLAS's scratch; it writes before it reads.
+        let blas_workspace = unsafe { stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES) }?;
+        {
+            let (ptr, _guard) = blas_workspace.device_ptr(&stream);
+            // SAFETY: a live device buffer of the size given, kept as long as the handle.
+            unsafe {
+                cublas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
         Ok(Arc::new(Gpu {
             ctx,
             stream,
@@ -103,6 +127,9 @@ impl Gpu {
             compute_capability,
             sm_count,
             attn_scratch: Mutex::new(None),
+            graphs: Mutex::new(GraphState::new()),
+            graph_mode: AtomicU8::new(EAGER),
+            _blas_workspace: blas_workspace,
         }))
     }
 
@@ -168,12 +195,15 @@ impl Gpu {
     }
 
     /// Copies a device buffer (slice, view) back to the host, waiting for the stream.
+    /// During a graph step, the first download launches the step's graph.
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
+        self.flush_graph()?;
         Ok(self.stream.clone_dtoh(src)?)
     }
 
-    /// Waits for all work queued on the stream.
+    /// Waits for all work queued on the stream (launching a graph step's graph first).
     pub fn synchronize(&self) -> Result<()> {
+        self.flush_graph()?;
         Ok(self.stream.synchronize()?)
     }
 

@@ -47,6 +47,21 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["rms_norm", "argmax_rows", "rope"],
     },
     KernelSource {
+        name: "fused.cu",
+        source: include_str!("kernels/fused.cu"),
+        functions: &[
+            "rms_norm_fused",
+            "act_mul_split",
+            "split_columns",
+            "rope_qk",
+        ],
+    },
+    KernelSource {
+        name: "gemv.cu",
+        source: include_str!("kernels/gemv.cu"),
+        functions: &["gemv_bf16", "gemv_gated_bf16"],
+    },
+    KernelSource {
         name: "kv.cu",
         source: include_str!("kernels/kv.cu"),
         functions: &["kv_write_bf16", "kv_write_f16", "kv_write_f32"],
@@ -113,6 +128,16 @@ pub enum Activation {
     Silu,
     /// gelu(gate) * up, PyTorch's tanh approximation.
     GeluTanh,
+}
+
+impl Activation {
+    /// The kernels' `act` argument (prelude.cu's lt_activation).
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Self::Silu => 0,
+            Self::GeluTanh => 1,
+        }
+    }
 }
 
 /// Element strides of a paged KV cache. The key of token slot `s`, kv head `h`, dim `i` is
@@ -224,7 +249,7 @@ pub struct AttnParams<'a> {
 }
 
 /// Threads of an element-wise launch over `n` values (grid-stride).
-fn elementwise_cfg(n: usize) -> LaunchConfig {
+pub(crate) fn elementwise_cfg(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 65_536) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -234,7 +259,7 @@ fn elementwise_cfg(n: usize) -> LaunchConfig {
 }
 
 /// One block per row, threads a multiple of 32 fitted to `width`.
-fn row_cfg(rows: usize, width: usize) -> LaunchConfig {
+pub(crate) fn row_cfg(rows: usize, width: usize) -> LaunchConfig {
     let threads = width.next_multiple_of(32).clamp(32, 1024) as u32;
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -243,7 +268,7 @@ fn row_cfg(rows: usize, width: usize) -> LaunchConfig {
     }
 }
 
-fn u32_of(what: &str, v: usize) -> Result<u32> {
+pub(crate) fn u32_of(what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} does not fit in 32 bits")))
 }
 
@@ -303,7 +328,9 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&op).arg(&n64);
         // SAFETY: argument types and lengths match the kernel's signature.
         unsafe { b.launch(elementwise_cfg(n)) }?;
@@ -339,7 +366,9 @@ impl Gpu {
         let (tp, _gt) = table.device_ptr(&self.stream);
         let (ip, _gi) = ids.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&tp)
             .arg(&ip)
             .arg(&op)
@@ -399,7 +428,9 @@ impl Gpu {
         let width32 = u32_of("width", width)?;
         let f = self.function("rms_norm")?;
         let (wp, _gw) = weight.device_ptr(&self.stream);
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&wp).arg(&op).arg(&width32).arg(&eps);
         // SAFETY: as above; the kernel allows out == x.
         unsafe { b.launch(row_cfg(rows, width)) }?;
@@ -423,7 +454,9 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr_mut(&self.stream);
         let (yp, _gy) = y.device_ptr(&self.stream);
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&yp).arg(&n64);
         // SAFETY: as above.
         unsafe { b.launch(elementwise_cfg(n)) }?;
@@ -449,7 +482,9 @@ impl Gpu {
         let (bp, _gb) = bias.device_ptr(&self.stream);
         let n64 = n as u64;
         let w32 = u32_of("width", w)?;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&bp).arg(&n64).arg(&w32);
         // SAFETY: as above.
         unsafe { b.launch(elementwise_cfg(n)) }?;
@@ -474,11 +509,10 @@ impl Gpu {
         let (gp, _gg) = gate.device_ptr_mut(&self.stream);
         let (up_, _gu) = up.device_ptr(&self.stream);
         let n64 = n as u64;
-        let code: u32 = match act {
-            Activation::Silu => 0,
-            Activation::GeluTanh => 1,
+        let code: u32 = act.code();
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
         };
-        let mut b = self.stream.launch_builder(f);
         b.arg(&gp).arg(&up_).arg(&n64).arg(&code);
         // SAFETY: as above.
         unsafe { b.launch(elementwise_cfg(n)) }?;
@@ -504,7 +538,9 @@ impl Gpu {
         let f = self.function(name)?;
         let (xp, _gx) = x.device_ptr_mut(&self.stream);
         let n64 = n as u64;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&n64).arg(&s);
         // SAFETY: as above.
         unsafe { b.launch(elementwise_cfg(n)) }?;
@@ -558,7 +594,9 @@ impl Gpu {
             u32_of("half", half)?,
         );
         let adj = adjacent as u32;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp)
             .arg(&cp)
             .arg(&sp)
@@ -603,7 +641,9 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (ip, _gi) = idx.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&ip).arg(&op).arg(&w32).arg(&rows);
         // SAFETY: as above.
         unsafe {
@@ -636,7 +676,9 @@ impl Gpu {
         let f = self.function("argmax_rows")?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&xp).arg(&op).arg(&n32);
         // SAFETY: as above.
         unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
@@ -679,7 +721,9 @@ impl Gpu {
         let (sp, _gs) = slots.device_ptr(&self.stream);
         let (cp, _gc) = cache.device_ptr_mut(&self.stream);
         let s = StrideArgs::new(strides)?;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&kp).arg(&vp).arg(&sp).arg(&cp).arg(&cache_len);
         b.arg(&s.kv)
             .arg(&s.block)
@@ -782,8 +826,17 @@ impl Gpu {
         // Split mode: the splits' partial results (m, l, acc per token, head, split), each
         // entry written by the split pass before the merge reads it.
         let part_len = t * heads * num_splits * (d + 2);
+        // A graph step takes it from the graph arena: the shared scratch may be replaced
+        // by a larger one, and a graph must keep the address it was captured with.
+        let mut graph_part = match num_splits {
+            0 => None,
+            _ => self.graph_buffer::<f32>(part_len)?,
+        };
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if num_splits > 0 && scratch.as_ref().is_none_or(|p| p.len() < part_len) {
+        if graph_part.is_none()
+            && num_splits > 0
+            && scratch.as_ref().is_none_or(|p| p.len() < part_len)
+        {
             *scratch = None;
             let n = part_len.next_power_of_two();
             self.check_fits(n * 4)?;
@@ -791,7 +844,10 @@ impl Gpu {
             // written wherever m is not -inf, the only entries the merge reads.
             *scratch = Some(unsafe { self.stream.alloc::<f32>(n) }?);
         }
-        let mut part = scratch.as_mut().filter(|_| num_splits > 0);
+        let mut part = match graph_part.as_mut() {
+            Some(p) => Some(&mut **p),
+            None => scratch.as_mut().filter(|_| num_splits > 0),
+        };
         let s = StrideArgs::new(strides)?;
         let cache_len = cache.len() as u64;
         let (qp, _gq) = q.device_ptr(&self.stream);
@@ -814,7 +870,9 @@ impl Gpu {
         let part_ptr = part.as_mut().map(|p| p.device_ptr_mut(&self.stream));
         let first_out: u64 = part_ptr.as_ref().map_or(op, |(p, _)| *p);
         let splits32 = num_splits as u32;
-        let mut b = self.stream.launch_builder(f);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
         b.arg(&qp).arg(&first_out).arg(&cp).arg(&cache_len);
         b.arg(&s.kv)
             .arg(&s.block)
@@ -847,7 +905,9 @@ impl Gpu {
         unsafe { b.launch(cfg) }?;
         if num_splits > 0 {
             let f = self.function("paged_attention_merge")?;
-            let mut b = self.stream.launch_builder(f);
+            let Some(mut b) = self.launcher(f)? else {
+                return Ok(());
+            };
             b.arg(&first_out)
                 .arg(&op)
                 .arg(&heads32)

@@ -2,7 +2,8 @@
 //! taking them from a free list instead of the driver's allocator saves an allocation
 //! and a free per operation on the step's path. Everything runs on the one stream, so a
 //! buffer handed back while kernels that use it are still queued is safe to reuse: the
-//! next user's work is queued after theirs.
+//! next user's work is queued after theirs. During a graph step (see `graph.rs`) buffers
+//! come from the graph arena instead, whose addresses the recorded graphs hold.
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
@@ -12,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use crate::gpu::Gpu;
+use crate::graph::ArenaEntry;
 use crate::Result;
 
 /// Bytes the free lists may hold before handed-back buffers are freed instead.
@@ -27,11 +29,23 @@ struct Free<T> {
     bytes: usize,
 }
 
-/// A buffer from a [`Pool`], handed back when dropped.
+/// A device buffer of a step, given back to where it came from when dropped.
 pub struct Pooled<T: DeviceRepr> {
     /// Taken only by `drop`.
     slice: ManuallyDrop<CudaSlice<T>>,
-    pool: Arc<Pool<T>>,
+    home: Home<T>,
+}
+
+/// Where a [`Pooled`] buffer goes when dropped.
+enum Home<T: DeviceRepr> {
+    /// Back to a pool's free list.
+    Pool(Arc<Pool<T>>),
+    /// Freed: a buffer of its own.
+    Own,
+    /// Marked free in the graph arena, whose memory it is a view of.
+    Arena(ArenaEntry),
+    /// Nowhere: a view of memory someone else owns (the graph step's inputs).
+    Borrowed,
 }
 
 impl<T: DeviceRepr> Pool<T> {
@@ -48,6 +62,9 @@ impl<T: DeviceRepr> Pool<T> {
     /// A buffer of `n` elements with unspecified contents, for an output a kernel
     /// overwrites entirely.
     pub fn output(self: &Arc<Self>, n: usize) -> Result<Pooled<T>> {
+        if let Some(b) = self.gpu.graph_buffer(n)? {
+            return Ok(b);
+        }
         let reused = {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
             let slice = free.by_len.get_mut(&n).and_then(Vec::pop);
@@ -67,7 +84,7 @@ impl<T: DeviceRepr> Pool<T> {
     pub fn adopt(self: &Arc<Self>, slice: CudaSlice<T>) -> Pooled<T> {
         Pooled {
             slice: ManuallyDrop::new(slice),
-            pool: Arc::clone(self),
+            home: Home::Pool(Arc::clone(self)),
         }
     }
 
@@ -77,6 +94,32 @@ impl<T: DeviceRepr> Pool<T> {
         if free.bytes + bytes <= RETAINED_BYTES {
             free.bytes += bytes;
             free.by_len.entry(slice.len()).or_default().push(slice);
+        }
+    }
+}
+
+impl<T: DeviceRepr> Pooled<T> {
+    /// A buffer of its own, freed when dropped.
+    pub fn own(slice: CudaSlice<T>) -> Self {
+        Self {
+            slice: ManuallyDrop::new(slice),
+            home: Home::Own,
+        }
+    }
+
+    /// A view of arena memory, marked free in the arena when dropped.
+    pub(crate) fn arena(slice: CudaSlice<T>, entry: ArenaEntry) -> Self {
+        Self {
+            slice: ManuallyDrop::new(slice),
+            home: Home::Arena(entry),
+        }
+    }
+
+    /// A view of memory owned elsewhere, left alone when dropped.
+    pub(crate) fn borrowed(slice: CudaSlice<T>) -> Self {
+        Self {
+            slice: ManuallyDrop::new(slice),
+            home: Home::Borrowed,
         }
     }
 }
@@ -99,6 +142,17 @@ impl<T: DeviceRepr> Drop for Pooled<T> {
     fn drop(&mut self) {
         // SAFETY: the slice is taken once, here, and never used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        self.pool.hand_back(slice);
+        match &self.home {
+            Home::Pool(pool) => pool.hand_back(slice),
+            Home::Own => drop(slice),
+            Home::Arena(entry) => {
+                // A view: the arena owns the memory.
+                slice.leak();
+                entry.release();
+            }
+            Home::Borrowed => {
+                slice.leak();
+            }
+        }
     }
 }

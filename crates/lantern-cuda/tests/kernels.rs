@@ -793,4 +793,309 @@ mod gpu_tests {
         let Some((g, _t)) = gpu() else { return };
         long_decode_all::<f32>(&g, 15);
     }
+
+    /// The bf16 copy a fused kernel writes is the f32 output rounded to nearest even.
+    fn assert_bf16_copy(out: &[f32], half: &[bf16], what: &str) {
+        assert_eq!(out.len(), half.len(), "{what}: lengths");
+        for (i, (&o, &h)) in out.iter().zip(half).enumerate() {
+            assert_eq!(
+                h.to_bits(),
+                bf16::from_f32(o).to_bits(),
+                "{what}: bf16 copy at {i}"
+            );
+        }
+    }
+
+    fn rms_reference(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
+        let width = w.len();
+        x.chunks(width)
+            .flat_map(|row| {
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / width as f64;
+                let inv = 1.0 / (ms + eps as f64).sqrt();
+                row.iter()
+                    .zip(w)
+                    .map(move |(&v, &wi)| v as f64 * inv * wi as f64)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_norms_match_reference_and_write_their_bf16_copy() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(21);
+        for (rows, width) in [(1usize, 576usize), (5, 2048), (3, 5000)] {
+            let x = rand_vec(&mut r, rows * width, 3.0);
+            let delta = rand_vec(&mut r, rows * width, 2.0);
+            let w = rand_vec(&mut r, width, 1.0);
+            let eps = 1e-5f32;
+            let name = format!("{rows}x{width}");
+            let dw = g.upload(&w).unwrap();
+            // The norm alone, with and without its copy; x is left as it was.
+            let dx = g.upload(&x).unwrap();
+            let mut out = g.zeros::<f32>(x.len()).unwrap();
+            let mut half = g.zeros::<bf16>(x.len()).unwrap();
+            g.rms_norm_twin(&dx, &dw, &mut out, Some(&mut half), eps)
+                .unwrap();
+            let got = g.download(&out).unwrap();
+            assert_close(&got, &rms_reference(&x, &w, eps), 1e-5, &name);
+            assert_bf16_copy(&got, &g.download(&half).unwrap(), &name);
+            assert_eq!(g.download(&dx).unwrap(), x, "{name}: x untouched");
+            let mut plain = g.zeros::<f32>(x.len()).unwrap();
+            g.rms_norm_twin(&dx, &dw, &mut plain, None, eps).unwrap();
+            assert_eq!(g.download(&plain).unwrap(), got, "{name}: without the copy");
+            // Added first: x becomes x + delta (the same f32 additions as the host's).
+            let mut dx = g.upload(&x).unwrap();
+            let dd = g.upload(&delta).unwrap();
+            g.add_rms_norm(&mut dx, &dd, &dw, &mut out, Some(&mut half), eps)
+                .unwrap();
+            let summed: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+            assert_eq!(g.download(&dx).unwrap(), summed, "{name}: x += delta");
+            let got = g.download(&out).unwrap();
+            assert_close(&got, &rms_reference(&summed, &w, eps), 1e-5, &name);
+            assert_bf16_copy(&got, &g.download(&half).unwrap(), &name);
+        }
+        let mut dx = g.upload(&[1.0f32; 10]).unwrap();
+        let dd = g.upload(&[1.0f32; 9]).unwrap();
+        let dw = g.upload(&[1.0f32; 5]).unwrap();
+        let mut out = g.zeros::<f32>(10).unwrap();
+        assert!(matches!(
+            g.add_rms_norm(&mut dx, &dd, &dw, &mut out, None, 1e-6),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn act_mul_split_reads_gate_and_up_from_one_product() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(22);
+        for (rows, width) in [(1usize, 1536usize), (6, 300)] {
+            let gu = rand_vec(&mut r, rows * 2 * width, 4.0);
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let want: Vec<f64> = (0..rows * width)
+                    .map(|i| {
+                        let (row, c) = (i / width, i % width);
+                        let a = gu[row * 2 * width + c] as f64;
+                        let u = gu[row * 2 * width + width + c] as f64;
+                        let act = match act {
+                            Activation::Silu => a / (1.0 + (-a).exp()),
+                            Activation::GeluTanh => {
+                                let k = (2.0 / std::f64::consts::PI).sqrt();
+                                0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
+                            }
+                        };
+                        act * u
+                    })
+                    .collect();
+                let dgu = g.upload(&gu).unwrap();
+                let mut out = g.zeros::<f32>(rows * width).unwrap();
+                let mut half = g.zeros::<bf16>(rows * width).unwrap();
+                g.act_mul_split(&dgu, &mut out, &mut half, width, act)
+                    .unwrap();
+                let got = g.download(&out).unwrap();
+                let name = format!("act_mul_split {rows}x{width} {act:?}");
+                assert_close(&got, &want, 1e-5, &name);
+                assert_bf16_copy(&got, &g.download(&half).unwrap(), &name);
+            }
+        }
+    }
+
+    #[test]
+    fn split_columns_copies_each_part_exactly() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(23);
+        for (rows, widths) in [
+            (1usize, vec![576usize, 192, 192]),
+            (7, vec![64, 32]),
+            (3, vec![5, 1, 7, 2]),
+        ] {
+            let total: usize = widths.iter().sum();
+            let x = rand_vec(&mut r, rows * total, 1.0);
+            let dx = g.upload(&x).unwrap();
+            let mut outs: Vec<_> = widths
+                .iter()
+                .map(|&w| g.zeros::<f32>(rows * w).unwrap())
+                .collect();
+            let mut refs: Vec<_> = outs.iter_mut().collect();
+            g.split_columns(&dx, rows, &mut refs).unwrap();
+            let mut col0 = 0;
+            for (o, &w) in outs.iter().zip(&widths) {
+                let want: Vec<f32> = (0..rows)
+                    .flat_map(|row| x[row * total + col0..row * total + col0 + w].to_vec())
+                    .collect();
+                assert_eq!(
+                    g.download(o).unwrap(),
+                    want,
+                    "rows {rows} widths {widths:?}"
+                );
+                col0 += w;
+            }
+        }
+        let dx = g.upload(&[0.0f32; 10]).unwrap();
+        let mut a = g.zeros::<f32>(4).unwrap();
+        let mut b = g.zeros::<f32>(4).unwrap();
+        assert!(g.split_columns(&dx, 2, &mut [&mut a, &mut b]).is_err());
+    }
+
+    #[test]
+    fn rope_qk_equals_rope_of_each() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(24);
+        let (tokens, q_heads, k_heads, d) = (6usize, 9usize, 3usize, 64usize);
+        for (half, adjacent) in [(32usize, false), (32, true), (16, false)] {
+            let q = rand_vec(&mut r, tokens * q_heads * d, 2.0);
+            let k = rand_vec(&mut r, tokens * k_heads * d, 2.0);
+            let angles: Vec<f32> = (0..tokens * half)
+                .map(|_| r.gen_range(0.0f32..6.3))
+                .collect();
+            let dc = g
+                .upload(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>())
+                .unwrap();
+            let ds = g
+                .upload(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>())
+                .unwrap();
+            let (mut q1, mut k1) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+            g.rope(&mut q1, &dc, &ds, q_heads, d, half, adjacent)
+                .unwrap();
+            g.rope(&mut k1, &dc, &ds, k_heads, d, half, adjacent)
+                .unwrap();
+            let (mut q2, mut k2) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+            g.rope_qk(
+                (&mut q2, q_heads),
+                (&mut k2, k_heads),
+                &dc,
+                &ds,
+                d,
+                half,
+                adjacent,
+            )
+            .unwrap();
+            let what = format!("half {half} adjacent {adjacent}");
+            assert_eq!(
+                g.download(&q2).unwrap(),
+                g.download(&q1).unwrap(),
+                "q, {what}"
+            );
+            assert_eq!(
+                g.download(&k2).unwrap(),
+                g.download(&k1).unwrap(),
+                "k, {what}"
+            );
+            assert_ne!(g.download(&q2).unwrap(), q, "q turned, {what}");
+        }
+    }
+
+    /// x · Wᵀ in f64 for x `[m, k]` and W `[n, k]` (bf16 values as f32).
+    fn product_reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        (0..m)
+            .flat_map(|r| {
+                (0..n).map(move |j| {
+                    (0..k)
+                        .map(|c| x[r * k + c] as f64 * w[j * k + c] as f64)
+                        .sum::<f64>()
+                })
+            })
+            .collect()
+    }
+
+    fn bf16_matrix(r: &mut StdRng, n: usize) -> (Vec<bf16>, Vec<f32>) {
+        let w: Vec<bf16> = rand_vec(r, n, 0.5)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let as_f32 = w.iter().map(|v| v.to_f32()).collect();
+        (w, as_f32)
+    }
+
+    #[test]
+    fn gemv_matches_reference_and_splits_its_output() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(25);
+        // Short rows (x staged rows apart by k), long ones (several tiles of x, the last
+        // one short), every row count it takes.
+        for (m, k, widths) in [
+            (1usize, 576usize, vec![576usize, 192, 192]),
+            (3, 64, vec![40]),
+            (2, 2056, vec![24, 8]),
+            (4, 8192, vec![33]),
+            (4, 3080, vec![16, 8, 9]),
+        ] {
+            let n: usize = widths.iter().sum();
+            let x = rand_vec(&mut r, m * k, 2.0);
+            let (w, wf) = bf16_matrix(&mut r, n * k);
+            let want = product_reference(&x, &wf, m, n, k);
+            let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+            let mut outs: Vec<_> = widths
+                .iter()
+                .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
+                .collect();
+            let mut refs: Vec<_> = outs.iter_mut().collect();
+            g.gemv_bf16(&dx, &dw, m, k, &mut refs).unwrap();
+            // Columns of every part back in place: [m, n].
+            let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
+            let got: Vec<f32> = (0..m)
+                .flat_map(|row| {
+                    parts
+                        .iter()
+                        .zip(&widths)
+                        .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                1e-5,
+                &format!("gemv m {m} k {k} widths {widths:?}"),
+            );
+        }
+        // Rows of a length the 16-byte loads cannot take, or too many rows: refused.
+        let dx = g.upload(&[1.0f32; 12]).unwrap();
+        let dw = g.upload(&[bf16::ONE; 24]).unwrap();
+        let mut out = g.zeros::<f32>(2).unwrap();
+        assert!(g.gemv_bf16(&dx, &dw, 1, 12, &mut [&mut out]).is_err());
+        assert!(!lantern_cuda::gemv::gemv_fits(5, 64));
+    }
+
+    #[test]
+    fn gemv_gated_matches_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(26);
+        for (m, k, width) in [
+            (1usize, 576usize, 1536usize),
+            (4, 2048, 100),
+            (3, 160, 64),
+            (4, 7000, 24),
+        ] {
+            let x = rand_vec(&mut r, m * k, 2.0);
+            let (w, wf) = bf16_matrix(&mut r, 2 * width * k);
+            let both = product_reference(&x, &wf, m, 2 * width, k);
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let want: Vec<f64> = (0..m * width)
+                    .map(|i| {
+                        let (row, j) = (i / width, i % width);
+                        let (gate, up) =
+                            (both[row * 2 * width + j], both[row * 2 * width + width + j]);
+                        let a = match act {
+                            Activation::Silu => gate / (1.0 + (-gate).exp()),
+                            Activation::GeluTanh => {
+                                let c = (2.0 / std::f64::consts::PI).sqrt();
+                                0.5 * gate * (1.0 + (c * (gate + 0.044715 * gate.powi(3))).tanh())
+                            }
+                        };
+                        a * up
+                    })
+                    .collect();
+                let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+                let mut out = g.zeros::<f32>(m * width).unwrap();
+                g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act).unwrap();
+                assert_close(
+                    &g.download(&out).unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("gemv_gated m {m} k {k} width {width} {act:?}"),
+                );
+            }
+        }
+    }
 }

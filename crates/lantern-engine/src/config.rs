@@ -26,6 +26,9 @@ pub struct EngineConfig {
     /// Cap on a request's prompt plus generated tokens (vLLM's `--max-model-len`); `None`
     /// is the model's own context.
     pub max_model_len: Option<usize>,
+    /// Run every step eagerly: no decode steps replayed from CUDA graphs (vLLM's
+    /// `--enforce-eager`). Only a GPU backend records graphs.
+    pub enforce_eager: bool,
 }
 
 /// Default [`EngineConfig::max_waiting_requests`].
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             max_waiting_requests: DEFAULT_MAX_WAITING_REQUESTS,
             max_model_len: None,
+            enforce_eager: false,
         }
     }
 }

@@ -135,6 +135,11 @@ impl PlacedModel {
                     config.kv_cache_memory = kv_budget_from_utilization(u, memory)?;
                 }
                 let backend = CudaBackend::new(gpu, &name)?;
+                let backend = if config.enforce_eager {
+                    backend.eager()
+                } else {
+                    backend
+                };
                 config.attention_backend = name;
                 Engine::with_backend(self.loaded, config, Box::new(backend))
             }

@@ -205,6 +205,12 @@ impl Engine {
         self.runner.backend_name()
     }
 
+    /// What the backend's decode-step graphs did so far; `None` where steps run eagerly
+    /// (the CPU, `enforce_eager`).
+    pub fn graph_stats(&self) -> Option<lantern_attn::GraphStats> {
+        self.runner.backend().step_graphs().map(|g| g.stats())
+    }
+
     /// Testing: rows that need only their argmax are reduced by the model even when it
     /// keeps its logits on the host (as a GPU model does on its device), so the path
     /// that takes a picked token runs without a GPU.

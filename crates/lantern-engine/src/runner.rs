@@ -5,7 +5,7 @@ use crate::request::Request;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
     AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry, CommonAttentionMetadata,
-    LayerKvCache, ScheduledSeq,
+    GraphKey, LayerKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{CausalLm, ForwardBatch, StepLogitRows};
@@ -66,6 +66,19 @@ impl StepLogits {
     pub fn picked(&self, row: usize) -> Option<u32> {
         self.picked.get(row).copied().flatten()
     }
+}
+
+/// Keys a graph step can attend over at least (the block-table width of its smallest
+/// graphs): shorter contexts share these graphs.
+const MIN_GRAPH_CONTEXT: usize = 256;
+
+/// What a step feeds the model, before any padding.
+struct StepInputs {
+    token_ids: Vec<u32>,
+    positions: Vec<usize>,
+    logits_rows: Vec<usize>,
+    /// Per logits row: only its argmax is needed.
+    pick: Vec<bool>,
 }
 
 pub struct ModelRunner {
@@ -154,10 +167,52 @@ impl ModelRunner {
         kv: &KvCacheManager,
         tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogits> {
+        let (inputs, rows) = Self::step_inputs(model, plan, requests, self.pick_on_host)?;
+        let vocab = model.info().vocab_size;
+        if tap.is_none() {
+            if let Some(key) = self.graph_key(plan, kv, &inputs) {
+                match self.execute_graphed(model, plan, requests, kv, &inputs, key) {
+                    Ok(Some(out)) => {
+                        return Ok(StepLogits {
+                            requests: rows,
+                            logits: out.logits,
+                            picked: out.picked,
+                            vocab,
+                        })
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(
+                        "a decode step of {} requests could not run as a CUDA graph ({e}); \
+                         running it eagerly, as every later step of its shape",
+                        key.num_reqs
+                    ),
+                }
+            }
+        }
+        let attention = (0..self.group_chunk.len())
+            .map(|g| self.group_metadata(g, plan, requests, kv))
+            .collect::<Result<Vec<_>>>()?;
+        let out = self.forward(model, &inputs, &attention, tap)?;
+        Ok(StepLogits {
+            requests: rows,
+            logits: out.logits,
+            picked: out.picked,
+            vocab,
+        })
+    }
+
+    /// The step's tokens, positions and logits rows in plan order, and which request
+    /// owns which rows.
+    fn step_inputs(
+        model: &dyn CausalLm,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        pick_on_host: bool,
+    ) -> Result<(StepInputs, Vec<RequestRows>)> {
         let num_tokens = plan.num_tokens();
         let mut token_ids = Vec::with_capacity(num_tokens);
         let mut positions = Vec::with_capacity(num_tokens);
-        let picking = model.picks_on_device() || self.pick_on_host;
+        let picking = model.picks_on_device() || pick_on_host;
         let mut logits_rows = Vec::new();
         // Per logits row: only its argmax is needed (see `Request::needs_only_argmax`).
         let mut pick = Vec::new();
@@ -197,32 +252,135 @@ impl ModelRunner {
                 });
             }
         }
+        let inputs = StepInputs {
+            token_ids,
+            positions,
+            logits_rows,
+            pick,
+        };
+        Ok((inputs, rows))
+    }
+
+    /// The graph a step replays, when the backend records graphs and the step is one
+    /// they serve: decodes only (one token each, every one sampled), no chunked-local
+    /// layers (their virtual batches change shape), at most the largest graph's requests.
+    fn graph_key(
+        &self,
+        plan: &SchedulerOutput,
+        kv: &KvCacheManager,
+        inputs: &StepInputs,
+    ) -> Option<GraphKey> {
+        let graphs = self.backend.step_graphs()?;
+        let n = plan.scheduled.len();
+        let decodes_only = plan.scheduled.iter().all(|s| s.num_tokens == 1)
+            && inputs.logits_rows.len() == n
+            && self.group_chunk.iter().all(Option::is_none);
+        if n == 0 || !decodes_only {
+            return None;
+        }
+        let num_reqs = graphs.batch_sizes().iter().copied().find(|&b| b >= n)?;
+        let longest = (0..self.group_chunk.len())
+            .flat_map(|g| {
+                plan.scheduled
+                    .iter()
+                    .map(move |s| kv.block_table(s.id, g).len())
+            })
+            .max()
+            .unwrap_or(0);
+        // Widths in powers of two: a handful of graphs cover every context length.
+        let table_width = longest
+            .next_power_of_two()
+            .max(MIN_GRAPH_CONTEXT.div_ceil(self.block_size.max(1)));
+        Some(GraphKey {
+            num_reqs,
+            table_width,
+            whole_logits: !inputs.pick.iter().all(|&p| p),
+        })
+    }
+
+    /// Runs a step of decodes as graph `key`: padded to its requests and table width,
+    /// recorded or replayed by the backend, the padding's rows dropped after. `None`:
+    /// the backend does not graph this key (any more); run the step eagerly.
+    fn execute_graphed(
+        &mut self,
+        model: &dyn CausalLm,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+        inputs: &StepInputs,
+        key: GraphKey,
+    ) -> Result<Option<StepLogitRows>> {
+        let Some(graphs) = self.backend.step_graphs() else {
+            return Ok(None);
+        };
+        if !graphs.begin_step(key)? {
+            return Ok(None);
+        }
+        let result = self.forward_padded(model, plan, requests, kv, inputs, key);
+        let ended = match self.backend.step_graphs() {
+            Some(graphs) => graphs.end_step(result.is_ok()),
+            None => Ok(()),
+        };
+        let mut out = result?;
+        ended?;
+        let n = inputs.token_ids.len();
+        out.logits.truncate(n * model.info().vocab_size);
+        out.picked.truncate(n);
+        Ok(Some(out))
+    }
+
+    /// The step padded to graph `key`'s shapes: extra requests of one token at position
+    /// 0 that write no KV (see `CommonAttentionMetadata::padded_for_graph`).
+    fn forward_padded(
+        &mut self,
+        model: &dyn CausalLm,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+        inputs: &StepInputs,
+        key: GraphKey,
+    ) -> Result<StepLogitRows> {
+        let b = key.num_reqs;
+        let mut padded = StepInputs {
+            token_ids: inputs.token_ids.clone(),
+            positions: inputs.positions.clone(),
+            logits_rows: (0..b).collect(),
+            pick: vec![!key.whole_logits; b],
+        };
+        padded.token_ids.resize(b, 0);
+        padded.positions.resize(b, 0);
         let attention = (0..self.group_chunk.len())
-            .map(|g| self.group_metadata(g, plan, requests, kv))
+            .map(|g| {
+                let common = self
+                    .group_common(g, plan, requests, kv)?
+                    .padded_for_graph(b, key.table_width)?;
+                Ok(self.backend.build_metadata_for(Arc::new(common), None)?)
+            })
             .collect::<Result<Vec<_>>>()?;
+        self.forward(model, &padded, &attention, None)
+    }
+
+    /// The model's forward over `inputs`: rows marked in `pick` reduced to their argmax
+    /// where the logits are, the others whole.
+    fn forward(
+        &mut self,
+        model: &dyn CausalLm,
+        inputs: &StepInputs,
+        attention: &[AttentionMetadata],
+        tap: Option<&mut dyn AttentionTap>,
+    ) -> Result<StepLogitRows> {
         let batch = ForwardBatch {
-            token_ids: &token_ids,
-            positions: &positions,
-            attention: &attention,
+            token_ids: &inputs.token_ids,
+            positions: &inputs.positions,
+            attention,
             layer_group: &self.layer_group,
-            logits_rows: &logits_rows,
+            logits_rows: &inputs.logits_rows,
         };
-        let out = if pick.contains(&true) {
-            let backend = self.backend.as_ref();
-            model.forward_picking(&batch, backend, &mut self.caches, tap, &pick)?
+        let backend = self.backend.as_ref();
+        Ok(if inputs.pick.contains(&true) {
+            model.forward_picking(&batch, backend, &mut self.caches, tap, &inputs.pick)?
         } else {
-            StepLogitRows::all(model.forward(
-                &batch,
-                self.backend.as_ref(),
-                &mut self.caches,
-                tap,
-            )?)
-        };
-        Ok(StepLogits {
-            requests: rows,
-            logits: out.logits,
-            picked: out.picked,
-            vocab: model.info().vocab_size,
+            StepLogitRows::all(model.forward(&batch, backend, &mut self.caches, tap)?)
         })
     }
 
@@ -234,6 +392,20 @@ impl ModelRunner {
         requests: &HashMap<RequestId, Request>,
         kv: &KvCacheManager,
     ) -> Result<AttentionMetadata> {
+        let common = self.group_common(group, plan, requests, kv)?;
+        Ok(self
+            .backend
+            .build_metadata_for(Arc::new(common), self.group_chunk[group])?)
+    }
+
+    /// The batch metadata of one KV cache group, before the backend adds its own.
+    fn group_common(
+        &self,
+        group: usize,
+        plan: &SchedulerOutput,
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+    ) -> Result<CommonAttentionMetadata> {
         let seqs: Vec<ScheduledSeq> = plan
             .scheduled
             .iter()
@@ -251,9 +423,6 @@ impl ModelRunner {
                 }
             })
             .collect();
-        let common = CommonAttentionMetadata::build(&seqs, self.block_size)?;
-        Ok(self
-            .backend
-            .build_metadata_for(Arc::new(common), self.group_chunk[group])?)
+        Ok(CommonAttentionMetadata::build(&seqs, self.block_size)?)
     }
 }

@@ -75,6 +75,35 @@ pub trait Compute: Send + Sync + Sized + 'static {
 
     /// RMS norm of every row of `weight.len()` values.
     fn rms_norm(&self, x: &Self::Act, weight: &Self::Vector, eps: f32) -> Result<Self::Act>;
+    /// `x += delta`, then the RMS norm of `x` (a residual add and the next block's norm:
+    /// one pass where a device fuses them).
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        delta: &Self::Act,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Act> {
+        self.add(x, delta)?;
+        self.rms_norm(x, weight, eps)
+    }
+    /// `act(gate) * up` for a product `w` whose outputs are `[gate | up]`, `width` each
+    /// (a gated MLP's stacked gate and up).
+    fn matmul_gated(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        rows: usize,
+        width: usize,
+        act: Activation,
+    ) -> Result<Self::Act> {
+        let mut parts = self.matmul_parts(w, x, rows, &[width, width])?;
+        let (Some(up), Some(mut gate)) = (parts.pop(), parts.pop()) else {
+            return Err(ModelError::Compute("a gated product gave no output".into()));
+        };
+        self.act_mul(act, &mut gate, &up)?;
+        Ok(gate)
+    }
     /// `acc += x`.
     fn add(&self, acc: &mut Self::Act, x: &Self::Act) -> Result<()>;
     /// Adds `bias` to every row.
@@ -91,6 +120,17 @@ pub trait Compute: Send + Sync + Sized + 'static {
         heads: usize,
         head_dim: usize,
     ) -> Result<()>;
+    /// Rotates a step's queries and keys (`q_heads` and `k_heads` heads of `head_dim`).
+    fn rope_qk(
+        &self,
+        table: &Self::RopeTable,
+        (q, q_heads): (&mut Self::Act, usize),
+        (k, k_heads): (&mut Self::Act, usize),
+        head_dim: usize,
+    ) -> Result<()> {
+        self.rope(table, q, q_heads, head_dim)?;
+        self.rope(table, k, k_heads, head_dim)
+    }
     /// The rows `rows` of `x` (rows of `width` values).
     fn select_rows(&self, x: &Self::Act, rows: &[usize], width: usize) -> Result<Self::Act>;
 

@@ -233,8 +233,14 @@ impl<C: Compute> Decoder<C> {
             .map(|r| c.rope_table(r, batch.positions))
             .collect::<Result<Vec<_>>>()?;
         let mut x = c.embed(&self.token_embd, batch.token_ids, self.embed_scale)?;
+        // Each block's output waits to be added to `x` by the next norm, which adds and
+        // normalizes in one pass where the device fuses them.
+        let mut pending: Option<C::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(c, &x)?;
+            let h = match pending.take() {
+                Some(delta) => layer.attn_norm.add_forward(c, &mut x, &delta)?,
+                None => layer.attn_norm.forward(c, &x)?,
+            };
             let call = AttentionCall {
                 layer: l,
                 tokens,
@@ -247,16 +253,19 @@ impl<C: Compute> Decoder<C> {
             let o = layer
                 .attention
                 .forward(c, &h, &tables[self.layer_rope[l]], call)?;
-            match &layer.post_attention_norm {
-                Some(norm) => c.add(&mut x, &norm.forward(c, &o)?)?,
-                None => c.add(&mut x, &o)?,
-            }
-            let h = layer.ffn_norm.forward(c, &x)?;
+            let o = match &layer.post_attention_norm {
+                Some(norm) => norm.forward(c, &o)?,
+                None => o,
+            };
+            let h = layer.ffn_norm.add_forward(c, &mut x, &o)?;
             let m = layer.mlp.forward(c, &h, tokens)?;
-            match &layer.post_ffn_norm {
-                Some(norm) => c.add(&mut x, &norm.forward(c, &m)?)?,
-                None => c.add(&mut x, &m)?,
-            }
+            pending = Some(match &layer.post_ffn_norm {
+                Some(norm) => norm.forward(c, &m)?,
+                None => m,
+            });
+        }
+        if let Some(delta) = pending {
+            c.add(&mut x, &delta)?;
         }
         let selected = c.select_rows(&x, batch.logits_rows, self.info.hidden_size)?;
         let normed = self.output_norm.forward(c, &selected)?;

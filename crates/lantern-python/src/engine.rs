@@ -54,7 +54,7 @@ impl Engine {
         attention_backend=None, max_num_batched_tokens=None, max_num_seqs=None,
         enable_prefix_caching=None, f32_weights=None, quantize=None, chat_template=None,
         max_model_len=None, threads=None, enable_attention_capture=None,
-        max_capture_bytes=None, device=None, gpu_memory_utilization=None
+        max_capture_bytes=None, device=None, gpu_memory_utilization=None, enforce_eager=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -76,6 +76,7 @@ impl Engine {
         max_capture_bytes: Option<Bytes>,
         device: Option<String>,
         gpu_memory_utilization: Option<f32>,
+        enforce_eager: Option<bool>,
     ) -> PyResult<Self> {
         let options = RawOptions {
             model,
@@ -95,6 +96,7 @@ impl Engine {
             max_capture_bytes: max_capture_bytes.map(Into::into),
             device,
             gpu_memory_utilization,
+            enforce_eager,
         }
         .resolve()
         .map_err(option_error)?;

@@ -51,6 +51,7 @@ pub struct RawOptions {
     pub max_capture_bytes: Option<ByteCount>,
     pub device: Option<String>,
     pub gpu_memory_utilization: Option<f32>,
+    pub enforce_eager: Option<bool>,
 }
 
 /// A byte count as an int (`1073741824`) or as the CLI writes it (`"512M"`, `"1G"`).
@@ -154,6 +155,7 @@ impl RawOptions {
             // As `lantern generate`: a library call queues everything it is given.
             max_waiting_requests: usize::MAX,
             max_model_len: positive("max_model_len", self.max_model_len)?,
+            enforce_eager: self.enforce_eager.unwrap_or(defaults.enforce_eager),
         };
         let capture = CaptureSettings {
             // On by default here: the caller is the only client, and asks per request.

@@ -15,19 +15,10 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
         x[i] += bias[i % width];
 }
 
-// act 0: SiLU, 1: GELU (tanh approximation, as PyTorch's approximate="tanh").
+// gate = act(gate) * up (lt_activation's act).
 extern "C" __global__ void act_mul(float* __restrict__ gate, const float* __restrict__ up, u64 n, u32 act) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        float a;
-        if (act == 0) {
-            a = g / (1.0f + expf(-g));
-        } else {
-            const float k = 0.7978845608028654f;  // sqrt(2/pi)
-            a = 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
-        }
-        gate[i] = a * up[i];
-    }
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        gate[i] = lt_activation(gate[i], act) * up[i];
 }
 
 extern "C" __global__ void scale_f32(float* __restrict__ x, u64 n, float s) {

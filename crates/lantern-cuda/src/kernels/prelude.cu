@@ -42,6 +42,24 @@ template <> __device__ __forceinline__ lt_f16 from_f32<lt_f16>(float v) {
     return r;
 }
 
+// A gated MLP's activation of `g`. act 0: SiLU, 1: GELU (tanh approximation, as
+// PyTorch's approximate="tanh").
+__device__ __forceinline__ float lt_activation(float g, u32 act) {
+    if (act == 0) return g / (1.0f + expf(-g));
+    const float k = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
+}
+
+// Turns pair i of one head (`base`, head_dim values) by angle (c, s): the pair is
+// (2i, 2i+1) when `adjacent`, else (i, i + half).
+__device__ __forceinline__ void lt_rope_pair(float* base, u32 i, u32 half, u32 adjacent, float c, float s) {
+    const u32 a = adjacent ? 2 * i : i;
+    const u32 b = adjacent ? 2 * i + 1 : i + half;
+    const float x0 = base[a], x1 = base[b];
+    base[a] = x0 * c - x1 * s;
+    base[b] = x0 * s + x1 * c;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

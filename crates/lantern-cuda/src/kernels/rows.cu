@@ -56,12 +56,6 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     const float* s = sin_t + (u64)t * half;
     for (u32 j = threadIdx.x; j < heads * half; j += blockDim.x) {
         const u32 h = j / half, i = j % half;
-        float* base = row + (u64)h * head_dim;
-        const u32 a = adjacent ? 2 * i : i;
-        const u32 b = adjacent ? 2 * i + 1 : i + half;
-        const float x0 = base[a], x1 = base[b];
-        const float ci = c[i], si = s[i];
-        base[a] = x0 * ci - x1 * si;
-        base[b] = x0 * si + x1 * ci;
+        lt_rope_pair(row + (u64)h * head_dim, i, half, adjacent, c[i], s[i]);
     }
 }

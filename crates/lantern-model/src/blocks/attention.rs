@@ -114,8 +114,12 @@ impl<C: Compute> Attention<C> {
             Some((q_norm, k_norm)) => (q_norm.forward(c, &q)?, k_norm.forward(c, &k)?),
             None => (q, k),
         };
-        c.rope(rope, &mut q, s.num_heads, s.head_dim)?;
-        c.rope(rope, &mut k, s.num_kv_heads, s.head_dim)?;
+        c.rope_qk(
+            rope,
+            (&mut q, s.num_heads),
+            (&mut k, s.num_kv_heads),
+            s.head_dim,
+        )?;
         let out = c.attention(call, q, k, v)?;
         c.matmul(&self.output, &out, tokens)
     }

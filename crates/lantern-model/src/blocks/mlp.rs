@@ -65,6 +65,13 @@ impl<C: Compute> Mlp<C> {
     }
 
     pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        // Gate and up in one product: the activation can take them from its output.
+        if let Some((w, &[gate, up])) = self.gate_up.single_product() {
+            if gate == up {
+                let gated = c.matmul_gated(w, x, tokens, gate, self.activation)?;
+                return c.matmul(&self.down, &gated, tokens);
+            }
+        }
         let mut gate_up = self.gate_up.forward(c, x, tokens)?.into_iter();
         let (Some(mut gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
             return Err(ModelError::Compute(

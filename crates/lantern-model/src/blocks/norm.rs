@@ -22,4 +22,9 @@ impl<C: Compute> RmsNorm<C> {
     pub fn forward(&self, c: &C, x: &C::Act) -> Result<C::Act> {
         c.rms_norm(x, &self.weight, self.eps)
     }
+
+    /// `x += delta`, then [`Self::forward`] of `x`: a residual add and the norm after it.
+    pub fn add_forward(&self, c: &C, x: &mut C::Act, delta: &C::Act) -> Result<C::Act> {
+        c.add_rms_norm(x, delta, &self.weight, self.eps)
+    }
 }

@@ -97,6 +97,17 @@ impl<C: Compute> Projections<C> {
     }
 
     /// `[rows, in]` → one `[rows, width]` buffer per matrix, in the order given.
+    /// The one product of these projections and its output widths, when there is one
+    /// product and no bias.
+    pub fn single_product(&self) -> Option<(&C::Matrix, &[usize])> {
+        match self.stacks.as_slice() {
+            [(product, widths)] if self.biases.iter().all(Option::is_none) => {
+                Some((product, widths))
+            }
+            _ => None,
+        }
+    }
+
     pub fn forward(&self, c: &C, x: &C::Act, rows: usize) -> Result<Vec<C::Act>> {
         let mut outputs = Vec::with_capacity(self.biases.len());
         for (product, widths) in &self.stacks {

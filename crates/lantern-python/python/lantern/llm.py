@@ -89,8 +89,9 @@ class LLM:
     ``chat_template`` (a file), ``max_model_len``, ``threads``,
     ``enable_attention_capture`` (default on), ``max_capture_bytes``, ``device``
     (``"cpu"``, ``"cuda"``, ``"cuda:N"``: an NVIDIA GPU, with the NVRTC and cuBLAS 13
-    libraries) and ``gpu_memory_utilization`` (GPU only: the share of the card's memory
-    lantern may use, the KV cache sized from what the weights leave).
+    libraries), ``gpu_memory_utilization`` (GPU only: the share of the card's memory
+    lantern may use, the KV cache sized from what the weights leave) and
+    ``enforce_eager`` (GPU only: no decode steps replayed from CUDA graphs).
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):

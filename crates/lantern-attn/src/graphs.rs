@@ -1,0 +1,52 @@
+//! Decode steps replayed from recorded graphs (CUDA graphs): vLLM's "full graphs of
+//! decode-only batches". A backend that supports them says so through
+//! [`crate::AttentionBackend::step_graphs`]; the runner pads a step of decodes to one of
+//! its batch sizes, gives the block table a fixed width, and runs the step between
+//! [`StepGraphs::begin_step`] and [`StepGraphs::end_step`].
+
+use crate::error::AttnError;
+
+/// What a recorded step is recorded for: everything that shapes its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    /// Requests of the padded batch, one decode token each.
+    pub num_reqs: usize,
+    /// Width of every KV cache group's padded block table.
+    pub table_width: usize,
+    /// Whether every logits row is read back whole (else each is reduced to its argmax).
+    pub whole_logits: bool,
+}
+
+/// What a backend's graphs did so far (for tests, benchmarks and logs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Keys whose first step ran eagerly, recording what the graph needs.
+    pub recorded: usize,
+    /// Graphs captured.
+    pub captured: usize,
+    /// Steps replayed from a graph.
+    pub replayed: usize,
+    /// Keys given up on (their steps run eagerly).
+    pub failed: usize,
+    /// Device bytes held for graph steps' buffers.
+    pub arena_bytes: usize,
+}
+
+/// A backend's recorded decode steps.
+pub trait StepGraphs: Send + Sync {
+    /// Request counts steps are recorded for, ascending; a step of decodes pads to the
+    /// smallest one that holds it.
+    fn batch_sizes(&self) -> &[usize];
+
+    /// Starts a step of `key`: until [`Self::end_step`], the device's work is recorded into
+    /// or replayed from that key's graph. `false`: the key is not graphed (it failed before):
+    /// run the step eagerly.
+    fn begin_step(&self, key: GraphKey) -> Result<bool, AttnError>;
+
+    /// Ends the step begun last. `ok`: the step succeeded. A step that failed leaves its
+    /// KV cache as an eager rerun of it will write it; its key is not graphed again.
+    fn end_step(&self, ok: bool) -> Result<(), AttnError>;
+
+    /// What its graphs did so far.
+    fn stats(&self) -> GraphStats;
+}

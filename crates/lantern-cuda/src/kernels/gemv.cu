@@ -1,0 +1,111 @@
+// Products of a few rows (a decode step's batch) with bf16 weights: y = x · Wᵀ for x [m, k]
+// f32 (m <= GEMV_MAX_M), W [n, k] bf16 row-major. Each warp computes one output column for
+// every row of x, reading its row of W once (16-byte loads, GEMV_UNROLL in flight per lane)
+// against x staged in shared memory, `tile` columns at a time (rows `tile` apart; the
+// launcher makes the tile as long as 48 KiB allow, all of k for most products); sums run
+// per lane, then across the warp in a fixed order. Memory-bound at these sizes, and one
+// launch where cuBLAS's GEMM takes a cast first.
+
+#define GEMV_MAX_M 4
+#define GEMV_WARPS 8
+#define GEMV_UNROLL 4
+
+// x rows [0, m) of columns [k0, k0 + kt) into xs (rows `tile` apart).
+__device__ __forceinline__ void gemv_stage_x(const float* __restrict__ x, float* xs, u32 m, u32 k, u32 k0, u32 kt,
+                                             u32 tile) {
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < m * kt; i += blockDim.x) {
+        const u32 r = i / kt, c = i % kt;
+        xs[r * tile + c] = x[(u64)r * k + k0 + c];
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void gemv_fma8(uint4 p, const float* xs, u32 m, u32 tile, u32 c, float* acc) {
+    const float w[8] = {
+        __uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
+        __uint_as_float(p.y << 16), __uint_as_float(p.y & 0xffff0000u),
+        __uint_as_float(p.z << 16), __uint_as_float(p.z & 0xffff0000u),
+        __uint_as_float(p.w << 16), __uint_as_float(p.w & 0xffff0000u),
+    };
+#pragma unroll
+    for (u32 r = 0; r < GEMV_MAX_M; ++r) {
+        if (r < m) {
+            const float4 a = *reinterpret_cast<const float4*>(xs + r * tile + c);
+            const float4 b = *reinterpret_cast<const float4*>(xs + r * tile + c + 4);
+            acc[r] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w
+                    + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+        }
+    }
+}
+
+// acc[r] += this lane's share of W row `wrow` (columns [0, kt) of the tile) · xs row r:
+// GEMV_UNROLL loads issued before their products, so that enough bytes are in flight.
+__device__ __forceinline__ void gemv_dot_tile(const lt_bf16* __restrict__ wrow, const float* xs, u32 m, u32 kt,
+                                              u32 tile, float* acc) {
+    const u32 lane = threadIdx.x & 31;
+    for (u32 c0 = lane * 8; c0 < kt; c0 += 256 * GEMV_UNROLL) {
+        uint4 p[GEMV_UNROLL];
+#pragma unroll
+        for (u32 u = 0; u < GEMV_UNROLL; ++u) {
+            const u32 c = c0 + u * 256;
+            if (c < kt) p[u] = *reinterpret_cast<const uint4*>(wrow + c);
+        }
+#pragma unroll
+        for (u32 u = 0; u < GEMV_UNROLL; ++u) {
+            const u32 c = c0 + u * 256;
+            if (c < kt) gemv_fma8(p[u], xs, m, tile, c, acc);
+        }
+    }
+}
+
+// One output column j (row j of W) for every row of x, per warp; its output split into up
+// to three parts by column (o0 holds columns [0, w0), o1 the next w1, o2 the next w2).
+extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m, u32 n,
+                                     u32 k, u32 tile, float* __restrict__ o0, u32 w0, float* __restrict__ o1,
+                                     u32 w1, float* __restrict__ o2, u32 w2) {
+    extern __shared__ float xs[];
+    const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    float acc[GEMV_MAX_M] = {0, 0, 0, 0};
+    for (u32 k0 = 0; k0 < k; k0 += tile) {
+        const u32 kt = min(tile, k - k0);
+        gemv_stage_x(x, xs, m, k, k0, kt, tile);
+        if (j < n) gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, acc);
+    }
+    if (j >= n) return;
+    float* out;
+    u32 col, width;
+    if (j < w0) { out = o0; col = j; width = w0; }
+    else if (j < w0 + w1) { out = o1; col = j - w0; width = w1; }
+    else { out = o2; col = j - w0 - w1; width = w2; }
+#pragma unroll
+    for (u32 r = 0; r < GEMV_MAX_M; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (r < m && (threadIdx.x & 31) == 0) out[(u64)r * width + col] = s;
+    }
+}
+
+// A gated MLP's gate and up from one stacked W ([2 * f, k]: gate rows, then up rows):
+// out[r, j] = act(W[j] · x[r]) * (W[f + j] · x[r]) (lt_activation's act), one j per warp.
+extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m,
+                                           u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act) {
+    extern __shared__ float xs[];
+    const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    float gate[GEMV_MAX_M] = {0, 0, 0, 0};
+    float up[GEMV_MAX_M] = {0, 0, 0, 0};
+    for (u32 k0 = 0; k0 < k; k0 += tile) {
+        const u32 kt = min(tile, k - k0);
+        gemv_stage_x(x, xs, m, k, k0, kt, tile);
+        if (j < f) {
+            gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, gate);
+            gemv_dot_tile(w + (u64)(f + j) * k + k0, xs, m, kt, tile, up);
+        }
+    }
+    if (j >= f) return;
+#pragma unroll
+    for (u32 r = 0; r < GEMV_MAX_M; ++r) {
+        const float g = warp_sum(gate[r]);
+        const float u = warp_sum(up[r]);
+        if (r < m && (threadIdx.x & 31) == 0) out[(u64)r * f + j] = lt_activation(g, act) * u;
+    }
+}

@@ -36,7 +36,7 @@ pub use backend::{
 };
 pub use backends::cpu_flash::{CpuFlashBackend, FlashTuning};
 pub use backends::cpu_reference::CpuReferenceBackend;
-pub use backends::kernels::row_probabilities;
+pub use backends::kernels::{probabilities_from_logits, row_probabilities};
 pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
 pub use device::{host_f32, tensor3, Device, HostF32, LayerKvCache, Tensor};
 pub use error::AttnError;
@@ -48,4 +48,4 @@ pub use metadata::{
     reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
     BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,
 };
-pub use tap::AttentionTap;
+pub use tap::{AttentionTap, RowProbabilities};

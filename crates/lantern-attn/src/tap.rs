@@ -3,6 +3,14 @@
 //!
 //! The model asks [`AttentionTap::wants_layer`] once per layer per step; a step with no
 //! capturing request passes no tap at all, so capture costs nothing when unused.
+//!
+//! A tap may also ask for some rows' probabilities ([`AttentionTap::probability_rows`]):
+//! model code whose backend can compute them while it runs the layer
+//! ([`crate::CpuFlashBackend::forward_with_probabilities`]) hands them over before the
+//! query rows ([`AttentionTap::record_probabilities`]); with any other backend they never
+//! come, and the tap computes what it needed from the keys later.
+
+use std::ops::Range;
 
 use crate::device::Tensor;
 use crate::error::AttnError;
@@ -18,4 +26,114 @@ pub trait AttentionTap {
     /// same shape. Rows are the step's tokens in batch order. Errors when the tensors
     /// cannot be read back to the host.
     fn record(&mut self, layer: usize, q: &Tensor, attn_out: &Tensor) -> Result<(), AttnError>;
+
+    /// The rows of this step whose probabilities on `layer` the tap takes from the
+    /// backend, if any (called after [`Self::wants_layer`], before the layer runs).
+    fn probability_rows(&mut self, _layer: usize) -> Option<RowProbabilities> {
+        None
+    }
+
+    /// Those rows' probabilities, filled in by the backend, before [`Self::record`] of
+    /// the same layer.
+    fn record_probabilities(&mut self, _layer: usize, _probabilities: RowProbabilities) {}
+}
+
+/// Probabilities of chosen query rows of a step on one layer, computed by the backend as
+/// it runs them (from the very scores it weights the values with), so that attention
+/// capture need not compute them again from the keys. The tap names the rows
+/// ([`Self::ask`]); the backend fills in, per row, the key positions the row sees and the
+/// probabilities of every query head over them.
+///
+/// The values are the same bits as [`crate::row_probabilities`] gives for that row,
+/// head and those keys.
+#[derive(Debug, Clone, Default)]
+pub struct RowProbabilities {
+    /// Batch rows asked for.
+    rows: Vec<usize>,
+    /// Filled by the backend: per row, the key positions it sees.
+    keys: Vec<Range<usize>>,
+    /// Filled by the backend: per row, where its `[num_heads, keys]` values start.
+    offsets: Vec<usize>,
+    num_heads: usize,
+    values: Vec<f32>,
+}
+
+impl RowProbabilities {
+    /// Asks for batch rows `rows` (any order, each once), forgetting what was filled;
+    /// the allocation is kept for the next layer.
+    pub fn ask(&mut self, rows: impl IntoIterator<Item = usize>) {
+        self.rows.clear();
+        self.rows.extend(rows);
+        self.keys.clear();
+        self.offsets.clear();
+    }
+
+    /// The batch rows asked for.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// Whether a backend filled them in.
+    pub fn is_filled(&self) -> bool {
+        self.keys.len() == self.rows.len() && !self.rows.is_empty()
+    }
+
+    /// Probabilities filled in, over every row and head.
+    pub fn num_values(&self) -> usize {
+        self.keys.iter().map(|k| k.len() * self.num_heads).sum()
+    }
+
+    /// Query heads per row.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// The key positions the `i`-th row sees: the columns of [`Self::head`].
+    pub fn keys(&self, i: usize) -> Range<usize> {
+        self.keys[i].clone()
+    }
+
+    /// The probabilities of the `i`-th row, `[num_heads, keys]`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[self.offsets[i]..][..self.keys[i].len() * self.num_heads]
+    }
+
+    /// The probabilities of the `i`-th row for query head `head` over [`Self::keys`].
+    pub fn head(&self, i: usize, head: usize) -> &[f32] {
+        let len = self.keys[i].len();
+        &self.values[self.offsets[i] + head * len..][..len]
+    }
+
+    /// For a backend: sets every row's keys (`keys_of(batch_row)`) and sizes the values,
+    /// `num_heads` per row, `[num_heads, keys]` per row in the order of [`Self::rows`].
+    pub fn prepare(&mut self, num_heads: usize, keys_of: impl Fn(usize) -> Range<usize>) {
+        self.num_heads = num_heads;
+        self.keys.clear();
+        self.offsets.clear();
+        let mut len = 0;
+        for &row in &self.rows {
+            let keys = keys_of(row);
+            self.offsets.push(len);
+            len += keys.len() * num_heads;
+            self.keys.push(keys);
+        }
+        // Every value is written by the backend before it is read: the buffer is only
+        // zeroed where it grows.
+        if self.values.len() < len {
+            self.values.resize(len, 0.0);
+        }
+        self.values.truncate(len);
+    }
+
+    /// For a backend, after [`Self::prepare`]: the values to fill, each row's keys and
+    /// each row's offset in the values.
+    pub fn parts_mut(&mut self) -> (&mut [f32], &[Range<usize>], &[usize]) {
+        (&mut self.values, &self.keys, &self.offsets)
+    }
+
+    /// Forgets what a backend filled in (when it could not finish).
+    pub fn clear_filled(&mut self) {
+        self.keys.clear();
+        self.offsets.clear();
+    }
 }

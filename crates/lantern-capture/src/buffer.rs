@@ -7,9 +7,13 @@
 
 use std::ops::Range;
 
-use lantern_attn::{host_f32, AttentionTap, AttnError, Tensor};
+use lantern_attn::{
+    host_f32, AttentionLayerSpec, AttentionTap, AttnError, RowProbabilities, Tensor,
+};
+use lantern_quant::share;
 
 use crate::spec::CaptureSpec;
+use crate::stats::{KeyStat, KeyStatsAccumulator, LiveKeyStats};
 
 /// Query rows (and optionally attention outputs) of the captured layers and heads of one
 /// request, for the positions its row selection can reach.
@@ -29,6 +33,8 @@ pub struct QueryRowBuffer {
     out: Vec<Vec<f32>>,
     /// One past the highest position written.
     filled_to: usize,
+    /// Key statistics summed as rows run, when enabled ([`Self::with_live_stats`]).
+    live: Option<LiveKeyStats>,
 }
 
 impl QueryRowBuffer {
@@ -67,7 +73,67 @@ impl QueryRowBuffer {
                 Vec::new()
             },
             filled_to: 0,
+            live: None,
         }
+    }
+
+    /// Sums the key statistics as rows run, from the probabilities the attention kernel
+    /// computes for them ([`StepTap`] asks the backend for them), instead of computing
+    /// them from the keys when finalizing. `attention`: every layer of the model. Does
+    /// nothing without statistics; where the backend gives no probabilities, or the rows
+    /// do not all run in order once, finalizing computes them as before.
+    pub fn with_live_stats(mut self, attention: &[AttentionLayerSpec]) -> Self {
+        if self.spec.stats.is_empty() {
+            return self;
+        }
+        let groups = self
+            .spec
+            .layers
+            .iter()
+            .map(|&l| {
+                attention
+                    .get(l)
+                    .map(|layer| self.spec.stats_heads.groups(&self.spec.heads, layer))
+            })
+            .collect::<Option<Vec<_>>>();
+        if let Some(groups) = groups {
+            let keep_max = self.spec.stats.contains(&KeyStat::KeyMax);
+            self.live = Some(LiveKeyStats::new(groups, self.positions.start, keep_max));
+        }
+        self
+    }
+
+    /// The captured layer slot of `layer` when its statistics are being summed live.
+    fn live_slot(&self, layer: usize) -> Option<usize> {
+        let slot = (*self.layer_slot.get(layer)?)?;
+        self.live.as_ref().filter(|l| !l.is_stopped()).map(|_| slot)
+    }
+
+    /// The live sums as accumulators over `rows`, `num_keys` wide, if they cover
+    /// exactly those rows (see [`LiveKeyStats::accumulators`]).
+    pub(crate) fn live_stats(
+        &self,
+        rows: &Range<usize>,
+        num_keys: usize,
+    ) -> Option<Vec<KeyStatsAccumulator>> {
+        self.live.as_ref()?.accumulators(rows, num_keys)
+    }
+
+    /// Whether finalizing rows `rows` (`num_keys` keys wide) needs the keys: for maps,
+    /// span masses or the attention output's check, or for key statistics unless they
+    /// were summed as the rows ran.
+    pub fn needs_keys(&self, rows: &Range<usize>, num_keys: usize) -> bool {
+        let spec = &self.spec;
+        spec.maps
+            || !spec.spans.is_empty()
+            || spec.keep_attention_output
+            || (!spec.stats.is_empty()
+                && !self.live.as_ref().is_some_and(|l| l.covers(rows, num_keys)))
+    }
+
+    /// Whether key statistics are being summed as rows run, and so far every row came.
+    pub fn live_stats_active(&self) -> bool {
+        self.live.as_ref().is_some_and(|l| !l.is_stopped())
     }
 
     pub fn spec(&self) -> &CaptureSpec {
@@ -181,7 +247,7 @@ impl QueryRowBuffer {
         self.filled_to = self.filled_to.max(wanted.end);
     }
 
-    /// Bytes allocated for the buffered rows.
+    /// Bytes allocated for the buffered rows (and the live key statistics).
     pub fn size_bytes(&self) -> usize {
         (self
             .q
@@ -190,6 +256,7 @@ impl QueryRowBuffer {
             .map(Vec::capacity)
             .sum::<usize>())
             * 4
+            + self.live.as_ref().map_or(0, LiveKeyStats::size_bytes)
     }
 }
 
@@ -204,14 +271,25 @@ struct TapTarget<'a> {
 }
 
 /// The [`AttentionTap`] of one step: copies each capturing request's query rows into
-/// its buffer, by contiguous range.
+/// its buffer, by contiguous range, and for requests that sum key statistics live
+/// ([`QueryRowBuffer::with_live_stats`]) asks the backend for their rows' probabilities
+/// and adds them up.
 pub struct StepTap<'a> {
     targets: Vec<TapTarget<'a>>,
     /// `wanted[l]`: some target captures layer `l`.
     wanted: Vec<bool>,
     /// Elements per token row of q (`num_heads * head_dim`).
     token_len: usize,
+    num_heads: usize,
+    /// Per row asked of the backend on the current layer: its target and position.
+    asked: Vec<(usize, usize)>,
+    /// The probabilities' buffers, kept from layer to layer.
+    spare: Option<RowProbabilities>,
 }
+
+/// Probabilities asked of the backend in one layer call, at most (16 MiB): a longer
+/// prefill chunk's rows are left to finalizing.
+const MAX_LIVE_VALUES: usize = 1 << 22;
 
 impl<'a> StepTap<'a> {
     pub fn new(num_layers: usize, num_heads: usize, head_dim: usize) -> Self {
@@ -219,7 +297,17 @@ impl<'a> StepTap<'a> {
             targets: Vec::new(),
             wanted: vec![false; num_layers],
             token_len: num_heads * head_dim,
+            num_heads,
+            asked: Vec::new(),
+            spare: None,
         }
+    }
+
+    /// Positions of target `t`'s step tokens whose rows its buffer keeps.
+    fn kept_positions(t: &TapTarget<'_>) -> Range<usize> {
+        let kept = t.buffer.positions();
+        let start = t.first_pos.max(kept.start);
+        start..(t.first_pos + t.num_tokens).min(kept.end).max(start)
     }
 
     /// Adds a request whose `num_tokens` tokens start at batch row `batch_row` and
@@ -256,12 +344,85 @@ impl AttentionTap for StepTap<'_> {
         let (q, attn_out) = (host_f32(q)?, host_f32(attn_out)?);
         let n = self.token_len;
         for t in &mut self.targets {
+            // Every kept row of this step must have been summed by now.
+            if let Some(slot) = t.buffer.live_slot(layer) {
+                let end = Self::kept_positions(t).end;
+                if let Some(live) = &mut t.buffer.live {
+                    live.expect_rows(slot, end);
+                }
+            }
             let rows = t.batch_row * n..(t.batch_row + t.num_tokens) * n;
             if let (Some(q), Some(out)) = (q.get(rows.clone()), attn_out.get(rows)) {
                 t.buffer.record(layer, t.first_pos, q, out);
             }
         }
         Ok(())
+    }
+
+    fn probability_rows(&mut self, layer: usize) -> Option<RowProbabilities> {
+        self.asked.clear();
+        let mut rows = Vec::new();
+        let mut values = 0usize;
+        for (ti, t) in self.targets.iter_mut().enumerate() {
+            if t.buffer.live_slot(layer).is_none() {
+                continue;
+            }
+            let kept = Self::kept_positions(t);
+            let need: usize = kept.clone().map(|pos| (pos + 1) * self.num_heads).sum();
+            if values + need > MAX_LIVE_VALUES {
+                if let Some(live) = &mut t.buffer.live {
+                    live.stop();
+                }
+                continue;
+            }
+            values += need;
+            for pos in kept {
+                rows.push(t.batch_row + (pos - t.first_pos));
+                self.asked.push((ti, pos));
+            }
+        }
+        if rows.is_empty() {
+            return None;
+        }
+        let mut probabilities = self.spare.take().unwrap_or_default();
+        probabilities.ask(rows);
+        Some(probabilities)
+    }
+
+    fn record_probabilities(&mut self, layer: usize, probabilities: RowProbabilities) {
+        if probabilities.is_filled() && probabilities.rows().len() == self.asked.len() {
+            // Each target's rows are consecutive among those asked; targets in parallel.
+            let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+            for (i, &(ti, _)) in self.asked.iter().enumerate() {
+                match runs.last_mut() {
+                    Some((last, r)) if *last == ti => r.end = i + 1,
+                    _ => runs.push((ti, i..i + 1)),
+                }
+            }
+            let asked = &self.asked;
+            let probabilities = &probabilities;
+            let targets = share::SharedMut::new(&mut self.targets);
+            let add = |run: usize| {
+                let (ti, rows) = runs[run].clone();
+                // SAFETY: one task per target.
+                let t = unsafe { &mut targets.range(ti, 1)[0] };
+                let heads = &t.buffer.spec.heads;
+                let Some(slot) = t.buffer.layer_slot.get(layer).copied().flatten() else {
+                    return;
+                };
+                if let Some(live) = &mut t.buffer.live {
+                    for i in rows {
+                        live.add_row(slot, asked[i].1, heads, probabilities, i);
+                    }
+                }
+            };
+            if runs.len() > 1 && probabilities.num_values() >= share::SERIAL_VALUES {
+                share::run(runs.len(), &add);
+            } else {
+                (0..runs.len()).for_each(add);
+            }
+        }
+        self.spare = Some(probabilities);
     }
 }
 

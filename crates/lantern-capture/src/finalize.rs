@@ -45,6 +45,20 @@ pub struct KeySnapshot {
 }
 
 impl KeySnapshot {
+    /// A snapshot of no keys that says how far the keys went (`keys.end`), for a capture
+    /// that needs none of them ([`QueryRowBuffer::needs_keys`]): rows computed from it
+    /// see no keys.
+    pub fn without_keys(keys: Range<usize>, num_kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            first_key: keys.end,
+            num_keys: keys.end,
+            num_kv_heads,
+            head_dim,
+            keys: Vec::new(),
+            values: None,
+        }
+    }
+
     /// Keys (or values) `positions` of kv head `head`, `[positions.len(), head_dim]`.
     fn rows<'a>(&self, plane: &'a [f32], positions: Range<usize>, head: usize) -> &'a [f32] {
         let per_head = self.num_keys - self.first_key;
@@ -218,6 +232,14 @@ impl PendingCapture {
         row_probabilities(&self.buffer, slot, layer, pos, out)
     }
 
+    /// Whether the key statistics were summed as the rows ran (from the attention
+    /// kernel's probabilities), so finalizing has no rows to compute for them.
+    pub fn stats_summed_live(&self) -> bool {
+        let (rows, _) = self.row_plan();
+        !self.buffer.spec().stats.is_empty()
+            && self.buffer.live_stats(&rows, self.num_keys()).is_some()
+    }
+
     /// Computes the maps: probabilities, then the head reduction, then top-k.
     pub fn finalize(&self) -> Result<CaptureResult, CaptureError> {
         self.finalize_with(|| {})
@@ -244,6 +266,12 @@ impl PendingCapture {
         let mut stats = Vec::new();
         let mut stats_groups = Vec::new();
         let mut span_mass = Vec::new();
+        // Key statistics summed as the rows ran, when they cover exactly these rows.
+        let mut live_stats = if spec.stats.is_empty() {
+            None
+        } else {
+            self.buffer.live_stats(&rows, num_keys)
+        };
         let span_ranges = spec
             .spans
             .iter()
@@ -276,12 +304,26 @@ impl PendingCapture {
             let mut spans = (!spec.spans.is_empty()).then(|| {
                 SpanMassAccumulator::new(groups.clone(), num_keys, &span_ranges, rows.len())
             });
-            let mut accumulator = (!spec.stats.is_empty()).then(|| {
-                KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
-            });
-            for pos in rows.clone() {
+            let live = live_stats
+                .as_mut()
+                .and_then(|l| l.get_mut(slot))
+                .map(|acc| std::mem::replace(acc, KeyStatsAccumulator::new(Vec::new(), 0, false)));
+            let summed = live.is_some();
+            let mut accumulator = match live {
+                Some(live) => Some(live),
+                None => (!spec.stats.is_empty()).then(|| {
+                    KeyStatsAccumulator::new(
+                        groups,
+                        num_keys,
+                        spec.stats.contains(&KeyStat::KeyMax),
+                    )
+                }),
+            };
+            // Rows are computed for what is not summed yet: maps, span masses, statistics.
+            let rows_needed = spec.maps || spans.is_some() || (accumulator.is_some() && !summed);
+            for pos in rows.clone().filter(|_| rows_needed) {
                 self.row_probabilities(slot, layer, pos, &mut dense)?;
-                if let Some(accumulator) = &mut accumulator {
+                if let Some(accumulator) = accumulator.as_mut().filter(|_| !summed) {
                     accumulator.add_row(&dense);
                 }
                 if let Some(spans) = &mut spans {

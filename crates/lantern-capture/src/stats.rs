@@ -213,6 +213,248 @@ impl KeyStatsAccumulator {
     }
 }
 
+impl KeyStatsAccumulator {
+    /// An accumulator holding statistics already summed (`mass`, `max`: per group, its
+    /// keys so far), widened with zeros to `num_keys` keys.
+    fn from_parts(
+        groups: Vec<Vec<usize>>,
+        num_keys: usize,
+        mass: &[Vec<f32>],
+        max: Option<&[Vec<f32>]>,
+    ) -> Self {
+        let flat = |series: &[Vec<f32>]| {
+            let mut out = vec![0f32; groups.len() * num_keys];
+            for (dst, src) in out.chunks_exact_mut(num_keys.max(1)).zip(series) {
+                let n = src.len().min(num_keys);
+                dst[..n].copy_from_slice(&src[..n]);
+            }
+            out
+        };
+        let len = groups.len() * num_keys;
+        Self {
+            mass: flat(mass),
+            max: max.map(flat),
+            row: vec![0.0; len],
+            groups,
+            num_keys,
+        }
+    }
+}
+
+lantern_quant::per_level! {
+/// Adds one row of one group to its sums: the row's value of key `k` is the mean of the
+/// group's heads (`members`, indices into `heads`, whose entries are rows of `values`,
+/// `[heads, mass.len()]`), summed in order from zero then scaled, as [`group_row`]
+/// computes it; `mass[k] += value`, `max[k] = max[k].max(value)`. In 16-lane chunks, so
+/// it vectorizes; every operation is the one [`group_row`] and
+/// [`KeyStatsAccumulator::add_row`] make, so the same bits.
+fn add_group(
+    values: &[f32],
+    heads: &[usize],
+    members: &[usize],
+    mass: &mut [f32],
+    max: Option<&mut [f32]>,
+) {
+    const L: usize = 16;
+    let n = mass.len();
+    let inv = (members.len() > 1).then(|| 1.0 / members.len() as f32);
+    let mut max = max;
+    let full = n / L * L;
+    let mut k = 0;
+    while k < full {
+        let mut v = [0f32; L];
+        for &m in members {
+            let p = &values[heads[m] * n + k..][..L];
+            for i in 0..L {
+                v[i] += p[i];
+            }
+        }
+        if let Some(inv) = inv {
+            for x in v.iter_mut() {
+                *x *= inv;
+            }
+        }
+        let sums = &mut mass[k..k + L];
+        for i in 0..L {
+            sums[i] += v[i];
+        }
+        if let Some(max) = max.as_deref_mut() {
+            let max = &mut max[k..k + L];
+            for i in 0..L {
+                max[i] = max[i].max(v[i]);
+            }
+        }
+        k += L;
+    }
+    for k in full..n {
+        let mut v = 0f32;
+        for &m in members {
+            v += values[heads[m] * n + k];
+        }
+        if let Some(inv) = inv {
+            v *= inv;
+        }
+        mass[k] += v;
+        if let Some(max) = max.as_deref_mut() {
+            max[k] = max[k].max(v);
+        }
+    }
+}
+}
+
+/// Key statistics summed as a request's rows run, one row at a time in position order,
+/// from the probabilities the attention kernel computed for them
+/// ([`lantern_attn::RowProbabilities`]): the same values and the same additions, in the
+/// same order, as [`KeyStatsAccumulator`] makes when finalizing, so the same bits, and
+/// finalizing has no rows left to compute for them.
+///
+/// Rows must come in order from the first row the capture selects, each once, on every
+/// captured layer; anything else (a row the backend did not give, a row run again after
+/// a preemption) stops the live sums, and finalizing computes the statistics itself.
+#[derive(Debug, Clone)]
+pub(crate) struct LiveKeyStats {
+    /// Per captured layer slot.
+    layers: Vec<LiveLayer>,
+    /// The first row summed.
+    first_row: usize,
+    stopped: bool,
+}
+
+#[derive(Debug, Clone)]
+struct LiveLayer {
+    /// As [`StatHeads::groups`]: indices into the captured heads.
+    groups: Vec<Vec<usize>>,
+    /// The next row expected.
+    next: usize,
+    /// Per group, per key seen so far.
+    mass: Vec<Vec<f32>>,
+    max: Option<Vec<Vec<f32>>>,
+}
+
+impl LiveKeyStats {
+    /// Sums for the layers' `groups` (per captured layer slot), from row `first_row` on.
+    pub(crate) fn new(groups: Vec<Vec<Vec<usize>>>, first_row: usize, keep_max: bool) -> Self {
+        Self {
+            layers: groups
+                .into_iter()
+                .map(|groups| LiveLayer {
+                    mass: vec![Vec::new(); groups.len()],
+                    max: keep_max.then(|| vec![Vec::new(); groups.len()]),
+                    groups,
+                    next: first_row,
+                })
+                .collect(),
+            first_row,
+            stopped: false,
+        }
+    }
+
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    pub(crate) fn stop(&mut self) {
+        self.stopped = true;
+        self.layers.iter_mut().for_each(|l| {
+            l.mass = Vec::new();
+            l.max = None;
+        });
+    }
+
+    /// Adds the row at `pos` on captured layer slot `slot`: the `i`-th row of
+    /// `probabilities`, whose head `heads[h]` is captured head `h`.
+    pub(crate) fn add_row(
+        &mut self,
+        slot: usize,
+        pos: usize,
+        heads: &[usize],
+        probabilities: &lantern_attn::RowProbabilities,
+        i: usize,
+    ) {
+        if self.stopped {
+            return;
+        }
+        let Some(layer) = self.layers.get_mut(slot) else {
+            return self.stop();
+        };
+        let keys = probabilities.keys(i);
+        if pos != layer.next || heads.iter().any(|&h| h >= probabilities.num_heads()) {
+            return self.stop();
+        }
+        layer.next += 1;
+        let values = probabilities.row(i);
+        for (g, members) in layer.groups.iter().enumerate() {
+            let mass = &mut layer.mass[g];
+            if mass.len() < keys.end {
+                mass.resize(keys.end, 0.0);
+            }
+            let max = layer.max.as_mut().map(|max| {
+                let max = &mut max[g];
+                if max.len() < keys.end {
+                    max.resize(keys.end, 0.0);
+                }
+                &mut max[keys.clone()]
+            });
+            add_group(values, heads, members, &mut mass[keys.clone()], max);
+        }
+    }
+
+    /// Stops unless captured layer slot `slot` has every row before `end` (from the
+    /// first) summed.
+    pub(crate) fn expect_rows(&mut self, slot: usize, end: usize) {
+        if self
+            .layers
+            .get(slot)
+            .is_none_or(|l| l.next < end.max(self.first_row))
+        {
+            self.stop();
+        }
+    }
+
+    /// The accumulators of every captured layer slot, `num_keys` wide, when exactly
+    /// `rows` were summed on every layer; `None` otherwise (finalizing then computes them).
+    pub(crate) fn accumulators(
+        &self,
+        rows: &std::ops::Range<usize>,
+        num_keys: usize,
+    ) -> Option<Vec<KeyStatsAccumulator>> {
+        self.covers(rows, num_keys).then(|| {
+            self.layers
+                .iter()
+                .map(|l| {
+                    KeyStatsAccumulator::from_parts(
+                        l.groups.clone(),
+                        num_keys,
+                        &l.mass,
+                        l.max.as_deref(),
+                    )
+                })
+                .collect()
+        })
+    }
+
+    /// Whether exactly `rows` were summed on every layer, within `num_keys` keys.
+    pub(crate) fn covers(&self, rows: &std::ops::Range<usize>, num_keys: usize) -> bool {
+        !self.stopped
+            && !rows.is_empty()
+            && rows.start == self.first_row
+            && self
+                .layers
+                .iter()
+                .all(|l| l.next == rows.end && l.mass.iter().all(|m| m.len() <= num_keys))
+    }
+
+    /// Bytes held by the sums.
+    pub(crate) fn size_bytes(&self) -> usize {
+        let series = |s: &Vec<Vec<f32>>| s.iter().map(Vec::capacity).sum::<usize>();
+        4 * self
+            .layers
+            .iter()
+            .map(|l| series(&l.mass) + l.max.as_ref().map_or(0, series))
+            .sum::<usize>()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,6 +487,68 @@ mod tests {
             StatHeads::Mean.groups(&heads, &layer),
             vec![vec![0, 1, 2, 3]]
         );
+    }
+
+    /// Rows summed live from the kernel's probabilities give the same bits as
+    /// finalizing's accumulator over the same rows' dense probabilities (per KV head
+    /// groups of a subset of heads, rows whose visible keys start past zero, keys that
+    /// grow row by row); a row out of order stops the sums. Fresh random inputs.
+    #[test]
+    fn live_sums_equal_the_finalizing_accumulator() {
+        use lantern_attn::RowProbabilities;
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let layer = AttentionLayerSpec::new(9, 3, 8);
+        let heads = [0, 1, 2, 4, 5, 8];
+        for by in [StatHeads::Kv, StatHeads::Query, StatHeads::Mean] {
+            let groups = by.groups(&heads, &layer);
+            let (first, rows) = (rng.gen_range(0..20), rng.gen_range(1..30));
+            let num_keys = first + rows;
+            let mut finalizing = KeyStatsAccumulator::new(groups.clone(), num_keys, true);
+            let mut live = LiveKeyStats::new(vec![groups.clone()], first, true);
+            let mut probs = RowProbabilities::default();
+            for pos in first..first + rows {
+                // A window: the row sees keys `start..=pos`.
+                let start = pos.saturating_sub(rng.gen_range(0..12));
+                let keys = start..pos + 1;
+                probs.ask([0]);
+                probs.prepare(9, |_| keys.clone());
+                let (values, _, _) = probs.parts_mut();
+                for v in values.iter_mut() {
+                    *v = rng.gen_range(0.0..1.0f32).powi(3);
+                }
+                let mut dense = vec![0f32; heads.len() * num_keys];
+                for (hi, &h) in heads.iter().enumerate() {
+                    dense[hi * num_keys..][keys.clone()].copy_from_slice(probs.head(0, h));
+                }
+                finalizing.add_row(&dense);
+                live.add_row(0, pos, &heads, &probs, 0);
+            }
+            let range = first..first + rows;
+            let got = live
+                .accumulators(&range, num_keys)
+                .expect("every row summed");
+            let stats = |acc: KeyStatsAccumulator| acc.finish(3, &KeyStat::ALL, 4);
+            let (want, got) = (stats(finalizing), stats(got.into_iter().next().unwrap()));
+            for (w, g) in want.iter().zip(&got) {
+                let bits = |s: &LayerStat| s.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(w.shape, g.shape, "seed {seed} {by:?}");
+                assert_eq!(bits(w), bits(g), "seed {seed} {by:?} {:?}", w.stat);
+            }
+            assert!(live
+                .accumulators(&(first..first + rows + 1), num_keys + 1)
+                .is_none());
+            // A row again (a recomputation) or a gap stops the sums.
+            live.add_row(0, first + rows - 1, &heads, &probs, 0);
+            assert!(live.is_stopped());
+            assert!(live.accumulators(&range, num_keys).is_none());
+        }
+        let mut live = LiveKeyStats::new(vec![vec![vec![0]]], 5, false);
+        live.expect_rows(0, 5);
+        assert!(!live.is_stopped(), "no row is due before the first");
+        live.expect_rows(0, 6);
+        assert!(live.is_stopped(), "row 5 never came");
     }
 
     #[test]

@@ -12,8 +12,8 @@ use crate::sampling::{
 use crate::scheduler::Scheduler;
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
-    keys_needed, row_capture, snapshot_layer, CaptureFailure, CaptureSpec, PendingCapture,
-    QueryRowBuffer, RowCapture, StepTap, TokenInfo,
+    keys_needed, row_capture, snapshot_layer, CaptureFailure, CaptureSpec, KeySnapshot,
+    PendingCapture, QueryRowBuffer, RowCapture, StepTap, TokenInfo,
 };
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
@@ -384,14 +384,17 @@ impl Engine {
                         field: "attn_capture_layers",
                         message: "no layer of this model".to_string(),
                     })?;
-                Some(Box::new(QueryRowBuffer::new(
-                    spec,
-                    info.num_layers,
-                    first.num_heads,
-                    first.head_dim,
-                    prompt.len(),
-                    params.max_tokens,
-                )))
+                Some(Box::new(
+                    QueryRowBuffer::new(
+                        spec,
+                        info.num_layers,
+                        first.num_heads,
+                        first.head_dim,
+                        prompt.len(),
+                        params.max_tokens,
+                    )
+                    .with_live_stats(&info.attention),
+                ))
             }
             None => None,
         };
@@ -489,6 +492,15 @@ impl Engine {
         let num_computed = req.num_computed_tokens;
         let spec = buffer.spec();
         let rows = buffer.rows_present(req.prompt_len(), total, num_computed);
+        // Statistics summed as the rows ran need no keys: then none are copied.
+        let num_keys = spec
+            .layers
+            .iter()
+            .filter_map(|&l| info.attention.get(l))
+            .map(|layer| keys_needed(layer, rows.clone(), num_computed).end)
+            .max()
+            .unwrap_or(0);
+        let needs_keys = buffer.needs_keys(&rows, num_keys);
         let mut layers = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
         for &l in &spec.layers {
@@ -501,6 +513,11 @@ impl Engine {
             };
             let group = self.runner.layer_group(l);
             let keys = keys_needed(layer, rows.clone(), num_computed);
+            if !needs_keys {
+                let snapshot = KeySnapshot::without_keys(keys, layer.num_kv_heads, layer.head_dim);
+                layers.push((layer.clone(), snapshot));
+                continue;
+            }
             match snapshot_layer(
                 self.runner.backend(),
                 cache.as_ref(),

@@ -444,6 +444,9 @@ fn captured_attention_of_every_layer_equals_the_reference() {
             let pending = out[0].capture.as_ref().unwrap().as_ref().unwrap();
             let result = pending.finalize().unwrap();
             common::check_capture_invariants(pending, &result);
+            // Summed from the flash kernel's probabilities unless a layer is chunked-local.
+            let chunked = info.attention.iter().any(|a| a.chunk_size.is_some());
+            assert_eq!(pending.stats_summed_live(), !chunked, "{name}");
             common::check_stats_equal_the_maps(&result);
             let n = p.all_ids.len();
             let mut worst = 0f32;

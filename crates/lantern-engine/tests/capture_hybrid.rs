@@ -69,7 +69,9 @@ fn sliding_layers_are_zero_outside_the_window_and_every_invariant_holds() {
     let pending = pending(&out[0]);
     let result = pending.finalize().unwrap();
     common::check_capture_invariants(pending, &result);
-    // Key statistics over sliding and global layers are the maps' reductions.
+    // Key statistics over sliding and global layers are the maps' reductions (summed
+    // from the kernel's probabilities as the rows ran).
+    assert!(pending.stats_summed_live());
     common::check_stats_equal_the_maps(&result);
     assert_eq!(result.meta.block_size, Some(4));
     let info = engine.model_info();

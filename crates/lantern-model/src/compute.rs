@@ -12,7 +12,7 @@ use crate::{ops, LoadOptions};
 use candle_core::quantized::QTensor;
 use lantern_attn::{
     host_f32, tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap,
-    LayerKvCache,
+    CpuFlashBackend, LayerKvCache,
 };
 
 /// One attention call: the layer, its description and metadata, where it runs and reads
@@ -299,10 +299,37 @@ impl Compute for Cpu {
         let q = tensor3(q, [tokens, spec.num_heads, spec.head_dim], &device)?;
         let k = tensor3(k, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
         let v = tensor3(v, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
-        let out = call
+        let mut tap = call.tap.filter(|t| t.wants_layer(call.layer));
+        // A tap may take some rows' probabilities from the flash backend as it runs them.
+        let flash = call
             .backend
-            .forward(spec, call.meta, &q, &k, &v, call.cache)?;
-        if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
+            .as_any()
+            .and_then(|b| b.downcast_ref::<CpuFlashBackend>());
+        let wanted = match (&mut tap, flash) {
+            (Some(tap), Some(_)) => tap.probability_rows(call.layer),
+            _ => None,
+        };
+        let out = match (flash, wanted) {
+            (Some(flash), Some(mut probabilities)) => {
+                let out = flash.forward_with_probabilities(
+                    spec,
+                    call.meta,
+                    &q,
+                    &k,
+                    &v,
+                    call.cache,
+                    &mut probabilities,
+                )?;
+                if let Some(tap) = &mut tap {
+                    tap.record_probabilities(call.layer, probabilities);
+                }
+                out
+            }
+            _ => call
+                .backend
+                .forward(spec, call.meta, &q, &k, &v, call.cache)?,
+        };
+        if let Some(tap) = tap {
             tap.record(call.layer, &q, &out)?;
         }
         let values = host_f32(&out)?.to_vec();

@@ -29,6 +29,11 @@
 //!
 //! The default layout is `BlocksFirst` with the HND order, so one head's keys in a block
 //! are one contiguous `block_size x head_dim` tile, read (and converted) in one pass.
+//!
+//! [`CpuFlashBackend::forward_with_probabilities`] also keeps chosen rows' logits as the
+//! tiles compute them (for attention capture): each key's score is the same bits whatever
+//! its tile (see `kernels::dots`), so once every tile has run, a row's logits turned into
+//! probabilities over the whole row are exactly what capture computes from the keys.
 
 use std::cell::RefCell;
 use std::sync::{Mutex, OnceLock};
@@ -37,14 +42,16 @@ use lantern_quant::share;
 
 use crate::backend::{AttentionMetadata, CPU_FLASH};
 use crate::backends::kernels::{
-    axpy, dots, exp_shifted_sum, logits_and_rescale, scale, weighted_sum,
+    axpy, dots, exp_shifted_sum, logits_and_rescale, probabilities_from_logits, scale, weighted_sum,
 };
-use crate::backends::{load_step_row, HostAttention, KernelView, RequestView};
+use crate::backends::{host_forward, load_step_row, HostAttention, KernelView, RequestView};
 use crate::cache::{PagedKvCache, KEY, VALUE};
+use crate::device::{LayerKvCache, Tensor};
 use crate::error::AttnError;
 use crate::layer::AttentionLayerSpec;
 use crate::layout::{KvCacheLayout, KvCacheShape};
 use crate::metadata::CommonAttentionMetadata;
+use crate::tap::RowProbabilities;
 
 /// How the flash backend cuts work into items.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +119,190 @@ impl CpuFlashBackend {
     pub fn tuning(&self) -> FlashTuning {
         self.tuning
     }
+
+    /// [`AttentionBackend::forward`](crate::AttentionBackend::forward), also filling in
+    /// `probabilities` (the batch rows it asks for: their probabilities for every query
+    /// head over the keys each sees) from the logits the kernel computes anyway. Left
+    /// unfilled on a chunked-local layer (its kernel runs over a virtual batch) or when
+    /// it asks for no rows; the output is the same bits either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with_probabilities(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut dyn LayerKvCache,
+        probabilities: &mut RowProbabilities,
+    ) -> Result<Tensor, AttnError> {
+        probabilities.clear_filled();
+        host_forward(
+            self,
+            layer,
+            meta,
+            (q, k, v),
+            cache,
+            |q, k, v, cache, out| {
+                let wanted = layer.chunk_size.is_none() && !probabilities.rows().is_empty();
+                self.forward_inner(
+                    layer,
+                    meta,
+                    (q, k, v),
+                    cache,
+                    out,
+                    wanted.then_some(&mut *probabilities),
+                )
+            },
+        )
+    }
+
+    /// The forward, keeping `probabilities`' rows when given (a layer without a chunk).
+    fn forward_inner(
+        &self,
+        layer: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        cache: &mut PagedKvCache,
+        out: &mut [f32],
+        probabilities: Option<&mut RowProbabilities>,
+    ) -> Result<(), AttnError> {
+        // Chunked-local layers run as causal attention over the virtual batch.
+        let view = KernelView::new(meta, layer)?;
+        cache.write(k, v, &meta.common.slot_mapping)?;
+        let (common, layer) = (view.common(), view.layer());
+        let block_size = cache.geometry().block_size;
+        let items = plan(common, layer, &self.tuning, block_size);
+        let piece_len = self.tuning.split_keys.div_ceil(block_size) * block_size;
+        let mut keep = probabilities
+            .map(|p| Keep::new(common, layer, piece_len, p))
+            .transpose()?;
+        let ctx = Ctx {
+            common,
+            layer,
+            cache,
+            q,
+            k,
+            v,
+            keep: keep.as_mut().map(Keep::target),
+        };
+        let work: usize = items.iter().map(|it| it.multiply_adds(layer)).sum();
+        let partials = run_items(&ctx, &items, Runner::for_work(work));
+        merge_and_store(&items, partials, layer, out);
+        if let Some(keep) = &mut keep {
+            keep.finish(layer);
+        }
+        Ok(())
+    }
+}
+
+/// The rows whose logits a forward keeps: per batch row, its index among them.
+struct Keep<'p> {
+    index: Vec<u32>,
+    probabilities: &'p mut RowProbabilities,
+    /// Key ranges are cut at multiples of this (see [`split_keys`]).
+    piece_len: usize,
+}
+
+/// What a work item needs to store a kept row's logits.
+struct KeepTarget<'a> {
+    index: &'a [u32],
+    keys: &'a [std::ops::Range<usize>],
+    offsets: &'a [usize],
+    values: share::SharedMut<'a, f32>,
+}
+
+impl<'p> Keep<'p> {
+    fn new(
+        common: &CommonAttentionMetadata,
+        layer: &AttentionLayerSpec,
+        piece_len: usize,
+        probabilities: &'p mut RowProbabilities,
+    ) -> Result<Self, AttnError> {
+        let tokens = common.num_actual_tokens;
+        let mut index = vec![u32::MAX; tokens];
+        let mut request = vec![0usize; tokens];
+        for r in 0..common.num_reqs {
+            let (a, b) = (common.query_start_loc[r], common.query_start_loc[r + 1]);
+            request[a..b].fill(r);
+        }
+        for (i, &row) in probabilities.rows().iter().enumerate() {
+            match index.get_mut(row) {
+                Some(slot) if *slot == u32::MAX => *slot = i as u32,
+                _ => {
+                    return Err(AttnError::Unsupported(format!(
+                        "probabilities asked twice or for row {row} of a {tokens}-row batch"
+                    )))
+                }
+            }
+        }
+        probabilities.prepare(layer.num_heads, |row| {
+            let req = RequestView::new(common, request[row]);
+            layer.visible_key_range(req.position(row))
+        });
+        Ok(Self {
+            index,
+            probabilities,
+            piece_len,
+        })
+    }
+
+    fn target(&mut self) -> KeepTarget<'_> {
+        let (values, keys, offsets) = self.probabilities.parts_mut();
+        KeepTarget {
+            index: &self.index,
+            keys,
+            offsets,
+            values: share::SharedMut::new(values),
+        }
+    }
+
+    /// Turns the logits of every kept row whose keys were split over several items
+    /// (the others' items did it) into its probabilities, head by head.
+    fn finish(&mut self, layer: &AttentionLayerSpec) {
+        let num_heads = layer.num_heads;
+        let piece_len = self.piece_len;
+        let (values, keys, offsets) = self.probabilities.parts_mut();
+        let split: Vec<usize> = (0..keys.len())
+            .filter(|&i| {
+                let k = &keys[i];
+                !k.is_empty() && k.start / piece_len != (k.end - 1) / piece_len
+            })
+            .collect();
+        let len: usize = split.iter().map(|&i| keys[i].len() * num_heads).sum();
+        let values = share::SharedMut::new(values);
+        let row = |s: usize| {
+            let i = split[s];
+            let n = keys[i].len();
+            // SAFETY: row `i`'s values are its own.
+            let row = unsafe { values.range(offsets[i], n * num_heads) };
+            for (h, logits) in row.chunks_exact_mut(n.max(1)).enumerate() {
+                probabilities_from_logits(layer, h, logits);
+            }
+        };
+        if split.len() > 1 && len >= share::SERIAL_VALUES {
+            share::run(split.len(), &row);
+        } else {
+            (0..split.len()).for_each(row);
+        }
+    }
+}
+
+impl KeepTarget<'_> {
+    /// Where batch row `row`'s logits for query head `head` over key positions `lo..hi`
+    /// go, if it is kept.
+    ///
+    /// # Safety
+    /// No other thread writes the same row, head and keys meanwhile (work items cover
+    /// disjoint heads or keys).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot(&self, row: usize, head: usize, lo: usize, hi: usize) -> Option<&mut [f32]> {
+        let i = *self.index.get(row)? as usize;
+        let keys = self.keys.get(i)?;
+        let start = self.offsets[i] + head * keys.len() + (lo - keys.start);
+        // SAFETY: by the caller's promise.
+        Some(unsafe { self.values.range(start, hi - lo) })
+    }
 }
 
 impl HostAttention for CpuFlashBackend {
@@ -133,23 +324,7 @@ impl HostAttention for CpuFlashBackend {
         cache: &mut PagedKvCache,
         out: &mut [f32],
     ) -> Result<(), AttnError> {
-        // Chunked-local layers run as causal attention over the virtual batch.
-        let view = KernelView::new(meta, layer)?;
-        cache.write(k, v, &meta.common.slot_mapping)?;
-        let (common, layer) = (view.common(), view.layer());
-        let items = plan(common, layer, &self.tuning, cache.geometry().block_size);
-        let ctx = Ctx {
-            common,
-            layer,
-            cache,
-            q,
-            k,
-            v,
-        };
-        let work: usize = items.iter().map(|it| it.multiply_adds(layer)).sum();
-        let partials = run_items(&ctx, &items, Runner::for_work(work));
-        merge_and_store(&items, partials, layer, out);
-        Ok(())
+        self.forward_inner(layer, meta, (q, k, v), cache, out, None)
     }
 }
 
@@ -206,6 +381,8 @@ struct Ctx<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
+    /// Rows whose logits are kept, if any.
+    keep: Option<KeepTarget<'a>>,
 }
 
 /// One unit of parallel work: the query rows `rows` (batch token indices) of request
@@ -400,12 +577,18 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
                 let h = item.kv_head * group_heads + j;
                 let q_row = &ctx.q[(row * layer.num_heads + h) * d..][..d];
                 let r = ti * group_heads + j;
+                // SAFETY: this item alone covers this row's head `h` over `lo..hi`.
+                let kept = ctx
+                    .keep
+                    .as_ref()
+                    .and_then(|keep| unsafe { keep.slot(row, h, lo, hi) });
                 update_row(
                     layer,
                     q_row,
                     k_rows,
                     v_rows,
                     &mut logits[..hi - lo],
+                    kept,
                     &mut state.max[r],
                     &mut state.sum[r],
                     &mut state.acc[r * d..(r + 1) * d],
@@ -414,10 +597,28 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
         }
         start = end;
     }
+    if let Some(keep) = &ctx.keep {
+        // Kept rows whose every key this item saw: their probabilities, here while the
+        // logits are in cache (rows split over pieces are finished after every item).
+        for row in item.rows.0..item.rows.1 {
+            let visible = layer.visible_key_range(req.position(row));
+            if visible.is_empty() || visible.start < item.keys.0 || visible.end > item.keys.1 {
+                continue;
+            }
+            for j in 0..group_heads {
+                let h = item.kv_head * group_heads + j;
+                // SAFETY: this item alone covers this row's head `h`.
+                if let Some(logits) = unsafe { keep.slot(row, h, visible.start, visible.end) } {
+                    probabilities_from_logits(layer, h, logits);
+                }
+            }
+        }
+    }
     state
 }
 
-/// One online-softmax step for one query row over a tile's visible keys.
+/// One online-softmax step for one query row over a tile's visible keys; the tile's
+/// logits are copied to `kept` when given.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 fn update_row(
@@ -426,6 +627,7 @@ fn update_row(
     k_rows: &[f32],
     v_rows: &[f32],
     logits: &mut [f32],
+    kept: Option<&mut [f32]>,
     max: &mut f32,
     sum: &mut f32,
     acc: &mut [f32],
@@ -433,6 +635,9 @@ fn update_row(
     let d = q_row.len();
     dots(q_row, k_rows, d, logits);
     let (new_max, alpha) = logits_and_rescale(logits, layer.scale, layer.logits_soft_cap, *max);
+    if let Some(kept) = kept {
+        kept.copy_from_slice(logits);
+    }
     if alpha != 1.0 {
         scale(acc, alpha);
     }
@@ -605,20 +810,15 @@ mod tests {
         assert_eq!(group_len(16, 8192), 16);
     }
 
-    /// Both ways of running a layer's items give the same partial states bit for
-    /// bit, on a batch of decodes and chunked prefills over many groups and pieces.
-    #[test]
-    fn every_runner_gives_the_same_partials() {
-        let layer = AttentionLayerSpec::new(6, 2, 64);
-        let block_size = 16;
-        let lens: [(usize, usize); 4] = [(700, 1), (30, 45), (300, 200), (0, 77)];
+    /// The metadata of requests of `(computed, scheduled)` tokens, each with blocks of its
+    /// own (in reverse order, so gathering follows the table), and the blocks in all.
+    fn batch(lens: &[(usize, usize)], block_size: usize) -> (CommonAttentionMetadata, usize) {
         let tables: Vec<Vec<u32>> = {
             let mut next = 0u32;
             lens.iter()
                 .map(|&(c, q)| {
                     let n = (c + q).div_ceil(block_size) as u32;
                     next += n;
-                    // Blocks in reverse order, so gathering follows the table.
                     (next - n..next).rev().collect()
                 })
                 .collect()
@@ -635,6 +835,17 @@ mod tests {
             })
             .collect();
         let common = CommonAttentionMetadata::build(&seqs, block_size).unwrap();
+        (common, num_blocks)
+    }
+
+    /// Both ways of running a layer's items give the same partial states bit for
+    /// bit, on a batch of decodes and chunked prefills over many groups and pieces.
+    #[test]
+    fn every_runner_gives_the_same_partials() {
+        let layer = AttentionLayerSpec::new(6, 2, 64);
+        let block_size = 16;
+        let lens: [(usize, usize); 4] = [(700, 1), (30, 45), (300, 200), (0, 77)];
+        let (common, num_blocks) = batch(&lens, block_size);
         let geom = crate::layout::CacheGeometry {
             num_blocks,
             block_size,
@@ -662,6 +873,7 @@ mod tests {
             q: &q,
             k: &step_kv,
             v: &step_kv,
+            keep: None,
         };
         let items = plan(&common, &layer, &FlashTuning::default(), block_size);
         assert!(items.len() > 10);
@@ -673,6 +885,160 @@ mod tests {
             assert_eq!(a.acc, b.acc);
         }
         assert!(inline.iter().all(|p| p.acc.iter().any(|&x| x != 0.0)));
+    }
+
+    /// The probabilities `forward_with_probabilities` keeps are, bit for bit, what
+    /// `row_probabilities` gives each row from the keys read back from the cache (what
+    /// capture computes when finalizing), for decodes and rows of chunked prefills whose
+    /// keys span several tiles and pieces, on plain, soft-capped, sink and sliding-window
+    /// layers, at head dims with and without a tail; and the output is the same bits as
+    /// the plain forward's. Fresh random inputs on every run.
+    #[test]
+    fn kept_probabilities_equal_row_probabilities_from_the_cache() {
+        use crate::backend::{AttentionBackend, DECODE_THRESHOLD};
+        use crate::backends::kernels::row_probabilities;
+        use crate::device::{host_f32, tensor3, Device};
+        use rand::{Rng, SeedableRng};
+        use std::sync::Arc;
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let block_size = 16;
+        // (computed, scheduled): decodes over one piece and over several, prefill chunks.
+        let lens: [(usize, usize); 5] = [(700, 1), (30, 45), (300, 21), (0, 77), (90, 1)];
+        let (common, num_blocks) = batch(&lens, block_size);
+        let common = Arc::new(common);
+        let meta = AttentionMetadata::new(common.clone(), DECODE_THRESHOLD);
+        let t = common.num_actual_tokens;
+        // Batch rows asked for, and each one's request: all of request 0 and 4 (decodes),
+        // some rows of each prefill.
+        let starts = &common.query_start_loc;
+        let mut asked: Vec<(usize, usize)> = vec![(starts[0], 0), (starts[4], 4)];
+        for r in 1..4 {
+            for row in starts[r]..starts[r + 1] {
+                if rng.gen_bool(0.3) {
+                    asked.push((row, r));
+                }
+            }
+        }
+        for d in [64, 80] {
+            let mut plain = AttentionLayerSpec::new(6, 2, d);
+            plain.scale = rng.gen_range(0.05..0.5);
+            let mut capped = plain.clone();
+            capped.logits_soft_cap = Some(rng.gen_range(5.0..30.0));
+            capped.sinks = Some((0..6).map(|_| rng.gen_range(-2.0..4.0)).collect());
+            let mut sliding = plain.clone();
+            sliding.sliding_window = Some(rng.gen_range(20..200));
+            for (name, layer) in [("plain", plain), ("capped", capped), ("sliding", sliding)] {
+                let geom = crate::layout::CacheGeometry {
+                    num_blocks,
+                    block_size,
+                    num_kv_heads: 2,
+                    head_dim: d,
+                };
+                let backend = CpuFlashBackend::new();
+                let mut caches: Vec<_> = (0..2)
+                    .map(|_| {
+                        backend
+                            .allocate_cache(geom, lantern_kv::KvDtype::F16)
+                            .unwrap()
+                    })
+                    .collect();
+                let row = 2 * d;
+                let all_slots: Vec<i64> = (0..(num_blocks * block_size) as i64).collect();
+                let kv: Vec<f32> = (0..all_slots.len() * row)
+                    .map(|_| rng.gen_range(-2.0..2.0))
+                    .collect();
+                for cache in &mut caches {
+                    let cache: &mut PagedKvCache = cache.as_any_mut().downcast_mut().unwrap();
+                    cache.write(&kv, &kv, &all_slots).unwrap();
+                }
+                let q: Vec<f32> = (0..t * 6 * d).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let step: Vec<f32> = (0..t * row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let cpu = Device::Cpu;
+                let qt = tensor3(q.clone(), [t, 6, d], &cpu).unwrap();
+                let kt = tensor3(step.clone(), [t, 2, d], &cpu).unwrap();
+                let plain_out = backend
+                    .forward(&layer, &meta, &qt, &kt, &kt, caches[0].as_mut())
+                    .unwrap();
+                let mut probs = RowProbabilities::default();
+                probs.ask(asked.iter().map(|&(row, _)| row));
+                let out = backend
+                    .forward_with_probabilities(
+                        &layer,
+                        &meta,
+                        &qt,
+                        &kt,
+                        &kt,
+                        caches[1].as_mut(),
+                        &mut probs,
+                    )
+                    .unwrap();
+                assert_eq!(
+                    host_f32(&out).unwrap().to_vec(),
+                    host_f32(&plain_out).unwrap().to_vec(),
+                    "seed {seed} {name} d {d}: the output changed"
+                );
+                assert!(probs.is_filled());
+                let cache: &PagedKvCache = caches[1].as_any().downcast_ref().unwrap();
+                for (i, &(row, r)) in asked.iter().enumerate() {
+                    let req = RequestView::new(&common, r);
+                    let pos = req.position(row);
+                    let visible = layer.visible_key_range(pos);
+                    assert_eq!(probs.keys(i), visible, "seed {seed} {name} row {row}");
+                    let slots: Vec<usize> = visible
+                        .clone()
+                        .map(|p| req.table[p / block_size] as usize * block_size + p % block_size)
+                        .collect();
+                    let mut keys = vec![0f32; slots.len() * row_len(d)];
+                    cache.read_slots(&slots, &mut keys, None).unwrap();
+                    for h in 0..6 {
+                        let kv_head = layer.kv_head_for(h);
+                        let head_keys: Vec<f32> = keys
+                            .chunks_exact(d)
+                            .skip(kv_head)
+                            .step_by(2)
+                            .flatten()
+                            .copied()
+                            .collect();
+                        let q_row = &q[(row * 6 + h) * d..][..d];
+                        let mut want = vec![f32::NAN; visible.len()];
+                        row_probabilities(&layer, h, q_row, &head_keys, &mut want);
+                        let got = probs.head(i, h);
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "seed {seed} {name} d {d} row {row} head {h}");
+                    }
+                }
+            }
+        }
+        // A chunked-local layer's kernel runs over a virtual batch: nothing is kept.
+        let mut chunked = AttentionLayerSpec::new(6, 2, 64);
+        chunked.chunk_size = Some(32);
+        let geom = crate::layout::CacheGeometry {
+            num_blocks,
+            block_size,
+            num_kv_heads: 2,
+            head_dim: 64,
+        };
+        let backend = CpuFlashBackend::new();
+        let mut cache = backend
+            .allocate_cache(geom, lantern_kv::KvDtype::F32)
+            .unwrap();
+        let cpu = Device::Cpu;
+        let qt = tensor3(vec![0.5; t * 6 * 64], [t, 6, 64], &cpu).unwrap();
+        let kt = tensor3(vec![0.25; t * 2 * 64], [t, 2, 64], &cpu).unwrap();
+        let mut probs = RowProbabilities::default();
+        probs.ask([0]);
+        backend
+            .forward_with_probabilities(&chunked, &meta, &qt, &kt, &kt, cache.as_mut(), &mut probs)
+            .unwrap();
+        assert!(!probs.is_filled());
+
+        fn row_len(d: usize) -> usize {
+            2 * d
+        }
     }
 
     #[test]

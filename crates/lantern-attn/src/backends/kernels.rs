@@ -10,46 +10,6 @@ use lantern_quant::simd::fma as fmadd;
 
 const LANES: usize = 16;
 
-/// `a . b` over the shorter of the two.
-///
-/// The main loop runs over chunks of two registers (32 lanes) into a `[f32; 32]`
-/// accumulator, which LLVM's SLP vectorizer turns into two independent register-wide
-/// FMA chains (checked in the disassembly: other shapes of this loop, e.g. two separate
-/// 16-lane accumulators over split chunks, were vectorized 2 lanes wide or not at all).
-/// A last 16-lane chunk and a scalar tail handle head dims that are not multiples of 32.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const W: usize = 2 * LANES;
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; W];
-    let mut ca = a.chunks_exact(W);
-    let mut cb = b.chunks_exact(W);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for i in 0..W {
-            acc[i] = fmadd(x[i], y[i], acc[i]);
-        }
-    }
-    let mut acc16 = [0f32; LANES];
-    for c in acc.chunks_exact(LANES) {
-        for i in 0..LANES {
-            acc16[i] += c[i];
-        }
-    }
-    let mut ra = ca.remainder().chunks_exact(LANES);
-    let mut rb = cb.remainder().chunks_exact(LANES);
-    for (x, y) in (&mut ra).zip(&mut rb) {
-        for i in 0..LANES {
-            acc16[i] = fmadd(x[i], y[i], acc16[i]);
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ra.remainder().iter().zip(rb.remainder()) {
-        tail = fmadd(*x, *y, tail);
-    }
-    tree_reduce(acc16, |x, y| x + y) + tail
-}
-
 /// `out[j] = q . keys[j]` for the `out.len()` rows of `keys` (`[n, d]` row-major), at
 /// the kernel level in effect.
 ///
@@ -58,6 +18,11 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// keys' reductions side by side in vector registers (written per level: compiled from
 /// plain code they became a shuffle network per key, most of the kernel's time at head
 /// dim 64). Every level sums the same pairs, so the results are the same bits.
+///
+/// The last `n % 4` keys go through the same four-key body (the missing keys stand in
+/// as copies of the last one, their sums dropped), so a key's score is the same bits
+/// wherever a tile of keys starts or ends: the flash kernel's tiles and a capture's
+/// whole row give every key the same score.
 /// Not inlined: compiled on its own, the loop shape is what the vectorizer sees (inlined
 /// into a bigger loop nest it may pick a worse strategy), and one call per tile is cheap.
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
@@ -104,37 +69,58 @@ fn dots_with(
             o.fill(0.0);
             return;
         };
-        let (mut a0, mut a1, mut a2, mut a3) =
-            ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
-        let chunks = q[..full]
-            .chunks_exact(LANES)
-            .zip(k0.chunks_exact(LANES))
-            .zip(k1.chunks_exact(LANES))
-            .zip(k2.chunks_exact(LANES))
-            .zip(k3.chunks_exact(LANES));
-        for ((((x, c0), c1), c2), c3) in chunks {
-            for i in 0..LANES {
-                a0[i] = fmadd(x[i], c0[i], a0[i]);
-                a1[i] = fmadd(x[i], c1[i], a1[i]);
-                a2[i] = fmadd(x[i], c2[i], a2[i]);
-                a3[i] = fmadd(x[i], c3[i], a3[i]);
-            }
-        }
-        let mut tail = [0f32; 4];
-        for (i, x) in q.iter().enumerate().skip(full) {
-            tail[0] = fmadd(*x, k0[i], tail[0]);
-            tail[1] = fmadd(*x, k1[i], tail[1]);
-            tail[2] = fmadd(*x, k2[i], tail[2]);
-            tail[3] = fmadd(*x, k3[i], tail[3]);
-        }
-        let sums = sum4([a0, a1, a2, a3]);
-        for i in 0..4 {
-            o[i] = sums[i] + tail[i];
+        o.copy_from_slice(&dots4(q, full, [k0, k1, k2, k3], &sum4));
+    }
+    let rest = outs.into_remainder();
+    let mut left: [&[f32]; 3] = [&[]; 3];
+    let mut n = 0;
+    for (slot, k) in left.iter_mut().zip(rows.take(rest.len())) {
+        *slot = k;
+        n += 1;
+    }
+    if n > 0 {
+        let key = |i: usize| left[i.min(n - 1)];
+        let sums = dots4(q, full, [key(0), key(1), key(2), key(3)], &sum4);
+        rest[..n].copy_from_slice(&sums[..n]);
+    }
+    rest[n..].fill(0.0);
+}
+
+/// `q . k` for four keys: four FMA chains of 16 lanes over `q[..full]` (whole chunks),
+/// a scalar tail over the rest, the lanes summed by `sum4`. Each key's result depends
+/// on its own values only.
+#[inline(always)]
+fn dots4(
+    q: &[f32],
+    full: usize,
+    [k0, k1, k2, k3]: [&[f32]; 4],
+    sum4: &impl Fn([[f32; LANES]; 4]) -> [f32; 4],
+) -> [f32; 4] {
+    let (mut a0, mut a1, mut a2, mut a3) =
+        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let chunks = q[..full]
+        .chunks_exact(LANES)
+        .zip(k0.chunks_exact(LANES))
+        .zip(k1.chunks_exact(LANES))
+        .zip(k2.chunks_exact(LANES))
+        .zip(k3.chunks_exact(LANES));
+    for ((((x, c0), c1), c2), c3) in chunks {
+        for i in 0..LANES {
+            a0[i] = fmadd(x[i], c0[i], a0[i]);
+            a1[i] = fmadd(x[i], c1[i], a1[i]);
+            a2[i] = fmadd(x[i], c2[i], a2[i]);
+            a3[i] = fmadd(x[i], c3[i], a3[i]);
         }
     }
-    for o in outs.into_remainder() {
-        *o = rows.next().map_or(0.0, |k| dot(q, k));
+    let mut tail = [0f32; 4];
+    for (i, x) in q.iter().enumerate().skip(full) {
+        tail[0] = fmadd(*x, k0[i], tail[0]);
+        tail[1] = fmadd(*x, k1[i], tail[1]);
+        tail[2] = fmadd(*x, k2[i], tail[2]);
+        tail[3] = fmadd(*x, k3[i], tail[3]);
     }
+    let sums = sum4([a0, a1, a2, a3]);
+    [0, 1, 2, 3].map(|i| sums[i] + tail[i])
 }
 
 /// [`dots`] per SIMD level: the same body, with the four keys' lane sums side by side.
@@ -390,9 +376,9 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 /// row-major: the keys it sees, in position order) on `layer`, into `out` (`n` long):
 /// scores from the flash kernel's code (its dot products, then scale and soft-cap as
 /// [`AttentionLayerSpec::transform_score`](crate::AttentionLayerSpec::transform_score)),
-/// exponentials shifted by the row's maximum and summed in fixed lanes, and the head's
-/// sink in the denominator (with one the row sums to less than 1). The same bits at every
-/// kernel level; all zeros when every score is minus infinity.
+/// then [`probabilities_from_logits`]. The same bits at every kernel level, and the same
+/// bits as the flash kernel's [`RowProbabilities`](crate::RowProbabilities) of that row;
+/// all zeros when every score is minus infinity.
 pub fn row_probabilities(
     layer: &crate::AttentionLayerSpec,
     query_head: usize,
@@ -406,13 +392,51 @@ pub fn row_probabilities(
     dots(q, keys, layer.head_dim, out);
     let sink = layer.sink_logit(query_head);
     let floor = sink.unwrap_or(f32::NEG_INFINITY);
+    // The maximum of the logits and the sink, as `row_max` takes it.
     let (max, _) = logits_and_rescale(out, layer.scale, layer.logits_soft_cap, floor);
+    normalize(out, max, sink);
+}
+
+/// Turns one row's logits over every key it sees (scaled and soft-capped, in position
+/// order) into its probabilities in place: exponentials shifted by the row's maximum
+/// and summed in fixed lanes, query head `query_head`'s sink in the denominator (with
+/// one the row sums to less than 1). All zeros when every logit is minus infinity.
+pub fn probabilities_from_logits(
+    layer: &crate::AttentionLayerSpec,
+    query_head: usize,
+    logits: &mut [f32],
+) {
+    let sink = layer.sink_logit(query_head);
+    let max = row_max(logits, sink.unwrap_or(f32::NEG_INFINITY));
+    normalize(logits, max, sink);
+}
+
+/// Logits into probabilities, given their maximum with the sink's (`max`).
+fn normalize(logits: &mut [f32], max: f32, sink: Option<f32>) {
     if max == f32::NEG_INFINITY {
-        out.fill(0.0);
+        logits.fill(0.0);
         return;
     }
-    let sum = exp_shifted_sum(out, max) + sink.map_or(0.0, |s| exp_f32(s - max));
-    scale(out, 1.0 / sum);
+    let sum = exp_shifted_sum(logits, max) + sink.map_or(0.0, |s| exp_f32(s - max));
+    scale(logits, 1.0 / sum);
+}
+
+per_level! {
+/// The largest of `x` and `floor` (exact in any order: lanes only let it vectorize).
+fn row_max(x: &[f32], floor: f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            lanes[i] = max_lane(lanes[i], c[i]);
+        }
+    }
+    let max = chunks
+        .remainder()
+        .iter()
+        .fold(tree_reduce(lanes, max_lane), |m, x| max_lane(m, *x));
+    floor.max(max)
+}
 }
 
 per_level! {
@@ -595,6 +619,45 @@ mod tests {
         }
     }
 
+    /// A key's score is the same bits whatever tile of keys it is computed in (where the
+    /// tile starts, where it ends, how many keys it has past a multiple of four), at
+    /// every level: what lets the flash kernel's tiles give capture the scores of a
+    /// whole row. Fresh random inputs on every run.
+    #[test]
+    fn a_keys_score_does_not_depend_on_its_tile() {
+        use lantern_quant::{force_kernel, Kernel};
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for d in [1, 5, 16, 20, 64, 80, 128] {
+            let n = rng.gen_range(1..40);
+            let q: Vec<f32> = (0..d).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let keys: Vec<f32> = (0..n * d)
+                .map(|_| rng.gen_range(-3.0f32..3.0) * 10f32.powi(rng.gen_range(-3..3)))
+                .collect();
+            for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                force_kernel(Some(level));
+                let mut whole = vec![f32::NAN; n];
+                dots(&q, &keys, d, &mut whole);
+                for a in 0..n {
+                    for b in a + 1..=n {
+                        let mut tile = vec![f32::NAN; b - a];
+                        dots(&q, &keys[a * d..b * d], d, &mut tile);
+                        for (j, s) in tile.iter().enumerate() {
+                            assert_eq!(
+                                s.to_bits(),
+                                whole[a + j].to_bits(),
+                                "seed {seed} d {d} {level} tile {a}..{b} key {}",
+                                a + j
+                            );
+                        }
+                    }
+                }
+                force_kernel(None);
+            }
+        }
+    }
+
     #[test]
     fn logits_and_rescale_match_the_layers_transform() {
         let mut layer = crate::AttentionLayerSpec::new(4, 2, 64);
@@ -619,7 +682,9 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let expected: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!((dot(&a, &b) as f64 - expected).abs() < 1e-5, "n={n}");
+            let mut one = [f32::NAN];
+            dots(&a, &b, n, &mut one);
+            assert!((one[0] as f64 - expected).abs() < 1e-5, "n={n}");
             let mut acc = b.clone();
             axpy(&mut acc, 0.5, &a);
             for i in 0..n {

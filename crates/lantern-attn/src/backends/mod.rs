@@ -180,7 +180,56 @@ pub(crate) trait HostAttention: Send + Sync {
     ) -> Result<(), AttnError>;
 }
 
-impl<B: HostAttention> AttentionBackend for B {
+/// A host backend's forward: checks the inputs, lends them as host slices with the
+/// backend's own cache, and returns what `run` writes into the output.
+pub(crate) fn host_forward<B: HostAttention + ?Sized>(
+    backend: &B,
+    layer: &AttentionLayerSpec,
+    meta: &AttentionMetadata,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    cache: &mut dyn LayerKvCache,
+    run: impl FnOnce(&[f32], &[f32], &[f32], &mut PagedKvCache, &mut [f32]) -> Result<(), AttnError>,
+) -> Result<Tensor, AttnError> {
+    validate_forward_inputs(
+        &backend.host_layout(),
+        layer,
+        &meta.common,
+        (q, k, v),
+        &*cache,
+    )?;
+    for (what, t) in [("q", q), ("k", k), ("v", v)] {
+        if !t.device().is_cpu() {
+            return Err(AttnError::UnsupportedTensor {
+                what,
+                problem: format!(
+                    "on {:?}; the {} backend runs on the CPU",
+                    t.device(),
+                    backend.host_name()
+                ),
+            });
+        }
+    }
+    let cache: &mut PagedKvCache =
+        cache
+            .as_any_mut()
+            .downcast_mut()
+            .ok_or(AttnError::ForeignCache {
+                backend: backend.host_name(),
+            })?;
+    let (q, k, v) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
+    let mut out = vec![0f32; q.len()];
+    run(&q, &k, &v, cache, &mut out)?;
+    let t = meta.common.num_actual_tokens;
+    tensor3(out, [t, layer.num_heads, layer.head_dim], &Device::Cpu)
+}
+
+impl<B: HostAttention + 'static> AttentionBackend for B {
+    /// The backend itself: model code on the CPU reaches the flash backend's
+    /// [`CpuFlashBackend::forward_with_probabilities`](crate::CpuFlashBackend::forward_with_probabilities) through it.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn name(&self) -> &'static str {
         self.host_name()
     }
@@ -218,31 +267,14 @@ impl<B: HostAttention> AttentionBackend for B {
         v: &Tensor,
         cache: &mut dyn LayerKvCache,
     ) -> Result<Tensor, AttnError> {
-        validate_forward_inputs(&self.host_layout(), layer, &meta.common, (q, k, v), &*cache)?;
-        for (what, t) in [("q", q), ("k", k), ("v", v)] {
-            if !t.device().is_cpu() {
-                return Err(AttnError::UnsupportedTensor {
-                    what,
-                    problem: format!(
-                        "on {:?}; the {} backend runs on the CPU",
-                        t.device(),
-                        self.host_name()
-                    ),
-                });
-            }
-        }
-        let cache: &mut PagedKvCache =
-            cache
-                .as_any_mut()
-                .downcast_mut()
-                .ok_or(AttnError::ForeignCache {
-                    backend: self.host_name(),
-                })?;
-        let (q, k, v) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
-        let mut out = vec![0f32; q.len()];
-        self.forward_host(layer, meta, &q, &k, &v, cache, &mut out)?;
-        let t = meta.common.num_actual_tokens;
-        tensor3(out, [t, layer.num_heads, layer.head_dim], &Device::Cpu)
+        host_forward(
+            self,
+            layer,
+            meta,
+            (q, k, v),
+            cache,
+            |q, k, v, cache, out| self.forward_host(layer, meta, q, k, v, cache, out),
+        )
     }
 
     fn read_slots(

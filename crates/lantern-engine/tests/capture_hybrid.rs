@@ -136,12 +136,29 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
     let mut requests: Vec<_> = (0..3)
         .map(|i| (prompt(30, 10 + i), params(10), None))
         .collect();
-    requests.push((p.clone(), params(10), Some(spec())));
+    requests.push((p.clone(), params(10), Some(common::with_every_stat(spec()))));
     let out = run(&mut tight, requests);
     assert!(tight.num_preemptions() > 0, "no preemption happened");
     assert!(
         out[3].num_preemptions > 0,
         "the capturing request was not preempted"
     );
-    common::assert_same_capture(&pending(&out[3]).finalize().unwrap(), &reference);
+    let preempted = pending(&out[3]);
+    let resumed = preempted.finalize().unwrap();
+    // The same maps (its meta names the statistics too).
+    assert_eq!(resumed.meta.row_positions, reference.meta.row_positions);
+    assert_eq!(resumed.layers, reference.layers);
+    // Rows run again after the preemption: the key statistics were not summed as the
+    // rows ran but computed from the keys, and are the same bits as the live sums of the
+    // uninterrupted request.
+    assert!(!preempted.stats_summed_live());
+    common::check_stats_equal_the_maps(&resumed);
+    let (mut e, _d3) = engine(config());
+    let live = run(
+        &mut e,
+        vec![(p.clone(), params(10), Some(common::with_every_stat(spec())))],
+    );
+    assert!(pending(&live[0]).stats_summed_live());
+    let live = pending(&live[0]).finalize().unwrap();
+    assert_eq!(live.stats, resumed.stats);
 }

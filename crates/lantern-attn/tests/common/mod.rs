@@ -200,10 +200,11 @@ pub fn forward_slices(
 
 /// The mask, written out by hand from its definition (not the crate's).
 fn visible(layer: &AttentionLayerSpec, q: usize, k: usize) -> bool {
+    // `q - k` only where causal: a key after the query would underflow it.
     let causal = k <= q;
-    let window = layer.sliding_window.is_none_or(|w| q - k < w);
+    let window = || layer.sliding_window.is_none_or(|w| q - k < w);
     let chunk = layer.chunk_size.is_none_or(|c| q / c == k / c);
-    causal && window && chunk
+    causal && window() && chunk
 }
 
 /// Dense attention output with, per output row, the norm of `sum_i p_i |v_i|`: the

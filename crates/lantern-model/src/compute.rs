@@ -300,17 +300,14 @@ impl Compute for Cpu {
         let k = tensor3(k, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
         let v = tensor3(v, [tokens, spec.num_kv_heads, spec.head_dim], &device)?;
         let mut tap = call.tap.filter(|t| t.wants_layer(call.layer));
-        // A tap may take some rows' probabilities from the flash backend as it runs them.
-        let flash = call
-            .backend
-            .as_any()
-            .and_then(|b| b.downcast_ref::<CpuFlashBackend>());
-        let wanted = match (&mut tap, flash) {
-            (Some(tap), Some(_)) => tap.probability_rows(call.layer),
-            _ => None,
-        };
-        let out = match (flash, wanted) {
-            (Some(flash), Some(mut probabilities)) => {
+        // A tap may take some rows' probabilities from the flash backend as it runs them
+        // (looked for only where a tap wants this layer).
+        let kept = tap.as_mut().and_then(|tap| {
+            let flash = call.backend.as_any()?.downcast_ref::<CpuFlashBackend>()?;
+            Some((flash, tap.probability_rows(call.layer)?))
+        });
+        let out = match kept {
+            Some((flash, mut probabilities)) => {
                 let out = flash.forward_with_probabilities(
                     spec,
                     call.meta,
@@ -325,7 +322,7 @@ impl Compute for Cpu {
                 }
                 out
             }
-            _ => call
+            None => call
                 .backend
                 .forward(spec, call.meta, &q, &k, &v, call.cache)?,
         };

@@ -12,8 +12,9 @@ use lantern_attn::{
 };
 use lantern_quant::share;
 
+use crate::spans::SpanOwners;
 use crate::spec::CaptureSpec;
-use crate::stats::{KeyStat, KeyStatsAccumulator, LiveKeyStats};
+use crate::stats::{KeyStat, KeyStatsAccumulator, LiveFigures, LiveSums};
 
 /// Query rows (and optionally attention outputs) of the captured layers and heads of one
 /// request, for the positions its row selection can reach.
@@ -33,8 +34,9 @@ pub struct QueryRowBuffer {
     out: Vec<Vec<f32>>,
     /// One past the highest position written.
     filled_to: usize,
-    /// Key statistics summed as rows run, when enabled ([`Self::with_live_stats`]).
-    live: Option<LiveKeyStats>,
+    /// Key statistics and span masses summed as rows run, when enabled
+    /// ([`Self::with_live_sums`]).
+    live: Option<LiveSums>,
 }
 
 impl QueryRowBuffer {
@@ -77,40 +79,51 @@ impl QueryRowBuffer {
         }
     }
 
-    /// Sums the key statistics as rows run, from the probabilities the attention kernel
-    /// computes for them ([`StepTap`] asks the backend for them), instead of computing
-    /// them from the keys when finalizing. `attention`: every layer of the model. Does
-    /// nothing without statistics; where the backend gives no probabilities, or the rows
-    /// do not all run in order once, finalizing computes them as before.
-    pub fn with_live_stats(mut self, attention: &[AttentionLayerSpec]) -> Self {
-        if self.spec.stats.is_empty() {
+    /// Sums the key statistics and span masses as rows run, from the probabilities the
+    /// attention kernel computes for them ([`StepTap`] asks the backend for them),
+    /// instead of computing them from the keys when finalizing. `attention`: every layer
+    /// of the model. Does nothing without statistics or spans; where the backend gives no
+    /// probabilities, or the rows do not all run in order once, finalizing computes them
+    /// as before.
+    pub fn with_live_sums(mut self, attention: &[AttentionLayerSpec]) -> Self {
+        let spec = &self.spec;
+        let spans = spec
+            .spans
+            .iter()
+            .map(|s| s.tokens.clone())
+            .collect::<Option<Vec<_>>>()
+            .filter(|s| !s.is_empty())
+            .map(|s| SpanOwners::new(&s));
+        if spec.stats.is_empty() && spans.is_none() {
             return self;
         }
-        let groups = self
-            .spec
+        let groups = spec
             .layers
             .iter()
             .map(|&l| {
                 attention
                     .get(l)
-                    .map(|layer| self.spec.stats_heads.groups(&self.spec.heads, layer))
+                    .map(|layer| spec.stats_heads.groups(&spec.heads, layer))
             })
             .collect::<Option<Vec<_>>>();
         if let Some(groups) = groups {
-            let keep_max = self.spec.stats.contains(&KeyStat::KeyMax);
-            self.live = Some(LiveKeyStats::new(groups, self.positions.start, keep_max));
+            let figures = LiveFigures {
+                key_mass: !spec.stats.is_empty(),
+                key_max: spec.stats.contains(&KeyStat::KeyMax),
+            };
+            self.live = Some(LiveSums::new(groups, self.positions.start, figures, spans));
         }
         self
     }
 
-    /// The captured layer slot of `layer` when its statistics are being summed live.
+    /// The captured layer slot of `layer` when its figures are being summed live.
     fn live_slot(&self, layer: usize) -> Option<usize> {
         let slot = (*self.layer_slot.get(layer)?)?;
         self.live.as_ref().filter(|l| !l.is_stopped()).map(|_| slot)
     }
 
-    /// The live sums as accumulators over `rows`, `num_keys` wide, if they cover
-    /// exactly those rows (see [`LiveKeyStats::accumulators`]).
+    /// The live key statistics as accumulators over `rows`, `num_keys` wide, if they
+    /// cover exactly those rows (see [`LiveSums::accumulators`]).
     pub(crate) fn live_stats(
         &self,
         rows: &Range<usize>,
@@ -119,20 +132,30 @@ impl QueryRowBuffer {
         self.live.as_ref()?.accumulators(rows, num_keys)
     }
 
-    /// Whether finalizing rows `rows` (`num_keys` keys wide) needs the keys: for maps,
-    /// span masses or the attention output's check, or for key statistics unless they
+    /// The live span masses per captured layer slot, if they cover exactly `rows` (see
+    /// [`LiveSums::span_masses`]).
+    pub(crate) fn live_span_masses(
+        &self,
+        rows: &Range<usize>,
+        num_keys: usize,
+    ) -> Option<Vec<&[f32]>> {
+        self.live.as_ref()?.span_masses(rows, num_keys)
+    }
+
+    /// Whether finalizing rows `rows` (`num_keys` keys wide) needs the keys: for maps or
+    /// the attention output's check, or for key statistics and span masses unless they
     /// were summed as the rows ran.
     pub fn needs_keys(&self, rows: &Range<usize>, num_keys: usize) -> bool {
         let spec = &self.spec;
         spec.maps
-            || !spec.spans.is_empty()
             || spec.keep_attention_output
-            || (!spec.stats.is_empty()
+            || ((!spec.stats.is_empty() || !spec.spans.is_empty())
                 && !self.live.as_ref().is_some_and(|l| l.covers(rows, num_keys)))
     }
 
-    /// Whether key statistics are being summed as rows run, and so far every row came.
-    pub fn live_stats_active(&self) -> bool {
+    /// Whether key statistics or span masses are being summed as rows run, and so far
+    /// every row came.
+    pub fn live_sums_active(&self) -> bool {
         self.live.as_ref().is_some_and(|l| !l.is_stopped())
     }
 
@@ -247,7 +270,7 @@ impl QueryRowBuffer {
         self.filled_to = self.filled_to.max(wanted.end);
     }
 
-    /// Bytes allocated for the buffered rows (and the live key statistics).
+    /// Bytes allocated for the buffered rows (and the live sums).
     pub fn size_bytes(&self) -> usize {
         (self
             .q
@@ -256,7 +279,7 @@ impl QueryRowBuffer {
             .map(Vec::capacity)
             .sum::<usize>())
             * 4
-            + self.live.as_ref().map_or(0, LiveKeyStats::size_bytes)
+            + self.live.as_ref().map_or(0, LiveSums::size_bytes)
     }
 }
 
@@ -272,7 +295,7 @@ struct TapTarget<'a> {
 
 /// The [`AttentionTap`] of one step: copies each capturing request's query rows into
 /// its buffer, by contiguous range, and for requests that sum key statistics live
-/// ([`QueryRowBuffer::with_live_stats`]) asks the backend for their rows' probabilities
+/// ([`QueryRowBuffer::with_live_sums`]) asks the backend for their rows' probabilities
 /// and adds them up.
 pub struct StepTap<'a> {
     targets: Vec<TapTarget<'a>>,

@@ -209,6 +209,12 @@ impl PendingCapture {
                 .sum::<usize>()
     }
 
+    /// Whether keys were copied out of the cache for finalizing (none are when the
+    /// figures asked for were all summed as the rows ran).
+    pub fn holds_keys(&self) -> bool {
+        self.layers.iter().any(|(_, s)| !s.keys.is_empty())
+    }
+
     /// Columns of every map: keys `0..num_keys()`, up to the last key any captured
     /// row sees.
     pub fn num_keys(&self) -> usize {
@@ -238,6 +244,15 @@ impl PendingCapture {
         let (rows, _) = self.row_plan();
         !self.buffer.spec().stats.is_empty()
             && self.buffer.live_stats(&rows, self.num_keys()).is_some()
+    }
+
+    /// Whether the span masses were summed as the rows ran, so finalizing has no rows
+    /// to compute for them.
+    pub fn span_masses_summed_live(&self) -> bool {
+        let (rows, _) = self.row_plan();
+        self.buffer
+            .live_span_masses(&rows, self.num_keys())
+            .is_some()
     }
 
     /// Computes the maps: probabilities, then the head reduction, then top-k.
@@ -272,6 +287,8 @@ impl PendingCapture {
         } else {
             self.buffer.live_stats(&rows, num_keys)
         };
+        // Span masses summed as the rows ran, likewise.
+        let live_spans = self.buffer.live_span_masses(&rows, num_keys);
         let span_ranges = spec
             .spans
             .iter()
@@ -301,9 +318,21 @@ impl PendingCapture {
                         .collect(),
                 );
             }
-            let mut spans = (!spec.spans.is_empty()).then(|| {
-                SpanMassAccumulator::new(groups.clone(), num_keys, &span_ranges, rows.len())
-            });
+            let mut spans = match &live_spans {
+                Some(live) => {
+                    span_mass.push(SpanMassAccumulator::summed(
+                        layer_idx,
+                        rows.len(),
+                        groups.len(),
+                        span_ranges.len(),
+                        live[slot],
+                    ));
+                    None
+                }
+                None => (!spec.spans.is_empty()).then(|| {
+                    SpanMassAccumulator::new(groups.clone(), num_keys, &span_ranges, rows.len())
+                }),
+            };
             let live = live_stats
                 .as_mut()
                 .and_then(|l| l.get_mut(slot))

@@ -363,13 +363,59 @@ pub struct LayerSpanMass {
     pub values: Vec<f32>,
 }
 
+/// Which span each key belongs to: keys past the last span's end (the generated ones
+/// among them) are outside every span.
+#[derive(Debug, Clone)]
+pub(crate) struct SpanOwners {
+    /// Per key up to the last span's end: its span, or `num_spans` (outside every span).
+    owner: Vec<u32>,
+    num_spans: usize,
+}
+
+impl SpanOwners {
+    /// Owners of disjoint token ranges `spans`.
+    pub(crate) fn new(spans: &[Range<usize>]) -> Self {
+        let end = spans.iter().map(|r| r.end).max().unwrap_or(0);
+        let mut owner = vec![spans.len() as u32; end];
+        for (s, r) in spans.iter().enumerate() {
+            owner[r.clone()].fill(s as u32);
+        }
+        Self {
+            owner,
+            num_spans: spans.len(),
+        }
+    }
+
+    /// Values per row and group: one per span and, last, the rest.
+    pub(crate) fn width(&self) -> usize {
+        self.num_spans + 1
+    }
+
+    /// Adds one row's values of keys `keys` (`values[i]` is key `keys.start + i`) to
+    /// `out` (`width()` sums): each key's to its span's sum, in key order.
+    pub(crate) fn add(&self, keys: Range<usize>, values: &[f32], out: &mut [f32]) {
+        let split = keys.end.min(self.owner.len()).max(keys.start);
+        let (within, past) = values.split_at(split - keys.start);
+        let owners = self.owner.get(keys.start..split).unwrap_or_default();
+        for (&p, &s) in within.iter().zip(owners) {
+            out[s as usize] += p;
+        }
+        let rest = &mut out[self.num_spans];
+        for &p in past {
+            *rest += p;
+        }
+    }
+
+    pub(crate) fn size_bytes(&self) -> usize {
+        self.owner.capacity() * 4
+    }
+}
+
 /// Accumulates one layer's span masses as its rows are computed.
 pub(crate) struct SpanMassAccumulator {
     groups: Vec<Vec<usize>>,
     num_keys: usize,
-    num_spans: usize,
-    /// Per key: the span it belongs to, or `num_spans` (outside every span).
-    owner: Vec<u32>,
+    spans: SpanOwners,
     /// One row's value per group and key.
     row: Vec<f32>,
     rows: usize,
@@ -383,18 +429,12 @@ impl SpanMassAccumulator {
         spans: &[Range<usize>],
         rows: usize,
     ) -> Self {
-        let mut owner = vec![spans.len() as u32; num_keys];
-        for (s, r) in spans.iter().enumerate() {
-            let r = r.start.min(num_keys)..r.end.min(num_keys);
-            owner[r].fill(s as u32);
-        }
         let width = groups.len() * (spans.len() + 1);
         Self {
             row: vec![0.0; groups.len() * num_keys],
             groups,
             num_keys,
-            num_spans: spans.len(),
-            owner,
+            spans: SpanOwners::new(spans),
             rows: 0,
             values: Vec::with_capacity(rows * width),
         }
@@ -405,15 +445,13 @@ impl SpanMassAccumulator {
     /// the sum of its keys' in key order, and so is the rest's.
     pub(crate) fn add_row(&mut self, dense: &[f32]) {
         crate::stats::group_row(&self.groups, dense, self.num_keys, &mut self.row);
-        let width = self.num_spans + 1;
+        let width = self.spans.width();
         for g in 0..self.groups.len() {
             let start = self.values.len();
             self.values.resize(start + width, 0.0);
-            let out = &mut self.values[start..];
             let row = &self.row[g * self.num_keys..(g + 1) * self.num_keys];
-            for (&p, &s) in row.iter().zip(&self.owner) {
-                out[s as usize] += p;
-            }
+            self.spans
+                .add(0..self.num_keys, row, &mut self.values[start..]);
         }
         self.rows += 1;
     }
@@ -421,8 +459,24 @@ impl SpanMassAccumulator {
     pub(crate) fn finish(self, layer_idx: usize) -> LayerSpanMass {
         LayerSpanMass {
             layer_idx,
-            shape: [self.rows, self.groups.len(), self.num_spans + 1],
+            shape: [self.rows, self.groups.len(), self.spans.width()],
             values: self.values,
+        }
+    }
+
+    /// Span masses summed elsewhere ([`crate::stats::LiveSums`]): `values`,
+    /// `[rows, groups, spans + 1]`.
+    pub(crate) fn summed(
+        layer_idx: usize,
+        rows: usize,
+        groups: usize,
+        spans: usize,
+        values: &[f32],
+    ) -> LayerSpanMass {
+        LayerSpanMass {
+            layer_idx,
+            shape: [rows, groups, spans + 1],
+            values: values.to_vec(),
         }
     }
 }

@@ -277,10 +277,24 @@ impl CaptureSpec {
         if self.spans.is_empty() {
             return 0;
         }
+        let mapping = self.span_text.as_ref().map_or(0, |t| {
+            (t.offsets.len() as u64)
+                .saturating_mul(16)
+                .saturating_add(t.prompt.as_ref().map_or(0, |p| p.len() as u64))
+        });
+        self.span_mass_bytes(prompt_len, max_tokens)
+            .saturating_add(mapping)
+    }
+
+    /// The span masses alone: per layer, row, group and span (and the rest), in f32.
+    fn span_mass_bytes(&self, prompt_len: usize, max_tokens: usize) -> u64 {
+        if self.spans.is_empty() {
+            return 0;
+        }
         let total = prompt_len.saturating_add(max_tokens);
         let rows = self.rows.positions(prompt_len, total).len() as u64;
         let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
-        let masses = [
+        [
             self.layers.len() as u64,
             rows,
             groups,
@@ -288,13 +302,7 @@ impl CaptureSpec {
             4,
         ]
         .into_iter()
-        .fold(1u64, u64::saturating_mul);
-        let mapping = self.span_text.as_ref().map_or(0, |t| {
-            (t.offsets.len() as u64)
-                .saturating_mul(16)
-                .saturating_add(t.prompt.as_ref().map_or(0, |p| p.len() as u64))
-        });
-        masses.saturating_add(mapping)
+        .fold(1u64, u64::saturating_mul)
     }
 
     /// The maps' part of [`Self::estimate_bytes`] (none without maps).
@@ -387,8 +395,10 @@ impl CaptureSpec {
         let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
         let stats_scratch =
             mul(&[keys, groups, (self.stats_series() + 1) * 4]) * u64::from(!self.stats.is_empty());
-        // With spans: one row of every group and the key -> span table.
-        let span_scratch = mul(&[keys, groups * 4 + 4]) * u64::from(!self.spans.is_empty());
+        // With spans: one row of every group, the key -> span table, and the masses
+        // summed as the rows run beside the copy finishing makes.
+        let span_scratch = (mul(&[keys, groups * 4 + 4]) * u64::from(!self.spans.is_empty()))
+            .saturating_add(self.span_mass_bytes(prompt_len, max_tokens));
         let metadata = mul(&[num_rows.saturating_add(keys), 8]).saturating_add(mul(&[
             total,
             2,

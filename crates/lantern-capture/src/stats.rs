@@ -7,6 +7,7 @@
 use lantern_attn::AttentionLayerSpec;
 
 use crate::error::CaptureError;
+use crate::spans::SpanOwners;
 
 /// One statistic over the keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -242,23 +243,15 @@ impl KeyStatsAccumulator {
 }
 
 lantern_quant::per_level! {
-/// Adds one row of one group to its sums: the row's value of key `k` is the mean of the
-/// group's heads (`members`, indices into `heads`, whose entries are rows of `values`,
-/// `[heads, mass.len()]`), summed in order from zero then scaled, as [`group_row`]
-/// computes it; `mass[k] += value`, `max[k] = max[k].max(value)`. In 16-lane chunks, so
-/// it vectorizes; every operation is the one [`group_row`] and
-/// [`KeyStatsAccumulator::add_row`] make, so the same bits.
-fn add_group(
-    values: &[f32],
-    heads: &[usize],
-    members: &[usize],
-    mass: &mut [f32],
-    max: Option<&mut [f32]>,
-) {
+/// One row's value of one group per key, into `out`: the mean of the group's heads
+/// (`members`, indices into `heads`, whose entries are rows of `values`,
+/// `[heads, out.len()]`), summed in order from zero then scaled, as [`group_row`]
+/// computes it. In 16-lane chunks, so it vectorizes; every operation is the one
+/// [`group_row`] makes, so the same bits.
+fn group_values(values: &[f32], heads: &[usize], members: &[usize], out: &mut [f32]) {
     const L: usize = 16;
-    let n = mass.len();
+    let n = out.len();
     let inv = (members.len() > 1).then(|| 1.0 / members.len() as f32);
-    let mut max = max;
     let full = n / L * L;
     let mut k = 0;
     while k < full {
@@ -274,16 +267,7 @@ fn add_group(
                 *x *= inv;
             }
         }
-        let sums = &mut mass[k..k + L];
-        for i in 0..L {
-            sums[i] += v[i];
-        }
-        if let Some(max) = max.as_deref_mut() {
-            let max = &mut max[k..k + L];
-            for i in 0..L {
-                max[i] = max[i].max(v[i]);
-            }
-        }
+        out[k..k + L].copy_from_slice(&v);
         k += L;
     }
     for k in full..n {
@@ -294,29 +278,41 @@ fn add_group(
         if let Some(inv) = inv {
             v *= inv;
         }
-        mass[k] += v;
-        if let Some(max) = max.as_deref_mut() {
-            max[k] = max[k].max(v);
+        out[k] = v;
+    }
+}
+
+/// `mass[k] += row[k]` and `max[k] = max[k].max(row[k])`, as
+/// [`KeyStatsAccumulator::add_row`] makes them.
+fn add_to_sums(row: &[f32], mass: &mut [f32], max: Option<&mut [f32]>) {
+    for (m, &v) in mass.iter_mut().zip(row) {
+        *m += v;
+    }
+    if let Some(max) = max {
+        for (m, &v) in max.iter_mut().zip(row) {
+            *m = m.max(v);
         }
     }
 }
 }
 
-/// Key statistics summed as a request's rows run, one row at a time in position order,
-/// from the probabilities the attention kernel computed for them
+/// Key statistics and span masses summed as a request's rows run, one row at a time in
+/// position order, from the probabilities the attention kernel computed for them
 /// ([`lantern_attn::RowProbabilities`]): the same values and the same additions, in the
-/// same order, as [`KeyStatsAccumulator`] makes when finalizing, so the same bits, and
-/// finalizing has no rows left to compute for them.
+/// same order, as [`KeyStatsAccumulator`] and [`crate::spans::SpanMassAccumulator`] make when
+/// finalizing, so the same bits, and finalizing has no rows left to compute for them.
 ///
 /// Rows must come in order from the first row the capture selects, each once, on every
 /// captured layer; anything else (a row the backend did not give, a row run again after
-/// a preemption) stops the live sums, and finalizing computes the statistics itself.
+/// a preemption) stops the live sums, and finalizing computes the figures itself.
 #[derive(Debug, Clone)]
-pub(crate) struct LiveKeyStats {
+pub(crate) struct LiveSums {
     /// Per captured layer slot.
     layers: Vec<LiveLayer>,
     /// The first row summed.
     first_row: usize,
+    /// With span masses: which span each prompt key belongs to.
+    spans: Option<SpanOwners>,
     stopped: bool,
 }
 
@@ -326,25 +322,45 @@ struct LiveLayer {
     groups: Vec<Vec<usize>>,
     /// The next row expected.
     next: usize,
-    /// Per group, per key seen so far.
-    mass: Vec<Vec<f32>>,
+    /// Key statistics, if asked: per group, per key seen so far.
+    mass: Option<Vec<Vec<f32>>>,
     max: Option<Vec<Vec<f32>>>,
+    /// With span masses: per row summed, per group, each span's mass and the rest's.
+    span_mass: Vec<f32>,
+    /// One row's value of one group per key.
+    row: Vec<f32>,
 }
 
-impl LiveKeyStats {
-    /// Sums for the layers' `groups` (per captured layer slot), from row `first_row` on.
-    pub(crate) fn new(groups: Vec<Vec<Vec<usize>>>, first_row: usize, keep_max: bool) -> Self {
+/// What [`LiveSums`] sums.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LiveFigures {
+    pub key_mass: bool,
+    pub key_max: bool,
+}
+
+impl LiveSums {
+    /// Sums for the layers' `groups` (per captured layer slot), from row `first_row` on:
+    /// key statistics as `figures` says, span masses when `spans` is given.
+    pub(crate) fn new(
+        groups: Vec<Vec<Vec<usize>>>,
+        first_row: usize,
+        figures: LiveFigures,
+        spans: Option<SpanOwners>,
+    ) -> Self {
         Self {
             layers: groups
                 .into_iter()
                 .map(|groups| LiveLayer {
-                    mass: vec![Vec::new(); groups.len()],
-                    max: keep_max.then(|| vec![Vec::new(); groups.len()]),
+                    mass: figures.key_mass.then(|| vec![Vec::new(); groups.len()]),
+                    max: figures.key_max.then(|| vec![Vec::new(); groups.len()]),
                     groups,
                     next: first_row,
+                    span_mass: Vec::new(),
+                    row: Vec::new(),
                 })
                 .collect(),
             first_row,
+            spans,
             stopped: false,
         }
     }
@@ -356,8 +372,10 @@ impl LiveKeyStats {
     pub(crate) fn stop(&mut self) {
         self.stopped = true;
         self.layers.iter_mut().for_each(|l| {
-            l.mass = Vec::new();
+            l.mass = None;
             l.max = None;
+            l.span_mass = Vec::new();
+            l.row = Vec::new();
         });
     }
 
@@ -383,19 +401,23 @@ impl LiveKeyStats {
         }
         layer.next += 1;
         let values = probabilities.row(i);
+        layer.row.resize(keys.len(), 0.0);
         for (g, members) in layer.groups.iter().enumerate() {
-            let mass = &mut layer.mass[g];
-            if mass.len() < keys.end {
-                mass.resize(keys.end, 0.0);
+            group_values(values, heads, members, &mut layer.row);
+            if let Some(mass) = &mut layer.mass {
+                let mass = widened(&mut mass[g], keys.end);
+                let max = layer.max.as_mut().map(|max| widened(&mut max[g], keys.end));
+                add_to_sums(
+                    &layer.row,
+                    &mut mass[keys.clone()],
+                    max.map(|m| &mut m[keys.clone()]),
+                );
             }
-            let max = layer.max.as_mut().map(|max| {
-                let max = &mut max[g];
-                if max.len() < keys.end {
-                    max.resize(keys.end, 0.0);
-                }
-                &mut max[keys.clone()]
-            });
-            add_group(values, heads, members, &mut mass[keys.clone()], max);
+            if let Some(spans) = &self.spans {
+                let start = layer.span_mass.len();
+                layer.span_mass.resize(start + spans.width(), 0.0);
+                spans.add(keys.clone(), &layer.row, &mut layer.span_mass[start..]);
+            }
         }
     }
 
@@ -411,8 +433,9 @@ impl LiveKeyStats {
         }
     }
 
-    /// The accumulators of every captured layer slot, `num_keys` wide, when exactly
-    /// `rows` were summed on every layer; `None` otherwise (finalizing then computes them).
+    /// The key statistics of every captured layer slot as accumulators, `num_keys`
+    /// wide, when exactly `rows` were summed on every layer; `None` otherwise
+    /// (finalizing then computes them) or without key statistics.
     pub(crate) fn accumulators(
         &self,
         rows: &std::ops::Range<usize>,
@@ -422,15 +445,29 @@ impl LiveKeyStats {
             self.layers
                 .iter()
                 .map(|l| {
-                    KeyStatsAccumulator::from_parts(
-                        l.groups.clone(),
-                        num_keys,
-                        &l.mass,
-                        l.max.as_deref(),
-                    )
+                    l.mass.as_ref().map(|mass| {
+                        KeyStatsAccumulator::from_parts(
+                            l.groups.clone(),
+                            num_keys,
+                            mass,
+                            l.max.as_deref(),
+                        )
+                    })
                 })
                 .collect()
-        })
+        })?
+    }
+
+    /// The span masses of every captured layer slot (`[rows, groups, spans + 1]`), when
+    /// exactly `rows` were summed on every layer; `None` otherwise or without spans.
+    pub(crate) fn span_masses(
+        &self,
+        rows: &std::ops::Range<usize>,
+        num_keys: usize,
+    ) -> Option<Vec<&[f32]>> {
+        self.spans.as_ref()?;
+        self.covers(rows, num_keys)
+            .then(|| self.layers.iter().map(|l| &l.span_mass[..]).collect())
     }
 
     /// Whether exactly `rows` were summed on every layer, within `num_keys` keys.
@@ -441,7 +478,7 @@ impl LiveKeyStats {
             && self
                 .layers
                 .iter()
-                .all(|l| l.next == rows.end && l.mass.iter().all(|m| m.len() <= num_keys))
+                .all(|l| l.next == rows.end && l.mass.iter().flatten().all(|m| m.len() <= num_keys))
     }
 
     /// Bytes held by the sums.
@@ -450,9 +487,23 @@ impl LiveKeyStats {
         4 * self
             .layers
             .iter()
-            .map(|l| series(&l.mass) + l.max.as_ref().map_or(0, series))
+            .map(|l| {
+                l.mass.as_ref().map_or(0, series)
+                    + l.max.as_ref().map_or(0, series)
+                    + l.span_mass.capacity()
+                    + l.row.capacity()
+            })
             .sum::<usize>()
+            + self.spans.as_ref().map_or(0, SpanOwners::size_bytes)
     }
+}
+
+/// `series` at least `len` long (zeros added).
+fn widened(series: &mut Vec<f32>, len: usize) -> &mut Vec<f32> {
+    if series.len() < len {
+        series.resize(len, 0.0);
+    }
+    series
 }
 
 #[cfg(test)]
@@ -490,23 +541,43 @@ mod tests {
     }
 
     /// Rows summed live from the kernel's probabilities give the same bits as
-    /// finalizing's accumulator over the same rows' dense probabilities (per KV head
-    /// groups of a subset of heads, rows whose visible keys start past zero, keys that
-    /// grow row by row); a row out of order stops the sums. Fresh random inputs.
+    /// finalizing's accumulators (key statistics and span masses) over the same rows'
+    /// dense probabilities (per KV head groups of a subset of heads, rows whose visible
+    /// keys start past zero, keys that grow row by row, spans before, inside and past
+    /// the windows); a row out of order stops the sums. Fresh random inputs.
     #[test]
-    fn live_sums_equal_the_finalizing_accumulator() {
+    fn live_sums_equal_the_finalizing_accumulators() {
+        use crate::spans::SpanMassAccumulator;
         use lantern_attn::RowProbabilities;
         use rand::{Rng, SeedableRng};
         let seed: u64 = rand::random();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let layer = AttentionLayerSpec::new(9, 3, 8);
         let heads = [0, 1, 2, 4, 5, 8];
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for by in [StatHeads::Kv, StatHeads::Query, StatHeads::Mean] {
             let groups = by.groups(&heads, &layer);
             let (first, rows) = (rng.gen_range(0..20), rng.gen_range(1..30));
             let num_keys = first + rows;
+            // Disjoint spans with gaps, ending before some windows start or past every
+            // key.
+            let mut spans = Vec::new();
+            let mut at = rng.gen_range(0..3);
+            let limit = rng.gen_range(1..num_keys + 3);
+            while at < limit {
+                let end = at + rng.gen_range(1..6);
+                spans.push(at..end);
+                at = end + rng.gen_range(0..4);
+            }
             let mut finalizing = KeyStatsAccumulator::new(groups.clone(), num_keys, true);
-            let mut live = LiveKeyStats::new(vec![groups.clone()], first, true);
+            let mut span_finalizing =
+                SpanMassAccumulator::new(groups.clone(), num_keys, &spans, rows);
+            let figures = LiveFigures {
+                key_mass: true,
+                key_max: true,
+            };
+            let owners = Some(SpanOwners::new(&spans));
+            let mut live = LiveSums::new(vec![groups.clone()], first, figures, owners);
             let mut probs = RowProbabilities::default();
             for pos in first..first + rows {
                 // A window: the row sees keys `start..=pos`.
@@ -523,6 +594,7 @@ mod tests {
                     dense[hi * num_keys..][keys.clone()].copy_from_slice(probs.head(0, h));
                 }
                 finalizing.add_row(&dense);
+                span_finalizing.add_row(&dense);
                 live.add_row(0, pos, &heads, &probs, 0);
             }
             let range = first..first + rows;
@@ -532,10 +604,23 @@ mod tests {
             let stats = |acc: KeyStatsAccumulator| acc.finish(3, &KeyStat::ALL, 4);
             let (want, got) = (stats(finalizing), stats(got.into_iter().next().unwrap()));
             for (w, g) in want.iter().zip(&got) {
-                let bits = |s: &LayerStat| s.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(w.shape, g.shape, "seed {seed} {by:?}");
-                assert_eq!(bits(w), bits(g), "seed {seed} {by:?} {:?}", w.stat);
+                assert_eq!(
+                    bits(&w.values),
+                    bits(&g.values),
+                    "seed {seed} {by:?} {:?}",
+                    w.stat
+                );
             }
+            let want = span_finalizing.finish(3);
+            let got = live
+                .span_masses(&range, num_keys)
+                .expect("every row summed");
+            assert_eq!(
+                bits(&want.values),
+                bits(got[0]),
+                "seed {seed} {by:?} {spans:?}"
+            );
             assert!(live
                 .accumulators(&(first..first + rows + 1), num_keys + 1)
                 .is_none());
@@ -543,12 +628,51 @@ mod tests {
             live.add_row(0, first + rows - 1, &heads, &probs, 0);
             assert!(live.is_stopped());
             assert!(live.accumulators(&range, num_keys).is_none());
+            assert!(live.span_masses(&range, num_keys).is_none());
         }
-        let mut live = LiveKeyStats::new(vec![vec![vec![0]]], 5, false);
+        let figures = LiveFigures {
+            key_mass: true,
+            key_max: false,
+        };
+        let mut live = LiveSums::new(vec![vec![vec![0]]], 5, figures, None);
         live.expect_rows(0, 5);
         assert!(!live.is_stopped(), "no row is due before the first");
         live.expect_rows(0, 6);
         assert!(live.is_stopped(), "row 5 never came");
+    }
+
+    /// Span masses alone (no key statistics) are summed, and key statistics are not.
+    #[test]
+    fn live_span_masses_without_statistics() {
+        use lantern_attn::RowProbabilities;
+        let figures = LiveFigures {
+            key_mass: false,
+            key_max: false,
+        };
+        let owners = SpanOwners::new(&[1..2, 3..4]);
+        let mut live = LiveSums::new(vec![vec![vec![0, 1]]], 0, figures, Some(owners));
+        let mut probs = RowProbabilities::default();
+        for pos in 0..5 {
+            probs.ask([0]);
+            probs.prepare(2, |_| 0..pos + 1);
+            let (values, _, _) = probs.parts_mut();
+            // Head 0 puts everything on the last key, head 1 on the first.
+            values.fill(0.0);
+            values[pos] = 1.0;
+            values[pos + 1] += 1.0;
+            live.add_row(0, pos, &[0, 1], &probs, 0);
+        }
+        assert!(live.accumulators(&(0..5), 5).is_none());
+        let got = live.span_masses(&(0..5), 5).expect("summed");
+        // Per row: [span 1..2, span 3..4, other]; the group mean halves each head's 1.
+        let want = [
+            [0.0, 0.0, 1.0],
+            [0.5, 0.0, 0.5],
+            [0.0, 0.0, 1.0],
+            [0.0, 0.5, 0.5],
+            [0.0, 0.0, 1.0],
+        ];
+        assert_eq!(got[0], want.concat());
     }
 
     #[test]

@@ -5,14 +5,14 @@
 //! - finalize time per layer and the memory a capture holds, against prompt length;
 //! - the decode rate of a batch while another thread finalizes a large capture (what
 //!   other requests lose while a capture is computed off the step loop);
-//! - key statistics: a batch of `STATS_BATCH` requests each asking for key statistics
-//!   of every layer, against the same requests without capture, with and without the
-//!   time their statistics take to finalize.
+//! - key statistics and span masses: a batch of `STATS_BATCH` requests each asking for
+//!   key statistics (or span masses) of every layer, against the same requests without
+//!   capture, with and without the time their figures take to finalize.
 
 use crate::bench::{decode_params, decode_rate_with_capture, median, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::lantern_capture::{
-    CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
+    CaptureSpan, CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
 };
 use lantern_engine::Engine;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -54,6 +54,24 @@ fn key_statistics(engine: &Engine) -> CaptureSpec {
     spec.rows = RowSelection::Generated;
     spec.stats = KeyStat::ALL.to_vec();
     spec.maps = false;
+    spec
+}
+
+/// Passages of the prompt whose attention mass each generated row gives.
+const SPANS: usize = 8;
+
+/// The masses of `SPANS` passages of the prompt (`DECODE_PROMPT / (SPANS + 1)` tokens
+/// each, after an instruction-sized gap, the rest after them outside every span) on
+/// every layer, per KV head, over the generated rows, without maps: what a RAG
+/// grounding study asks of each request.
+fn span_masses(engine: &Engine) -> CaptureSpec {
+    let mut spec = everything(engine);
+    spec.rows = RowSelection::Generated;
+    spec.maps = false;
+    let len = DECODE_PROMPT / (SPANS + 1);
+    spec.spans = (0..SPANS)
+        .map(|i| CaptureSpan::tokens(format!("[{}]", i + 1), len * (i + 1)..len * (i + 2)))
+        .collect();
     spec
 }
 
@@ -101,31 +119,52 @@ fn statistics_rates(
     Ok((rate(decode_seconds), rate(total_seconds)))
 }
 
+/// One line of the statistics figures: a median rate and, beside it, the median and the
+/// lowest of its ratios to the no-capture run of the same round.
+fn print_rate(label: &str, rates: &[f64], plain: &[f64]) {
+    let ratios: Vec<f64> = rates.iter().zip(plain).map(|(r, p)| r / p).collect();
+    let lowest = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    println!(
+        "  {label:<31} {:8.1} tokens/s  ({:.1}% of no capture; per round median {:.1}%, lowest {:.1}%)",
+        median(rates.to_vec()),
+        100.0 * median(rates.to_vec()) / median(plain.to_vec()),
+        100.0 * median(ratios),
+        100.0 * lowest,
+    );
+}
+
 fn print_statistics_figures(engine: &mut Engine, salt: &mut u64, repeat: usize) -> Result<()> {
     let num_layers = engine.model_info().num_layers;
-    let spec = key_statistics(engine);
-    // Alternated, so that a change in the machine's load falls on both alike.
-    let (mut plain, mut decode, mut with_finalize) = (Vec::new(), Vec::new(), Vec::new());
+    let kinds = [
+        ("key statistics", key_statistics(engine)),
+        ("span masses", span_masses(engine)),
+    ];
+    // Each round runs the batch without capture, then with each kind, so that a change
+    // in the machine's load falls on all alike and each kind has a no-capture run of its
+    // own round to be compared with.
+    let mut plain = Vec::new();
+    let mut rates = vec![(Vec::new(), Vec::new()); kinds.len()];
     for _ in 0..repeat {
         plain.push(statistics_rates(engine, salt, None)?.0);
-        let (d, f) = statistics_rates(engine, salt, Some(spec.clone()))?;
-        decode.push(d);
-        with_finalize.push(f);
+        for ((_, spec), (decode, with_finalize)) in kinds.iter().zip(&mut rates) {
+            let (d, f) = statistics_rates(engine, salt, Some(spec.clone()))?;
+            decode.push(d);
+            with_finalize.push(f);
+        }
     }
-    let (plain, decode, with_finalize) = (median(plain), median(decode), median(with_finalize));
     println!(
-        "capture: key statistics, batch {STATS_BATCH} ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each), \
-         every request asking key_mass, key_max and block_mass of all {num_layers} layers over its generated rows"
-    );
-    println!("  no capture                      {plain:8.1} tokens/s");
-    println!(
-        "  statistics, decode steps        {decode:8.1} tokens/s  ({:.1}% of no capture)",
-        100.0 * decode / plain
+        "capture: key statistics and span masses, batch {STATS_BATCH} ({DECODE_PROMPT}-token prompts, \
+         {DECODE_TOKENS} tokens each), every request asking, over its generated rows on all \
+         {num_layers} layers, key_mass, key_max and block_mass, or the masses of {SPANS} prompt spans"
     );
     println!(
-        "  statistics, with finalizing     {with_finalize:8.1} tokens/s  ({:.1}% of no capture)",
-        100.0 * with_finalize / plain
+        "  no capture                      {:8.1} tokens/s",
+        median(plain.clone())
     );
+    for ((name, _), (decode, with_finalize)) in kinds.iter().zip(&rates) {
+        print_rate(&format!("{name}, decode steps"), decode, &plain);
+        print_rate(&format!("{name}, with finalizing"), with_finalize, &plain);
+    }
     Ok(())
 }
 

@@ -393,7 +393,7 @@ impl Engine {
                         prompt.len(),
                         params.max_tokens,
                     )
-                    .with_live_stats(&info.attention),
+                    .with_live_sums(&info.attention),
                 ))
             }
             None => None,
@@ -492,7 +492,8 @@ impl Engine {
         let num_computed = req.num_computed_tokens;
         let spec = buffer.spec();
         let rows = buffer.rows_present(req.prompt_len(), total, num_computed);
-        // Statistics summed as the rows ran need no keys: then none are copied.
+        // Statistics and span masses summed as the rows ran need no keys: then none
+        // are copied.
         let num_keys = spec
             .layers
             .iter()

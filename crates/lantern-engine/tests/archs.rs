@@ -447,6 +447,7 @@ fn captured_attention_of_every_layer_equals_the_reference() {
             // Summed from the flash kernel's probabilities unless a layer is chunked-local.
             let chunked = info.attention.iter().any(|a| a.chunk_size.is_some());
             assert_eq!(pending.stats_summed_live(), !chunked, "{name}");
+            assert_eq!(pending.span_masses_summed_live(), !chunked, "{name}");
             common::check_stats_equal_the_maps(&result);
             let n = p.all_ids.len();
             let mut worst = 0f32;

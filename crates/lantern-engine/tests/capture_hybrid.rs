@@ -72,6 +72,7 @@ fn sliding_layers_are_zero_outside_the_window_and_every_invariant_holds() {
     // Key statistics over sliding and global layers are the maps' reductions (summed
     // from the kernel's probabilities as the rows ran).
     assert!(pending.stats_summed_live());
+    assert!(pending.span_masses_summed_live());
     common::check_stats_equal_the_maps(&result);
     assert_eq!(result.meta.block_size, Some(4));
     let info = engine.model_info();
@@ -152,6 +153,7 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
     // rows ran but computed from the keys, and are the same bits as the live sums of the
     // uninterrupted request.
     assert!(!preempted.stats_summed_live());
+    assert!(!preempted.span_masses_summed_live());
     common::check_stats_equal_the_maps(&resumed);
     let (mut e, _d3) = engine(config());
     let live = run(
@@ -159,6 +161,41 @@ fn batch_prefix_cache_and_preemption_leave_the_capture_unchanged() {
         vec![(p.clone(), params(10), Some(common::with_every_stat(spec())))],
     );
     assert!(pending(&live[0]).stats_summed_live());
+    assert!(pending(&live[0]).span_masses_summed_live());
     let live = pending(&live[0]).finalize().unwrap();
     assert_eq!(live.stats, resumed.stats);
+    assert_eq!(live.span_mass, resumed.span_mass);
+}
+
+/// Span masses alone (no maps, no statistics): summed as the rows run, so no keys are
+/// copied at finish, and equal to the span masses of a capture that also has the maps
+/// (which `check_spans_equal_the_maps` checks against the maps, bit for bit).
+#[test]
+fn span_masses_alone_are_summed_live_and_equal_those_beside_the_maps() {
+    let with_maps = common::with_every_stat(spec());
+    let mut alone = with_maps.clone();
+    alone.maps = false;
+    alone.stats.clear();
+    alone.keep_attention_output = false;
+    let p = prompt(30, 4);
+    let (mut e, _dir) = engine(EngineConfig {
+        max_num_batched_tokens: 7,
+        ..config()
+    });
+    let out = run(
+        &mut e,
+        vec![
+            (p.clone(), params(8), Some(with_maps)),
+            (p.clone(), params(8), Some(alone)),
+        ],
+    );
+    let reference = pending(&out[0]).finalize().unwrap();
+    common::check_spans_equal_the_maps(&reference);
+    let spans_only = pending(&out[1]);
+    assert!(spans_only.span_masses_summed_live());
+    assert!(!spans_only.holds_keys(), "no keys copied");
+    assert!(pending(&out[0]).holds_keys());
+    let result = spans_only.finalize().unwrap();
+    assert!(result.layers.is_empty() && result.stats.is_empty());
+    assert_eq!(result.span_mass, reference.span_mass);
 }

@@ -73,8 +73,10 @@ fn every_row_sums_to_one_is_masked_and_reproduces_the_attention_output() {
     let worst_rel = common::check_capture_invariants(pending, &result);
     eprintln!("worst relative error of P·V against the attention output: {worst_rel:.2e}");
     // The statistics were summed from the flash kernel's probabilities as the rows ran
-    // (prefill chunks and decodes), and equal the maps computed from the keys.
+    // (prefill chunks and decodes), and so were the span masses; both equal the maps
+    // computed from the keys.
     assert!(pending.stats_summed_live());
+    assert!(pending.span_masses_summed_live());
     common::check_stats_equal_the_maps(&result);
 }
 

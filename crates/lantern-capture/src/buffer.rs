@@ -14,7 +14,7 @@ use lantern_quant::share;
 
 use crate::spans::SpanOwners;
 use crate::spec::CaptureSpec;
-use crate::stats::{KeyStat, KeyStatsAccumulator, LiveFigures, LiveSums};
+use crate::stats::{KeyStat, KeyStatsAccumulator, LastRow, LiveFigures, LiveSums};
 
 /// Query rows (and optionally attention outputs) of the captured layers and heads of one
 /// request, for the positions its row selection can reach.
@@ -81,10 +81,12 @@ impl QueryRowBuffer {
 
     /// Sums the key statistics and span masses as rows run, from the probabilities the
     /// attention kernel computes for them ([`StepTap`] asks the backend for them),
-    /// instead of computing them from the keys when finalizing. `attention`: every layer
-    /// of the model. Does nothing without statistics or spans; where the backend gives no
-    /// probabilities, or the rows do not all run in order once, finalizing computes them
-    /// as before.
+    /// instead of computing them from the keys when finalizing, and keeps each layer's
+    /// last row for a streamed response's live figures
+    /// ([`crate::live::row_capture_from_sums`]). `attention`: every layer of the model.
+    /// Does nothing without statistics, spans or streamed top-k; where the backend gives
+    /// no probabilities, or the rows do not all run in order once, finalizing (and
+    /// [`crate::live::row_capture`]) compute them from the keys as before.
     pub fn with_live_sums(mut self, attention: &[AttentionLayerSpec]) -> Self {
         let spec = &self.spec;
         let spans = spec
@@ -94,7 +96,8 @@ impl QueryRowBuffer {
             .collect::<Option<Vec<_>>>()
             .filter(|s| !s.is_empty())
             .map(|s| SpanOwners::new(&s));
-        if spec.stats.is_empty() && spans.is_none() {
+        let streams_top_k = spec.stream_rows && spec.top_k.is_some();
+        if spec.stats.is_empty() && spans.is_none() && !streams_top_k {
             return self;
         }
         let groups = spec
@@ -130,6 +133,12 @@ impl QueryRowBuffer {
         num_keys: usize,
     ) -> Option<Vec<KeyStatsAccumulator>> {
         self.live.as_ref()?.accumulators(rows, num_keys)
+    }
+
+    /// What the live sums kept of the row at `pos` on captured layer slot `slot`, when it
+    /// is the last row they summed there (see [`LiveSums::last_row`]).
+    pub(crate) fn live_last_row(&self, slot: usize, pos: usize) -> Option<LastRow<'_>> {
+        self.live.as_ref()?.last_row(slot, pos)
     }
 
     /// The live span masses per captured layer slot, if they cover exactly `rows` (see

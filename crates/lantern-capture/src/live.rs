@@ -1,8 +1,11 @@
 //! Live figures of one row, for streamed responses: the row's span masses and top-k
-//! keys on every captured layer, computed as the row is run (its query was just
-//! buffered, its keys are in the cache) and sent with the token it samples, so a client
-//! can show them while the answer streams. The same probabilities, groups and
-//! arithmetic as the finished capture's, so each equals that row of the final figures.
+//! keys on every captured layer, computed as the row is run and sent with the token it
+//! samples, so a client can show them while the answer streams. Where the attention
+//! kernel gave the row's probabilities (the live sums, [`row_capture_from_sums`]) they
+//! are read from what the sums kept of the row; otherwise from the row's query and the
+//! keys read back from the cache ([`row_capture`]). The same probabilities, groups and
+//! arithmetic as the finished capture's either way, so each equals that row of the
+//! final figures.
 
 use serde::Serialize;
 
@@ -41,6 +44,57 @@ pub struct RowLayer {
 pub struct TopKeys {
     pub positions: Vec<u32>,
     pub values: Vec<f32>,
+}
+
+/// The live figures of the row at `pos` from the live sums ([`QueryRowBuffer::with_live_sums`]),
+/// when the row was the last one they summed on every captured layer; `None` otherwise
+/// ([`row_capture`] then computes them from the keys).
+pub fn row_capture_from_sums(buffer: &QueryRowBuffer, pos: usize) -> Option<RowCapture> {
+    let spec = buffer.spec();
+    let num_keys = pos + 1;
+    let mut layers = Vec::with_capacity(spec.layers.len());
+    for (slot, &layer_idx) in spec.layers.iter().enumerate() {
+        let row = buffer.live_last_row(slot, pos)?;
+        if spec.spans.is_empty() != row.span_mass.is_none() || row.keys.end > num_keys {
+            return None;
+        }
+        let n = row.keys.len();
+        let span_mass = row.span_mass.map(|masses| {
+            masses
+                .chunks(masses.len() / row.groups.max(1))
+                .map(<[f32]>::to_vec)
+                .collect()
+        });
+        let top = spec.top_k.map(|k| {
+            // The group's row over every key, zero where the row sees none, as
+            // `row_capture` has it.
+            let mut full = vec![0f32; num_keys];
+            (0..row.groups)
+                .map(|g| {
+                    full.fill(0.0);
+                    full[row.keys.clone()].copy_from_slice(&row.values[g * n..(g + 1) * n]);
+                    let (mut values, mut positions) = (Vec::new(), Vec::new());
+                    top_k(
+                        &full,
+                        num_keys,
+                        k.min(num_keys),
+                        &mut values,
+                        &mut positions,
+                    );
+                    TopKeys { positions, values }
+                })
+                .collect()
+        });
+        layers.push(RowLayer {
+            layer_idx,
+            span_mass,
+            top_k: top,
+        });
+    }
+    Some(RowCapture {
+        position: pos,
+        layers,
+    })
 }
 
 /// The live figures of the row at `pos`, from `buffer`'s queries and `layers` (per

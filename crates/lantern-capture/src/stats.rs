@@ -327,8 +327,10 @@ struct LiveLayer {
     max: Option<Vec<Vec<f32>>>,
     /// With span masses: per row summed, per group, each span's mass and the rest's.
     span_mass: Vec<f32>,
-    /// One row's value of one group per key.
+    /// The last row summed: per group, its value of each key in `row_keys` (what a
+    /// streamed response sends with the row's token, [`LiveSums::last_row`]).
     row: Vec<f32>,
+    row_keys: std::ops::Range<usize>,
 }
 
 /// What [`LiveSums`] sums.
@@ -357,6 +359,7 @@ impl LiveSums {
                     next: first_row,
                     span_mass: Vec::new(),
                     row: Vec::new(),
+                    row_keys: 0..0,
                 })
                 .collect(),
             first_row,
@@ -401,14 +404,18 @@ impl LiveSums {
         }
         layer.next += 1;
         let values = probabilities.row(i);
-        layer.row.resize(keys.len(), 0.0);
+        let n = keys.len();
+        layer.row.resize(layer.groups.len() * n, 0.0);
+        layer.row_keys = keys.clone();
         for (g, members) in layer.groups.iter().enumerate() {
-            group_values(values, heads, members, &mut layer.row);
+            let row = &mut layer.row[g * n..(g + 1) * n];
+            group_values(values, heads, members, row);
+            let row = &layer.row[g * n..(g + 1) * n];
             if let Some(mass) = &mut layer.mass {
                 let mass = widened(&mut mass[g], keys.end);
                 let max = layer.max.as_mut().map(|max| widened(&mut max[g], keys.end));
                 add_to_sums(
-                    &layer.row,
+                    row,
                     &mut mass[keys.clone()],
                     max.map(|m| &mut m[keys.clone()]),
                 );
@@ -416,9 +423,30 @@ impl LiveSums {
             if let Some(spans) = &self.spans {
                 let start = layer.span_mass.len();
                 layer.span_mass.resize(start + spans.width(), 0.0);
-                spans.add(keys.clone(), &layer.row, &mut layer.span_mass[start..]);
+                spans.add(keys.clone(), row, &mut layer.span_mass[start..]);
             }
         }
+    }
+
+    /// The row at `pos` on captured layer slot `slot` when it is the last row summed
+    /// there: its value per group and key (`[groups, keys]`, only the keys it sees) and,
+    /// with span masses, its masses (`[groups, spans + 1]`).
+    pub(crate) fn last_row(&self, slot: usize, pos: usize) -> Option<LastRow<'_>> {
+        let layer = self
+            .layers
+            .get(slot)
+            .filter(|l| !self.stopped && l.next == pos + 1)?;
+        let groups = layer.groups.len();
+        let span_mass = self.spans.as_ref().map(|spans| {
+            let len = groups * spans.width();
+            &layer.span_mass[layer.span_mass.len() - len..]
+        });
+        Some(LastRow {
+            groups,
+            keys: layer.row_keys.clone(),
+            values: &layer.row,
+            span_mass,
+        })
     }
 
     /// Stops unless captured layer slot `slot` has every row before `end` (from the
@@ -496,6 +524,17 @@ impl LiveSums {
             .sum::<usize>()
             + self.spans.as_ref().map_or(0, SpanOwners::size_bytes)
     }
+}
+
+/// One row's figures on one layer, as [`LiveSums`] summed them.
+pub(crate) struct LastRow<'a> {
+    pub groups: usize,
+    /// The keys the row sees.
+    pub keys: std::ops::Range<usize>,
+    /// `[groups, keys.len()]`.
+    pub values: &'a [f32],
+    /// With span masses: `[groups, spans + 1]`.
+    pub span_mass: Option<&'a [f32]>,
 }
 
 /// `series` at least `len` long (zeros added).

@@ -12,8 +12,8 @@ use crate::sampling::{
 use crate::scheduler::Scheduler;
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
-    keys_needed, row_capture, snapshot_layer, CaptureFailure, CaptureSpec, KeySnapshot,
-    PendingCapture, QueryRowBuffer, RowCapture, StepTap, TokenInfo,
+    keys_needed, row_capture, row_capture_from_sums, snapshot_layer, CaptureFailure, CaptureSpec,
+    KeySnapshot, PendingCapture, QueryRowBuffer, RowCapture, StepTap, TokenInfo,
 };
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
@@ -753,9 +753,10 @@ impl Engine {
     }
 
     /// A streamed capture's live figures of the row that samples this step's token
-    /// (the last computed position), when that row is captured: its keys read from the
-    /// cache through the backend, as finalizing reads them. `None` otherwise, or when
-    /// they cannot be computed (the finished capture then says why).
+    /// (the last computed position), when that row is captured: from what the live sums
+    /// kept of the row (the attention kernel's probabilities), or else from its keys read
+    /// from the cache through the backend, as finalizing reads them. `None` otherwise, or
+    /// when they cannot be computed (the finished capture then says why).
     fn live_row(&self, id: RequestId) -> Option<Box<RowCapture>> {
         let req = self.requests.get(&id)?;
         let buffer = req.capture.as_deref()?;
@@ -764,6 +765,9 @@ impl Engine {
         let pos = num_computed.checked_sub(1)?;
         if !spec.stream_rows || buffer.query(0, pos, 0).is_none() {
             return None;
+        }
+        if let Some(row) = row_capture_from_sums(buffer, pos) {
+            return Some(Box::new(row));
         }
         let mut layers = Vec::with_capacity(spec.layers.len());
         for &l in &spec.layers {

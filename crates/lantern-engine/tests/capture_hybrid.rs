@@ -199,3 +199,58 @@ fn span_masses_alone_are_summed_live_and_equal_those_beside_the_maps() {
     assert!(result.layers.is_empty() && result.stats.is_empty());
     assert_eq!(result.span_mass, reference.span_mass);
 }
+
+/// A streamed capture's live rows (span masses and top-k keys per KV head, sent with
+/// each token) come from what the live sums kept of each row — the attention kernel's
+/// probabilities, on sliding and global layers — and are the same bits as computing
+/// them from the row's query and keys; and they equal the finished capture's span
+/// masses.
+#[test]
+fn streamed_rows_come_from_the_live_sums_and_equal_the_keys_path() {
+    use lantern_capture::{row_capture, row_capture_from_sums, CaptureSpan};
+    let mut spec = spec();
+    spec.keep_attention_output = false;
+    spec.spans = vec![
+        CaptureSpan::tokens("a", 2..5),
+        CaptureSpan::tokens("b", 5..9),
+    ];
+    spec.top_k = Some(3);
+    spec.stream_rows = true;
+    let (mut e, _dir) = engine(EngineConfig {
+        max_num_batched_tokens: 7,
+        ..config()
+    });
+    let max_tokens = 8;
+    let id = e
+        .add_request_with_capture(prompt(30, 5), params(max_tokens), Some(spec))
+        .unwrap();
+    let mut rows = Vec::new();
+    while e.has_unfinished() {
+        rows.extend(e.step().unwrap().into_iter().filter_map(|o| o.capture_row));
+    }
+    let completion = e.take_completion(id).unwrap();
+    let pending = completion.capture.unwrap().unwrap();
+    assert_eq!(rows.len(), max_tokens, "one live row per token");
+    let last = rows.last().unwrap();
+    assert_eq!(
+        row_capture_from_sums(&pending.buffer, last.position).as_ref(),
+        Some(&**last),
+        "the last row is still what the sums kept"
+    );
+    let result = pending.finalize().unwrap();
+    for row in &rows {
+        let from_keys = row_capture(&pending.buffer, row.position, &pending.layers).unwrap();
+        assert_eq!(**row, from_keys, "row {}", row.position);
+        let r = result
+            .meta
+            .row_positions
+            .iter()
+            .position(|&p| p == row.position)
+            .unwrap();
+        for (layer, mass) in row.layers.iter().zip(&result.span_mass) {
+            let [_, groups, width] = mass.shape;
+            let live: Vec<f32> = layer.span_mass.as_ref().unwrap().concat();
+            assert_eq!(live, mass.values[r * groups * width..][..groups * width]);
+        }
+    }
+}

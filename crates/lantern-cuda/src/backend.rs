@@ -10,11 +10,12 @@ use cudarc::driver::CudaSlice;
 use lantern_attn::{
     host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
     AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KvCacheLayout,
-    KvCacheShape, LayerKvCache, StepGraphs, Tensor, DECODE_THRESHOLD,
+    KvCacheShape, LayerKvCache, RowProbabilities, StepGraphs, Tensor, DECODE_THRESHOLD,
 };
 use lantern_kv::KvDtype;
 
 use crate::cache::{attn_error, CacheData, CudaKvCache};
+use crate::capture::ProbabilityRow;
 use crate::gpu::Gpu;
 use crate::graph::GRAPH_BATCH_SIZES;
 use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta};
@@ -170,16 +171,7 @@ impl CudaBackend {
             max_query_len: common.max_query_len,
             max_seq_len: planning_len,
         };
-        let params = AttnParams {
-            num_heads: spec.num_heads,
-            num_kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
-            scale: spec.scale,
-            sliding_window: spec.sliding_window,
-            chunk_size: spec.chunk_size,
-            soft_cap: spec.logits_soft_cap,
-            sinks: sinks.as_ref().map(|s| s.as_view()),
-        };
+        let params = attn_params(spec, sinks.as_ref());
         let strides = *cache.strides();
         let slots = &*device.slot_mapping;
         let step = Step {
@@ -195,6 +187,113 @@ impl CudaBackend {
         }
         .map_err(attn_error)?;
         Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// Fills in `probabilities` (the batch rows a capture asks for) after the layer's
+    /// [`CudaBackend::attend`]: each row's probabilities for every query head over the
+    /// keys it sees, computed on the device from `q` and the paged cache with the layer's
+    /// scale, masks, soft-cap and sinks, and copied to the host. Left unfilled (the
+    /// capture then computes its figures from the keys when the request finishes) when a
+    /// row meets an invalid block.
+    pub fn row_probabilities(
+        &self,
+        spec: &AttentionLayerSpec,
+        meta: &AttentionMetadata,
+        q: &CudaSlice<f32>,
+        cache: &dyn LayerKvCache,
+        probabilities: &mut RowProbabilities,
+    ) -> Result<(), AttnError> {
+        probabilities.clear_filled();
+        let common = &meta.common;
+        let device = match meta.backend_data::<Uploaded>() {
+            Some(Ok(d)) => d,
+            _ => return Ok(()),
+        };
+        let cache: &CudaKvCache = cache
+            .as_any()
+            .downcast_ref()
+            .ok_or(AttnError::ForeignCache { backend: self.name })?;
+        // Each batch row's request and position, as the kernel's metadata has them.
+        let tokens = common.num_actual_tokens;
+        let mut request = vec![usize::MAX; tokens];
+        for r in 0..common.num_reqs {
+            let (a, b) = (common.query_start_loc[r], common.query_start_loc[r + 1]);
+            request[a.min(tokens)..b.min(tokens)].fill(r);
+        }
+        if probabilities
+            .rows()
+            .iter()
+            .any(|&t| request.get(t).is_none_or(|&r| r == usize::MAX))
+        {
+            return Err(AttnError::Unsupported(format!(
+                "probabilities asked for a row outside the step's {tokens} query tokens"
+            )));
+        }
+        let position = |t: usize| {
+            let r = request[t];
+            let start = common.query_start_loc[r];
+            let query_len = common.query_start_loc[r + 1] - start;
+            common.seq_lens[r] - query_len + (t - start)
+        };
+        probabilities.prepare(spec.num_heads, |t| spec.visible_key_range(position(t)));
+        let asked = probabilities.rows().to_vec();
+        let rows: Vec<ProbabilityRow> = {
+            let (_, keys, offsets) = probabilities.parts_mut();
+            (asked.iter().zip(keys.iter().zip(offsets)))
+                .map(|(&t, (keys, &offset))| ProbabilityRow {
+                    token: t,
+                    request: request[t],
+                    keys: keys.clone(),
+                    offset,
+                })
+                .collect()
+        };
+        let len = rows
+            .iter()
+            .map(|r| r.offset + r.keys.len() * spec.num_heads)
+            .max()
+            .unwrap_or(0);
+        let sinks = match &spec.sinks {
+            Some(s) => Some(self.gpu.step_upload(s).map_err(attn_error)?),
+            None => None,
+        };
+        let params = attn_params(spec, sinks.as_ref());
+        let mut out = self
+            .gpu
+            .step_output::<f32>(len.max(1))
+            .map_err(attn_error)?;
+        let table = (&*device.block_table, device.table_stride);
+        let strides = cache.strides();
+        let (gpu, o) = (&self.gpu, &mut *out);
+        match &cache.data {
+            CacheData::F32(c) => gpu.row_probabilities(q, c, strides, table, &rows, &params, o),
+            CacheData::F16(c) => gpu.row_probabilities(q, c, strides, table, &rows, &params, o),
+            CacheData::Bf16(c) => gpu.row_probabilities(q, c, strides, table, &rows, &params, o),
+        }
+        .map_err(attn_error)?;
+        let values = gpu.download(&*out).map_err(attn_error)?;
+        if values[..len].iter().any(|v| v.is_nan()) {
+            probabilities.clear_filled();
+            return Ok(());
+        }
+        probabilities.parts_mut().0[..len].copy_from_slice(&values[..len]);
+        Ok(())
+    }
+}
+
+/// The kernels' view of a layer's attention, its sinks (if any) on the device.
+fn attn_params<'a>(spec: &AttentionLayerSpec, sinks: Option<&'a Pooled<f32>>) -> AttnParams<'a> {
+    AttnParams {
+        num_heads: spec.num_heads,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        scale: spec.scale,
+        sliding_window: spec.sliding_window,
+        chunk_size: spec.chunk_size,
+        soft_cap: spec.logits_soft_cap,
+        sinks: sinks.map(|s| s.as_view()),
     }
 }
 

@@ -507,6 +507,18 @@ impl Compute for CudaCompute {
         let out = GpuAct::new(backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?);
         // Capture: only a tap that wants this layer costs a copy to the host.
         if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
+            // The rows whose probabilities the tap sums as they run (key statistics,
+            // span masses, streamed rows), before it records the step's rows.
+            if let Some(mut probabilities) = tap.probability_rows(call.layer) {
+                backend.row_probabilities(
+                    call.spec,
+                    call.meta,
+                    &q,
+                    &*call.cache,
+                    &mut probabilities,
+                )?;
+                tap.record_probabilities(call.layer, probabilities);
+            }
             let (spec, tokens) = (call.spec, call.tokens);
             let dims = [tokens, spec.num_heads, spec.head_dim];
             let host = |b: &GpuAct| -> Result<lantern_attn::Tensor> {

@@ -67,6 +67,15 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["kv_write_bf16", "kv_write_f16", "kv_write_f32"],
     },
     KernelSource {
+        name: "capture.cu",
+        source: include_str!("kernels/capture.cu"),
+        functions: &[
+            "row_probabilities_bf16",
+            "row_probabilities_f16",
+            "row_probabilities_f32",
+        ],
+    },
+    KernelSource {
         name: "attention.cu",
         source: include_str!("kernels/attention.cu"),
         functions: &[
@@ -1025,19 +1034,19 @@ fn check_attention(
 }
 
 /// The stride arguments as the kernels take them.
-struct StrideArgs {
-    kv: u64,
-    block: u64,
-    in_block: u64,
-    head: u64,
-    dim: u64,
-    block_size: u32,
-    num_kv_heads: u32,
-    head_dim: u32,
+pub(crate) struct StrideArgs {
+    pub(crate) kv: u64,
+    pub(crate) block: u64,
+    pub(crate) in_block: u64,
+    pub(crate) head: u64,
+    pub(crate) dim: u64,
+    pub(crate) block_size: u32,
+    pub(crate) num_kv_heads: u32,
+    pub(crate) head_dim: u32,
 }
 
 impl StrideArgs {
-    fn new(s: &KvStrides) -> Result<StrideArgs> {
+    pub(crate) fn new(s: &KvStrides) -> Result<StrideArgs> {
         Ok(StrideArgs {
             kv: s.kv as u64,
             block: s.block as u64,

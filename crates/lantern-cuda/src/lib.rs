@@ -4,6 +4,7 @@ pub use cudarc;
 
 pub mod backend;
 pub mod cache;
+pub mod capture;
 pub mod compute;
 pub mod error;
 pub mod fused;

@@ -1098,4 +1098,167 @@ mod gpu_tests {
             }
         }
     }
+
+    /// Capture's row probabilities (`capture.cu`) against f64 from the same cache: rows of
+    /// several requests with windows, a chunk, soft-cap and sinks, both layouts, every
+    /// cache type; a row whose keys meet an unassigned block comes back NaN.
+    fn row_probabilities_case<T: CacheElem>(g: &Gpu, r: &mut StdRng, variant: Variant) {
+        use lantern_cuda::capture::ProbabilityRow;
+        let (heads, kvh, d, bs) = (9, 3, 64, 16);
+        let seqs: Vec<usize> = (0..4).map(|_| r.gen_range(1..=300)).collect();
+        let stride = seqs.iter().map(|s| s.div_ceil(bs)).max().unwrap() + 1;
+        let mut free: Vec<u32> = (0..NUM_BLOCKS as u32).collect();
+        let mut table = vec![u32::MAX; seqs.len() * stride];
+        for (ri, &s) in seqs.iter().enumerate() {
+            for b in 0..s.div_ceil(bs) {
+                table[ri * stride + b] = free.swap_remove(r.gen_range(0..free.len()));
+            }
+        }
+        // Rows: each request's last position and a random earlier one; batch tokens 0..8.
+        let visible = |p: usize| {
+            let mut lo = 0;
+            if let Some(w) = variant.window {
+                lo = (p + 1).saturating_sub(w);
+            }
+            if let Some(c) = variant.chunk {
+                lo = lo.max(p / c * c);
+            }
+            lo..p + 1
+        };
+        let mut rows = Vec::new();
+        let mut offset = 0;
+        for (ri, &s) in seqs.iter().enumerate() {
+            for p in [s - 1, r.gen_range(0..s)] {
+                let keys = visible(p);
+                let n = keys.len();
+                rows.push(ProbabilityRow {
+                    token: rows.len(),
+                    request: ri,
+                    keys,
+                    offset,
+                });
+                offset += n * heads;
+            }
+        }
+        let t = rows.len();
+        for (name, s) in layouts(NUM_BLOCKS, bs, kvh, d) {
+            let cache: Vec<T> = (0..s.cache_len(NUM_BLOCKS))
+                .map(|_| T::from_f32(r.gen_range(-1.0f32..1.0)))
+                .collect();
+            let q = rand_vec(r, t * heads * d, 1.0);
+            let sinks: Vec<f32> = (0..heads).map(|_| r.gen_range(-1.0f32..3.0)).collect();
+            let scale = if variant.cap.is_some() { 1.5 } else { 0.125 };
+            let mut want = vec![0.0f64; offset];
+            for row in &rows {
+                let n = row.keys.len();
+                for h in 0..heads {
+                    let kh = h / (heads / kvh);
+                    let qv = &q[(row.token * heads + h) * d..][..d];
+                    let logits: Vec<f64> = row
+                        .keys
+                        .clone()
+                        .map(|k| {
+                            let slot = table[row.request * stride + k / bs] as usize * bs + k % bs;
+                            let dot: f64 = (0..d)
+                                .map(|j| {
+                                    qv[j] as f64 * cache[s.key_offset(slot, kh, j)].to_f32() as f64
+                                })
+                                .sum();
+                            let l = dot * scale as f64;
+                            variant.cap.map_or(l, |c| c as f64 * (l / c as f64).tanh())
+                        })
+                        .collect();
+                    let sink = variant.sinks.then(|| sinks[h] as f64);
+                    let mx = logits
+                        .iter()
+                        .fold(sink.unwrap_or(f64::NEG_INFINITY), |m, &l| m.max(l));
+                    let denom: f64 = logits.iter().map(|l| (l - mx).exp()).sum::<f64>()
+                        + sink.map_or(0.0, |s| (s - mx).exp());
+                    for (j, l) in logits.iter().enumerate() {
+                        want[row.offset + h * n + j] = (l - mx).exp() / denom;
+                    }
+                }
+            }
+            let (dq, dcache, dtable) = (
+                g.upload(&q).unwrap(),
+                g.upload(&cache).unwrap(),
+                g.upload(&table).unwrap(),
+            );
+            let dsinks = g.upload(&sinks).unwrap();
+            let spec = AttnParams {
+                num_heads: heads,
+                num_kv_heads: kvh,
+                head_dim: d,
+                scale,
+                sliding_window: variant.window,
+                chunk_size: variant.chunk,
+                soft_cap: variant.cap,
+                sinks: variant.sinks.then(|| dsinks.as_view()),
+            };
+            let mut dout = g.upload(&vec![f32::NAN; offset]).unwrap();
+            g.row_probabilities(&dq, &dcache, &s, (&dtable, stride), &rows, &spec, &mut dout)
+                .unwrap();
+            let got = g.download(&dout).unwrap();
+            let what = format!("row_probabilities {} {name} {variant:?}", T::SUFFIX);
+            assert_close(&got, &want, 1e-4, &what);
+            // Each row of each head sums to 1 (less the sink's share).
+            for row in &rows {
+                let n = row.keys.len();
+                for h in 0..heads {
+                    let sum: f32 = got[row.offset + h * n..][..n].iter().sum();
+                    assert!(
+                        variant.sinks || (sum - 1.0).abs() < 1e-4,
+                        "{what}: sums to {sum}"
+                    );
+                }
+            }
+            // A row reaching an unassigned block: NaN, never another request's keys.
+            let mut broken = table.clone();
+            let first = &rows[0];
+            broken[first.request * stride + (first.keys.end - 1) / bs] = u32::MAX;
+            let dbroken = g.upload(&broken).unwrap();
+            g.row_probabilities(
+                &dq,
+                &dcache,
+                &s,
+                (&dbroken, stride),
+                &rows[..1],
+                &spec,
+                &mut dout,
+            )
+            .unwrap();
+            let got = g.download(&dout).unwrap();
+            let n = first.keys.len() * heads;
+            assert!(
+                got[..n].iter().all(|v| v.is_nan()),
+                "{what}: a broken row is not NaN"
+            );
+        }
+    }
+
+    #[test]
+    fn row_probabilities_match_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(21);
+        for variant in [
+            BASE,
+            Variant {
+                window: Some(40),
+                ..BASE
+            },
+            Variant {
+                chunk: Some(64),
+                ..BASE
+            },
+            Variant {
+                cap: Some(30.0),
+                sinks: true,
+                ..BASE
+            },
+        ] {
+            row_probabilities_case::<f32>(&g, &mut r, variant);
+            row_probabilities_case::<f16>(&g, &mut r, variant);
+            row_probabilities_case::<bf16>(&g, &mut r, variant);
+        }
+    }
 }

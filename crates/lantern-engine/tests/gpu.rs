@@ -246,6 +246,53 @@ fn captures_on_the_gpu_equal_the_reference_and_the_cpu() {
     }
 }
 
+/// Key statistics, span masses and streamed rows on the GPU are summed as the rows run,
+/// from probabilities the device computes after each layer's attention (no keys copied
+/// for them when the request finishes), and match the maps finalized from the keys on
+/// the host: prefill rows and decodes, every architecture (windows, soft-cap, sinks,
+/// chunks), both layouts.
+#[test]
+fn capture_figures_on_the_gpu_are_summed_as_the_rows_run() {
+    if !gpu_present("capture_figures_on_the_gpu_are_summed_as_the_rows_run") {
+        return;
+    }
+    for &arch in ARCHS {
+        for &backend in BACKENDS {
+            let mut gpu = engine_on(DeviceChoice::Cuda(0), arch, backend, true, KvDtype::F32);
+            let info = gpu.model_info().clone();
+            let heads = info.attention[0].num_heads;
+            let p = &prompts(arch)[0];
+            let name = format!("{arch} {backend} {}", p.id);
+            let mut spec = common::with_every_stat(CaptureSpec::everything(info.num_layers, heads));
+            spec.top_k = None;
+            spec.stream_rows = true;
+            let mut alone = spec.clone();
+            alone.maps = false;
+            let out = common::run_to_completion(
+                &mut gpu,
+                vec![
+                    (p.prompt_ids.clone(), greedy(6), Some(spec)),
+                    (p.prompt_ids.clone(), greedy(6), Some(alone)),
+                ],
+            );
+            let pending = out[0].capture.as_ref().unwrap().as_ref().unwrap();
+            assert!(pending.stats_summed_live(), "{name}: statistics");
+            assert!(pending.span_masses_summed_live(), "{name}: span masses");
+            let result = pending.finalize().unwrap();
+            common::check_stats_match_the_maps(&result, 1e-4);
+            let figures_only = out[1].capture.as_ref().unwrap().as_ref().unwrap();
+            assert!(
+                !figures_only.holds_keys(),
+                "{name}: keys copied for figures alone"
+            );
+            let figures = figures_only.finalize().unwrap();
+            assert_eq!(figures.stats, result.stats, "{name}");
+            assert_eq!(figures.span_mass, result.span_mass, "{name}");
+            eprintln!("{name}: statistics and span masses summed on the GPU match the maps");
+        }
+    }
+}
+
 /// Each request's tokens and, where it asked, the log-probabilities of its tokens and of
 /// its top 3 alternatives, step by step.
 fn run_logged(

@@ -29,10 +29,13 @@ const CHUNK_VALUES: usize = 1 << 12;
 impl QuantAct {
     pub(crate) fn quantize(kernel: Kernel, x: &[f32], m: usize, k: usize, parallel: bool) -> Self {
         let nb = k / BLOCK;
-        let mut q = AlignedBuf::zeroed(m * k);
-        let mut d = vec![0f32; m * nb];
-        let mut s = vec![0f32; m * nb];
-        let mut isum = vec![[0i32; 2]; m * nb];
+        let mut act = SPARE.with(|spare| spare.take()).unwrap_or_default();
+        let QuantAct { q, d, s, isum } = &mut act;
+        // Every value is overwritten below: resizing zeroes only what the buffers grow by.
+        q.resize(m * k);
+        d.resize(m * nb, 0.0);
+        s.resize(m * nb, 0.0);
+        isum.resize(m * nb, [0; 2]);
         let one_token = |(((xr, qr), dr), (sr, cr)): TokenSlices<'_>| {
             for b in 0..nb {
                 let xb: &[f32; BLOCK] = xr[b * BLOCK..(b + 1) * BLOCK].try_into().unwrap();
@@ -77,7 +80,37 @@ impl QuantAct {
                 .zip(s.chunks_mut(nb).zip(isum.chunks_mut(nb)))
                 .for_each(one_token);
         }
-        QuantAct { q, d, s, isum }
+        act
+    }
+}
+
+thread_local! {
+    /// The buffers of this thread's last quantized activations, reused by its next
+    /// product: no allocation and no zeroing per product (the engine thread quantizes
+    /// ~120 activations per decode step while the helpers wait).
+    static SPARE: std::cell::Cell<Option<QuantAct>> = const { std::cell::Cell::new(None) };
+}
+
+impl Default for QuantAct {
+    fn default() -> Self {
+        QuantAct {
+            q: AlignedBuf::zeroed(0),
+            d: Vec::new(),
+            s: Vec::new(),
+            isum: Vec::new(),
+        }
+    }
+}
+
+impl QuantAct {
+    /// Keeps the buffers for this thread's next [`quantize`](Self::quantize) (one spare
+    /// a thread: buffers that find it taken are freed).
+    pub(crate) fn recycle(self) {
+        // `try_with`: nothing to keep once the thread's locals are gone.
+        let _ = SPARE.try_with(|spare| match spare.take() {
+            None => spare.set(Some(self)),
+            kept => spare.set(kept),
+        });
     }
 }
 

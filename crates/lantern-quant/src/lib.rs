@@ -184,6 +184,16 @@ impl AlignedBuf {
         }
     }
 
+    /// Sets the length to `len` bytes, keeping the values of the first ones; new bytes
+    /// and the padding after `len` in the last line are zeroed (as in a fresh buffer).
+    pub(crate) fn resize(&mut self, len: usize) {
+        self.lines.resize(len.div_ceil(64), Line([0; 64]));
+        if let Some(last) = self.lines.last_mut() {
+            last.0[(len - 1) % 64 + 1..].fill(0);
+        }
+        self.len = len;
+    }
+
     pub(crate) fn as_slice(&self) -> &[u8] {
         // SAFETY: `lines` holds at least `len` initialised bytes.
         unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.len) }
@@ -231,6 +241,37 @@ struct Split {
     panels_per_task: usize,
     /// Tokens per task.
     tokens_per_task: usize,
+    /// Panels of the register tile: the smallest panel chunk worth a task.
+    granule: usize,
+}
+
+/// Cuts the parts' panel ranges (`(first, end)` each) into chunks claimed in order, of
+/// decreasing size: each chunk holds about `1 / (2 · threads)` of the panels still
+/// unassigned, between `granule` and `most` panels (rounded up to whole granules, cut
+/// at the end of its part). Early chunks are large (few claims); the last ones are a
+/// register tile wide, so the thread that finishes last waits for at most one small
+/// chunk. Returns `(part index, (first panel, end panel))` in claim order.
+fn guided_chunks(
+    parts: &[(usize, usize)],
+    granule: usize,
+    most: usize,
+    threads: usize,
+) -> Vec<(usize, (usize, usize))> {
+    let granule = granule.max(1);
+    let most = most.max(granule);
+    let mut left: usize = parts.iter().map(|&(a, b)| b - a).sum();
+    let mut chunks = Vec::new();
+    for (i, &(first, end)) in parts.iter().enumerate() {
+        let mut p = first;
+        while p < end {
+            let want = left.div_ceil(2 * threads.max(1)).div_ceil(granule) * granule;
+            let size = want.clamp(granule, most).min(end - p);
+            chunks.push((i, (p, p + size)));
+            p += size;
+            left -= size;
+        }
+    }
+    chunks
 }
 
 /// Below this many multiply-adds a batched `matmul` runs on the calling thread. Measured
@@ -538,35 +579,42 @@ impl PackedMatrix {
                 // SAFETY: the caller's contract; this thread is the only writer.
                 unsafe { self.run_tile(kernel, act, part.panels, (0, m), part.dst) };
             }
+            input.recycle();
             return;
         }
-        let (panels_per_task, tokens_per_task) = if shared {
+        let (chunks, tokens_per_task) = if shared {
             // Chunks of whole register tiles (4 panels fit every level's m = 1 tile),
             // about four per thread (at least 16) so that many threads all get some.
             let chunks = (4 * threads).max(16);
-            ((self.np / chunks).clamp(4, 64).div_ceil(4) * 4, 1)
+            let per = (self.np / chunks).clamp(4, 64).div_ceil(4) * 4;
+            let even = parts.iter().enumerate().flat_map(|(i, part)| {
+                let (first, end) = part.panels;
+                (first..end)
+                    .step_by(per)
+                    .map(move |p0| (i, (p0, (p0 + per).min(end))))
+            });
+            (even.collect(), 1)
         } else {
             let split = self.split(m);
-            (split.panels_per_task, split.tokens_per_task)
+            let panels: Vec<(usize, usize)> = parts.iter().map(|p| p.panels).collect();
+            let chunks = guided_chunks(&panels, split.granule, split.panels_per_task, threads);
+            (chunks, split.tokens_per_task)
         };
         // Panel chunk outer, token chunk inner: neighbouring tasks share weights.
         let token_tasks = m.div_ceil(tokens_per_task);
-        let mut tasks = Vec::new();
-        for (i, part) in parts.iter().enumerate() {
-            let (first, end) = part.panels;
-            for p0 in (first..end).step_by(panels_per_task) {
-                let panels = (p0, (p0 + panels_per_task).min(end));
-                tasks.extend((0..token_tasks).map(|ti| {
-                    let t0 = ti * tokens_per_task;
-                    (i, panels, (t0, (t0 + tokens_per_task).min(m)))
-                }));
-            }
+        let mut tasks = Vec::with_capacity(chunks.len() * token_tasks);
+        for (i, panels) in chunks {
+            tasks.extend((0..token_tasks).map(|ti| {
+                let t0 = ti * tokens_per_task;
+                (i, panels, (t0, (t0 + tokens_per_task).min(m)))
+            }));
         }
         share::run(tasks.len(), &|task| {
             let (part, panels, tokens) = tasks[task];
             // SAFETY: tasks write disjoint (token, row) rectangles of the parts.
             unsafe { self.run_tile(kernel, act, panels, tokens, parts[part].dst) };
         });
+        input.recycle();
     }
 
     /// The portable scalar path (same results as [`matmul`](Self::matmul), bit for bit).
@@ -592,6 +640,7 @@ impl PackedMatrix {
         Split {
             panels_per_task: ppt,
             tokens_per_task,
+            granule,
         }
     }
 
@@ -702,6 +751,15 @@ enum Input<'a> {
     Bf16Pairs(Vec<half::bf16>),
 }
 
+impl Input<'_> {
+    /// Keeps quantized activations' buffers for this thread's next product.
+    fn recycle(self) {
+        if let Input::Quantized(act) = self {
+            act.recycle();
+        }
+    }
+}
+
 /// Where a product's outputs go: the value of token `t` and output row `r` at
 /// `ptr + t·ldo + (r − row0)`, for the rows of one part (a whole matrix, or one of the
 /// matrices a stacked product holds).
@@ -750,4 +808,54 @@ pub fn split_columns(whole: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
         }
     }
     parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::guided_chunks;
+
+    /// Every panel of every part lands in exactly one chunk of its part, in order; chunks
+    /// are whole granules (but at a part's end), at most `most` panels, never growing,
+    /// and the last chunk is one granule.
+    #[test]
+    fn guided_chunks_cover_every_panel_once_and_shrink() {
+        type Case = (&'static [(usize, usize)], usize, usize);
+        let cases: [Case; 6] = [
+            (&[(0, 36), (36, 48), (48, 60)], 2, 48),
+            (&[(0, 36)], 2, 6),
+            (&[(0, 3072)], 2, 26),
+            (&[(0, 96), (96, 192)], 4, 48),
+            (&[(0, 1)], 2, 8),
+            (&[(0, 7), (7, 8), (8, 21)], 2, 64),
+        ];
+        for (parts, granule, most) in cases {
+            for threads in [1, 2, 3, 16, 64] {
+                let chunks = guided_chunks(parts, granule, most, threads);
+                let mut expect = parts
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, &(a, b))| (a..b).map(move |p| (i, p)));
+                for &(i, (a, b)) in &chunks {
+                    assert!(a < b && b - a <= most.max(granule), "{parts:?} {threads}");
+                    let at_end = b == parts[i].1;
+                    assert!(at_end || (b - a) % granule == 0, "{parts:?} {threads}");
+                    for p in a..b {
+                        assert_eq!(expect.next(), Some((i, p)), "{parts:?} {threads}");
+                    }
+                }
+                assert_eq!(expect.next(), None, "{parts:?} {threads}");
+                let whole: Vec<usize> = chunks
+                    .iter()
+                    .filter(|&&(i, (_, b))| b != parts[i].1)
+                    .map(|&(_, (a, b))| b - a)
+                    .collect();
+                assert!(
+                    whole.windows(2).all(|w| w[0] >= w[1]),
+                    "{parts:?} {threads}"
+                );
+                let last = chunks.last().unwrap().1;
+                assert!(last.1 - last.0 <= granule, "{parts:?} {threads}");
+            }
+        }
+    }
 }

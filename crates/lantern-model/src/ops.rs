@@ -87,7 +87,7 @@ per_level! {
 /// RMS normalization of every row of `x`, scaled by `weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    let chunk = share::rows_per_chunk(weight.len()) * weight.len();
+    let chunk = share::chunk_len(x.len(), weight.len());
     share::for_each_chunk(&mut out, chunk, &|c, out| {
         rms_norm_rows(&x[c * chunk..][..out.len()], weight, eps, out)
     });
@@ -96,9 +96,9 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 
 /// `op(out, input)` over matching chunks of the two, on the helpers when large.
 fn zip_chunks(out: &mut [f32], input: &[f32], op: fn(&mut [f32], &[f32])) {
-    const CHUNK: usize = share::SERIAL_VALUES;
-    share::for_each_chunk(out, CHUNK, &|c, out| {
-        op(out, &input[c * CHUNK..][..out.len()])
+    let chunk = share::chunk_len(out.len(), 1);
+    share::for_each_chunk(out, chunk, &|c, out| {
+        op(out, &input[c * chunk..][..out.len()])
     });
 }
 
@@ -120,12 +120,14 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 
 /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).
 pub fn soft_cap(x: &mut [f32], cap: f32) {
-    share::for_each_chunk(x, share::SERIAL_VALUES, &|_, x| soft_cap_values(x, cap));
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| soft_cap_values(x, cap));
 }
 
 /// `x *= alpha`.
 pub fn scale(x: &mut [f32], alpha: f32) {
-    share::for_each_chunk(x, share::SERIAL_VALUES, &|_, x| scale_values(x, alpha));
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| scale_values(x, alpha));
 }
 
 #[cfg(test)]

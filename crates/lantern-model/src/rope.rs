@@ -246,7 +246,7 @@ impl RopeTable {
     /// Rotates `x`: `[tokens, heads, head_dim]`, in place.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize) {
         let row = heads * head_dim;
-        let tokens = lantern_quant::share::rows_per_chunk(row);
+        let tokens = lantern_quant::share::chunk_len(x.len(), row) / row.max(1);
         let (half, pairs) = (self.half, self.pairs);
         lantern_quant::share::for_each_chunk(x, tokens * row, &|c, x| {
             let angles = c * tokens * half..;

@@ -239,10 +239,28 @@ pub fn for_each_chunk<T: Send>(
     });
 }
 
-/// Rows per chunk for an element-wise pass over `rows` rows of `row_len` values: whole
-/// rows, at least [`SERIAL_VALUES`] values per chunk.
-pub fn rows_per_chunk(row_len: usize) -> usize {
-    SERIAL_VALUES.div_ceil(row_len.max(1))
+/// Chunk length for an element-wise pass over `len` values in units (rows) of `unit`:
+/// whole units, and as many chunks as [`SERIAL_VALUES`]-long ones would make, rounded up
+/// to a multiple of the thread count and evened out, so that no thread is left with one
+/// long chunk while the others wait (a decode batch of 32 SmolLM2 rows is two chunks of
+/// 16 rows on 2 threads, not 29 and 3). `len` itself (one chunk, the calling thread
+/// alone) up to [`SERIAL_VALUES`].
+pub fn chunk_len(len: usize, unit: usize) -> usize {
+    chunk_len_for(len, unit, rayon::current_num_threads())
+}
+
+/// [`chunk_len`] for `threads` threads.
+fn chunk_len_for(len: usize, unit: usize, threads: usize) -> usize {
+    let unit = unit.max(1);
+    let units = len.div_ceil(unit);
+    let threads = threads.max(1);
+    let chunks = len.div_ceil(SERIAL_VALUES).max(1);
+    let chunks = if chunks > 1 {
+        chunks.next_multiple_of(threads)
+    } else {
+        1
+    };
+    units.div_ceil(chunks).max(1) * unit
 }
 
 /// A mutable slice shared with the threads of one `run`, each of which writes its own
@@ -336,7 +354,42 @@ mod tests {
                 "{len}/{chunk}"
             );
         }
-        assert_eq!(rows_per_chunk(576), 29);
-        assert_eq!(rows_per_chunk(1 << 15), 1);
+    }
+
+    /// Chunks are whole units; one for small passes; otherwise at least as many as
+    /// `SERIAL_VALUES`-long ones would make (or one per unit), none longer than an even
+    /// split of the units over one chunk fewer.
+    #[test]
+    fn chunks_are_whole_even_units() {
+        let cases = [
+            (0, 576),
+            (576, 576),
+            (18_432, 576),
+            (49_152, 1),
+            (294_912, 576),
+            (100_003, 1),
+            (1 << 16, 1 << 15),
+        ];
+        for threads in [1, 2, 3, 16] {
+            for (len, unit) in cases {
+                let chunk = chunk_len_for(len, unit, threads);
+                assert_eq!(chunk % unit, 0, "{len} {unit}");
+                if len <= SERIAL_VALUES {
+                    assert!(chunk >= len, "{len} {unit}");
+                    continue;
+                }
+                let (units, count) = (len.div_ceil(unit), len.div_ceil(chunk));
+                assert!(
+                    count >= len.div_ceil(SERIAL_VALUES).min(units),
+                    "{len} {unit}"
+                );
+                assert!(
+                    chunk / unit <= units.div_ceil(count - 1).max(1),
+                    "{len} {unit}"
+                );
+            }
+        }
+        assert_eq!(chunk_len_for(18_432, 576, 2), 16 * 576);
+        assert_eq!(chunk_len_for(49_152, 1, 2), 12_288);
     }
 }

@@ -245,6 +245,19 @@ struct Split {
     granule: usize,
 }
 
+/// Cuts the parts' panel ranges into chunks of `per` panels (the last of a part shorter):
+/// `(part index, (first panel, end panel))` in order.
+fn even_chunks(parts: &[Part], per: usize) -> Vec<(usize, (usize, usize))> {
+    let per = per.max(1);
+    let even = parts.iter().enumerate().flat_map(|(i, part)| {
+        let (first, end) = part.panels;
+        (first..end)
+            .step_by(per)
+            .map(move |p0| (i, (p0, (p0 + per).min(end))))
+    });
+    even.collect()
+}
+
 /// Cuts the parts' panel ranges (`(first, end)` each) into chunks claimed in order, of
 /// decreasing size: each chunk holds about `1 / (2 · threads)` of the panels still
 /// unassigned, between `granule` and `most` panels (rounded up to whole granules, cut
@@ -587,17 +600,18 @@ impl PackedMatrix {
             // about four per thread (at least 16) so that many threads all get some.
             let chunks = (4 * threads).max(16);
             let per = (self.np / chunks).clamp(4, 64).div_ceil(4) * 4;
-            let even = parts.iter().enumerate().flat_map(|(i, part)| {
-                let (first, end) = part.panels;
-                (first..end)
-                    .step_by(per)
-                    .map(move |p0| (i, (p0, (p0 + per).min(end))))
-            });
-            (even.collect(), 1)
+            (even_chunks(parts, per), 1)
         } else {
             let split = self.split(m);
-            let panels: Vec<(usize, usize)> = parts.iter().map(|p| p.panels).collect();
-            let chunks = guided_chunks(&panels, split.granule, split.panels_per_task, threads);
+            let chunks = if split.tokens_per_task >= m {
+                // One token range (decode batches): the chunks' sizes are all there is
+                // to balance the threads' last tasks.
+                let panels: Vec<(usize, usize)> = parts.iter().map(|p| p.panels).collect();
+                guided_chunks(&panels, split.granule, split.panels_per_task, threads)
+            } else {
+                // Many token ranges (prefills): each chunk is many tasks already.
+                even_chunks(parts, split.panels_per_task)
+            };
             (chunks, split.tokens_per_task)
         };
         // Panel chunk outer, token chunk inner: neighbouring tasks share weights.

@@ -180,7 +180,16 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     let mut engine = args.engine.build_engine(verbose)?;
     if args.capture {
         println!("simd               {}", lantern_model::simd_level());
-        return crate::bench_capture::run(&mut engine, repeat, &args.capture_prompt_tokens);
+        // The paired figures' second engine: its KV cache sized by --kv-cache-memory, so
+        // that on a GPU it does not ask for the share the first one already holds.
+        args.engine.gpu_memory_utilization = None;
+        let mut twin = args.engine.build_engine(false)?;
+        return crate::bench_capture::run(
+            &mut engine,
+            &mut twin,
+            repeat,
+            &args.capture_prompt_tokens,
+        );
     }
     let vocab = engine.model_info().vocab_size;
     let mut salt = 0u64;

@@ -1,13 +1,16 @@
 //! `lantern bench --capture`: what attention capture costs.
 //!
-//! - the aggregate decode rate of a batch with no capturing request, and with one of its
-//!   requests capturing every layer (the Q-row copies ride along in each step);
-//! - finalize time per layer and the memory a capture holds, against prompt length;
-//! - the decode rate of a batch while another thread finalizes a large capture (what
-//!   other requests lose while a capture is computed off the step loop);
+//! - the aggregate decode rate of a batch with one of its requests capturing every layer
+//!   (the Q-row copies ride along in each step), against the same batch without;
 //! - key statistics and span masses: a batch of `STATS_BATCH` requests each asking for
 //!   key statistics (or span masses) of every layer, against the same requests without
-//!   capture, with and without the time their figures take to finalize.
+//!   capture, with and without the time their figures take to finalize;
+//! - finalize time per layer and the memory a capture holds, against prompt length;
+//! - the decode rate of a batch while another thread finalizes a large capture (what
+//!   other requests lose while a capture is computed off the step loop).
+//!
+//! The first two are paired step by step: the batch runs on two engines in turn, one
+//! with capture and one without, so that the machine's drift falls on both alike.
 
 use crate::bench::{decode_params, decode_rate_with_capture, median, synthetic_prompt};
 use anyhow::{Context, Result};
@@ -15,6 +18,7 @@ use lantern_engine::lantern_capture::{
     CaptureSpan, CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
 };
 use lantern_engine::Engine;
+use lantern_kv::RequestId;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,14 +35,13 @@ fn everything(engine: &Engine) -> CaptureSpec {
     CaptureSpec::everything(info.num_layers, info.attention[0].num_heads)
 }
 
-/// Aggregate tokens/s of `BATCH` requests, the first capturing with `capture`.
-fn decode_rate(engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>) -> Result<f64> {
+/// Aggregate tokens/s of `BATCH` requests, none capturing.
+fn decode_rate(engine: &mut Engine, salt: &mut u64) -> Result<f64> {
     let vocab = engine.model_info().vocab_size;
     let requests = (0..BATCH)
-        .map(|i| {
+        .map(|_| {
             *salt += 1;
-            let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
-            (prompt, if i == 0 { capture.clone() } else { None })
+            (synthetic_prompt(DECODE_PROMPT, *salt, vocab), None)
         })
         .collect();
     decode_rate_with_capture(engine, requests, DECODE_TOKENS)
@@ -75,95 +78,193 @@ fn span_masses(engine: &Engine) -> CaptureSpec {
     spec
 }
 
-/// Aggregate tokens/s of `STATS_BATCH` requests each capturing with `capture`: over the
-/// decode steps alone (tokens sampled after every request has its first token), and
-/// counting the time their captures then take to finalize on one thread, as the
-/// server's capture worker does.
-fn statistics_rates(
-    engine: &mut Engine,
+/// A batch of paired runs: `size` requests of `DECODE_PROMPT`-token prompts decoding
+/// `DECODE_TOKENS` tokens each, the first `capturing` of them asking for `capture` on the
+/// capturing engine.
+struct PairedBatch<'a> {
+    size: usize,
+    capturing: usize,
+    capture: &'a CaptureSpec,
+}
+
+/// The same batch on both engines (the same prompts, so the same tokens are
+/// generated), the capturing requests asking for capture on the second engine only.
+fn add_paired_batch(
+    engines: [&mut Engine; 2],
     salt: &mut u64,
-    capture: Option<CaptureSpec>,
-) -> Result<(f64, f64)> {
-    let vocab = engine.model_info().vocab_size;
-    let ids = (0..STATS_BATCH)
+    batch: &PairedBatch,
+) -> Result<[Vec<RequestId>; 2]> {
+    let vocab = engines[0].model_info().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..batch.size)
         .map(|_| {
             *salt += 1;
-            let prompt = synthetic_prompt(DECODE_PROMPT, *salt, vocab);
-            engine.add_request_with_capture(prompt, decode_params(DECODE_TOKENS), capture.clone())
+            synthetic_prompt(DECODE_PROMPT, *salt, vocab)
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
+    let [plain, capturing] = engines;
+    let add = |engine: &mut Engine, capturing: usize| {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let capture = (i < capturing).then(|| batch.capture.clone());
+                engine.add_request_with_capture(
+                    prompt.clone(),
+                    decode_params(DECODE_TOKENS),
+                    capture,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    Ok([add(plain, 0)?, add(capturing, batch.capturing)?])
+}
+
+/// Steps `engine` until each of `ids` has its first token (the prompts' prefill, not
+/// timed).
+fn run_prefills(engine: &mut Engine, ids: &[RequestId]) -> Result<()> {
     let mut started = std::collections::HashSet::new();
-    let (mut decode_start, mut decoded) = (None, 0usize);
-    while engine.has_unfinished() {
-        let outputs = engine.step()?;
-        match decode_start {
-            Some(_) => decoded += outputs.len(),
-            None => {
-                started.extend(outputs.iter().map(|o| o.id));
-                if started.len() == ids.len() {
-                    decode_start = Some(Instant::now());
-                }
-            }
-        }
+    while started.len() < ids.len() {
+        anyhow::ensure!(
+            engine.has_unfinished(),
+            "a request finished before it started"
+        );
+        started.extend(engine.step()?.iter().map(|o| o.id));
     }
-    let start = decode_start.context("every request started")?;
-    let decode_seconds = start.elapsed().as_secs_f64();
-    for id in ids {
-        let completion = engine.take_completion(id).context("request finished")?;
+    Ok(())
+}
+
+/// Rates of one paired run: the batch without capture, with it over the decode steps,
+/// and with it counting the time its captures then take to finalize on one thread, as
+/// the server's capture worker does.
+struct PairedRates {
+    plain: f64,
+    decode: f64,
+    with_finalize: f64,
+}
+
+/// The batch decoded on two engines in turn, step by step: one without capture, one
+/// with the batch's capturing requests. The two share the model's file and the
+/// compute threads, and each capture step is timed right beside a step without, so a
+/// change in the machine's speed (on the shared machines these figures come from, tens
+/// of percent over seconds) falls on both alike; which engine steps first alternates.
+fn paired_rates(
+    plain: &mut Engine,
+    capturing: &mut Engine,
+    salt: &mut u64,
+    batch: &PairedBatch,
+) -> Result<PairedRates> {
+    let [plain_ids, capture_ids] = add_paired_batch([plain, capturing], salt, batch)?;
+    run_prefills(plain, &plain_ids)?;
+    run_prefills(capturing, &capture_ids)?;
+    let mut seconds = [0.0f64; 2];
+    let mut decoded = [0usize; 2];
+    let mut timed_step = |engine: &mut Engine, which: usize| -> Result<()> {
+        if engine.has_unfinished() {
+            let start = Instant::now();
+            let outputs = engine.step()?;
+            seconds[which] += start.elapsed().as_secs_f64();
+            decoded[which] += outputs.len();
+        }
+        Ok(())
+    };
+    let mut plain_first = true;
+    while plain.has_unfinished() || capturing.has_unfinished() {
+        if plain_first {
+            timed_step(plain, 0)?;
+            timed_step(capturing, 1)?;
+        } else {
+            timed_step(capturing, 1)?;
+            timed_step(plain, 0)?;
+        }
+        plain_first = !plain_first;
+    }
+    anyhow::ensure!(
+        decoded[0] == decoded[1],
+        "both engines decode the same tokens"
+    );
+    for id in plain_ids {
+        plain.take_completion(id).context("request finished")?;
+    }
+    let start = Instant::now();
+    for id in capture_ids {
+        let completion = capturing.take_completion(id).context("request finished")?;
         if let Some(pending) = completion.capture {
             pending.map_err(anyhow::Error::msg)?.finalize()?;
         }
     }
-    let total_seconds = start.elapsed().as_secs_f64();
-    let rate = |seconds: f64| decoded as f64 / seconds.max(1e-9);
-    Ok((rate(decode_seconds), rate(total_seconds)))
+    let finalize_seconds = start.elapsed().as_secs_f64();
+    let rate = |seconds: f64| decoded[0] as f64 / seconds.max(1e-9);
+    Ok(PairedRates {
+        plain: rate(seconds[0]),
+        decode: rate(seconds[1]),
+        with_finalize: rate(seconds[1] + finalize_seconds),
+    })
 }
 
-/// One line of the statistics figures: a median rate and, beside it, the median and the
-/// lowest of its ratios to the no-capture run of the same round.
-fn print_rate(label: &str, rates: &[f64], plain: &[f64]) {
+/// One line of the paired figures: the median rate and, beside it, the median, the
+/// lowest and the highest of its ratios to the runs (`against`) it was paired with.
+fn print_rate(label: &str, rates: &[f64], plain: &[f64], against: &str) {
     let ratios: Vec<f64> = rates.iter().zip(plain).map(|(r, p)| r / p).collect();
     let lowest = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let highest = ratios.iter().copied().fold(0.0, f64::max);
     println!(
-        "  {label:<31} {:8.1} tokens/s  ({:.1}% of no capture; per round median {:.1}%, lowest {:.1}%)",
+        "  {label:<31} {:8.1} tokens/s  (per round median {:.1}% of {against}, lowest {:.1}%, highest {:.1}%)",
         median(rates.to_vec()),
-        100.0 * median(rates.to_vec()) / median(plain.to_vec()),
         100.0 * median(ratios),
         100.0 * lowest,
+        100.0 * highest,
     );
 }
 
-fn print_statistics_figures(engine: &mut Engine, salt: &mut u64, repeat: usize) -> Result<()> {
+fn print_statistics_figures(
+    engine: &mut Engine,
+    twin: &mut Engine,
+    salt: &mut u64,
+    repeat: usize,
+) -> Result<()> {
     let num_layers = engine.model_info().num_layers;
     let kinds = [
         ("key statistics", key_statistics(engine)),
         ("span masses", span_masses(engine)),
     ];
-    // Each round runs the batch without capture, then with each kind, so that a change
-    // in the machine's load falls on all alike and each kind has a no-capture run of its
-    // own round to be compared with.
-    let mut plain = Vec::new();
-    let mut rates = vec![(Vec::new(), Vec::new()); kinds.len()];
+    let mut rounds: Vec<Vec<PairedRates>> = kinds.iter().map(|_| Vec::new()).collect();
     for _ in 0..repeat {
-        plain.push(statistics_rates(engine, salt, None)?.0);
-        for ((_, spec), (decode, with_finalize)) in kinds.iter().zip(&mut rates) {
-            let (d, f) = statistics_rates(engine, salt, Some(spec.clone()))?;
-            decode.push(d);
-            with_finalize.push(f);
+        for ((_, spec), rounds) in kinds.iter().zip(&mut rounds) {
+            let batch = PairedBatch {
+                size: STATS_BATCH,
+                capturing: STATS_BATCH,
+                capture: spec,
+            };
+            rounds.push(paired_rates(twin, engine, salt, &batch)?);
         }
     }
     println!(
         "capture: key statistics and span masses, batch {STATS_BATCH} ({DECODE_PROMPT}-token prompts, \
          {DECODE_TOKENS} tokens each), every request asking, over its generated rows on all \
-         {num_layers} layers, key_mass, key_max and block_mass, or the masses of {SPANS} prompt spans"
+         {num_layers} layers, key_mass, key_max and block_mass, or the masses of {SPANS} prompt \
+         spans; each capture step timed beside a step without ({repeat} rounds)"
     );
-    println!(
-        "  no capture                      {:8.1} tokens/s",
-        median(plain.clone())
-    );
-    for ((name, _), (decode, with_finalize)) in kinds.iter().zip(&rates) {
-        print_rate(&format!("{name}, decode steps"), decode, &plain);
-        print_rate(&format!("{name}, with finalizing"), with_finalize, &plain);
+    for ((name, _), rounds) in kinds.iter().zip(&rounds) {
+        let plain: Vec<f64> = rounds.iter().map(|r| r.plain).collect();
+        let decode: Vec<f64> = rounds.iter().map(|r| r.decode).collect();
+        let with_finalize: Vec<f64> = rounds.iter().map(|r| r.with_finalize).collect();
+        println!(
+            "  {:<31} {:8.1} tokens/s",
+            format!("{name}: no capture"),
+            median(plain.clone())
+        );
+        print_rate(
+            &format!("{name}, decode steps"),
+            &decode,
+            &plain,
+            "no capture",
+        );
+        print_rate(
+            &format!("{name}, with finalizing"),
+            &with_finalize,
+            &plain,
+            "no capture",
+        );
     }
     Ok(())
 }
@@ -187,26 +288,45 @@ fn capture_of(engine: &mut Engine, salt: &mut u64, prompt_len: usize) -> Result<
         .map_err(anyhow::Error::msg)
 }
 
-pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Result<()> {
+/// `twin`: a second engine on the same model, the no-capture side of the paired
+/// figures.
+pub fn run(
+    engine: &mut Engine,
+    twin: &mut Engine,
+    repeat: usize,
+    prompt_lengths: &[usize],
+) -> Result<()> {
     let mut salt = 1_000u64;
     let num_layers = engine.model_info().num_layers;
-    decode_rate(engine, &mut salt, None)?; // warm-up
-    let runs = |engine: &mut Engine, salt: &mut u64, capture: Option<CaptureSpec>| {
-        (0..repeat)
-            .map(|_| decode_rate(engine, salt, capture.clone()))
-            .collect::<Result<Vec<_>>>()
-            .map(median)
+    decode_rate(engine, &mut salt)?; // warm-up
+    decode_rate(twin, &mut salt)?;
+    let all_layers = everything(engine);
+    let one_capturing = PairedBatch {
+        size: BATCH,
+        capturing: 1,
+        capture: &all_layers,
     };
-    let plain = runs(engine, &mut salt, None)?;
-    let capturing = runs(engine, &mut salt, Some(everything(engine)))?;
-    println!("capture: decode, batch {BATCH} ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each)");
-    println!("  no capturing request            {plain:8.1} tokens/s");
+    let rounds = (0..repeat)
+        .map(|_| paired_rates(twin, engine, &mut salt, &one_capturing))
+        .collect::<Result<Vec<_>>>()?;
+    let plain: Vec<f64> = rounds.iter().map(|r| r.plain).collect();
+    let capturing: Vec<f64> = rounds.iter().map(|r| r.decode).collect();
     println!(
-        "  one capturing all {num_layers} layers    {capturing:8.1} tokens/s  ({:+.1}% change)",
-        100.0 * (capturing / plain - 1.0)
+        "capture: decode, batch {BATCH} ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens \
+         each), each step of the batch with a capturing request timed beside one without"
+    );
+    println!(
+        "  no capturing request            {:8.1} tokens/s",
+        median(plain.clone())
+    );
+    print_rate(
+        &format!("one capturing all {num_layers} layers"),
+        &capturing,
+        &plain,
+        "no capturing request",
     );
 
-    print_statistics_figures(engine, &mut salt, repeat)?;
+    print_statistics_figures(engine, twin, &mut salt, repeat)?;
 
     println!("capture: finalize (every layer and head, prompt rows), per prompt length");
     let mut largest = None;
@@ -232,34 +352,78 @@ pub fn run(engine: &mut Engine, repeat: usize, prompt_lengths: &[usize]) -> Resu
     }
 
     if let Some(pending) = largest {
-        // The server's arrangement: finalization on the low-priority capture worker,
-        // kept busy with back-to-back captures for the whole measurement.
-        let pending = Arc::new(pending);
-        let stop = Arc::new(AtomicBool::new(false));
-        let finalized = Arc::new(AtomicUsize::new(0));
-        // The engine is busy throughout: the worker keeps to its duty cycle.
-        let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)), 1)?;
-        {
-            let (pending, stop, finalized) = (pending.clone(), stop.clone(), finalized.clone());
-            worker.submit(move |pacer| {
-                while !stop.load(Ordering::Relaxed) {
-                    if pending.finalize_with(|| pacer.pause()).is_ok() {
-                        finalized.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })?;
-        }
-        let during = runs(engine, &mut salt, None)?;
-        stop.store(true, Ordering::Relaxed);
-        drop(worker);
-        let after = runs(engine, &mut salt, None)?;
-        println!("capture: others' decode rate while captures finalize on the capture worker");
-        println!("  alone                           {after:8.1} tokens/s");
-        println!(
-            "  during finalization             {during:8.1} tokens/s  ({:+.1}% change; {} captures finalized meanwhile)",
-            100.0 * (during / after - 1.0),
-            finalized.load(Ordering::Relaxed)
-        );
+        print_finalizing_beside_others(engine, &mut salt, repeat, pending)?;
     }
+    Ok(())
+}
+
+/// What a batch of `BATCH` others loses while captures finalize on the capture worker
+/// (the server's arrangement: low priority, paced while requests run), `pending` finalized
+/// back to back. The worker is held between layers for every other run, so each run
+/// during finalization has a run alone right beside it.
+fn print_finalizing_beside_others(
+    engine: &mut Engine,
+    salt: &mut u64,
+    repeat: usize,
+    pending: PendingCapture,
+) -> Result<()> {
+    let pending = Arc::new(pending);
+    let stop = Arc::new(AtomicBool::new(false));
+    let held = Arc::new(AtomicBool::new(true));
+    let finalized = Arc::new(AtomicUsize::new(0));
+    // The engine is busy throughout: the worker keeps to its duty cycle.
+    let worker = CaptureWorker::start(Arc::new(AtomicBool::new(true)), 1)?;
+    {
+        let (pending, stop, held, finalized) = (
+            pending.clone(),
+            stop.clone(),
+            held.clone(),
+            finalized.clone(),
+        );
+        worker.submit(move |pacer| {
+            let between_layers = || {
+                pacer.pause();
+                if held.load(Ordering::Relaxed) {
+                    while held.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    pacer.start();
+                }
+            };
+            while !stop.load(Ordering::Relaxed) {
+                if pending.finalize_with(between_layers).is_ok() {
+                    finalized.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })?;
+    }
+    let (mut alone, mut during) = (Vec::new(), Vec::new());
+    for round in 0..repeat {
+        // Which goes first alternates.
+        for finalizing in [round % 2 == 0, round % 2 == 1] {
+            held.store(!finalizing, Ordering::Relaxed);
+            let rate = decode_rate(engine, salt)?;
+            if finalizing {
+                during.push(rate);
+            } else {
+                alone.push(rate);
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(worker);
+    println!(
+        "capture: others' decode rate (batch {BATCH}) while captures finalize on the capture \
+         worker, each run beside one without"
+    );
+    println!(
+        "  alone                           {:8.1} tokens/s",
+        median(alone.clone())
+    );
+    print_rate("during finalization", &during, &alone, "alone");
+    println!(
+        "  ({} captures finalized meanwhile)",
+        finalized.load(Ordering::Relaxed)
+    );
     Ok(())
 }

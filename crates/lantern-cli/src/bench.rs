@@ -35,6 +35,11 @@ pub struct BenchArgs {
     /// and memory against prompt length, and others' decode rate while it finalizes.
     #[arg(long)]
     pub capture: bool,
+    /// Measure instead how prefill and decode scale from one thread to all of
+    /// `--threads`, the two taking turns run by run (prefill) and step by step (decode)
+    /// within one process, so that the machine's drift falls on both alike.
+    #[arg(long, conflicts_with = "capture")]
+    pub thread_speedup: bool,
     /// Also measure the KV cache memory one request of this many tokens holds, with
     /// sliding-window blocks given back as the window moves and without (0: skip).
     #[arg(long, default_value_t = 0)]
@@ -76,6 +81,20 @@ fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
         .take_completion(id)
         .context("prefill request finished")?;
     Ok(elapsed.as_secs_f64())
+}
+
+/// Steps `engine` until each of `ids` has its first token (the prompts' prefill, not
+/// timed).
+pub(crate) fn run_prefills(engine: &mut Engine, ids: &[lantern_kv::RequestId]) -> Result<()> {
+    let mut started = std::collections::HashSet::new();
+    while started.len() < ids.len() {
+        anyhow::ensure!(
+            engine.has_unfinished(),
+            "a request finished before it started"
+        );
+        started.extend(engine.step()?.iter().map(|o| o.id));
+    }
+    Ok(())
 }
 
 /// Aggregate decode tokens/s of `prompts` generating `tokens` each: tokens sampled after
@@ -190,6 +209,16 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
             repeat,
             &args.capture_prompt_tokens,
         );
+    }
+    if args.thread_speedup {
+        println!("simd               {}", lantern_model::simd_level());
+        let scaling = crate::bench_scaling::ScalingArgs {
+            prompt_tokens: args.prompt_tokens,
+            decode_tokens: args.decode_tokens,
+            batches: &args.batches,
+            repeat,
+        };
+        return crate::bench_scaling::run(&mut engine, &scaling);
     }
     let vocab = engine.model_info().vocab_size;
     let mut salt = 0u64;

@@ -12,7 +12,9 @@
 //! The first two are paired step by step: the batch runs on two engines in turn, one
 //! with capture and one without, so that the machine's drift falls on both alike.
 
-use crate::bench::{decode_params, decode_rate_with_capture, median, synthetic_prompt};
+use crate::bench::{
+    decode_params, decode_rate_with_capture, median, run_prefills, synthetic_prompt,
+};
 use anyhow::{Context, Result};
 use lantern_engine::lantern_capture::{
     CaptureSpan, CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
@@ -117,20 +119,6 @@ fn add_paired_batch(
             .collect::<Result<Vec<_>, _>>()
     };
     Ok([add(plain, 0)?, add(capturing, batch.capturing)?])
-}
-
-/// Steps `engine` until each of `ids` has its first token (the prompts' prefill, not
-/// timed).
-fn run_prefills(engine: &mut Engine, ids: &[RequestId]) -> Result<()> {
-    let mut started = std::collections::HashSet::new();
-    while started.len() < ids.len() {
-        anyhow::ensure!(
-            engine.has_unfinished(),
-            "a request finished before it started"
-        );
-        started.extend(engine.step()?.iter().map(|o| o.id));
-    }
-    Ok(())
 }
 
 /// Rates of one paired run: the batch without capture, with it over the decode steps,
@@ -400,7 +388,8 @@ fn print_finalizing_beside_others(
     let (mut alone, mut during) = (Vec::new(), Vec::new());
     for round in 0..repeat {
         // Which goes first alternates.
-        for finalizing in [round % 2 == 0, round % 2 == 1] {
+        let first = round.is_multiple_of(2);
+        for finalizing in [first, !first] {
             held.store(!finalizing, Ordering::Relaxed);
             let rate = decode_rate(engine, salt)?;
             if finalizing {

@@ -4,6 +4,7 @@ mod args;
 mod attn;
 mod bench;
 mod bench_capture;
+mod bench_scaling;
 mod generate;
 mod generate_capture;
 mod kernels;

@@ -576,7 +576,7 @@ impl PackedMatrix {
             return;
         }
         let macs = m * self.n * self.k;
-        let threads = rayon::current_num_threads();
+        let threads = share::threads();
         let shared = m == 1 && macs >= SHARE_MACS && threads > 1;
         let parallel = !shared && macs >= SERIAL_MACS && threads > 1;
         let input = match kernel {
@@ -637,7 +637,7 @@ impl PackedMatrix {
     }
 
     fn split(&self, m: usize) -> Split {
-        let threads = rayon::current_num_threads().max(1);
+        let threads = share::threads();
         let granule = if m <= 2 { 4 } else { 2 };
         let tokens_per_task = if m <= TOKEN_CHUNK { m } else { TOKEN_CHUNK };
         let token_tasks = m.div_ceil(tokens_per_task);

@@ -95,7 +95,7 @@ impl Helpers {
                 let flag = Arc::clone(&parked);
                 std::thread::Builder::new()
                     .name(format!("lantern-quant-{i}"))
-                    .spawn(move || helper_loop(&flag))
+                    .spawn(move || helper_loop(i, &flag))
                     .ok()
                     .map(|h| (h.thread().clone(), parked))
             })
@@ -131,7 +131,30 @@ fn helpers() -> &'static Helpers {
     HELPERS.get_or_init(|| Helpers::start(rayon::current_num_threads().saturating_sub(1)))
 }
 
-fn helper_loop(parked: &AtomicBool) {
+/// Threads that compute from now on (the calling thread and `n - 1` helpers), when set
+/// by [`limit_threads`]; 0: all of them.
+static LIMIT: AtomicUsize = AtomicUsize::new(0);
+
+/// Threads that compute a step: the calling thread and the helpers, one per thread of
+/// rayon's pool, or fewer while [`limit_threads`] says so. Work is split for this many.
+pub fn threads() -> usize {
+    let all = rayon::current_num_threads().max(1);
+    match LIMIT.load(Ordering::Relaxed) {
+        0 => all,
+        n => n.min(all),
+    }
+}
+
+/// Lets only `n` threads (the calling thread and `n - 1` helpers) compute from the next
+/// product on, the others parked, and splits work for `n` (`None`: every thread again).
+/// For measuring how a step scales within one process, step by step, where the
+/// machine's drift between runs would hide it; results are the same bits at every
+/// count. Call it between steps, not while one runs.
+pub fn limit_threads(n: Option<usize>) {
+    LIMIT.store(n.unwrap_or(0), Ordering::Relaxed);
+}
+
+fn helper_loop(index: usize, parked: &AtomicBool) {
     // `HELPERS` is set as soon as `start` returns; until then there is nothing to do.
     let helpers = loop {
         match HELPERS.get() {
@@ -142,16 +165,20 @@ fn helper_loop(parked: &AtomicBool) {
     let mut seen = helpers.generation.load(Ordering::Acquire);
     let mut idle_since = Instant::now();
     loop {
+        // Outside the threads `limit_threads` lets compute: no draining, no lingering.
+        let enabled = index + 1 < threads();
         let g = helpers.generation.load(Ordering::SeqCst);
         if g != seen {
             seen = g;
-            if let Some(chunks) = helpers.current() {
-                chunks.drain();
+            if enabled {
+                if let Some(chunks) = helpers.current() {
+                    chunks.drain();
+                }
             }
             idle_since = Instant::now();
             continue;
         }
-        if idle_since.elapsed() < LINGER {
+        if enabled && idle_since.elapsed() < LINGER {
             for _ in 0..64 {
                 std::hint::spin_loop();
             }
@@ -188,7 +215,7 @@ pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
         work: erased,
         panic: Mutex::new(None),
     });
-    if count > 1 {
+    if count > 1 && threads() > 1 {
         helpers().publish(&chunks);
     }
     chunks.drain();
@@ -246,7 +273,7 @@ pub fn for_each_chunk<T: Send>(
 /// 16 rows on 2 threads, not 29 and 3). `len` itself (one chunk, the calling thread
 /// alone) up to [`SERIAL_VALUES`].
 pub fn chunk_len(len: usize, unit: usize) -> usize {
-    chunk_len_for(len, unit, rayon::current_num_threads())
+    chunk_len_for(len, unit, threads())
 }
 
 /// [`chunk_len`] for `threads` threads.
@@ -304,6 +331,36 @@ impl<'a, T> SharedMut<'a, T> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    /// With the threads limited to one, every chunk runs on the calling thread (the
+    /// helpers are not offered the work), and work is split for one thread.
+    #[test]
+    fn limited_to_one_thread_every_chunk_runs_on_the_caller() {
+        let caller = std::thread::current().id();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            assert_eq!(threads(), 2);
+            limit_threads(Some(1));
+            assert_eq!(threads(), 1);
+            let ran_on = Mutex::new(Vec::new());
+            run(64, &|_| {
+                ran_on.lock().unwrap().push(std::thread::current().id())
+            });
+            limit_threads(None);
+            let ran_on = ran_on.into_inner().unwrap();
+            assert_eq!(ran_on.len(), 64);
+            let caller_here = std::thread::current().id();
+            assert!(
+                ran_on.iter().all(|&t| t == caller_here),
+                "a helper ran a chunk"
+            );
+            assert_eq!(threads(), 2);
+        });
+        assert_eq!(std::thread::current().id(), caller);
+    }
 
     #[test]
     fn every_chunk_runs_once() {

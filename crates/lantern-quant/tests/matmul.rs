@@ -548,6 +548,34 @@ fn shared_single_token_products_match_one_thread() {
     }
 }
 
+/// Products with the computing threads limited to one (`share::limit_threads`, what
+/// `lantern bench --thread-speedup` switches step by step) are the same bits as with
+/// every thread, single-token (shared) and batched (split for one thread) alike.
+#[test]
+fn limiting_the_threads_changes_no_bit() {
+    use lantern_quant::share;
+    let mut rng = StdRng::seed_from_u64(21);
+    let pool = &thread_pools(&[3])[0];
+    for ty in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q6K] {
+        let (n, k) = (1001, 512);
+        let bytes = random_gguf(&mut rng, ty, n, k);
+        let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+        for m in [1, 32, 70] {
+            let x = random_x(&mut rng, m * k, true);
+            for &kernel in &levels() {
+                let all = pool.install(|| run(&pm, kernel, &x, m));
+                share::limit_threads(Some(1));
+                let one = pool.install(|| run(&pm, kernel, &x, m));
+                share::limit_threads(None);
+                assert!(
+                    same_bits(&one, &all),
+                    "{ty} {n}x{k} m={m} {kernel}: limited to one thread != every thread"
+                );
+            }
+        }
+    }
+}
+
 /// `force_kernel` caps at the CPU and `matmul` then runs at the forced level.
 #[test]
 fn forced_level_is_capped_and_used() {

@@ -1,0 +1,235 @@
+//! `lantern bench --thread-speedup`: how the figures scale from one thread to all of
+//! `--threads`, measured within one process.
+//!
+//! Runs seconds apart differ by more than the speedups being compared on shared
+//! machines, so the two thread counts take turns: prefills run by run, decode batches
+//! step by step (the same batch, one step at one thread, the next at all of them, which
+//! goes first alternating). Each side's rate is its tokens over the sum of its own
+//! runs' or steps' times. The single thread is the engine thread with every helper
+//! parked (`lantern_quant::share::limit_threads`), and work is split for one thread then,
+//! as `--threads 1` would; results are the same bits either way.
+
+use crate::bench::{decode_params, median, run_prefills, synthetic_prompt};
+use anyhow::{Context, Result};
+use lantern_engine::Engine;
+use lantern_quant::share;
+use std::time::Instant;
+
+/// What the figures are measured on.
+pub struct ScalingArgs<'a> {
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub batches: &'a [usize],
+    pub repeat: usize,
+}
+
+/// One figure's rounds: tokens/s on one thread and on all, per round.
+#[derive(Default)]
+struct Rounds {
+    one: Vec<f64>,
+    all: Vec<f64>,
+}
+
+impl Rounds {
+    fn print(&self, label: &str, threads: usize) {
+        self.print_with(label, threads, "tokens/s")
+    }
+
+    fn print_with(&self, label: &str, threads: usize, unit: &str) {
+        let speedups: Vec<f64> = self.all.iter().zip(&self.one).map(|(a, o)| a / o).collect();
+        let lowest = speedups.iter().copied().fold(f64::INFINITY, f64::min);
+        let highest = speedups.iter().copied().fold(0.0, f64::max);
+        println!(
+            "{label:<28} {:8.1} -> {:8.1} {unit:<8}  speedup 1 -> {threads}: median {:.2}x (rounds {:.2}-{:.2}x)",
+            median(self.one.clone()),
+            median(self.all.clone()),
+            median(speedups),
+            lowest,
+            highest,
+        );
+    }
+}
+
+/// Runs `f` with one computing thread (`true`) or all of them.
+fn with_threads<T>(one: bool, f: impl FnOnce() -> T) -> T {
+    share::limit_threads(one.then_some(1));
+    let out = f();
+    share::limit_threads(None);
+    out
+}
+
+/// Seconds to compute a prompt and sample its first token.
+fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
+    let id = engine.add_request(prompt, decode_params(1))?;
+    let start = Instant::now();
+    while engine.has_unfinished() {
+        engine.step()?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    engine.take_completion(id).context("prefill finished")?;
+    Ok(seconds)
+}
+
+/// One round of the prefill figure: a prompt on each side, which goes first by `round`.
+fn prefill_round(
+    engine: &mut Engine,
+    salt: &mut u64,
+    len: usize,
+    round: usize,
+) -> Result<[f64; 2]> {
+    let vocab = engine.model_info().vocab_size;
+    let mut rates = [0.0; 2];
+    let first = round.is_multiple_of(2);
+    for one in [first, !first] {
+        *salt += 1;
+        let prompt = synthetic_prompt(len, *salt, vocab);
+        let seconds = with_threads(one, || prefill_seconds(engine, prompt))?;
+        rates[usize::from(!one)] = len as f64 / seconds.max(1e-9);
+    }
+    Ok(rates)
+}
+
+/// One round of a decode figure: `batch` requests of `prompt_len`-token prompts (their
+/// prefill not timed), then their decode steps on alternating sides.
+fn decode_round(
+    engine: &mut Engine,
+    salt: &mut u64,
+    batch: usize,
+    prompt_len: usize,
+    tokens: usize,
+) -> Result<[f64; 2]> {
+    let vocab = engine.model_info().vocab_size;
+    let ids = (0..batch)
+        .map(|_| {
+            *salt += 1;
+            engine.add_request(
+                synthetic_prompt(prompt_len, *salt, vocab),
+                decode_params(tokens),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    run_prefills(engine, &ids)?;
+    let (mut seconds, mut decoded) = ([0.0f64; 2], [0usize; 2]);
+    let mut one = true;
+    while engine.has_unfinished() {
+        let side = usize::from(!one);
+        let (elapsed, outputs) = with_threads(one, || {
+            let start = Instant::now();
+            engine
+                .step()
+                .map(|o| (start.elapsed().as_secs_f64(), o.len()))
+        })?;
+        seconds[side] += elapsed;
+        decoded[side] += outputs;
+        one = !one;
+    }
+    for id in ids {
+        engine.take_completion(id).context("request finished")?;
+    }
+    Ok([0, 1].map(|side| decoded[side] as f64 / seconds[side].max(1e-9)))
+}
+
+/// Pieces of the machine's own figures: enough for every thread to have many.
+const PROBE_PIECES: usize = 64;
+
+/// Seconds of `piece(p)` for every piece, shared between the computing threads.
+fn probe_seconds(piece: &(dyn Fn(usize) -> f32 + Sync)) -> f64 {
+    let sums: Vec<std::sync::atomic::AtomicU32> =
+        (0..PROBE_PIECES).map(|_| Default::default()).collect();
+    let start = Instant::now();
+    share::run(PROBE_PIECES, &|p| {
+        sums[p].store(piece(p).to_bits(), std::sync::atomic::Ordering::Relaxed)
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(&sums);
+    seconds
+}
+
+/// Multiply-adds on registers only (no memory traffic): what this machine's cores give
+/// work that shares nothing.
+fn compute_piece(p: usize) -> f32 {
+    let mut acc = [p as f32 * 1e-3; 32];
+    for _ in 0..40_000 {
+        for a in &mut acc {
+            *a = a.mul_add(0.999_9, 1e-4);
+        }
+    }
+    std::hint::black_box(acc).iter().sum()
+}
+
+/// The speedup this machine gives from one thread to all on work with no serial part:
+/// multiply-adds on registers, and a sum over a buffer far larger than the caches (the
+/// memory bandwidth a decode step's weights stream through). A bound for the figures.
+fn machine_rounds(repeat: usize) -> (Rounds, Rounds) {
+    let buffer: Vec<f32> = (0..(64usize << 20)).map(|i| (i % 251) as f32).collect();
+    let piece_len = buffer.len() / PROBE_PIECES;
+    let read_piece = |p: usize| {
+        let mut acc = [0f32; 16];
+        for chunk in buffer[p * piece_len..(p + 1) * piece_len].chunks_exact(16) {
+            for (a, x) in acc.iter_mut().zip(chunk) {
+                *a += x;
+            }
+        }
+        acc.iter().sum()
+    };
+    let (mut compute, mut memory) = (Rounds::default(), Rounds::default());
+    for round in 0..repeat.max(5) {
+        let first = round.is_multiple_of(2);
+        for one in [first, !first] {
+            let side = |r: &mut Rounds, rate: f64| {
+                if one {
+                    r.one.push(rate)
+                } else {
+                    r.all.push(rate)
+                }
+            };
+            let c = with_threads(one, || probe_seconds(&compute_piece));
+            side(&mut compute, 1.0 / c);
+            let m = with_threads(one, || probe_seconds(&read_piece));
+            side(&mut memory, (buffer.len() * 4) as f64 / m / 1e9);
+        }
+    }
+    (compute, memory)
+}
+
+pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
+    let threads = share::threads();
+    let mut salt = 0u64;
+    // Warm-up: first-touch of the KV cache pages and the kernels' lazy state.
+    prefill_round(engine, &mut salt, args.prompt_tokens, 0)?;
+    let mut prefill = Rounds::default();
+    for round in 0..args.repeat {
+        let [one, all] = prefill_round(engine, &mut salt, args.prompt_tokens, round)?;
+        prefill.one.push(one);
+        prefill.all.push(all);
+    }
+    let mut decode = |batch: usize, prompt_len: usize| -> Result<Rounds> {
+        let mut rounds = Rounds::default();
+        for _ in 0..args.repeat {
+            let [one, all] =
+                decode_round(engine, &mut salt, batch, prompt_len, args.decode_tokens)?;
+            rounds.one.push(one);
+            rounds.all.push(all);
+        }
+        Ok(rounds)
+    };
+    let batch_one = decode(1, 1)?;
+    let batched = args
+        .batches
+        .iter()
+        .map(|&b| decode(b, 16).map(|r| (b, r)))
+        .collect::<Result<Vec<_>>>()?;
+    let (compute, memory) = machine_rounds(args.repeat);
+    println!(
+        "thread speedup, 1 -> {threads} threads, paired within one process ({} rounds)",
+        args.repeat
+    );
+    compute.print_with("machine: multiply-adds", threads, "rounds/s");
+    memory.print_with("machine: reading memory", threads, "GB/s");
+    prefill.print(&format!("prefill ({} tokens)", args.prompt_tokens), threads);
+    batch_one.print("decode, batch 1", threads);
+    for (b, rounds) in &batched {
+        rounds.print(&format!("decode, batch {b} (aggregate)"), threads);
+    }
+    Ok(())
+}

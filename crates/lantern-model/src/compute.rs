@@ -233,6 +233,18 @@ impl Compute for Cpu {
         Ok(ops::rms_norm(x, weight, eps))
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut Vec<f32>,
+        delta: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+    ) -> Result<Vec<f32>> {
+        same_len("add_rms_norm", x.len(), delta.len())?;
+        whole_rows("add_rms_norm", x.len(), weight.len())?;
+        Ok(ops::add_rms_norm(x, delta, weight, eps))
+    }
+
     fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
         same_len("add", acc.len(), x.len())?;
         ops::add_in_place(acc, x);
@@ -270,6 +282,24 @@ impl Compute for Cpu {
     ) -> Result<()> {
         whole_rows("rope", x.len(), heads * head_dim)?;
         table.apply(x, heads, head_dim);
+        Ok(())
+    }
+
+    fn rope_qk(
+        &self,
+        table: &RopeTable,
+        (q, q_heads): (&mut Vec<f32>, usize),
+        (k, k_heads): (&mut Vec<f32>, usize),
+        head_dim: usize,
+    ) -> Result<()> {
+        whole_rows("rope_qk", q.len(), q_heads * head_dim)?;
+        whole_rows("rope_qk", k.len(), k_heads * head_dim)?;
+        same_len(
+            "rope_qk (tokens)",
+            q.len() / (q_heads * head_dim).max(1),
+            k.len() / (k_heads * head_dim).max(1),
+        )?;
+        table.apply_qk((q, q_heads), (k, k_heads), head_dim);
         Ok(())
     }
 

@@ -94,6 +94,22 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// `acc += delta`, then the RMS normalization of every row of `acc`, scaled by
+/// `weight`, in one pass over row chunks: the same values as [`add_in_place`] then
+/// [`rms_norm`], with one sharing of the step's threads instead of two.
+pub fn add_rms_norm(acc: &mut [f32], delta: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; acc.len()];
+    let chunk = share::chunk_len(acc.len(), weight.len());
+    let acc = share::SharedMut::new(acc);
+    share::for_each_chunk(&mut out, chunk, &|c, out| {
+        // SAFETY: chunks are disjoint rows.
+        let acc = unsafe { acc.range(c * chunk, out.len()) };
+        add_values(acc, &delta[c * chunk..][..out.len()]);
+        rms_norm_rows(acc, weight, eps, out)
+    });
+    out
+}
+
 /// `op(out, input)` over matching chunks of the two, on the helpers when large.
 fn zip_chunks(out: &mut [f32], input: &[f32], op: fn(&mut [f32], &[f32])) {
     let chunk = share::chunk_len(out.len(), 1);
@@ -252,6 +268,27 @@ mod tests {
             assert_eq!(g, gelu[at.clone()], "gelu, row {r}");
             assert_eq!(c, capped[at.clone()], "soft cap, row {r}");
             assert_eq!(k, scaled[at], "scale, row {r}");
+        }
+    }
+
+    /// The fused residual add and norm (chunked on several threads) gives the bits of
+    /// the add, then the norm, at every level.
+    #[test]
+    fn add_rms_norm_equals_the_add_then_the_norm() {
+        let (rows, dim) = (300, 576);
+        let x = random(rows * dim, 7);
+        let delta = random(rows * dim, 8);
+        let w = random(dim, 9);
+        for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+            force_kernel(Some(level));
+            let mut added = x.clone();
+            add_in_place(&mut added, &delta);
+            let norm = rms_norm(&added, &w, 1e-6);
+            let mut fused_acc = x.clone();
+            let fused = add_rms_norm(&mut fused_acc, &delta, &w, 1e-6);
+            force_kernel(None);
+            assert_eq!(fused_acc, added, "{level}: the sum");
+            assert_eq!(fused, norm, "{level}: the norm");
         }
     }
 }

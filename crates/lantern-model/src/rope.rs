@@ -243,6 +243,34 @@ impl RopeTable {
         self.pairs
     }
 
+    /// Rotates the queries `q` (`[tokens, q_heads, head_dim]`) and keys `k` (`[tokens,
+    /// k_heads, head_dim]`) of the same tokens in place, in one pass over token chunks
+    /// (one sharing of the step's threads, where [`Self::apply`] twice would take two and
+    /// leave the keys, a third of the values or less, to one thread).
+    pub fn apply_qk(
+        &self,
+        (q, q_heads): (&mut [f32], usize),
+        (k, k_heads): (&mut [f32], usize),
+        head_dim: usize,
+    ) {
+        let (q_row, k_row) = (q_heads * head_dim, k_heads * head_dim);
+        let num_tokens = q.len() / q_row.max(1);
+        let both = q_row + k_row;
+        let tokens = lantern_quant::share::chunk_len(num_tokens * both, both) / both.max(1);
+        let (half, pairs) = (self.half, self.pairs);
+        let k = lantern_quant::share::SharedMut::new(k);
+        lantern_quant::share::for_each_chunk(q, tokens * q_row, &|c, q| {
+            let t0 = c * tokens;
+            let n = q.len() / q_row.max(1);
+            let angles = t0 * half..;
+            let (cos, sin) = (&self.cos[angles.clone()], &self.sin[angles]);
+            rotate(q, cos, sin, half, q_heads, head_dim, pairs);
+            // SAFETY: chunks hold disjoint tokens.
+            let k = unsafe { k.range(t0 * k_row, n * k_row) };
+            rotate(k, cos, sin, half, k_heads, head_dim, pairs);
+        });
+    }
+
     /// Rotates `x`: `[tokens, heads, head_dim]`, in place.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize) {
         let row = heads * head_dim;
@@ -327,6 +355,35 @@ mod tests {
                 rope.table(&[p]).apply(&mut alone, heads, head_dim);
                 assert_eq!(alone, all[row], "{pairs:?}, token {t}");
             }
+        }
+    }
+
+    /// Queries and keys rotated in one pass (`apply_qk`, chunked over tokens on several
+    /// threads) get the bits each gets from `apply` on its own, in both pair layouts
+    /// and with a partial rotary dimension.
+    #[test]
+    fn queries_and_keys_together_rotate_as_each_alone() {
+        let (q_heads, k_heads, head_dim, tokens) = (9, 3, 64, 300);
+        let positions: Vec<usize> = (0..tokens).map(|t| 5 * t + 1).collect();
+        for (pairs, rotary) in [
+            (RopePairs::Adjacent, 64),
+            (RopePairs::Halves, 64),
+            (RopePairs::Halves, 32),
+        ] {
+            let rope = Rope::new(rotary, 10000.0, pairs, None, &RopeScaling::None);
+            let table = rope.table(&positions);
+            let wave = |n: usize, f: f32| -> Vec<f32> {
+                (0..n).map(|i| ((i % 89) as f32 * f).sin() + 0.01).collect()
+            };
+            let q = wave(tokens * q_heads * head_dim, 0.37);
+            let k = wave(tokens * k_heads * head_dim, 0.61);
+            let (mut q_alone, mut k_alone) = (q.clone(), k.clone());
+            table.apply(&mut q_alone, q_heads, head_dim);
+            table.apply(&mut k_alone, k_heads, head_dim);
+            let (mut q_both, mut k_both) = (q, k);
+            table.apply_qk((&mut q_both, q_heads), (&mut k_both, k_heads), head_dim);
+            assert_eq!(q_both, q_alone, "{pairs:?} {rotary}: queries");
+            assert_eq!(k_both, k_alone, "{pairs:?} {rotary}: keys");
         }
     }
 

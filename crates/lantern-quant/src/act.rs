@@ -4,6 +4,8 @@ use crate::share::{self, SharedMut};
 use crate::{AlignedBuf, Kernel, BLOCK};
 
 /// Quantized activations of `m` tokens: token `t`, block `b` lives at index `t · nb + b`.
+/// The vectors may be longer (a thread's buffers are reused): what follows the `m` tokens
+/// is left from an earlier product and never read.
 pub(crate) struct QuantAct {
     /// int8 values, 32 per block, in natural k order.
     pub q: AlignedBuf,
@@ -31,11 +33,19 @@ impl QuantAct {
         let nb = k / BLOCK;
         let mut act = SPARE.with(|spare| spare.take()).unwrap_or_default();
         let QuantAct { q, d, s, isum } = &mut act;
-        // Every value is overwritten below: resizing zeroes only what the buffers grow by.
-        q.resize(m * k);
-        d.resize(m * nb, 0.0);
-        s.resize(m * nb, 0.0);
-        isum.resize(m * nb, [0; 2]);
+        // Every value of the first `m` tokens is overwritten below, and the kernels read
+        // no further: the buffers only ever grow (zeroing what they grow by, once), so a
+        // thread's products of every width reuse them as they are.
+        q.set_len_to_overwrite(m * k);
+        for v in [&mut *d, &mut *s] {
+            if v.len() < m * nb {
+                v.resize(m * nb, 0.0);
+            }
+        }
+        if isum.len() < m * nb {
+            isum.resize(m * nb, [0; 2]);
+        }
+        let (d, s, isum) = (&mut d[..m * nb], &mut s[..m * nb], &mut isum[..m * nb]);
         let one_token = |(((xr, qr), dr), (sr, cr)): TokenSlices<'_>| {
             for b in 0..nb {
                 let xb: &[f32; BLOCK] = xr[b * BLOCK..(b + 1) * BLOCK].try_into().unwrap();
@@ -54,9 +64,9 @@ impl QuantAct {
             // Chunks of whole tokens on the product's threads.
             let (qs, d, s, isum) = (
                 SharedMut::new(qs),
-                SharedMut::new(&mut d[..]),
-                SharedMut::new(&mut s[..]),
-                SharedMut::new(&mut isum[..]),
+                SharedMut::new(d),
+                SharedMut::new(s),
+                SharedMut::new(isum),
             );
             share::run(m.div_ceil(per), &|c| {
                 for t in c * per..(c * per + per).min(m) {

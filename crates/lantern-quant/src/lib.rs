@@ -184,12 +184,17 @@ impl AlignedBuf {
         }
     }
 
-    /// Sets the length to `len` bytes, keeping the values of the first ones; new bytes
-    /// and the padding after `len` in the last line are zeroed (as in a fresh buffer).
-    pub(crate) fn resize(&mut self, len: usize) {
-        self.lines.resize(len.div_ceil(64), Line([0; 64]));
-        if let Some(last) = self.lines.last_mut() {
-            last.0[(len - 1) % 64 + 1..].fill(0);
+    /// Sets the length to `len` bytes for a caller that overwrites all of them: the
+    /// lines are never given back (a buffer reused for products of every width zeroes
+    /// only what it grows by, once), and the padding after `len` in its last line is
+    /// zeroed, as in a fresh buffer.
+    pub(crate) fn set_len_to_overwrite(&mut self, len: usize) {
+        let lines = len.div_ceil(64);
+        if self.lines.len() < lines {
+            self.lines.resize(lines, Line([0; 64]));
+        }
+        if lines > 0 {
+            self.lines[lines - 1].0[(len - 1) % 64 + 1..].fill(0);
         }
         self.len = len;
     }

@@ -211,12 +211,15 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         );
     }
     if args.thread_speedup {
-        println!("simd               {}", lantern_model::simd_level());
+        if !args.json {
+            println!("simd               {}", lantern_model::simd_level());
+        }
         let scaling = crate::bench_scaling::ScalingArgs {
             prompt_tokens: args.prompt_tokens,
             decode_tokens: args.decode_tokens,
             batches: &args.batches,
             repeat,
+            json: args.json,
         };
         return crate::bench_scaling::run(&mut engine, &scaling);
     }

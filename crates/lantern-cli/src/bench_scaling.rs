@@ -13,6 +13,7 @@ use crate::bench::{decode_params, median, run_prefills, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::Engine;
 use lantern_quant::share;
+use serde_json::{json, Value};
 use std::time::Instant;
 
 /// What the figures are measured on.
@@ -21,6 +22,8 @@ pub struct ScalingArgs<'a> {
     pub decode_tokens: usize,
     pub batches: &'a [usize],
     pub repeat: usize,
+    /// One JSON object instead of the table.
+    pub json: bool,
 }
 
 /// One figure's rounds: tokens/s on one thread and on all, per round.
@@ -30,22 +33,47 @@ struct Rounds {
     all: Vec<f64>,
 }
 
+/// A figure's medians and the spread of its per-round speedups.
+struct Summary {
+    one: f64,
+    all: f64,
+    speedup: f64,
+    lowest: f64,
+    highest: f64,
+}
+
 impl Rounds {
+    fn summary(&self) -> Summary {
+        let speedups: Vec<f64> = self.all.iter().zip(&self.one).map(|(a, o)| a / o).collect();
+        Summary {
+            one: median(self.one.clone()),
+            all: median(self.all.clone()),
+            lowest: speedups.iter().copied().fold(f64::INFINITY, f64::min),
+            highest: speedups.iter().copied().fold(0.0, f64::max),
+            speedup: median(speedups),
+        }
+    }
+
+    fn json(&self) -> Value {
+        let s = self.summary();
+        json!({
+            "one_thread": s.one,
+            "all_threads": s.all,
+            "speedup": s.speedup,
+            "lowest": s.lowest,
+            "highest": s.highest,
+        })
+    }
+
     fn print(&self, label: &str, threads: usize) {
         self.print_with(label, threads, "tokens/s")
     }
 
     fn print_with(&self, label: &str, threads: usize, unit: &str) {
-        let speedups: Vec<f64> = self.all.iter().zip(&self.one).map(|(a, o)| a / o).collect();
-        let lowest = speedups.iter().copied().fold(f64::INFINITY, f64::min);
-        let highest = speedups.iter().copied().fold(0.0, f64::max);
+        let s = self.summary();
         println!(
             "{label:<28} {:8.1} -> {:8.1} {unit:<8}  speedup 1 -> {threads}: median {:.2}x (rounds {:.2}-{:.2}x)",
-            median(self.one.clone()),
-            median(self.all.clone()),
-            median(speedups),
-            lowest,
-            highest,
+            s.one, s.all, s.speedup, s.lowest, s.highest,
         );
     }
 }
@@ -220,6 +248,28 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
         .map(|&b| decode(b, 16).map(|r| (b, r)))
         .collect::<Result<Vec<_>>>()?;
     let (compute, memory) = machine_rounds(args.repeat);
+    if args.json {
+        let batched_json: serde_json::Map<String, Value> = batched
+            .iter()
+            .map(|(b, rounds)| (b.to_string(), rounds.json()))
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "threads": threads,
+                "rounds": args.repeat,
+                "simd": lantern_model::simd_level().summary(),
+                "kernel_level": lantern_quant::kernel_level(),
+                "machine_multiply_adds": compute.json(),
+                "machine_memory_gb_per_s": memory.json(),
+                "prefill": prefill.json(),
+                "prompt_tokens": args.prompt_tokens,
+                "decode_batch_1": batch_one.json(),
+                "decode_batched": batched_json,
+            })
+        );
+        return Ok(());
+    }
     println!(
         "thread speedup, 1 -> {threads} threads, paired within one process ({} rounds)",
         args.repeat

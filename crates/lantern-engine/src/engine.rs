@@ -608,8 +608,9 @@ impl Engine {
                 self.kv.release_out_of_reach(s.id, req.num_computed_tokens);
             }
         }
+        let greedy = self.greedy_tokens(&logits)?;
         let mut outputs = Vec::with_capacity(logits.requests.len());
-        for rows in &logits.requests {
+        for (rows, greedy) in logits.requests.iter().zip(greedy) {
             let req = self
                 .requests
                 .get_mut(&rows.id)
@@ -650,7 +651,7 @@ impl Engine {
                 // Before the token is appended: a token that ends the request takes
                 // its capture, and with it the query row.
                 let live = self.live_row(rows.id);
-                let mut output = match logits.picked(sample_row) {
+                let mut output = match logits.picked(sample_row).or(greedy) {
                     Some(token) => self.append_picked(rows.id, token)?,
                     None => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
                 };
@@ -848,6 +849,39 @@ impl Engine {
             .logprobs
             .map(|k| token_logprobs(logits, token, k));
         self.push_token(id, token, logprobs, guided_failure)
+    }
+
+    /// Per request of the step's logits: its next token when it needs only the argmax of
+    /// a row the model left on the host (`Request::needs_only_argmax`), the rows reduced
+    /// on the step's threads (each row whole by one thread: the token `append_token`
+    /// would choose), so that a large batch's argmaxes do not run on this thread alone.
+    fn greedy_tokens(&self, logits: &crate::runner::StepLogits) -> Result<Vec<Option<u32>>> {
+        let mut rows = Vec::new();
+        for (i, r) in logits.requests.iter().enumerate() {
+            let sample_row = r.first_row + r.num_prompt_rows;
+            let req = self
+                .requests
+                .get(&r.id)
+                .ok_or(EngineError::LostRequest(r.id))?;
+            if r.samples
+                && req.params.max_tokens > 0
+                && req.needs_only_argmax()
+                && logits.picked(sample_row).is_none()
+            {
+                rows.push((i, logits.rows(sample_row, 1)?));
+            }
+        }
+        let picked: Vec<std::sync::atomic::AtomicU32> =
+            rows.iter().map(|_| u32::MAX.into()).collect();
+        lantern_quant::share::run(rows.len(), &|c| {
+            let token = crate::sampling::argmax(rows[c].1);
+            picked[c].store(token, std::sync::atomic::Ordering::Relaxed);
+        });
+        let mut tokens = vec![None; logits.requests.len()];
+        for ((i, _), token) in rows.iter().zip(picked) {
+            tokens[*i] = Some(token.into_inner());
+        }
+        Ok(tokens)
     }
 
     /// Appends the token the model picked on its device for a request that needs only

@@ -101,3 +101,36 @@ fn picked_rows_give_the_samplers_tokens_and_leave_the_rest_alone() {
     }
     assert!(expected.iter().all(|c| !c.token_ids.is_empty()));
 }
+
+/// Greedy rows left on the host are reduced on the step's threads (`greedy_tokens`):
+/// a batch of plain greedy requests gives the tokens of the same requests asking for
+/// logprobs too, whose rows go through the sampler one by one.
+#[test]
+fn greedy_rows_reduced_together_give_the_samplers_tokens() {
+    let prompts: Vec<Vec<u32>> = (0..9u32)
+        .map(|s| {
+            (0..5 + 3 * s)
+                .map(|i| 200 + (s * 53 + i * 29) % 1700)
+                .collect()
+        })
+        .collect();
+    let batch = |logprobs: Option<usize>| {
+        prompts
+            .iter()
+            .map(|p| {
+                let params = SamplingParams {
+                    ignore_eos: true,
+                    logprobs,
+                    ..SamplingParams::greedy(10)
+                };
+                (p.clone(), params, None)
+            })
+            .collect::<Vec<_>>()
+    };
+    let together = common::run_to_completion(&mut engine(), batch(None));
+    let sampled = common::run_to_completion(&mut engine(), batch(Some(1)));
+    for (i, (a, b)) in together.iter().zip(&sampled).enumerate() {
+        assert_eq!(a.token_ids.len(), 10, "request {i}");
+        assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
+    }
+}

@@ -250,6 +250,27 @@ struct Split {
     granule: usize,
 }
 
+/// Tokens per task of an `m`-token product over `np` panels on `threads` threads: up to
+/// `TOKEN_CHUNK`, and when one range of tokens would leave too few panel tasks for the
+/// threads (a small matrix on a big machine: SmolLM2's 36 panels at decode make 18
+/// tasks, for 16-64 threads), ranges of at least `MIN_TOKEN_RANGE` tokens so that there
+/// are about two tasks a thread. Each (row, token) output is still computed whole by one
+/// tile, so the cut changes no result.
+fn tokens_per_task(m: usize, np: usize, granule: usize, threads: usize) -> usize {
+    if m > TOKEN_CHUNK {
+        return TOKEN_CHUNK;
+    }
+    let panel_tasks = (np / granule.max(1)).max(1);
+    if panel_tasks >= 2 * threads {
+        return m;
+    }
+    let ranges = (2 * threads)
+        .div_ceil(panel_tasks)
+        .min(m / MIN_TOKEN_RANGE)
+        .max(1);
+    m.div_ceil(ranges)
+}
+
 /// Cuts the parts' panel ranges into chunks of `per` panels (the last of a part shorter):
 /// `(part index, (first panel, end panel))` in order.
 fn even_chunks(parts: &[Part], per: usize) -> Vec<(usize, (usize, usize))> {
@@ -304,6 +325,9 @@ const SERIAL_MACS: usize = 1 << 21;
 const SHARE_MACS: usize = 1 << 17;
 /// Tokens per task for large batches.
 const TOKEN_CHUNK: usize = 64;
+/// Fewest tokens per task when a batch's tokens are cut for threads that its panels
+/// alone cannot keep busy.
+const MIN_TOKEN_RANGE: usize = 4;
 /// Target repacked weight bytes per task (stays in L2 while the task's tokens stream).
 const TASK_WEIGHT_BYTES: usize = 256 * 1024;
 
@@ -644,7 +668,7 @@ impl PackedMatrix {
     fn split(&self, m: usize) -> Split {
         let threads = share::threads();
         let granule = if m <= 2 { 4 } else { 2 };
-        let tokens_per_task = if m <= TOKEN_CHUNK { m } else { TOKEN_CHUNK };
+        let tokens_per_task = tokens_per_task(m, self.np, granule, threads);
         let token_tasks = m.div_ceil(tokens_per_task);
         // Enough tasks for load balancing on a shared machine...
         let want_tasks = 4 * threads;
@@ -831,7 +855,36 @@ pub fn split_columns(whole: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::guided_chunks;
+    use super::{guided_chunks, tokens_per_task, MIN_TOKEN_RANGE, TOKEN_CHUNK};
+
+    /// A decode batch's tokens are cut only where its panels make fewer than two tasks a
+    /// thread, and never into ranges below `MIN_TOKEN_RANGE`.
+    #[test]
+    fn tokens_are_cut_only_when_the_panels_cannot_keep_the_threads_busy() {
+        // SmolLM2's 576-row matrix (36 panels) at a decode batch of 32 tokens.
+        assert_eq!(tokens_per_task(32, 36, 2, 2), 32);
+        assert_eq!(tokens_per_task(32, 36, 2, 8), 32);
+        assert_eq!(tokens_per_task(32, 36, 2, 16), 16);
+        assert_eq!(tokens_per_task(32, 36, 2, 64), 4);
+        // A 1B model's 2048-row matrix (128 panels) keeps one token range on 16 threads
+        // and is cut in two on 64.
+        assert_eq!(tokens_per_task(32, 128, 2, 16), 32);
+        assert_eq!(tokens_per_task(32, 128, 2, 64), 16);
+        // Never below MIN_TOKEN_RANGE, never above TOKEN_CHUNK.
+        assert_eq!(tokens_per_task(6, 2, 2, 64), 6);
+        assert_eq!(tokens_per_task(9, 2, 2, 3), 5);
+        assert_eq!(tokens_per_task(512, 36, 2, 64), TOKEN_CHUNK);
+        for threads in [1, 2, 3, 16, 64] {
+            for m in 1..=TOKEN_CHUNK {
+                let t = tokens_per_task(m, 36, 2, threads);
+                assert!(t >= 1 && t <= m, "{m} tokens, {threads} threads");
+                assert!(
+                    t == m || t >= MIN_TOKEN_RANGE,
+                    "{m} tokens, {threads} threads"
+                );
+            }
+        }
+    }
 
     /// Every panel of every part lands in exactly one chunk of its part, in order; chunks
     /// are whole granules (but at a part's end), at most `most` panels, never growing,

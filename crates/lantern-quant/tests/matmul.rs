@@ -481,7 +481,8 @@ fn thread_pools(threads: &[usize]) -> Vec<rayon::ThreadPool> {
 fn batch_invariance() {
     let levels = levels();
     let mut rng = StdRng::seed_from_u64(99);
-    let pools = thread_pools(&[1, 3]);
+    // 16 threads: small matrices' decode batches are cut along the tokens too.
+    let pools = thread_pools(&[1, 3, 16]);
     for ty in QuantType::QUANTIZED {
         for (n, k) in [(17, 256), (1000, 512), (2100, 768)] {
             let bytes = random_gguf(&mut rng, ty, n, k);
@@ -506,6 +507,11 @@ fn batch_invariance() {
                     assert!(
                         same_bits(&other, &full),
                         "{ty} {n}x{k} {kernel}: result depends on the thread count"
+                    );
+                    let other9 = pool.install(|| run(&pm, kernel, &x[..9 * k], 9));
+                    assert!(
+                        same_bits(&other9, &batch9),
+                        "{ty} {n}x{k} {kernel}: a decode batch depends on the thread count"
                     );
                 }
             }

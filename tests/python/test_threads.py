@@ -75,3 +75,23 @@ def test_results_are_bit_identical_at_every_thread_count(tmp_path):
     for threads, (tokens, maps) in zip((2, 3), results[1:]):
         assert tokens == results[0][0], f"{threads} threads"
         assert maps == results[0][1], f"{threads} threads: attention maps differ"
+
+
+def test_thread_speedup_pairs_one_thread_with_all_in_one_process():
+    """`lantern bench --thread-speedup --json` runs every figure on one thread and on all
+    (here 3, more than this machine may have: the pairing does not need the cores) and
+    reports per figure both rates and their ratio."""
+    out = subprocess.run(
+        [str(_binary()), "bench", "--threads", "3", "--thread-speedup", "--json",
+         "--repeat", "2", "--prompt-tokens", "64", "--decode-tokens", "4", "--batches", "4"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["threads"] == 3 and result["rounds"] == 2
+    figures = [result["machine_multiply_adds"], result["machine_memory_gb_per_s"],
+               result["prefill"], result["decode_batch_1"], result["decode_batched"]["4"]]
+    for f in figures:
+        assert f["one_thread"] > 0 and f["all_threads"] > 0, f
+        assert f["lowest"] <= f["speedup"] <= f["highest"], f
+        # Medians of per-round ratios: near the ratio of the medians, not equal to it.
+        assert 0.2 < f["speedup"] / (f["all_threads"] / f["one_thread"]) < 5, f

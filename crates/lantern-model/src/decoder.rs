@@ -267,7 +267,12 @@ impl<C: Compute> Decoder<C> {
         if let Some(delta) = pending {
             c.add(&mut x, &delta)?;
         }
-        let selected = c.select_rows(&x, batch.logits_rows, self.info.hidden_size)?;
+        // Decode steps want every row: no copy of the hidden states then.
+        let selected = if every_row(batch.logits_rows, batch.token_ids.len()) {
+            x
+        } else {
+            c.select_rows(&x, batch.logits_rows, self.info.hidden_size)?
+        };
         let normed = self.output_norm.forward(c, &selected)?;
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
         let mut logits = c.matmul(output, &normed, batch.logits_rows.len())?;
@@ -325,9 +330,13 @@ impl<C: Compute> CausalLm for Decoder<C> {
         if picked_rows.is_empty() {
             return Ok(StepLogitRows::all(c.to_host(logits)?));
         }
-        let mut ids = c
-            .argmax_rows(&c.select_rows(&logits, &picked_rows, vocab)?, vocab)?
-            .into_iter();
+        let mut ids = if whole_rows.is_empty() {
+            // Every row picked (a batch of greedy requests): no copy of the logits.
+            c.argmax_rows(&logits, vocab)?
+        } else {
+            c.argmax_rows(&c.select_rows(&logits, &picked_rows, vocab)?, vocab)?
+        }
+        .into_iter();
         let whole = if whole_rows.is_empty() {
             Vec::new()
         } else {
@@ -342,4 +351,9 @@ impl<C: Compute> CausalLm for Decoder<C> {
             picked,
         })
     }
+}
+
+/// Whether `rows` are `0..total` in order (the selection would copy everything).
+fn every_row(rows: &[usize], total: usize) -> bool {
+    rows.len() == total && rows.iter().enumerate().all(|(i, &r)| i == r)
 }

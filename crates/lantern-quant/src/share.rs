@@ -332,8 +332,8 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
-    /// With the threads limited to one, every chunk runs on the calling thread (the
-    /// helpers are not offered the work), and work is split for one thread.
+    /// With the threads limited to one, `threads()` says so (work is split for one) and
+    /// every chunk runs on the calling thread (the helpers are not offered the work).
     #[test]
     fn limited_to_one_thread_every_chunk_runs_on_the_caller() {
         let caller = std::thread::current().id();

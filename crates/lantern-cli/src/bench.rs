@@ -7,10 +7,9 @@
 use crate::args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use lantern_engine::lantern_capture::CaptureSpec;
 use lantern_engine::{Engine, SamplingParams};
 use serde_json::json;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -70,7 +69,7 @@ pub(crate) fn decode_params(tokens: usize) -> SamplingParams {
 }
 
 /// Seconds to compute a prompt and sample its first token.
-fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
+pub(crate) fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
     let id = engine.add_request(prompt, decode_params(1))?;
     let start = Instant::now();
     while engine.has_unfinished() {
@@ -99,36 +98,22 @@ pub(crate) fn run_prefills(engine: &mut Engine, ids: &[lantern_kv::RequestId]) -
 
 /// Aggregate decode tokens/s of `prompts` generating `tokens` each: tokens sampled after
 /// every request has its first token, over the time that took.
-fn decode_rate(engine: &mut Engine, prompts: Vec<Vec<u32>>, tokens: usize) -> Result<f64> {
-    let requests = prompts.into_iter().map(|p| (p, None)).collect();
-    decode_rate_with_capture(engine, requests, tokens)
-}
-
-/// [`decode_rate`] of requests that may capture their attention.
-pub(crate) fn decode_rate_with_capture(
+pub(crate) fn decode_rate(
     engine: &mut Engine,
-    requests: Vec<(Vec<u32>, Option<CaptureSpec>)>,
+    prompts: Vec<Vec<u32>>,
     tokens: usize,
 ) -> Result<f64> {
-    let ids: Vec<_> = requests
+    let ids = prompts
         .into_iter()
-        .map(|(p, capture)| engine.add_request_with_capture(p, decode_params(tokens), capture))
-        .collect::<Result<_, _>>()?;
-    let mut started = std::collections::HashSet::new();
-    let mut decode_start: Option<Instant> = None;
+        .map(|p| engine.add_request(p, decode_params(tokens)))
+        .collect::<Result<Vec<_>, _>>()?;
+    run_prefills(engine, &ids)?;
+    let start = Instant::now();
     let mut decoded = 0usize;
     while engine.has_unfinished() {
-        let outputs = engine.step()?;
-        if decode_start.is_some() {
-            decoded += outputs.len();
-        } else {
-            started.extend(outputs.iter().map(|o| o.id));
-            if started.len() == ids.len() {
-                decode_start = Some(Instant::now());
-            }
-        }
+        decoded += engine.step()?.len();
     }
-    let elapsed = decode_start.map_or(Duration::ZERO, |s| s.elapsed());
+    let elapsed = start.elapsed();
     for id in ids {
         engine.take_completion(id);
     }

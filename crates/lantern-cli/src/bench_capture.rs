@@ -12,9 +12,7 @@
 //! The first two are paired step by step: the batch runs on two engines in turn, one
 //! with capture and one without, so that the machine's drift falls on both alike.
 
-use crate::bench::{
-    decode_params, decode_rate_with_capture, median, run_prefills, synthetic_prompt,
-};
+use crate::bench::{decode_params, median, run_prefills, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::lantern_capture::{
     CaptureSpan, CaptureSpec, CaptureWorker, KeyStat, PendingCapture, RowSelection,
@@ -40,13 +38,13 @@ fn everything(engine: &Engine) -> CaptureSpec {
 /// Aggregate tokens/s of `BATCH` requests, none capturing.
 fn decode_rate(engine: &mut Engine, salt: &mut u64) -> Result<f64> {
     let vocab = engine.model_info().vocab_size;
-    let requests = (0..BATCH)
+    let prompts = (0..BATCH)
         .map(|_| {
             *salt += 1;
-            (synthetic_prompt(DECODE_PROMPT, *salt, vocab), None)
+            synthetic_prompt(DECODE_PROMPT, *salt, vocab)
         })
         .collect();
-    decode_rate_with_capture(engine, requests, DECODE_TOKENS)
+    crate::bench::decode_rate(engine, prompts, DECODE_TOKENS)
 }
 
 /// Requests in the batch of the key statistics figures.

@@ -9,7 +9,7 @@
 //! parked (`lantern_quant::share::limit_threads`), and work is split for one thread then,
 //! as `--threads 1` would; results are the same bits either way.
 
-use crate::bench::{decode_params, median, run_prefills, synthetic_prompt};
+use crate::bench::{decode_params, median, prefill_seconds, run_prefills, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::Engine;
 use lantern_quant::share;
@@ -84,18 +84,6 @@ fn with_threads<T>(one: bool, f: impl FnOnce() -> T) -> T {
     let out = f();
     share::limit_threads(None);
     out
-}
-
-/// Seconds to compute a prompt and sample its first token.
-fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
-    let id = engine.add_request(prompt, decode_params(1))?;
-    let start = Instant::now();
-    while engine.has_unfinished() {
-        engine.step()?;
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    engine.take_completion(id).context("prefill finished")?;
-    Ok(seconds)
 }
 
 /// One round of the prefill figure: a prompt on each side, which goes first by `round`.

@@ -3,10 +3,13 @@
 use crate::share::{self, SharedMut};
 use crate::{AlignedBuf, Kernel, BLOCK};
 
-/// Quantized activations of `m` tokens: token `t`, block `b` lives at index `t · nb + b`.
-/// The vectors may be longer (a thread's buffers are reused): what follows the `m` tokens
-/// is left from an earlier product and never read.
+/// Quantized activations of `m` tokens, per (token, block): 32 int8 values at
+/// `index · 32` in `q`, and the block's scalars at `index` in `d`, `s` and `isum`, where
+/// [`Layout::index`] places the blocks. The vectors may be longer (a thread's buffers
+/// are reused): what follows the `m` tokens is left from an earlier product and never
+/// read.
 pub(crate) struct QuantAct {
+    pub layout: Layout,
     /// int8 values, 32 per block, in natural k order.
     pub q: AlignedBuf,
     /// Block scale `d_a = amax / 127`.
@@ -18,77 +21,120 @@ pub(crate) struct QuantAct {
     pub isum: Vec<[i32; 2]>,
 }
 
-/// One token's input and outputs: ((x, q), d), (s, isum).
-type TokenSlices<'a> = (
-    ((&'a [f32], &'a mut [u8]), &'a mut [f32]),
-    (&'a mut [f32], &'a mut [[i32; 2]]),
-);
+/// How the blocks of the tokens lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Token after token: token `t`'s block `b` at `t · nb + b` (the vector kernels).
+    Tokens,
+    /// Groups of [`TILE_TOKENS`] tokens, block after block, the group's 16 tokens
+    /// together: token `t`'s block `b` at `((t / 16) · nb + b) · 16 + t % 16`, so that
+    /// one block of a group is one 512-byte activation tile and its 16 scales are
+    /// contiguous (the `amx` level). The tokens that fill up the last group are zeros.
+    Tiles,
+}
+
+/// Tokens of a group of the [`Layout::Tiles`] layout.
+pub(crate) const TILE_TOKENS: usize = 16;
+
+impl Layout {
+    /// Where token `t`'s block `b` lies, for rows of `nb` blocks.
+    #[inline(always)]
+    pub(crate) fn index(self, t: usize, b: usize, nb: usize) -> usize {
+        match self {
+            Layout::Tokens => t * nb + b,
+            Layout::Tiles => ((t / TILE_TOKENS) * nb + b) * TILE_TOKENS + t % TILE_TOKENS,
+        }
+    }
+
+    /// Tokens the layout holds for `m`: whole groups for [`Layout::Tiles`].
+    fn tokens(self, m: usize) -> usize {
+        match self {
+            Layout::Tokens => m,
+            Layout::Tiles => m.next_multiple_of(TILE_TOKENS),
+        }
+    }
+}
 
 /// Values per chunk of a parallel quantization: about 4 us of work, small enough that a
 /// decode batch's few tokens (32 x 576 values) still make several chunks.
 const CHUNK_VALUES: usize = 1 << 12;
 
 impl QuantAct {
+    /// Quantizes `m` tokens of `k` values (`x`, token after token) at `kernel`'s vector
+    /// level, in the layout its matrix kernels read.
     pub(crate) fn quantize(kernel: Kernel, x: &[f32], m: usize, k: usize, parallel: bool) -> Self {
         let nb = k / BLOCK;
+        let layout = if kernel == Kernel::Amx {
+            Layout::Tiles
+        } else {
+            Layout::Tokens
+        };
+        let held = layout.tokens(m);
         let mut act = SPARE.with(|spare| spare.take()).unwrap_or_default();
-        let QuantAct { q, d, s, isum } = &mut act;
-        // Every value of the first `m` tokens is overwritten below, and the kernels read
-        // no further: the buffers only ever grow (zeroing what they grow by, once), so a
+        act.layout = layout;
+        let QuantAct { q, d, s, isum, .. } = &mut act;
+        // Every value of the held tokens is overwritten below, and the kernels read no
+        // further: the buffers only ever grow (zeroing what they grow by, once), so a
         // thread's products of every width reuse them as they are.
-        q.set_len_to_overwrite(m * k);
+        q.set_len_to_overwrite(held * k);
         for v in [&mut *d, &mut *s] {
-            if v.len() < m * nb {
-                v.resize(m * nb, 0.0);
+            if v.len() < held * nb {
+                v.resize(held * nb, 0.0);
             }
         }
-        if isum.len() < m * nb {
-            isum.resize(m * nb, [0; 2]);
+        if isum.len() < held * nb {
+            isum.resize(held * nb, [0; 2]);
         }
-        let (d, s, isum) = (&mut d[..m * nb], &mut s[..m * nb], &mut isum[..m * nb]);
-        let one_token = |(((xr, qr), dr), (sr, cr)): TokenSlices<'_>| {
-            for b in 0..nb {
-                let xb: &[f32; BLOCK] = xr[b * BLOCK..(b + 1) * BLOCK].try_into().unwrap();
-                let qb: &mut [u8; BLOCK] =
-                    (&mut qr[b * BLOCK..(b + 1) * BLOCK]).try_into().unwrap();
-                let (db, sum) = quantize_block(kernel, xb, qb);
-                dr[b] = db;
-                sr[b] = db * sum as f32;
-                let lo: i32 = qb[..16].iter().map(|&v| v as i8 as i32).sum();
-                cr[b] = [sum, lo];
+        let (q, d, s, isum) = (
+            SharedMut::new(q.as_mut_slice()),
+            SharedMut::new(&mut d[..held * nb]),
+            SharedMut::new(&mut s[..held * nb]),
+            SharedMut::new(&mut isum[..held * nb]),
+        );
+        // Tokens t0..t1 (whole groups of the layout) hold the blocks t0·nb..t1·nb.
+        let tokens = |t0: usize, t1: usize| {
+            let (first, len) = (t0 * nb, (t1 - t0) * nb);
+            // SAFETY: callers pass disjoint token ranges, so disjoint block ranges.
+            let (q, d, s, isum) = unsafe {
+                (
+                    q.range(first * BLOCK, len * BLOCK),
+                    d.range(first, len),
+                    s.range(first, len),
+                    isum.range(first, len),
+                )
+            };
+            for t in t0..t1 {
+                for b in 0..nb {
+                    let i = layout.index(t, b, nb) - first;
+                    let qb: &mut [u8; BLOCK] =
+                        (&mut q[i * BLOCK..(i + 1) * BLOCK]).try_into().unwrap();
+                    if t >= m {
+                        // Filling up the last group: nothing, scaled by nothing.
+                        qb.fill(0);
+                        (d[i], s[i], isum[i]) = (0.0, 0.0, [0; 2]);
+                        continue;
+                    }
+                    let xb: &[f32; BLOCK] = x[t * k + b * BLOCK..][..BLOCK].try_into().unwrap();
+                    let (db, sum) = quantize_block(kernel, xb, qb);
+                    d[i] = db;
+                    s[i] = db * sum as f32;
+                    let lo: i32 = qb[..16].iter().map(|&v| v as i8 as i32).sum();
+                    isum[i] = [sum, lo];
+                }
             }
         };
-        let qs = q.as_mut_slice();
-        let per = CHUNK_VALUES.div_ceil(k);
-        if parallel && m > per {
-            // Chunks of whole tokens on the product's threads.
-            let (qs, d, s, isum) = (
-                SharedMut::new(qs),
-                SharedMut::new(d),
-                SharedMut::new(s),
-                SharedMut::new(isum),
-            );
-            share::run(m.div_ceil(per), &|c| {
-                for t in c * per..(c * per + per).min(m) {
-                    // SAFETY: chunks hold disjoint tokens.
-                    let slices = unsafe {
-                        (
-                            (
-                                (&x[t * k..(t + 1) * k], qs.range(t * k, k)),
-                                d.range(t * nb, nb),
-                            ),
-                            (s.range(t * nb, nb), isum.range(t * nb, nb)),
-                        )
-                    };
-                    one_token(slices);
-                }
+        let unit = match layout {
+            Layout::Tokens => 1,
+            Layout::Tiles => TILE_TOKENS,
+        };
+        let per = CHUNK_VALUES.div_ceil(k).next_multiple_of(unit);
+        if parallel && held > per {
+            // Chunks of whole tokens (whole groups) on the product's threads.
+            share::run(held.div_ceil(per), &|c| {
+                tokens(c * per, (c * per + per).min(held))
             });
         } else {
-            x.chunks(k)
-                .zip(qs.chunks_mut(k))
-                .zip(d.chunks_mut(nb))
-                .zip(s.chunks_mut(nb).zip(isum.chunks_mut(nb)))
-                .for_each(one_token);
+            tokens(0, held);
         }
         act
     }
@@ -104,6 +150,7 @@ thread_local! {
 impl Default for QuantAct {
     fn default() -> Self {
         QuantAct {
+            layout: Layout::Tokens,
             q: AlignedBuf::zeroed(0),
             d: Vec::new(),
             s: Vec::new(),
@@ -130,7 +177,9 @@ fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32
     match kernel {
         // SAFETY: the SIMD levels are only used once the CPU features were detected.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 | Kernel::Avx512Bf16 => unsafe { crate::x86::avx512::quantize_block(x, q) },
+        Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => unsafe {
+            crate::x86::avx512::quantize_block(x, q)
+        },
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 | Kernel::AvxVnni => unsafe { crate::x86::avx2::quantize_block(x, q) },
         _ => quantize_block_scalar(x, q),

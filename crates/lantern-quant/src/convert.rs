@@ -17,7 +17,7 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match crate::active_kernel() {
         // SAFETY: `active_kernel` never exceeds what the CPU reports.
-        crate::Kernel::Avx512 | crate::Kernel::Avx512Bf16 => {
+        crate::Kernel::Avx512 | crate::Kernel::Amx | crate::Kernel::Avx512Bf16 => {
             return unsafe { x86::f16_to_f32_avx512(src, dst) }
         }
         // SAFETY: every other SIMD level includes AVX2 + F16C.

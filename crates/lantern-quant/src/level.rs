@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// The environment variable that caps the kernel level (`scalar`, `avx2`, `avx-vnni`,
-/// `avx512`, or the opt-in `avx512-bf16`).
+/// `avx512`, `amx`, or the opt-in `avx512-bf16`).
 pub const KERNELS_ENV: &str = "LANTERN_KERNELS";
 
 /// An instruction-set level of the matrix kernels, ordered from the most portable to the
@@ -22,30 +22,37 @@ pub enum Kernel {
     AvxVnni,
     /// AVX-512 F/BW + VNNI (x86-64): `vpdpbusd` integer dot products.
     Avx512,
-    /// AVX-512 as above, and for BF16 weights AVX-512 BF16's `vdpbf16ps` (Zen 4/5, Intel
-    /// Cooper Lake and Sapphire Rapids and later): the activations are rounded to bf16
+    /// AVX-512 as above, and for products of 16 tokens or more over quantized weights
+    /// Intel AMX's tile products (`tdpbssd` / `tdpbsud`, Sapphire Rapids and later): the
+    /// same exact integer dots per block, so the same bits as [`Kernel::Avx512`]. Needs
+    /// the kernel's grant of the tile state, asked for once per process.
+    Amx,
+    /// The best exact level below, and for BF16 weights AVX-512 BF16's `vdpbf16ps` (Zen
+    /// 4/5, Intel Cooper Lake and Sapphire Rapids and later): the activations are rounded to bf16
     /// (relative error 2^-9 each, as llama.cpp and PyTorch's bf16 products do) and each
     /// instruction sums two products per lane with the CPU's own rounding, so BF16
     /// products lose their bit-identity with the other levels and across CPU makers, for
     /// 1.8x the batched products' speed (1.4x a BF16 model's prefill, Zen 5). Never
     /// chosen by default: only when asked for (`LANTERN_KERNELS=avx512-bf16` or
-    /// [`force_kernel`]). Other weight types run as at [`Kernel::Avx512`].
+    /// [`force_kernel`]). Other weight types run as at [`Kernel::Amx`] where the CPU
+    /// has it, else at [`Kernel::Avx512`].
     Avx512Bf16,
 }
 
 impl Kernel {
     /// Every level, most portable first.
-    pub const ALL: [Kernel; 5] = [
+    pub const ALL: [Kernel; 6] = [
         Kernel::Scalar,
         Kernel::Avx2,
         Kernel::AvxVnni,
         Kernel::Avx512,
+        Kernel::Amx,
         Kernel::Avx512Bf16,
     ];
 
     /// The best exact level this CPU runs: the default.
     pub fn detect() -> Kernel {
-        Kernel::Avx512.capped()
+        Kernel::Amx.capped()
     }
 
     /// Whether the level gives the same results as every other exact level, bit for bit.
@@ -54,10 +61,24 @@ impl Kernel {
     }
 
     /// The level products over `ty` weights run at when `self` is in effect:
-    /// [`Kernel::Avx512Bf16`] differs from [`Kernel::Avx512`] for BF16 weights only.
+    /// [`Kernel::Avx512Bf16`] is itself for BF16 weights only, and [`Kernel::Amx`] for
+    /// the quantized types only; the others run at the best level below.
     pub fn for_type(self, ty: crate::QuantType) -> Kernel {
         match self {
-            Kernel::Avx512Bf16 if ty != crate::QuantType::BF16 => Kernel::Avx512,
+            Kernel::Avx512Bf16 if ty == crate::QuantType::BF16 => self,
+            Kernel::Avx512Bf16 | Kernel::Amx if ty.is_dense() => Kernel::Avx512,
+            Kernel::Avx512Bf16 => Kernel::Amx.capped(),
+            level => level,
+        }
+    }
+
+    /// The level of element-wise vector code (activation quantization, attention,
+    /// conversions) when `self` is in effect: the AVX-512 levels' is AVX-512's, the
+    /// AVX2 levels' AVX2's.
+    pub fn vector(self) -> Kernel {
+        match self {
+            Kernel::Amx | Kernel::Avx512Bf16 => Kernel::Avx512,
+            Kernel::AvxVnni => Kernel::Avx2,
             level => level,
         }
     }
@@ -84,6 +105,7 @@ impl Kernel {
             Kernel::Avx2 => "avx2",
             Kernel::AvxVnni => "avx-vnni",
             Kernel::Avx512 => "avx512",
+            Kernel::Amx => "amx",
             Kernel::Avx512Bf16 => "avx512-bf16",
         }
     }
@@ -104,6 +126,8 @@ impl Kernel {
             Kernel::AvxVnni => crate::x86::avx_vnni_available(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => crate::x86::avx512_available(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => crate::x86::avx512_available() && crate::x86::amx::available(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => crate::x86::avx512_bf16_available(),
             #[cfg(not(target_arch = "x86_64"))]
@@ -127,7 +151,7 @@ impl std::fmt::Display for Kernel {
 }
 
 /// `cpu_has` of each level, indexed by `Kernel as usize` (the order of `Kernel::ALL`).
-static AVAILABLE: OnceLock<[bool; 5]> = OnceLock::new();
+static AVAILABLE: OnceLock<[bool; 6]> = OnceLock::new();
 static FROM_ENV: OnceLock<Kernel> = OnceLock::new();
 /// 0: no override; otherwise `Kernel::to_u8` of the forced level.
 static FORCED: AtomicU8 = AtomicU8::new(0);
@@ -150,8 +174,8 @@ pub fn force_kernel(level: Option<Kernel>) -> Kernel {
     active_kernel()
 }
 
-/// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"`, `"avx512"` or
-/// `"avx512-bf16"`.
+/// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"`, `"avx512"`,
+/// `"amx"` or `"avx512-bf16"`.
 pub fn kernel_level() -> &'static str {
     active_kernel().name()
 }
@@ -176,7 +200,7 @@ fn level_from_env(value: Option<&str>) -> Kernel {
         None => {
             eprintln!(
                 "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512, \
-                 avx512-bf16; \
+                 amx, avx512-bf16; \
                  using `{best}`"
             );
             best
@@ -197,6 +221,7 @@ mod tests {
         assert_eq!(level_from_env(Some("AVX2")), Kernel::Avx2.capped());
         assert_eq!(level_from_env(Some("avx-vnni")), Kernel::AvxVnni.capped());
         assert_eq!(level_from_env(Some("avx512")), Kernel::Avx512.capped());
+        assert_eq!(level_from_env(Some("AMX")), Kernel::Amx.capped());
         assert_eq!(
             level_from_env(Some("AVX512-BF16")),
             Kernel::Avx512Bf16.capped()
@@ -213,21 +238,32 @@ mod tests {
                 .into_iter()
                 .all(|k| !(k > got && k <= asked && k.available())));
         }
-        assert_eq!(Kernel::detect(), Kernel::Avx512.capped());
+        assert_eq!(Kernel::detect(), Kernel::Amx.capped());
         assert!(Kernel::detect().is_exact(), "the default is exact");
     }
 
     #[test]
-    fn only_bf16_weights_see_the_bf16_level() {
+    fn only_bf16_weights_see_the_bf16_level_and_only_quantized_ones_amx() {
         use crate::QuantType;
         for ty in QuantType::ALL {
             let want = if ty == QuantType::BF16 {
                 Kernel::Avx512Bf16
-            } else {
+            } else if ty.is_dense() {
                 Kernel::Avx512
+            } else {
+                Kernel::Amx.capped()
             };
             assert_eq!(Kernel::Avx512Bf16.for_type(ty), want);
-            for k in Kernel::ALL.into_iter().filter(|k| k.is_exact()) {
+            let amx = if ty.is_dense() {
+                Kernel::Avx512
+            } else {
+                Kernel::Amx
+            };
+            assert_eq!(Kernel::Amx.for_type(ty), amx);
+            for k in Kernel::ALL
+                .into_iter()
+                .filter(|k| k.is_exact() && *k != Kernel::Amx)
+            {
                 assert_eq!(k.for_type(ty), k);
             }
         }

@@ -323,8 +323,10 @@ const SERIAL_MACS: usize = 1 << 21;
 /// claims are at stake. Smaller ones (SmolLM2's 192 x 576 key and value matrices, about
 /// a microsecond) stay on the calling thread.
 const SHARE_MACS: usize = 1 << 17;
-/// Tokens per task for large batches.
+/// Tokens per task for large batches (whole groups of the `amx` level's tiles).
 const TOKEN_CHUNK: usize = 64;
+/// Fewest tokens of a product at the `amx` level: smaller batches run at `avx512`.
+const AMX_MIN_TOKENS: usize = 16;
 /// Fewest tokens per task when a batch's tokens are cut for threads that its panels
 /// alone cannot keep busy.
 const MIN_TOKEN_RANGE: usize = 4;
@@ -600,7 +602,11 @@ impl PackedMatrix {
     /// Each part's `dst` has room for every token's rows of its panels; parts' panel
     /// ranges do not overlap; the panel ranges lie within the matrix.
     unsafe fn product(&self, kernel: Kernel, x: &[f32], m: usize, parts: &[Part]) {
-        let kernel = kernel.capped().for_type(self.ty);
+        let kernel = match kernel.capped().for_type(self.ty) {
+            // Few tokens would leave most of a tile's rows empty: vectors do them.
+            Kernel::Amx if m < AMX_MIN_TOKENS => Kernel::Avx512,
+            level => level,
+        };
         if m == 0 {
             return;
         }
@@ -631,7 +637,7 @@ impl PackedMatrix {
             let per = (self.np / chunks).clamp(4, 64).div_ceil(4) * 4;
             (even_chunks(parts, per), 1)
         } else {
-            let split = self.split(m);
+            let split = self.split(kernel, m);
             let chunks = if split.tokens_per_task >= m {
                 // One token range (decode batches): the chunks' sizes are all there is
                 // to balance the threads' last tasks.
@@ -665,10 +671,14 @@ impl PackedMatrix {
         self.matmul_with(Kernel::Scalar, x, m, dst)
     }
 
-    fn split(&self, m: usize) -> Split {
+    fn split(&self, kernel: Kernel, m: usize) -> Split {
         let threads = share::threads();
         let granule = if m <= 2 { 4 } else { 2 };
-        let tokens_per_task = tokens_per_task(m, self.np, granule, threads);
+        let mut tokens_per_task = tokens_per_task(m, self.np, granule, threads);
+        if kernel == Kernel::Amx {
+            // Token ranges start at the activation tiles' groups.
+            tokens_per_task = tokens_per_task.next_multiple_of(act::TILE_TOKENS);
+        }
         let token_tasks = m.div_ceil(tokens_per_task);
         // Enough tasks for load balancing on a shared machine...
         let want_tasks = 4 * threads;
@@ -706,6 +716,10 @@ impl PackedMatrix {
             }
             (Kernel::Scalar, Input::Dense(x)) => {
                 dense::run_tile_scalar(self, x, p0, p1, t0, t1, dst)
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Amx, Input::Quantized(act)) => {
+                x86::amx::run_tile(self, act, p0, p1, t0, t1, dst)
             }
             #[cfg(target_arch = "x86_64")]
             (_, Input::Quantized(act)) => x86::run_tile(kernel, self, act, p0, p1, t0, t1, dst),

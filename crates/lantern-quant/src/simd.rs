@@ -100,7 +100,7 @@ macro_rules! per_level {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? $body
                 match $crate::active_kernel() {
                     // SAFETY: `active_kernel` never exceeds what the CPU reports.
-                    $crate::Kernel::Avx512 | $crate::Kernel::Avx512Bf16 => {
+                    $crate::Kernel::Avx512 | $crate::Kernel::Amx | $crate::Kernel::Avx512Bf16 => {
                         return unsafe { avx512($($arg),*) }
                     }
                     // AVX-VNNI adds integer dot products only: element-wise code is AVX2's.

@@ -361,6 +361,51 @@ fn large_products_agree_across_levels() {
     }
 }
 
+/// Batches of 16 tokens and more, where the `amx` level runs its tile products (whole
+/// groups of 16 tokens, the rest on vectors): every level equals the scalar level bit for
+/// bit, for every type, with partial last panels, one-block rows and the extreme quants.
+#[test]
+fn tile_sized_batches_agree_across_levels() {
+    let levels = levels();
+    if !Kernel::Amx.available() {
+        eprintln!("skipped: no AMX here; the tile-sized batches run at the other levels");
+    }
+    let mut rng = StdRng::seed_from_u64(0xa3c);
+    for ty in QuantType::QUANTIZED {
+        for &k in ks(ty) {
+            for n in [15, 33, 50] {
+                let mut bytes = random_gguf(&mut rng, ty, n, k);
+                if n == 50 {
+                    // Every quant at its largest (the widest unpacked bytes).
+                    let bb = ty.block_bytes();
+                    let quants = match ty {
+                        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => 2..bb,
+                        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K => {
+                            4..bb
+                        }
+                        _ => 0..bb - 2,
+                    };
+                    let fill = if ty == QuantType::Q8_0 { 0x80 } else { 0xFF };
+                    for block in bytes.chunks_mut(bb) {
+                        block[quants.clone()].fill(fill);
+                    }
+                }
+                let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+                for m in [16, 21, 48, 67] {
+                    let x = random_x(&mut rng, m * k, m == 21);
+                    let scalar = run(&pm, Kernel::Scalar, &x, m);
+                    for &level in &levels[1..] {
+                        assert!(
+                            same_bits(&run(&pm, level, &x, m), &scalar),
+                            "{ty} n={n} k={k} m={m}: {level} and scalar differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The largest quants against activations that quantize to ±127 everywhere (the worst
 /// case for the AVX2 kernels' 16-bit intermediate sums): every level still equals the
 /// scalar level and the reference.

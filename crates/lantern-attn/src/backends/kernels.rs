@@ -31,7 +31,7 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
         use lantern_quant::Kernel;
         match lantern_quant::active_kernel() {
             // SAFETY: `active_kernel` never exceeds what the CPU reports.
-            Kernel::Avx512 | Kernel::Avx512Bf16 => {
+            Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => {
                 return unsafe { x86::dots_avx512(q, keys, d, out) }
             }
             Kernel::Avx2 | Kernel::AvxVnni => return unsafe { x86::dots_avx2(q, keys, d, out) },

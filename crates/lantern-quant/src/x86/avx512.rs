@@ -51,7 +51,7 @@ unsafe fn bcast4(p: *const u8) -> __m512i {
 /// `x` shifted left by `s` bits (right by `-s`) in 16-bit lanes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn shift16(x: __m512i, s: i32) -> __m512i {
+pub(super) unsafe fn shift16(x: __m512i, s: i32) -> __m512i {
     if s >= 0 {
         _mm512_sll_epi16(x, _mm_cvtsi32_si128(s))
     } else {
@@ -78,6 +78,74 @@ unsafe fn u8x16(p: *const u8) -> __m512 {
 #[target_feature(enable = "avx512f")]
 unsafe fn i8x16(p: *const u8) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+}
+
+/// The f32 scales of one block of a panel's 16 rows: `dw_lo`, `dw_hi` (the second
+/// half's, `Q6_K`), `m` (the minimum's, or zero), and how `m` enters.
+pub(super) struct BlockScales16 {
+    dw_lo: __m512,
+    dw_hi: __m512,
+    m: __m512,
+    kind: Scales,
+}
+
+/// The scales of block `j` of its scale record at `s` (a panel's record of the block,
+/// or of its super-block).
+#[inline(always)]
+pub(super) unsafe fn block_scales(kind: Scales, s: *const u8, j: usize) -> BlockScales16 {
+    let zero = _mm512_setzero_ps();
+    let (dw_lo, dw_hi, m) = match kind {
+        Scales::D => {
+            let d = f16x16(s);
+            (d, d, zero)
+        }
+        Scales::DM => {
+            let d = f16x16(s);
+            (d, d, f16x16(s.add(32)))
+        }
+        Scales::SuperDM => {
+            let d = _mm512_mul_ps(f16x16(s), u8x16(s.add(64 + j * PANEL)));
+            let m = _mm512_mul_ps(f16x16(s.add(32)), u8x16(s.add(64 + (8 + j) * PANEL)));
+            (d, d, m)
+        }
+        Scales::SuperHalves => {
+            let d = f16x16(s);
+            let lo = _mm512_mul_ps(d, i8x16(s.add(32 + 2 * j * PANEL)));
+            let hi = _mm512_mul_ps(d, i8x16(s.add(32 + (2 * j + 1) * PANEL)));
+            (lo, hi, zero)
+        }
+    };
+    BlockScales16 {
+        dw_lo,
+        dw_hi,
+        m,
+        kind,
+    }
+}
+
+/// One block's update of the accumulators of 16 rows for one token (`scalar::update`,
+/// in its order): the integer dots `lo` (and `hi`, `Q6_K`'s second half), the token's
+/// block scale `da` and `sa = da · Σ q_a`.
+#[inline(always)]
+pub(super) unsafe fn scale_block(
+    acc: &mut __m512,
+    sc: &BlockScales16,
+    lo: __m512i,
+    hi: __m512i,
+    da: f32,
+    sa: f32,
+) {
+    let da = _mm512_set1_ps(da);
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(sc.dw_lo, da), _mm512_cvtepi32_ps(lo), *acc);
+    match sc.kind {
+        Scales::SuperHalves => {
+            *acc = _mm512_fmadd_ps(_mm512_mul_ps(sc.dw_hi, da), _mm512_cvtepi32_ps(hi), *acc);
+        }
+        Scales::DM => *acc = _mm512_fmadd_ps(sc.m, _mm512_set1_ps(sa), *acc),
+        // fnmadd(m, sa, acc) = fma(−m, sa, acc) exactly (negation is exact).
+        Scales::SuperDM => *acc = _mm512_fnmadd_ps(sc.m, _mm512_set1_ps(sa), *acc),
+        Scales::D => {}
+    }
 }
 
 /// One register tile: `P` panels (16 rows each) x `T` tokens, weight type `F`.
@@ -176,53 +244,13 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
             }
         }
         // Per-block scaling, in the order of `scalar::update`.
-        let j = b % unit;
         for p in 0..P {
             let s = a.sc.add(p * a.s_panel + b / unit * sbp);
-            let zero = _mm512_setzero_ps();
-            let (dw_lo, dw_hi, m) = match scales {
-                Scales::D => {
-                    let d = f16x16(s);
-                    (d, d, zero)
-                }
-                Scales::DM => {
-                    let d = f16x16(s);
-                    (d, d, f16x16(s.add(32)))
-                }
-                Scales::SuperDM => {
-                    let d = _mm512_mul_ps(f16x16(s), u8x16(s.add(64 + j * PANEL)));
-                    let m = _mm512_mul_ps(f16x16(s.add(32)), u8x16(s.add(64 + (8 + j) * PANEL)));
-                    (d, d, m)
-                }
-                Scales::SuperHalves => {
-                    let d = f16x16(s);
-                    let lo = _mm512_mul_ps(d, i8x16(s.add(32 + 2 * j * PANEL)));
-                    let hi = _mm512_mul_ps(d, i8x16(s.add(32 + (2 * j + 1) * PANEL)));
-                    (lo, hi, zero)
-                }
-            };
+            let scales = block_scales(scales, s, b % unit);
             for t in 0..T {
-                let da = _mm512_set1_ps(*a.ad.add(t * nb + b));
-                let acc = &mut accf[p][t];
-                *acc =
-                    _mm512_fmadd_ps(_mm512_mul_ps(dw_lo, da), _mm512_cvtepi32_ps(lo[p][t]), *acc);
-                if split {
-                    *acc = _mm512_fmadd_ps(
-                        _mm512_mul_ps(dw_hi, da),
-                        _mm512_cvtepi32_ps(hi[p][t]),
-                        *acc,
-                    );
-                }
-                match scales {
-                    Scales::DM => {
-                        *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*a.as_.add(t * nb + b)), *acc);
-                    }
-                    // fnmadd(m, sa, acc) = fma(−m, sa, acc) exactly (negation is exact).
-                    Scales::SuperDM => {
-                        *acc = _mm512_fnmadd_ps(m, _mm512_set1_ps(*a.as_.add(t * nb + b)), *acc);
-                    }
-                    _ => {}
-                }
+                let i = t * nb + b;
+                let (da, sa) = (*a.ad.add(i), *a.as_.add(i));
+                scale_block(&mut accf[p][t], &scales, lo[p][t], hi[p][t], da, sa);
             }
         }
     }

@@ -1,5 +1,6 @@
 //! x86-64 kernels: one module per level, sharing the register-tile driver.
 
+pub(crate) mod amx;
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod bf16dot;
@@ -107,7 +108,7 @@ pub(crate) unsafe fn run_tile(
     dst: Dst,
 ) {
     let shapes = match level {
-        Kernel::Avx512 | Kernel::Avx512Bf16 => avx512::SHAPES,
+        Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => avx512::SHAPES,
         _ => avx2::SHAPES,
     };
     let nb = mat.nb;
@@ -144,7 +145,9 @@ pub(crate) unsafe fn run_tile(
                 valid,
             };
             match level {
-                Kernel::Avx512 | Kernel::Avx512Bf16 => avx512::dispatch(mat.ty, pc, tc, args),
+                Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => {
+                    avx512::dispatch(mat.ty, pc, tc, args)
+                }
                 Kernel::AvxVnni => avx2::dispatch_vnni(mat.ty, pc, tc, args),
                 _ => avx2::dispatch(mat.ty, pc, tc, args),
             }

@@ -22,8 +22,8 @@ pub enum Kernel {
     AvxVnni,
     /// AVX-512 F/BW + VNNI (x86-64): `vpdpbusd` integer dot products.
     Avx512,
-    /// AVX-512 as above, and for products of 16 tokens or more over quantized weights
-    /// Intel AMX's tile products (`tdpbssd` / `tdpbsud`, Sapphire Rapids and later): the
+    /// AVX-512 as above, and for products of 32 tokens or more over quantized weights
+    /// Intel AMX's tile products (`tdpbssd`, Sapphire Rapids and later): the
     /// same exact integer dots per block, so the same bits as [`Kernel::Avx512`]. Needs
     /// the kernel's grant of the tile state, asked for once per process.
     Amx,

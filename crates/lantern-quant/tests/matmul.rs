@@ -361,9 +361,10 @@ fn large_products_agree_across_levels() {
     }
 }
 
-/// Batches of 16 tokens and more, where the `amx` level runs its tile products (whole
-/// groups of 16 tokens, the rest on vectors): every level equals the scalar level bit for
-/// bit, for every type, with partial last panels, one-block rows and the extreme quants.
+/// Batches of 32 tokens and more, where the `amx` level runs its tile products (groups
+/// of 16 tokens, the last filled up with zeros): every level equals the scalar level bit
+/// for bit, for every type, with partial last panels and groups, one-block rows and the
+/// extreme quants.
 #[test]
 fn tile_sized_batches_agree_across_levels() {
     let levels = levels();
@@ -391,8 +392,8 @@ fn tile_sized_batches_agree_across_levels() {
                     }
                 }
                 let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
-                for m in [16, 21, 48, 67] {
-                    let x = random_x(&mut rng, m * k, m == 21);
+                for m in [32, 37, 48, 67] {
+                    let x = random_x(&mut rng, m * k, m == 37);
                     let scalar = run(&pm, Kernel::Scalar, &x, m);
                     for &level in &levels[1..] {
                         assert!(

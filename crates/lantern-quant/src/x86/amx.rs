@@ -5,9 +5,9 @@
 //! in dword lane `r` four consecutive k values of row `r`, which is row `c` of an
 //! AMX `B` tile (K/4 rows of 16 dwords) for the 16 rows. Nibble types are unpacked once
 //! per panel into bytes (8 tile rows of 64 bytes a block, in a per-thread buffer), with
-//! the offset `o` taken off (`q − o` fits an i8), so the tile product `tdpbssd` (signed
-//! activations x signed weights) or, for the types without an offset, `tdpbsud` (x
-//! unsigned weights) gives each block's exact dot `Σ (q_w − o)·q_a` with no correction.
+//! the offset `o` taken off (`q − o` fits an i8; the quants of the types without an
+//! offset are below 64), so the tile product `tdpbssd` (signed bytes x signed bytes)
+//! gives each block's exact dot `Σ (q_w − o)·q_a` with no correction.
 //! The activations are quantized in groups of 16 tokens laid out for the tiles
 //! (`act::Layout::Tiles`): a group's block is one 512-byte `A` tile. The dots are stored and scaled in f32
 //! with the same operations, in the same order, as every other level
@@ -159,26 +159,14 @@ unsafe fn dispatch(ty: QuantType, a: &PanelArgs, t0: usize, t1: usize) {
 /// and 3 (odd), the dots in tile `4 + SLOT`, so that the products of the next block are
 /// under way while this one's dots are scaled.
 #[inline(always)]
-unsafe fn tile_dot<const SLOT: usize, const SIGNED: bool>(
-    a: *const u8,
-    lda: usize,
-    b: *const u8,
-    c: *mut i32,
-) {
+unsafe fn tile_dot<const SLOT: usize>(a: *const u8, lda: usize, b: *const u8, c: *mut i32) {
     macro_rules! dot {
         ($ta:literal, $tb:literal, $tc:literal) => {
-            if SIGNED {
-                dot!(@ $ta, $tb, $tc, "tdpbssd")
-            } else {
-                dot!(@ $ta, $tb, $tc, "tdpbsud")
-            }
-        };
-        (@ $ta:literal, $tb:literal, $tc:literal, $op:literal) => {
             asm!(
                 concat!("tilezero ", $tc),
                 concat!("tileloadd ", $ta, ", [{a} + {lda}*1]"),
                 concat!("tileloadd ", $tb, ", [{b} + {ldb}*1]"),
-                concat!($op, " ", $tc, ", ", $ta, ", ", $tb),
+                concat!("tdpbssd ", $tc, ", ", $ta, ", ", $tb),
                 concat!("tilestored [{c} + {ldc}*1], ", $tc),
                 a = in(reg) a,
                 lda = in(reg) lda,
@@ -219,20 +207,16 @@ unsafe fn block_dots<const F: u8>(
     if ty == QuantType::Q6K {
         let (aq_hi, w_hi) = (aq.add(16), w.add(UNPACKED_BLOCK / 2));
         if b.is_multiple_of(2) {
-            tile_dot::<0, true>(aq, lda, w, lo);
-            tile_dot::<1, true>(aq_hi, lda, w_hi, hi);
+            tile_dot::<0>(aq, lda, w, lo);
+            tile_dot::<1>(aq_hi, lda, w_hi, hi);
         } else {
-            tile_dot::<2, true>(aq, lda, w, lo);
-            tile_dot::<3, true>(aq_hi, lda, w_hi, hi);
+            tile_dot::<2>(aq, lda, w, lo);
+            tile_dot::<3>(aq_hi, lda, w_hi, hi);
         }
+    } else if b.is_multiple_of(2) {
+        tile_dot::<0>(aq, lda, w, lo);
     } else {
-        // Types with an offset have it taken off their unpacked weights: signed bytes.
-        match (ty.offset() != 0, b % 2) {
-            (true, 0) => tile_dot::<0, true>(aq, lda, w, lo),
-            (true, _) => tile_dot::<1, true>(aq, lda, w, lo),
-            (false, 0) => tile_dot::<0, false>(aq, lda, w, lo),
-            (false, _) => tile_dot::<1, false>(aq, lda, w, lo),
-        }
+        tile_dot::<1>(aq, lda, w, lo);
     }
 }
 
@@ -256,7 +240,7 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
         let group = t * nb;
         let aq = act.q.as_ptr().add(group * BLOCK);
         let (ad, as_) = (act.d.as_ptr().add(group), act.s.as_ptr().add(group));
-        let tile = |b: usize| aq.add(b * TOKENS * BLOCK);
+        let tile = |b: usize| aq.wrapping_add(b * TOKENS * BLOCK);
         let mut acc = [_mm512_setzero_ps(); TOKENS];
         let [lo0, lo1] = &mut lo;
         let [hi0, hi1] = &mut hi;
@@ -278,6 +262,12 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
             } else {
                 (&*lo1, &*hi1)
             };
+            // The activation tiles come from L2 (a panel reads every group's): fetch
+            // a few blocks ahead into L1, which the tile loads do not train.
+            let ahead = tile(b + 4);
+            for l in 0..8 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l).cast());
+            }
             let scales = block_scales(ty.scales(), sc.add(b / unit * sbp), b % unit);
             for i in 0..TOKENS {
                 let dot = _mm512_load_si512(l.0[i].as_ptr().cast());
@@ -341,6 +331,64 @@ unsafe fn unpack<const F: u8>(q: *const u8, nb: usize, out: *mut u8) {
             }
             _mm512_store_si512(row(c), _mm512_sub_epi8(low, off));
             _mm512_store_si512(row(4 + c), _mm512_sub_epi8(high, off));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{scalar, Kernel};
+    use rand::{Rng, SeedableRng};
+
+    /// The tile kernel itself, called directly (the level's dispatch could fall back to
+    /// vectors unnoticed), on every quantized type, with a partial last panel and a
+    /// partial last group: the same bits as the scalar kernel.
+    #[test]
+    fn tile_kernel_equals_the_scalar_kernel() {
+        if !Kernel::Amx.available() {
+            eprintln!("skipped: this CPU has no usable AMX");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x7115);
+        for ty in QuantType::QUANTIZED {
+            let (n, k, m) = (40, 512, 21);
+            let mut bytes: Vec<u8> = (0..n * k / ty.block_values() * ty.block_bytes())
+                .map(|_| rng.gen())
+                .collect();
+            // Finite f16 scales where each type keeps them.
+            let scales_at: &[usize] = match ty {
+                QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
+                QuantType::Q6K => &[208],
+                _ => &[0, 2],
+            };
+            for block in bytes.chunks_mut(ty.block_bytes()) {
+                for &at in scales_at {
+                    let d = half::f16::from_f32(rng.gen_range(1e-3f32..2e-2));
+                    block[at..at + 2].copy_from_slice(&d.to_le_bytes());
+                }
+            }
+            let mat = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+            let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-2f32..2.0)).collect();
+            let (mut tiles, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
+            let dst = |out: &mut [f32]| Dst {
+                ptr: out.as_mut_ptr(),
+                ldo: n,
+                row0: 0,
+            };
+            let act = QuantAct::quantize(Kernel::Amx, &x, m, k, false);
+            assert_eq!(act.layout, Layout::Tiles);
+            let plain = QuantAct::quantize(Kernel::Scalar, &x, m, k, false);
+            // SAFETY: AMX is available; dst holds every row of every token.
+            unsafe {
+                run_tile(&mat, &act, 0, mat.np, 0, m, dst(&mut tiles));
+                scalar::run_tile(&mat, &plain, 0, mat.np, 0, m, dst(&mut want));
+            }
+            let same = tiles
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{ty}: the tile kernel differs from the scalar kernel");
         }
     }
 }

@@ -39,6 +39,11 @@ pub struct BenchArgs {
     /// within one process, so that the machine's drift falls on both alike.
     #[arg(long, conflicts_with = "capture")]
     pub thread_speedup: bool,
+    /// Measure instead how prefill and decode speed up from the kernel level LEVEL (e.g.
+    /// `avx512`) to the default one (`LANTERN_KERNELS`, else the best this CPU runs),
+    /// the two taking turns within one process as `--thread-speedup`'s do.
+    #[arg(long, value_name = "LEVEL", conflicts_with_all = ["capture", "thread_speedup"])]
+    pub kernel_speedup: Option<String>,
     /// Also measure the KV cache memory one request of this many tokens holds, with
     /// sliding-window blocks given back as the window moves and without (0: skip).
     #[arg(long, default_value_t = 0)]
@@ -46,6 +51,28 @@ pub struct BenchArgs {
     /// Prompt lengths of the capture figures.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
     pub capture_prompt_tokens: Vec<usize>,
+}
+
+/// The kernel level `name` names, which this CPU must run and which must differ from
+/// the default (the baseline of `--kernel-speedup`).
+fn kernel_level_named(name: &str) -> Result<lantern_quant::Kernel> {
+    use lantern_quant::Kernel;
+    let names: Vec<&str> = Kernel::ALL.iter().map(|k| k.name()).collect();
+    let level = Kernel::parse(name).with_context(|| {
+        format!(
+            "--kernel-speedup: {name:?} is not a kernel level (one of {})",
+            names.join(", ")
+        )
+    })?;
+    anyhow::ensure!(
+        level.available(),
+        "--kernel-speedup: this CPU does not run the {level} level"
+    );
+    anyhow::ensure!(
+        level != lantern_quant::active_kernel(),
+        "--kernel-speedup: {level} is already the default level; name a lower one"
+    );
+    Ok(level)
 }
 
 /// Deterministic token ids that avoid the first 256 ids (specials and raw bytes).
@@ -195,11 +222,20 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
             &args.capture_prompt_tokens,
         );
     }
-    if args.thread_speedup {
+    let pair = match args.kernel_speedup.as_deref() {
+        Some(name) => Some(crate::bench_scaling::Pair::Kernels {
+            from: kernel_level_named(name)?,
+        }),
+        None => args
+            .thread_speedup
+            .then_some(crate::bench_scaling::Pair::Threads),
+    };
+    if let Some(pair) = pair {
         if !args.json {
             println!("simd               {}", lantern_model::simd_level());
         }
         let scaling = crate::bench_scaling::ScalingArgs {
+            pair,
             prompt_tokens: args.prompt_tokens,
             decode_tokens: args.decode_tokens,
             batches: &args.batches,

@@ -1,23 +1,69 @@
-//! `lantern bench --thread-speedup`: how the figures scale from one thread to all of
-//! `--threads`, measured within one process.
+//! `lantern bench --thread-speedup` and `--kernel-speedup`: how the figures scale from
+//! one thread to all of `--threads`, or from a lower kernel level to the default one,
+//! measured within one process.
 //!
 //! Runs seconds apart differ by more than the speedups being compared on shared
-//! machines, so the two thread counts take turns: prefills run by run, decode batches
-//! step by step (the same batch, one step at one thread, the next at all of them, which
-//! goes first alternating). Each side's rate is its tokens over the sum of its own
-//! runs' or steps' times. The single thread is the engine thread with every helper
-//! parked (`lantern_quant::share::limit_threads`), and work is split for one thread then,
-//! as `--threads 1` would; results are the same bits either way.
+//! machines, so the two sides take turns: prefills run by run, decode batches step by
+//! step (the same batch, one step on one side, the next on the other, which goes first
+//! alternating). Each side's rate is its tokens over the sum of its own runs' or steps'
+//! times. The single thread is the engine thread with every helper parked
+//! (`lantern_quant::share::limit_threads`), and work is split for one thread then, as
+//! `--threads 1` would; the lower level is forced with `lantern_quant::force_kernel`.
+//! Results are the same bits either way (but at the opt-in inexact levels).
 
 use crate::bench::{decode_params, median, prefill_seconds, run_prefills, synthetic_prompt};
 use anyhow::{Context, Result};
 use lantern_engine::Engine;
-use lantern_quant::share;
+use lantern_quant::{share, Kernel};
 use serde_json::{json, Value};
 use std::time::Instant;
 
+/// The two sides of every figure: the baseline first.
+#[derive(Clone, Copy)]
+pub enum Pair {
+    /// One computing thread, then all of them.
+    Threads,
+    /// A lower kernel level, then the default one.
+    Kernels { from: Kernel },
+}
+
+impl Pair {
+    /// Runs `f` on the baseline side (`true`) or the other.
+    fn with<T>(self, baseline: bool, f: impl FnOnce() -> T) -> T {
+        match self {
+            Pair::Threads => share::limit_threads(baseline.then_some(1)),
+            Pair::Kernels { from } => {
+                lantern_quant::force_kernel(baseline.then_some(from));
+            }
+        }
+        let out = f();
+        match self {
+            Pair::Threads => share::limit_threads(None),
+            Pair::Kernels { .. } => {
+                lantern_quant::force_kernel(None);
+            }
+        }
+        out
+    }
+
+    /// The sides' names in the table, and their keys in the JSON object.
+    fn names(self) -> ([String; 2], [&'static str; 2]) {
+        match self {
+            Pair::Threads => (
+                ["1".into(), share::threads().to_string()],
+                ["one_thread", "all_threads"],
+            ),
+            Pair::Kernels { from } => (
+                [from.name().into(), lantern_quant::kernel_level().into()],
+                ["baseline_level", "default_level"],
+            ),
+        }
+    }
+}
+
 /// What the figures are measured on.
 pub struct ScalingArgs<'a> {
+    pub pair: Pair,
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
     pub batches: &'a [usize],
@@ -54,41 +100,36 @@ impl Rounds {
         }
     }
 
-    fn json(&self) -> Value {
+    fn json(&self, pair: Pair) -> Value {
         let s = self.summary();
+        let [one, all] = pair.names().1;
         json!({
-            "one_thread": s.one,
-            "all_threads": s.all,
+            one: s.one,
+            all: s.all,
             "speedup": s.speedup,
             "lowest": s.lowest,
             "highest": s.highest,
         })
     }
 
-    fn print(&self, label: &str, threads: usize) {
-        self.print_with(label, threads, "tokens/s")
+    fn print(&self, label: &str, pair: Pair) {
+        self.print_with(label, pair, "tokens/s")
     }
 
-    fn print_with(&self, label: &str, threads: usize, unit: &str) {
+    fn print_with(&self, label: &str, pair: Pair, unit: &str) {
         let s = self.summary();
+        let [one, all] = pair.names().0;
         println!(
-            "{label:<28} {:8.1} -> {:8.1} {unit:<8}  speedup 1 -> {threads}: median {:.2}x (rounds {:.2}-{:.2}x)",
+            "{label:<28} {:8.1} -> {:8.1} {unit:<8}  speedup {one} -> {all}: median {:.2}x (rounds {:.2}-{:.2}x)",
             s.one, s.all, s.speedup, s.lowest, s.highest,
         );
     }
 }
 
-/// Runs `f` with one computing thread (`true`) or all of them.
-fn with_threads<T>(one: bool, f: impl FnOnce() -> T) -> T {
-    share::limit_threads(one.then_some(1));
-    let out = f();
-    share::limit_threads(None);
-    out
-}
-
 /// One round of the prefill figure: a prompt on each side, which goes first by `round`.
 fn prefill_round(
     engine: &mut Engine,
+    pair: Pair,
     salt: &mut u64,
     len: usize,
     round: usize,
@@ -99,7 +140,7 @@ fn prefill_round(
     for one in [first, !first] {
         *salt += 1;
         let prompt = synthetic_prompt(len, *salt, vocab);
-        let seconds = with_threads(one, || prefill_seconds(engine, prompt))?;
+        let seconds = pair.with(one, || prefill_seconds(engine, prompt))?;
         rates[usize::from(!one)] = len as f64 / seconds.max(1e-9);
     }
     Ok(rates)
@@ -109,6 +150,7 @@ fn prefill_round(
 /// prefill not timed), then their decode steps on alternating sides.
 fn decode_round(
     engine: &mut Engine,
+    pair: Pair,
     salt: &mut u64,
     batch: usize,
     prompt_len: usize,
@@ -129,7 +171,7 @@ fn decode_round(
     let mut one = true;
     while engine.has_unfinished() {
         let side = usize::from(!one);
-        let (elapsed, outputs) = with_threads(one, || {
+        let (elapsed, outputs) = pair.with(one, || {
             let start = Instant::now();
             engine
                 .step()
@@ -199,9 +241,9 @@ fn machine_rounds(repeat: usize) -> (Rounds, Rounds) {
                     r.all.push(rate)
                 }
             };
-            let c = with_threads(one, || probe_seconds(&compute_piece));
+            let c = Pair::Threads.with(one, || probe_seconds(&compute_piece));
             side(&mut compute, 1.0 / c);
-            let m = with_threads(one, || probe_seconds(&read_piece));
+            let m = Pair::Threads.with(one, || probe_seconds(&read_piece));
             side(&mut memory, (buffer.len() * 4) as f64 / m / 1e9);
         }
     }
@@ -209,21 +251,27 @@ fn machine_rounds(repeat: usize) -> (Rounds, Rounds) {
 }
 
 pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
-    let threads = share::threads();
+    let (pair, threads) = (args.pair, share::threads());
     let mut salt = 0u64;
     // Warm-up: first-touch of the KV cache pages and the kernels' lazy state.
-    prefill_round(engine, &mut salt, args.prompt_tokens, 0)?;
+    prefill_round(engine, pair, &mut salt, args.prompt_tokens, 0)?;
     let mut prefill = Rounds::default();
     for round in 0..args.repeat {
-        let [one, all] = prefill_round(engine, &mut salt, args.prompt_tokens, round)?;
+        let [one, all] = prefill_round(engine, pair, &mut salt, args.prompt_tokens, round)?;
         prefill.one.push(one);
         prefill.all.push(all);
     }
     let mut decode = |batch: usize, prompt_len: usize| -> Result<Rounds> {
         let mut rounds = Rounds::default();
         for _ in 0..args.repeat {
-            let [one, all] =
-                decode_round(engine, &mut salt, batch, prompt_len, args.decode_tokens)?;
+            let [one, all] = decode_round(
+                engine,
+                pair,
+                &mut salt,
+                batch,
+                prompt_len,
+                args.decode_tokens,
+            )?;
             rounds.one.push(one);
             rounds.all.push(all);
         }
@@ -235,39 +283,46 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
         .iter()
         .map(|&b| decode(b, 16).map(|r| (b, r)))
         .collect::<Result<Vec<_>>>()?;
-    let (compute, memory) = machine_rounds(args.repeat);
+    // The machine's own bounds concern threads only.
+    let machine = matches!(pair, Pair::Threads).then(|| machine_rounds(args.repeat));
     if args.json {
         let batched_json: serde_json::Map<String, Value> = batched
             .iter()
-            .map(|(b, rounds)| (b.to_string(), rounds.json()))
+            .map(|(b, rounds)| (b.to_string(), rounds.json(pair)))
             .collect();
-        println!(
-            "{}",
-            json!({
-                "threads": threads,
-                "rounds": args.repeat,
-                "simd": lantern_model::simd_level().summary(),
-                "kernel_level": lantern_quant::kernel_level(),
-                "machine_multiply_adds": compute.json(),
-                "machine_memory_gb_per_s": memory.json(),
-                "prefill": prefill.json(),
-                "prompt_tokens": args.prompt_tokens,
-                "decode_batch_1": batch_one.json(),
-                "decode_batched": batched_json,
-            })
-        );
+        let mut out = json!({
+            "threads": threads,
+            "rounds": args.repeat,
+            "simd": lantern_model::simd_level().summary(),
+            "kernel_level": lantern_quant::kernel_level(),
+            "prefill": prefill.json(pair),
+            "prompt_tokens": args.prompt_tokens,
+            "decode_batch_1": batch_one.json(pair),
+            "decode_batched": batched_json,
+        });
+        if let Some((compute, memory)) = &machine {
+            out["machine_multiply_adds"] = compute.json(pair);
+            out["machine_memory_gb_per_s"] = memory.json(pair);
+        }
+        if let Pair::Kernels { from } = pair {
+            out["baseline_level"] = from.name().into();
+        }
+        println!("{out}");
         return Ok(());
     }
-    println!(
-        "thread speedup, 1 -> {threads} threads, paired within one process ({} rounds)",
-        args.repeat
-    );
-    compute.print_with("machine: multiply-adds", threads, "rounds/s");
-    memory.print_with("machine: reading memory", threads, "GB/s");
-    prefill.print(&format!("prefill ({} tokens)", args.prompt_tokens), threads);
-    batch_one.print("decode, batch 1", threads);
+    let [one, all] = pair.names().0;
+    match pair {
+        Pair::Threads => println!("thread speedup, {one} -> {all} threads, paired within one process ({} rounds)", args.repeat),
+        Pair::Kernels { .. } => println!("kernel speedup, {one} -> {all} on {threads} threads, paired within one process ({} rounds)", args.repeat),
+    }
+    if let Some((compute, memory)) = &machine {
+        compute.print_with("machine: multiply-adds", pair, "rounds/s");
+        memory.print_with("machine: reading memory", pair, "GB/s");
+    }
+    prefill.print(&format!("prefill ({} tokens)", args.prompt_tokens), pair);
+    batch_one.print("decode, batch 1", pair);
     for (b, rounds) in &batched {
-        rounds.print(&format!("decode, batch {b} (aggregate)"), threads);
+        rounds.print(&format!("decode, batch {b} (aggregate)"), pair);
     }
     Ok(())
 }

@@ -95,3 +95,26 @@ def test_thread_speedup_pairs_one_thread_with_all_in_one_process():
         assert f["lowest"] <= f["speedup"] <= f["highest"], f
         # Medians of per-round ratios: near the ratio of the medians, not equal to it.
         assert 0.2 < f["speedup"] / (f["all_threads"] / f["one_thread"]) < 5, f
+
+
+def test_kernel_speedup_pairs_a_lower_level_with_the_default_in_one_process():
+    """`lantern bench --kernel-speedup scalar --json` runs every figure at the scalar
+    kernel level and at the default one, turn about, and reports both rates and their
+    ratio; a level that is the default already, or no level at all, is refused."""
+    out = subprocess.run(
+        [str(_binary()), "bench", "--kernel-speedup", "scalar", "--json",
+         "--repeat", "2", "--prompt-tokens", "16", "--decode-tokens", "6", "--batches", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["baseline_level"] == "scalar" and result["kernel_level"] != "scalar"
+    assert "machine_multiply_adds" not in result  # the thread pairing's bounds only
+    for f in [result["prefill"], result["decode_batch_1"], result["decode_batched"]["2"]]:
+        assert f["baseline_level"] > 0 and f["default_level"] > 0, f
+        assert f["lowest"] <= f["speedup"] <= f["highest"], f
+        # The vector levels outrun scalar code many times over.
+        assert f["speedup"] > 1.5, f
+    for level, why in [(result["kernel_level"], "already the default"), ("sse9", "not a kernel level")]:
+        bad = subprocess.run([str(_binary()), "bench", "--kernel-speedup", level],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and why in bad.stderr, bad.stderr

@@ -190,6 +190,16 @@ unsafe fn tile_dot<const SLOT: usize>(a: *const u8, lda: usize, b: *const u8, c:
 #[repr(C, align(64))]
 struct Dots([[i32; PANEL]; TOKENS]);
 
+/// A panel's stack space: the current block's activation scales, then the dots of two
+/// blocks in flight (`hi`: `Q6_K`'s second halves). The scales come first so that only
+/// `Q6_K`'s last dots share their offset modulo 4 KiB.
+#[repr(C, align(64))]
+struct Scratch {
+    scalars: [[f32; TOKENS]; 2],
+    lo: [Dots; 2],
+    hi: [Dots; 2],
+}
+
 /// The dots of block `b` (both halves for `Q6_K`) of the 16 tokens' activation tile at
 /// `aq` and the unpacked weights at `w`, into `lo` (and `hi`), on the slots of `b`'s
 /// parity.
@@ -232,20 +242,31 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
     unpack::<F>(mat.quant_ptr(a.p), nb, a.unpacked);
     let sc = mat.scale_ptr(a.p);
     let new_dots = || Dots([[0; PANEL]; TOKENS]);
-    let mut lo = [new_dots(), new_dots()];
-    let mut hi = [new_dots(), new_dots()];
+    let mut scratch = Scratch {
+        scalars: [[0.0; TOKENS]; 2],
+        lo: [new_dots(), new_dots()],
+        hi: [new_dots(), new_dots()],
+    };
     let mask = ((1u32 << mat.valid_rows(a.p)) - 1) as u16;
     for t in (t0..t1).step_by(TOKENS) {
         // The group's blocks: one 16 x 32-byte activation tile and 16 scales each.
         let group = t * nb;
         let aq = act.q.as_ptr().add(group * BLOCK);
         let (ad, as_) = (act.d.as_ptr().add(group), act.s.as_ptr().add(group));
-        let tile = |b: usize| aq.wrapping_add(b * TOKENS * BLOCK);
+        let tile = |b: usize| aq.add(b * TOKENS * BLOCK);
         let mut acc = [_mm512_setzero_ps(); TOKENS];
-        let [lo0, lo1] = &mut lo;
-        let [hi0, hi1] = &mut hi;
+        let Scratch { scalars, lo, hi } = &mut scratch;
+        let [lo0, lo1] = lo;
+        let [hi0, hi1] = hi;
         block_dots::<F>(0, tile(0), a.unpacked, lo0, hi0);
         for b in 0..nb {
+            // The block's 16 d_a and s_a, read once (two loads, not 32 broadcasts that
+            // may each wait on a tile store whose address matches theirs modulo 4 KiB:
+            // that halved Q4_1's speed) into lines no tile store aliases.
+            for (copy, from) in scalars.iter_mut().zip([ad, as_]) {
+                let v = _mm512_loadu_ps(from.add(b * TOKENS));
+                _mm512_store_ps(copy.as_mut_ptr(), v);
+            }
             // The next block's products go first: they run while this block's dots,
             // stored one block earlier, are scaled.
             if b + 1 < nb {
@@ -257,17 +278,11 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
                 let w = a.unpacked.add((b + 1) * UNPACKED_BLOCK);
                 block_dots::<F>(b + 1, tile(b + 1), w, l, h);
             }
-            let (l, h) = if b % 2 == 0 {
+            let (l, h) = if b.is_multiple_of(2) {
                 (&*lo0, &*hi0)
             } else {
                 (&*lo1, &*hi1)
             };
-            // The activation tiles come from L2 (a panel reads every group's): fetch
-            // a few blocks ahead into L1, which the tile loads do not train.
-            let ahead = tile(b + 4);
-            for l in 0..8 {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l).cast());
-            }
             let scales = block_scales(ty.scales(), sc.add(b / unit * sbp), b % unit);
             for i in 0..TOKENS {
                 let dot = _mm512_load_si512(l.0[i].as_ptr().cast());
@@ -276,8 +291,8 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
                 } else {
                     _mm512_setzero_si512()
                 };
-                let at = b * TOKENS + i;
-                scale_block(&mut acc[i], &scales, dot, dot_hi, *ad.add(at), *as_.add(at));
+                let (da, sa) = (scalars[0][i], scalars[1][i]);
+                scale_block(&mut acc[i], &scales, dot, dot_hi, da, sa);
             }
         }
         for i in 0..(t1 - t).min(TOKENS) {

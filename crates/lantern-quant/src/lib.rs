@@ -7,9 +7,10 @@
 //! made for SIMD integer dot products; the repacked bytes replace the file's bytes (same
 //! size, give or take 3% for the K-quants' unpacked sub-block scales). [`PackedMatrix::matmul`]
 //! computes `dst[m, n] = x[m, k] · Wᵀ` in f32 at a *kernel level* chosen at run time
-//! ([`Kernel`], [`active_kernel`]): AVX-512 VNNI, AVX2 + FMA + F16C, or portable scalar
+//! ([`Kernel`], [`active_kernel`]): Intel AMX tiles for batches of 32 tokens and more
+//! (`x86::amx`), AVX-512 VNNI, AVX2 + FMA + F16C, or portable scalar
 //! code. The level is the best the CPU reports unless
-//! `LANTERN_KERNELS=scalar|avx2|avx-vnni|avx512` asks for a lower one (capped at what the
+//! `LANTERN_KERNELS=scalar|avx2|avx-vnni|avx512|amx` asks for a lower one (capped at what the
 //! CPU has) or [`force_kernel`] forces one. Every level does the same integer arithmetic
 //! and the same f32 operations in the same order, so all levels produce bit-identical
 //! results; the one exception, never the default, is `avx512-bf16`

@@ -107,6 +107,11 @@ pub(crate) unsafe fn run_tile(
     t1: usize,
     dst: Dst,
 ) {
+    debug_assert_eq!(
+        act.layout,
+        crate::act::Layout::Tokens,
+        "the vector tiles read tokens"
+    );
     let shapes = match level {
         Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => avx512::SHAPES,
         _ => avx2::SHAPES,

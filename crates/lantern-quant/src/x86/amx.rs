@@ -19,7 +19,7 @@
 // The tiles are indexed by token; index loops read as the arithmetic does.
 #![allow(clippy::needless_range_loop)]
 
-use super::avx512::{block_scales, scale_block, shift16};
+use super::avx512::{block_scales, scale_block, scale_block_lanes, shift16};
 use crate::act::{Layout, QuantAct, TILE_TOKENS as TOKENS};
 use crate::format::Planes;
 use crate::{AlignedBuf, Dst, PackedMatrix, QuantType, BLOCK, PANEL};
@@ -191,8 +191,8 @@ unsafe fn tile_dot<const SLOT: usize>(a: *const u8, lda: usize, b: *const u8, c:
 struct Dots([[i32; PANEL]; TOKENS]);
 
 /// A panel's stack space: the current block's activation scales, then the dots of two
-/// blocks in flight (`hi`: `Q6_K`'s second halves). The scales come first so that only
-/// `Q6_K`'s last dots share their offset modulo 4 KiB.
+/// blocks in flight (`hi`: `Q6_K`'s second halves). The scales come first so that no tile
+/// store shares their offset modulo 4 KiB but `Q6_K`'s last dots (`Q6_K` does without).
 #[repr(C, align(64))]
 struct Scratch {
     scalars: [[f32; TOKENS]; 2],
@@ -263,9 +263,13 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
             // The block's 16 d_a and s_a, read once (two loads, not 32 broadcasts that
             // may each wait on a tile store whose address matches theirs modulo 4 KiB:
             // that halved Q4_1's speed) into lines no tile store aliases.
-            for (copy, from) in scalars.iter_mut().zip([ad, as_]) {
-                let v = _mm512_loadu_ps(from.add(b * TOKENS));
-                _mm512_store_ps(copy.as_mut_ptr(), v);
+            // `Q6_K`'s dots fill all 4 KiB, so its d_a stay in a register (it has no s_a).
+            let da_lanes = _mm512_loadu_ps(ad.add(b * TOKENS));
+            if !split {
+                for (copy, from) in scalars.iter_mut().zip([ad, as_]) {
+                    let v = _mm512_loadu_ps(from.add(b * TOKENS));
+                    _mm512_store_ps(copy.as_mut_ptr(), v);
+                }
             }
             // The next block's products go first: they run while this block's dots,
             // stored one block earlier, are scaled.
@@ -291,8 +295,13 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
                 } else {
                     _mm512_setzero_si512()
                 };
-                let (da, sa) = (scalars[0][i], scalars[1][i]);
-                scale_block(&mut acc[i], &scales, dot, dot_hi, da, sa);
+                if split {
+                    let da = _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), da_lanes);
+                    scale_block_lanes(&mut acc[i], &scales, dot, dot_hi, da);
+                } else {
+                    let (da, sa) = (scalars[0][i], scalars[1][i]);
+                    scale_block(&mut acc[i], &scales, dot, dot_hi, da, sa);
+                }
             }
         }
         for i in 0..(t1 - t).min(TOKENS) {

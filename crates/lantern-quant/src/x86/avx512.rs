@@ -135,7 +135,31 @@ pub(super) unsafe fn scale_block(
     da: f32,
     sa: f32,
 ) {
-    let da = _mm512_set1_ps(da);
+    scale_block_with(acc, sc, lo, hi, _mm512_set1_ps(da), sa)
+}
+
+/// [`scale_block`] for the types without a minimum, `da` already in every lane.
+#[inline(always)]
+pub(super) unsafe fn scale_block_lanes(
+    acc: &mut __m512,
+    sc: &BlockScales16,
+    lo: __m512i,
+    hi: __m512i,
+    da: __m512,
+) {
+    debug_assert!(matches!(sc.kind, Scales::D | Scales::SuperHalves));
+    scale_block_with(acc, sc, lo, hi, da, 0.0)
+}
+
+#[inline(always)]
+unsafe fn scale_block_with(
+    acc: &mut __m512,
+    sc: &BlockScales16,
+    lo: __m512i,
+    hi: __m512i,
+    da: __m512,
+    sa: f32,
+) {
     *acc = _mm512_fmadd_ps(_mm512_mul_ps(sc.dw_lo, da), _mm512_cvtepi32_ps(lo), *acc);
     match sc.kind {
         Scales::SuperHalves => {

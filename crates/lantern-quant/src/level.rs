@@ -28,8 +28,8 @@ pub enum Kernel {
     /// the kernel's grant of the tile state, asked for once per process.
     Amx,
     /// The best exact level below, and for BF16 weights AVX-512 BF16's `vdpbf16ps` (Zen
-    /// 4/5, Intel Cooper Lake and Sapphire Rapids and later): the activations are rounded to bf16
-    /// (relative error 2^-9 each, as llama.cpp and PyTorch's bf16 products do) and each
+    /// 4/5, Intel Cooper Lake and Sapphire Rapids and later): the activations are rounded
+    /// to bf16 (relative error 2^-9 each, as llama.cpp and PyTorch's bf16 products do) and each
     /// instruction sums two products per lane with the CPU's own rounding, so BF16
     /// products lose their bit-identity with the other levels and across CPU makers, for
     /// 1.8x the batched products' speed (1.4x a BF16 model's prefill, Zen 5). Never
@@ -68,17 +68,6 @@ impl Kernel {
             Kernel::Avx512Bf16 if ty == crate::QuantType::BF16 => self,
             Kernel::Avx512Bf16 | Kernel::Amx if ty.is_dense() => Kernel::Avx512,
             Kernel::Avx512Bf16 => Kernel::Amx.capped(),
-            level => level,
-        }
-    }
-
-    /// The level of element-wise vector code (activation quantization, attention,
-    /// conversions) when `self` is in effect: the AVX-512 levels' is AVX-512's, the
-    /// AVX2 levels' AVX2's.
-    pub fn vector(self) -> Kernel {
-        match self {
-            Kernel::Amx | Kernel::Avx512Bf16 => Kernel::Avx512,
-            Kernel::AvxVnni => Kernel::Avx2,
             level => level,
         }
     }

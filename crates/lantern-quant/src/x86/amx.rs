@@ -9,8 +9,8 @@
 //! offset are below 64), so the tile product `tdpbssd` (signed bytes x signed bytes)
 //! gives each block's exact dot `Σ (q_w − o)·q_a` with no correction.
 //! The activations are quantized in groups of 16 tokens laid out for the tiles
-//! (`act::Layout::Tiles`): a group's block is one 512-byte `A` tile. The dots are stored and scaled in f32
-//! with the same operations, in the same order, as every other level
+//! (`act::Layout::Tiles`): a group's block is one 512-byte `A` tile. The dots are stored
+//! and scaled in f32 with the same operations, in the same order, as every other level
 //! (`avx512::scale_block`), so the outputs are the same bits.
 //!
 //! `Q6_K`, whose block halves have their own scales, runs two products of 16 values a
@@ -264,20 +264,22 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
             // may each wait on a tile store whose address matches theirs modulo 4 KiB:
             // that halved Q4_1's speed) into lines no tile store aliases.
             // `Q6_K`'s dots fill all 4 KiB, so its d_a stay in a register (it has no s_a).
-            let da_lanes = _mm512_loadu_ps(ad.add(b * TOKENS));
-            if !split {
+            let da_lanes = if split {
+                _mm512_loadu_ps(ad.add(b * TOKENS))
+            } else {
                 for (copy, from) in scalars.iter_mut().zip([ad, as_]) {
                     let v = _mm512_loadu_ps(from.add(b * TOKENS));
                     _mm512_store_ps(copy.as_mut_ptr(), v);
                 }
-            }
+                _mm512_setzero_ps()
+            };
             // The next block's products go first: they run while this block's dots,
             // stored one block earlier, are scaled.
             if b + 1 < nb {
-                let (l, h) = if b % 2 == 1 {
-                    (&mut *lo0, &mut *hi0)
-                } else {
+                let (l, h) = if b.is_multiple_of(2) {
                     (&mut *lo1, &mut *hi1)
+                } else {
+                    (&mut *lo0, &mut *hi0)
                 };
                 let w = a.unpacked.add((b + 1) * UNPACKED_BLOCK);
                 block_dots::<F>(b + 1, tile(b + 1), w, l, h);
@@ -290,17 +292,14 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
             let scales = block_scales(ty.scales(), sc.add(b / unit * sbp), b % unit);
             for i in 0..TOKENS {
                 let dot = _mm512_load_si512(l.0[i].as_ptr().cast());
-                let dot_hi = if split {
-                    _mm512_load_si512(h.0[i].as_ptr().cast())
-                } else {
-                    _mm512_setzero_si512()
-                };
                 if split {
+                    let dot_hi = _mm512_load_si512(h.0[i].as_ptr().cast());
                     let da = _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), da_lanes);
                     scale_block_lanes(&mut acc[i], &scales, dot, dot_hi, da);
                 } else {
                     let (da, sa) = (scalars[0][i], scalars[1][i]);
-                    scale_block(&mut acc[i], &scales, dot, dot_hi, da, sa);
+                    let none = _mm512_setzero_si512();
+                    scale_block(&mut acc[i], &scales, dot, none, da, sa);
                 }
             }
         }
@@ -326,11 +325,11 @@ unsafe fn unpack<const F: u8>(q: *const u8, nb: usize, out: *mut u8) {
     for b in 0..nb {
         let rec = q.add(b * qbp);
         let dst = out.add(b * UNPACKED_BLOCK);
-        // Wrapping byte subtraction: `Q8_0`'s `q + 128 − 128` is its i8 again.
         let row = |r: usize| dst.add(64 * r).cast::<__m512i>();
         if planes == Planes::Bytes {
             for c in 0..8 {
                 let v = _mm512_load_si512(rec.add(64 * c).cast());
+                // Wrapping byte subtraction: `Q8_0`'s `q + 128 − 128` is its i8 again.
                 _mm512_store_si512(row(c), _mm512_sub_epi8(v, off));
             }
             continue;

@@ -79,3 +79,59 @@ fn output_rows_do_not_depend_on_the_batch() {
         }
     }
 }
+
+/// A row's output is the same bits whatever the query tile: items of one token (whose
+/// rows the flash kernel takes one by one) and of many (whose rows it takes together,
+/// from transposed keys) give each row the same operations, with plain, soft-capped,
+/// sink and sliding-window layers and head dims on and off the 16-lane chunks.
+#[test]
+fn output_rows_do_not_depend_on_the_query_tile() {
+    use lantern_attn::FlashTuning;
+    let mut plain = AttentionLayerSpec::new(9, 3, 64);
+    plain.scale = 0.37;
+    let mut gemma = AttentionLayerSpec::new(8, 1, 128);
+    gemma.logits_soft_cap = Some(20.0);
+    gemma.sinks = Some((0..8).map(|h| h as f32 * 0.4 - 1.0).collect());
+    gemma.sliding_window = Some(45);
+    let narrow = AttentionLayerSpec::new(4, 4, 16);
+    let odd = AttentionLayerSpec::new(6, 2, 80);
+    let reqs = [
+        Req {
+            num_computed: 0,
+            query_len: 70,
+        },
+        Req {
+            num_computed: 500,
+            query_len: 33,
+        },
+        Req {
+            num_computed: 90,
+            query_len: 1,
+        },
+    ];
+    for (name, layer) in [
+        ("plain", plain),
+        ("gemma", gemma),
+        ("narrow", narrow),
+        ("odd", odd),
+    ] {
+        let batch = make_batch(23, &layer, 16, &reqs, 3);
+        let mut outputs = Vec::new();
+        for query_tile in [1, 2, 16, 64] {
+            let tuning = FlashTuning {
+                query_tile,
+                ..FlashTuning::default()
+            };
+            let backend = CpuFlashBackend::new().with_tuning(tuning).unwrap();
+            let (out, _) = run_backend(&backend, &layer, &batch, KvDtype::F16, None).unwrap();
+            outputs.push((query_tile, out));
+        }
+        for (tile, out) in &outputs[1..] {
+            let same = out
+                .iter()
+                .zip(&outputs[0].1)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: query tile {tile} differs from query tile 1");
+        }
+    }
+}

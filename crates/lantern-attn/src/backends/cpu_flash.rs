@@ -44,6 +44,7 @@ use crate::backend::{AttentionMetadata, CPU_FLASH};
 use crate::backends::kernels::{
     axpy, dots, exp_shifted_sum, logits_and_rescale, probabilities_from_logits, scale, weighted_sum,
 };
+use crate::backends::row_kernels;
 use crate::backends::{host_forward, load_step_row, HostAttention, KernelView, RequestView};
 use crate::cache::{PagedKvCache, KEY, VALUE};
 use crate::device::{LayerKvCache, Tensor};
@@ -467,6 +468,7 @@ struct Scratch {
     keys: Vec<f32>,
     values: Vec<f32>,
     logits: Vec<f32>,
+    rows: RowsScratch,
 }
 
 impl Scratch {
@@ -535,8 +537,10 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
         keys,
         values,
         logits,
+        rows,
     } = scratch;
     let group = group_len(block_size, d);
+    let all_rows = n_rows >= ROWS_AT_ONCE && row_kernels::pays(d);
     let mut start = item.keys.0;
     while start < item.keys.1 {
         let end = ((start / group + 1) * group).min(item.keys.1);
@@ -562,6 +566,12 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
                 );
             }
             pos = tile_end;
+        }
+        if all_rows {
+            let tiles = (&k_tile[..], &v_tile[..]);
+            update_rows(ctx, item, &req, (start, end), tiles, rows, &mut state);
+            start = end;
+            continue;
         }
         for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
             let visible = layer.visible_key_range(req.position(row));
@@ -617,6 +627,147 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
     state
 }
 
+/// Query rows (tokens x heads of the group) of an item from which [`update_rows`] takes a
+/// group's rows all at once: transposing the keys costs about what two rows' dot
+/// products save, and decodes (one token, a group of 1-8 heads) stay on [`update_row`].
+const ROWS_AT_ONCE: usize = 8;
+
+/// [`update_rows`]' buffers: the group's keys transposed, every row's logits
+/// (`stride` apart), and the rows that see some key of the group.
+#[derive(Default)]
+struct RowsScratch {
+    transposed: Vec<f32>,
+    logits: Vec<f32>,
+    spans: Vec<RowSpan>,
+}
+
+/// A query row of an item and the keys of the current group it sees.
+#[derive(Clone, Copy)]
+struct RowSpan {
+    /// Batch row.
+    row: usize,
+    /// Index in the item's [`Partial`].
+    state: usize,
+    /// Query head.
+    head: usize,
+    lo: usize,
+    hi: usize,
+}
+
+/// One group's online-softmax step for every row of `item`: the same operations on
+/// each row as [`update_row`], so the same bits, but the dot products come two rows at
+/// a time from the group's keys transposed once (`row_kernels`), and rows that see the
+/// same keys (all but the diagonal's) add their weighted values four at a time.
+fn update_rows(
+    ctx: &Ctx<'_>,
+    item: &WorkItem,
+    req: &RequestView<'_>,
+    (start, end): (usize, usize),
+    (k_tile, v_tile): (&[f32], &[f32]),
+    scratch: &mut RowsScratch,
+    state: &mut Partial,
+) {
+    let layer = ctx.layer;
+    let (d, group_heads) = (layer.head_dim, layer.group_size());
+    let n = end - start;
+    let stride = n.next_multiple_of(row_kernels::KEYS);
+    let RowsScratch {
+        transposed,
+        logits,
+        spans,
+    } = scratch;
+    spans.clear();
+    for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
+        let visible = layer.visible_key_range(req.position(row));
+        let (lo, hi) = (visible.start.max(start), visible.end.min(end));
+        if lo < hi {
+            spans.extend((0..group_heads).map(|j| RowSpan {
+                row,
+                state: ti * group_heads + j,
+                head: item.kv_head * group_heads + j,
+                lo,
+                hi,
+            }));
+        }
+    }
+    grow(transposed, row_kernels::transposed_len(n, d));
+    grow(logits, spans.len() * stride);
+    let kt = &mut transposed[..row_kernels::transposed_len(n, d)];
+    row_kernels::transpose_keys(&k_tile[..n * d], d, kt);
+    let q_row = |s: &RowSpan| &ctx.q[(s.row * layer.num_heads + s.head) * d..][..d];
+    // Every key of the group for each row (a key's score does not depend on which
+    // others are computed); the rows then take the part they see.
+    for (pair, out) in spans.chunks(2).zip(logits.chunks_mut(2 * stride)) {
+        match pair {
+            [a, b] => {
+                let (out_a, out_b) = out.split_at_mut(stride);
+                let outs = [&mut out_a[..n], &mut out_b[..n]];
+                row_kernels::dots_pair([q_row(a), q_row(b)], kt, d, outs);
+            }
+            [a] => dots(q_row(a), &k_tile[..n * d], d, &mut out[..n]),
+            _ => {}
+        }
+    }
+    let mut accs = state.acc.chunks_exact_mut(d);
+    let mut next = 0;
+    let mut acc_of = |s: &RowSpan| {
+        let acc = accs.nth(s.state - next);
+        next = s.state + 1;
+        acc
+    };
+    let mut rows = Vec::with_capacity(4);
+    for (s, row_logits) in spans.iter().zip(logits.chunks_exact_mut(stride)) {
+        let p = &mut row_logits[s.lo - start..s.hi - start];
+        // SAFETY: this item alone covers this row's head over `lo..hi`.
+        let kept = ctx
+            .keep
+            .as_ref()
+            .and_then(|keep| unsafe { keep.slot(s.row, s.head, s.lo, s.hi) });
+        let Some(acc) = acc_of(s) else { return };
+        let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
+        softmax_step(layer, p, kept, max, sum, acc);
+        // Rows that see the same keys (consecutive spans) go four at a time.
+        rows.push((&*p, acc, (s.lo, s.hi)));
+        let same_keys = rows.iter().all(|r| r.2 == (s.lo, s.hi));
+        if !same_keys || rows.len() == 4 {
+            let last = (!same_keys).then(|| rows.pop()).flatten();
+            add_weighted_values(&mut rows, v_tile, start, d);
+            rows.extend(last);
+        }
+    }
+    add_weighted_values(&mut rows, v_tile, start, d);
+}
+
+/// A row's probabilities over a group's keys, its accumulator, and the keys it sees.
+type WeightedRow<'a> = (&'a [f32], &'a mut [f32], (usize, usize));
+
+/// `acc += p · V` for `rows` (which see the same keys), four at once or one by one;
+/// empties `rows`.
+fn add_weighted_values(rows: &mut Vec<WeightedRow<'_>>, v_tile: &[f32], start: usize, d: usize) {
+    let Some(&(_, _, (lo, hi))) = rows.first() else {
+        return;
+    };
+    let v_rows = &v_tile[(lo - start) * d..(hi - start) * d];
+    match &mut rows[..] {
+        [(p0, a0, _), (p1, a1, _), (p2, a2, _), (p3, a3, _)] => {
+            row_kernels::weighted_sum_quad([a0, a1, a2, a3], [p0, p1, p2, p3], v_rows, d)
+        }
+        few => {
+            for (p, acc, _) in few {
+                weighted_sum(acc, p, v_rows, d);
+            }
+        }
+    }
+    rows.clear();
+}
+
+/// Grows `buf` to at least `len` floats (never shrinks it).
+fn grow(buf: &mut Vec<f32>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+}
+
 /// One online-softmax step for one query row over a tile's visible keys; the tile's
 /// logits are copied to `kept` when given.
 #[allow(clippy::too_many_arguments)]
@@ -634,6 +785,23 @@ fn update_row(
 ) {
     let d = q_row.len();
     dots(q_row, k_rows, d, logits);
+    softmax_step(layer, logits, kept, max, sum, acc);
+    weighted_sum(acc, logits, v_rows, d);
+}
+
+/// The part of an online-softmax step between the dot products and the weighted sum of
+/// values: `logits` (one row's raw dot products with a tile's visible keys) become the
+/// tile's unnormalized probabilities, the running maximum and sum move on, and `acc` is
+/// rescaled to the new maximum. The logits are copied to `kept` when given.
+#[inline]
+fn softmax_step(
+    layer: &AttentionLayerSpec,
+    logits: &mut [f32],
+    kept: Option<&mut [f32]>,
+    max: &mut f32,
+    sum: &mut f32,
+    acc: &mut [f32],
+) {
     let (new_max, alpha) = logits_and_rescale(logits, layer.scale, layer.logits_soft_cap, *max);
     if let Some(kept) = kept {
         kept.copy_from_slice(logits);
@@ -641,9 +809,7 @@ fn update_row(
     if alpha != 1.0 {
         scale(acc, alpha);
     }
-    let tile_sum = exp_shifted_sum(logits, new_max);
-    weighted_sum(acc, logits, v_rows, d);
-    *sum = *sum * alpha + tile_sum;
+    *sum = *sum * alpha + exp_shifted_sum(logits, new_max);
     *max = new_max;
 }
 

@@ -12,6 +12,7 @@
 pub mod cpu_flash;
 pub mod cpu_reference;
 pub(crate) mod kernels;
+pub(crate) mod row_kernels;
 
 use std::ops::Range;
 use std::sync::Arc;

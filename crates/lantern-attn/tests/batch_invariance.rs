@@ -83,7 +83,8 @@ fn output_rows_do_not_depend_on_the_batch() {
 /// A row's output is the same bits whatever the query tile: items of one token (whose
 /// rows the flash kernel takes one by one) and of many (whose rows it takes together,
 /// from transposed keys) give each row the same operations, with plain, soft-capped,
-/// sink and sliding-window layers and head dims on and off the 16-lane chunks.
+/// sink and sliding-window layers, head dims on and off the 16-lane chunks, and
+/// contexts short and long.
 #[test]
 fn output_rows_do_not_depend_on_the_query_tile() {
     use lantern_attn::FlashTuning;
@@ -107,6 +108,11 @@ fn output_rows_do_not_depend_on_the_query_tile() {
         Req {
             num_computed: 90,
             query_len: 1,
+        },
+        // Past 1,024 keys: query tiles four times the tuning's.
+        Req {
+            num_computed: 1100,
+            query_len: 40,
         },
     ];
     for (name, layer) in [

@@ -224,48 +224,82 @@ mod x86 {
 
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dots_pair(q: [&[f32]; 2], kt: &[f32], d: usize, out: [&mut [f32]; 2]) {
-        let chunks = d / LANES;
         let n = out[0].len();
-        let (q0, q1) = (q[0].as_ptr(), q[1].as_ptr());
-        let [out0, out1] = out;
-        for b in 0..n.div_ceil(KEYS) {
-            let block = kt.as_ptr().add(b * d * KEYS);
-            let mut x3 = [[_mm512_setzero_ps(); 2]; 2];
-            for h in 0..2 {
-                let mut x2 = [[_mm512_setzero_ps(); 2]; 2];
-                for (w, i) in [h, h + 2].into_iter().enumerate() {
-                    let mut a = [[_mm512_setzero_ps(); 4]; 2];
-                    for c in 0..chunks {
-                        for s in 0..4 {
-                            let e = c * LANES + i + 4 * s;
-                            let kv = _mm512_loadu_ps(block.add(e * KEYS));
-                            a[0][s] = _mm512_fmadd_ps(_mm512_set1_ps(*q0.add(e)), kv, a[0][s]);
-                            a[1][s] = _mm512_fmadd_ps(_mm512_set1_ps(*q1.add(e)), kv, a[1][s]);
-                        }
-                    }
-                    for r in 0..2 {
-                        x2[r][w] = _mm512_add_ps(
-                            _mm512_add_ps(a[r][0], a[r][2]),
-                            _mm512_add_ps(a[r][1], a[r][3]),
-                        );
-                    }
-                }
-                for r in 0..2 {
-                    x3[r][h] = _mm512_add_ps(x2[r][0], x2[r][1]);
-                }
-            }
+        let q = [q[0].as_ptr(), q[1].as_ptr()];
+        let out = [out[0].as_mut_ptr(), out[1].as_mut_ptr()];
+        let block = |b: usize| kt.as_ptr().add(b * d * KEYS);
+        let store = |b: usize, r: usize, v: __m512| {
             let first = b * KEYS;
             let mask: __mmask16 = if n - first >= KEYS {
                 0xffff
             } else {
                 (1u16 << (n - first)) - 1
             };
-            for (r, dst) in [&mut *out0, &mut *out1].into_iter().enumerate() {
-                let sum = _mm512_add_ps(x3[r][0], x3[r][1]);
-                let v = _mm512_add_ps(sum, _mm512_setzero_ps());
-                _mm512_mask_storeu_ps(dst.as_mut_ptr().add(first), mask, v);
+            _mm512_mask_storeu_ps(out[r].add(first), mask, v);
+        };
+        let blocks = n.div_ceil(KEYS);
+        let mut b = 0;
+        // Two blocks at a time: each loaded key vector feeds both rows and each
+        // broadcast query value both blocks (one load per multiply-add).
+        while b + 2 <= blocks {
+            let sums = block_dots::<2>(q, [block(b), block(b + 1)], d);
+            for r in 0..2 {
+                store(b, r, sums[r][0]);
+                store(b + 1, r, sums[r][1]);
+            }
+            b += 2;
+        }
+        if b < blocks {
+            let sums = block_dots::<1>(q, [block(b)], d);
+            for r in 0..2 {
+                store(b, r, sums[r][0]);
             }
         }
+    }
+
+    /// Two rows' dots with the `B` transposed blocks of 16 keys at `blocks`.
+    #[inline(always)]
+    unsafe fn block_dots<const B: usize>(
+        q: [*const f32; 2],
+        blocks: [*const f32; B],
+        d: usize,
+    ) -> [[__m512; B]; 2] {
+        // x2[i][r][k]: X2[i] of row r and block k (`dots`' halving, see the module docs),
+        // each from the four lane chains i, i + 4, i + 8, i + 12.
+        let mut x2 = [[[_mm512_setzero_ps(); B]; 2]; 4];
+        for i in 0..4 {
+            let mut a = [[[_mm512_setzero_ps(); 4]; B]; 2];
+            for c in 0..d / LANES {
+                for s in 0..4 {
+                    let e = c * LANES + i + 4 * s;
+                    let kv = blocks.map(|block| _mm512_loadu_ps(block.add(e * KEYS)));
+                    for r in 0..2 {
+                        let qe = _mm512_set1_ps(*q[r].add(e));
+                        for k in 0..B {
+                            a[r][k][s] = _mm512_fmadd_ps(qe, kv[k], a[r][k][s]);
+                        }
+                    }
+                }
+            }
+            for r in 0..2 {
+                for k in 0..B {
+                    let a = a[r][k];
+                    x2[i][r][k] =
+                        _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                }
+            }
+        }
+        // X3[h] = X2[h] + X2[h + 2]; X3[0] + X3[1]; then `dots`' empty scalar tail (+0).
+        let mut sums = [[_mm512_setzero_ps(); B]; 2];
+        for r in 0..2 {
+            for k in 0..B {
+                let x3_0 = _mm512_add_ps(x2[0][r][k], x2[2][r][k]);
+                let x3_1 = _mm512_add_ps(x2[1][r][k], x2[3][r][k]);
+                let sum = _mm512_add_ps(x3_0, x3_1);
+                sums[r][k] = _mm512_add_ps(sum, _mm512_setzero_ps());
+            }
+        }
+        sums
     }
 
     #[target_feature(enable = "avx512f")]

@@ -24,9 +24,9 @@
 //! running max `m`, a running sum `l` and an unnormalized output `acc`; a new group
 //! rescales them by `exp(m_old - m_new)`. The sink joins only when a row is finalized, as
 //! one more term of the denominator. Items of many rows (prefill tiles) take a group's
-//! rows together at AVX-512 ([`update_rows`], `row_kernels`): the group's keys transposed
-//! once, dot products two rows at a time, weighted values four at a time, each row
-//! getting the same operations as alone, so the same bits.
+//! rows together at AVX2 and AVX-512 ([`update_rows`], `row_kernels`): the group's keys
+//! transposed once, dot products two rows at a time, weighted values four at a time
+//! (AVX-512), each row getting the same operations as alone, so the same bits.
 //!
 //! Chunked-local layers run over the step's virtual batch ([`crate::local`]): each
 //! virtual request lies inside one chunk, so the kernel needs no chunk mask, and a long

@@ -11,8 +11,8 @@
 //! ([`transpose_keys`]: per dimension, the 16 keys' values side by side), so lane `i` of
 //! 16 keys is one vector chain, and the halving additions are additions of whole vectors.
 //!
-//! The kernels are written for AVX-512 ([`pays`]); their plain versions say the same
-//! arithmetic for other CPUs and the tests.
+//! The kernels are written for AVX-512 and AVX2 ([`pays`]); their plain versions say the
+//! same arithmetic for other CPUs and the tests.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -24,14 +24,19 @@ const LANES: usize = 16;
 /// Keys side by side in a transposed block.
 pub(crate) const KEYS: usize = 16;
 
-/// Whether the kernels run vectorized here: at an AVX-512 level, for head dims of whole
-/// 16-lane chunks. Elsewhere the flash kernel takes rows one at a time, which at AVX2
-/// (16 registers) was twice as fast as these kernels' plain versions (attention of a
-/// 512-token SmolLM2 prefill, Emerald Rapids at `LANTERN_KERNELS=avx2`).
+/// Whether the kernels run vectorized here: at the AVX2 and AVX-512 levels, for head dims
+/// of whole 16-lane chunks. Elsewhere the flash kernel takes rows one at a time (these
+/// kernels' plain versions, compiled, ran at half the speed of the one-row kernels).
 pub(crate) fn pays(d: usize) -> bool {
     cfg!(target_arch = "x86_64")
         && d.is_multiple_of(LANES)
-        && lantern_quant::active_kernel() >= lantern_quant::Kernel::Avx512
+        && lantern_quant::active_kernel() >= lantern_quant::Kernel::Avx2
+}
+
+/// Whether the AVX-512 versions run (else the AVX2 ones, where [`pays`]).
+#[cfg(target_arch = "x86_64")]
+fn wide() -> bool {
+    lantern_quant::active_kernel() >= lantern_quant::Kernel::Avx512
 }
 
 /// Floats [`transpose_keys`] writes for `n` keys of `d` dimensions.
@@ -46,8 +51,14 @@ pub(crate) fn transpose_keys(keys: &[f32], d: usize, kt: &mut [f32]) {
     assert!(kt.len() >= transposed_len(keys.len() / d.max(1), d));
     #[cfg(target_arch = "x86_64")]
     if pays(d) {
-        // SAFETY: the CPU runs AVX-512; `kt` is long enough (checked above).
-        return unsafe { x86::transpose_keys(keys, d, kt) };
+        // SAFETY: the CPU runs the level's instructions; `kt` is long enough (checked
+        // above).
+        return unsafe {
+            match wide() {
+                true => x86::transpose_keys(keys, d, kt),
+                false => x86::transpose_keys_avx2(keys, d, kt),
+            }
+        };
     }
     transpose_keys_portable(keys, d, kt)
 }
@@ -84,8 +95,13 @@ pub(crate) fn dots_pair(q: [&[f32]; 2], kt: &[f32], d: usize, out: [&mut [f32]; 
     assert!(kt.len() >= transposed_len(out[0].len(), d));
     #[cfg(target_arch = "x86_64")]
     if pays(d) {
-        // SAFETY: the CPU runs AVX-512; the lengths are checked above.
-        return unsafe { x86::dots_pair(q, kt, d, out) };
+        // SAFETY: the CPU runs the level's instructions; the lengths are checked above.
+        return unsafe {
+            match wide() {
+                true => x86::dots_pair(q, kt, d, out),
+                false => x86::dots_pair_avx2(q, kt, d, out),
+            }
+        };
     }
     dots_pair_portable(q, kt, d, out)
 }
@@ -148,10 +164,11 @@ pub(crate) fn weighted_sum_quad(acc: [&mut [f32]; 4], p: [&[f32]; 4], values: &[
     assert!(p.iter().all(|p| p.len() == n) && acc.iter().all(|a| a.len() == d));
     assert!(values.len() >= n * d);
     #[cfg(target_arch = "x86_64")]
-    if lantern_quant::active_kernel() >= lantern_quant::Kernel::Avx512 {
+    if wide() {
         // SAFETY: the CPU runs AVX-512; the lengths are checked above.
         return unsafe { x86::weighted_sum_quad(acc, p, values, d) };
     }
+    // At AVX2 a row's own four-vector chains (`weighted_sum`) already fill the registers.
     for (acc, p) in acc.into_iter().zip(p) {
         super::kernels::weighted_sum(acc, p, values, d);
     }
@@ -360,6 +377,107 @@ mod x86 {
                 _mm512_mask_storeu_ps(acc[t].add(start), mask, r[t]);
             }
             start += LANES;
+        }
+    }
+
+    /// [`transpose_keys`](super::transpose_keys) at AVX2: 8 x 8 blocks (half a block of
+    /// 16 keys by 8 dimensions) transposed in registers.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn transpose_keys_avx2(keys: &[f32], d: usize, kt: &mut [f32]) {
+        let n = keys.len() / d;
+        for b in 0..n.div_ceil(KEYS) {
+            for half in 0..2 {
+                let first = b * KEYS + half * 8;
+                let count = n.saturating_sub(first).min(8);
+                for c in 0..d / 8 {
+                    let mut r = [_mm256_setzero_ps(); 8];
+                    for (j, row) in r.iter_mut().enumerate().take(count) {
+                        *row = _mm256_loadu_ps(keys.as_ptr().add((first + j) * d + c * 8));
+                    }
+                    let cols = transpose8(r);
+                    let dst = kt.as_mut_ptr().add((b * d + c * 8) * KEYS + half * 8);
+                    for (e, col) in cols.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add(e * KEYS), *col);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 8 columns of the 8 rows `r`.
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let mut t = [_mm256_setzero_ps(); 8];
+        for k in 0..4 {
+            t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+            t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+        }
+        // u[4g + m]: rows 4g..4g + 4 of column m (low 128 bits) and m + 4 (high).
+        let mut u = [_mm256_setzero_ps(); 8];
+        for g in 0..2 {
+            let (a, b, c, e) = (t[4 * g], t[4 * g + 2], t[4 * g + 1], t[4 * g + 3]);
+            u[4 * g] = _mm256_shuffle_ps::<0x44>(a, b);
+            u[4 * g + 1] = _mm256_shuffle_ps::<0xEE>(a, b);
+            u[4 * g + 2] = _mm256_shuffle_ps::<0x44>(c, e);
+            u[4 * g + 3] = _mm256_shuffle_ps::<0xEE>(c, e);
+        }
+        let mut cols = [_mm256_setzero_ps(); 8];
+        for m in 0..4 {
+            cols[m] = _mm256_permute2f128_ps::<0x20>(u[m], u[4 + m]);
+            cols[4 + m] = _mm256_permute2f128_ps::<0x31>(u[m], u[4 + m]);
+        }
+        cols
+    }
+
+    /// [`dots_pair`](super::dots_pair) at AVX2: each block of 16 keys as two halves of 8,
+    /// the two rows sharing each loaded key vector.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dots_pair_avx2(
+        q: [&[f32]; 2],
+        kt: &[f32],
+        d: usize,
+        out: [&mut [f32]; 2],
+    ) {
+        let n = out[0].len();
+        let q = [q[0].as_ptr(), q[1].as_ptr()];
+        let [out0, out1] = out;
+        for b in 0..n.div_ceil(KEYS) {
+            for half in 0..2 {
+                let first = b * KEYS + half * 8;
+                if first >= n {
+                    break;
+                }
+                let block = kt.as_ptr().add(b * d * KEYS + half * 8);
+                // x2[i][r]: X2[i] of row r (`dots`' halving, see the module docs).
+                let mut x2 = [[_mm256_setzero_ps(); 2]; 4];
+                for i in 0..4 {
+                    let mut a = [[_mm256_setzero_ps(); 4]; 2];
+                    for c in 0..d / LANES {
+                        for s in 0..4 {
+                            let e = c * LANES + i + 4 * s;
+                            let kv = _mm256_loadu_ps(block.add(e * KEYS));
+                            for r in 0..2 {
+                                let qe = _mm256_set1_ps(*q[r].add(e));
+                                a[r][s] = _mm256_fmadd_ps(qe, kv, a[r][s]);
+                            }
+                        }
+                    }
+                    for r in 0..2 {
+                        let a = a[r];
+                        x2[i][r] =
+                            _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+                    }
+                }
+                let count = (n - first).min(8);
+                for (r, dst) in [&mut *out0, &mut *out1].into_iter().enumerate() {
+                    let x3_0 = _mm256_add_ps(x2[0][r], x2[2][r]);
+                    let x3_1 = _mm256_add_ps(x2[1][r], x2[3][r]);
+                    let sum = _mm256_add_ps(_mm256_add_ps(x3_0, x3_1), _mm256_setzero_ps());
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+                    dst[first..first + count].copy_from_slice(&lanes[..count]);
+                }
+            }
         }
     }
 }

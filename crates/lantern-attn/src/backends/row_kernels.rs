@@ -29,6 +29,7 @@ pub(crate) const KEYS: usize = 16;
 /// kernels' plain versions, compiled, ran at half the speed of the one-row kernels).
 pub(crate) fn pays(d: usize) -> bool {
     cfg!(target_arch = "x86_64")
+        && d > 0
         && d.is_multiple_of(LANES)
         && lantern_quant::active_kernel() >= lantern_quant::Kernel::Avx2
 }

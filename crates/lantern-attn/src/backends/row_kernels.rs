@@ -175,8 +175,8 @@ pub(crate) fn weighted_sum_quad(acc: [&mut [f32]; 4], p: [&[f32]; 4], values: &[
     }
 }
 
-/// The AVX-512 kernels: the plain versions' operations, in the same order, with every
-/// accumulator held in a register (compiled from plain code they were stored to the
+/// The AVX-512 and AVX2 kernels: the plain versions' operations, in the same order, with
+/// every accumulator held in a register (compiled from plain code they were stored to the
 /// stack at every key).
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -123,11 +123,7 @@ impl QuantAct {
                 }
             }
         };
-        let unit = match layout {
-            Layout::Tokens => 1,
-            Layout::Tiles => TILE_TOKENS,
-        };
-        let per = CHUNK_VALUES.div_ceil(k).next_multiple_of(unit);
+        let per = layout.tokens(CHUNK_VALUES.div_ceil(k));
         if parallel && held > per {
             // Chunks of whole tokens (whole groups) on the product's threads.
             share::run(held.div_ceil(per), &|c| {
@@ -174,12 +170,10 @@ impl QuantAct {
 /// Quantizes one block into `q` (int8 stored as bytes); returns `(d, Σ q)`.
 #[inline]
 fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
-    match kernel {
+    match kernel.vectors() {
         // SAFETY: the SIMD levels are only used once the CPU features were detected.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => unsafe {
-            crate::x86::avx512::quantize_block(x, q)
-        },
+        Kernel::Avx512 => unsafe { crate::x86::avx512::quantize_block(x, q) },
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 | Kernel::AvxVnni => unsafe { crate::x86::avx2::quantize_block(x, q) },
         _ => quantize_block_scalar(x, q),

@@ -15,16 +15,14 @@ use half::{bf16, f16};
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "f16_to_f32: lengths differ");
     #[cfg(target_arch = "x86_64")]
-    match crate::active_kernel() {
+    match crate::active_kernel().vectors() {
         // SAFETY: `active_kernel` never exceeds what the CPU reports.
-        crate::Kernel::Avx512 | crate::Kernel::Amx | crate::Kernel::Avx512Bf16 => {
-            return unsafe { x86::f16_to_f32_avx512(src, dst) }
-        }
+        crate::Kernel::Avx512 => return unsafe { x86::f16_to_f32_avx512(src, dst) },
         // SAFETY: every other SIMD level includes AVX2 + F16C.
         crate::Kernel::Avx2 | crate::Kernel::AvxVnni => {
             return unsafe { x86::f16_to_f32(src, dst) }
         }
-        crate::Kernel::Scalar => {}
+        _ => {} // scalar
     }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = s.to_f32();

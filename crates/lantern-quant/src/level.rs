@@ -55,6 +55,15 @@ impl Kernel {
         Kernel::Amx.capped()
     }
 
+    /// The vector level whose element-wise code runs at this level: [`Kernel::Amx`] and
+    /// [`Kernel::Avx512Bf16`] add their own products to [`Kernel::Avx512`]'s vectors.
+    pub fn vectors(self) -> Kernel {
+        match self {
+            Kernel::Amx | Kernel::Avx512Bf16 => Kernel::Avx512,
+            level => level,
+        }
+    }
+
     /// Whether the level gives the same results as every other exact level, bit for bit.
     pub fn is_exact(self) -> bool {
         self != Kernel::Avx512Bf16

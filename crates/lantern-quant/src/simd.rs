@@ -98,16 +98,14 @@ macro_rules! per_level {
                 unsafe fn avx512($($arg: $ty),*) $(-> $ret)? $body
                 #[target_feature(enable = "avx2,fma,f16c")]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? $body
-                match $crate::active_kernel() {
+                match $crate::active_kernel().vectors() {
                     // SAFETY: `active_kernel` never exceeds what the CPU reports.
-                    $crate::Kernel::Avx512 | $crate::Kernel::Amx | $crate::Kernel::Avx512Bf16 => {
-                        return unsafe { avx512($($arg),*) }
-                    }
+                    $crate::Kernel::Avx512 => return unsafe { avx512($($arg),*) },
                     // AVX-VNNI adds integer dot products only: element-wise code is AVX2's.
                     $crate::Kernel::Avx2 | $crate::Kernel::AvxVnni => {
                         return unsafe { avx2($($arg),*) }
                     }
-                    $crate::Kernel::Scalar => {}
+                    _ => {} // scalar
                 }
             }
             $body

@@ -29,13 +29,11 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         use lantern_quant::Kernel;
-        match lantern_quant::active_kernel() {
+        match lantern_quant::active_kernel().vectors() {
             // SAFETY: `active_kernel` never exceeds what the CPU reports.
-            Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => {
-                return unsafe { x86::dots_avx512(q, keys, d, out) }
-            }
+            Kernel::Avx512 => return unsafe { x86::dots_avx512(q, keys, d, out) },
             Kernel::Avx2 | Kernel::AvxVnni => return unsafe { x86::dots_avx2(q, keys, d, out) },
-            Kernel::Scalar => {}
+            _ => {} // scalar
         }
     }
     dots_with(q, keys, d, out, |sets| {

@@ -112,8 +112,8 @@ pub(crate) unsafe fn run_tile(
         crate::act::Layout::Tokens,
         "the vector tiles read tokens"
     );
-    let shapes = match level {
-        Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => avx512::SHAPES,
+    let shapes = match level.vectors() {
+        Kernel::Avx512 => avx512::SHAPES,
         _ => avx2::SHAPES,
     };
     let nb = mat.nb;
@@ -149,10 +149,8 @@ pub(crate) unsafe fn run_tile(
                 ldo: dst.ldo,
                 valid,
             };
-            match level {
-                Kernel::Avx512 | Kernel::Amx | Kernel::Avx512Bf16 => {
-                    avx512::dispatch(mat.ty, pc, tc, args)
-                }
+            match level.vectors() {
+                Kernel::Avx512 => avx512::dispatch(mat.ty, pc, tc, args),
                 Kernel::AvxVnni => avx2::dispatch_vnni(mat.ty, pc, tc, args),
                 _ => avx2::dispatch(mat.ty, pc, tc, args),
             }

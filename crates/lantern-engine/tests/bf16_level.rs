@@ -1,8 +1,8 @@
-//! The opt-in AVX-512 BF16 level (`LANTERN_KERNELS=avx512-bf16`) on the tiny BF16 Hugging
-//! Face models of `tests/fixtures/archs`: the products over BF16 weights really run there
-//! (the logits move off the exact level's), stay near transformers' float32 reference,
-//! and batches still do not change a token's numbers. Skipped on CPUs without AVX-512
-//! BF16.
+//! The opt-in BF16 levels (`LANTERN_KERNELS=avx512-bf16`, `amx-bf16`) on the tiny BF16
+//! Hugging Face models of `tests/fixtures/archs`: the products over BF16 weights really run
+//! there (the logits move off the exact level's), stay near transformers' float32
+//! reference, and batches still do not change a token's numbers. Each level is skipped on
+//! CPUs without it.
 //!
 //! The level is forced process-wide, so this binary holds this one test and nothing runs
 //! beside it.
@@ -72,19 +72,25 @@ fn last_row(done: &Completion, vocab: usize) -> &[f32] {
 }
 
 #[test]
-fn bf16_weights_at_the_bf16_level_stay_near_the_reference_and_batch_invariant() {
-    if !Kernel::Avx512Bf16.available() {
-        eprintln!("note: this CPU lacks AVX-512 BF16; the avx512-bf16 level is not checked");
-        return;
+fn bf16_weights_at_the_bf16_levels_stay_near_the_reference_and_batch_invariant() {
+    for level in [Kernel::Avx512Bf16, Kernel::AmxBf16] {
+        if level.available() {
+            bf16_level_stays_near_the_reference_and_batch_invariant(level);
+        } else {
+            eprintln!("note: this CPU does not run {level}; that level is not checked");
+        }
     }
+}
+
+fn bf16_level_stays_near_the_reference_and_batch_invariant(level: Kernel) {
     for arch in BF16_ARCHS {
         let refs = references(arch);
         let mut engine = engine(arch);
         let exact = each_alone(&mut engine, &refs, Kernel::Avx512);
-        let rounded = each_alone(&mut engine, &refs, Kernel::Avx512Bf16);
+        let rounded = each_alone(&mut engine, &refs, level);
         assert_eq!(
             lantern_model::linear::kernel_for(lantern_model::GgmlDType::BF16),
-            "avx512-bf16"
+            level.name()
         );
         for ((r, exact), rounded) in refs.iter().zip(&exact).zip(&rounded) {
             let vocab = r.last_logits.len();
@@ -93,10 +99,10 @@ fn bf16_weights_at_the_bf16_level_stay_near_the_reference_and_batch_invariant() 
             let off = common::max_abs_diff(last_row(rounded, vocab), &r.last_logits);
             let exact_off = common::max_abs_diff(last_row(exact, vocab), &r.last_logits);
             eprintln!(
-                "{name}: last logits {off:.1e} from the reference at avx512-bf16 \
+                "{name}: last logits {off:.1e} from the reference at {level} \
                  ({exact_off:.1e} at avx512, moved {moved:.1e})"
             );
-            assert!(moved > 0.0, "{name}: the BF16 level changed nothing");
+            assert!(moved > 0.0, "{name}: {level} changed nothing");
             assert!(
                 exact_off < 1e-3,
                 "{name}: the exact level is off by {exact_off}"

@@ -5,12 +5,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// The environment variable that caps the kernel level (`scalar`, `avx2`, `avx-vnni`,
-/// `avx512`, `amx`, or the opt-in `avx512-bf16`).
+/// `avx512`, `amx`, or the opt-in `avx512-bf16` and `amx-bf16`).
 pub const KERNELS_ENV: &str = "LANTERN_KERNELS";
 
 /// An instruction-set level of the matrix kernels, ordered from the most portable to the
 /// fastest. Every level computes bit-identical results ([`Kernel::is_exact`]) but the
-/// opt-in [`Kernel::Avx512Bf16`], which changes the products over BF16 weights.
+/// opt-in [`Kernel::Avx512Bf16`] and [`Kernel::AmxBf16`], which change the products over
+/// BF16 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kernel {
     /// Portable scalar code.
@@ -37,17 +38,25 @@ pub enum Kernel {
     /// [`force_kernel`]). Other weight types run as at [`Kernel::Amx`] where the CPU
     /// has it, else at [`Kernel::Avx512`].
     Avx512Bf16,
+    /// As [`Kernel::Avx512Bf16`], with BF16 weights' products on AMX-BF16's tiles
+    /// (`tdpbf16ps`, Sapphire Rapids and later) at every batch size: activations rounded to
+    /// bf16 as there, but each instruction sums the products of a pair in the other order
+    /// and treats bf16 denormals as zero, so its results are its own (batch invariant,
+    /// still). Opt-in only (`LANTERN_KERNELS=amx-bf16`); where the CPU lacks AMX-BF16 it
+    /// caps to `avx512-bf16`.
+    AmxBf16,
 }
 
 impl Kernel {
     /// Every level, most portable first.
-    pub const ALL: [Kernel; 6] = [
+    pub const ALL: [Kernel; 7] = [
         Kernel::Scalar,
         Kernel::Avx2,
         Kernel::AvxVnni,
         Kernel::Avx512,
         Kernel::Amx,
         Kernel::Avx512Bf16,
+        Kernel::AmxBf16,
     ];
 
     /// The best exact level this CPU runs: the default.
@@ -56,27 +65,27 @@ impl Kernel {
     }
 
     /// The vector level whose element-wise code runs at this level: [`Kernel::Amx`] and
-    /// [`Kernel::Avx512Bf16`] add their own products to [`Kernel::Avx512`]'s vectors.
+    /// the BF16 levels add their own products to [`Kernel::Avx512`]'s vectors.
     pub fn vectors(self) -> Kernel {
         match self {
-            Kernel::Amx | Kernel::Avx512Bf16 => Kernel::Avx512,
+            Kernel::Amx | Kernel::Avx512Bf16 | Kernel::AmxBf16 => Kernel::Avx512,
             level => level,
         }
     }
 
     /// Whether the level gives the same results as every other exact level, bit for bit.
     pub fn is_exact(self) -> bool {
-        self != Kernel::Avx512Bf16
+        !matches!(self, Kernel::Avx512Bf16 | Kernel::AmxBf16)
     }
 
-    /// The level products over `ty` weights run at when `self` is in effect:
-    /// [`Kernel::Avx512Bf16`] is itself for BF16 weights only, and [`Kernel::Amx`] for
-    /// the quantized types only; the others run at the best level below.
+    /// The level products over `ty` weights run at when `self` is in effect: the BF16
+    /// levels are themselves for BF16 weights only, and [`Kernel::Amx`] for the quantized
+    /// types only; the others run at the best level below.
     pub fn for_type(self, ty: crate::QuantType) -> Kernel {
         match self {
-            Kernel::Avx512Bf16 if ty == crate::QuantType::BF16 => self,
-            Kernel::Avx512Bf16 | Kernel::Amx if ty.is_dense() => Kernel::Avx512,
-            Kernel::Avx512Bf16 => Kernel::Amx.capped(),
+            Kernel::Avx512Bf16 | Kernel::AmxBf16 if ty == crate::QuantType::BF16 => self,
+            Kernel::Avx512Bf16 | Kernel::AmxBf16 | Kernel::Amx if ty.is_dense() => Kernel::Avx512,
+            Kernel::Avx512Bf16 | Kernel::AmxBf16 => Kernel::Amx.capped(),
             level => level,
         }
     }
@@ -105,6 +114,7 @@ impl Kernel {
             Kernel::Avx512 => "avx512",
             Kernel::Amx => "amx",
             Kernel::Avx512Bf16 => "avx512-bf16",
+            Kernel::AmxBf16 => "amx-bf16",
         }
     }
 
@@ -128,6 +138,10 @@ impl Kernel {
             Kernel::Amx => crate::x86::avx512_available() && crate::x86::amx::available(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => crate::x86::avx512_bf16_available(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AmxBf16 => {
+                crate::x86::avx512_bf16_available() && crate::x86::amx_bf16::available()
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -149,7 +163,7 @@ impl std::fmt::Display for Kernel {
 }
 
 /// `cpu_has` of each level, indexed by `Kernel as usize` (the order of `Kernel::ALL`).
-static AVAILABLE: OnceLock<[bool; 6]> = OnceLock::new();
+static AVAILABLE: OnceLock<[bool; 7]> = OnceLock::new();
 static FROM_ENV: OnceLock<Kernel> = OnceLock::new();
 /// 0: no override; otherwise `Kernel::to_u8` of the forced level.
 static FORCED: AtomicU8 = AtomicU8::new(0);
@@ -173,7 +187,7 @@ pub fn force_kernel(level: Option<Kernel>) -> Kernel {
 }
 
 /// The name of [`active_kernel`]: `"scalar"`, `"avx2"`, `"avx-vnni"`, `"avx512"`,
-/// `"amx"` or `"avx512-bf16"`.
+/// `"amx"`, `"avx512-bf16"` or `"amx-bf16"`.
 pub fn kernel_level() -> &'static str {
     active_kernel().name()
 }
@@ -198,7 +212,7 @@ fn level_from_env(value: Option<&str>) -> Kernel {
         None => {
             eprintln!(
                 "warning: {KERNELS_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512, \
-                 amx, avx512-bf16; \
+                 amx, avx512-bf16, amx-bf16; \
                  using `{best}`"
             );
             best
@@ -224,6 +238,7 @@ mod tests {
             level_from_env(Some("AVX512-BF16")),
             Kernel::Avx512Bf16.capped()
         );
+        assert_eq!(level_from_env(Some("amx-bf16")), Kernel::AmxBf16.capped());
         assert_eq!(level_from_env(Some("sse9")), best);
     }
 
@@ -241,17 +256,19 @@ mod tests {
     }
 
     #[test]
-    fn only_bf16_weights_see_the_bf16_level_and_only_quantized_ones_amx() {
+    fn only_bf16_weights_see_the_bf16_levels_and_only_quantized_ones_amx() {
         use crate::QuantType;
         for ty in QuantType::ALL {
-            let want = if ty == QuantType::BF16 {
-                Kernel::Avx512Bf16
-            } else if ty.is_dense() {
-                Kernel::Avx512
-            } else {
-                Kernel::Amx.capped()
-            };
-            assert_eq!(Kernel::Avx512Bf16.for_type(ty), want);
+            for bf16_level in [Kernel::Avx512Bf16, Kernel::AmxBf16] {
+                let want = if ty == QuantType::BF16 {
+                    bf16_level
+                } else if ty.is_dense() {
+                    Kernel::Avx512
+                } else {
+                    Kernel::Amx.capped()
+                };
+                assert_eq!(bf16_level.for_type(ty), want);
+            }
             let amx = if ty.is_dense() {
                 Kernel::Avx512
             } else {

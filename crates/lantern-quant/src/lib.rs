@@ -13,8 +13,9 @@
 //! `LANTERN_KERNELS=scalar|avx2|avx-vnni|avx512|amx` asks for a lower one (capped at what the
 //! CPU has) or [`force_kernel`] forces one. Every level does the same integer arithmetic
 //! and the same f32 operations in the same order, so all levels produce bit-identical
-//! results; the one exception, never the default, is `avx512-bf16`
-//! ([`Kernel::Avx512Bf16`]), which rounds the activations of BF16 products to bf16.
+//! results; the exceptions, never the default, are `avx512-bf16` and `amx-bf16`
+//! ([`Kernel::Avx512Bf16`], [`Kernel::AmxBf16`]), which round the activations of BF16
+//! products to bf16.
 //!
 //! ```
 //! use lantern_quant::{PackedMatrix, QuantType};
@@ -619,9 +620,11 @@ impl PackedMatrix {
         let shared = m == 1 && macs >= SHARE_MACS && threads > 1;
         let parallel = !shared && macs >= SERIAL_MACS && threads > 1;
         let input = match kernel {
-            // `for_type` above: only BF16 matrices run at this level.
+            // `for_type` above: only BF16 matrices run at these levels.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => Input::Bf16Pairs(x86::bf16dot::round_pairs(x, m, self.k)),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AmxBf16 => Input::Bf16Pairs(x86::amx_bf16::round_tiles(x, m, self.k)),
             _ if self.ty.is_dense() => Input::Dense(x),
             _ => Input::Quantized(QuantAct::quantize(kernel, x, m, self.k, parallel)),
         };
@@ -679,7 +682,7 @@ impl PackedMatrix {
         let threads = share::threads();
         let granule = if m <= 2 { 4 } else { 2 };
         let mut tokens_per_task = tokens_per_task(m, self.np, granule, threads);
-        if kernel == Kernel::Amx {
+        if matches!(kernel, Kernel::Amx | Kernel::AmxBf16) {
             // Token ranges start at the activation tiles' groups.
             tokens_per_task = tokens_per_task.next_multiple_of(act::TILE_TOKENS);
         }
@@ -731,6 +734,10 @@ impl PackedMatrix {
             (_, Input::Dense(x)) => {
                 let ldx = self.k * 4;
                 x86::dense::run_tile(kernel, self, x.as_ptr().cast(), ldx, p0, p1, t0, t1, dst)
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::AmxBf16, Input::Bf16Pairs(x)) => {
+                x86::amx_bf16::run_tile(self, x.as_ptr().cast(), p0, p1, t0, t1, dst)
             }
             #[cfg(target_arch = "x86_64")]
             (_, Input::Bf16Pairs(x)) => {
@@ -804,7 +811,7 @@ impl PackedMatrix {
 }
 
 /// The activations as the kernels take them: quantized, f32 for the dense types, or
-/// rounded to bf16 pairs for BF16 weights at [`Kernel::Avx512Bf16`].
+/// rounded to bf16 pairs for BF16 weights at the BF16 levels.
 enum Input<'a> {
     Quantized(QuantAct),
     Dense(&'a [f32]),

@@ -716,24 +716,32 @@ fn dense_types_match_the_exact_product_at_every_level() {
     }
 }
 
-/// BF16 weights at the opt-in AVX-512 BF16 level (`vdpbf16ps`): the exact product of
-/// the weights and the activations rounded to bf16, up to f32 summation (rel. err <
-/// 1e-5), so within bf16 rounding of the unrounded product; batch invariant; every tile
-/// shape (19 panels: tiles of 4, 2 and 1; 1 to 4 tokens) and odd k. Other weight types
-/// at that level are the AVX-512 level's, bit for bit.
+/// BF16 weights at the opt-in BF16 levels (`vdpbf16ps` at avx512-bf16, `tdpbf16ps` on
+/// AMX tiles at amx-bf16): the exact product of the weights and the activations rounded
+/// to bf16, up to f32 summation (rel. err < 1e-5), so within bf16 rounding of the
+/// unrounded product; batch invariant (each token alone, and a batch of many tokens cut
+/// into tasks on the helper threads); every tile shape (19 panels: tiles of 4, 2 and 1; 1
+/// to 4 tokens; groups of 16 tokens, whole and partial) and odd k. Other weight types at
+/// those levels are the best exact level's, bit for bit.
 #[test]
-fn bf16_weights_at_the_bf16_level_match_the_rounded_product() {
-    if !Kernel::Avx512Bf16.available() {
-        eprintln!("note: this CPU lacks AVX-512 BF16; the avx512-bf16 checks are skipped");
-        return;
+fn bf16_weights_at_the_bf16_levels_match_the_rounded_product() {
+    for level in [Kernel::Avx512Bf16, Kernel::AmxBf16] {
+        if !level.available() {
+            eprintln!("note: this CPU does not run {level}; its checks are skipped");
+            continue;
+        }
+        bf16_level_matches_the_rounded_product(level);
     }
+}
+
+fn bf16_level_matches_the_rounded_product(level: Kernel) {
     let mut rng = StdRng::seed_from_u64(12);
     for (n, k) in [(1, 7), (17, 37), (50, 96), (300, 1000), (64, 1)] {
         let (bytes, w) = random_dense(&mut rng, QuantType::BF16, n * k);
         let pm = PackedMatrix::from_gguf_bytes(QuantType::BF16, &bytes, n, k).unwrap();
-        for m in [1, 2, 3, 5, 12] {
+        for m in [1, 2, 3, 5, 12, 16, 37, 80] {
             let x = random_x(&mut rng, m * k, true);
-            let got = run(&pm, Kernel::Avx512Bf16, &x, m);
+            let got = run(&pm, level, &x, m);
             let rounded: Vec<f32> = x
                 .iter()
                 .map(|&v| half::bf16::from_f32(v).to_f32())
@@ -742,16 +750,19 @@ fn bf16_weights_at_the_bf16_level_match_the_rounded_product() {
             let e = diff_norm(&got, &want) / norm(&want);
             assert!(
                 e < 1e-5,
-                "{n}x{k} m={m}: rel err {e} to the rounded product"
+                "{level} {n}x{k} m={m}: rel err {e} to the rounded product"
             );
             let unrounded = reference_exact(&w, n, k, &x);
             let e = diff_norm(&got, &unrounded) / norm(&unrounded);
-            assert!(e < 4e-3, "{n}x{k} m={m}: rel err {e} to the exact product");
+            assert!(
+                e < 4e-3,
+                "{level} {n}x{k} m={m}: rel err {e} to the exact product"
+            );
             for t in 0..m {
-                let single = run(&pm, Kernel::Avx512Bf16, &x[t * k..(t + 1) * k], 1);
+                let single = run(&pm, level, &x[t * k..(t + 1) * k], 1);
                 assert!(
                     same_bits(&single, &got[t * n..(t + 1) * n]),
-                    "{n}x{k} m={m}: token {t} alone differs"
+                    "{level} {n}x{k} m={m}: token {t} alone differs"
                 );
             }
         }
@@ -769,12 +780,11 @@ fn bf16_weights_at_the_bf16_level_match_the_rounded_product() {
             PackedMatrix::from_gguf_bytes(ty, &random_gguf(&mut rng, ty, n, k), n, k)
         }
         .unwrap();
-        let x = random_x(&mut rng, 3 * k, true);
-        let (got, want) = (
-            run(&pm, Kernel::Avx512Bf16, &x, 3),
-            run(&pm, Kernel::Avx512, &x, 3),
-        );
-        assert!(same_bits(&got, &want), "{ty} at avx512-bf16");
+        for m in [3, 40] {
+            let x = random_x(&mut rng, m * k, true);
+            let (got, want) = (run(&pm, level, &x, m), run(&pm, Kernel::detect(), &x, m));
+            assert!(same_bits(&got, &want), "{ty} at {level}, m={m}");
+        }
     }
 }
 

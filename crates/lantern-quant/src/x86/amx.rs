@@ -33,13 +33,25 @@ const UNPACKED_BLOCK: usize = 8 * 64;
 /// Whether the CPU has AMX-TILE and AMX-INT8 and the kernel granted this process the
 /// tile data state (asked for once; a refusal is said once on stderr).
 pub(crate) fn available() -> bool {
-    // CPUID leaf 7, sub-leaf 0, EDX: bit 24 AMX-TILE, bit 25 AMX-INT8.
-    // CPUID leaf 7 exists on every x86-64 CPU that has AVX-512 (checked first by the
-    // caller); on older ones it returns zeros.
+    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GRANTED.get_or_init(|| has_cpuid_bits(&[AMX_TILE, AMX_INT8]) && request_tile_state())
+}
+
+/// CPUID leaf 7, sub-leaf 0, EDX bits of the AMX features.
+pub(crate) const AMX_BF16: u32 = 22;
+const AMX_TILE: u32 = 24;
+const AMX_INT8: u32 = 25;
+
+/// Whether CPUID leaf 7 (sub-leaf 0) sets every one of `bits` in EDX. The leaf exists on
+/// every x86-64 CPU that has AVX-512 (checked first by the callers); on older ones it
+/// returns zeros.
+pub(crate) fn has_cpuid_bits(bits: &[u32]) -> bool {
     let edx = __cpuid_count(7, 0).edx;
-    if edx & (1 << 24) == 0 || edx & (1 << 25) == 0 {
-        return false;
-    }
+    bits.iter().all(|b| edx & (1 << b) != 0)
+}
+
+/// Asks the kernel for the tile data state (Linux 5.16 and later), saying a refusal.
+fn request_tile_state() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: a plain system call with integer arguments.
@@ -62,28 +74,43 @@ pub(crate) fn available() -> bool {
 
 /// A tile configuration (`ldtilecfg`'s 64 bytes, palette 1).
 #[repr(C, align(64))]
-struct TileConfig([u8; 64]);
+pub(super) struct TileConfig([u8; 64]);
 
 impl TileConfig {
+    /// Tile `i` of `shapes[i].0` rows of `shapes[i].1` bytes.
+    pub(super) fn with_tiles(shapes: [(usize, usize); 8]) -> TileConfig {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for (tile, (rows, bytes)) in shapes.into_iter().enumerate() {
+            c[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&(bytes as u16).to_le_bytes());
+            c[48 + tile] = rows as u8;
+        }
+        TileConfig(c)
+    }
+
     /// Tiles 0-1 hold activations (16 tokens x `k` bytes), 2-3 weights (`k / 4` rows of
     /// 64 bytes), 4-7 the 16 x 16 dots; `k` is a block's 32 values, or a half-block's 16
     /// for `Q6_K`.
     fn new(k: usize) -> TileConfig {
-        let mut c = [0u8; 64];
-        c[0] = 1;
-        let mut set = |tile: usize, rows: usize, bytes: usize| {
-            c[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&(bytes as u16).to_le_bytes());
-            c[48 + tile] = rows as u8;
-        };
-        for t in 0..2 {
-            set(t, TOKENS, k);
-            set(2 + t, k / 4, 64);
-        }
-        for t in 4..8 {
-            set(t, TOKENS, 64);
-        }
-        TileConfig(c)
+        let (a, b, c) = ((TOKENS, k), (k / 4, 64), (TOKENS, 64));
+        TileConfig::with_tiles([a, a, b, b, c, c, c, c])
     }
+
+    /// Configures this thread's tiles.
+    ///
+    /// # Safety
+    /// The CPU runs AMX and this process has the tile state.
+    pub(super) unsafe fn load(&self) {
+        asm!("ldtilecfg [{}]", in(reg) self.0.as_ptr(), options(nostack, readonly));
+    }
+}
+
+/// Hands this thread's tile state back: the kernel then saves none of it on a switch.
+///
+/// # Safety
+/// The CPU runs AMX.
+pub(super) unsafe fn release_tiles() {
+    asm!("tilerelease", options(nostack, nomem));
 }
 
 thread_local! {
@@ -111,8 +138,7 @@ pub(crate) unsafe fn run_tile(
         let mut buf = buf.borrow_mut();
         buf.set_len_to_overwrite(mat.nb * UNPACKED_BLOCK);
         let k = if mat.ty == QuantType::Q6K { 16 } else { 32 };
-        let config = TileConfig::new(k);
-        asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
+        TileConfig::new(k).load();
         for p in p0..p1 {
             let args = PanelArgs {
                 mat,
@@ -123,8 +149,7 @@ pub(crate) unsafe fn run_tile(
             };
             dispatch(mat.ty, &args, t0, t1);
         }
-        // Hands the tile state back: the kernel then saves none of it on a switch.
-        asm!("tilerelease", options(nostack, nomem));
+        release_tiles();
     });
 }
 

@@ -19,8 +19,20 @@ use std::arch::x86_64::*;
 /// to a whole number of pairs: token `t`'s pair `j` is the dword at `(t · ⌈k/2⌉ + j) · 4`
 /// bytes.
 pub(crate) fn round_pairs(x: &[f32], m: usize, k: usize) -> Vec<bf16> {
-    let stride = k.next_multiple_of(2);
-    let mut out = vec![bf16::ZERO; m * stride];
+    round_padded(x, m, k, k.next_multiple_of(2), m)
+}
+
+/// The activations `x` (`m` tokens of `k`) rounded to bf16 (nearest even, as `half` and
+/// PyTorch round) into `tokens` rows of `stride` values, zeros around them.
+pub(crate) fn round_padded(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    stride: usize,
+    tokens: usize,
+) -> Vec<bf16> {
+    debug_assert!(stride >= k && tokens >= m && x.len() == m * k);
+    let mut out = vec![bf16::ZERO; tokens * stride];
     for (token, rounded) in x.chunks_exact(k).zip(out.chunks_exact_mut(stride)) {
         crate::convert::f32_to_bf16(token, &mut rounded[..k]);
     }

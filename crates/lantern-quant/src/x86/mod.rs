@@ -1,6 +1,7 @@
 //! x86-64 kernels: one module per level, sharing the register-tile driver.
 
 pub(crate) mod amx;
+pub(crate) mod amx_bf16;
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod bf16dot;

@@ -12,8 +12,8 @@ pub struct WeightKernels {
     pub dtype: String,
     /// Matrices (2-D tensors) of this type in the file.
     pub matrices: usize,
-    /// lantern's level for this type (`avx512-bf16`, `avx512`, `avx-vnni`, `avx2`,
-    /// `scalar`), `candle`, or `candle-f32` when the weights are dequantized to f32 at load.
+    /// lantern's level for this type (a [`lantern_quant::Kernel::name`]), `candle`, or
+    /// `candle-f32` when the weights are dequantized to f32 at load.
     pub kernel: &'static str,
 }
 

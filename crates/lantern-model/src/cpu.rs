@@ -15,8 +15,8 @@ pub struct SimdLevel {
 }
 
 impl SimdLevel {
-    /// The kernel level in effect: `avx512-bf16`, `avx512`, `avx-vnni`, `avx2` or `scalar` (see
-    /// [`lantern_quant::active_kernel`]).
+    /// The kernel level in effect (see [`lantern_quant::active_kernel`] and
+    /// [`lantern_quant::Kernel::name`]).
     pub fn summary(&self) -> &'static str {
         lantern_quant::kernel_level()
     }

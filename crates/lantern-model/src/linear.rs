@@ -39,7 +39,8 @@ fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
 }
 
 /// The kernels products over `dtype` weights run on: lantern's level in effect for that
-/// type (`avx512-bf16` for BF16 only, `avx512`, `avx-vnni`, `avx2`, `scalar`) for the
+/// type (`amx-bf16` or `avx512-bf16` for BF16 only, `amx` for the quantized types only,
+/// `avx512`, `avx-vnni`, `avx2`, `scalar`) for the
 /// types it repacks, else `candle`.
 pub fn kernel_for(dtype: GgmlDType) -> &'static str {
     match packed_type(dtype) {

@@ -39,10 +39,16 @@ pub(crate) fn token_bytes(k: usize) -> usize {
 }
 
 /// The activations `x` (`m` tokens of `k`) rounded to bf16 (nearest even), each token
-/// padded with zeros to [`token_bytes`], and zero tokens up to a whole group of 16.
+/// padded with zeros to [`token_bytes`], and beyond 16 tokens zero tokens up to a whole
+/// group of 16 (fewer tokens are one group of their own size, see `run_tile`).
 pub(crate) fn round_tiles(x: &[f32], m: usize, k: usize) -> Vec<bf16> {
     let stride = token_bytes(k) / 2;
-    super::bf16dot::round_padded(x, m, k, stride, m.next_multiple_of(TOKENS))
+    let tokens = if m > TOKENS {
+        m.next_multiple_of(TOKENS)
+    } else {
+        m
+    };
+    super::bf16dot::round_padded(x, m, k, stride, tokens)
 }
 
 /// A panel's last pair records, when fewer than a tile's, with zeros after them.
@@ -73,7 +79,7 @@ pub(crate) unsafe fn run_tile(
     let whole_tiles = pairs / PAIRS;
     let tail_pairs = pairs % PAIRS;
     // A task of fewer than 16 tokens (a decode) configures only its rows: less work per
-    // instruction, the same sums per row.
+    // instruction, the same sums per row, and no row read past the task's tokens.
     let rows = (t1 - t0).min(TOKENS);
     let (acc, act, weights) = ((rows, 64), (rows, 64), (PAIRS, 64));
     TileConfig::with_tiles([acc, acc, acc, acc, act, act, weights, weights]).load();

@@ -81,25 +81,16 @@ pub(crate) unsafe fn run_tile(
     let whole_tiles = pairs / PAIRS;
     let tail_pairs = pairs % PAIRS;
     debug_assert!(pairs * 64 == whole_tiles * TILE_BYTES + tail_pairs * 64);
-    // A task of fewer than 16 tokens (a decode) is one group that configures only its
-    // rows (less work per instruction, the same sums per row, no row read past the task's
-    // tokens) and runs four panels at a time: its weights stream from memory, and four
-    // streams keep more of them in flight than two.
+    // A task of fewer than 16 tokens (a decode) configures only its rows: less work per
+    // instruction, the same sums per row, and no row read past the task's tokens.
     let rows = (t1 - t0).min(TOKENS);
-    let narrow = rows < TOKENS;
     let (acc, act, weights) = ((rows, 64), (rows, 64), (PAIRS, 64));
-    let config = if narrow {
-        [acc, acc, acc, acc, weights, weights, weights, act]
-    } else {
-        [acc, acc, acc, acc, act, act, weights, weights]
-    };
-    TileConfig::with_tiles(config).load();
-    let per_block = if narrow { 4 } else { 2 };
-    let mut tails: [TailTile; 4] = std::array::from_fn(|_| TailTile([0; TILE_BYTES]));
+    TileConfig::with_tiles([acc, acc, acc, acc, act, act, weights, weights]).load();
+    let mut tails = [TailTile([0; TILE_BYTES]), TailTile([0; TILE_BYTES])];
     let mut p = p0;
     while p < p1 {
-        let panels = (p1 - p).min(per_block);
-        let mut w = [std::ptr::null(); 4];
+        let panels = (p1 - p).min(2);
+        let mut w = [std::ptr::null(); 2];
         for q in 0..panels {
             w[q] = mat.quant_ptr(p + q);
             if tail_pairs > 0 {
@@ -109,40 +100,34 @@ pub(crate) unsafe fn run_tile(
         }
         let block = Block {
             w,
-            tails: std::array::from_fn(|q| tails[q].0.as_ptr()),
+            tails: [tails[0].0.as_ptr(), tails[1].0.as_ptr()],
+            tiles: whole_tiles + usize::from(tail_pairs > 0),
             whole_tiles,
-            has_tail: tail_pairs > 0,
             ldx: token_bytes(mat.k),
+            streams: rows < TOKENS,
         };
         let mut t = t0;
         while t < t1 {
             let groups = (t1 - t).div_ceil(TOKENS).min(2);
             let x_at = x.add(t * block.ldx);
-            let stores = Stores {
-                mat,
-                dst,
-                p,
-                t,
-                t1,
-                rows,
-            };
-            match (narrow, groups, panels) {
-                (true, _, 4) => block.one_group::<4>(x_at),
-                (true, _, 3) => block.one_group::<3>(x_at),
-                (true, _, 2) => block.one_group::<2>(x_at),
-                (true, _, _) => block.one_group::<1>(x_at),
-                (false, 2, 2) => block.groups::<2, 2>(x_at),
-                (false, 2, _) => block.groups::<2, 1>(x_at),
-                (false, _, 2) => block.groups::<1, 2>(x_at),
-                (false, _, _) => block.groups::<1, 1>(x_at),
-            }
+            let stores = Stores { mat, dst, p, t, t1 };
             match (groups, panels) {
-                (2, 2) => stores.store::<2, 2>(),
-                (2, _) => stores.store::<2, 1>(),
-                (_, 4) => stores.store::<1, 4>(),
-                (_, 3) => stores.store::<1, 3>(),
-                (_, 2) => stores.store::<1, 2>(),
-                _ => stores.store::<1, 1>(),
+                (2, 2) => {
+                    block.products::<2, 2>(x_at);
+                    stores.store::<2, 2>();
+                }
+                (2, _) => {
+                    block.products::<2, 1>(x_at);
+                    stores.store::<2, 1>();
+                }
+                (_, 2) => {
+                    block.products::<1, 2>(x_at);
+                    stores.store::<1, 2>();
+                }
+                _ => {
+                    block.products::<1, 1>(x_at);
+                    stores.store::<1, 1>();
+                }
             }
             t += groups * TOKENS;
         }
@@ -151,90 +136,55 @@ pub(crate) unsafe fn run_tile(
     release_tiles();
 }
 
-/// The weights of up to four panels, as tiles.
+/// The weights of up to two panels, as tiles.
 struct Block {
     /// Each panel's first pair record.
-    w: [*const u8; 4],
-    /// Each panel's last, partial tile (when `has_tail`).
-    tails: [*const u8; 4],
+    w: [*const u8; 2],
+    /// Each panel's last, partial tile (the last of `tiles` when past `whole_tiles`).
+    tails: [*const u8; 2],
+    tiles: usize,
     whole_tiles: usize,
-    has_tail: bool,
     /// Bytes between tokens' activations.
     ldx: usize,
+    /// Whether the weights stream from memory (a decode uses each once): they are then
+    /// prefetched ahead, as the vector kernels' decode tiles do (0.77x -> 0.9x of
+    /// `avx512-bf16`'s batch-1 decode; four panels a block instead of two gained nothing).
+    streams: bool,
 }
 
 impl Block {
-    /// Tile `c`'s weights of panel `q`, when `c` is the last, partial one from its copy.
+    /// `G` groups of 16 tokens (from `x`) times `P` panels into the accumulator tiles
+    /// `2g + q`: activations in tiles 4-5, weights in 6-7.
     #[inline(always)]
-    unsafe fn weights(&self, q: usize, c: usize) -> *const u8 {
-        if c < self.whole_tiles {
-            self.w[q].add(c * TILE_BYTES)
-        } else {
-            self.tails[q]
-        }
-    }
-
-    fn tiles(&self) -> usize {
-        self.whole_tiles + usize::from(self.has_tail)
-    }
-
-    /// `G` groups of 16 tokens (from `x`) times `P` panels (at most 2 x 2) into the
-    /// accumulator tiles `2g + q`: activations in tiles 4-5, weights in 6-7.
-    #[inline(always)]
-    unsafe fn groups<const G: usize, const P: usize>(&self, x: *const u8) {
+    unsafe fn products<const G: usize, const P: usize>(&self, x: *const u8) {
         for g in 0..G {
             for q in 0..P {
                 zero_acc(2 * g + q);
             }
         }
-        for c in 0..self.tiles() {
+        for c in 0..self.tiles {
             for q in 0..P {
-                load(6 + q, self.weights(q, c), 64);
+                if self.streams {
+                    let ahead = self.w[q].wrapping_add(c * TILE_BYTES + PREFETCH_BYTES);
+                    for line in 0..TILE_BYTES / 64 {
+                        // SAFETY: a prefetch never faults, whatever the address.
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+                    }
+                }
+                let b = if c < self.whole_tiles {
+                    self.w[q].add(c * TILE_BYTES)
+                } else {
+                    self.tails[q]
+                };
+                load(6 + q, b, 64);
             }
             for g in 0..G {
                 load(4 + g, x.add(g * TOKENS * self.ldx + c * 64), self.ldx);
             }
             for g in 0..G {
                 for q in 0..P {
-                    dot(2 * g + q, 4 + g, 6 + q);
+                    dot(2 * g + q);
                 }
-            }
-        }
-    }
-
-    /// One group of fewer than 16 tokens (tile 7) times `P` panels (up to 4) into the
-    /// accumulator tiles `q`, the weights in tiles 4-6 (the fourth panel's in tile 4 again,
-    /// once the first's product has read it), prefetched ahead as the vector kernels'
-    /// decode tiles do: few tokens use each weight once, so they stream from memory.
-    #[inline(always)]
-    unsafe fn one_group<const P: usize>(&self, x: *const u8) {
-        for q in 0..P {
-            zero_acc(q);
-        }
-        for c in 0..self.tiles() {
-            for q in 0..P {
-                let ahead = self.w[q].wrapping_add(c * TILE_BYTES + 2 * PREFETCH_BYTES);
-                for line in 0..TILE_BYTES / 64 {
-                    // SAFETY: a prefetch never faults, whatever the address.
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
-                }
-            }
-            load(7, x.add(c * 64), self.ldx);
-            for q in 0..P.min(3) {
-                load(4 + q, self.weights(q, c), 64);
-            }
-            dot(0, 7, 4);
-            if P == 4 {
-                load(4, self.weights(3, c), 64);
-            }
-            if P >= 2 {
-                dot(1, 7, 5);
-            }
-            if P >= 3 {
-                dot(2, 7, 6);
-            }
-            if P == 4 {
-                dot(3, 7, 4);
             }
         }
     }
@@ -249,13 +199,12 @@ struct Stores<'a> {
     t: usize,
     /// End of the task's tokens.
     t1: usize,
-    /// Rows the tiles are configured with.
-    rows: usize,
 }
 
 impl Stores<'_> {
     /// Stores the accumulators `2g + q` of `G` groups x `P` panels: straight into dst
-    /// where the whole tile exists, else through a buffer.
+    /// where the whole tile exists, else through a buffer (a group of fewer than 16
+    /// tokens stores only its configured rows).
     #[inline(always)]
     unsafe fn store<const G: usize, const P: usize>(&self) {
         let ldo_bytes = self.dst.ldo * 4;
@@ -272,7 +221,7 @@ impl Stores<'_> {
                 }
                 let mut buf = Outputs([[0.0; PANEL]; TOKENS]);
                 store_acc(2 * g + q, buf.0.as_mut_ptr().cast(), 64);
-                for (i, row) in buf.0.iter().enumerate().take(tokens.min(self.rows)) {
+                for (i, row) in buf.0.iter().enumerate().take(tokens) {
                     std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(i * self.dst.ldo), valid);
                 }
             }
@@ -311,28 +260,14 @@ unsafe fn load(tile: usize, at: *const u8, stride: usize) {
     }
 }
 
-/// Accumulator tile `c` += activations tile `a` x weights tile `b`, for the pairings
-/// `Block`'s two layouts use.
+/// Accumulator `2g + q` += activations `g` x weights `q` (tiles 4 + g and 6 + q).
 #[inline(always)]
-unsafe fn dot(c: usize, a: usize, b: usize) {
-    macro_rules! dot {
-        ($c:literal, $a:literal, $b:literal) => {
-            asm!(
-                concat!("tdpbf16ps ", $c, ", ", $a, ", ", $b),
-                options(nostack, nomem)
-            )
-        };
-    }
-    match (c, a, b) {
-        (0, 4, 6) => dot!("tmm0", "tmm4", "tmm6"),
-        (1, 4, 7) => dot!("tmm1", "tmm4", "tmm7"),
-        (2, 5, 6) => dot!("tmm2", "tmm5", "tmm6"),
-        (3, 5, 7) => dot!("tmm3", "tmm5", "tmm7"),
-        (0, 7, 4) => dot!("tmm0", "tmm7", "tmm4"),
-        (1, 7, 5) => dot!("tmm1", "tmm7", "tmm5"),
-        (2, 7, 6) => dot!("tmm2", "tmm7", "tmm6"),
-        (3, 7, 4) => dot!("tmm3", "tmm7", "tmm4"),
-        _ => unreachable!("no tile product {c} += {a} x {b}"),
+unsafe fn dot(c: usize) {
+    match c {
+        0 => asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nostack, nomem)),
+        1 => asm!("tdpbf16ps tmm1, tmm4, tmm7", options(nostack, nomem)),
+        2 => asm!("tdpbf16ps tmm2, tmm5, tmm6", options(nostack, nomem)),
+        _ => asm!("tdpbf16ps tmm3, tmm5, tmm7", options(nostack, nomem)),
     }
 }
 
@@ -388,9 +323,9 @@ mod tests {
 
     /// The tile kernel called directly (the level's dispatch could fall back unnoticed):
     /// the product of the weights and the rounded activations up to f32 summation, for
-    /// partial last panels, partial groups, a lone short group with 1 to 4 panels a block,
-    /// odd `k` and `k` whose pairs end in a partial tile; each token alone (a short group)
-    /// gives the same bits as in the batch.
+    /// partial last panels, partial groups, a lone short group, odd `k` and `k` whose
+    /// pairs end in a partial tile; each token alone (a short group) gives the same bits
+    /// as in the batch.
     #[test]
     fn tile_kernel_computes_the_rounded_product_batch_invariantly() {
         if !Kernel::AmxBf16.available() {

@@ -22,7 +22,10 @@ fn start(faults: &str) -> String {
     let plan = faults.parse().unwrap();
     common::spawn_server(
         move || {
-            let loaded = lantern_model::load_model(&path, &Default::default())?;
+            let loaded = lantern_model::load_model(&path, &Default::default());
+            // Loaded (or not): the file is not needed again, and is not left behind.
+            let _ = std::fs::remove_file(&path);
+            let loaded = loaded?;
             let config = EngineConfig {
                 kv_cache_memory: 16 << 20,
                 ..EngineConfig::default()

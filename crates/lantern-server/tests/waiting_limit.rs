@@ -14,7 +14,10 @@ fn start_server(limit: usize) -> String {
     TinyLlama::default().write(&path).unwrap();
     common::spawn_server(
         move || {
-            let loaded = lantern_model::load_model(&path, &Default::default())?;
+            let loaded = lantern_model::load_model(&path, &Default::default());
+            // Loaded (or not): the file is not needed again, and is not left behind.
+            let _ = std::fs::remove_file(&path);
+            let loaded = loaded?;
             let config = EngineConfig {
                 kv_cache_memory: 16 << 20,
                 max_waiting_requests: limit,

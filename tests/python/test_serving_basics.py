@@ -178,8 +178,8 @@ def _bench_json(model, *extra, env=None):
 
 def test_bench_reports_the_kernels_of_a_hugging_face_directory():
     """`lantern bench` on a Hugging Face directory names the kernels of its safetensors'
-    types, of the type `--quantize` converts them to, and the opt-in AVX-512 BF16 level
-    for BF16 weights only, which it announces."""
+    types, of the type `--quantize` converts them to, and the opt-in BF16 levels
+    (AVX-512 BF16, AMX-BF16) for BF16 weights only, which it announces."""
     hf = ROOT / "tests" / "fixtures" / "archs" / "llama" / "hf"
     plain, said = _bench_json(hf)
     assert "round the activations" not in said, said
@@ -190,17 +190,27 @@ def test_bench_reports_the_kernels_of_a_hugging_face_directory():
     quantized, _ = _bench_json(hf, "--quantize", "q8_0")
     assert set(quantized["kernels"]) >= {"Q8_0"}, quantized["kernels"]
     assert "BF16" not in quantized["kernels"], quantized["kernels"]
-    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
-        env = dict(os.environ, LANTERN_KERNELS="avx512-bf16")
+    cpu = Path("/proc/cpuinfo").read_text().split()
+    # amx-bf16 needs the amx level's grant too; where AMX-BF16 is missing it caps to
+    # avx512-bf16.
+    amx_bf16 = "amx_bf16" in cpu and plain["kernel_level"] == "amx"
+    levels = [level for level, runs in [("avx512-bf16", "avx512_bf16" in cpu),
+                                        ("amx-bf16", "avx512_bf16" in cpu and amx_bf16)] if runs]
+    for level in levels:
+        env = dict(os.environ, LANTERN_KERNELS=level)
         bf16, said = _bench_json(hf, env=env)
-        assert "kernel level avx512-bf16 (LANTERN_KERNELS): products over BF16 weights round " \
+        assert f"kernel level {level} (LANTERN_KERNELS): products over BF16 weights round " \
             "the activations to bf16" in said, said
-        assert bf16["kernel_level"] == "avx512-bf16"
-        assert bf16["kernels"]["BF16"]["kernel"] == "avx512-bf16", bf16["kernels"]
+        assert bf16["kernel_level"] == level
+        assert bf16["kernels"]["BF16"]["kernel"] == level, bf16["kernels"]
         on_q8, _ = _bench_json(hf, "--quantize", "q8_0", env=env)
         # Only BF16 weights take the rounding level; the others run as at the default.
         default_q8 = quantized["kernels"]["Q8_0"]["kernel"]
         assert on_q8["kernels"]["Q8_0"]["kernel"] == default_q8, on_q8["kernels"]
+    if "avx512_bf16" in cpu and not amx_bf16:
+        env = dict(os.environ, LANTERN_KERNELS="amx-bf16")
+        capped, said = _bench_json(hf, env=env)
+        assert capped["kernel_level"] == "avx512-bf16", said
 
 
 def test_first_run_fetch_is_announced(tmp_path):

@@ -720,8 +720,9 @@ fn dense_types_match_the_exact_product_at_every_level() {
 /// AMX tiles at amx-bf16): the exact product of the weights and the activations rounded
 /// to bf16, up to f32 summation (rel. err < 1e-5), so within bf16 rounding of the
 /// unrounded product; batch invariant (each token alone, and a batch of many tokens cut
-/// into tasks on the helper threads); every tile shape (19 panels: tiles of 4, 2 and 1; 1
-/// to 4 tokens; groups of 16 tokens, whole and partial) and odd k. Other weight types at
+/// into tasks on the helper threads) and the same bits on 1, 3 and 16 threads; every tile
+/// shape (19 panels: tiles of 4, 2 and 1; 1 to 4 tokens; groups of 16 tokens, whole and
+/// partial) and odd k. Other weight types at
 /// those levels are the best exact level's, bit for bit.
 #[test]
 fn bf16_weights_at_the_bf16_levels_match_the_rounded_product() {
@@ -736,6 +737,7 @@ fn bf16_weights_at_the_bf16_levels_match_the_rounded_product() {
 
 fn bf16_level_matches_the_rounded_product(level: Kernel) {
     let mut rng = StdRng::seed_from_u64(12);
+    let pools = thread_pools(&[1, 3, 16]);
     for (n, k) in [(1, 7), (17, 37), (50, 96), (300, 1000), (64, 1)] {
         let (bytes, w) = random_dense(&mut rng, QuantType::BF16, n * k);
         let pm = PackedMatrix::from_gguf_bytes(QuantType::BF16, &bytes, n, k).unwrap();
@@ -763,6 +765,13 @@ fn bf16_level_matches_the_rounded_product(level: Kernel) {
                 assert!(
                     same_bits(&single, &got[t * n..(t + 1) * n]),
                     "{level} {n}x{k} m={m}: token {t} alone differs"
+                );
+            }
+            for pool in &pools {
+                let other = pool.install(|| run(&pm, level, &x, m));
+                assert!(
+                    same_bits(&other, &got),
+                    "{level} {n}x{k} m={m}: result depends on the thread count"
                 );
             }
         }

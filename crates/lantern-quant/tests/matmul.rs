@@ -722,8 +722,8 @@ fn dense_types_match_the_exact_product_at_every_level() {
 /// unrounded product; batch invariant (each token alone, and a batch of many tokens cut
 /// into tasks on the helper threads) and the same bits on 1, 3 and 16 threads; every tile
 /// shape (19 panels: tiles of 4, 2 and 1; 1 to 4 tokens; groups of 16 tokens, whole and
-/// partial) and odd k. Other weight types at
-/// those levels are the best exact level's, bit for bit.
+/// partial) and odd k. Other weight types at those levels are the best exact level's, bit
+/// for bit.
 #[test]
 fn bf16_weights_at_the_bf16_levels_match_the_rounded_product() {
     for level in [Kernel::Avx512Bf16, Kernel::AmxBf16] {

@@ -473,6 +473,7 @@ mod x86 {
                 for (r, dst) in [&mut *out0, &mut *out1].into_iter().enumerate() {
                     let x3_0 = _mm256_add_ps(x2[0][r], x2[2][r]);
                     let x3_1 = _mm256_add_ps(x2[1][r], x2[3][r]);
+                    // Then `dots`' empty scalar tail (+0), as at AVX-512.
                     let sum = _mm256_add_ps(_mm256_add_ps(x3_0, x3_1), _mm256_setzero_ps());
                     let mut lanes = [0f32; 8];
                     _mm256_storeu_ps(lanes.as_mut_ptr(), sum);

@@ -3,32 +3,9 @@
 
 mod common;
 
-use common::{make_batch, run_backend, Batch, Req};
+use common::{alone, make_batch, run_backend, Req};
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, CpuFlashBackend, CpuReferenceBackend};
 use lantern_kv::KvDtype;
-
-/// The batch made of request `r` of `batch` alone, same values and block table.
-fn alone(batch: &Batch, r: usize, layer: &AttentionLayerSpec) -> (Batch, std::ops::Range<usize>) {
-    let start: usize = batch.reqs[..r].iter().map(|q| q.query_len).sum();
-    let tokens = start..start + batch.reqs[r].query_len;
-    let (qrow, kvrow) = (
-        layer.num_heads * layer.head_dim,
-        layer.num_kv_heads * layer.head_dim,
-    );
-    let rows = |x: &[f32], w: usize| x[tokens.start * w..tokens.end * w].to_vec();
-    let single = Batch {
-        reqs: vec![batch.reqs[r]],
-        block_size: batch.block_size,
-        num_blocks: batch.num_blocks,
-        tables: vec![batch.tables[r].clone()],
-        ctx_k: vec![batch.ctx_k[r].clone()],
-        ctx_v: vec![batch.ctx_v[r].clone()],
-        q: rows(&batch.q, qrow),
-        k: rows(&batch.k, kvrow),
-        v: rows(&batch.v, kvrow),
-    };
-    (single, tokens)
-}
 
 #[test]
 fn output_rows_do_not_depend_on_the_batch() {

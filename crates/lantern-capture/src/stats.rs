@@ -246,39 +246,23 @@ lantern_quant::per_level! {
 /// One row's value of one group per key, into `out`: the mean of the group's heads
 /// (`members`, indices into `heads`, whose entries are rows of `values`,
 /// `[heads, out.len()]`), summed in order from zero then scaled, as [`group_row`]
-/// computes it. In 16-lane chunks, so it vectorizes; every operation is the one
-/// [`group_row`] makes, so the same bits.
+/// computes it: every operation is the one [`group_row`] makes, so the same bits. Head by
+/// head over the whole row, so each pass is a plain element-wise loop (written key chunk
+/// by key chunk, it was vectorized across the heads into gathers).
 fn group_values(values: &[f32], heads: &[usize], members: &[usize], out: &mut [f32]) {
-    const L: usize = 16;
     let n = out.len();
-    let inv = (members.len() > 1).then(|| 1.0 / members.len() as f32);
-    let full = n / L * L;
-    let mut k = 0;
-    while k < full {
-        let mut v = [0f32; L];
-        for &m in members {
-            let p = &values[heads[m] * n + k..][..L];
-            for i in 0..L {
-                v[i] += p[i];
-            }
+    out.fill(0.0);
+    for &m in members {
+        let row = &values[heads[m] * n..][..n];
+        for (o, v) in out.iter_mut().zip(row) {
+            *o += *v;
         }
-        if let Some(inv) = inv {
-            for x in v.iter_mut() {
-                *x *= inv;
-            }
-        }
-        out[k..k + L].copy_from_slice(&v);
-        k += L;
     }
-    for k in full..n {
-        let mut v = 0f32;
-        for &m in members {
-            v += values[heads[m] * n + k];
+    if members.len() > 1 {
+        let inv = 1.0 / members.len() as f32;
+        for o in out.iter_mut() {
+            *o *= inv;
         }
-        if let Some(inv) = inv {
-            v *= inv;
-        }
-        out[k] = v;
     }
 }
 

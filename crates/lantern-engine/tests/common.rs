@@ -113,8 +113,9 @@ pub fn reference_prompts_in(dir: &Path, flavour: &str) -> Vec<ReferencePrompt> {
 /// Checks capture invariant (a) for every captured layer, head and row of a dense
 /// capture: the row sums to 1 over the keys its layer's mask lets it see, every other
 /// key is exactly 0, and P·V, with V read back from the cache, is the attention output
-/// the model used for that row (`keep_attention_output`). Returns the worst relative
-/// error of P·V.
+/// the model used for that row (`keep_attention_output`; to 1e-4, or to 1e-2 at the
+/// opt-in `amx-bf16` level, whose attention rounds P and V to bf16). Returns the worst
+/// relative error of P·V.
 pub fn check_capture_invariants(
     pending: &lantern_capture::PendingCapture,
     result: &lantern_capture::CaptureResult,
@@ -122,6 +123,11 @@ pub fn check_capture_invariants(
     let meta = &result.meta;
     let keys = meta.key_positions.len();
     let mut worst_rel = 0f32;
+    let pv_bound = if lantern_quant::active_kernel().is_exact() {
+        1e-4
+    } else {
+        1e-2
+    };
     for (slot, map) in result.layers.iter().enumerate() {
         let heads = map.shape[1];
         let (layer, snapshot) = &pending.layers[slot];
@@ -158,7 +164,7 @@ pub fn check_capture_invariants(
                 let rel = (err / norm).sqrt();
                 worst_rel = worst_rel.max(rel);
                 assert!(
-                    rel < 1e-4,
+                    rel < pv_bound,
                     "layer {slot} row {pos} head {h}: P·V off by {rel}"
                 );
             }

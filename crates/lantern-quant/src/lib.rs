@@ -133,6 +133,8 @@ mod x86;
 
 pub use format::QuantType;
 pub use level::{active_kernel, force_kernel, kernel_level, Kernel, KERNELS_ENV};
+#[cfg(target_arch = "x86_64")]
+pub use x86::bf16_tiles;
 
 use act::QuantAct;
 use rayon::prelude::*;

@@ -26,7 +26,11 @@
 //! one more term of the denominator. Items of many rows (prefill tiles) take a group's
 //! rows together at AVX2 and AVX-512 ([`update_rows`], `row_kernels`): the group's keys
 //! transposed once, dot products two rows at a time, weighted values four at a time
-//! (AVX-512), each row getting the same operations as alone, so the same bits.
+//! (AVX-512), each row getting the same operations as alone, so the same bits. At the
+//! opt-in `amx-bf16` level every item's scores and weighted values come from AMX-BF16
+//! tiles instead (`tiles`: q, keys, probabilities and values rounded to bf16, groups of
+//! at least 256 keys), batch and chunk invariant in the same way, and a capture's
+//! probabilities use the same tile scores.
 //!
 //! Chunked-local layers run over the step's virtual batch ([`crate::local`]): each
 //! virtual request lies inside one chunk, so the kernel needs no chunk mask, and a long
@@ -43,6 +47,8 @@
 use std::cell::RefCell;
 use std::sync::{Mutex, OnceLock};
 
+#[cfg(target_arch = "x86_64")]
+use lantern_quant::bf16_tiles::Bf16Tiles;
 use lantern_quant::share;
 
 use crate::backend::{AttentionMetadata, CPU_FLASH};
@@ -58,6 +64,9 @@ use crate::layer::AttentionLayerSpec;
 use crate::layout::{KvCacheLayout, KvCacheShape};
 use crate::metadata::CommonAttentionMetadata;
 use crate::tap::RowProbabilities;
+
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 
 /// How the flash backend cuts work into items.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,6 +200,8 @@ impl CpuFlashBackend {
             k,
             v,
             keep: keep.as_mut().map(Keep::target),
+            #[cfg(target_arch = "x86_64")]
+            tiles: Bf16Tiles::in_effect(),
         };
         let work: usize = items.iter().map(|it| it.multiply_adds(layer)).sum();
         let partials = run_items(&ctx, &items, Runner::for_work(work));
@@ -389,6 +400,19 @@ struct Ctx<'a> {
     v: &'a [f32],
     /// Rows whose logits are kept, if any.
     keep: Option<KeepTarget<'a>>,
+    /// The bf16 tiles, at the opt-in `amx-bf16` level (`tiles`).
+    #[cfg(target_arch = "x86_64")]
+    tiles: Option<Bf16Tiles>,
+}
+
+impl Ctx<'_> {
+    /// Whether items run on the bf16 tiles.
+    fn on_tiles(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self.tiles.is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
 }
 
 /// One unit of parallel work: the query rows `rows` (batch token indices) of request
@@ -489,13 +513,15 @@ struct Scratch {
     values: Vec<f32>,
     logits: Vec<f32>,
     rows: RowsScratch,
+    #[cfg(target_arch = "x86_64")]
+    tiles: tiles::TileScratch,
 }
 
 impl Scratch {
     /// Grows the buffers to what `ctx`'s layer needs (never shrinks them).
     fn fit(&mut self, ctx: &Ctx<'_>) {
         let geom = ctx.cache.geometry();
-        let keys = group_len(geom.block_size, geom.head_dim);
+        let keys = group_len(geom.block_size, geom.head_dim, ctx.on_tiles());
         for (buf, len) in [
             (&mut self.keys, keys * geom.head_dim),
             (&mut self.values, keys * geom.head_dim),
@@ -527,11 +553,22 @@ fn with_scratch<R>(ctx: &Ctx<'_>, f: impl FnOnce(&mut Scratch) -> R) -> R {
 /// 64 keys at head dim 64, 16 at 256). Each update has a fixed cost (the running maximum,
 /// the rescale, a pass over the accumulator) that a small group does not amortize. Groups
 /// start at multiples of this length, which depends only on the layer, so a row's keys
-/// are grouped the same way whatever batch, chunk or item it is computed in.
-fn group_len(block_size: usize, head_dim: usize) -> usize {
-    let keys = (4096 / head_dim.max(1)).max(1);
+/// are grouped the same way whatever batch, chunk or item it is computed in. On the
+/// tiles, at least [`TILE_GROUP_KEYS`].
+fn group_len(block_size: usize, head_dim: usize, on_tiles: bool) -> usize {
+    let mut keys = (4096 / head_dim.max(1)).max(1);
+    if on_tiles {
+        keys = keys.max(TILE_GROUP_KEYS);
+    }
     (keys / block_size).max(1) * block_size
 }
+
+/// Keys per group on the bf16 tiles: a whole piece of keys (`split_keys`'s default), so a
+/// tile product's fixed costs (configuring, storing its sums) and each row's
+/// online-softmax update are spread over many keys: a 4,096-token SmolLM2 prefill ran
+/// 1.41-1.43x the `amx` level's speed with groups of 256 and 1.12-1.28x with 64 (2
+/// threads, Emerald Rapids).
+const TILE_GROUP_KEYS: usize = 256;
 
 /// Online-softmax state of an item's query rows (row `i * group + j` is the item's
 /// `i`-th token and the `j`-th head of the group), not yet normalized.
@@ -558,8 +595,16 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
         values,
         logits,
         rows,
+        #[cfg(target_arch = "x86_64")]
+            tiles: tile_scratch,
     } = scratch;
-    let group = group_len(block_size, d);
+    let group = group_len(block_size, d, ctx.on_tiles());
+    // One tile configuration for all the item's products (released when it ends).
+    #[cfg(target_arch = "x86_64")]
+    let session = ctx.tiles.map(|on| {
+        tiles::prepare(ctx, item, tile_scratch);
+        on.session(n_rows)
+    });
     let all_rows = n_rows >= ROWS_AT_ONCE && row_kernels::pays(d);
     let mut start = item.keys.0;
     while start < item.keys.1 {
@@ -586,6 +631,22 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
                 );
             }
             pos = tile_end;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(session) = &session {
+            let kv = (&k_tile[..], &v_tile[..]);
+            tiles::update(
+                session,
+                ctx,
+                item,
+                &req,
+                (start, end),
+                kv,
+                tile_scratch,
+                &mut state,
+            );
+            start = end;
+            continue;
         }
         if all_rows {
             let tiles = (&k_tile[..], &v_tile[..]);
@@ -674,28 +735,16 @@ struct RowSpan {
     hi: usize,
 }
 
-/// One group's online-softmax step for every row of `item`: the same operations on
-/// each row as [`update_row`], so the same bits, but the dot products come two rows at
-/// a time from the group's keys transposed once (`row_kernels`), and rows that see the
-/// same keys (all but the diagonal's) add their weighted values four at a time.
-fn update_rows(
-    ctx: &Ctx<'_>,
+/// The rows of `item` (every head of its group) that see some of the keys `start..end`,
+/// with the part they see, into `spans` (in the item's [`Partial`] order).
+fn find_spans(
+    layer: &AttentionLayerSpec,
     item: &WorkItem,
     req: &RequestView<'_>,
     (start, end): (usize, usize),
-    (k_tile, v_tile): (&[f32], &[f32]),
-    scratch: &mut RowsScratch,
-    state: &mut Partial,
+    spans: &mut Vec<RowSpan>,
 ) {
-    let layer = ctx.layer;
-    let (d, group_heads) = (layer.head_dim, layer.group_size());
-    let n = end - start;
-    let stride = n.next_multiple_of(row_kernels::KEYS);
-    let RowsScratch {
-        transposed,
-        logits,
-        spans,
-    } = scratch;
+    let group_heads = layer.group_size();
     spans.clear();
     for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
         let visible = layer.visible_key_range(req.position(row));
@@ -710,6 +759,31 @@ fn update_rows(
             }));
         }
     }
+}
+
+/// One group's online-softmax step for every row of `item`: the same operations on
+/// each row as [`update_row`], so the same bits, but the dot products come two rows at
+/// a time from the group's keys transposed once (`row_kernels`), and rows that see the
+/// same keys (all but the diagonal's) add their weighted values four at a time.
+fn update_rows(
+    ctx: &Ctx<'_>,
+    item: &WorkItem,
+    req: &RequestView<'_>,
+    (start, end): (usize, usize),
+    (k_tile, v_tile): (&[f32], &[f32]),
+    scratch: &mut RowsScratch,
+    state: &mut Partial,
+) {
+    let layer = ctx.layer;
+    let d = layer.head_dim;
+    let n = end - start;
+    let stride = n.next_multiple_of(row_kernels::KEYS);
+    let RowsScratch {
+        transposed,
+        logits,
+        spans,
+    } = scratch;
+    find_spans(layer, item, req, (start, end), spans);
     grow(transposed, row_kernels::transposed_len(n, d));
     grow(logits, spans.len() * stride);
     let kt = &mut transposed[..row_kernels::transposed_len(n, d)];
@@ -987,13 +1061,17 @@ mod tests {
 
     #[test]
     fn groups_are_whole_blocks_within_16_kib_of_keys() {
-        assert_eq!(group_len(16, 64), 64);
-        assert_eq!(group_len(16, 128), 32);
-        assert_eq!(group_len(16, 256), 16);
-        assert_eq!(group_len(4, 80), 48);
+        assert_eq!(group_len(16, 64, false), 64);
+        assert_eq!(group_len(16, 128, false), 32);
+        assert_eq!(group_len(16, 256, false), 16);
+        assert_eq!(group_len(4, 80, false), 48);
         // At least one block, however large.
-        assert_eq!(group_len(32, 256), 32);
-        assert_eq!(group_len(16, 8192), 16);
+        assert_eq!(group_len(32, 256, false), 32);
+        assert_eq!(group_len(16, 8192, false), 16);
+        // On the tiles, at least 256 keys (whole blocks).
+        assert_eq!(group_len(16, 64, true), 256);
+        assert_eq!(group_len(16, 8, true), 512);
+        assert_eq!(group_len(100, 256, true), 200);
     }
 
     /// The metadata of requests of `(computed, scheduled)` tokens, each with blocks of its
@@ -1052,25 +1130,37 @@ mod tests {
         let t = common.num_actual_tokens;
         let q: Vec<f32> = (0..t * 6 * 64).map(|i| value(i + 17)).collect();
         let step_kv: Vec<f32> = (0..t * row).map(|i| value(i + 3)).collect();
-        let ctx = Ctx {
-            common: &common,
-            layer: &layer,
-            cache: &cache,
-            q: &q,
-            k: &step_kv,
-            v: &step_kv,
-            keep: None,
-        };
-        let items = plan(&common, &layer, &FlashTuning::default(), block_size);
-        assert!(items.len() > 10);
-        let inline = run_items(&ctx, &items, Runner::Inline);
-        let shared = run_items(&ctx, &items, Runner::Shared);
-        for (a, b) in inline.iter().zip(&shared) {
-            assert_eq!(a.max, b.max);
-            assert_eq!(a.sum, b.sum);
-            assert_eq!(a.acc, b.acc);
+        // The vector kernels, and the bf16 tiles where this CPU has them (given to the
+        // items directly: forcing the level would reach the other tests' threads).
+        #[cfg(target_arch = "x86_64")]
+        let kinds = [None, Bf16Tiles::on_this_cpu()];
+        #[cfg(not(target_arch = "x86_64"))]
+        let kinds = [()];
+        for kind in kinds {
+            let ctx = Ctx {
+                common: &common,
+                layer: &layer,
+                cache: &cache,
+                q: &q,
+                k: &step_kv,
+                v: &step_kv,
+                keep: None,
+                #[cfg(target_arch = "x86_64")]
+                tiles: kind,
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = kind;
+            let items = plan(&common, &layer, &FlashTuning::default(), block_size);
+            assert!(items.len() > 10);
+            let inline = run_items(&ctx, &items, Runner::Inline);
+            let shared = run_items(&ctx, &items, Runner::Shared);
+            for (a, b) in inline.iter().zip(&shared) {
+                assert_eq!(a.max, b.max);
+                assert_eq!(a.sum, b.sum);
+                assert_eq!(a.acc, b.acc);
+            }
+            assert!(inline.iter().all(|p| p.acc.iter().any(|&x| x != 0.0)));
         }
-        assert!(inline.iter().all(|p| p.acc.iter().any(|&x| x != 0.0)));
     }
 
     /// The probabilities `forward_with_probabilities` keeps are, bit for bit, what

@@ -25,10 +25,18 @@ const LANES: usize = 16;
 /// whole row give every key the same score.
 /// Not inlined: compiled on its own, the loop shape is what the vectorizer sees (inlined
 /// into a bigger loop nest it may pick a worse strategy), and one call per tile is cheap.
+///
+/// At the opt-in `amx-bf16` level the scores come from the bf16 tiles instead, as the
+/// flash kernel's do there ([`dots_on_tiles`]).
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         use lantern_quant::Kernel;
+        if let Some(tiles) = lantern_quant::bf16_tiles::Bf16Tiles::in_effect() {
+            if d > 0 && q.len() >= d {
+                return dots_on_tiles(tiles, &q[..d], keys, out);
+            }
+        }
         match lantern_quant::active_kernel().vectors() {
             // SAFETY: `active_kernel` never exceeds what the CPU reports.
             Kernel::Avx512 => return unsafe { x86::dots_avx512(q, keys, d, out) },
@@ -39,6 +47,37 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     dots_with(q, keys, d, out, |sets| {
         sets.map(|lanes| tree_reduce(lanes, |x, y| x + y))
     })
+}
+
+/// `out[j] = q . keys[j]` on the bf16 tiles: `q` and the keys rounded to bf16, each
+/// score one tile element, so the same bits as the flash kernel's scores at the
+/// `amx-bf16` level (`cpu_flash::tiles`), whatever else it computed beside.
+#[cfg(target_arch = "x86_64")]
+fn dots_on_tiles(
+    tiles: lantern_quant::bf16_tiles::Bf16Tiles,
+    q: &[f32],
+    keys: &[f32],
+    out: &mut [f32],
+) {
+    use lantern_quant::bf16_tiles::{TileColumns, TileRows};
+    use std::cell::RefCell;
+    thread_local! {
+        static OPERANDS: RefCell<(TileRows, TileColumns, Vec<f32>)> = RefCell::default();
+    }
+    let (d, n) = (q.len(), out.len());
+    OPERANDS.with_borrow_mut(|(row, columns, scores)| {
+        row.reset(1, d);
+        row.set_row(0, 0, q);
+        columns.set_from_rows(&keys[..n * d], d);
+        let ldo = columns.stored_columns();
+        if scores.len() < ldo {
+            scores.resize(ldo, 0.0);
+        }
+        tiles
+            .session(1)
+            .product(row, columns, &mut scores[..ldo], ldo);
+        out.copy_from_slice(&scores[..n]);
+    });
 }
 
 /// The body of [`dots`], with the reduction of four keys' lanes (`sum4`, each as
@@ -283,14 +322,9 @@ pub(crate) fn logits_and_rescale(
             }
         }
         None => {
-            // In whole chunks, as in `exp_shifted_sum`.
-            let mut chunks = logits.chunks_exact_mut(LANES);
-            for c in &mut chunks {
-                for x in c.iter_mut() {
-                    *x *= scale;
-                }
-            }
-            for x in chunks.into_remainder() {
+            // A plain loop: written in 16-lane chunks, it was vectorized across the chunks
+            // into gathers and scatters (most of this function's time).
+            for x in logits.iter_mut() {
                 *x *= scale;
             }
         }
@@ -593,7 +627,10 @@ mod tests {
                 let q: Vec<f32> = (0..d).map(|i| value(i, 1)).collect();
                 let keys: Vec<f32> = (0..n * d).map(|i| value(i, 2)).collect();
                 let mut by_level = Vec::new();
-                for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                for level in Kernel::ALL
+                    .into_iter()
+                    .filter(|k| k.available() && k.is_exact())
+                {
                     force_kernel(Some(level));
                     let mut out = vec![f32::NAN; n];
                     dots(&q, &keys, d, &mut out);
@@ -633,7 +670,10 @@ mod tests {
             let keys: Vec<f32> = (0..n * d)
                 .map(|_| rng.gen_range(-3.0f32..3.0) * 10f32.powi(rng.gen_range(-3..3)))
                 .collect();
-            for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+            for level in Kernel::ALL
+                .into_iter()
+                .filter(|k| k.available() && k.is_exact())
+            {
                 force_kernel(Some(level));
                 let mut whole = vec![f32::NAN; n];
                 dots(&q, &keys, d, &mut whole);

@@ -321,3 +321,30 @@ pub fn rng(seed: u64) -> StdRng {
 pub fn gen_usize(rng: &mut StdRng, range: std::ops::RangeInclusive<usize>) -> usize {
     rng.gen_range(range)
 }
+
+/// The batch made of request `r` of `batch` alone, same values and block table.
+pub fn alone(
+    batch: &Batch,
+    r: usize,
+    layer: &AttentionLayerSpec,
+) -> (Batch, std::ops::Range<usize>) {
+    let start: usize = batch.reqs[..r].iter().map(|q| q.query_len).sum();
+    let tokens = start..start + batch.reqs[r].query_len;
+    let (qrow, kvrow) = (
+        layer.num_heads * layer.head_dim,
+        layer.num_kv_heads * layer.head_dim,
+    );
+    let rows = |x: &[f32], w: usize| x[tokens.start * w..tokens.end * w].to_vec();
+    let single = Batch {
+        reqs: vec![batch.reqs[r]],
+        block_size: batch.block_size,
+        num_blocks: batch.num_blocks,
+        tables: vec![batch.tables[r].clone()],
+        ctx_k: vec![batch.ctx_k[r].clone()],
+        ctx_v: vec![batch.ctx_v[r].clone()],
+        q: rows(&batch.q, qrow),
+        k: rows(&batch.k, kvrow),
+        v: rows(&batch.v, kvrow),
+    };
+    (single, tokens)
+}

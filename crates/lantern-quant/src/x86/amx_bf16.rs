@@ -230,7 +230,7 @@ impl Stores<'_> {
 }
 
 #[inline(always)]
-unsafe fn zero_acc(c: usize) {
+pub(super) unsafe fn zero_acc(c: usize) {
     match c {
         0 => asm!("tilezero tmm0", options(nostack, nomem)),
         1 => asm!("tilezero tmm1", options(nostack, nomem)),
@@ -241,7 +241,7 @@ unsafe fn zero_acc(c: usize) {
 
 /// Loads tile `tile` (4-7) from `at`, rows `stride` bytes apart.
 #[inline(always)]
-unsafe fn load(tile: usize, at: *const u8, stride: usize) {
+pub(super) unsafe fn load(tile: usize, at: *const u8, stride: usize) {
     macro_rules! load {
         ($tmm:literal) => {
             asm!(
@@ -262,7 +262,7 @@ unsafe fn load(tile: usize, at: *const u8, stride: usize) {
 
 /// Accumulator `2g + q` += activations `g` x weights `q` (tiles 4 + g and 6 + q).
 #[inline(always)]
-unsafe fn dot(c: usize) {
+pub(super) unsafe fn dot(c: usize) {
     match c {
         0 => asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nostack, nomem)),
         1 => asm!("tdpbf16ps tmm1, tmm4, tmm7", options(nostack, nomem)),
@@ -273,7 +273,7 @@ unsafe fn dot(c: usize) {
 
 /// Stores accumulator `c` (0-3) at `at`, rows `stride` bytes apart.
 #[inline(always)]
-unsafe fn store_acc(c: usize, at: *mut f32, stride: usize) {
+pub(super) unsafe fn store_acc(c: usize, at: *mut f32, stride: usize) {
     macro_rules! store {
         ($tmm:literal) => {
             asm!(

@@ -4,6 +4,7 @@ pub(crate) mod amx;
 pub(crate) mod amx_bf16;
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+pub mod bf16_tiles;
 pub(crate) mod bf16dot;
 pub(crate) mod dense;
 

@@ -133,6 +133,19 @@ impl TileRows {
             .resize(stored_rows(rows) * self.stride, bf16::ZERO);
     }
 
+    /// Makes it `rows` rows of `k` values without clearing what it held: each row a
+    /// product's caller reads must be written whole first ([`TileRows::set_whole_row`]);
+    /// the others give rows of sums nobody reads (an output row comes from its row
+    /// alone).
+    pub fn reshape(&mut self, rows: usize, k: usize) {
+        self.rows = rows;
+        self.stride = k.next_multiple_of(CHUNK);
+        let len = stored_rows(rows) * self.stride;
+        if self.data.len() < len {
+            self.data.resize(len, bf16::ZERO);
+        }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -150,6 +163,20 @@ impl TileRows {
         assert!(i < self.rows && at + values.len() <= self.stride);
         let dst = &mut self.data[i * self.stride + at..][..values.len()];
         round_into(values, dst);
+    }
+
+    /// Row `i`: `values` rounded from `at` on, zeros before and after them.
+    ///
+    /// # Panics
+    /// As [`TileRows::set_row`].
+    pub fn set_whole_row(&mut self, i: usize, at: usize, values: &[f32]) {
+        assert!(i < self.rows && at + values.len() <= self.stride);
+        let row = &mut self.data[i * self.stride..][..self.stride];
+        let (before, rest) = row.split_at_mut(at);
+        let (mid, after) = rest.split_at_mut(values.len());
+        before.fill(bf16::ZERO);
+        round_into(values, mid);
+        after.fill(bf16::ZERO);
     }
 }
 
@@ -187,7 +214,13 @@ impl TileColumns {
     /// as `keys` for scores `q · keysᵀ`.
     pub fn set_from_rows(&mut self, rows: &[f32], k: usize) {
         let columns = rows.len().checked_div(k).unwrap_or(0);
-        self.reset(columns, k);
+        // Every record of every panel is written below: no clearing.
+        self.columns = columns;
+        self.pairs = k.next_multiple_of(CHUNK) / 2;
+        let len = columns.div_ceil(PANEL) * self.pairs * PANEL;
+        if self.data.len() < len {
+            self.data.resize(len, 0);
+        }
         if columns == 0 {
             return;
         }
@@ -197,7 +230,10 @@ impl TileColumns {
         let mut rounded = vec![bf16::ZERO; 2 * pairs];
         for (p, panel_rows) in rows[..columns * k].chunks(PANEL * k).enumerate() {
             let n = panel_rows.len() / k;
-            packed.fill(0);
+            if n < PANEL {
+                // The missing columns' lanes are zeros.
+                packed.fill(0);
+            }
             for (j, row) in panel_rows.chunks_exact(k).enumerate() {
                 round_into(row, &mut rounded[..k]);
                 for (c, pair) in rounded.chunks_exact(2).enumerate() {
@@ -424,13 +460,20 @@ mod tests {
         f64::from(bf16::from_f32(x).to_f32())
     }
 
+    /// The product through operands that held other values before (reshaped, not
+    /// cleared), so leftovers would show.
     fn product(tiles: Bf16Tiles, a: &[f32], m: usize, b: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut rows = TileRows::default();
-        rows.reset(m, k);
+        rows.reset(m + 20, k + 40);
+        for i in 0..m + 20 {
+            rows.set_row(i, 0, &vec![f32::INFINITY; k + 40]);
+        }
+        rows.reshape(m, k);
         for i in 0..m {
-            rows.set_row(i, 0, &a[i * k..(i + 1) * k]);
+            rows.set_whole_row(i, 0, &a[i * k..(i + 1) * k]);
         }
         let mut cols = TileColumns::default();
+        cols.set_from_rows(&vec![f32::INFINITY; (n + 20) * (k + 40)], k + 40);
         cols.set_from_rows(b, k);
         let ldo = cols.stored_columns() + 3;
         let mut out = vec![f32::NAN; rows.stored_rows() * ldo];

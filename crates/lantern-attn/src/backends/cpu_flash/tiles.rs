@@ -88,7 +88,8 @@ pub(super) fn update(
     tiles.product(queries, keys, scores, ldo);
 
     let base = start / CHUNK * CHUNK;
-    probabilities.reset(queries.rows(), end - base);
+    // Rows that see none of these keys are left as they were: their sums are not read.
+    probabilities.reshape(queries.rows(), end - base);
     values.reset(d, end - base);
     values.set_k_rows(start - base, &v_tile[..n * d]);
     for s in spans.iter() {
@@ -101,7 +102,7 @@ pub(super) fn update(
         let acc = &mut state.acc[s.state * d..][..d];
         let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
         softmax_step(layer, p, kept, max, sum, acc);
-        probabilities.set_row(s.state, s.lo - base, p);
+        probabilities.set_whole_row(s.state, s.lo - base, p);
     }
     let ldv = values.stored_columns();
     let weighted = fitted(weighted, probabilities.stored_rows() * ldv);

@@ -342,8 +342,7 @@ pub(crate) fn logits_and_rescale(
 }
 
 /// The largest of `x` (minus infinity when empty), in four independent 16-lane maxima
-/// (one was a chain of dependent `maxps`, a third of the softmax step's time over 256
-/// keys); the maximum is exact in any order.
+/// (one was a chain of dependent `maxps`); the maximum is exact in any order.
 #[inline(always)]
 fn lanes_max(x: &[f32]) -> f32 {
     // One flat run of 64 lanes (four registers at AVX-512): written as four rows of 16,

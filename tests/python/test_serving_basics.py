@@ -201,6 +201,9 @@ def test_bench_reports_the_kernels_of_a_hugging_face_directory():
         bf16, said = _bench_json(hf, env=env)
         assert f"kernel level {level} (LANTERN_KERNELS): products over BF16 weights round " \
             "the activations to bf16" in said, said
+        # Only amx-bf16 runs attention on the tiles, and says so.
+        tiles = "attention rounds q, keys, probabilities and values to bf16 (AMX tiles)"
+        assert (tiles in said) == (level == "amx-bf16"), said
         assert bf16["kernel_level"] == level
         assert bf16["kernels"]["BF16"]["kernel"] == level, bf16["kernels"]
         on_q8, _ = _bench_json(hf, "--quantize", "q8_0", env=env)

@@ -144,9 +144,14 @@ impl EngineArgs {
         let level = lantern_quant::active_kernel();
         if !level.is_exact() {
             // Said even when not verbose: results then differ from every other level's.
+            let attention = if level == lantern_quant::Kernel::AmxBf16 {
+                "; attention rounds q, keys, probabilities and values to bf16 (AMX tiles)"
+            } else {
+                ""
+            };
             eprintln!(
                 "lantern: kernel level {level} ({}): products over BF16 weights round the \
-                 activations to bf16",
+                 activations to bf16{attention}",
                 lantern_quant::KERNELS_ENV
             );
         }

@@ -32,7 +32,8 @@ const ENVIRONMENT: &str = "Environment:
   LANTERN_KERNELS    Kernel level, capped at what the CPU has: scalar, avx2, avx-vnni,
                      avx512, amx (default: the best of these), or avx512-bf16 and
                      amx-bf16 (opt-in: BF16 weights' products round the activations
-                     to bf16, faster but no longer bit-identical with the other levels)
+                     to bf16, and at amx-bf16 attention runs in bf16 on AMX tiles;
+                     faster but no longer bit-identical with the other levels)
   LANTERN_CACHE_DIR  Where the default model is fetched to (default:
                      $XDG_CACHE_HOME/lantern or ~/.cache/lantern)
   LANTERN_API_KEY    serve: the API key when --api-key is not given

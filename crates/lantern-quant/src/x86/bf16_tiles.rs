@@ -189,6 +189,8 @@ pub struct TileColumns {
     columns: usize,
     /// Pairs of `k` per column: `k` rounded up to [`CHUNK`], halved.
     pairs: usize,
+    /// Rows rounded on their way in (kept: a decode step fills thousands of these).
+    staging: Vec<u32>,
 }
 
 impl TileColumns {
@@ -225,9 +227,12 @@ impl TileColumns {
             return;
         }
         let pairs = self.pairs;
-        // Each column's pairs as dwords, then 16 columns' dword `c` gathered into record `c`.
-        let mut packed = vec![0u32; PANEL * pairs];
-        let mut rounded = vec![bf16::ZERO; 2 * pairs];
+        // Each column's values rounded in place as dwords of pairs (a dword holds its
+        // pair's even value in the low half, as bf16s in memory order), then 16 columns'
+        // dword `c` gathered into record `c`.
+        let packed = &mut self.staging;
+        packed.clear();
+        packed.resize(PANEL * pairs, 0);
         for (p, panel_rows) in rows[..columns * k].chunks(PANEL * k).enumerate() {
             let n = panel_rows.len() / k;
             if n < PANEL {
@@ -235,13 +240,17 @@ impl TileColumns {
                 packed.fill(0);
             }
             for (j, row) in panel_rows.chunks_exact(k).enumerate() {
-                round_into(row, &mut rounded[..k]);
-                for (c, pair) in rounded.chunks_exact(2).enumerate() {
-                    packed[j * pairs + c] = pack(pair[0], pair[1]);
-                }
+                let column = &mut packed[j * pairs..(j + 1) * pairs];
+                // SAFETY: `bf16` is a `u16`; a dword slice is two of them per element,
+                // aligned for either.
+                let values: &mut [bf16] = unsafe {
+                    std::slice::from_raw_parts_mut(column.as_mut_ptr().cast(), 2 * pairs)
+                };
+                round_into(row, &mut values[..k]);
+                values[k..].fill(bf16::ZERO);
             }
             let records = &mut self.data[p * pairs * PANEL..][..pairs * PANEL];
-            transpose_into(&packed, n, pairs, records);
+            transpose_into(packed, n, pairs, records);
         }
     }
 
@@ -287,12 +296,14 @@ impl TileColumns {
 
     /// Value `at` of every column from `row`, the other value of its pair kept.
     fn set_half(&mut self, at: usize, row: &[f32]) {
-        let mut rounded = vec![bf16::ZERO; row.len()];
-        round_into(row, &mut rounded);
         let (c, shift) = (at / 2, 16 * (at % 2));
-        for (j, v) in rounded.iter().enumerate() {
-            let dword = &mut self.data[((j / PANEL) * self.pairs + c) * PANEL + j % PANEL];
-            *dword = (*dword & !(0xFFFF << shift)) | (u32::from(v.to_bits()) << shift);
+        for (j, chunk) in row.chunks(PANEL).enumerate() {
+            let mut rounded = [bf16::ZERO; PANEL];
+            round_into(chunk, &mut rounded[..chunk.len()]);
+            let record = &mut self.data[(j * self.pairs + c) * PANEL..][..PANEL];
+            for (dword, v) in record.iter_mut().zip(&rounded[..chunk.len()]) {
+                *dword = (*dword & !(0xFFFF << shift)) | (u32::from(v.to_bits()) << shift);
+            }
         }
     }
 }

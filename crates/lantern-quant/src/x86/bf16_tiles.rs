@@ -42,8 +42,17 @@ impl Bf16Tiles {
 
     /// Configures this thread's tiles for products whose `A` has `rows` rows, until the
     /// session is dropped (configuring costs about what a small product does, so an
-    /// attention item keeps one session for all its products).
+    /// attention item keeps one session for all its products). No other tile code may
+    /// run on the thread meanwhile (the weight products configure their own tiles).
+    ///
+    /// # Panics
+    /// When this thread already has a session: a second configuration would make the
+    /// first one's products read and write past their operands.
     pub fn session(self, rows: usize) -> TileSession {
+        assert!(
+            !IN_SESSION.replace(true),
+            "bf16 tiles: a session is already open on this thread"
+        );
         let rows = rows.clamp(1, TILE_ROWS);
         let (acc, act, cols) = ((rows, 64), (rows, 64), (TILE_ROWS, 64));
         // SAFETY: `self` exists only where the tiles run.
@@ -100,7 +109,13 @@ impl Drop for TileSession {
     fn drop(&mut self) {
         // SAFETY: a session exists only where the tiles run.
         unsafe { release_tiles() }
+        IN_SESSION.set(false);
     }
+}
+
+thread_local! {
+    /// Whether this thread has a [`TileSession`] open.
+    static IN_SESSION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Rows stored for `rows`: up to one tile they are exactly configured, beyond it padded to
@@ -628,6 +643,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A second session on the same thread is refused (its configuration would be the
+    /// first one's), and a thread may open one again once the first is dropped.
+    #[test]
+    fn sessions_do_not_nest() {
+        let Some(tiles) = Bf16Tiles::on_this_cpu() else {
+            eprintln!("skipped: this CPU has no usable AMX-BF16");
+            return;
+        };
+        let first = tiles.session(3);
+        let nested = std::panic::catch_unwind(|| drop(tiles.session(16)));
+        assert!(nested.is_err());
+        drop(first);
+        drop(tiles.session(16));
     }
 
     #[test]

@@ -67,8 +67,10 @@ fn tile_attention_stays_near_the_dense_oracle() {
     if !on_tiles() {
         return;
     }
+    let seed: u64 = rand::random();
     for (name, layer) in layers() {
-        let batch = make_batch(31, &layer, 16, &reqs(), 4);
+        let name = format!("seed {seed} {name}");
+        let batch = make_batch(seed, &layer, 16, &reqs(), 4);
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
             let (out, _) =
                 run_backend(&CpuFlashBackend::new(), &layer, &batch, dtype, None).unwrap();
@@ -93,8 +95,10 @@ fn tile_attention_rows_do_not_depend_on_the_batch_or_the_query_tile() {
     if !on_tiles() {
         return;
     }
+    let seed: u64 = rand::random();
     for (name, layer) in layers() {
-        let batch = make_batch(37, &layer, 16, &reqs(), 3);
+        let name = format!("seed {seed} {name}");
+        let batch = make_batch(seed, &layer, 16, &reqs(), 3);
         let dtype = KvDtype::F16;
         let flash = CpuFlashBackend::new();
         let (together, _) = run_backend(&flash, &layer, &batch, dtype, None).unwrap();
@@ -131,8 +135,10 @@ fn kept_probabilities_on_tiles_equal_those_from_the_keys() {
     if !on_tiles() {
         return;
     }
+    let seed: u64 = rand::random();
     for (name, layer) in layers() {
-        let batch = make_batch(41, &layer, 16, &reqs(), 2);
+        let name = format!("seed {seed} {name}");
+        let batch = make_batch(seed, &layer, 16, &reqs(), 2);
         let dtype = KvDtype::F16;
         let backend = CpuFlashBackend::new();
         let (plain, _) = run_backend(&backend, &layer, &batch, dtype, None).unwrap();

@@ -518,7 +518,8 @@ mod tests {
             eprintln!("skipped: this CPU has no usable AMX-BF16");
             return;
         };
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0x711e5);
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for (m, n, k) in [
             (1, 1, 1),
             (3, 40, 64),
@@ -540,14 +541,14 @@ mod tests {
                     norm += want * want;
                 }
             }
-            assert!((err / norm).sqrt() < 1e-5, "{m}x{n}x{k}");
+            assert!((err / norm).sqrt() < 1e-5, "seed {seed} {m}x{n}x{k}");
             for i in 0..m {
                 let alone = product(tiles, &a[i * k..(i + 1) * k], 1, &b, n, k);
                 let same = alone
                     .iter()
                     .zip(&got[i * n..])
                     .all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "{m}x{n}x{k}: row {i} alone differs");
+                assert!(same, "seed {seed} {m}x{n}x{k}: row {i} alone differs");
             }
             // The same columns given along k (as values): bᵀ's rows.
             let mut by_k = TileColumns::default();
@@ -558,7 +559,7 @@ mod tests {
             by_k.set_k_rows(0, &bt);
             let mut from_rows = TileColumns::default();
             from_rows.set_from_rows(&b, k);
-            assert_eq!(by_k.data, from_rows.data, "{m}x{n}x{k}");
+            assert_eq!(by_k.data, from_rows.data, "seed {seed} {m}x{n}x{k}");
         }
     }
 
@@ -570,7 +571,8 @@ mod tests {
             eprintln!("skipped: this CPU has no usable AMX-BF16");
             return;
         };
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0x2e60);
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let (n, k) = (24, 40);
         for _ in 0..20 {
             let a: Vec<f32> = (0..k).map(|_| rng.gen_range(-1f32..1.0) * 1e-3).collect();
@@ -591,10 +593,11 @@ mod tests {
             let plain = run(0, 0);
             for (before, after) in [(32, 0), (0, 50), (64, 100)] {
                 let wide = run(before, after);
-                assert!(plain
+                let same = plain
                     .iter()
                     .zip(&wide)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()));
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "seed {seed}: zeros {before} before, {after} after");
             }
         }
     }
@@ -603,7 +606,8 @@ mod tests {
     /// and leave the others as they were.
     #[test]
     fn values_along_k_land_in_their_lanes() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0x1a7e);
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for (columns, k) in [(5, 9), (16, 64), (20, 33)] {
             for (at, n) in [(0, 1), (1, 1), (1, 4), (3, 5), (0, 8)] {
                 if at + n > k {
@@ -635,10 +639,13 @@ mod tests {
                         // Lanes past the columns of a whole pair written: zeros.
                         assert!(
                             g == want || g == 0,
-                            "{columns}x{k} at {at} n {n}: lane {idx}"
+                            "seed {seed} {columns}x{k} at {at} n {n}: lane {idx}"
                         );
                     } else {
-                        assert_eq!(g, want, "{columns}x{k} at {at} n {n}: lane {idx}");
+                        assert_eq!(
+                            g, want,
+                            "seed {seed} {columns}x{k} at {at} n {n}: lane {idx}"
+                        );
                     }
                 }
             }

@@ -32,12 +32,14 @@ pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         use lantern_quant::Kernel;
-        if let Some(tiles) = lantern_quant::bf16_tiles::Bf16Tiles::in_effect() {
-            if d > 0 && q.len() >= d {
+        // One read of the level on the exact levels' path (a decode calls this per row).
+        let level = lantern_quant::active_kernel();
+        if level == Kernel::AmxBf16 && d > 0 && q.len() >= d {
+            if let Some(tiles) = lantern_quant::bf16_tiles::Bf16Tiles::in_effect() {
                 return dots_on_tiles(tiles, &q[..d], keys, out);
             }
         }
-        match lantern_quant::active_kernel().vectors() {
+        match level.vectors() {
             // SAFETY: `active_kernel` never exceeds what the CPU reports.
             Kernel::Avx512 => return unsafe { x86::dots_avx512(q, keys, d, out) },
             Kernel::Avx2 | Kernel::AvxVnni => return unsafe { x86::dots_avx2(q, keys, d, out) },
@@ -66,8 +68,8 @@ fn dots_on_tiles(
     }
     let (d, n) = (q.len(), out.len());
     OPERANDS.with_borrow_mut(|(row, columns, scores)| {
-        row.reset(1, d);
-        row.set_row(0, 0, q);
+        row.reshape(1, d);
+        row.set_whole_row(0, 0, q);
         columns.set_from_rows(&keys[..n * d], d);
         let ldo = columns.stored_columns();
         if scores.len() < ldo {

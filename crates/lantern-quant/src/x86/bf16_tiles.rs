@@ -129,7 +129,7 @@ fn stored_rows(rows: usize) -> usize {
 }
 
 /// The `A` operand: rows of `k` values rounded to bf16, each padded with zeros to whole
-/// tile rows, and zero rows up to whole tiles beyond 16 rows.
+/// tile rows, and rows up to whole tiles beyond 16 rows (whose sums nobody reads).
 #[derive(Debug, Default, Clone)]
 pub struct TileRows {
     data: Vec<bf16>,
@@ -139,15 +139,6 @@ pub struct TileRows {
 }
 
 impl TileRows {
-    /// Makes it `rows` rows of `k` values, all zero (keeps the allocation).
-    pub fn reset(&mut self, rows: usize, k: usize) {
-        self.rows = rows;
-        self.stride = k.next_multiple_of(CHUNK);
-        self.data.clear();
-        self.data
-            .resize(stored_rows(rows) * self.stride, bf16::ZERO);
-    }
-
     /// Makes it `rows` rows of `k` values without clearing what it held: each row a
     /// product's caller reads must be written whole first ([`TileRows::set_whole_row`]);
     /// the others give rows of sums nobody reads (an output row comes from its row
@@ -170,20 +161,10 @@ impl TileRows {
         stored_rows(self.rows)
     }
 
-    /// Row `i`'s values from `at` on: `values` rounded (its other values stay as they were).
-    ///
-    /// # Panics
-    /// When the row or the values are outside the rows and `k` given to `reset`.
-    pub fn set_row(&mut self, i: usize, at: usize, values: &[f32]) {
-        assert!(i < self.rows && at + values.len() <= self.stride);
-        let dst = &mut self.data[i * self.stride + at..][..values.len()];
-        round_into(values, dst);
-    }
-
     /// Row `i`: `values` rounded from `at` on, zeros before and after them.
     ///
     /// # Panics
-    /// As [`TileRows::set_row`].
+    /// When the row or the values are outside the rows and `k` given to `reshape`.
     pub fn set_whole_row(&mut self, i: usize, at: usize, values: &[f32]) {
         assert!(i < self.rows && at + values.len() <= self.stride);
         let row = &mut self.data[i * self.stride..][..self.stride];
@@ -211,11 +192,20 @@ pub struct TileColumns {
 impl TileColumns {
     /// Makes it `columns` columns of `k` values, all zero (keeps the allocation).
     pub fn reset(&mut self, columns: usize, k: usize) {
+        let len = self.reshape(columns, k);
+        self.data[..len].fill(0);
+    }
+
+    /// Makes it `columns` columns of `k` values without clearing what it held; returns
+    /// the length of its records.
+    fn reshape(&mut self, columns: usize, k: usize) -> usize {
         self.columns = columns;
         self.pairs = k.next_multiple_of(CHUNK) / 2;
-        self.data.clear();
-        self.data
-            .resize(columns.div_ceil(PANEL) * self.pairs * PANEL, 0);
+        let len = columns.div_ceil(PANEL) * self.pairs * PANEL;
+        if self.data.len() < len {
+            self.data.resize(len, 0);
+        }
+        len
     }
 
     pub fn columns(&self) -> usize {
@@ -232,12 +222,7 @@ impl TileColumns {
     pub fn set_from_rows(&mut self, rows: &[f32], k: usize) {
         let columns = rows.len().checked_div(k).unwrap_or(0);
         // Every record of every panel is written below: no clearing.
-        self.columns = columns;
-        self.pairs = k.next_multiple_of(CHUNK) / 2;
-        let len = columns.div_ceil(PANEL) * self.pairs * PANEL;
-        if self.data.len() < len {
-            self.data.resize(len, 0);
-        }
+        self.reshape(columns, k);
         if columns == 0 {
             return;
         }
@@ -490,9 +475,9 @@ mod tests {
     /// cleared), so leftovers would show.
     fn product(tiles: Bf16Tiles, a: &[f32], m: usize, b: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut rows = TileRows::default();
-        rows.reset(m + 20, k + 40);
+        rows.reshape(m + 20, k + 40);
         for i in 0..m + 20 {
-            rows.set_row(i, 0, &vec![f32::INFINITY; k + 40]);
+            rows.set_whole_row(i, 0, &vec![f32::INFINITY; k + 40]);
         }
         rows.reshape(m, k);
         for i in 0..m {
@@ -580,8 +565,8 @@ mod tests {
             let run = |before: usize, after: usize| {
                 let wide = before + k + after;
                 let mut rows = TileRows::default();
-                rows.reset(1, wide);
-                rows.set_row(0, before, &a);
+                rows.reshape(1, wide);
+                rows.set_whole_row(0, before, &a);
                 let mut cols = TileColumns::default();
                 cols.reset(n, wide);
                 cols.set_k_rows(before, &b);

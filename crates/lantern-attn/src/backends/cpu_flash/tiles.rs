@@ -42,12 +42,12 @@ pub(super) fn prepare(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut TileScratch)
     let layer = ctx.layer;
     let (d, group_heads) = (layer.head_dim, layer.group_size());
     let queries = &mut scratch.queries;
-    queries.reset((item.rows.1 - item.rows.0) * group_heads, d);
+    queries.reshape((item.rows.1 - item.rows.0) * group_heads, d);
     for (ti, row) in (item.rows.0..item.rows.1).enumerate() {
         for j in 0..group_heads {
             let h = item.kv_head * group_heads + j;
             let q_row = &ctx.q[(row * layer.num_heads + h) * d..][..d];
-            queries.set_row(ti * group_heads + j, 0, q_row);
+            queries.set_whole_row(ti * group_heads + j, 0, q_row);
         }
     }
 }

@@ -53,7 +53,8 @@ use lantern_quant::share;
 
 use crate::backend::{AttentionMetadata, CPU_FLASH};
 use crate::backends::kernels::{
-    axpy, dots, exp_shifted_sum, logits_and_rescale, probabilities_from_logits, scale, weighted_sum,
+    axpy, dots, exp_shifted_sum, logits_and_rescale, probabilities_from_logits, scale,
+    softmax_rows, weighted_sum, SOFTMAX_ROWS,
 };
 use crate::backends::row_kernels;
 use crate::backends::{host_forward, load_step_row, HostAttention, KernelView, RequestView};
@@ -765,8 +766,9 @@ fn find_spans(
 
 /// One group's online-softmax step for every row of `item`: the same operations on
 /// each row as [`update_row`], so the same bits, but the dot products come two rows at
-/// a time from the group's keys transposed once (`row_kernels`), and rows that see the
-/// same keys (all but the diagonal's) add their weighted values four at a time.
+/// a time from the group's keys transposed once (`row_kernels`), and rows whose keys
+/// start at the same one (four at a time) take their softmax steps in one call and add
+/// their weighted values together over the keys they all see.
 fn update_rows(
     ctx: &Ctx<'_>,
     item: &WorkItem,
@@ -804,57 +806,92 @@ fn update_rows(
             _ => {}
         }
     }
-    let mut accs = state.acc.chunks_exact_mut(d);
-    let mut next = 0;
-    let mut acc_of = |s: &RowSpan| {
-        let acc = accs.nth(s.state - next);
-        next = s.state + 1;
-        acc
-    };
-    let mut rows = Vec::with_capacity(4);
-    for (s, row_logits) in spans.iter().zip(logits.chunks_exact_mut(stride)) {
-        let p = &mut row_logits[s.lo - start..s.hi - start];
-        // SAFETY: this item alone covers this row's head over `lo..hi`.
-        let kept = ctx
-            .keep
-            .as_ref()
-            .and_then(|keep| unsafe { keep.slot(s.row, s.head, s.lo, s.hi) });
-        let Some(acc) = acc_of(s) else { return };
-        let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
-        softmax_step(layer, p, kept, max, sum, acc);
-        // Rows that see the same keys (consecutive spans) go four at a time.
-        rows.push((&*p, acc, (s.lo, s.hi)));
-        let same_keys = rows.iter().all(|r| r.2 == (s.lo, s.hi));
-        if !same_keys || rows.len() == 4 {
-            let last = (!same_keys).then(|| rows.pop()).flatten();
-            add_weighted_values(&mut rows, v_tile, start, d);
-            rows.extend(last);
+    let mut first = 0;
+    while first < spans.len() {
+        let run = same_start_run(&spans[first..]);
+        let runs = &spans[first..first + run];
+        let run_logits = logits[first * stride..(first + run) * stride].chunks_exact_mut(stride);
+        // The rows' probabilities over the keys each sees (empty past the run).
+        let mut p: [&mut [f32]; SOFTMAX_ROWS] = Default::default();
+        for ((p, s), row_logits) in p.iter_mut().zip(runs).zip(run_logits) {
+            *p = &mut row_logits[s.lo - start..s.hi - start];
         }
+        let accs = &mut state.acc[runs[0].state * d..(runs[0].state + run) * d];
+        let states = runs[0].state..runs[0].state + run;
+        match &ctx.keep {
+            // A step that captures keeps rows' logits: one row at a time.
+            Some(keep) => {
+                for ((s, p), acc) in runs.iter().zip(p.iter_mut()).zip(accs.chunks_exact_mut(d)) {
+                    // SAFETY: this item alone covers this row's head over `lo..hi`.
+                    let kept = unsafe { keep.slot(s.row, s.head, s.lo, s.hi) };
+                    let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
+                    softmax_step(layer, p, kept, max, sum, acc);
+                }
+            }
+            None => {
+                let mut max = [f32::NEG_INFINITY; SOFTMAX_ROWS];
+                let mut sum = [0.0; SOFTMAX_ROWS];
+                max[..run].copy_from_slice(&state.max[states.clone()]);
+                sum[..run].copy_from_slice(&state.sum[states.clone()]);
+                let alpha = softmax_rows(
+                    &mut p,
+                    layer.scale,
+                    layer.logits_soft_cap,
+                    &mut max,
+                    &mut sum,
+                );
+                state.max[states.clone()].copy_from_slice(&max[..run]);
+                state.sum[states].copy_from_slice(&sum[..run]);
+                for (acc, alpha) in accs.chunks_exact_mut(d).zip(alpha) {
+                    if alpha != 1.0 {
+                        scale(acc, alpha);
+                    }
+                }
+            }
+        }
+        add_weighted_values(&p[..run], accs, &v_tile[(runs[0].lo - start) * d..], d);
+        first += run;
     }
-    add_weighted_values(&mut rows, v_tile, start, d);
 }
 
-/// A row's probabilities over a group's keys, its accumulator, and the keys it sees.
-type WeightedRow<'a> = (&'a [f32], &'a mut [f32], (usize, usize));
+/// How many of `spans`' first rows (at most [`SOFTMAX_ROWS`]) go through a group's step
+/// together: consecutive accumulators whose keys start at the same one (rows of one
+/// token see the same keys, and on the diagonal a later token's row sees those and more).
+fn same_start_run(spans: &[RowSpan]) -> usize {
+    let first = spans[0];
+    spans
+        .iter()
+        .take(SOFTMAX_ROWS)
+        .enumerate()
+        .take_while(|(i, s)| s.lo == first.lo && s.state == first.state + i)
+        .count()
+}
 
-/// `acc += p · V` for `rows` (which see the same keys), four at once or one by one;
-/// empties `rows`.
-fn add_weighted_values(rows: &mut Vec<WeightedRow<'_>>, v_tile: &[f32], start: usize, d: usize) {
-    let Some(&(_, _, (lo, hi))) = rows.first() else {
-        return;
-    };
-    let v_rows = &v_tile[(lo - start) * d..(hi - start) * d];
-    match &mut rows[..] {
-        [(p0, a0, _), (p1, a1, _), (p2, a2, _), (p3, a3, _)] => {
-            row_kernels::weighted_sum_quad([a0, a1, a2, a3], [p0, p1, p2, p3], v_rows, d)
+/// `acc[r] += p[r] · V` for rows whose keys start at the same one (`values`: from that
+/// key on; `accs`: the rows' accumulators one after another): four rows at once over
+/// the keys they all see, then each row's further keys (the same chain of multiply-adds,
+/// continued), or row by row.
+fn add_weighted_values(p: &[&mut [f32]], accs: &mut [f32], values: &[f32], d: usize) {
+    match p {
+        [p0, p1, p2, p3] => {
+            let common = p.iter().map(|p| p.len()).min().unwrap_or(0);
+            let (a0, rest) = accs.split_at_mut(d);
+            let (a1, rest) = rest.split_at_mut(d);
+            let (a2, a3) = rest.split_at_mut(d);
+            let shared = [&p0[..common], &p1[..common], &p2[..common], &p3[..common]];
+            row_kernels::weighted_sum_quad([a0, a1, a2, a3], shared, &values[..common * d], d);
+            for (p, acc) in p.iter().zip(accs.chunks_exact_mut(d)) {
+                if p.len() > common {
+                    weighted_sum(acc, &p[common..], &values[common * d..p.len() * d], d);
+                }
+            }
         }
         few => {
-            for (p, acc, _) in few {
-                weighted_sum(acc, p, v_rows, d);
+            for (p, acc) in few.iter().zip(accs.chunks_exact_mut(d)) {
+                weighted_sum(acc, p, &values[..p.len() * d], d);
             }
         }
     }
-    rows.clear();
 }
 
 /// Grows `buf` to at least `len` floats (never shrinks it).

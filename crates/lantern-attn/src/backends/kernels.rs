@@ -424,6 +424,125 @@ pub(crate) fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
 }
 }
 
+/// Rows [`softmax_rows`] takes at once.
+pub(crate) const SOFTMAX_ROWS: usize = 4;
+
+per_level! {
+/// [`logits_and_rescale`] then [`exp_shifted_sum`] for up to [`SOFTMAX_ROWS`] rows at
+/// once (`rows`, of any lengths; empty ones change nothing): row `r`'s logits become its
+/// unnormalized probabilities, `max[r]` and `sum[r]` move on as one online-softmax step
+/// moves them, and the factor that rescales what was accumulated under the old maximum is
+/// returned. Each row gets the same operations as from the two kernels (the maximum of
+/// its logits is taken in other lanes: the same in any order, unless a logit is NaN, and
+/// then the row is NaN either way), so the same bits; what changes is that one call does the rows' fixed work (two dispatches,
+/// constants, two reductions across lanes a row) side by side, which at groups of 32 to
+/// 128 keys was half of a row's step.
+pub(crate) fn softmax_rows(
+    rows: &mut [&mut [f32]; SOFTMAX_ROWS],
+    scale: f32,
+    cap: Option<f32>,
+    max: &mut [f32; SOFTMAX_ROWS],
+    sum: &mut [f32; SOFTMAX_ROWS],
+) -> [f32; SOFTMAX_ROWS] {
+    let maxima = match cap {
+        Some(cap) => rows_max(rows, move |s| cap * (s * scale / cap).tanh()),
+        None => rows_max(rows, move |s| s * scale),
+    };
+    let mut alpha = [1f32; SOFTMAX_ROWS];
+    for r in 0..SOFTMAX_ROWS {
+        let new_max = max[r].max(maxima[r]);
+        if new_max != max[r] {
+            alpha[r] = exp_f32(max[r] - new_max);
+        }
+        max[r] = new_max;
+    }
+    let sums = rows_exp_sum(rows, max);
+    for r in 0..SOFTMAX_ROWS {
+        sum[r] = sum[r] * alpha[r] + sums[r];
+    }
+    alpha
+}
+}
+
+/// `x = logit(x)` for every element of the rows, and each row's largest, the rows' chunks
+/// of 16 side by side (as far as the shortest row goes, then each row's own).
+#[inline(always)]
+fn rows_max(
+    rows: &mut [&mut [f32]; SOFTMAX_ROWS],
+    logit: impl Fn(f32) -> f32 + Copy,
+) -> [f32; SOFTMAX_ROWS] {
+    #[inline(always)]
+    fn chunk(lanes: &mut [f32; LANES], x: &mut [f32], logit: impl Fn(f32) -> f32) {
+        // Through a local copy: written in place, the compiler split the chunk into
+        // pieces (it could not rule out that the stores change what `logit` reads).
+        let mut v: [f32; LANES] = (&*x).try_into().unwrap();
+        for i in 0..LANES {
+            v[i] = logit(v[i]);
+            lanes[i] = max_lane(lanes[i], v[i]);
+        }
+        x.copy_from_slice(&v);
+    }
+    let chunks: [usize; SOFTMAX_ROWS] = std::array::from_fn(|r| rows[r].len() / LANES);
+    let common = chunks.into_iter().min().unwrap_or(0);
+    let mut lanes = [[f32::NEG_INFINITY; LANES]; SOFTMAX_ROWS];
+    for c in 0..common {
+        for r in 0..SOFTMAX_ROWS {
+            chunk(&mut lanes[r], &mut rows[r][c * LANES..][..LANES], logit);
+        }
+    }
+    let mut maxima = [0.0; SOFTMAX_ROWS];
+    for r in 0..SOFTMAX_ROWS {
+        for c in common..chunks[r] {
+            chunk(&mut lanes[r], &mut rows[r][c * LANES..][..LANES], logit);
+        }
+        let mut max = tree_reduce(lanes[r], max_lane);
+        for x in rows[r][chunks[r] * LANES..].iter_mut() {
+            *x = logit(*x);
+            max = max_lane(max, *x);
+        }
+        maxima[r] = max;
+    }
+    maxima
+}
+
+/// [`exp_shifted_sum`] of each row with its shift, the rows' chunks side by side.
+#[inline(always)]
+fn rows_exp_sum(
+    rows: &mut [&mut [f32]; SOFTMAX_ROWS],
+    shift: &[f32; SOFTMAX_ROWS],
+) -> [f32; SOFTMAX_ROWS] {
+    #[inline(always)]
+    fn chunk(lanes: &mut [f32; LANES], x: &mut [f32], shift: f32) {
+        let mut v: [f32; LANES] = (&*x).try_into().unwrap();
+        for i in 0..LANES {
+            v[i] = exp_f32(v[i] - shift);
+            lanes[i] += v[i];
+        }
+        x.copy_from_slice(&v);
+    }
+    let chunks: [usize; SOFTMAX_ROWS] = std::array::from_fn(|r| rows[r].len() / LANES);
+    let common = chunks.into_iter().min().unwrap_or(0);
+    let mut lanes = [[0f32; LANES]; SOFTMAX_ROWS];
+    for c in 0..common {
+        for r in 0..SOFTMAX_ROWS {
+            chunk(&mut lanes[r], &mut rows[r][c * LANES..][..LANES], shift[r]);
+        }
+    }
+    let mut sums = [0.0; SOFTMAX_ROWS];
+    for r in 0..SOFTMAX_ROWS {
+        for c in common..chunks[r] {
+            chunk(&mut lanes[r], &mut rows[r][c * LANES..][..LANES], shift[r]);
+        }
+        let mut sum = tree_reduce(lanes[r], |a, b| a + b);
+        for x in rows[r][chunks[r] * LANES..].iter_mut() {
+            *x = exp_f32(*x - shift[r]);
+            sum += *x;
+        }
+        sums[r] = sum;
+    }
+    sums
+}
+
 /// The probabilities one query row of query head `query_head` gives `keys` (`[n, d]`
 /// row-major: the keys it sees, in position order) on `layer`, into `out` (`n` long):
 /// scores from the flash kernel's code (its dot products, then scale and soft-cap as
@@ -659,6 +778,88 @@ mod tests {
                     let size: f64 = (0..d).map(|i| (q[i] * keys[j * d + i]).abs() as f64).sum();
                     assert!((*got as f64 - e).abs() <= 1e-6 * size, "d={d} n={n} j={j}");
                 }
+            }
+        }
+    }
+
+    /// Four rows' softmax steps in one call are, row by row, the bits of
+    /// `logits_and_rescale` then `exp_shifted_sum` (and the same running sum), at every
+    /// level this CPU runs, for rows of different lengths (empty ones, partial chunks),
+    /// with and without a soft cap and a running maximum. Fresh random inputs each run.
+    #[test]
+    fn softmax_rows_equal_the_one_row_kernels_at_every_level() {
+        use lantern_quant::{force_kernel, Kernel};
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mut by_level = Vec::new();
+        for level in Kernel::ALL
+            .into_iter()
+            .filter(|k| k.available() && k.is_exact())
+        {
+            force_kernel(Some(level));
+            let mut rng = rng.clone();
+            let mut outputs = Vec::new();
+            for case in 0..200 {
+                let cap = (case % 3 == 0).then(|| rng.gen_range(5.0f32..50.0));
+                let scale = rng.gen_range(0.05f32..0.3);
+                let lens: [usize; SOFTMAX_ROWS] =
+                    std::array::from_fn(|_| match rng.gen_range(0..4) {
+                        0 => rng.gen_range(0..4),
+                        _ => rng.gen_range(0..140),
+                    });
+                let raw: Vec<Vec<f32>> = lens
+                    .iter()
+                    .map(|&n| (0..n).map(|_| rng.gen_range(-40.0f32..40.0)).collect())
+                    .collect();
+                let mut max: [f32; SOFTMAX_ROWS] =
+                    std::array::from_fn(|_| match rng.gen_range(0..2) {
+                        0 => f32::NEG_INFINITY,
+                        _ => rng.gen_range(-5.0f32..5.0),
+                    });
+                let mut sum: [f32; SOFTMAX_ROWS] = std::array::from_fn(|r| {
+                    if max[r].is_finite() {
+                        rng.gen_range(0.5..9.0)
+                    } else {
+                        0.0
+                    }
+                });
+                // One row at a time, as the one-row step does.
+                let mut want = raw.clone();
+                let mut want_state = Vec::new();
+                for (r, row) in want.iter_mut().enumerate() {
+                    let (new_max, alpha) = logits_and_rescale(row, scale, cap, max[r]);
+                    let s = sum[r] * alpha + exp_shifted_sum(row, new_max);
+                    want_state.push((new_max.to_bits(), s.to_bits(), alpha.to_bits()));
+                }
+                let mut got = raw.clone();
+                let mut rows: [&mut [f32]; SOFTMAX_ROWS] = Default::default();
+                for (slot, row) in rows.iter_mut().zip(got.iter_mut()) {
+                    *slot = row;
+                }
+                let alpha = softmax_rows(&mut rows, scale, cap, &mut max, &mut sum);
+                for r in 0..SOFTMAX_ROWS {
+                    let state = (max[r].to_bits(), sum[r].to_bits(), alpha[r].to_bits());
+                    assert_eq!(
+                        state, want_state[r],
+                        "{level} seed {seed} case {case} row {r}"
+                    );
+                    assert_eq!(
+                        bits(&got[r]),
+                        bits(&want[r]),
+                        "{level} seed {seed} case {case} row {r}"
+                    );
+                }
+                outputs.push(got);
+            }
+            force_kernel(None);
+            by_level.push((level, outputs));
+        }
+        let (_, first) = &by_level[0];
+        for (level, outputs) in &by_level {
+            for (a, b) in outputs.iter().flatten().zip(first.iter().flatten()) {
+                assert_eq!(bits(a), bits(b), "{level} seed {seed}");
             }
         }
     }

@@ -816,41 +816,47 @@ fn update_rows(
         for ((p, s), row_logits) in p.iter_mut().zip(runs).zip(run_logits) {
             *p = &mut row_logits[s.lo - start..s.hi - start];
         }
+        softmax_run(ctx, runs, &mut p, state);
         let accs = &mut state.acc[runs[0].state * d..(runs[0].state + run) * d];
-        let states = runs[0].state..runs[0].state + run;
-        match &ctx.keep {
-            // A step that captures keeps rows' logits: one row at a time.
-            Some(keep) => {
-                for ((s, p), acc) in runs.iter().zip(p.iter_mut()).zip(accs.chunks_exact_mut(d)) {
-                    // SAFETY: this item alone covers this row's head over `lo..hi`.
-                    let kept = unsafe { keep.slot(s.row, s.head, s.lo, s.hi) };
-                    let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
-                    softmax_step(layer, p, kept, max, sum, acc);
-                }
-            }
-            None => {
-                let mut max = [f32::NEG_INFINITY; SOFTMAX_ROWS];
-                let mut sum = [0.0; SOFTMAX_ROWS];
-                max[..run].copy_from_slice(&state.max[states.clone()]);
-                sum[..run].copy_from_slice(&state.sum[states.clone()]);
-                let alpha = softmax_rows(
-                    &mut p,
-                    layer.scale,
-                    layer.logits_soft_cap,
-                    &mut max,
-                    &mut sum,
-                );
-                state.max[states.clone()].copy_from_slice(&max[..run]);
-                state.sum[states].copy_from_slice(&sum[..run]);
-                for (acc, alpha) in accs.chunks_exact_mut(d).zip(alpha) {
-                    if alpha != 1.0 {
-                        scale(acc, alpha);
-                    }
-                }
-            }
-        }
         add_weighted_values(&p[..run], accs, &v_tile[(runs[0].lo - start) * d..], d);
         first += run;
+    }
+}
+
+/// The online-softmax step of a run of rows ([`same_start_run`]) over their logits `p`
+/// (past the run: empty), in one call, or one row at a time in a step that captures (it
+/// keeps rows' logits); the same bits either way. Their accumulators are rescaled to the
+/// new maxima.
+fn softmax_run(
+    ctx: &Ctx<'_>,
+    runs: &[RowSpan],
+    p: &mut [&mut [f32]; SOFTMAX_ROWS],
+    state: &mut Partial,
+) {
+    let layer = ctx.layer;
+    let d = layer.head_dim;
+    let states = runs[0].state..runs[0].state + runs.len();
+    let accs = &mut state.acc[states.start * d..states.end * d];
+    if let Some(keep) = &ctx.keep {
+        for ((s, p), acc) in runs.iter().zip(p.iter_mut()).zip(accs.chunks_exact_mut(d)) {
+            // SAFETY: this item alone covers this row's head over `lo..hi`.
+            let kept = unsafe { keep.slot(s.row, s.head, s.lo, s.hi) };
+            let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
+            softmax_step(layer, p, kept, max, sum, acc);
+        }
+        return;
+    }
+    let mut max = [f32::NEG_INFINITY; SOFTMAX_ROWS];
+    let mut sum = [0.0; SOFTMAX_ROWS];
+    max[..runs.len()].copy_from_slice(&state.max[states.clone()]);
+    sum[..runs.len()].copy_from_slice(&state.sum[states.clone()]);
+    let alpha = softmax_rows(p, layer.scale, layer.logits_soft_cap, &mut max, &mut sum);
+    state.max[states.clone()].copy_from_slice(&max[..runs.len()]);
+    state.sum[states].copy_from_slice(&sum[..runs.len()]);
+    for (acc, alpha) in accs.chunks_exact_mut(d).zip(alpha) {
+        if alpha != 1.0 {
+            scale(acc, alpha);
+        }
     }
 }
 

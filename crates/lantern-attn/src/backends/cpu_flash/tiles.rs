@@ -1,7 +1,7 @@
 //! The flash kernel's group step on AMX-BF16 tiles, at the opt-in `amx-bf16` level: an
 //! item's query rows (rounded to bf16 once per item) times a group's keys on the tiles
 //! give every row's scores; the online-softmax step is the vector one
-//! ([`softmax_step`]); the probabilities, rounded to bf16, times the group's values on the
+//! ([`softmax_run`]); the probabilities, rounded to bf16, times the group's values on the
 //! tiles give what each row's accumulator gains.
 //!
 //! Every row gets the same results in any item, batch or chunk, and alone:
@@ -21,7 +21,9 @@
 
 use lantern_quant::bf16_tiles::{TileColumns, TileRows, TileSession, CHUNK};
 
-use super::{axpy, find_spans, softmax_step, Ctx, Partial, RowSpan, WorkItem};
+use super::{
+    axpy, find_spans, same_start_run, softmax_run, Ctx, Partial, RowSpan, WorkItem, SOFTMAX_ROWS,
+};
 use crate::backends::RequestView;
 
 /// This thread's operands and outputs of the tile products (kept between items).
@@ -92,17 +94,19 @@ pub(super) fn update(
     probabilities.reshape(queries.rows(), end - base);
     values.reset(d, end - base);
     values.set_k_rows(start - base, &v_tile[..n * d]);
-    for s in spans.iter() {
-        let p = &mut scores[s.state * ldo..][s.lo - start..s.hi - start];
-        // SAFETY: this item alone covers this row's head over `lo..hi`.
-        let kept = ctx
-            .keep
-            .as_ref()
-            .and_then(|keep| unsafe { keep.slot(s.row, s.head, s.lo, s.hi) });
-        let acc = &mut state.acc[s.state * d..][..d];
-        let (max, sum) = (&mut state.max[s.state], &mut state.sum[s.state]);
-        softmax_step(layer, p, kept, max, sum, acc);
-        probabilities.set_whole_row(s.state, s.lo - base, p);
+    let mut first = 0;
+    while first < spans.len() {
+        let runs = &spans[first..first + same_start_run(&spans[first..])];
+        let rows = scores[runs[0].state * ldo..].chunks_exact_mut(ldo);
+        let mut p: [&mut [f32]; SOFTMAX_ROWS] = Default::default();
+        for ((p, s), row) in p.iter_mut().zip(runs).zip(rows) {
+            *p = &mut row[s.lo - start..s.hi - start];
+        }
+        softmax_run(ctx, runs, &mut p, state);
+        for (s, p) in runs.iter().zip(&p) {
+            probabilities.set_whole_row(s.state, s.lo - base, p);
+        }
+        first += runs.len();
     }
     let ldv = values.stored_columns();
     let weighted = fitted(weighted, probabilities.stored_rows() * ldv);

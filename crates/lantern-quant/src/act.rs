@@ -103,24 +103,27 @@ impl QuantAct {
                     isum.range(first, len),
                 )
             };
+            // Consecutive blocks of a token lie `stride` apart.
+            let stride = layout.index(0, 1, nb) - layout.index(0, 0, nb);
             for t in t0..t1 {
-                for b in 0..nb {
-                    let i = layout.index(t, b, nb) - first;
-                    let qb: &mut [u8; BLOCK] =
-                        (&mut q[i * BLOCK..(i + 1) * BLOCK]).try_into().unwrap();
-                    if t >= m {
-                        // Filling up the last group: nothing, scaled by nothing.
-                        qb.fill(0);
-                        (d[i], s[i], isum[i]) = (0.0, 0.0, [0; 2]);
-                        continue;
+                let i = layout.index(t, 0, nb) - first;
+                let blocks = (nb - 1) * stride + 1;
+                let mut out = TokenBlocks {
+                    q: &mut q[i * BLOCK..(i + blocks) * BLOCK],
+                    d: &mut d[i..i + blocks],
+                    s: &mut s[i..i + blocks],
+                    isum: &mut isum[i..i + blocks],
+                    stride,
+                };
+                if t >= m {
+                    // Filling up the last group: nothing, scaled by nothing.
+                    for b in 0..nb {
+                        out.q(b).fill(0);
+                        out.set_scalars(b, 0.0, [0; 2]);
                     }
-                    let xb: &[f32; BLOCK] = x[t * k + b * BLOCK..][..BLOCK].try_into().unwrap();
-                    let (db, sum) = quantize_block(kernel, xb, qb);
-                    d[i] = db;
-                    s[i] = db * sum as f32;
-                    let lo: i32 = qb[..16].iter().map(|&v| v as i8 as i32).sum();
-                    isum[i] = [sum, lo];
+                    continue;
                 }
+                quantize_token(kernel, &x[t * k..(t + 1) * k], &mut out);
             }
         };
         let per = layout.tokens(CHUNK_VALUES.div_ceil(k));
@@ -167,16 +170,47 @@ impl QuantAct {
     }
 }
 
-/// Quantizes one block into `q` (int8 stored as bytes); returns `(d, Σ q)`.
-#[inline]
-fn quantize_block(kernel: Kernel, x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
+/// Where one token's quantized blocks go: block `b`'s 32 values at `b · stride · 32` in
+/// `q`, its scalars at `b · stride` in `d`, `s` and `isum` (see [`QuantAct`]).
+pub(crate) struct TokenBlocks<'a> {
+    q: &'a mut [u8],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+    isum: &'a mut [[i32; 2]],
+    stride: usize,
+}
+
+impl TokenBlocks<'_> {
+    /// Block `b`'s values.
+    #[inline(always)]
+    pub(crate) fn q(&mut self, b: usize) -> &mut [u8] {
+        &mut self.q[b * self.stride * BLOCK..][..BLOCK]
+    }
+
+    /// Block `b`'s scale `d` and `[Σ q, Σ q over its first 16 values]`; `s = d · Σ q`.
+    #[inline(always)]
+    pub(crate) fn set_scalars(&mut self, b: usize, d: f32, isum: [i32; 2]) {
+        let i = b * self.stride;
+        (self.d[i], self.s[i], self.isum[i]) = (d, d * isum[0] as f32, isum);
+    }
+}
+
+/// Quantizes one token (`x`: whole blocks) into `out` at `kernel`'s vector level.
+fn quantize_token(kernel: Kernel, x: &[f32], out: &mut TokenBlocks<'_>) {
     match kernel.vectors() {
         // SAFETY: the SIMD levels are only used once the CPU features were detected.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => unsafe { crate::x86::avx512::quantize_block(x, q) },
+        Kernel::Avx512 => unsafe { crate::x86::avx512::quantize_token(x, out) },
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::AvxVnni => unsafe { crate::x86::avx2::quantize_block(x, q) },
-        _ => quantize_block_scalar(x, q),
+        Kernel::Avx2 | Kernel::AvxVnni => unsafe { crate::x86::avx2::quantize_token(x, out) },
+        _ => {
+            for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+                let q: &mut [u8; BLOCK] = out.q(b).try_into().unwrap();
+                let (d, sum) = quantize_block_scalar(xb.try_into().unwrap(), q);
+                let first_half = q[..16].iter().map(|&v| v as i8 as i32).sum();
+                out.set_scalars(b, d, [sum, first_half]);
+            }
+        }
     }
 }
 
@@ -200,4 +234,67 @@ pub(crate) fn quantize_block_scalar(x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f
         *qj = v as i8 as u8;
     }
     (d, isum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every level quantizes every block to the bytes and scalars of the scalar
+    /// definition, in its layout, and the sums are those of the bytes: fresh random
+    /// tokens with blocks of zeros, of one value, of ties at half a step, and of widely
+    /// different magnitudes; token counts on and off the tile groups, rows of blocks on
+    /// and off the vector kernels' groups of 8 and 16 blocks.
+    #[test]
+    fn every_level_quantizes_as_the_scalar_definition() {
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for (m, nb) in [(1, 1), (3, 7), (17, 18), (5, 33), (16, 48)] {
+            let k = nb * BLOCK;
+            let x: Vec<f32> = (0..m * nb)
+                .flat_map(|_| {
+                    let kind = rng.gen_range(0..6);
+                    let scale = 10f32.powi(rng.gen_range(-6..4));
+                    let v = rng.gen_range(-1.0f32..1.0);
+                    (0..BLOCK)
+                        .map(|j| match kind {
+                            0 => 0.0,
+                            1 => v * scale,
+                            // Multiples of half a step of a block whose largest is 127.
+                            2 if j == 0 => 127.0,
+                            2 => rng.gen_range(-254i32..=254) as f32 * 0.5,
+                            _ => rng.gen_range(-1.0f32..1.0) * scale,
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let levels = Kernel::ALL
+                .into_iter()
+                .filter(|l| l.available() && l.is_exact());
+            for level in levels {
+                let act = QuantAct::quantize(level, &x, m, k, false);
+                for t in 0..m {
+                    for b in 0..nb {
+                        let xb: &[f32; BLOCK] = x[t * k + b * BLOCK..][..BLOCK].try_into().unwrap();
+                        let mut want = [0u8; BLOCK];
+                        let (d, sum) = quantize_block_scalar(xb, &mut want);
+                        let i = act.layout.index(t, b, nb);
+                        let got = &act.q.as_slice()[i * BLOCK..][..BLOCK];
+                        let at = format!("{level} seed {seed} m {m} nb {nb} token {t} block {b}");
+                        assert_eq!(got, want, "{at}");
+                        assert_eq!(act.d[i].to_bits(), d.to_bits(), "{at}");
+                        assert_eq!(act.s[i].to_bits(), (d * sum as f32).to_bits(), "{at}");
+                        let byte_sum = |q: &[u8]| q.iter().map(|&v| v as i8 as i32).sum::<i32>();
+                        assert_eq!(
+                            act.isum[i],
+                            [byte_sum(&want), byte_sum(&want[..16])],
+                            "{at}"
+                        );
+                    }
+                }
+                act.recycle();
+            }
+        }
+    }
 }

@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::{dispatch_shapes, prefetch_ahead, Shapes, TileArgs};
-use crate::act::block_scale;
+use crate::act::TokenBlocks;
 use crate::format::{Planes, Scales};
 use crate::{QuantType, BLOCK, PANEL};
 use std::arch::x86_64::*;
@@ -17,30 +17,50 @@ pub(super) const SHAPES: Shapes = Shapes {
     max_tokens: 4,
 };
 
-/// SIMD activation quantization: the same operations as
-/// [`crate::act::quantize_block_scalar`] (max of |x|, one scalar division, one scalar
-/// reciprocal, multiply, round half to even, clamp), so the same bytes.
+/// SIMD activation quantization of one token's blocks (`x`: whole blocks) into
+/// [`TokenBlocks`]: the same operations as [`crate::act::quantize_block_scalar`] (max of
+/// |x|, a division and a reciprocal, multiply, round half to even, clamp), so the same
+/// bytes. The divisions of 16 blocks run as one vector division each (IEEE division is
+/// correctly rounded in any width); one at a time they held each block up.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-pub(crate) unsafe fn quantize_block(x: &[f32; BLOCK], q: &mut [u8; BLOCK]) -> (f32, i32) {
-    let x0 = _mm512_loadu_ps(x.as_ptr());
-    let x1 = _mm512_loadu_ps(x.as_ptr().add(16));
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    let (d, id) = block_scale(amax);
-    let vid = _mm512_set1_ps(id);
-    let lo = _mm512_set1_ps(-127.0);
-    let hi = _mm512_set1_ps(127.0);
-    // 0x08: round to nearest even, suppress exceptions.
-    let r0 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x0, vid));
-    let r1 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x1, vid));
-    let i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
-    let i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
-    _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(i0));
-    _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(i1));
-    let isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-    (d, isum)
+pub(crate) unsafe fn quantize_token(x: &[f32], out: &mut TokenBlocks<'_>) {
+    let nb = x.len() / BLOCK;
+    for g in (0..nb).step_by(16) {
+        let n = (nb - g).min(16);
+        let block = |j: usize| x.as_ptr().add((g + j) * BLOCK);
+        let mut amax = [0f32; 16];
+        for j in 0..n {
+            let (x0, x1) = (_mm512_loadu_ps(block(j)), _mm512_loadu_ps(block(j).add(16)));
+            amax[j] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        }
+        // `block_scale` for the 16: d = amax / 127, id = 1 / d where d > 0, else 0.
+        let d = _mm512_div_ps(_mm512_loadu_ps(amax.as_ptr()), _mm512_set1_ps(127.0));
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, _mm512_setzero_ps());
+        let id = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0), d);
+        let (mut ds, mut ids) = ([0f32; 16], [0f32; 16]);
+        _mm512_storeu_ps(ds.as_mut_ptr(), d);
+        _mm512_storeu_ps(ids.as_mut_ptr(), id);
+        let lo = _mm512_set1_ps(-127.0);
+        let hi = _mm512_set1_ps(127.0);
+        for j in 0..n {
+            let vid = _mm512_set1_ps(ids[j]);
+            let (x0, x1) = (_mm512_loadu_ps(block(j)), _mm512_loadu_ps(block(j).add(16)));
+            // 0x08: round to nearest even, suppress exceptions.
+            let r0 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x0, vid));
+            let r1 = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x1, vid));
+            let i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
+            let i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
+            let q = out.q(g + j);
+            _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(i0));
+            _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(i1));
+            let first_half = _mm512_reduce_add_epi32(i0);
+            let sum = first_half + _mm512_reduce_add_epi32(i1);
+            out.set_scalars(g + j, ds[j], [sum, first_half]);
+        }
+    }
 }
 
 #[inline(always)]

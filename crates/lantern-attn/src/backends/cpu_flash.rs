@@ -370,12 +370,12 @@ fn run_items(ctx: &Ctx<'_>, items: &[WorkItem], runner: Runner) -> Vec<Partial> 
     match runner {
         Runner::Inline => items
             .iter()
-            .map(|item| with_scratch(ctx, |scratch| run_item(ctx, item, scratch)))
+            .map(|item| with_scratch(|scratch| run_item(ctx, item, scratch)))
             .collect(),
         Runner::Shared => {
             let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
             share::run(items.len(), &|i| {
-                let partial = with_scratch(ctx, |scratch| run_item(ctx, &items[i], scratch));
+                let partial = with_scratch(|scratch| run_item(ctx, &items[i], scratch));
                 let _ = slots[i].set(partial);
             });
             // `share::run` returns only once every item has run (it resumes a panic).
@@ -518,35 +518,16 @@ struct Scratch {
     tiles: tiles::TileScratch,
 }
 
-impl Scratch {
-    /// Grows the buffers to what `ctx`'s layer needs (never shrinks them).
-    fn fit(&mut self, ctx: &Ctx<'_>) {
-        let geom = ctx.cache.geometry();
-        let keys = group_len(geom.block_size, geom.head_dim, ctx.on_tiles());
-        for (buf, len) in [
-            (&mut self.keys, keys * geom.head_dim),
-            (&mut self.values, keys * geom.head_dim),
-            (&mut self.logits, keys),
-        ] {
-            if buf.len() < len {
-                buf.resize(len, 0.0);
-            }
-        }
-    }
-}
-
 thread_local! {
     /// This thread's scratch, kept between items, layers and steps: a decode step runs
     /// thousands of items, and zeroing fresh tiles for each cost more than some items.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Runs `f` with this thread's scratch, fitted to `ctx`'s layer.
-fn with_scratch<R>(ctx: &Ctx<'_>, f: impl FnOnce(&mut Scratch) -> R) -> R {
-    SCRATCH.with_borrow_mut(|scratch| {
-        scratch.fit(ctx);
-        f(scratch)
-    })
+/// Runs `f` with this thread's scratch (its buffers grow to what an item needs, from a
+/// 64-byte boundary: [`aligned`]).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with_borrow_mut(f)
 }
 
 /// Keys per online-softmax update: whole blocks, as many as keep one K tile within 8192
@@ -602,6 +583,8 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
             tiles: tile_scratch,
     } = scratch;
     let group = group_len(block_size, d, ctx.on_tiles());
+    let (keys, values) = (aligned(keys, group * d), aligned(values, group * d));
+    let logits = aligned(logits, group);
     // One tile configuration for all the item's products (released when it ends).
     #[cfg(target_arch = "x86_64")]
     let session = ctx.tiles.map(|on| {

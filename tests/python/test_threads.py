@@ -89,7 +89,8 @@ def test_thread_speedup_pairs_one_thread_with_all_in_one_process():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["threads"] == 3 and result["rounds"] == 2
     figures = [result["machine_multiply_adds"], result["machine_memory_gb_per_s"],
-               result["prefill"], result["decode_batch_1"], result["decode_batched"]["4"]]
+               result["prefill"], result["decode_batch_1"],
+               result["decode_batch_1_after_prompt"], result["decode_batched"]["4"]]
     for f in figures:
         assert f["one_thread"] > 0 and f["all_threads"] > 0, f
         assert f["lowest"] <= f["speedup"] <= f["highest"], f
@@ -109,7 +110,9 @@ def test_kernel_speedup_pairs_a_lower_level_with_the_default_in_one_process():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["baseline_level"] == "scalar" and result["kernel_level"] != "scalar"
     assert "machine_multiply_adds" not in result  # the thread pairing's bounds only
-    for f in [result["prefill"], result["decode_batch_1"], result["decode_batched"]["2"]]:
+    figures = [result["prefill"], result["decode_batch_1"],
+               result["decode_batch_1_after_prompt"], result["decode_batched"]["2"]]
+    for f in figures:
         assert f["baseline_level"] > 0 and f["default_level"] > 0, f
         assert f["lowest"] <= f["speedup"] <= f["highest"], f
         # The vector levels outrun scalar code many times over.

@@ -436,6 +436,40 @@ impl PagedKvCache {
         s.get(start..start + rows.len() * hd)
     }
 
+    /// Asks the CPU to start fetching rows `rows` of `head`'s K or V in `block` into its
+    /// caches: a hint for a tile [`load_rows_unchecked`](Self::load_rows_unchecked) will
+    /// read soon (a decode reads the whole cache once a step, from memory). Rows that
+    /// are not packed, or an index out of range, make it do nothing.
+    pub(crate) fn prefetch_rows(&self, kv: usize, block: usize, head: usize, rows: Range<usize>) {
+        let hd = self.geometry.head_dim;
+        let st = &self.strides;
+        if st.dim != 1
+            || (st.in_block != hd && rows.len() > 1)
+            || block >= self.geometry.num_blocks
+            || rows.end > self.geometry.block_size
+        {
+            return;
+        }
+        let start = st.offset(kv, block, rows.start, head, 0);
+        let bytes = self.dtype().size_bytes();
+        let (ptr, len) = match &self.storage {
+            CacheStorage::F32(s) => (s.as_ptr().cast::<u8>(), s.len()),
+            CacheStorage::F16(s) => (s.as_ptr().cast::<u8>(), s.len()),
+            CacheStorage::BF16(s) => (s.as_ptr().cast::<u8>(), s.len()),
+        };
+        let end = (start + rows.len() * hd).min(len);
+        for at in (start * bytes..end * bytes).step_by(64) {
+            // SAFETY: `at` is inside the storage; a prefetch reads nothing.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(ptr.add(at).cast());
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (ptr, at);
+        }
+    }
+
     /// Tile load without range checks: callers (the backends, after validating the
     /// metadata against the geometry, and the checked wrappers above) guarantee that
     /// every index is in range, so slice indexing below cannot fail.
@@ -522,6 +556,43 @@ mod tests {
         assert!(cache.read_key(0, 0, &mut out[..3]).is_err());
         assert!(cache.write(&k, &v, &[6]).is_err());
         assert!(cache.write(&k[..4], &v, &[0]).is_err());
+    }
+
+    /// A prefetch is only a hint: in range or out of it (a block, a row, a head past
+    /// the cache), on packed and unpacked layouts and every element type, it returns
+    /// and leaves the cache's values as they were.
+    #[test]
+    fn prefetch_is_a_hint_in_and_out_of_range() {
+        let geom = CacheGeometry {
+            num_blocks: 3,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+        };
+        for layout in [
+            KvCacheLayout::hnd(KvCacheShape::BlocksFirst),
+            KvCacheLayout::contiguous(KvCacheShape::KvFirst),
+        ] {
+            for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
+                let mut cache = PagedKvCache::new(geom, layout, dtype).unwrap();
+                let kv: Vec<f32> = (0..2 * 16).map(|x| x as f32 * 0.5).collect();
+                cache.write(&kv, &kv, &[5]).unwrap();
+                for (block, head, rows) in [
+                    (1, 1, 0..4),
+                    (2, 0, 1..3),
+                    (3, 0, 0..4),
+                    (0, 0, 2..9),
+                    (2, 5, 0..4),
+                ] {
+                    for which in [KEY, VALUE] {
+                        cache.prefetch_rows(which, block, head, rows.clone());
+                    }
+                }
+                let mut out = [0.0; 16];
+                cache.read_key(5, 1, &mut out).unwrap();
+                assert_eq!(out[..], kv[16..], "{layout:?} {dtype:?}");
+            }
+        }
     }
 
     /// A write big enough for the helpers (one task per K/V plane and kv head) leaves

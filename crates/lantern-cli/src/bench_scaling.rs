@@ -278,6 +278,8 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
         Ok(rounds)
     };
     let batch_one = decode(1, 1)?;
+    // Batch 1 over a long context: attention reads the whole KV cache each step.
+    let batch_one_after = decode(1, args.prompt_tokens)?;
     let batched = args
         .batches
         .iter()
@@ -298,6 +300,7 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
             "prefill": prefill.json(pair),
             "prompt_tokens": args.prompt_tokens,
             "decode_batch_1": batch_one.json(pair),
+            "decode_batch_1_after_prompt": batch_one_after.json(pair),
             "decode_batched": batched_json,
         });
         if let Some((compute, memory)) = &machine {
@@ -321,6 +324,10 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
     }
     prefill.print(&format!("prefill ({} tokens)", args.prompt_tokens), pair);
     batch_one.print("decode, batch 1", pair);
+    batch_one_after.print(
+        &format!("decode, batch 1 after {}", args.prompt_tokens),
+        pair,
+    );
     for (b, rounds) in &batched {
         rounds.print(&format!("decode, batch {b} (aggregate)"), pair);
     }

@@ -602,6 +602,17 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
             let bi = pos / block_size;
             let tile_end = ((bi + 1) * block_size).min(end);
             let block = req.table[bi] as usize;
+            // The item's next block on its way from memory while this one is read (a
+            // decode over a long context reads the whole cache each step).
+            let next = (bi + 1) * block_size;
+            if next < item.keys.1 {
+                let rows = 0..(item.keys.1 - next).min(block_size);
+                let next_block = req.table[bi + 1] as usize;
+                for kv in [KEY, VALUE] {
+                    ctx.cache
+                        .prefetch_rows(kv, next_block, item.kv_head, rows.clone());
+                }
+            }
             let in_block = pos - bi * block_size..tile_end - bi * block_size;
             let rows = (pos - start) * d..(tile_end - start) * d;
             for (kv, dst) in [(KEY, &mut k_tile[rows.clone()]), (VALUE, &mut v_tile[rows])] {

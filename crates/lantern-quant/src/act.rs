@@ -107,7 +107,7 @@ impl QuantAct {
             let stride = layout.index(0, 1, nb) - layout.index(0, 0, nb);
             for t in t0..t1 {
                 let i = layout.index(t, 0, nb) - first;
-                let blocks = (nb - 1) * stride + 1;
+                let blocks = if nb == 0 { 0 } else { (nb - 1) * stride + 1 };
                 let mut out = TokenBlocks {
                     q: &mut q[i * BLOCK..(i + blocks) * BLOCK],
                     d: &mut d[i..i + blocks],

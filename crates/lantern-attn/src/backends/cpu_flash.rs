@@ -900,9 +900,9 @@ fn grow(buf: &mut Vec<f32>, len: usize) {
     }
 }
 
-/// `len` floats of `buf` (grown to hold them) from a 64-byte boundary: the many-row
-/// kernels' vector loads then never straddle two cache lines (the transposed keys'
-/// dot products ran 20-30% faster aligned).
+/// `len` floats of `buf` (grown to hold them) from a 64-byte boundary: the kernels'
+/// vector loads then never straddle two cache lines (aligned, the transposed keys' dot
+/// products ran 20-30% faster, and a decode's one-row weighted sums up to 1.8x).
 fn aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     const LINE_FLOATS: usize = 64 / std::mem::size_of::<f32>();
     grow(buf, len + LINE_FLOATS);

@@ -275,6 +275,29 @@ fn tokens_per_task(m: usize, np: usize, granule: usize, threads: usize) -> usize
     m.div_ceil(ranges)
 }
 
+/// Tokens per task of an `m`-token product on the `amx` level's tiles: whole groups of
+/// 16, and for prefills as long a range as keeps about two tasks a thread (up to
+/// `TILE_TOKEN_CHUNK`), since every task unpacks its panels' weights for the tiles
+/// anew. `tokens` is what [`tokens_per_task`] chose.
+fn tile_tokens_per_task(
+    m: usize,
+    np: usize,
+    granule: usize,
+    threads: usize,
+    tokens: usize,
+) -> usize {
+    let tokens = tokens.next_multiple_of(act::TILE_TOKENS);
+    let panel_tasks = (np / granule.max(1)).max(1);
+    let mut longer = tokens;
+    while longer < TILE_TOKEN_CHUNK
+        && longer < m
+        && panel_tasks * m.div_ceil(2 * longer) >= 2 * threads
+    {
+        longer *= 2;
+    }
+    longer.max(tokens)
+}
+
 /// Cuts the parts' panel ranges into chunks of `per` panels (the last of a part shorter):
 /// `(part index, (first panel, end panel))` in order.
 fn even_chunks(parts: &[Part], per: usize) -> Vec<(usize, (usize, usize))> {
@@ -329,6 +352,10 @@ const SERIAL_MACS: usize = 1 << 21;
 const SHARE_MACS: usize = 1 << 17;
 /// Tokens per task for large batches (whole groups of the `amx` level's tiles).
 const TOKEN_CHUNK: usize = 64;
+/// Most tokens per task at the `amx` level (`tile_tokens_per_task`). Products of
+/// SmolLM2's shapes at 512 tokens, against 64: 1.00-1.06x on one thread, 1.02-1.16x on two
+/// (2-core Xeon with AMX, the tile kernel's unpacking shared by four times the tokens).
+const TILE_TOKEN_CHUNK: usize = 256;
 /// Fewest tokens of a product at the `amx` level: smaller batches run at `avx512`. Each
 /// task unpacks its panels' weights for the tiles once; at 16 tokens that left `Q4_1`
 /// products 10-20% slower than `avx512`, at 32 1.0-1.4x faster (SmolLM2's shapes, one
@@ -684,9 +711,14 @@ impl PackedMatrix {
         let threads = share::threads();
         let granule = if m <= 2 { 4 } else { 2 };
         let mut tokens_per_task = tokens_per_task(m, self.np, granule, threads);
-        if matches!(kernel, Kernel::Amx | Kernel::AmxBf16) {
+        match kernel {
+            Kernel::Amx => {
+                tokens_per_task =
+                    tile_tokens_per_task(m, self.np, granule, threads, tokens_per_task)
+            }
             // Token ranges start at the activation tiles' groups.
-            tokens_per_task = tokens_per_task.next_multiple_of(act::TILE_TOKENS);
+            Kernel::AmxBf16 => tokens_per_task = tokens_per_task.next_multiple_of(act::TILE_TOKENS),
+            _ => {}
         }
         let token_tasks = m.div_ceil(tokens_per_task);
         // Enough tasks for load balancing on a shared machine...
@@ -882,7 +914,10 @@ pub fn split_columns(whole: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{guided_chunks, tokens_per_task, MIN_TOKEN_RANGE, TOKEN_CHUNK};
+    use super::{
+        guided_chunks, tile_tokens_per_task, tokens_per_task, MIN_TOKEN_RANGE, TILE_TOKEN_CHUNK,
+        TOKEN_CHUNK,
+    };
 
     /// A decode batch's tokens are cut only where its panels make fewer than two tasks a
     /// thread, and never into ranges below `MIN_TOKEN_RANGE`.
@@ -909,6 +944,38 @@ mod tests {
                     t == m || t >= MIN_TOKEN_RANGE,
                     "{m} tokens, {threads} threads"
                 );
+            }
+        }
+    }
+
+    /// At the `amx` level a prefill's tasks take longer token ranges while the panels
+    /// still make about two tasks a thread; ranges stay whole groups of 16 tokens.
+    #[test]
+    fn tile_tasks_take_long_token_ranges_while_the_threads_stay_busy() {
+        let at = |m, np, threads| {
+            let tokens = tokens_per_task(m, np, 2, threads);
+            tile_tokens_per_task(m, np, 2, threads, tokens)
+        };
+        // SmolLM2's 1536- and 576-row matrices, a 512-token prefill on 2 threads.
+        assert_eq!(at(512, 96, 2), TILE_TOKEN_CHUNK);
+        assert_eq!(at(512, 36, 2), TILE_TOKEN_CHUNK);
+        // On 64 threads its 36 panels need the short ranges to keep them busy.
+        assert_eq!(at(512, 36, 64), TOKEN_CHUNK);
+        assert_eq!(at(512, 64, 64), 2 * TOKEN_CHUNK);
+        assert_eq!(at(512, 128, 64), TILE_TOKEN_CHUNK);
+        // A 100-token chunk of a prompt is one range.
+        assert_eq!(at(100, 96, 2), 128);
+        for threads in [1, 2, 3, 16, 64] {
+            for m in (32..=2048).step_by(7) {
+                for np in [1, 2, 36, 96, 512] {
+                    let t = at(m, np, threads);
+                    let floor = tokens_per_task(m, np, 2, threads).next_multiple_of(16);
+                    assert!(
+                        t % 16 == 0 && t >= floor,
+                        "{m} tokens, {np} panels, {threads}"
+                    );
+                    assert!(t <= TILE_TOKEN_CHUNK.max(floor), "{m} tokens, {np} panels");
+                }
             }
         }
     }

@@ -392,7 +392,7 @@ fn tile_sized_batches_agree_across_levels() {
                     }
                 }
                 let pm = PackedMatrix::from_gguf_bytes(ty, &bytes, n, k).unwrap();
-                for m in [32, 37, 48, 67] {
+                for m in [32, 37, 48, 67, 300] {
                     let x = random_x(&mut rng, m * k, m == 37);
                     let scalar = run(&pm, Kernel::Scalar, &x, m);
                     for &level in &levels[1..] {

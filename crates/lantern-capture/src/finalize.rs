@@ -12,6 +12,8 @@
 //! same bits at every kernel level.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, LayerKvCache};
 
@@ -166,6 +168,10 @@ pub struct PendingCapture {
     pub tokens: Vec<TokenInfo>,
     /// Positions whose K/V were computed (the keys), `<= tokens.len()`.
     pub num_computed: usize,
+    /// Threads finalizing may use, the calling thread included: the host cores the
+    /// engine leaves idle (`lantern_engine::host_threads`); 1 finalizes on the calling
+    /// thread alone.
+    pub finalize_threads: usize,
 }
 
 impl PendingCapture {
@@ -260,131 +266,110 @@ impl PendingCapture {
         self.finalize_with(|| {})
     }
 
-    /// [`Self::finalize`], calling `after_layer` once each layer's map is done (the
-    /// capture worker paces itself there).
-    pub fn finalize_with(
+    /// [`Self::finalize`], calling `after_layer` once each layer the calling thread
+    /// computed is done (the capture worker paces itself there). With
+    /// `finalize_threads` above one, that many threads (the caller and helpers, which do
+    /// not pace: they stand for cores the engine leaves idle) take the layers in turn;
+    /// every layer's figures are the same bits either way.
+    pub fn finalize_with(&self, after_layer: impl FnMut()) -> Result<CaptureResult, CaptureError> {
+        self.finalize_on(self.finalize_threads, after_layer)
+    }
+
+    /// [`Self::finalize_with`] on `threads` threads instead of `finalize_threads`: for a
+    /// caller that knows the engine is idle (the CLI, once every prompt has run).
+    pub fn finalize_on(
         &self,
+        threads: usize,
         mut after_layer: impl FnMut(),
     ) -> Result<CaptureResult, CaptureError> {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
         let num_keys = self.num_keys();
-        let heads = spec.heads.len();
-        let width = spec.top_k.map_or(num_keys, |k| k.min(num_keys));
-        let map_len = rows.len() * spec.output_heads() * width;
-        // Row by row, so that what finalizing holds beside the maps is one row of every
-        // head (`heads × keys`), never `rows × heads × keys`: the maps are what the
-        // admission estimate counts.
-        let mut dense = vec![0f32; heads * num_keys];
-        let mut reduced = Vec::new();
-        let mut maps = Vec::with_capacity(self.layers.len());
-        let mut stats = Vec::new();
-        let mut stats_groups = Vec::new();
-        let mut span_mass = Vec::new();
         // Key statistics summed as the rows ran, when they cover exactly these rows.
-        let mut live_stats = if spec.stats.is_empty() {
+        let live_stats = if spec.stats.is_empty() {
             None
         } else {
             self.buffer.live_stats(&rows, num_keys)
         };
-        // Span masses summed as the rows ran, likewise.
-        let live_spans = self.buffer.live_span_masses(&rows, num_keys);
-        let span_ranges = spec
-            .spans
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                s.tokens.clone().ok_or_else(|| {
-                    CaptureError::Incomplete(format!(
-                        "span {i} ({:?}) was never resolved to tokens",
-                        s.label
-                    ))
+        let mut live_stats = live_stats.map(|l| l.into_iter().map(Some).collect::<Vec<_>>());
+        let plan = LayerPlan {
+            rows: rows.clone(),
+            num_keys,
+            // Span masses summed as the rows ran, likewise.
+            live_spans: self.buffer.live_span_masses(&rows, num_keys),
+            span_ranges: spec
+                .spans
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    s.tokens.clone().ok_or_else(|| {
+                        CaptureError::Incomplete(format!(
+                            "span {i} ({:?}) was never resolved to tokens",
+                            s.label
+                        ))
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        for (slot, &layer_idx) in spec.layers.iter().enumerate() {
-            let layer = self.layers.get(slot).ok_or_else(|| {
-                CaptureError::Incomplete(format!("no keys for layer slot {slot}"))
-            })?;
-            let map_len = if spec.maps { map_len } else { 0 };
-            let mut values = Vec::with_capacity(map_len);
-            let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
-            let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
-            if !spec.stats.is_empty() || !spec.spans.is_empty() {
-                stats_groups.push(
-                    groups
-                        .iter()
-                        .map(|g| g.iter().map(|&i| spec.heads[i]).collect())
-                        .collect(),
-                );
-            }
-            let mut spans = match &live_spans {
-                Some(live) => {
-                    span_mass.push(SpanMassAccumulator::summed(
-                        layer_idx,
-                        rows.len(),
-                        groups.len(),
-                        span_ranges.len(),
-                        live[slot],
-                    ));
-                    None
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        let slots = spec.layers.len();
+        let mut live = |slot: usize| live_stats.as_mut().and_then(|l| l.get_mut(slot)?.take());
+        let threads = threads.clamp(1, slots.max(1));
+        let outcomes: Vec<Result<LayerOutcome, CaptureError>> = if threads == 1 {
+            let mut outcomes = Vec::with_capacity(slots);
+            for slot in 0..slots {
+                let outcome = self.finalize_layer(slot, &plan, live(slot));
+                let failed = outcome.is_err();
+                outcomes.push(outcome);
+                if failed {
+                    break;
                 }
-                None => (!spec.spans.is_empty()).then(|| {
-                    SpanMassAccumulator::new(groups.clone(), num_keys, &span_ranges, rows.len())
-                }),
+                after_layer();
+            }
+            outcomes
+        } else {
+            let live: Vec<_> = (0..slots).map(|slot| Mutex::new(live(slot))).collect();
+            let done: Vec<Mutex<Option<Result<LayerOutcome, CaptureError>>>> =
+                (0..slots).map(|_| Mutex::new(None)).collect();
+            let next = AtomicUsize::new(0);
+            let work = |pace: &mut dyn FnMut()| loop {
+                let slot = next.fetch_add(1, Ordering::Relaxed);
+                if slot >= slots {
+                    break;
+                }
+                let live = live[slot].lock().ok().and_then(|mut l| l.take());
+                let outcome = self.finalize_layer(slot, &plan, live);
+                if let Ok(mut d) = done[slot].lock() {
+                    *d = Some(outcome);
+                }
+                pace();
             };
-            let live = live_stats
-                .as_mut()
-                .and_then(|l| l.get_mut(slot))
-                .map(|acc| std::mem::replace(acc, KeyStatsAccumulator::new(Vec::new(), 0, false)));
-            let summed = live.is_some();
-            let mut accumulator = match live {
-                Some(live) => Some(live),
-                None => (!spec.stats.is_empty()).then(|| {
-                    KeyStatsAccumulator::new(
-                        groups,
-                        num_keys,
-                        spec.stats.contains(&KeyStat::KeyMax),
-                    )
-                }),
-            };
-            // Rows are computed for what is not summed yet: maps, span masses, statistics.
-            let rows_needed = spec.maps || spans.is_some() || (accumulator.is_some() && !summed);
-            for pos in rows.clone().filter(|_| rows_needed) {
-                self.row_probabilities(slot, layer, pos, &mut dense)?;
-                if let Some(accumulator) = accumulator.as_mut().filter(|_| !summed) {
-                    accumulator.add_row(&dense);
+            std::thread::scope(|scope| {
+                for _ in 1..threads {
+                    scope.spawn(|| work(&mut || {}));
                 }
-                if let Some(spans) = &mut spans {
-                    spans.add_row(&dense);
-                }
-                if !spec.maps {
-                    continue;
-                }
-                match &mut indices {
-                    None => reduce_heads(&dense, heads, num_keys, spec.reduce, &mut values),
-                    Some(indices) => {
-                        reduced.clear();
-                        reduce_heads(&dense, heads, num_keys, spec.reduce, &mut reduced);
-                        top_k(&reduced, num_keys, width, &mut values, indices);
-                    }
-                }
-            }
-            if spec.maps {
-                maps.push(LayerMap {
-                    layer_idx,
-                    shape: [rows.len(), spec.output_heads(), width],
-                    values,
-                    indices,
-                });
-            }
-            if let Some(accumulator) = accumulator {
-                stats.extend(accumulator.finish(layer_idx, &spec.stats, self.block_size));
-            }
-            if let Some(spans) = spans {
-                span_mass.push(spans.finish(layer_idx));
-            }
-            after_layer();
+                work(&mut after_layer);
+            });
+            done.into_iter()
+                .enumerate()
+                .map(|(slot, d)| {
+                    d.into_inner().ok().flatten().unwrap_or_else(|| {
+                        Err(CaptureError::Incomplete(format!(
+                            "layer slot {slot} was not finalized"
+                        )))
+                    })
+                })
+                .collect()
+        };
+        let mut maps = Vec::with_capacity(slots);
+        let mut stats = Vec::new();
+        let mut stats_groups = Vec::new();
+        let mut span_mass = Vec::new();
+        for outcome in outcomes {
+            let outcome = outcome?;
+            stats_groups.extend(outcome.stats_groups);
+            maps.extend(outcome.map);
+            stats.extend(outcome.stats);
+            span_mass.extend(outcome.span_mass);
         }
         let meta = CaptureMeta {
             format: CAPTURE_FORMAT.to_string(),
@@ -430,6 +415,120 @@ impl PendingCapture {
             layers: maps,
             stats,
             span_mass,
+        })
+    }
+}
+
+/// What finalizing needs for every layer alike.
+struct LayerPlan<'a> {
+    rows: Range<usize>,
+    num_keys: usize,
+    live_spans: Option<Vec<&'a [f32]>>,
+    span_ranges: Vec<Range<usize>>,
+}
+
+/// One captured layer's share of a [`CaptureResult`].
+struct LayerOutcome {
+    map: Option<LayerMap>,
+    stats: Vec<crate::stats::LayerStat>,
+    stats_groups: Option<Vec<Vec<usize>>>,
+    span_mass: Option<crate::spans::LayerSpanMass>,
+}
+
+impl PendingCapture {
+    /// Captured layer slot `slot`'s map, statistics and span masses; `live` its key
+    /// statistics when they were summed as the rows ran.
+    fn finalize_layer(
+        &self,
+        slot: usize,
+        plan: &LayerPlan<'_>,
+        live: Option<KeyStatsAccumulator>,
+    ) -> Result<LayerOutcome, CaptureError> {
+        let spec = self.buffer.spec();
+        let (rows, num_keys) = (plan.rows.clone(), plan.num_keys);
+        let layer_idx = spec.layers[slot];
+        let heads = spec.heads.len();
+        let width = spec.top_k.map_or(num_keys, |k| k.min(num_keys));
+        let layer = self
+            .layers
+            .get(slot)
+            .ok_or_else(|| CaptureError::Incomplete(format!("no keys for layer slot {slot}")))?;
+        let map_len = if spec.maps {
+            rows.len() * spec.output_heads() * width
+        } else {
+            0
+        };
+        let mut values = Vec::with_capacity(map_len);
+        let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
+        let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
+        let stats_groups = (!spec.stats.is_empty() || !spec.spans.is_empty()).then(|| {
+            groups
+                .iter()
+                .map(|g| g.iter().map(|&i| spec.heads[i]).collect())
+                .collect()
+        });
+        let mut summed_spans = None;
+        let mut spans = match &plan.live_spans {
+            Some(live) => {
+                summed_spans = Some(SpanMassAccumulator::summed(
+                    layer_idx,
+                    rows.len(),
+                    groups.len(),
+                    plan.span_ranges.len(),
+                    live[slot],
+                ));
+                None
+            }
+            None => (!spec.spans.is_empty()).then(|| {
+                SpanMassAccumulator::new(groups.clone(), num_keys, &plan.span_ranges, rows.len())
+            }),
+        };
+        let summed = live.is_some();
+        let mut accumulator = match live {
+            Some(live) => Some(live),
+            None => (!spec.stats.is_empty()).then(|| {
+                KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
+            }),
+        };
+        // Row by row, so that what finalizing holds beside the maps is one row of every
+        // head (`heads × keys`) a thread, never `rows × heads × keys`: the maps are what
+        // the admission estimate counts.
+        let mut dense = vec![0f32; heads * num_keys];
+        let mut reduced = Vec::new();
+        // Rows are computed for what is not summed yet: maps, span masses, statistics.
+        let rows_needed = spec.maps || spans.is_some() || (accumulator.is_some() && !summed);
+        for pos in rows.clone().filter(|_| rows_needed) {
+            self.row_probabilities(slot, layer, pos, &mut dense)?;
+            if let Some(accumulator) = accumulator.as_mut().filter(|_| !summed) {
+                accumulator.add_row(&dense);
+            }
+            if let Some(spans) = &mut spans {
+                spans.add_row(&dense);
+            }
+            if !spec.maps {
+                continue;
+            }
+            match &mut indices {
+                None => reduce_heads(&dense, heads, num_keys, spec.reduce, &mut values),
+                Some(indices) => {
+                    reduced.clear();
+                    reduce_heads(&dense, heads, num_keys, spec.reduce, &mut reduced);
+                    top_k(&reduced, num_keys, width, &mut values, indices);
+                }
+            }
+        }
+        Ok(LayerOutcome {
+            map: spec.maps.then(|| LayerMap {
+                layer_idx,
+                shape: [rows.len(), spec.output_heads(), width],
+                values,
+                indices,
+            }),
+            stats: accumulator
+                .map(|a| a.finish(layer_idx, &spec.stats, self.block_size))
+                .unwrap_or_default(),
+            stats_groups,
+            span_mass: summed_spans.or_else(|| spans.map(|s| s.finish(layer_idx))),
         })
     }
 }

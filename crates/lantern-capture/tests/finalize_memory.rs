@@ -109,6 +109,7 @@ fn pending(spec: CaptureSpec) -> PendingCapture {
             })
             .collect(),
         num_computed: TOKENS,
+        finalize_threads: 1,
     }
 }
 

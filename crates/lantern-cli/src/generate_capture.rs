@@ -246,9 +246,13 @@ impl CaptureArgs {
 }
 
 /// Finalizes a finished request's capture and writes it to `path` as safetensors
-/// (what the server's reference delivery stores); returns the file's size.
+/// (what the server's reference delivery stores); returns the file's size. Every prompt
+/// has run by then, so finalizing takes every core.
 fn write_capture(pending: &PendingCapture, spec: &CaptureSpec, path: &Path) -> Result<usize> {
-    let result = pending.finalize().context("computing the attention maps")?;
+    let threads = lantern_engine::host_threads::idle_finalize_threads();
+    let result = pending
+        .finalize_on(threads, || {})
+        .context("computing the attention maps")?;
     let bytes = wire::to_safetensors(&result, spec.dtype).context("encoding the capture")?;
     std::fs::write(path, &bytes).with_context(|| format!("writing {}", path.display()))?;
     Ok(bytes.len())

@@ -3,6 +3,7 @@
 use crate::config::EngineConfig;
 use crate::error::{EngineError, RequestError, Result};
 use crate::fault::FaultPlan;
+use crate::host_threads;
 use crate::request::{FinishReason, Request, RequestStatus};
 use crate::runner::ModelRunner;
 use crate::sampling::{
@@ -100,6 +101,8 @@ pub struct Engine {
     /// Prefix-cache counters of the caches before the last [`Engine::reset`].
     prefix_stats_before_reset: PrefixCacheStats,
     faults: FaultPlan,
+    /// Threads a finished capture's finalizing may use ([`host_threads`]).
+    finalize_threads: usize,
 }
 
 impl Engine {
@@ -151,6 +154,10 @@ impl Engine {
         }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
         let runner = ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
+        // The CUDA backends' names start so (`lantern_cuda::CUDA_BACKEND_NAMES`): their
+        // forward leaves the host's cores idle.
+        let finalize_threads =
+            host_threads::finalize_threads(!runner.backend_name().starts_with("cuda"));
         tracing::info!(
             blocks = kv_config.num_blocks,
             block_size = config.block_size,
@@ -174,6 +181,7 @@ impl Engine {
             info,
             prefix_stats_before_reset: PrefixCacheStats::default(),
             faults: FaultPlan::default(),
+            finalize_threads,
         })
     }
 
@@ -552,6 +560,7 @@ impl Engine {
                 block_size: self.config.block_size,
                 tokens,
                 num_computed,
+                finalize_threads: self.finalize_threads,
             }),
         });
     }

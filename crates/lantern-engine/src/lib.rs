@@ -8,6 +8,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod host_threads;
 pub mod options;
 pub mod request;
 pub mod runner;

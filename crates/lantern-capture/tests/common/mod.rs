@@ -88,6 +88,7 @@ pub fn pending(spec: CaptureSpec, seed: u64) -> PendingCapture {
             })
             .collect(),
         num_computed: run,
+        finalize_threads: 1,
     }
 }
 

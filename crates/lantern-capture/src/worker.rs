@@ -37,6 +37,11 @@ impl Pacer {
         }
     }
 
+    /// Whether requests are running now.
+    pub fn engine_busy(&self) -> bool {
+        self.engine_busy.load(Ordering::Relaxed)
+    }
+
     /// Marks the start of a piece of work.
     pub fn start(&self) {
         self.since.set(Instant::now());
@@ -45,7 +50,7 @@ impl Pacer {
     /// Called between pieces of work: sleeps while the engine is busy, then starts the
     /// next piece.
     pub fn pause(&self) {
-        if self.engine_busy.load(Ordering::Relaxed) {
+        if self.engine_busy() {
             let worked = self.since.get().elapsed();
             std::thread::sleep(
                 worked

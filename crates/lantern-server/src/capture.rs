@@ -356,8 +356,17 @@ pub async fn deliver(
     let fault = settings.fault.clone();
     let work = move |pacer: &Pacer| -> Result<Map<String, Value>, CaptureFailure> {
         fault.panic_if_hit("while finalizing a capture");
-        let result = pending?
-            .finalize_with(|| pacer.pause())
+        let pending = pending?;
+        // An idle engine leaves every core to finalizing; a busy one those it does not
+        // use (helpers finish the layers they took if requests arrive meanwhile: they
+        // run in the worker's `SCHED_IDLE` class, behind every step thread).
+        let threads = if pacer.engine_busy() {
+            pending.finalize_threads
+        } else {
+            lantern_engine::host_threads::idle_finalize_threads()
+        };
+        let result = pending
+            .finalize_on(threads, || pacer.pause())
             .map_err(|e| CaptureFailure::Finalize(e.to_string()))?;
         let encode = |e: &dyn std::fmt::Display| CaptureFailure::Encode(e.to_string());
         let meta = serde_json::to_value(&result.meta).map_err(|e| encode(&e))?;

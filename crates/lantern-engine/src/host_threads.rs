@@ -3,7 +3,8 @@
 //! finalized beside them on what is left, at least one thread (the capture worker's,
 //! which paces itself while requests run); on a GPU the host computes next to nothing,
 //! so every core but the engine thread's may finalize; and while the engine is idle
-//! (the server with no request running, the CLI after its prompts) every core may.
+//! (the server and Python with no request running, the CLI after its prompts) every
+//! core may.
 
 /// `LANTERN_CAPTURE_THREADS=N` sets the count instead (at least 1).
 const ENV: &str = "LANTERN_CAPTURE_THREADS";

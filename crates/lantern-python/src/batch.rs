@@ -109,6 +109,7 @@ impl Batch {
         *prompts += 1;
         self.runtime.spawn(forward(
             self.engine.prompter().clone(),
+            self.engine.busy_flag(),
             prompt,
             submitted.captures,
             submitted.events,

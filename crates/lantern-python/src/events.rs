@@ -7,6 +7,8 @@ use lantern_engine::serving::Prompter;
 use lantern_engine::serving::{
     EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -62,19 +64,33 @@ fn failure_message(failure: &EngineFailure) -> String {
     }
 }
 
+/// Finalizes a finished request's capture on the cores the engine leaves idle: all of
+/// them when no request is running (`busy` unset).
 async fn finalize(
     pending: Option<Result<PendingCapture, CaptureFailure>>,
+    busy: &AtomicBool,
 ) -> Result<CaptureResult, String> {
     let pending = pending
         .ok_or("the request ended without a capture")?
         .map_err(|e| e.to_string())?;
-    tokio::task::spawn_blocking(move || pending.finalize())
+    let threads = if busy.load(Ordering::Relaxed) {
+        pending.finalize_threads
+    } else {
+        lantern_engine::host_threads::idle_finalize_threads()
+    };
+    tokio::task::spawn_blocking(move || pending.finalize_on(threads, || {}))
         .await
         .map_err(|e| format!("finalizing the capture failed: {e}"))?
         .map_err(|e| e.to_string())
 }
 
-async fn ready(prompter: &Prompter, prompt: usize, captures: bool, event: EngineEvent) -> Ready {
+async fn ready(
+    prompter: &Prompter,
+    busy: &AtomicBool,
+    prompt: usize,
+    captures: bool,
+    event: EngineEvent,
+) -> Ready {
     let text_of = |t: u32| prompter.tokenizer().token_text(t);
     let logprobs = event.logprobs.map(|lp| {
         vec![TokenLogprob {
@@ -96,7 +112,9 @@ async fn ready(prompter: &Prompter, prompt: usize, captures: bool, event: Engine
                 _ => None,
             };
             let capture = match (&finish.reason, captures) {
-                (EndReason::Stop | EndReason::Length, true) => Some(finalize(finish.capture).await),
+                (EndReason::Stop | EndReason::Length, true) => {
+                    Some(finalize(finish.capture, busy).await)
+                }
                 _ => None,
             };
             Some(Finished {
@@ -129,6 +147,7 @@ async fn ready(prompter: &Prompter, prompt: usize, captures: bool, event: Engine
 /// request asked for a capture, which its end then carries (or says why not).
 pub async fn forward(
     prompter: Prompter,
+    busy: Arc<AtomicBool>,
     prompt: usize,
     captures: bool,
     mut events: UnboundedReceiver<EngineEvent>,
@@ -136,7 +155,7 @@ pub async fn forward(
 ) {
     while let Some(event) = events.recv().await {
         if out
-            .send(ready(&prompter, prompt, captures, event).await)
+            .send(ready(&prompter, &busy, prompt, captures, event).await)
             .is_err()
         {
             return;

@@ -118,7 +118,7 @@ impl CudaKvCache {
         data: &CudaSlice<T>,
         slots: &[usize],
         keys: &mut [f32],
-        mut values: Option<&mut [f32]>,
+        values: Option<&mut [f32]>,
     ) -> Result<(), AttnError> {
         let g = &self.geometry;
         let row = g.token_row_len();
@@ -142,49 +142,81 @@ impl CudaKvCache {
                 num_slots,
             });
         }
-        let s = &self.strides;
-        // One plane (the keys or the values of one block) spans this many elements from
-        // its first, whatever the order of its three inner dimensions.
-        let plane = (g.block_size - 1) * s.in_block
-            + (g.num_kv_heads - 1) * s.head
-            + (g.head_dim - 1) * s.dim
-            + 1;
-        let mut order: Vec<usize> = (0..slots.len()).collect();
-        order.sort_by_key(|&i| slots[i] / g.block_size);
-        let mut current: Option<(usize, Vec<T>, Vec<T>)> = None;
-        for i in order {
-            let (block, in_block) = (slots[i] / g.block_size, slots[i] % g.block_size);
-            if current.as_ref().map(|c| c.0) != Some(block) {
-                let read = |kv: usize| -> Result<Vec<T>, AttnError> {
-                    let start = block * s.block + kv * s.kv;
-                    self.gpu
-                        .download(&data.slice(start..start + plane))
-                        .map_err(attn_error)
-                };
-                let k = read(0)?;
-                let v = if values.is_some() {
-                    read(1)?
-                } else {
-                    Vec::new()
-                };
-                current = Some((block, k, v));
+        gather_slots(
+            &self.strides,
+            slots,
+            |start, len| {
+                self.gpu
+                    .download(&data.slice(start..start + len))
+                    .map_err(attn_error)
+            },
+            keys,
+            values,
+        )
+    }
+}
+
+/// Most blocks one download spans: a run of consecutive blocks (a request's blocks are
+/// mostly handed out in order) is read in one copy instead of one copy a block.
+const RUN_BLOCKS: usize = 64;
+
+/// The keys (and values) of `slots` in a cache laid out as `s` says, `[slots, kv_heads,
+/// head_dim]` f32, reading the cache through `read(start, len)` (elements): each run of
+/// consecutive blocks the slots touch is read once per plane, from its first block's
+/// plane to its last's.
+fn gather_slots<T: CacheElem>(
+    s: &KvStrides,
+    slots: &[usize],
+    mut read: impl FnMut(usize, usize) -> Result<Vec<T>, AttnError>,
+    keys: &mut [f32],
+    mut values: Option<&mut [f32]>,
+) -> Result<(), AttnError> {
+    let row = s.num_kv_heads * s.head_dim;
+    // One plane (the keys or the values of one block) spans this many elements from
+    // its first, whatever the order of its three inner dimensions.
+    let plane = (s.block_size - 1) * s.in_block
+        + (s.num_kv_heads - 1) * s.head
+        + (s.head_dim - 1) * s.dim
+        + 1;
+    let block_of = |i: usize| slots[i] / s.block_size;
+    let mut order: Vec<usize> = (0..slots.len()).collect();
+    order.sort_by_key(|&i| block_of(i));
+    let mut at = 0;
+    while at < order.len() {
+        // The run: consecutive blocks from this slot's, at most RUN_BLOCKS of them.
+        let first = block_of(order[at]);
+        let mut end = at;
+        let mut last = first;
+        while end < order.len() {
+            let b = block_of(order[end]);
+            if b > last + 1 || b >= first + RUN_BLOCKS {
+                break;
             }
-            let Some((_, k, v)) = &current else {
-                continue;
-            };
-            for h in 0..g.num_kv_heads {
-                for d in 0..g.head_dim {
-                    let at = in_block * s.in_block + h * s.head + d * s.dim;
-                    let out = i * row + h * g.head_dim + d;
-                    keys[out] = k[at].to_f32();
+            last = b;
+            end += 1;
+        }
+        let span = (last - first) * s.block + plane;
+        let k = read(first * s.block, span)?;
+        let v = match values {
+            Some(_) => read(first * s.block + s.kv, span)?,
+            None => Vec::new(),
+        };
+        for &i in &order[at..end] {
+            let base = (block_of(i) - first) * s.block + (slots[i] % s.block_size) * s.in_block;
+            for h in 0..s.num_kv_heads {
+                for d in 0..s.head_dim {
+                    let from = base + h * s.head + d * s.dim;
+                    let out = i * row + h * s.head_dim + d;
+                    keys[out] = k[from].to_f32();
                     if let Some(values) = values.as_deref_mut() {
-                        values[out] = v[at].to_f32();
+                        values[out] = v[from].to_f32();
                     }
                 }
             }
         }
-        Ok(())
+        at = end;
     }
+    Ok(())
 }
 
 impl LayerKvCache for CudaKvCache {
@@ -213,5 +245,63 @@ impl LayerKvCache for CudaKvCache {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gather_slots, KvStrides, RUN_BLOCKS};
+    use rand::{Rng, SeedableRng};
+
+    /// Slots read through runs of blocks equal slots read one by one at their offsets, in
+    /// both layouts, with runs longer than a download spans, gaps, and slots out of
+    /// order; a run of consecutive blocks costs one read a plane.
+    #[test]
+    fn runs_of_blocks_read_what_slot_by_slot_reads() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x51075);
+        let (num_blocks, block_size, heads, dim) = (200, 4, 3, 8);
+        for s in [
+            KvStrides::kv_first(num_blocks, block_size, heads, dim),
+            KvStrides::block_first(block_size, heads, dim),
+        ] {
+            let cache: Vec<f32> = (0..s.cache_len(num_blocks)).map(|_| rng.gen()).collect();
+            // A request's blocks: 90 consecutive (more than one read spans), a gap, a few
+            // scattered ones; all their slots, shuffled, and a partial last block.
+            let mut blocks: Vec<usize> = (10..100).collect();
+            blocks.extend([120, 121, 150, 7]);
+            let mut slots: Vec<usize> = blocks
+                .iter()
+                .flat_map(|&b| (0..block_size).map(move |j| b * block_size + j))
+                .collect();
+            slots.pop();
+            for i in (1..slots.len()).rev() {
+                slots.swap(i, rng.gen_range(0..=i));
+            }
+            let row = heads * dim;
+            let (mut keys, mut values) =
+                (vec![0f32; slots.len() * row], vec![0f32; slots.len() * row]);
+            let mut reads = 0;
+            let read = |start: usize, len: usize| {
+                reads += 1;
+                Ok(cache[start..start + len].to_vec())
+            };
+            gather_slots(&s, &slots, read, &mut keys, Some(&mut values)).unwrap();
+            for (i, &slot) in slots.iter().enumerate() {
+                for h in 0..heads {
+                    for d in 0..dim {
+                        let at = s.key_offset(slot, h, d);
+                        assert_eq!(keys[i * row + h * dim + d], cache[at], "slot {slot}");
+                        assert_eq!(
+                            values[i * row + h * dim + d],
+                            cache[at + s.kv],
+                            "slot {slot}"
+                        );
+                    }
+                }
+            }
+            // Runs: 10..74, 74..100, 120..122, 150, 7 — two planes each.
+            assert_eq!(90usize.div_ceil(RUN_BLOCKS), 2);
+            assert_eq!(reads, 2 * 5);
+        }
     }
 }

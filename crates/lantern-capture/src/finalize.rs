@@ -12,7 +12,7 @@
 //! same bits at every kernel level.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, LayerKvCache};
@@ -285,13 +285,14 @@ impl PendingCapture {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
         let num_keys = self.num_keys();
-        // Key statistics summed as the rows ran, when they cover exactly these rows.
-        let live_stats = if spec.stats.is_empty() {
-            None
+        // Key statistics summed as the rows ran, when they cover exactly these rows: one
+        // per layer slot, taken by the thread that finalizes the slot.
+        let live_stats: Vec<Mutex<Option<KeyStatsAccumulator>>> = if spec.stats.is_empty() {
+            Vec::new()
         } else {
-            self.buffer.live_stats(&rows, num_keys)
+            let live = self.buffer.live_stats(&rows, num_keys).unwrap_or_default();
+            live.into_iter().map(|a| Mutex::new(Some(a))).collect()
         };
-        let mut live_stats = live_stats.map(|l| l.into_iter().map(Some).collect::<Vec<_>>());
         let plan = LayerPlan {
             rows: rows.clone(),
             num_keys,
@@ -311,61 +312,43 @@ impl PendingCapture {
                 })
                 .collect::<Result<Vec<_>, _>>()?,
         };
+        // The threads take the layer slots in order; once one fails, no more are taken.
         let slots = spec.layers.len();
-        let mut live = |slot: usize| live_stats.as_mut().and_then(|l| l.get_mut(slot)?.take());
-        let threads = threads.clamp(1, slots.max(1));
-        let outcomes: Vec<Result<LayerOutcome, CaptureError>> = if threads == 1 {
-            let mut outcomes = Vec::with_capacity(slots);
-            for slot in 0..slots {
-                let outcome = self.finalize_layer(slot, &plan, live(slot));
-                let failed = outcome.is_err();
-                outcomes.push(outcome);
-                if failed {
-                    break;
-                }
-                after_layer();
-            }
-            outcomes
-        } else {
-            let live: Vec<_> = (0..slots).map(|slot| Mutex::new(live(slot))).collect();
-            let done: Vec<Mutex<Option<Result<LayerOutcome, CaptureError>>>> =
-                (0..slots).map(|_| Mutex::new(None)).collect();
-            let next = AtomicUsize::new(0);
-            let work = |pace: &mut dyn FnMut()| loop {
+        let done: Vec<Mutex<Option<Result<LayerOutcome, CaptureError>>>> =
+            (0..slots).map(|_| Mutex::new(None)).collect();
+        let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+        let work = |pace: &mut dyn FnMut()| {
+            while !failed.load(Ordering::Relaxed) {
                 let slot = next.fetch_add(1, Ordering::Relaxed);
                 if slot >= slots {
                     break;
                 }
-                let live = live[slot].lock().ok().and_then(|mut l| l.take());
+                let live = live_stats.get(slot).and_then(|l| l.lock().ok()?.take());
                 let outcome = self.finalize_layer(slot, &plan, live);
+                failed.fetch_or(outcome.is_err(), Ordering::Relaxed);
                 if let Ok(mut d) = done[slot].lock() {
                     *d = Some(outcome);
                 }
                 pace();
-            };
-            std::thread::scope(|scope| {
-                for _ in 1..threads {
-                    scope.spawn(|| work(&mut || {}));
-                }
-                work(&mut after_layer);
-            });
-            done.into_iter()
-                .enumerate()
-                .map(|(slot, d)| {
-                    d.into_inner().ok().flatten().unwrap_or_else(|| {
-                        Err(CaptureError::Incomplete(format!(
-                            "layer slot {slot} was not finalized"
-                        )))
-                    })
-                })
-                .collect()
+            }
         };
+        std::thread::scope(|scope| {
+            for _ in 1..threads.clamp(1, slots.max(1)) {
+                scope.spawn(|| work(&mut || {}));
+            }
+            work(&mut after_layer);
+        });
         let mut maps = Vec::with_capacity(slots);
         let mut stats = Vec::new();
         let mut stats_groups = Vec::new();
         let mut span_mass = Vec::new();
-        for outcome in outcomes {
-            let outcome = outcome?;
+        // Slots are taken in order, so every slot before a failed one is done.
+        for (slot, outcome) in done.into_iter().enumerate() {
+            let outcome = outcome.into_inner().ok().flatten().unwrap_or_else(|| {
+                Err(CaptureError::Incomplete(format!(
+                    "layer slot {slot} was not finalized"
+                )))
+            })?;
             stats_groups.extend(outcome.stats_groups);
             maps.extend(outcome.map);
             stats.extend(outcome.stats);

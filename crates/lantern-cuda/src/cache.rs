@@ -202,10 +202,11 @@ fn gather_slots<T: CacheElem>(
             None => Vec::new(),
         };
         for &i in &order[at..end] {
-            let base = (block_of(i) - first) * s.block + (slots[i] % s.block_size) * s.in_block;
+            // The run's buffers start at its first block's plane.
+            let base = first * s.block;
             for h in 0..s.num_kv_heads {
                 for d in 0..s.head_dim {
-                    let from = base + h * s.head + d * s.dim;
+                    let from = s.key_offset(slots[i], h, d) - base;
                     let out = i * row + h * s.head_dim + d;
                     keys[out] = k[from].to_f32();
                     if let Some(values) = values.as_deref_mut() {

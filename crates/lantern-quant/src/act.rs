@@ -217,7 +217,7 @@ fn quantize_token(kernel: Kernel, x: &[f32], out: &mut TokenBlocks<'_>) {
 /// The block scale and its inverse: `d = amax / 127`, `id = 1 / d` (0 for an all-zero
 /// block).
 #[inline]
-pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
+fn block_scale(amax: f32) -> (f32, f32) {
     let d = amax / 127.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
     (d, id)

@@ -1,12 +1,14 @@
 //! Throughput of the repacked matrix products of every weight type at every kernel level
 //! this CPU runs, in one run.
 //!
-//! `cargo run -p lantern-quant --release --example quant_bench [-- --quick] [-- --decode]`
+//! `cargo run -p lantern-quant --release --example quant_bench [-- --quick] [-- --decode [--batch N]]`
 //! (threads: `RAYON_NUM_THREADS`, default all cores).
 //!
-//! `--decode` measures only batch-1 decode: the matmuls of one SmolLM2-135M (Q4_1, and as
-//! BF16) and one Gemma 3 270M token (layers, then the output matrix) at every level, called from the
-//! main thread as the engine calls them, weights streamed from memory as in a real step.
+//! `--decode` measures only decode: the matmuls of one SmolLM2-135M (Q4_1, and as BF16)
+//! and one Gemma 3 270M step (layers, then the output matrix) at every level, called from
+//! the main thread as the engine calls them, weights streamed from memory as in a real
+//! step; `--batch N` makes it a step of N tokens (default 1; from 32 the `amx` level runs
+//! the products on its tiles).
 //!
 //! Prints GFLOP/s (2·m·n·k per call) and GB/s (repacked weight bytes per call / time) for
 //! m = 1 and m = 128 at n x k = 1536 x 1024 for every type, then the matmuls of a whole
@@ -79,7 +81,17 @@ fn main() {
         .filter(|k| k.available())
         .collect();
     if std::env::args().any(|a| a == "--decode") {
-        decode_passes(&mut rng, &kernels, budget);
+        let args: Vec<String> = std::env::args().collect();
+        let batch = args
+            .iter()
+            .position(|a| a == "--batch")
+            .map(|i| {
+                args.get(i + 1)
+                    .and_then(|v| v.parse().ok())
+                    .expect("--batch N")
+            })
+            .unwrap_or(1);
+        decode_passes(&mut rng, &kernels, budget, batch);
         return;
     }
     println!(
@@ -251,7 +263,7 @@ const DECODE_SHAPES: [DecodeShape; 3] = [
 ];
 
 /// ms per decode token of each model's layer matrices and output matrix, per level.
-fn decode_passes(rng: &mut StdRng, kernels: &[Kernel], budget: Duration) {
+fn decode_passes(rng: &mut StdRng, kernels: &[Kernel], budget: Duration, m: usize) {
     for shape in &DECODE_SHAPES {
         let mut mats = Vec::new();
         for _ in 0..shape.layers {
@@ -269,22 +281,32 @@ fn decode_passes(rng: &mut StdRng, kernels: &[Kernel], budget: Duration) {
             layer_bytes as f64 / 1e6,
             output.packed_bytes() as f64 / 1e6
         );
-        let x: Vec<f32> = (0..4096).map(|_| rng.gen_range(-1f32..1.0)).collect();
-        let mut dst = vec![0f32; n];
-        for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {
-            // Each product is timed alone and its median over many whole tokens taken:
-            // a shared machine preempts few of the short calls, so the sum of medians
-            // stays close to an undisturbed token (one timed whole token would not).
-            let mut times = vec![Vec::new(); mats.len() + 1];
-            let start = Instant::now();
-            while times[0].len() < 5 || (start.elapsed() < budget && times[0].len() < 1000) {
-                for (w, t) in mats.iter().chain([&output]).zip(&mut times) {
+        let x: Vec<f32> = (0..m * 4096).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        let mut dst = vec![0f32; m * n];
+        let kernels: Vec<Kernel> = kernels
+            .iter()
+            .copied()
+            .filter(|k| *k != Kernel::Scalar)
+            .collect();
+        // Each product is timed alone and its median over many whole steps taken: a
+        // shared machine preempts few of the short calls, so the sum of medians stays
+        // close to an undisturbed step (one timed whole step would not). The levels take
+        // turns step by step, so that the machine's drift falls on all of them alike.
+        let mut times = vec![vec![Vec::new(); mats.len() + 1]; kernels.len()];
+        let start = Instant::now();
+        let budget = budget * kernels.len() as u32;
+        while times[0][0].len() < 5 || (start.elapsed() < budget && times[0][0].len() < 1000) {
+            for (&kernel, times) in kernels.iter().zip(&mut times) {
+                for (w, t) in mats.iter().chain([&output]).zip(times) {
                     let (n, k) = (w.rows(), w.cols());
                     let t0 = Instant::now();
-                    w.matmul_with(kernel, &x[..k], 1, &mut dst[..n]).unwrap();
+                    w.matmul_with(kernel, &x[..m * k], m, &mut dst[..m * n])
+                        .unwrap();
                     t.push(t0.elapsed().as_secs_f64());
                 }
             }
+        }
+        for (kernel, times) in kernels.iter().zip(&mut times) {
             let median = |t: &mut Vec<f64>| {
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 t[t.len() / 2]
@@ -293,14 +315,14 @@ fn decode_passes(rng: &mut StdRng, kernels: &[Kernel], budget: Duration) {
             let layers: f64 = times[..mats.len()].iter_mut().map(median).sum();
             let token = layers + out;
             println!(
-                "{:<10} layers {:>6.2} ms ({:>5.1} GB/s), output {:>6.2} ms ({:>5.1} GB/s), token {:>6.2} ms = {:>6.1} tokens/s",
+                "{:<10} layers {:>6.2} ms ({:>5.1} GB/s), output {:>6.2} ms ({:>5.1} GB/s), step {:>6.2} ms = {:>7.1} tokens/s",
                 kernel.name(),
                 layers * 1e3,
                 layer_bytes as f64 / layers / 1e9,
                 out * 1e3,
                 output.packed_bytes() as f64 / out / 1e9,
                 token * 1e3,
-                1.0 / token
+                m as f64 / token
             );
         }
     }

@@ -203,16 +203,82 @@ fn probe_seconds(piece: &(dyn Fn(usize) -> f32 + Sync)) -> f64 {
     seconds
 }
 
-/// Multiply-adds on registers only (no memory traffic): what this machine's cores give
-/// work that shares nothing.
+/// Independent chains of multiply-adds per probe piece: enough to keep two FMA units
+/// with a 4-cycle latency busy (8), so that the probe measures the units' throughput.
+const FMA_CHAINS: usize = 12;
+/// Rounds of `FMA_CHAINS` vector multiply-adds per piece (a few milliseconds each).
+const FMA_ROUNDS: usize = 1 << 20;
+
+/// Multiply-adds on registers only (no memory traffic), as fast as the core's widest
+/// vector FMA units take them: what this machine's cores give compute-bound work that
+/// shares nothing. Two hardware threads of one core share those units, so a pair of
+/// vCPUs that are such siblings shows about 1x here (a chain of dependent or called
+/// multiply-adds would not: it leaves the units idle for the other thread).
 fn compute_piece(p: usize) -> f32 {
-    let mut acc = [p as f32 * 1e-3; 32];
-    for _ in 0..40_000 {
-        for a in &mut acc {
-            *a = a.mul_add(0.999_9, 1e-4);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return unsafe { fma_chains_avx512(p) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { fma_chains_avx2(p) };
         }
     }
-    std::hint::black_box(acc).iter().sum()
+    fma_chains_portable(p)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_chains_avx512(p: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_ps(p as f32 * 1e-3); FMA_CHAINS];
+    let (a, b) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
+    for _ in 0..FMA_ROUNDS {
+        for v in &mut acc {
+            *v = _mm512_fmadd_ps(*v, a, b);
+        }
+    }
+    std::hint::black_box(acc)
+        .iter()
+        .map(|&v| _mm512_reduce_add_ps(v))
+        .sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_chains_avx2(p: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_set1_ps(p as f32 * 1e-3); FMA_CHAINS];
+    let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
+    for _ in 0..FMA_ROUNDS {
+        for v in &mut acc {
+            *v = _mm256_fmadd_ps(*v, a, b);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    let mut sum = 0.0;
+    for v in std::hint::black_box(acc) {
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+        sum += lanes.iter().sum::<f32>();
+    }
+    sum
+}
+
+/// Elsewhere: the compiler's vectors for the baseline target (a multiply and an add).
+fn fma_chains_portable(p: usize) -> f32 {
+    let mut acc = [[p as f32 * 1e-3; 8]; FMA_CHAINS];
+    for _ in 0..FMA_ROUNDS {
+        for chain in &mut acc {
+            for v in chain.iter_mut() {
+                *v = *v * 0.999_9 + 1e-4;
+            }
+        }
+    }
+    std::hint::black_box(acc).iter().flatten().sum()
 }
 
 /// The speedup this machine gives from one thread to all on work with no serial part:

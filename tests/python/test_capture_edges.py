@@ -1,14 +1,17 @@
 """Capture's edges, as a new user meets them, through a real `lantern serve` and the
 official openai client: who may read a stored capture on a server without keys, what
 the capture store refuses up front, when its files go, rows and layers selected as in
-Python, capture fields without `attn_capture`, a too-large capture's message, and the
-usage chunk's place in a capturing stream."""
+Python, capture fields without `attn_capture`, a too-large capture's message, the
+usage chunk's place in a capturing stream, and captures finishing together past the
+worker's queue limit."""
 
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +132,34 @@ def test_capture_files_go_at_their_ttl_at_shutdown_and_at_the_next_start():
             stop_server(srv)
         assert not kept.exists(), "the server's files go when it stops"
         assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in others)
+
+
+def test_captures_finishing_together_past_the_queue_limit_are_all_delivered():
+    """`--max-queued-captures N` refuses new capturing requests while N finished captures
+    wait for the worker; captures admitted before that are finalized however many of
+    their requests end in the same step, none of their work lost."""
+    srv = start_server("--enable-attention-capture", "--max-queued-captures", "1")
+    try:
+        n = 6
+        admitted = threading.Barrier(n)
+
+        def one(i):
+            admitted.wait()
+            client = srv.client()
+            return complete(client, srv, max_tokens=24, attn_capture_layers="all")
+
+        with ThreadPoolExecutor(n) as pool:
+            responses = list(pool.map(one, range(n)))
+        for r in responses:
+            fields = r.model_dump()
+            assert "attn_capture_error" not in fields, fields["attn_capture_error"]
+            cap = lantern_attn.from_response(r)
+            assert sorted(cap.layers) == list(range(NUM_LAYERS))
+        metrics = srv.wait_idle()
+        assert metrics["lantern:attention_captures_total"] == n
+        assert metrics["lantern:attention_capture_failures_total"] == 0
+    finally:
+        stop_server(srv)
 
 
 @pytest.mark.parametrize(

@@ -62,21 +62,25 @@ impl Pacer {
     }
 }
 
-/// Captures that may wait for the worker by default. Each waiting job holds its request's
-/// copied keys and query rows (at most the per-capture cap), so the queue's length bounds
-/// the memory captures hold between their requests' end and their finalization.
+/// Captures waiting for the worker from which new capturing requests are refused, by
+/// default. Each waiting job holds its request's copied keys and query rows (at most the
+/// per-capture cap), so this bounds the memory captures hold between their requests' end
+/// and their finalization: at most this many plus the capturing requests running when
+/// the queue fills, each of which held its rows already while it ran.
 pub const DEFAULT_MAX_QUEUED_CAPTURES: usize = 16;
 
 /// Why a job was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
-    #[error("the capture worker's queue is full ({0} captures waiting); retry later")]
-    Full(usize),
     #[error("the capture worker is not running")]
     Stopped,
 }
 
-/// A background thread that runs capture jobs in order, at most `max_queued` waiting.
+/// A background thread that runs capture jobs in order. `max_queued` is an admission
+/// threshold ([`is_full`](Self::is_full)), not a limit on [`submit`](Self::submit): a
+/// capture admitted while the queue had room is finalized even when its request ends
+/// with the queue full, so a burst of capturing requests finishing together loses none
+/// of the work they did.
 pub struct CaptureWorker {
     tx: Option<mpsc::Sender<Job>>,
     join: Option<JoinHandle<()>>,
@@ -104,7 +108,8 @@ fn lower_own_priority() {
 
 impl CaptureWorker {
     /// Starts the worker thread; `engine_busy` says when requests are running, so that
-    /// jobs pace themselves (see [`Pacer`]); at most `max_queued` jobs wait at a time.
+    /// jobs pace themselves (see [`Pacer`]); new captures are refused while `max_queued`
+    /// jobs wait ([`is_full`](Self::is_full)).
     pub fn start(engine_busy: Arc<AtomicBool>, max_queued: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let join = std::thread::Builder::new()
@@ -131,15 +136,12 @@ impl CaptureWorker {
         })
     }
 
-    /// Queues `job`, unless `max_queued` jobs already wait or the worker is gone.
+    /// Queues the job of a capture admitted earlier (its request checked
+    /// [`is_full`](Self::is_full) before it ran), however many wait; fails only when the
+    /// worker is gone.
     pub fn submit(&self, job: impl FnOnce(&Pacer) + Send + 'static) -> Result<(), SubmitError> {
         let tx = self.tx.as_ref().ok_or(SubmitError::Stopped)?;
-        let max = self.max_queued;
-        self.queued
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
-                (q < max).then_some(q + 1)
-            })
-            .map_err(SubmitError::Full)?;
+        self.queued.fetch_add(1, Ordering::SeqCst);
         let queued = self.queued.clone();
         let job: Job = Box::new(move |pacer| {
             queued.fetch_sub(1, Ordering::SeqCst);
@@ -156,7 +158,7 @@ impl CaptureWorker {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// Whether a job submitted now would be refused as [`SubmitError::Full`].
+    /// Whether `max_queued` jobs or more wait: new capturing requests are refused then.
     pub fn is_full(&self) -> bool {
         self.queued() >= self.max_queued
     }
@@ -213,7 +215,7 @@ mod tests {
     }
 
     #[test]
-    fn the_queue_is_bounded_and_frees_as_jobs_start() {
+    fn a_full_queue_refuses_admission_but_takes_every_admitted_job() {
         let worker = CaptureWorker::start(Arc::new(AtomicBool::new(false)), 2).unwrap();
         // The first job holds the worker until released, so the next ones wait.
         let (release, held) = mpsc::channel::<()>();
@@ -225,18 +227,19 @@ mod tests {
             })
             .unwrap();
         started.recv().unwrap();
+        assert!(!worker.is_full());
+        // Four captures admitted while there was room end together: all of them queue.
         let (done_tx, done) = mpsc::channel();
-        for i in 0..2 {
+        for i in 0..4 {
             let done_tx = done_tx.clone();
             worker.submit(move |_| done_tx.send(i).unwrap()).unwrap();
         }
+        assert_eq!(worker.queued(), 4);
         assert!(worker.is_full());
-        assert_eq!(worker.submit(|_| {}), Err(SubmitError::Full(2)));
         release.send(()).unwrap();
-        assert_eq!(done.recv().unwrap(), 0);
-        assert_eq!(done.recv().unwrap(), 1);
+        let finished: Vec<i32> = (0..4).map(|_| done.recv().unwrap()).collect();
+        assert_eq!(finished, [0, 1, 2, 3]);
         assert_eq!(worker.queued(), 0);
-        worker.submit(move |_| done_tx.send(2).unwrap()).unwrap();
-        assert_eq!(done.recv().unwrap(), 2);
+        assert!(!worker.is_full());
     }
 }

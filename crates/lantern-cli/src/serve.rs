@@ -65,8 +65,8 @@ pub struct ServeArgs {
     /// while they are full, such requests get a 503 with Retry-After.
     #[arg(long, default_value = "1G", value_parser = crate::args::parse_bytes)]
     pub max_stored_capture_bytes: usize,
-    /// Finished captures that may wait for the capture worker; while that many wait,
-    /// capturing requests get a 503 with Retry-After.
+    /// Finished captures waiting for the capture worker from which new capturing
+    /// requests get a 503 with Retry-After (captures admitted before are all finalized).
     #[arg(long, default_value_t = lantern_engine::lantern_capture::DEFAULT_MAX_QUEUED_CAPTURES)]
     pub max_queued_captures: usize,
     /// Directory for captures delivered as files (e.g. a tmpfs such as /dev/shm, for

@@ -3,7 +3,8 @@ layer or a few, top-k, head reductions, key statistics, spans, prompt or generat
 float16, streamed or whole) run one at a time, then all at once beside uncapturing
 traffic, through a real `lantern serve` and the official openai client. The texts and
 every array of every capture (maps, top-k indices, statistics, span masses) must be the
-same bits: a row's probabilities do not depend on what else ran in its steps."""
+same bits, and so must the live rows of the streams: a row's probabilities do not depend
+on what else ran in its steps."""
 
 import random
 import sys
@@ -63,22 +64,24 @@ def specs():
 
 
 def run(client, model, spec):
-    """(text, the response's capture as one JSON object)."""
+    """(text, the response's capture as one JSON object, the stream's live rows)."""
     args = dict(model=model, prompt=spec["prompt"], max_tokens=spec["max_tokens"],
                 temperature=0, extra_body=spec["fields"])
     if not spec["stream"]:
         r = client.completions.create(**args)
-        return r.choices[0].text, r.model_dump()
-    text, capture = [], {}
+        return r.choices[0].text, r.model_dump(), []
+    text, capture, live = [], {}, []
     for chunk in client.completions.create(stream=True, **args):
         body = chunk.model_dump()
         if body["choices"]:
             text.append(body["choices"][0].get("text") or "")
-        # The capture comes whole on the last chunk; live rows are not compared here.
+        if body.get("attn_capture_row") is not None:
+            live.append(body["attn_capture_row"])
+        # The capture comes whole on a chunk of its own after the last token's.
         capture.update(
             (k, v) for k, v in body.items() if k.startswith("attn_capture") and k != "attn_capture_row"
         )
-    return "".join(text), capture
+    return "".join(text), capture, live
 
 
 def arrays(response):
@@ -126,9 +129,12 @@ def test_concurrent_captures_equal_the_same_requests_alone(cap_server):
         for t in noisers:
             t.join()
 
-    compared = 0
-    for i, ((text_a, cap_a), (text_b, cap_b)) in enumerate(zip(alone, together)):
+    compared = live_rows = 0
+    for i, ((text_a, cap_a, live_a), (text_b, cap_b, live_b)) in enumerate(zip(alone, together)):
         assert text_a == text_b, (i, requests[i])
+        # Live rows (streams with spans or top-k) are JSON numbers: equal as parsed.
+        assert live_a == live_b, (i, requests[i])
+        live_rows += len(live_a)
         a, b = arrays(cap_a), arrays(cap_b)
         assert a.keys() == b.keys(), (i, sorted(a), sorted(b))
         for name in a:
@@ -136,5 +142,6 @@ def test_concurrent_captures_equal_the_same_requests_alone(cap_server):
             assert np.array_equal(a[name], b[name]), (i, name, requests[i])
             compared += 1
     assert compared >= 3 * NUM_REQUESTS
+    assert live_rows > 0, "no stream with spans or top-k among the requests"
     metrics = srv.wait_idle()
     assert metrics["lantern:attention_capture_failures_total"] == 0

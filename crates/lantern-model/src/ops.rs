@@ -86,28 +86,24 @@ per_level! {
 
 /// RMS normalization of every row of `x`, scaled by `weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
     let chunk = share::chunk_len(x.len(), weight.len());
-    share::for_each_chunk(&mut out, chunk, &|c, out| {
+    share::fresh_chunks(x.len(), chunk, &|c, out| {
         rms_norm_rows(&x[c * chunk..][..out.len()], weight, eps, out)
-    });
-    out
+    })
 }
 
 /// `acc += delta`, then the RMS normalization of every row of `acc`, scaled by
 /// `weight`, in one pass over row chunks: the same values as [`add_in_place`] then
 /// [`rms_norm`], with one sharing of the step's threads instead of two.
 pub fn add_rms_norm(acc: &mut [f32], delta: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = vec![0f32; acc.len()];
-    let chunk = share::chunk_len(acc.len(), weight.len());
+    let (len, chunk) = (acc.len(), share::chunk_len(acc.len(), weight.len()));
     let acc = share::SharedMut::new(acc);
-    share::for_each_chunk(&mut out, chunk, &|c, out| {
+    share::fresh_chunks(len, chunk, &|c, out| {
         // SAFETY: chunks are disjoint rows.
         let acc = unsafe { acc.range(c * chunk, out.len()) };
         add_values(acc, &delta[c * chunk..][..out.len()]);
         rms_norm_rows(acc, weight, eps, out)
-    });
-    out
+    })
 }
 
 /// `op(out, input)` over matching chunks of the two, on the helpers when large.

@@ -266,6 +266,37 @@ pub fn for_each_chunk<T: Send>(
     });
 }
 
+/// A new `len`-value output made by `fill(i, chunk)` over chunks of `chunk_len` values,
+/// as [`for_each_chunk`] runs them: each chunk is zeroed by the thread that fills it, just
+/// before, so a step's fresh activations (a norm's output, attention's) are not zeroed
+/// first by the calling thread alone, in a pass of their own.
+pub fn fresh_chunks(
+    len: usize,
+    chunk_len: usize,
+    fill: &(dyn Fn(usize, &mut [f32]) + Sync),
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    for_each_chunk(
+        &mut out.spare_capacity_mut()[..len],
+        chunk_len,
+        &|i, part| {
+            part.fill(std::mem::MaybeUninit::new(0.0));
+            // SAFETY: every element of `part` was initialized just above, and
+            // `MaybeUninit<f32>` has `f32`'s layout.
+            let part = unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+            fill(i, part)
+        },
+    );
+    // SAFETY: the chunks cover `0..len`, and each was initialized.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// A new `len`-value output of zeros, zeroed in chunks on the step's threads.
+pub fn zeroed(len: usize) -> Vec<f32> {
+    fresh_chunks(len, chunk_len(len, 1), &|_, _| {})
+}
+
 /// Chunk length for an element-wise pass over `len` values in units (rows) of `unit`:
 /// whole units, and as many chunks as [`SERIAL_VALUES`]-long ones would make, rounded up
 /// to a multiple of the thread count and evened out, so that no thread is left with one
@@ -360,6 +391,37 @@ mod tests {
             assert_eq!(threads(), 2);
         });
         assert_eq!(std::thread::current().id(), caller);
+    }
+
+    /// A fresh output holds what each chunk wrote where it wrote, zeros elsewhere in the
+    /// chunk, for lengths on and off the chunk length, on one thread and on a pool.
+    #[test]
+    fn fresh_chunks_hold_what_each_chunk_wrote_and_zeros_elsewhere() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for (len, chunk) in [(0, 4), (5, 8), (64, 16), (70, 16), (50_000, 4_096)] {
+            // Each chunk writes its index + 1 into its even elements and leaves the rest.
+            let fill = |c: usize, part: &mut [f32]| {
+                for v in part.iter_mut().step_by(2) {
+                    *v = (c + 1) as f32;
+                }
+            };
+            let want: Vec<f32> = (0..len)
+                .map(|i| {
+                    if (i % chunk) % 2 == 0 {
+                        (i / chunk + 1) as f32
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            assert_eq!(fresh_chunks(len, chunk, &fill), want, "len {len}");
+            let on_pool = pool.install(|| fresh_chunks(len, chunk, &fill));
+            assert_eq!(on_pool, want, "len {len}, 3 threads");
+            assert!(pool.install(|| zeroed(len)).iter().all(|&v| v == 0.0));
+        }
     }
 
     #[test]

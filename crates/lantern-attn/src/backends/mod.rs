@@ -218,7 +218,8 @@ pub(crate) fn host_forward<B: HostAttention + ?Sized>(
                 backend: backend.host_name(),
             })?;
     let (q, k, v) = (host_f32(q)?, host_f32(k)?, host_f32(v)?);
-    let mut out = vec![0f32; q.len()];
+    // Zeroed on the step's threads: a prefill's output is a megabyte or more a layer.
+    let mut out = lantern_quant::share::zeroed(q.len());
     run(&q, &k, &v, cache, &mut out)?;
     let t = meta.common.num_actual_tokens;
     tensor3(out, [t, layer.num_heads, layer.head_dim], &Device::Cpu)

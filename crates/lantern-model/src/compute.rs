@@ -14,6 +14,7 @@ use lantern_attn::{
     host_f32, tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap,
     CpuFlashBackend, LayerKvCache,
 };
+use lantern_quant::share;
 
 /// One attention call: the layer, its description and metadata, where it runs and reads
 /// its cache, and the capture tap.
@@ -359,7 +360,7 @@ impl Compute for Cpu {
         if let Some(tap) = tap {
             tap.record(call.layer, &q, &out)?;
         }
-        let values = host_f32(&out)?.to_vec();
+        let values = share::copied(&host_f32(&out)?);
         Ok(values)
     }
 

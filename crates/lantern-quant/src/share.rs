@@ -292,6 +292,25 @@ pub fn fresh_chunks(
     out
 }
 
+/// A copy of `src`, made in chunks on the step's threads (a prefill's attention output
+/// leaving its tensor: a megabyte or more a layer).
+pub fn copied(src: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(src.len());
+    let chunk = chunk_len(src.len(), 1);
+    for_each_chunk(
+        &mut out.spare_capacity_mut()[..src.len()],
+        chunk,
+        &|i, part| {
+            for (to, from) in part.iter_mut().zip(&src[i * chunk..]) {
+                to.write(*from);
+            }
+        },
+    );
+    // SAFETY: the chunks cover `0..src.len()`, each written above.
+    unsafe { out.set_len(src.len()) };
+    out
+}
+
 /// A new `len`-value output of zeros, zeroed in chunks on the step's threads.
 pub fn zeroed(len: usize) -> Vec<f32> {
     fresh_chunks(len, chunk_len(len, 1), &|_, _| {})
@@ -394,7 +413,8 @@ mod tests {
     }
 
     /// A fresh output holds what each chunk wrote where it wrote, zeros elsewhere in the
-    /// chunk, for lengths on and off the chunk length, on one thread and on a pool.
+    /// chunk, for lengths on and off the chunk length, on one thread and on a pool; a
+    /// chunked copy equals its source.
     #[test]
     fn fresh_chunks_hold_what_each_chunk_wrote_and_zeros_elsewhere() {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -421,6 +441,8 @@ mod tests {
             let on_pool = pool.install(|| fresh_chunks(len, chunk, &fill));
             assert_eq!(on_pool, want, "len {len}, 3 threads");
             assert!(pool.install(|| zeroed(len)).iter().all(|&v| v == 0.0));
+            let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+            assert_eq!(pool.install(|| copied(&src)), src, "copy of {len}");
         }
     }
 

@@ -1020,12 +1020,16 @@ fn merge_and_store(
             return;
         };
         let Ok(mut merged) = first.lock() else { return };
+        // Each piece is freed by the thread that merged it, not by the caller after the
+        // last output (hundreds of buffers a layer at prefill, freed one by one).
         for next in rest {
-            if let Ok(next) = next.lock() {
+            if let Ok(mut next) = next.lock() {
                 merge_into(&mut merged, &next, layer.head_dim);
+                drop(std::mem::take(&mut *next));
             }
         }
         store_rows(&items[pieces.start], &merged, layer, &out);
+        drop(std::mem::take(&mut *merged));
     };
     match runner {
         Runner::Inline => (0..outputs.len()).for_each(store),

@@ -205,8 +205,9 @@ impl CpuFlashBackend {
             tiles: Bf16Tiles::in_effect(),
         };
         let work: usize = items.iter().map(|it| it.multiply_adds(layer)).sum();
-        let partials = run_items(&ctx, &items, Runner::for_work(work));
-        merge_and_store(&items, partials, layer, out);
+        let singles = Singles::new(&items, layer, out);
+        let partials = run_items(&ctx, &items, Runner::for_work(work), Some(&singles));
+        merge_and_store(&items, partials, layer, &singles);
         if let Some(keep) = &mut keep {
             keep.finish(layer);
         }
@@ -366,17 +367,59 @@ impl Runner {
     }
 }
 
-fn run_items(ctx: &Ctx<'_>, items: &[WorkItem], runner: Runner) -> Vec<Partial> {
+/// The outputs of the items that are their output's only piece: stored by the thread
+/// that ran the item (nothing to merge), so that the caller merges and stores only the
+/// outputs of several pieces (a decode batch's are nearly all single: 96 a layer at
+/// batch 32 for SmolLM2, which the engine thread used to store alone).
+struct Singles<'a> {
+    single: Vec<bool>,
+    layer: &'a AttentionLayerSpec,
+    out: share::SharedMut<'a, f32>,
+}
+
+impl<'a> Singles<'a> {
+    fn new(items: &[WorkItem], layer: &'a AttentionLayerSpec, out: &'a mut [f32]) -> Self {
+        let same = |i: usize, j: Option<&WorkItem>| j.is_some_and(|j| j.output == items[i].output);
+        let single = (0..items.len())
+            .map(|i| !same(i, i.checked_sub(1).map(|p| &items[p])) && !same(i, items.get(i + 1)))
+            .collect();
+        Self {
+            single,
+            layer,
+            out: share::SharedMut::new(out),
+        }
+    }
+
+    /// `partial` stored when item `i` is its output's only piece (an empty state
+    /// returned), else `partial` back for the merge.
+    fn store_if_single(&self, items: &[WorkItem], i: usize, partial: Partial) -> Partial {
+        if !self.single[i] {
+            return partial;
+        }
+        store_rows(&items[i], &partial, self.layer, &self.out);
+        Partial::default()
+    }
+}
+
+fn run_items(
+    ctx: &Ctx<'_>,
+    items: &[WorkItem],
+    runner: Runner,
+    singles: Option<&Singles<'_>>,
+) -> Vec<Partial> {
+    let run = |i: usize| {
+        let partial = with_scratch(|scratch| run_item(ctx, &items[i], scratch));
+        match singles {
+            Some(singles) => singles.store_if_single(items, i, partial),
+            None => partial,
+        }
+    };
     match runner {
-        Runner::Inline => items
-            .iter()
-            .map(|item| with_scratch(|scratch| run_item(ctx, item, scratch)))
-            .collect(),
+        Runner::Inline => (0..items.len()).map(run).collect(),
         Runner::Shared => {
             let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
             share::run(items.len(), &|i| {
-                let partial = with_scratch(|scratch| run_item(ctx, &items[i], scratch));
-                let _ = slots[i].set(partial);
+                let _ = slots[i].set(run(i));
             });
             // `share::run` returns only once every item has run (it resumes a panic).
             slots
@@ -996,9 +1039,10 @@ fn merge_and_store(
     items: &[WorkItem],
     partials: Vec<Partial>,
     layer: &AttentionLayerSpec,
-    out: &mut [f32],
+    singles: &Singles<'_>,
 ) {
-    // Consecutive items with the same output: one output's key-range pieces.
+    // Consecutive items with the same output: one output's key-range pieces (those of one
+    // piece were stored as they ran).
     let mut outputs: Vec<std::ops::Range<usize>> = Vec::new();
     for (i, item) in items.iter().enumerate() {
         match outputs.last_mut() {
@@ -1006,14 +1050,23 @@ fn merge_and_store(
             _ => outputs.push(i..i + 1),
         }
     }
-    let runner = if outputs.len() > 1 && out.len() >= MERGE_SERIAL_VALUES {
+    outputs.retain(|pieces| !singles.single[pieces.start]);
+    if outputs.is_empty() {
+        return;
+    }
+    let values: usize = outputs
+        .iter()
+        .map(|p| (items[p.start].rows.1 - items[p.start].rows.0) * layer.group_size())
+        .sum::<usize>()
+        * layer.head_dim;
+    let runner = if outputs.len() > 1 && values >= MERGE_SERIAL_VALUES {
         Runner::Shared
     } else {
         Runner::Inline
     };
     // One task per output, which alone locks its pieces (the locks only make them `Sync`).
     let partials: Vec<Mutex<Partial>> = partials.into_iter().map(Mutex::new).collect();
-    let out = share::SharedMut::new(out);
+    let out = &singles.out;
     let store = |o: usize| {
         let pieces = outputs[o].clone();
         let Some((first, rest)) = partials.get(pieces.clone()).and_then(<[_]>::split_first) else {
@@ -1028,7 +1081,7 @@ fn merge_and_store(
                 drop(std::mem::take(&mut *next));
             }
         }
-        store_rows(&items[pieces.start], &merged, layer, &out);
+        store_rows(&items[pieces.start], &merged, layer, out);
         drop(std::mem::take(&mut *merged));
     };
     match runner {
@@ -1204,8 +1257,8 @@ mod tests {
             let _ = kind;
             let items = plan(&common, &layer, &FlashTuning::default(), block_size);
             assert!(items.len() > 10);
-            let inline = run_items(&ctx, &items, Runner::Inline);
-            let shared = run_items(&ctx, &items, Runner::Shared);
+            let inline = run_items(&ctx, &items, Runner::Inline, None);
+            let shared = run_items(&ctx, &items, Runner::Shared, None);
             for (a, b) in inline.iter().zip(&shared) {
                 assert_eq!(a.max, b.max);
                 assert_eq!(a.sum, b.sum);

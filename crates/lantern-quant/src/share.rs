@@ -26,6 +26,7 @@
 //! any other).
 
 use std::any::Any;
+use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -275,45 +276,50 @@ pub fn fresh_chunks(
     chunk_len: usize,
     fill: &(dyn Fn(usize, &mut [f32]) + Sync),
 ) -> Vec<f32> {
-    let mut out = Vec::with_capacity(len);
-    for_each_chunk(
-        &mut out.spare_capacity_mut()[..len],
-        chunk_len,
-        &|i, part| {
-            part.fill(std::mem::MaybeUninit::new(0.0));
-            // SAFETY: every element of `part` was initialized just above, and
-            // `MaybeUninit<f32>` has `f32`'s layout.
-            let part = unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
-            fill(i, part)
-        },
-    );
-    // SAFETY: the chunks cover `0..len`, and each was initialized.
-    unsafe { out.set_len(len) };
-    out
+    // SAFETY: every element of each chunk is initialized (zeroed) before `fill` sees it.
+    unsafe {
+        initialized_in_chunks(len, chunk_len, &|i, part| {
+            part.fill(MaybeUninit::new(0.0));
+            // SAFETY: initialized just above; `MaybeUninit<f32>` has `f32`'s layout.
+            fill(i, &mut *(part as *mut [MaybeUninit<f32>] as *mut [f32]))
+        })
+    }
 }
 
 /// A copy of `src`, made in chunks on the step's threads (a prefill's attention output
 /// leaving its tensor: a megabyte or more a layer).
 pub fn copied(src: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(src.len());
     let chunk = chunk_len(src.len(), 1);
-    for_each_chunk(
-        &mut out.spare_capacity_mut()[..src.len()],
-        chunk,
-        &|i, part| {
+    // SAFETY: each chunk is written whole from `src`, which is as long as the output.
+    unsafe {
+        initialized_in_chunks(src.len(), chunk, &|i, part| {
             for (to, from) in part.iter_mut().zip(&src[i * chunk..]) {
                 to.write(*from);
             }
-        },
-    );
-    // SAFETY: the chunks cover `0..src.len()`, each written above.
-    unsafe { out.set_len(src.len()) };
-    out
+        })
+    }
 }
 
 /// A new `len`-value output of zeros, zeroed in chunks on the step's threads.
 pub fn zeroed(len: usize) -> Vec<f32> {
     fresh_chunks(len, chunk_len(len, 1), &|_, _| {})
+}
+
+/// A new `len`-value output whose chunks of `chunk_len` values `init(i, chunk)` writes, as
+/// [`for_each_chunk`] runs them.
+///
+/// # Safety
+/// `init` initializes every element of the chunk it is given.
+unsafe fn initialized_in_chunks(
+    len: usize,
+    chunk_len: usize,
+    init: &(dyn Fn(usize, &mut [MaybeUninit<f32>]) + Sync),
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    for_each_chunk(&mut out.spare_capacity_mut()[..len], chunk_len, init);
+    // SAFETY: the chunks cover `0..len`, and `init` initialized each (the caller's promise).
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// Chunk length for an element-wise pass over `len` values in units (rows) of `unit`:

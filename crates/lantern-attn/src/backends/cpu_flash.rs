@@ -379,9 +379,15 @@ struct Singles<'a> {
 
 impl<'a> Singles<'a> {
     fn new(items: &[WorkItem], layer: &'a AttentionLayerSpec, out: &'a mut [f32]) -> Self {
-        let same = |i: usize, j: Option<&WorkItem>| j.is_some_and(|j| j.output == items[i].output);
+        // An output's pieces are consecutive items: a single one shares it with neither
+        // neighbour.
         let single = (0..items.len())
-            .map(|i| !same(i, i.checked_sub(1).map(|p| &items[p])) && !same(i, items.get(i + 1)))
+            .map(|i| {
+                let output = items[i].output;
+                let before = i > 0 && items[i - 1].output == output;
+                let after = items.get(i + 1).is_some_and(|next| next.output == output);
+                !before && !after
+            })
             .collect();
         Self {
             single,

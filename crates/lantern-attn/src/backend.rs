@@ -210,6 +210,24 @@ pub trait AttentionBackend: Send + Sync {
         values: Option<&mut [f32]>,
     ) -> Result<(), AttnError>;
 
+    /// The map `job` asks for (one request's query rows on one layer, over its keys in
+    /// `cache` at `block_table`, the request's blocks in the layer's group), computed
+    /// where the cache lives with the layer's own scale, masks, soft-cap and sinks, heads
+    /// combined and top-k kept as [`crate::maps`] defines them: only the map crosses to
+    /// the host. Attention capture asks when a request finishes, before its blocks are
+    /// freed. `None` (the default): the backend leaves maps to the capture's own
+    /// finalize from keys copied by [`Self::read_slots`] — the CPU backends, whose
+    /// finalize runs off the step loop on the cores the engine leaves idle.
+    fn probability_map(
+        &self,
+        cache: &dyn LayerKvCache,
+        block_table: &[u32],
+        job: &crate::ProbabilityMapJob<'_>,
+    ) -> Option<Result<crate::ProbabilityMap, AttnError>> {
+        let _ = (cache, block_table, job);
+        None
+    }
+
     /// The backend itself, for a device's model code that calls its native (non-host)
     /// entry points; `None` for backends that have none.
     fn as_any(&self) -> Option<&dyn Any> {

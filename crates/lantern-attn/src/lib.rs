@@ -16,6 +16,8 @@
 //! - [`device`]: what crosses the backend boundary: tensors on the backend's device and
 //!   the [`LayerKvCache`]s a backend allocates.
 //! - [`tap`]: the hook that hands query rows to attention capture.
+//! - [`maps`]: a captured layer's probability map as a backend computes it where its
+//!   cache lives, and how rows of probabilities become a map.
 //! - [`backends`]: `cpu-reference` (the oracle) and `cpu-flash` (the default on CPU).
 
 pub mod backend;
@@ -27,6 +29,7 @@ pub mod graphs;
 pub mod layer;
 pub mod layout;
 pub mod local;
+pub mod maps;
 pub mod metadata;
 pub mod tap;
 
@@ -44,6 +47,7 @@ pub use graphs::{GraphKey, GraphStats, StepGraphs};
 pub use layer::AttentionLayerSpec;
 pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};
 pub use local::{make_local_attention_virtual_batches, LocalVirtualBatch};
+pub use maps::{combine_heads, top_k, HeadCombine, ProbabilityMap, ProbabilityMapJob};
 pub use metadata::{
     reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
     BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,

@@ -151,12 +151,13 @@ impl QueryRowBuffer {
         self.live.as_ref()?.span_masses(rows, num_keys)
     }
 
-    /// Whether finalizing rows `rows` (`num_keys` keys wide) needs the keys: for maps or
-    /// the attention output's check, or for key statistics and span masses unless they
-    /// were summed as the rows ran.
-    pub fn needs_keys(&self, rows: &Range<usize>, num_keys: usize) -> bool {
+    /// Whether finalizing rows `rows` (`num_keys` keys wide) needs the keys: for maps
+    /// (unless `maps_computed`: the backend computed them where its cache lives) or the
+    /// attention output's check, or for key statistics and span masses unless they were
+    /// summed as the rows ran.
+    pub fn needs_keys(&self, rows: &Range<usize>, num_keys: usize, maps_computed: bool) -> bool {
         let spec = &self.spec;
-        spec.maps
+        (spec.maps && !maps_computed)
             || spec.keep_attention_output
             || ((!spec.stats.is_empty() || !spec.spans.is_empty())
                 && !self.live.as_ref().is_some_and(|l| l.covers(rows, num_keys)))
@@ -212,6 +213,21 @@ impl QueryRowBuffer {
     /// slot `slot`; `None` when it was never recorded.
     pub fn query(&self, slot: usize, pos: usize, head_index: usize) -> Option<&[f32]> {
         self.row_of(&self.q, slot, pos, head_index)
+    }
+
+    /// The query rows of positions `rows` on captured layer slot `slot`, one after
+    /// another: `[rows.len(), heads, head_dim]`; `None` unless every one was recorded.
+    pub fn queries(&self, slot: usize, rows: Range<usize>) -> Option<&[f32]> {
+        if rows.is_empty() {
+            return Some(&[]);
+        }
+        if rows.start < self.positions.start || rows.end > self.filled_to.min(self.positions.end) {
+            return None;
+        }
+        let start = (rows.start - self.positions.start) * self.row_len();
+        self.q
+            .get(slot)?
+            .get(start..start + rows.len() * self.row_len())
     }
 
     /// The attention output recorded beside the query (with `keep_attention_output`).

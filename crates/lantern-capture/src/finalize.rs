@@ -15,7 +15,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use lantern_attn::{AttentionBackend, AttentionLayerSpec, LayerKvCache};
+use lantern_attn::{
+    combine_heads, top_k, AttentionBackend, AttentionLayerSpec, LayerKvCache, ProbabilityMap,
+    ProbabilityMapJob,
+};
 
 use crate::buffer::QueryRowBuffer;
 use crate::error::CaptureError;
@@ -23,7 +26,7 @@ use crate::result::{
     AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo, CAPTURE_FORMAT,
 };
 use crate::spans::SpanMassAccumulator;
-use crate::spec::{HeadReduce, RowSelection};
+use crate::spec::RowSelection;
 use crate::stats::{KeyStat, KeyStatsAccumulator};
 
 /// Why the last token of a finished request has no row.
@@ -136,6 +139,54 @@ pub fn snapshot_layer(
     })
 }
 
+/// Captured layer slot `slot`'s map (`layer`; rows `rows`, keys `0..num_keys`), computed
+/// by `backend` where `cache` lives from `buffer`'s query rows and the request's keys at
+/// `block_table` ([`AttentionBackend::probability_map`]); checked to have the map's
+/// shape. `None` when the capture delivers no maps or the backend computes none.
+#[allow(clippy::too_many_arguments)]
+pub fn map_on_backend(
+    backend: &dyn AttentionBackend,
+    cache: &dyn LayerKvCache,
+    block_table: &[u32],
+    buffer: &QueryRowBuffer,
+    slot: usize,
+    layer: &AttentionLayerSpec,
+    rows: Range<usize>,
+    num_keys: usize,
+) -> Option<Result<ProbabilityMap, CaptureError>> {
+    let spec = buffer.spec();
+    if !spec.maps {
+        return None;
+    }
+    let Some(queries) = buffer.queries(slot, rows.clone()) else {
+        return Some(Err(CaptureError::Incomplete(format!(
+            "no query rows for positions {rows:?}"
+        ))));
+    };
+    let job = ProbabilityMapJob {
+        layer,
+        queries,
+        positions: rows,
+        heads: &spec.heads,
+        num_keys,
+        combine: spec.reduce.into(),
+        top_k: spec.top_k,
+    };
+    let map = match backend.probability_map(cache, block_table, &job)? {
+        Ok(map) => map,
+        Err(e) => return Some(Err(e.into())),
+    };
+    let len = job.map_len();
+    let indices_len = map.indices.as_ref().map(Vec::len);
+    if map.values.len() != len || indices_len != job.top_k.map(|_| len) {
+        return Some(Err(CaptureError::Incomplete(format!(
+            "the backend's map has {} values and {indices_len:?} indices, not {len}",
+            map.values.len()
+        ))));
+    }
+    Some(Ok(map))
+}
+
 /// The keys a capture of rows `rows` on `layer` needs, of the `num_keys` computed: from
 /// the first key the first row can see to the last key the last row can see. Keys past
 /// the last row are never visible to it, so they are neither read nor delivered.
@@ -158,6 +209,10 @@ pub struct PendingCapture {
     pub buffer: QueryRowBuffer,
     /// Per captured layer (in `buffer.spec().layers` order): its attention and keys.
     pub layers: Vec<(AttentionLayerSpec, KeySnapshot)>,
+    /// Per captured layer, its map when the backend computed it where the cache lives
+    /// ([`map_on_backend`]); empty, or `None` for a layer, where finalize computes it
+    /// from the keys.
+    pub computed_maps: Vec<Option<ProbabilityMap>>,
     pub prompt_len: usize,
     /// The longest the sequence could have grown (the prompt plus `max_tokens`): rows
     /// of an explicit range up to here that the sequence did not reach are absent.
@@ -213,6 +268,20 @@ impl PendingCapture {
                 .iter()
                 .map(|(_, s)| (s.keys.len() + s.values.as_ref().map_or(0, Vec::len)) * 4)
                 .sum::<usize>()
+            + self
+                .computed_maps
+                .iter()
+                .flatten()
+                .map(ProbabilityMap::size_bytes)
+                .sum::<usize>()
+    }
+
+    /// Whether the backend computed every captured layer's map where its cache lives.
+    pub fn maps_computed_by_backend(&self) -> bool {
+        let slots = self.buffer.spec().layers.len();
+        self.buffer.spec().maps
+            && self.computed_maps.len() == slots
+            && self.computed_maps.iter().all(Option::is_some)
     }
 
     /// Whether keys were copied out of the cache for finalizing (none are when the
@@ -280,7 +349,34 @@ impl PendingCapture {
     pub fn finalize_on(
         &self,
         threads: usize,
+        after_layer: impl FnMut(),
+    ) -> Result<CaptureResult, CaptureError> {
+        let computed = |slot: usize| self.computed_maps.get(slot).cloned().flatten();
+        self.finalize_taking(threads, after_layer, &computed)
+    }
+
+    /// [`Self::finalize_on`] for an owner done with the capture: the maps the backend
+    /// computed move into the result instead of being copied.
+    pub fn into_result(
+        mut self,
+        threads: usize,
+        after_layer: impl FnMut(),
+    ) -> Result<CaptureResult, CaptureError> {
+        let maps: Vec<Mutex<Option<ProbabilityMap>>> = std::mem::take(&mut self.computed_maps)
+            .into_iter()
+            .map(Mutex::new)
+            .collect();
+        let computed = |slot: usize| maps.get(slot)?.lock().ok()?.take();
+        self.finalize_taking(threads, after_layer, &computed)
+    }
+
+    /// Finalizing, with `computed(slot)` giving each slot's map when the backend
+    /// computed it (called once a slot).
+    fn finalize_taking(
+        &self,
+        threads: usize,
         mut after_layer: impl FnMut(),
+        computed: &(dyn Fn(usize) -> Option<ProbabilityMap> + Sync),
     ) -> Result<CaptureResult, CaptureError> {
         let spec = self.buffer.spec();
         let (rows, absent_rows) = self.row_plan();
@@ -324,7 +420,7 @@ impl PendingCapture {
                     break;
                 }
                 let live = live_stats.get(slot).and_then(|l| l.lock().ok()?.take());
-                let outcome = self.finalize_layer(slot, &plan, live);
+                let outcome = self.finalize_layer(slot, &plan, live, computed(slot));
                 failed.fetch_or(outcome.is_err(), Ordering::Relaxed);
                 if let Ok(mut d) = done[slot].lock() {
                     *d = Some(outcome);
@@ -420,12 +516,14 @@ struct LayerOutcome {
 
 impl PendingCapture {
     /// Captured layer slot `slot`'s map, statistics and span masses; `live` its key
-    /// statistics when they were summed as the rows ran.
+    /// statistics when they were summed as the rows ran, `computed` its map when the
+    /// backend computed it.
     fn finalize_layer(
         &self,
         slot: usize,
         plan: &LayerPlan<'_>,
         live: Option<KeyStatsAccumulator>,
+        computed: Option<ProbabilityMap>,
     ) -> Result<LayerOutcome, CaptureError> {
         let spec = self.buffer.spec();
         let (rows, num_keys) = (plan.rows.clone(), plan.num_keys);
@@ -436,7 +534,9 @@ impl PendingCapture {
             .layers
             .get(slot)
             .ok_or_else(|| CaptureError::Incomplete(format!("no keys for layer slot {slot}")))?;
-        let map_len = if spec.maps {
+        // A map the backend computed is taken as it is; otherwise it is built row by row.
+        let map_from_rows = spec.maps && computed.is_none();
+        let map_len = if map_from_rows {
             rows.len() * spec.output_heads() * width
         } else {
             0
@@ -479,7 +579,7 @@ impl PendingCapture {
         let mut dense = vec![0f32; heads * num_keys];
         let mut reduced = Vec::new();
         // Rows are computed for what is not summed yet: maps, span masses, statistics.
-        let rows_needed = spec.maps || spans.is_some() || (accumulator.is_some() && !summed);
+        let rows_needed = map_from_rows || spans.is_some() || (accumulator.is_some() && !summed);
         for pos in rows.clone().filter(|_| rows_needed) {
             self.row_probabilities(slot, layer, pos, &mut dense)?;
             if let Some(accumulator) = accumulator.as_mut().filter(|_| !summed) {
@@ -488,17 +588,22 @@ impl PendingCapture {
             if let Some(spans) = &mut spans {
                 spans.add_row(&dense);
             }
-            if !spec.maps {
+            if !map_from_rows {
                 continue;
             }
+            let combine = spec.reduce.into();
             match &mut indices {
-                None => reduce_heads(&dense, heads, num_keys, spec.reduce, &mut values),
+                None => combine_heads(&dense, heads, num_keys, combine, &mut values),
                 Some(indices) => {
                     reduced.clear();
-                    reduce_heads(&dense, heads, num_keys, spec.reduce, &mut reduced);
+                    combine_heads(&dense, heads, num_keys, combine, &mut reduced);
                     top_k(&reduced, num_keys, width, &mut values, indices);
                 }
             }
+        }
+        if let Some(map) = computed.filter(|_| spec.maps) {
+            values = map.values;
+            indices = map.indices;
         }
         Ok(LayerOutcome {
             map: spec.maps.then(|| LayerMap {
@@ -542,92 +647,4 @@ pub(crate) fn row_probabilities(
         lantern_attn::row_probabilities(layer, h, q, k, row);
     }
     Ok(())
-}
-
-/// Appends `dense` (`[rows, heads, keys]`) to `out` reduced to `[rows, 1, keys]` by the
-/// mean or max over heads, or unchanged.
-fn reduce_heads(dense: &[f32], heads: usize, keys: usize, reduce: HeadReduce, out: &mut Vec<f32>) {
-    if reduce == HeadReduce::None || heads == 0 || keys == 0 {
-        out.extend_from_slice(dense);
-        return;
-    }
-    for row in dense.chunks_exact(heads * keys) {
-        let start = out.len();
-        out.resize(start + keys, 0.0);
-        let dst = &mut out[start..];
-        for src in row.chunks_exact(keys) {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = match reduce {
-                    HeadReduce::MaxHeads => d.max(s),
-                    _ => *d + s,
-                };
-            }
-        }
-        if reduce == HeadReduce::MeanHeads {
-            let inv = 1.0 / heads as f32;
-            dst.iter_mut().for_each(|d| *d *= inv);
-        }
-    }
-}
-
-/// Appends the `k` largest values of each row of `keys` in `values` to `vals`
-/// (descending; ties by lower position), and their key positions to `idx`.
-pub(crate) fn top_k(
-    values: &[f32],
-    keys: usize,
-    k: usize,
-    vals: &mut Vec<f32>,
-    idx: &mut Vec<u32>,
-) {
-    if keys == 0 || k == 0 {
-        return;
-    }
-    let mut order: Vec<usize> = Vec::with_capacity(keys);
-    for row in values.chunks_exact(keys) {
-        let by_value = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-        order.clear();
-        order.extend(0..keys);
-        // The k largest first (a partial selection), then only those sorted.
-        order.select_nth_unstable_by(k - 1, by_value);
-        order[..k].sort_by(by_value);
-        for &j in &order[..k] {
-            vals.push(row[j]);
-            idx.push(j as u32);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reductions() {
-        // 1 row, 2 heads, 3 keys
-        let dense = vec![0.2, 0.8, 0.0, 0.6, 0.4, 0.0];
-        let reduced = |reduce| {
-            let mut out = vec![9.0];
-            reduce_heads(&dense, 2, 3, reduce, &mut out);
-            out
-        };
-        let m = reduced(HeadReduce::MeanHeads);
-        assert_eq!(m.len(), 4, "appends one row of 3 keys: {m:?}");
-        assert!((m[1] - 0.4).abs() < 1e-7 && (m[2] - 0.6).abs() < 1e-7 && m[3] == 0.0);
-        assert_eq!(reduced(HeadReduce::MaxHeads), vec![9.0, 0.6, 0.8, 0.0]);
-        let mut unchanged = vec![9.0];
-        unchanged.extend_from_slice(&dense);
-        assert_eq!(reduced(HeadReduce::None), unchanged);
-    }
-
-    #[test]
-    fn top_k_orders_and_breaks_ties_by_position() {
-        let (mut v, mut i) = (Vec::new(), Vec::new());
-        top_k(&[0.1, 0.5, 0.1, 0.3, 0.0, 1.0], 3, 2, &mut v, &mut i);
-        assert_eq!(v, vec![0.5, 0.1, 1.0, 0.3]);
-        assert_eq!(i, vec![1, 0, 2, 0]);
-        // Many ties: the lowest positions win, in order.
-        let (mut v, mut i) = (Vec::new(), Vec::new());
-        top_k(&[0.0, 0.2, 0.2, 0.2, 0.1, 0.2], 6, 3, &mut v, &mut i);
-        assert_eq!((v, i), (vec![0.2, 0.2, 0.2], vec![1, 2, 3]));
-    }
 }

@@ -30,7 +30,9 @@ pub mod worker;
 
 pub use buffer::{QueryRowBuffer, StepTap};
 pub use error::{CaptureError, CaptureFailure};
-pub use finalize::{keys_needed, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT};
+pub use finalize::{
+    keys_needed, map_on_backend, snapshot_layer, KeySnapshot, PendingCapture, LAST_TOKEN_ABSENT,
+};
 pub use live::{row_capture, row_capture_from_sums, RowCapture, RowLayer, TopKeys};
 pub use result::{AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo};
 pub use spans::{

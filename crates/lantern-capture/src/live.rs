@@ -9,11 +9,11 @@
 
 use serde::Serialize;
 
-use lantern_attn::AttentionLayerSpec;
+use lantern_attn::{top_k, AttentionLayerSpec};
 
 use crate::buffer::QueryRowBuffer;
 use crate::error::CaptureError;
-use crate::finalize::{row_probabilities, top_k, KeySnapshot};
+use crate::finalize::{row_probabilities, KeySnapshot};
 use crate::spans::SpanMassAccumulator;
 use crate::stats::group_row;
 

@@ -89,6 +89,16 @@ pub enum HeadReduce {
     MaxHeads,
 }
 
+impl From<HeadReduce> for lantern_attn::HeadCombine {
+    fn from(reduce: HeadReduce) -> Self {
+        match reduce {
+            HeadReduce::None => Self::Each,
+            HeadReduce::MeanHeads => Self::Mean,
+            HeadReduce::MaxHeads => Self::Max,
+        }
+    }
+}
+
 impl HeadReduce {
     pub fn parse(s: &str) -> Result<Self, CaptureError> {
         match s.trim() {

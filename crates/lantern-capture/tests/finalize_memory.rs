@@ -93,6 +93,7 @@ fn pending(spec: CaptureSpec) -> PendingCapture {
     };
     PendingCapture {
         buffer,
+        computed_maps: Vec::new(),
         layers: (0..LAYERS)
             .map(|_| {
                 let attention = AttentionLayerSpec::new(HEADS, KV_HEADS, HEAD_DIM);

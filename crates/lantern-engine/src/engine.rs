@@ -13,8 +13,9 @@ use crate::sampling::{
 use crate::scheduler::Scheduler;
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
-    keys_needed, row_capture, row_capture_from_sums, snapshot_layer, CaptureFailure, CaptureSpec,
-    KeySnapshot, PendingCapture, QueryRowBuffer, RowCapture, StepTap, TokenInfo,
+    keys_needed, map_on_backend, row_capture, row_capture_from_sums, snapshot_layer,
+    CaptureFailure, CaptureSpec, KeySnapshot, PendingCapture, QueryRowBuffer, RowCapture, StepTap,
+    TokenInfo,
 };
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
@@ -509,10 +510,10 @@ impl Engine {
             .map(|layer| keys_needed(layer, rows.clone(), num_computed).end)
             .max()
             .unwrap_or(0);
-        let needs_keys = buffer.needs_keys(&rows, num_keys);
         let mut layers = Vec::with_capacity(spec.layers.len());
+        let mut computed_maps = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
-        for &l in &spec.layers {
+        for (slot, &l) in spec.layers.iter().enumerate() {
             let (Some(layer), Some(cache)) = (info.attention.get(l), self.runner.caches().get(l))
             else {
                 failure = Some(CaptureFailure::Snapshot(format!(
@@ -520,17 +521,36 @@ impl Engine {
                 )));
                 break;
             };
-            let group = self.runner.layer_group(l);
+            let table = self.kv.block_table(id, self.runner.layer_group(l));
             let keys = keys_needed(layer, rows.clone(), num_computed);
+            // A backend that computes maps where its cache lives (the GPU's) sends back
+            // the map alone; if it cannot, the keys are copied and finalize computes it.
+            let backend = self.runner.backend();
+            let (buf, range) = (&*buffer, rows.clone());
+            let map =
+                match map_on_backend(backend, &**cache, table, buf, slot, layer, range, num_keys) {
+                    Some(Ok(map)) => Some(map),
+                    Some(Err(e)) => {
+                        tracing::warn!(
+                        "layer {l}'s attention map was not computed by the `{}` backend ({e}); \
+                         its keys are copied for the host to compute it",
+                        backend.name()
+                    );
+                        None
+                    }
+                    None => None,
+                };
+            let needs_keys = buffer.needs_keys(&rows, num_keys, map.is_some());
+            computed_maps.push(map);
             if !needs_keys {
                 let snapshot = KeySnapshot::without_keys(keys, layer.num_kv_heads, layer.head_dim);
                 layers.push((layer.clone(), snapshot));
                 continue;
             }
             match snapshot_layer(
-                self.runner.backend(),
+                backend,
                 cache.as_ref(),
-                self.kv.block_table(id, group),
+                table,
                 keys,
                 spec.keep_attention_output,
             ) {
@@ -555,6 +575,7 @@ impl Engine {
             None => Ok(PendingCapture {
                 buffer: *buffer,
                 layers,
+                computed_maps,
                 prompt_len: req.prompt_len(),
                 max_len: req.prompt_len().saturating_add(req.params.max_tokens),
                 block_size: self.config.block_size,

@@ -10,12 +10,12 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use lantern_attn::{
-    backend_by_name, host_f32, slot_for_position, tensor3, validate_forward_inputs,
-    AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError, CacheGeometry,
-    CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache, Tensor,
-    CPU_REFERENCE,
+    backend_by_name, combine_heads, host_f32, slot_for_position, tensor3, top_k,
+    validate_forward_inputs, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError, CacheGeometry,
+    CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache, ProbabilityMap,
+    ProbabilityMapJob, Tensor, CPU_REFERENCE,
 };
-use lantern_capture::CaptureSpec;
+use lantern_capture::{CaptureSpec, HeadReduce, RowSelection};
 use lantern_engine::{Completion, Engine, SamplingParams};
 use lantern_kv::KvDtype;
 
@@ -58,15 +58,77 @@ struct StagedSlots {
     key_slots: Vec<Vec<Option<usize>>>,
 }
 
+/// What the backend does when capture asks it for a layer's map.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Maps {
+    /// Declines: the capture copies the keys and finalize computes the map.
+    Declined,
+    /// Computes it from its own cache, as a device backend does where its cache lives.
+    Computed,
+    /// Fails (as a device out of memory would): the capture falls back to the keys.
+    Failing,
+    /// Returns a map one value short: refused, and the capture falls back to the keys.
+    Misshapen,
+}
+
 struct SlotBackend {
     layout: KvCacheLayout,
+    maps: Maps,
 }
 
 impl SlotBackend {
     fn new() -> Self {
+        Self::with_maps(Maps::Declined)
+    }
+
+    fn with_maps(maps: Maps) -> Self {
         Self {
             layout: KvCacheLayout::contiguous(KvCacheShape::BlocksFirst),
+            maps,
         }
+    }
+
+    /// The map `job` asks for, from the keys at the request's slots, row by row through
+    /// the same per-row probabilities the host's finalize uses, then heads combined and
+    /// top-k kept as `lantern_attn::maps` defines them.
+    fn map(
+        cache: &SlotCache,
+        block_table: &[u32],
+        job: &ProbabilityMapJob<'_>,
+    ) -> Result<ProbabilityMap, AttnError> {
+        job.check()?;
+        let (layer, d) = (job.layer, job.layer.head_dim);
+        let (row_len, bs) = (cache.geometry.token_row_len(), cache.geometry.block_size);
+        let (heads, n) = (job.heads.len(), job.num_keys);
+        let mut dense = vec![0f32; heads * n];
+        let (mut combined, mut values) = (Vec::new(), Vec::new());
+        let mut indices = job.top_k.map(|_| Vec::new());
+        for (i, pos) in job.positions.clone().enumerate() {
+            dense.fill(0.0);
+            let visible = job.visible(pos);
+            for (hi, &h) in job.heads.iter().enumerate() {
+                let kv = layer.kv_head_for(h) * d;
+                let mut keys = Vec::with_capacity(visible.len() * d);
+                for p in visible.clone() {
+                    let slot = slot_for_position(block_table, bs, p)
+                        .and_then(|s| usize::try_from(s).ok())
+                        .ok_or_else(|| AttnError::InvalidMetadata(format!("no slot for {p}")))?;
+                    keys.extend_from_slice(&cache.keys[slot * row_len + kv..][..d]);
+                }
+                let q = &job.queries[(i * heads + hi) * d..][..d];
+                let row = &mut dense[hi * n..][visible.clone()];
+                lantern_attn::row_probabilities(layer, h, q, &keys, row);
+            }
+            match &mut indices {
+                None => combine_heads(&dense, heads, n, job.combine, &mut values),
+                Some(indices) => {
+                    combined.clear();
+                    combine_heads(&dense, heads, n, job.combine, &mut combined);
+                    top_k(&combined, n, job.width(), &mut values, indices);
+                }
+            }
+        }
+        Ok(ProbabilityMap { values, indices })
     }
 
     fn own(cache: &dyn LayerKvCache) -> Result<&SlotCache, AttnError> {
@@ -223,6 +285,27 @@ impl AttentionBackend for SlotBackend {
         }
         Ok(())
     }
+
+    fn probability_map(
+        &self,
+        cache: &dyn LayerKvCache,
+        block_table: &[u32],
+        job: &ProbabilityMapJob<'_>,
+    ) -> Option<Result<ProbabilityMap, AttnError>> {
+        let cache = match Self::own(cache) {
+            Ok(c) => c,
+            Err(e) => return Some(Err(e)),
+        };
+        match self.maps {
+            Maps::Declined => None,
+            Maps::Computed => Some(Self::map(cache, block_table, job)),
+            Maps::Failing => Some(Err(AttnError::Unsupported("out of device memory".into()))),
+            Maps::Misshapen => Some(Self::map(cache, block_table, job).map(|mut m| {
+                m.values.pop();
+                m
+            })),
+        }
+    }
 }
 
 fn engine(backend: Box<dyn AttentionBackend>) -> (Engine, tempfile::TempDir) {
@@ -312,4 +395,82 @@ fn a_cache_the_backend_cannot_allocate_is_an_error() {
         .err()
         .expect("an f16 cache is refused");
     assert!(err.to_string().contains("F16"), "{err}");
+}
+
+/// Requests of many capture shapes, batched with a plain one: every head or a few,
+/// heads kept, averaged or maxed, top-k or whole rows, prompt rows or generated ones.
+fn capture_shapes() -> Vec<CaptureSpec> {
+    let mut specs = Vec::new();
+    for (reduce, top_k, rows) in [
+        (HeadReduce::None, None, RowSelection::All),
+        (HeadReduce::MeanHeads, None, RowSelection::Prompt),
+        (HeadReduce::MaxHeads, Some(5), RowSelection::All),
+        (HeadReduce::None, Some(3), RowSelection::Generated),
+        (HeadReduce::MeanHeads, Some(40), RowSelection::Range { start: 4, end: 27 }),
+    ] {
+        let mut spec = CaptureSpec::everything(LAYERS, 4);
+        spec.reduce = reduce;
+        spec.top_k = top_k;
+        spec.rows = rows;
+        specs.push(spec);
+    }
+    let mut few = CaptureSpec::everything(LAYERS, 4);
+    few.layers = vec![1, 4, 6];
+    few.heads = vec![3, 0];
+    specs.push(few);
+    specs
+}
+
+fn run_shapes(engine: &mut Engine) -> Vec<Completion> {
+    let mut requests: Vec<_> = capture_shapes()
+        .into_iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let prompt = (0..19 + i).map(|j| ((i * 31 + j * 7) % 250) as u32).collect();
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(6)
+            };
+            (prompt, params, Some(spec))
+        })
+        .collect();
+    requests.push((vec![5; 12], SamplingParams::greedy(4), None));
+    common::run_to_completion(engine, requests)
+}
+
+/// A backend that computes maps where its cache lives gives the maps the capture's own
+/// finalize gives (bit for bit, since it sums the same way), holds no keys for them, and
+/// one that fails or returns a misshapen map leaves the capture to copy the keys: the
+/// same maps again.
+#[test]
+fn maps_a_backend_computes_equal_the_ones_finalize_computes() {
+    let (mut declined, _d0) = engine(Box::new(SlotBackend::with_maps(Maps::Declined)));
+    let want = run_shapes(&mut declined);
+    for maps in [Maps::Computed, Maps::Failing, Maps::Misshapen] {
+        let (mut theirs, _dir) = engine(Box::new(SlotBackend::with_maps(maps)));
+        let got = run_shapes(&mut theirs);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.token_ids, w.token_ids);
+            let (Some(g), Some(w)) = (&g.capture, &w.capture) else {
+                continue;
+            };
+            let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+            assert!(!w.maps_computed_by_backend() && w.holds_keys());
+            let computed = maps == Maps::Computed;
+            assert_eq!(g.maps_computed_by_backend(), computed, "{maps:?} request {i}");
+            assert_eq!(g.holds_keys(), !computed, "{maps:?} request {i}");
+            let (gr, wr) = (g.finalize().unwrap(), w.finalize().unwrap());
+            assert_eq!(gr.meta, wr.meta);
+            assert!(!gr.layers.is_empty());
+            for (x, y) in gr.layers.iter().zip(&wr.layers) {
+                assert_eq!((x.layer_idx, x.shape), (y.layer_idx, y.shape));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&x.values), bits(&y.values), "{maps:?} request {i}");
+                assert_eq!(x.indices, y.indices, "{maps:?} request {i}");
+            }
+            // The owner's finalize moves the maps into the result: the same result.
+            let owned = g.clone().into_result(1, || {}).unwrap();
+            assert_eq!(owned.layers, gr.layers);
+        }
+    }
 }

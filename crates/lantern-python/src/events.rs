@@ -78,7 +78,7 @@ async fn finalize(
     } else {
         lantern_engine::host_threads::idle_finalize_threads()
     };
-    tokio::task::spawn_blocking(move || pending.finalize_on(threads, || {}))
+    tokio::task::spawn_blocking(move || pending.into_result(threads, || {}))
         .await
         .map_err(|e| format!("finalizing the capture failed: {e}"))?
         .map_err(|e| e.to_string())

@@ -366,7 +366,7 @@ pub async fn deliver(
             lantern_engine::host_threads::idle_finalize_threads()
         };
         let result = pending
-            .finalize_on(threads, || pacer.pause())
+            .into_result(threads, || pacer.pause())
             .map_err(|e| CaptureFailure::Finalize(e.to_string()))?;
         let encode = |e: &dyn std::fmt::Display| CaptureFailure::Encode(e.to_string());
         let meta = serde_json::to_value(&result.meta).map_err(|e| encode(&e))?;

@@ -62,6 +62,7 @@ pub fn pending(spec: CaptureSpec, seed: u64) -> PendingCapture {
     }
     PendingCapture {
         buffer,
+        computed_maps: Vec::new(),
         layers: layers
             .into_iter()
             .map(|layer| {

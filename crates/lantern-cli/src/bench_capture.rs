@@ -316,7 +316,26 @@ pub fn run(
 
     println!("capture: finalize (every layer and head, prompt rows), per prompt length");
     let mut largest = None;
+    let vocab = engine.model_info().vocab_size;
     for &len in prompt_lengths {
+        // End to end: from the request's submission to its finalized maps (on every
+        // core, as an idle server finalizes; a backend that computes maps where its
+        // cache lives does that work as the request finishes, inside its last step),
+        // beside the same prompt alone.
+        let mut with_capture = Vec::with_capacity(repeat);
+        let mut alone = Vec::with_capacity(repeat);
+        for _ in 0..repeat {
+            let start = Instant::now();
+            let threads = lantern_engine::host_threads::idle_finalize_threads();
+            capture_of(engine, &mut salt, len)?.into_result(threads, || {})?;
+            with_capture.push(start.elapsed().as_secs_f64());
+            salt += 1;
+            alone.push(crate::bench::prefill_seconds(
+                engine,
+                synthetic_prompt(len, salt, vocab),
+            )?);
+        }
+        let (with_capture, alone) = (median(with_capture), median(alone));
         let pending = capture_of(engine, &mut salt, len)?;
         let seconds = median(
             (0..repeat)
@@ -333,6 +352,12 @@ pub fn run(
             seconds * 1e3 / num_layers as f64,
             pending.size_bytes() as f64 / (1 << 20) as f64,
             out_bytes as f64 / (1 << 20) as f64,
+        );
+        println!(
+            "  {len:5} tokens end to end: {:8.1} ms with capture, {:8.1} ms without ({:.2}x)",
+            with_capture * 1e3,
+            alone * 1e3,
+            with_capture / alone,
         );
         largest = Some(pending);
     }

@@ -6,11 +6,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use lantern_attn::{
     host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
     AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KvCacheLayout,
-    KvCacheShape, LayerKvCache, RowProbabilities, StepGraphs, Tensor, DECODE_THRESHOLD,
+    KvCacheShape, LayerKvCache, ProbabilityMap, ProbabilityMapJob, RowProbabilities, StepGraphs,
+    Tensor, DECODE_THRESHOLD,
 };
 use lantern_kv::KvDtype;
 
@@ -171,7 +172,7 @@ impl CudaBackend {
             max_query_len: common.max_query_len,
             max_seq_len: planning_len,
         };
-        let params = attn_params(spec, sinks.as_ref());
+        let params = attn_params(spec, sinks.as_ref().map(|s| s.as_view()));
         let strides = *cache.strides();
         let slots = &*device.slot_mapping;
         let step = Step {
@@ -259,7 +260,7 @@ impl CudaBackend {
             Some(s) => Some(self.gpu.step_upload(s).map_err(attn_error)?),
             None => None,
         };
-        let params = attn_params(spec, sinks.as_ref());
+        let params = attn_params(spec, sinks.as_ref().map(|s| s.as_view()));
         let mut out = self
             .gpu
             .step_output::<f32>(len.max(1))
@@ -284,7 +285,10 @@ impl CudaBackend {
 }
 
 /// The kernels' view of a layer's attention, its sinks (if any) on the device.
-fn attn_params<'a>(spec: &AttentionLayerSpec, sinks: Option<&'a Pooled<f32>>) -> AttnParams<'a> {
+pub(crate) fn attn_params<'a>(
+    spec: &AttentionLayerSpec,
+    sinks: Option<CudaView<'a, f32>>,
+) -> AttnParams<'a> {
     AttnParams {
         num_heads: spec.num_heads,
         num_kv_heads: spec.num_kv_heads,
@@ -293,7 +297,7 @@ fn attn_params<'a>(spec: &AttentionLayerSpec, sinks: Option<&'a Pooled<f32>>) ->
         sliding_window: spec.sliding_window,
         chunk_size: spec.chunk_size,
         soft_cap: spec.logits_soft_cap,
-        sinks: sinks.map(|s| s.as_view()),
+        sinks,
     }
 }
 
@@ -386,6 +390,16 @@ impl AttentionBackend for CudaBackend {
             .downcast_ref()
             .ok_or(AttnError::ForeignCache { backend: self.name })?;
         cache.read_slots(slots, keys, values)
+    }
+
+    /// Computed on the device: only the map is copied to the host (`maps.rs`).
+    fn probability_map(
+        &self,
+        cache: &dyn LayerKvCache,
+        block_table: &[u32],
+        job: &ProbabilityMapJob<'_>,
+    ) -> Option<Result<ProbabilityMap, AttnError>> {
+        Some(self.map_on_device(cache, block_table, job))
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

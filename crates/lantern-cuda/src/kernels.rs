@@ -76,6 +76,11 @@ pub const SOURCES: &[KernelSource] = &[
             "row_probabilities_bf16",
             "row_probabilities_f16",
             "row_probabilities_f32",
+            "map_probabilities_bf16",
+            "map_probabilities_f16",
+            "map_probabilities_f32",
+            "combine_heads",
+            "top_k_rows",
         ],
     },
     KernelSource {
@@ -285,7 +290,7 @@ pub(crate) fn u32_of(what: &str, v: usize) -> Result<u32> {
 }
 
 /// Grid dimension limit of y and z.
-const GRID_YZ: usize = 65_535;
+pub(crate) const GRID_YZ: usize = 65_535;
 /// Largest head_dim paged attention serves.
 pub const MAX_HEAD_DIM: usize = 256;
 

@@ -14,6 +14,7 @@ pub mod gpu;
 pub mod graph;
 pub mod kernels;
 pub mod libs;
+pub mod maps;
 pub mod pool;
 
 pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};

@@ -1099,6 +1099,85 @@ mod gpu_tests {
         }
     }
 
+    /// The variants capture's kernels are checked on: plain, window, chunk, soft-cap with
+    /// sinks.
+    fn capture_variants() -> [Variant; 4] {
+        [
+            BASE,
+            Variant {
+                window: Some(40),
+                ..BASE
+            },
+            Variant {
+                chunk: Some(64),
+                ..BASE
+            },
+            Variant {
+                cap: Some(30.0),
+                sinks: true,
+                ..BASE
+            },
+        ]
+    }
+
+    /// The layer description capture's kernels take for `variant`, its sinks `sinks`.
+    fn capture_params<'a>(
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        scale: f32,
+        variant: Variant,
+        sinks: &'a cudarc::driver::CudaSlice<f32>,
+    ) -> AttnParams<'a> {
+        AttnParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale,
+            sliding_window: variant.window,
+            chunk_size: variant.chunk,
+            soft_cap: variant.cap,
+            sinks: variant.sinks.then(|| sinks.as_view()),
+        }
+    }
+
+    /// One query head's f64 probabilities over a request's keys in a host copy of the
+    /// cache, block table `table` (16 keys a block).
+    struct Reference<'a, T> {
+        cache: &'a [T],
+        strides: &'a KvStrides,
+        table: &'a [u32],
+        kv_head: usize,
+        scale: f32,
+        variant: Variant,
+        sink: f32,
+    }
+
+    impl<T: CacheElem> Reference<'_, T> {
+        fn probabilities(&self, q: &[f32], keys: std::ops::Range<usize>) -> Vec<f64> {
+            let bs = 16;
+            let logits: Vec<f64> = keys
+                .map(|k| {
+                    let slot = self.table[k / bs] as usize * bs + k % bs;
+                    let dot: f64 = (0..q.len())
+                        .map(|j| {
+                            let key = self.cache[self.strides.key_offset(slot, self.kv_head, j)];
+                            q[j] as f64 * key.to_f32() as f64
+                        })
+                        .sum();
+                    let l = dot * self.scale as f64;
+                    let cap = self.variant.cap;
+                    cap.map_or(l, |c| c as f64 * (l / c as f64).tanh())
+                })
+                .collect();
+            let sink = self.variant.sinks.then_some(self.sink as f64);
+            let mx = logits
+                .iter()
+                .fold(sink.unwrap_or(f64::NEG_INFINITY), |m, &l| m.max(l));
+            let denom: f64 = logits.iter().map(|l| (l - mx).exp()).sum::<f64>()
+                + sink.map_or(0.0, |s| (s - mx).exp());
+            logits.iter().map(|l| (l - mx).exp() / denom).collect()
+        }
+    }
+
     /// Capture's row probabilities (`capture.cu`) against f64 from the same cache: rows of
     /// several requests with windows, a chunk, soft-cap and sinks, both layouts, every
     /// cache type; a row whose keys meet an unassigned block comes back NaN.
@@ -1152,31 +1231,19 @@ mod gpu_tests {
             for row in &rows {
                 let n = row.keys.len();
                 for h in 0..heads {
-                    let kh = h / (heads / kvh);
                     let qv = &q[(row.token * heads + h) * d..][..d];
-                    let logits: Vec<f64> = row
-                        .keys
-                        .clone()
-                        .map(|k| {
-                            let slot = table[row.request * stride + k / bs] as usize * bs + k % bs;
-                            let dot: f64 = (0..d)
-                                .map(|j| {
-                                    qv[j] as f64 * cache[s.key_offset(slot, kh, j)].to_f32() as f64
-                                })
-                                .sum();
-                            let l = dot * scale as f64;
-                            variant.cap.map_or(l, |c| c as f64 * (l / c as f64).tanh())
-                        })
-                        .collect();
-                    let sink = variant.sinks.then(|| sinks[h] as f64);
-                    let mx = logits
-                        .iter()
-                        .fold(sink.unwrap_or(f64::NEG_INFINITY), |m, &l| m.max(l));
-                    let denom: f64 = logits.iter().map(|l| (l - mx).exp()).sum::<f64>()
-                        + sink.map_or(0.0, |s| (s - mx).exp());
-                    for (j, l) in logits.iter().enumerate() {
-                        want[row.offset + h * n + j] = (l - mx).exp() / denom;
+                    let table = &table[row.request * stride..][..stride];
+                    let probs = Reference {
+                        cache: &cache,
+                        strides: &s,
+                        table,
+                        kv_head: h / (heads / kvh),
+                        scale,
+                        variant,
+                        sink: sinks[h],
                     }
+                    .probabilities(qv, row.keys.clone());
+                    want[row.offset + h * n..][..n].copy_from_slice(&probs);
                 }
             }
             let (dq, dcache, dtable) = (
@@ -1185,16 +1252,7 @@ mod gpu_tests {
                 g.upload(&table).unwrap(),
             );
             let dsinks = g.upload(&sinks).unwrap();
-            let spec = AttnParams {
-                num_heads: heads,
-                num_kv_heads: kvh,
-                head_dim: d,
-                scale,
-                sliding_window: variant.window,
-                chunk_size: variant.chunk,
-                soft_cap: variant.cap,
-                sinks: variant.sinks.then(|| dsinks.as_view()),
-            };
+            let spec = capture_params((heads, kvh, d), scale, variant, &dsinks);
             let mut dout = g.upload(&vec![f32::NAN; offset]).unwrap();
             g.row_probabilities(&dq, &dcache, &s, (&dtable, stride), &rows, &spec, &mut dout)
                 .unwrap();
@@ -1240,25 +1298,180 @@ mod gpu_tests {
     fn row_probabilities_match_reference() {
         let Some((g, _t)) = gpu() else { return };
         let mut r = rng(21);
-        for variant in [
-            BASE,
-            Variant {
-                window: Some(40),
-                ..BASE
-            },
-            Variant {
-                chunk: Some(64),
-                ..BASE
-            },
-            Variant {
-                cap: Some(30.0),
-                sinks: true,
-                ..BASE
-            },
-        ] {
+        for variant in capture_variants() {
             row_probabilities_case::<f32>(&g, &mut r, variant);
             row_probabilities_case::<f16>(&g, &mut r, variant);
             row_probabilities_case::<bf16>(&g, &mut r, variant);
         }
+    }
+
+    /// A finished capture's map kernels (`capture.cu`) on one request's rows: the
+    /// probabilities against f64 from the same cache (masked keys exactly 0, a few heads
+    /// out of order), then heads combined and top-k kept bit for bit as lantern-attn's
+    /// host definitions give them from the device's own probabilities; a row meeting an
+    /// unassigned block sets the flag.
+    fn map_case<T: CacheElem>(g: &Gpu, r: &mut StdRng, variant: Variant) {
+        use lantern_attn::{combine_heads, top_k, HeadCombine};
+        let (heads, kvh, d, bs) = (9, 3, 64, 16);
+        let seq: usize = r.gen_range(20..=300);
+        let table: Vec<u32> = {
+            let mut free: Vec<u32> = (0..NUM_BLOCKS as u32).collect();
+            (0..seq.div_ceil(bs))
+                .map(|_| free.swap_remove(r.gen_range(0..free.len())))
+                .collect()
+        };
+        let visible = |p: usize| {
+            let mut lo = 0;
+            if let Some(w) = variant.window {
+                lo = (p + 1).saturating_sub(w);
+            }
+            if let Some(c) = variant.chunk {
+                lo = lo.max(p / c * c);
+            }
+            lo..p + 1
+        };
+        let first = r.gen_range(0..seq - 10);
+        let positions = first..r.gen_range(first + 1..=seq);
+        let num_keys = positions.end;
+        let keys: Vec<_> = positions.clone().map(visible).collect();
+        let asked = [7usize, 0, 4, 5];
+        let rows = positions.len();
+        for (name, s) in layouts(NUM_BLOCKS, bs, kvh, d) {
+            let cache: Vec<T> = (0..s.cache_len(NUM_BLOCKS))
+                .map(|_| T::from_f32(r.gen_range(-1.0f32..1.0)))
+                .collect();
+            let q = rand_vec(r, rows * asked.len() * d, 1.0);
+            let sinks: Vec<f32> = (0..heads).map(|_| r.gen_range(-1.0f32..3.0)).collect();
+            let scale = if variant.cap.is_some() { 1.5 } else { 0.125 };
+            let mut want = vec![0.0f64; rows * asked.len() * num_keys];
+            for (i, vis) in keys.iter().enumerate() {
+                for (hi, &h) in asked.iter().enumerate() {
+                    let qv = &q[(i * asked.len() + hi) * d..][..d];
+                    let probs = Reference {
+                        cache: &cache,
+                        strides: &s,
+                        table: &table,
+                        kv_head: h / (heads / kvh),
+                        scale,
+                        variant,
+                        sink: sinks[h],
+                    }
+                    .probabilities(qv, vis.clone());
+                    let row = &mut want[(i * asked.len() + hi) * num_keys..];
+                    row[vis.clone()].copy_from_slice(&probs);
+                }
+            }
+            let (dq, dcache, dtable) = (
+                g.upload(&q).unwrap(),
+                g.upload(&cache).unwrap(),
+                g.upload(&table).unwrap(),
+            );
+            let dsinks = g.upload(&sinks).unwrap();
+            let spec = capture_params((heads, kvh, d), scale, variant, &dsinks);
+            let what = format!("map_probabilities {} {name} {variant:?}", T::SUFFIX);
+            let mut dense = g.zeros::<f32>(want.len()).unwrap();
+            let mut bad = g.zeros::<u32>(1).unwrap();
+            let shape = (&asked[..], &keys[..], num_keys);
+            g.map_probabilities(
+                &dq, &dcache, &s, &dtable, shape, &spec, &mut dense, &mut bad,
+            )
+            .unwrap();
+            assert_eq!(g.download(&bad).unwrap(), [0], "{what}: flagged bad");
+            let got = g.download(&dense).unwrap();
+            assert_close(&got, &want, 1e-4, &what);
+            for (i, vis) in keys.iter().enumerate() {
+                for hi in 0..asked.len() {
+                    let row = &got[(i * asked.len() + hi) * num_keys..][..num_keys];
+                    let outside = (0..num_keys).filter(|j| !vis.contains(j));
+                    assert!(
+                        outside.into_iter().all(|j| row[j] == 0.0),
+                        "{what}: masked keys"
+                    );
+                }
+            }
+            // Heads combined, then top-k, against the host definitions on these values.
+            for combine in [HeadCombine::Each, HeadCombine::Mean, HeadCombine::Max] {
+                let (combined, out_heads) = if combine == HeadCombine::Each {
+                    (g.upload(&got).unwrap(), asked.len())
+                } else {
+                    let mut out = g.zeros::<f32>(rows * num_keys).unwrap();
+                    g.combine_heads(&dense, (asked.len(), num_keys), combine, &mut out)
+                        .unwrap();
+                    (out, 1)
+                };
+                let mut host = Vec::new();
+                combine_heads(&got, asked.len(), num_keys, combine, &mut host);
+                let on_device = g.download(&combined).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&on_device), bits(&host), "{what}: {combine:?}");
+                for k in [1, 7, num_keys] {
+                    let n = rows * out_heads * k;
+                    let (mut vals, mut idx) =
+                        (g.zeros::<f32>(n).unwrap(), g.zeros::<u32>(n).unwrap());
+                    g.top_k_rows(&combined, (num_keys, k), &mut vals, &mut idx)
+                        .unwrap();
+                    let (mut hv, mut hx) = (Vec::new(), Vec::new());
+                    top_k(&host, num_keys, k, &mut hv, &mut hx);
+                    assert_eq!(
+                        bits(&g.download(&vals).unwrap()),
+                        bits(&hv),
+                        "{what}: top {k}"
+                    );
+                    assert_eq!(g.download(&idx).unwrap(), hx, "{what}: top {k} positions");
+                }
+            }
+            // A row reaching an unassigned block is flagged.
+            let mut broken = table.clone();
+            broken[(positions.end - 1) / bs] = u32::MAX;
+            let dbroken = g.upload(&broken).unwrap();
+            g.map_probabilities(
+                &dq, &dcache, &s, &dbroken, shape, &spec, &mut dense, &mut bad,
+            )
+            .unwrap();
+            assert_ne!(
+                g.download(&bad).unwrap(),
+                [0],
+                "{what}: a broken row is not flagged"
+            );
+        }
+    }
+
+    #[test]
+    fn capture_map_kernels_match_reference_and_the_host() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(22);
+        for variant in capture_variants() {
+            map_case::<f32>(&g, &mut r, variant);
+            map_case::<f16>(&g, &mut r, variant);
+            map_case::<bf16>(&g, &mut r, variant);
+        }
+    }
+
+    /// Top-k among many equal values (ties by position) and every key kept.
+    #[test]
+    fn top_k_rows_break_ties_by_position() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(23);
+        let (rows, keys) = (5, 700);
+        let values: Vec<f32> = (0..rows * keys)
+            .map(|_| [0.0, 0.25, 0.5, 1.0][r.gen_range(0..4)])
+            .collect();
+        let dv = g.upload(&values).unwrap();
+        for k in [1, 3, 300, keys] {
+            let (mut vals, mut idx) = (
+                g.zeros::<f32>(rows * k).unwrap(),
+                g.zeros::<u32>(rows * k).unwrap(),
+            );
+            g.top_k_rows(&dv, (keys, k), &mut vals, &mut idx).unwrap();
+            let (mut hv, mut hx) = (Vec::new(), Vec::new());
+            lantern_attn::top_k(&values, keys, k, &mut hv, &mut hx);
+            assert_eq!(g.download(&vals).unwrap(), hv, "top {k}");
+            assert_eq!(g.download(&idx).unwrap(), hx, "top {k} positions");
+        }
+        let mut none = g.zeros::<f32>(0).unwrap();
+        let mut none_idx = g.zeros::<u32>(0).unwrap();
+        assert!(g
+            .top_k_rows(&dv, (keys, keys + 1), &mut none, &mut none_idx)
+            .is_err());
     }
 }

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use lantern_attn::{
     backend_by_name, combine_heads, host_f32, slot_for_position, tensor3, top_k,
-    validate_forward_inputs, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError, CacheGeometry,
-    CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache, ProbabilityMap,
-    ProbabilityMapJob, Tensor, CPU_REFERENCE,
+    validate_forward_inputs, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError,
+    CacheGeometry, CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache,
+    ProbabilityMap, ProbabilityMapJob, Tensor, CPU_REFERENCE,
 };
 use lantern_capture::{CaptureSpec, HeadReduce, RowSelection};
 use lantern_engine::{Completion, Engine, SamplingParams};
@@ -406,7 +406,11 @@ fn capture_shapes() -> Vec<CaptureSpec> {
         (HeadReduce::MeanHeads, None, RowSelection::Prompt),
         (HeadReduce::MaxHeads, Some(5), RowSelection::All),
         (HeadReduce::None, Some(3), RowSelection::Generated),
-        (HeadReduce::MeanHeads, Some(40), RowSelection::Range { start: 4, end: 27 }),
+        (
+            HeadReduce::MeanHeads,
+            Some(40),
+            RowSelection::Range { start: 4, end: 27 },
+        ),
     ] {
         let mut spec = CaptureSpec::everything(LAYERS, 4);
         spec.reduce = reduce;
@@ -426,7 +430,9 @@ fn run_shapes(engine: &mut Engine) -> Vec<Completion> {
         .into_iter()
         .enumerate()
         .map(|(i, spec)| {
-            let prompt = (0..19 + i).map(|j| ((i * 31 + j * 7) % 250) as u32).collect();
+            let prompt = (0..19 + i)
+                .map(|j| ((i * 31 + j * 7) % 250) as u32)
+                .collect();
             let params = SamplingParams {
                 ignore_eos: true,
                 ..SamplingParams::greedy(6)
@@ -457,7 +463,11 @@ fn maps_a_backend_computes_equal_the_ones_finalize_computes() {
             let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
             assert!(!w.maps_computed_by_backend() && w.holds_keys());
             let computed = maps == Maps::Computed;
-            assert_eq!(g.maps_computed_by_backend(), computed, "{maps:?} request {i}");
+            assert_eq!(
+                g.maps_computed_by_backend(),
+                computed,
+                "{maps:?} request {i}"
+            );
             assert_eq!(g.holds_keys(), !computed, "{maps:?} request {i}");
             let (gr, wr) = (g.finalize().unwrap(), w.finalize().unwrap());
             assert_eq!(gr.meta, wr.meta);

@@ -220,6 +220,10 @@ fn captures_on_the_gpu_equal_the_reference_and_the_cpu() {
                 let on_gpu = common::run_to_completion(&mut gpu, request());
                 let on_cpu = common::run_to_completion(&mut cpu, request());
                 let pending = on_gpu[0].capture.as_ref().unwrap().as_ref().unwrap();
+                assert!(
+                    pending.maps_computed_by_backend(),
+                    "{name}: maps on the device"
+                );
                 let result = pending.finalize().unwrap();
                 let pv = common::check_capture_invariants(pending, &result);
                 let cpu_result = on_cpu[0]
@@ -242,6 +246,72 @@ fn captures_on_the_gpu_equal_the_reference_and_the_cpu() {
                 assert!(to_reference < ATTENTION_TOLERANCE, "{name}: {to_reference}");
                 assert!(to_cpu < ATTENTION_TOLERANCE, "{name}: {to_cpu}");
             }
+        }
+    }
+}
+
+/// Maps computed on the device with heads combined, top-k kept and a few heads asked
+/// equal lantern-attn's host definitions applied to the device's own full maps, bit for
+/// bit; no keys are copied for them; both layouts, every architecture.
+#[test]
+fn reduced_and_top_k_maps_on_the_gpu_follow_the_host_definitions() {
+    use lantern_attn::{combine_heads, top_k};
+    use lantern_capture::HeadReduce;
+    if !gpu_present("reduced_and_top_k_maps_on_the_gpu_follow_the_host_definitions") {
+        return;
+    }
+    for &arch in ARCHS {
+        for &backend in BACKENDS {
+            let mut gpu = engine_on(DeviceChoice::Cuda(0), arch, backend, true, KvDtype::F32);
+            let info = gpu.model_info().clone();
+            let heads = info.attention[0].num_heads;
+            let p = &prompts(arch)[0];
+            let name = format!("{arch} {backend} {}", p.id);
+            let mut full = CaptureSpec::everything(info.num_layers, heads);
+            full.heads = (0..heads).rev().step_by(2).collect();
+            let capture = |engine: &mut Engine, spec: &CaptureSpec| {
+                let request = vec![(p.prompt_ids.clone(), greedy(4), Some(spec.clone()))];
+                let out = common::run_to_completion(engine, request);
+                let pending = out[0].capture.clone().unwrap().unwrap();
+                assert!(
+                    pending.maps_computed_by_backend(),
+                    "{name}: maps on the device"
+                );
+                assert!(!pending.holds_keys(), "{name}: keys copied");
+                pending.into_result(1, || {}).unwrap()
+            };
+            let whole = capture(&mut gpu, &full);
+            for (reduce, k) in [
+                (HeadReduce::MeanHeads, None),
+                (HeadReduce::MaxHeads, Some(5)),
+                (HeadReduce::None, Some(3)),
+            ] {
+                let spec = CaptureSpec {
+                    reduce,
+                    top_k: k,
+                    ..full.clone()
+                };
+                let got = capture(&mut gpu, &spec);
+                for (map, w) in got.layers.iter().zip(&whole.layers) {
+                    let [rows, h, keys] = w.shape;
+                    let mut combined = Vec::new();
+                    combine_heads(&w.values, h, keys, reduce.into(), &mut combined);
+                    let (values, indices) = match k {
+                        None => (combined, None),
+                        Some(k) => {
+                            let (mut v, mut i) = (Vec::new(), Vec::new());
+                            top_k(&combined, keys, k.min(keys), &mut v, &mut i);
+                            (v, Some(i))
+                        }
+                    };
+                    let what = format!("{name} layer {} {reduce:?} top {k:?}", map.layer_idx);
+                    assert_eq!(map.shape[0], rows, "{what}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&map.values), bits(&values), "{what}");
+                    assert_eq!(map.indices, indices, "{what}");
+                }
+            }
+            eprintln!("{name}: combined and top-k maps on the GPU follow the host definitions");
         }
     }
 }

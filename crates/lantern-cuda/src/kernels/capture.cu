@@ -1,7 +1,9 @@
-// Probabilities of chosen query rows over the keys each sees, from the paged cache: what
-// a capturing request's key statistics, span masses and streamed rows are summed from
-// (the CPU's flash kernel keeps them as it runs; here one kernel after the layer's
-// attention, while q and the cache are on the device).
+// Probabilities of query rows over the keys each sees, from the paged cache, with the
+// layer's scale, soft-cap and sinks: what a capturing request's key statistics, span
+// masses and streamed rows are summed from (row_probabilities: chosen rows of a step,
+// one kernel after the layer's attention, while q and the cache are on the device; the
+// CPU's flash kernel keeps them as it runs), and a finished capture's maps
+// (map_probabilities, then combine_heads and top_k_rows: only the map leaves the device).
 //
 // Grid: (asked row i, query head h); blockDim.x a multiple of 32. Row i is
 // rows[4i .. 4i+4] = (batch token t, request r, first key lo, key count n); its values
@@ -31,18 +33,15 @@ __device__ __forceinline__ float block_max(float v) {
     return total;
 }
 
+// Probabilities of the query row qh (head_dim D) of one request (its block table row
+// `table`) over its n keys from key lo, kv head kvh, into o[0 .. n), by the whole block.
+// Returns false, every thread alike, when a key lies in an invalid block or past the
+// cache; the values are then NaN.
 template <typename T>
-__device__ void row_probabilities_impl(
-    const float* __restrict__ q, const T* __restrict__ cache, u64 cache_len, u64 s_block, u64 s_in_block,
-    u64 s_head, u64 s_dim, u32 block_size, u32 num_heads, u32 num_kv_heads, u32 head_dim,
-    const u32* __restrict__ rows, const u64* __restrict__ offsets, const u32* __restrict__ block_table,
-    u32 table_stride, float scale, float soft_cap, const float* __restrict__ sinks, float* __restrict__ out) {
-    const u32 i = blockIdx.x, h = blockIdx.y, D = head_dim;
-    const u32 t = rows[4 * i], r = rows[4 * i + 1], lo = rows[4 * i + 2], n = rows[4 * i + 3];
-    const u32 kvh = h / (num_heads / num_kv_heads);
-    const float* qh = q + ((u64)t * num_heads + h) * D;
-    const u32* table = block_table + (u64)r * table_stride;
-    float* o = out + offsets[i] + (u64)h * n;
+__device__ bool probabilities_over_keys(
+    const float* __restrict__ qh, const T* __restrict__ cache, u64 cache_len, u64 s_block, u64 s_in_block,
+    u64 s_head, u64 s_dim, u32 block_size, u32 D, const u32* __restrict__ table, u32 lo, u32 n, u32 kvh,
+    float scale, float soft_cap, bool has_sink, float sink, float* __restrict__ o) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     // The logits, one warp per key.
@@ -66,8 +65,7 @@ __device__ void row_probabilities_impl(
     // NaN wins the maximum (fmaxf would drop it), so a bad key spoils the whole row.
     const float bad = block_sum(isnan(mx) ? 1.0f : 0.0f);
     float m = block_max(isnan(mx) ? LT_NEG_INF : mx);
-    const float sink = sinks != 0 ? sinks[h] : LT_NEG_INF;
-    m = fmaxf(m, sink);
+    if (has_sink) m = fmaxf(m, sink);
 
     // The row's own writes above are visible to the whole block after block_max's barrier.
     float sum = 0.0f;
@@ -77,9 +75,30 @@ __device__ void row_probabilities_impl(
         sum += e;
     }
     sum = block_sum(sum);
-    if (sinks != 0) sum += expf(sink - m);
+    if (has_sink) sum += expf(sink - m);
     const float inv = bad > 0.0f || !(sum > 0.0f) ? LT_NAN : 1.0f / sum;
     for (u32 j = threadIdx.x; j < n; j += blockDim.x) o[j] *= inv;
+    return !(bad > 0.0f);
+}
+
+// Grid: (asked row i, query head h); blockDim.x a multiple of 32. Row i is
+// rows[4i .. 4i+4] = (batch token t, request r, first key lo, key count n); its values
+// start at offsets[i] and are [num_heads, n]: head h's at offsets[i] + h * n.
+template <typename T>
+__device__ void row_probabilities_impl(
+    const float* __restrict__ q, const T* __restrict__ cache, u64 cache_len, u64 s_block, u64 s_in_block,
+    u64 s_head, u64 s_dim, u32 block_size, u32 num_heads, u32 num_kv_heads, u32 head_dim,
+    const u32* __restrict__ rows, const u64* __restrict__ offsets, const u32* __restrict__ block_table,
+    u32 table_stride, float scale, float soft_cap, const float* __restrict__ sinks, float* __restrict__ out) {
+    const u32 i = blockIdx.x, h = blockIdx.y, D = head_dim;
+    const u32 t = rows[4 * i], r = rows[4 * i + 1], lo = rows[4 * i + 2], n = rows[4 * i + 3];
+    const u32 kvh = h / (num_heads / num_kv_heads);
+    const float* qh = q + ((u64)t * num_heads + h) * D;
+    const u32* table = block_table + (u64)r * table_stride;
+    float* o = out + offsets[i] + (u64)h * n;
+    const float sink = sinks != 0 ? sinks[h] : LT_NEG_INF;
+    probabilities_over_keys(qh, cache, cache_len, s_block, s_in_block, s_head, s_dim, block_size, D, table, lo, n,
+                            kvh, scale, soft_cap, sinks != 0, sink, o);
 }
 
 #define ROW_PROBABILITIES(NAME, T)                                                                              \
@@ -95,3 +114,127 @@ __device__ void row_probabilities_impl(
 ROW_PROBABILITIES(row_probabilities_bf16, lt_bf16)
 ROW_PROBABILITIES(row_probabilities_f16, lt_f16)
 ROW_PROBABILITIES(row_probabilities_f32, float)
+
+// A finished capture's rows of one request on one layer. Grid: (row i, asked head hi);
+// blockDim.x a multiple of 32. q is [rows, num_asked, head_dim] (the asked heads' query
+// rows, in order); head_ids[hi] is the layer's head hi stands for. Row i sees keys
+// rows[2i] .. rows[2i] + rows[2i+1] of the request (block table `table`); its values go
+// to out[(i * num_asked + hi) * num_keys + key], the rest of the row left as it is (the
+// caller zeroed it). A row meeting an invalid block sets *bad.
+template <typename T>
+__device__ void map_probabilities_impl(
+    const float* __restrict__ q, const T* __restrict__ cache, u64 cache_len, u64 s_block, u64 s_in_block,
+    u64 s_head, u64 s_dim, u32 block_size, u32 group, u32 head_dim, const u32* __restrict__ head_ids,
+    u32 num_asked, const u32* __restrict__ rows, const u32* __restrict__ table, u32 num_keys, float scale,
+    float soft_cap, const float* __restrict__ sinks, float* __restrict__ out, u32* __restrict__ bad) {
+    const u32 i = blockIdx.x, hi = blockIdx.y, D = head_dim;
+    const u32 lo = rows[2 * i], n = rows[2 * i + 1];
+    if (n == 0) return;
+    const u32 h = head_ids[hi];
+    const u64 row = (u64)i * num_asked + hi;
+    const float* qh = q + row * D;
+    float* o = out + row * num_keys + lo;
+    const float sink = sinks != 0 ? sinks[h] : LT_NEG_INF;
+    const bool ok = probabilities_over_keys(qh, cache, cache_len, s_block, s_in_block, s_head, s_dim, block_size, D,
+                                            table, lo, n, h / group, scale, soft_cap, sinks != 0, sink, o);
+    if (!ok && threadIdx.x == 0) atomicOr(bad, 1u);
+}
+
+#define MAP_PROBABILITIES(NAME, T)                                                                             \
+    extern "C" __global__ void NAME(const float* q, const T* cache, u64 cache_len, u64 s_block, u64 s_in_block, \
+                                    u64 s_head, u64 s_dim, u32 block_size, u32 group, u32 head_dim,              \
+                                    const u32* head_ids, u32 num_asked, const u32* rows, const u32* table,       \
+                                    u32 num_keys, float scale, float soft_cap, const float* sinks, float* out,  \
+                                    u32* bad) {                                                                 \
+        map_probabilities_impl(q, cache, cache_len, s_block, s_in_block, s_head, s_dim, block_size, group,       \
+                               head_dim, head_ids, num_asked, rows, table, num_keys, scale, soft_cap, sinks,    \
+                               out, bad);                                                                        \
+    }
+MAP_PROBABILITIES(map_probabilities_bf16, lt_bf16)
+MAP_PROBABILITIES(map_probabilities_f16, lt_f16)
+MAP_PROBABILITIES(map_probabilities_f32, float)
+
+// Each row's heads combined, as lantern_attn::combine_heads does on the host: the sum
+// (mode 1: then times inv, which is 1 / heads) or the maximum (mode 2), from zero, in
+// head order. Grid: (key blocks, rows); one thread a key. in [rows, heads, num_keys],
+// out [rows, num_keys].
+extern "C" __global__ void combine_heads(const float* __restrict__ in, u32 heads, u32 num_keys, u32 mode, float inv,
+                                         float* __restrict__ out) {
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+    if (j >= num_keys) return;
+    const float* row = in + (u64)r * heads * num_keys + j;
+    float acc = 0.0f;
+    for (u32 h = 0; h < heads; ++h) {
+        const float v = row[(u64)h * num_keys];
+        acc = mode == 2 ? fmaxf(acc, v) : __fadd_rn(acc, v);
+    }
+    if (mode == 1) acc = __fmul_rn(acc, inv);
+    out[(u64)r * num_keys + j] = acc;
+}
+
+// Whether (v, j) comes before (bv, bj) in top-k order: larger values first, ties by lower
+// position; bj == NONE is after everything.
+#define TOP_K_NONE 0xffffffffu
+__device__ __forceinline__ bool top_k_before(float v, u32 j, float bv, u32 bj) {
+    return bj == TOP_K_NONE || v > bv || (v == bv && j < bj);
+}
+
+// The k largest values of each row of in ([rows, num_keys], no NaN) with their positions,
+// in order (values descending, ties by lower position), as lantern_attn::top_k gives
+// them: vals and idx [rows, k], k <= num_keys. Grid: (row); blockDim.x a multiple of 32.
+// Round by round, each the first key after the previous pick in that order.
+extern "C" __global__ void top_k_rows(const float* __restrict__ in, u32 num_keys, u32 k, float* __restrict__ vals,
+                                      u32* __restrict__ idx) {
+    __shared__ float warp_v[32];
+    __shared__ u32 warp_j[32];
+    __shared__ float prev_v;
+    __shared__ u32 prev_j;
+    const u64 r = blockIdx.x;
+    const float* row = in + r * num_keys;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (threadIdx.x == 0) {
+        prev_v = LT_INF;
+        prev_j = TOP_K_NONE;
+    }
+    __syncthreads();
+    for (u32 round = 0; round < k; ++round) {
+        const float pv = prev_v;
+        const u32 pj = prev_j;
+        float bv = LT_NEG_INF;
+        u32 bj = TOP_K_NONE;
+        for (u32 j = threadIdx.x; j < num_keys; j += blockDim.x) {
+            const float v = row[j];
+            const bool after = pj == TOP_K_NONE || v < pv || (v == pv && j > pj);
+            if (after && top_k_before(v, j, bv, bj)) {
+                bv = v;
+                bj = j;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const u32 oj = __shfl_xor_sync(0xffffffffu, bj, o);
+            if (oj != TOP_K_NONE && top_k_before(ov, oj, bv, bj)) {
+                bv = ov;
+                bj = oj;
+            }
+        }
+        if (lane == 0) {
+            warp_v[warp] = bv;
+            warp_j[warp] = bj;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (u32 w = 1; w < warps; ++w) {
+                if (warp_j[w] != TOP_K_NONE && top_k_before(warp_v[w], warp_j[w], warp_v[0], warp_j[0])) {
+                    warp_v[0] = warp_v[w];
+                    warp_j[0] = warp_j[w];
+                }
+            }
+            vals[r * k + round] = warp_v[0];
+            idx[r * k + round] = warp_j[0];
+            prev_v = warp_v[0];
+            prev_j = warp_j[0];
+        }
+        __syncthreads();
+    }
+}

@@ -6,6 +6,7 @@ typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
 
+#define LT_INF __int_as_float(0x7f800000)
 #define LT_NEG_INF __int_as_float(0xff800000)
 #define LT_NAN __int_as_float(0x7fc00000)
 

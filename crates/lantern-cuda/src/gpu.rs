@@ -201,6 +201,20 @@ impl Gpu {
         Ok(self.stream.clone_dtoh(src)?)
     }
 
+    /// Copies a device buffer to the end of `dst`, waiting for the stream: one copy
+    /// into `dst`'s own memory, for results gathered piece by piece.
+    pub fn download_append<T, S>(&self, src: &S, dst: &mut Vec<T>) -> Result<()>
+    where
+        T: DeviceRepr + ValidAsZeroBits + Default + Clone,
+        S: DevicePtr<T>,
+    {
+        self.flush_graph()?;
+        let start = dst.len();
+        dst.resize(start + src.len(), T::default());
+        self.stream.memcpy_dtoh(src, &mut dst[start..])?;
+        Ok(self.stream.synchronize()?)
+    }
+
     /// Waits for all work queued on the stream (launching a graph step's graph first).
     pub fn synchronize(&self) -> Result<()> {
         self.flush_graph()?;

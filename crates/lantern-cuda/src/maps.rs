@@ -37,7 +37,9 @@ impl CudaBackend {
         let cache: &CudaKvCache = cache
             .as_any()
             .downcast_ref()
-            .ok_or(AttnError::ForeignCache { backend: "cuda" })?;
+            .ok_or(AttnError::ForeignCache {
+                backend: lantern_attn::AttentionBackend::name(self),
+            })?;
         let mut map = ProbabilityMap {
             values: Vec::with_capacity(job.map_len()),
             indices: job.top_k.map(|_| Vec::with_capacity(job.map_len())),
@@ -132,10 +134,10 @@ impl Chunk<'_> {
                 let mut vals = gpu.output::<f32>(len)?;
                 let mut idx = gpu.output::<u32>(len)?;
                 gpu.top_k_rows(&combined, (n, width), &mut vals, &mut idx)?;
-                map.values.extend(gpu.download(&vals)?);
-                indices.extend(gpu.download(&idx)?);
+                gpu.download_append(&vals, &mut map.values)?;
+                gpu.download_append(&idx, indices)?;
             }
-            _ => map.values.extend(gpu.download(&combined)?),
+            _ => gpu.download_append(&combined, &mut map.values)?,
         }
         Ok(())
     }

@@ -10,6 +10,11 @@
 //! masks, soft-cap, sinks, GQA head mapping — in f32, through the attention kernel's own
 //! dot-product, scaling and exponential code ([`lantern_attn::row_probabilities`]): the
 //! same bits at every kernel level.
+//!
+//! A backend that can compute the maps where its cache lives (the GPU's) is asked first
+//! ([`map_on_backend`], [`AttentionBackend::probability_map`]): its maps come back alone,
+//! with the heads combined and top-k kept as [`lantern_attn::maps`] defines them, no keys
+//! are copied for them, and finalizing takes them as they are.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -8,7 +8,8 @@
 //! the other cores idle and one core's memory bandwidth as the limit. Here the caller
 //! publishes the product's chunks and starts on them itself; helper threads (one fewer
 //! than rayon's thread count), which poll for new products for `LINGER` after their
-//! last one before parking, claim chunks from the same atomic counter. The caller never
+//! last one before parking, claim chunks from the same atomic counters (each thread
+//! starting on a share of its own, see [`Chunks`]). The caller never
 //! waits for a helper to *start*, only (briefly) for a chunk a helper has claimed to
 //! finish. A helper that looks after every chunk was claimed finds nothing to do and
 //! touches nothing but the shared counters.
@@ -37,37 +38,76 @@ use std::time::{Duration, Instant};
 /// the gaps between a decode step's products and between steps.
 const LINGER: Duration = Duration::from_millis(2);
 
-/// The chunks of one product and who has claimed and finished them.
-struct Chunks {
-    /// Next chunk to claim.
+/// One thread's share of a product's chunks: `next..end`, claimed from the front by its
+/// own thread first, then by any thread that has finished its own.
+#[repr(align(64))]
+struct Share {
     next: AtomicUsize,
+    end: usize,
+}
+
+/// The chunks of one product and who has claimed and finished them.
+///
+/// Chunk ranges are cut into one contiguous share a computing thread (the calling thread
+/// is 0, helper `i` is `i + 1`), each thread starting on its own and then taking what is
+/// left of the others'. Passes over a step's rows cut in proportion (a norm, then the
+/// quantization of its output, then the residual add) so give each thread about the same
+/// rows every time, and a thread mostly reads what it wrote itself, from its own cache,
+/// rather than what another core wrote (with one shared counter, a thread's chunks were
+/// anyone's: on `n` threads, `(n - 1) / n` of the reads of the previous pass's output).
+struct Chunks {
+    shares: Box<[Share]>,
     /// Chunks finished.
     done: AtomicUsize,
-    count: usize,
     work: Erased,
     /// The first panic of a chunk, resumed by the caller once every chunk is done.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Chunks {
-    /// Claims and computes chunks until none are left.
-    fn drain(&self) {
-        loop {
-            let c = self.next.fetch_add(1, Ordering::Relaxed);
-            if c >= self.count {
-                return;
-            }
-            // SAFETY: chunk `c` is claimed and below `count`, so `run` has not returned
-            // (it waits for every chunk, panicked or not) and the closure's borrows are
-            // alive (see `Erased`).
-            let work = AssertUnwindSafe(|| unsafe { (*self.work.0)(c) });
-            if let Err(payload) = catch_unwind(work) {
-                if let Ok(mut first) = self.panic.lock() {
-                    first.get_or_insert(payload);
-                }
-            }
-            self.done.fetch_add(1, Ordering::Release);
+    fn new(count: usize, threads: usize, work: Erased) -> Chunks {
+        let parts = threads.clamp(1, count.max(1));
+        let shares = (0..parts)
+            .map(|p| Share {
+                next: AtomicUsize::new(p * count / parts),
+                end: (p + 1) * count / parts,
+            })
+            .collect();
+        Chunks {
+            shares,
+            done: AtomicUsize::new(0),
+            work,
+            panic: Mutex::new(None),
         }
+    }
+
+    /// Claims and computes chunks until none are left: computing thread `thread`'s own
+    /// share first, then the others' in turn.
+    fn drain(&self, thread: usize) {
+        let parts = self.shares.len();
+        for k in 0..parts {
+            let share = &self.shares[(thread + k) % parts];
+            loop {
+                let c = share.next.fetch_add(1, Ordering::Relaxed);
+                if c >= share.end {
+                    break;
+                }
+                self.compute(c);
+            }
+        }
+    }
+
+    fn compute(&self, c: usize) {
+        // SAFETY: chunk `c` is claimed and below `count`, so `run` has not returned (it
+        // waits for every chunk, panicked or not) and the closure's borrows are alive
+        // (see `Erased`).
+        let work = AssertUnwindSafe(|| unsafe { (*self.work.0)(c) });
+        if let Err(payload) = catch_unwind(work) {
+            if let Ok(mut first) = self.panic.lock() {
+                first.get_or_insert(payload);
+            }
+        }
+        self.done.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -173,7 +213,7 @@ fn helper_loop(index: usize, parked: &AtomicBool) {
             seen = g;
             if enabled {
                 if let Some(chunks) = helpers.current() {
-                    chunks.drain();
+                    chunks.drain(index + 1);
                 }
             }
             idle_since = Instant::now();
@@ -209,17 +249,12 @@ pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
             work,
         )
     });
-    let chunks = Arc::new(Chunks {
-        next: AtomicUsize::new(0),
-        done: AtomicUsize::new(0),
-        count,
-        work: erased,
-        panic: Mutex::new(None),
-    });
-    if count > 1 && threads() > 1 {
+    let threads = threads();
+    let chunks = Arc::new(Chunks::new(count, threads, erased));
+    if count > 1 && threads > 1 {
         helpers().publish(&chunks);
     }
-    chunks.drain();
+    chunks.drain(0);
     // Every chunk is claimed; wait for the ones helpers are still computing.
     let mut spins = 0u32;
     while chunks.done.load(Ordering::Acquire) < count {
@@ -485,6 +520,45 @@ mod tests {
             again.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(again.load(Ordering::Relaxed), 16);
+    }
+
+    /// The shares cut the chunks into contiguous, even, disjoint ranges, at most one a
+    /// chunk; a thread takes its own share first, in order, then the others' in turn.
+    #[test]
+    fn each_thread_starts_on_its_own_share() {
+        for (count, threads) in [(0, 4), (1, 4), (7, 2), (64, 3), (5, 16)] {
+            let order = Mutex::new(Vec::new());
+            let work = |c: usize| order.lock().unwrap().push(c);
+            // SAFETY: `work` outlives `chunks`, which is dropped at the end of the loop.
+            let erased = Erased(unsafe {
+                std::mem::transmute::<
+                    *const (dyn Fn(usize) + Sync + '_),
+                    *const (dyn Fn(usize) + Sync),
+                >(&work)
+            });
+            let chunks = Chunks::new(count, threads, erased);
+            let parts = chunks.shares.len();
+            assert_eq!(parts, threads.min(count).max(1), "{count} / {threads}");
+            let bounds: Vec<(usize, usize)> = chunks
+                .shares
+                .iter()
+                .map(|s| (s.next.load(Ordering::Relaxed), s.end))
+                .collect();
+            assert_eq!(bounds.first().map_or(0, |b| b.0), 0);
+            assert_eq!(bounds.last().map_or(0, |b| b.1), count);
+            for (a, b) in bounds.iter().zip(bounds.iter().skip(1)) {
+                assert_eq!(a.1, b.0, "contiguous: {bounds:?}");
+            }
+            assert!(bounds
+                .iter()
+                .all(|(lo, hi)| hi - lo <= count.div_ceil(parts)));
+            // The last thread drains alone: its share, then the others' from the first.
+            chunks.drain(parts - 1);
+            let last = bounds[parts - 1].0;
+            let want: Vec<usize> = (last..count).chain(0..last).collect();
+            assert_eq!(*order.lock().unwrap(), want, "{count} / {threads}");
+            assert_eq!(chunks.done.load(Ordering::Relaxed), count);
+        }
     }
 
     #[test]

@@ -407,6 +407,19 @@ mod tests {
         }
     }
 
+    /// A map's rows become `(first key, key count)` pairs; keys past the map's columns
+    /// or the request's table are refused before anything is launched.
+    #[test]
+    fn map_rows_are_checked_and_packed() {
+        // 40 columns, a table of 3 blocks of 16 keys.
+        let args = map_row_args(&[0..5, 10..40, 39..40], 40, 48).unwrap();
+        assert_eq!(args, [0, 5, 10, 30, 39, 1]);
+        for (bad, columns, table) in [(0..41, 40, 48), (30..50, 60, 48)] {
+            let e = map_row_args(&[bad], columns, table).unwrap_err().to_string();
+            assert!(e.contains("past the map's"), "{e}");
+        }
+    }
+
     /// Rows become the kernel's arguments; a row past q, the output or its table's
     /// blocks is refused before anything is launched.
     #[test]

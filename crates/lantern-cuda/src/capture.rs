@@ -415,7 +415,9 @@ mod tests {
         let args = map_row_args(&[0..5, 10..40, 39..40], 40, 48).unwrap();
         assert_eq!(args, [0, 5, 10, 30, 39, 1]);
         for (bad, columns, table) in [(0..41, 40, 48), (30..50, 60, 48)] {
-            let e = map_row_args(&[bad], columns, table).unwrap_err().to_string();
+            let e = map_row_args(&[bad], columns, table)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("past the map's"), "{e}");
         }
     }

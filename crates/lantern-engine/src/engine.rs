@@ -13,7 +13,7 @@ use crate::sampling::{
 use crate::scheduler::Scheduler;
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
 use lantern_capture::{
-    keys_needed, map_on_backend, row_capture, row_capture_from_sums, snapshot_layer,
+    keys_needed, map_on_backend, row_capture, row_capture_from_sums, snapshot_layer, CaptureError,
     CaptureFailure, CaptureSpec, KeySnapshot, PendingCapture, QueryRowBuffer, RowCapture, StepTap,
     TokenInfo,
 };
@@ -527,19 +527,19 @@ impl Engine {
             // the map alone; if it cannot, the keys are copied and finalize computes it.
             let backend = self.runner.backend();
             let (buf, range) = (&*buffer, rows.clone());
-            let map =
-                match map_on_backend(backend, &**cache, table, buf, slot, layer, range, num_keys) {
-                    Some(Ok(map)) => Some(map),
-                    Some(Err(e)) => {
+            let map = map_on_backend(backend, &**cache, table, buf, slot, layer, range, num_keys)
+                .and_then(|computed| {
+                    let why = |e: CaptureError| {
                         tracing::warn!(
-                        "layer {l}'s attention map was not computed by the `{}` backend ({e}); \
-                         its keys are copied for the host to compute it",
-                        backend.name()
-                    );
-                        None
-                    }
-                    None => None,
-                };
+                            layer = l,
+                            backend = backend.name(),
+                            error = %e,
+                            "the backend did not compute a capture's map; its keys are copied \
+                             for the host to compute it"
+                        )
+                    };
+                    computed.map_err(why).ok()
+                });
             let needs_keys = buffer.needs_keys(&rows, num_keys, map.is_some());
             computed_maps.push(map);
             if !needs_keys {

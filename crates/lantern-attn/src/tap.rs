@@ -22,10 +22,22 @@ pub trait AttentionTap {
     /// Whether any request of this step captures `layer`.
     fn wants_layer(&self, layer: usize) -> bool;
 
+    /// Whether [`Self::record`] of `layer` needs the backend's output (for checking P·V),
+    /// or only the query rows: a device's model code then copies no output to the host.
+    fn wants_output(&self, _layer: usize) -> bool {
+        true
+    }
+
     /// `q`: `[num_tokens, num_heads, head_dim]`; `attn_out`: the backend's output,
-    /// same shape. Rows are the step's tokens in batch order. Errors when the tensors
-    /// cannot be read back to the host.
-    fn record(&mut self, layer: usize, q: &Tensor, attn_out: &Tensor) -> Result<(), AttnError>;
+    /// same shape (`None` where [`Self::wants_output`] said it is not needed). Rows are
+    /// the step's tokens in batch order. Errors when the tensors cannot be read back to
+    /// the host.
+    fn record(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        attn_out: Option<&Tensor>,
+    ) -> Result<(), AttnError>;
 
     /// The rows of this step whose probabilities on `layer` the tap takes from the
     /// backend, if any (called after [`Self::wants_layer`], before the layer runs).

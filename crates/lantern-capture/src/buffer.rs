@@ -388,8 +388,20 @@ impl AttentionTap for StepTap<'_> {
         self.wanted.get(layer).copied().unwrap_or(false)
     }
 
-    fn record(&mut self, layer: usize, q: &Tensor, attn_out: &Tensor) -> Result<(), AttnError> {
-        let (q, attn_out) = (host_f32(q)?, host_f32(attn_out)?);
+    fn wants_output(&self, layer: usize) -> bool {
+        self.targets.iter().any(|t| {
+            t.buffer.spec().keep_attention_output && t.buffer.spec().layers.contains(&layer)
+        })
+    }
+
+    fn record(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        attn_out: Option<&Tensor>,
+    ) -> Result<(), AttnError> {
+        let q = host_f32(q)?;
+        let attn_out = attn_out.map(host_f32).transpose()?;
         let n = self.token_len;
         for t in &mut self.targets {
             // Every kept row of this step must have been summed by now.
@@ -400,8 +412,14 @@ impl AttentionTap for StepTap<'_> {
                 }
             }
             let rows = t.batch_row * n..(t.batch_row + t.num_tokens) * n;
-            if let (Some(q), Some(out)) = (q.get(rows.clone()), attn_out.get(rows)) {
-                t.buffer.record(layer, t.first_pos, q, out);
+            let out = attn_out.as_ref().and_then(|o| o.get(rows.clone()));
+            if out.is_none() && t.buffer.spec().keep_attention_output {
+                return Err(AttnError::Unsupported(format!(
+                    "layer {layer}'s attention output was not handed to a capture that keeps it"
+                )));
+            }
+            if let Some(q) = q.get(rows) {
+                t.buffer.record(layer, t.first_pos, q, out.unwrap_or(&[]));
             }
         }
         Ok(())
@@ -517,7 +535,7 @@ mod tests {
             let shape = [q.len() / 6, 3, 2];
             let q = lantern_attn::tensor3(q, shape, &lantern_attn::Device::Cpu).unwrap();
             let out = lantern_attn::tensor3(out, shape, &lantern_attn::Device::Cpu).unwrap();
-            tap.record(1, &q, &out).unwrap();
+            tap.record(1, &q, Some(&out)).unwrap();
         }
         assert_eq!(b.filled_to(), 6);
         for pos in 0..6 {
@@ -531,6 +549,29 @@ mod tests {
             }
         }
         assert!(b.query(0, 6, 0).is_none());
+    }
+
+    /// The attention output is asked for only by a capture that keeps it, and a tap
+    /// records query rows without it; a capture that keeps it refuses a step without it.
+    #[test]
+    fn the_output_is_asked_for_only_where_it_is_kept() {
+        let shape = [2, 3, 2];
+        let q = lantern_attn::tensor3(batch(0, 2, 3, 2), shape, &lantern_attn::Device::Cpu);
+        let q = q.unwrap();
+        for keep in [false, true] {
+            let mut s = spec(vec![1], vec![0, 1, 2], RowSelection::All);
+            s.keep_attention_output = keep;
+            let mut b = QueryRowBuffer::new(s, 4, 3, 2, 2, 1);
+            let mut tap = StepTap::new(4, 3, 2);
+            tap.add(0, 2, 0, &mut b);
+            assert_eq!(tap.wants_output(1), keep);
+            assert!(!tap.wants_output(0), "a layer nobody captures");
+            assert_eq!(tap.record(1, &q, None).is_ok(), !keep);
+            if !keep {
+                assert_eq!(b.filled_to(), 2);
+                assert_eq!(b.query(0, 1, 2).unwrap(), [120.0, 121.0]);
+            }
+        }
     }
 
     #[test]

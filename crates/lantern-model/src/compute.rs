@@ -358,7 +358,7 @@ impl Compute for Cpu {
                 .forward(spec, call.meta, &q, &k, &v, call.cache)?,
         };
         if let Some(tap) = tap {
-            tap.record(call.layer, &q, &out)?;
+            tap.record(call.layer, &q, Some(&out))?;
         }
         let values = share::copied(&host_f32(&out)?);
         Ok(values)

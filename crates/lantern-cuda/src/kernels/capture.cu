@@ -5,11 +5,8 @@
 // CPU's flash kernel keeps them as it runs), and a finished capture's maps
 // (map_probabilities, then combine_heads and top_k_rows: only the map leaves the device).
 //
-// Grid: (asked row i, query head h); blockDim.x a multiple of 32. Row i is
-// rows[4i .. 4i+4] = (batch token t, request r, first key lo, key count n); its values
-// start at offsets[i] and are [num_heads, n]: head h's at offsets[i] + h * n. Key k
-// (lo <= k < lo + n) lives in slot block_table[r * table_stride + k / block_size] *
-// block_size + k % block_size, as in paged_attention.
+// Key k of a request lives in slot table[k / block_size] * block_size + k % block_size
+// (table: the request's row of the block table), as in paged_attention.
 // logit = dot(q, k) * scale, then cap * tanh(logit / cap) when cap > 0; p = exp(logit - M)
 // / (sum over the row of exp(logit - M) + exp(sink - M)), M the largest logit (and sink).
 // A key in an invalid block (or out of the cache) makes the row's values NaN: the host

@@ -311,33 +311,55 @@ fn even_chunks(parts: &[Part], per: usize) -> Vec<(usize, (usize, usize))> {
     even.collect()
 }
 
-/// Cuts the parts' panel ranges (`(first, end)` each) into chunks claimed in order, of
-/// decreasing size: each chunk holds about `1 / (2 · threads)` of the panels still
-/// unassigned, between `granule` and `most` panels (rounded up to whole granules, cut
-/// at the end of its part). Early chunks are large (few claims); the last ones are a
-/// register tile wide, so the thread that finishes last waits for at most one small
-/// chunk. Returns `(part index, (first panel, end panel))` in claim order.
+/// Cuts the parts' panel ranges (`(first, end)` each) into one contiguous share of
+/// panels a thread (about the same number each, whole granules; `share::run_split`'s
+/// shares), and each share into chunks claimed in order, of decreasing size: each chunk
+/// holds about a quarter of its share's panels still unassigned, between `granule` and
+/// `most` panels (rounded up to whole granules, cut at the end of its part). A thread
+/// works through its own share's large chunks first; the last ones are a register tile
+/// wide, so a thread that finishes early and takes chunks from another's share, or the
+/// thread that finishes last, waits for at most one small chunk. Returns the chunks as
+/// `(part index, (first panel, end panel))` in claim order, and the index of each
+/// share's first chunk.
 fn guided_chunks(
     parts: &[(usize, usize)],
     granule: usize,
     most: usize,
     threads: usize,
-) -> Vec<(usize, (usize, usize))> {
-    let granule = granule.max(1);
+) -> (Vec<(usize, (usize, usize))>, Vec<usize>) {
+    let (granule, threads) = (granule.max(1), threads.max(1));
     let most = most.max(granule);
-    let mut left: usize = parts.iter().map(|&(a, b)| b - a).sum();
+    let total: usize = parts.iter().map(|&(a, b)| b - a).sum();
+    let granules = total.div_ceil(granule);
+    let mut panels = parts
+        .iter()
+        .enumerate()
+        .filter(|(_, &(a, b))| a < b)
+        .map(|(i, &(a, b))| (i, a, b))
+        .peekable();
     let mut chunks = Vec::new();
-    for (i, &(first, end)) in parts.iter().enumerate() {
-        let mut p = first;
-        while p < end {
-            let want = left.div_ceil(2 * threads.max(1)).div_ceil(granule) * granule;
-            let size = want.clamp(granule, most).min(end - p);
-            chunks.push((i, (p, p + size)));
-            p += size;
-            left -= size;
+    let mut starts = Vec::with_capacity(threads);
+    for share in 0..threads {
+        starts.push(chunks.len());
+        let share_granules = (share + 1) * granules / threads - share * granules / threads;
+        let mut left = share_granules * granule;
+        while left > 0 {
+            let Some((i, p, end)) = panels.peek_mut() else {
+                break;
+            };
+            let want = left.div_ceil(4).div_ceil(granule) * granule;
+            // Whole granules from the part's start, as the tiles need, though the share
+            // may end up to a granule long.
+            let size = want.clamp(granule, most).min(*end - *p);
+            chunks.push((*i, (*p, *p + size)));
+            *p += size;
+            left = left.saturating_sub(size);
+            if p == end {
+                panels.next();
+            }
         }
     }
-    chunks
+    (chunks, starts)
 }
 
 /// Below this many multiply-adds a batched `matmul` runs on the calling thread. Measured
@@ -666,6 +688,8 @@ impl PackedMatrix {
             input.recycle();
             return;
         }
+        // Where each thread's share of the tasks starts, when not at even counts.
+        let mut share_starts = Vec::new();
         let (chunks, tokens_per_task) = if shared {
             // Chunks of whole register tiles (4 panels fit every level's m = 1 tile),
             // about four per thread (at least 16) so that many threads all get some.
@@ -678,7 +702,10 @@ impl PackedMatrix {
                 // One token range (decode batches): the chunks' sizes are all there is
                 // to balance the threads' last tasks.
                 let panels: Vec<(usize, usize)> = parts.iter().map(|p| p.panels).collect();
-                guided_chunks(&panels, split.granule, split.panels_per_task, threads)
+                let (chunks, starts) =
+                    guided_chunks(&panels, split.granule, split.panels_per_task, threads);
+                share_starts = starts;
+                chunks
             } else {
                 // Many token ranges (prefills): each chunk is many tasks already.
                 even_chunks(parts, split.panels_per_task)
@@ -694,7 +721,8 @@ impl PackedMatrix {
                 (i, panels, (t0, (t0 + tokens_per_task).min(m)))
             }));
         }
-        share::run(tasks.len(), &|task| {
+        // One token range when the shares were cut: a task is a chunk.
+        share::run_split(tasks.len(), &share_starts, &|task| {
             let (part, panels, tokens) = tasks[task];
             // SAFETY: tasks write disjoint (token, row) rectangles of the parts.
             unsafe { self.run_tile(kernel, act, panels, tokens, parts[part].dst) };
@@ -984,7 +1012,7 @@ mod tests {
     /// are whole granules (but at a part's end), at most `most` panels, never growing,
     /// and the last chunk is one granule.
     #[test]
-    fn guided_chunks_cover_every_panel_once_and_shrink() {
+    fn guided_chunks_cover_every_panel_once_and_shrink_in_each_share() {
         type Case = (&'static [(usize, usize)], usize, usize);
         let cases: [Case; 6] = [
             (&[(0, 36), (36, 48), (48, 60)], 2, 48),
@@ -996,7 +1024,23 @@ mod tests {
         ];
         for (parts, granule, most) in cases {
             for threads in [1, 2, 3, 16, 64] {
-                let chunks = guided_chunks(parts, granule, most, threads);
+                let (chunks, starts) = guided_chunks(parts, granule, most, threads);
+                assert_eq!(starts.len(), threads);
+                assert!(starts.windows(2).all(|w| w[0] <= w[1]) && starts[0] == 0);
+                // Each share's panels: an even split of the granules.
+                let total: usize = parts.iter().map(|&(a, b)| b - a).sum();
+                let bounds: Vec<usize> = starts.iter().copied().chain([chunks.len()]).collect();
+                let share_panels: Vec<usize> = bounds
+                    .windows(2)
+                    .map(|w| chunks[w[0]..w[1]].iter().map(|&(_, (a, b))| b - a).sum())
+                    .collect();
+                assert_eq!(share_panels.iter().sum::<usize>(), total);
+                let most_panels = total.div_ceil(granule).div_ceil(threads) * granule;
+                let near = most_panels + granule;
+                assert!(share_panels.iter().all(|&n| n <= near), "{share_panels:?}");
+                for &(i, (a, _)) in &chunks {
+                    assert_eq!((a - parts[i].0) % granule, 0, "{parts:?} {threads}");
+                }
                 let mut expect = parts
                     .iter()
                     .enumerate()
@@ -1010,17 +1054,20 @@ mod tests {
                     }
                 }
                 assert_eq!(expect.next(), None, "{parts:?} {threads}");
-                let whole: Vec<usize> = chunks
-                    .iter()
-                    .filter(|&&(i, (_, b))| b != parts[i].1)
-                    .map(|&(_, (a, b))| b - a)
-                    .collect();
-                assert!(
-                    whole.windows(2).all(|w| w[0] >= w[1]),
-                    "{parts:?} {threads}"
-                );
-                let last = chunks.last().unwrap().1;
-                assert!(last.1 - last.0 <= granule, "{parts:?} {threads}");
+                for w in bounds.windows(2).filter(|w| w[0] < w[1]) {
+                    let share = &chunks[w[0]..w[1]];
+                    let whole: Vec<usize> = share
+                        .iter()
+                        .filter(|&&(i, (_, b))| b != parts[i].1)
+                        .map(|&(_, (a, b))| b - a)
+                        .collect();
+                    assert!(
+                        whole.windows(2).all(|w| w[0] >= w[1]),
+                        "{parts:?} {threads}"
+                    );
+                    let last = share.last().unwrap().1;
+                    assert!(last.1 - last.0 <= granule, "{parts:?} {threads}");
+                }
             }
         }
     }

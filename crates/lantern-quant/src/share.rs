@@ -65,12 +65,24 @@ struct Chunks {
 }
 
 impl Chunks {
-    fn new(count: usize, threads: usize, work: Erased) -> Chunks {
+    /// `count` chunks in `threads` shares of about as many chunks, or in the shares
+    /// that start at `starts` (ascending chunk indices) when given.
+    fn new(count: usize, threads: usize, starts: &[usize], work: Erased) -> Chunks {
         let parts = threads.clamp(1, count.max(1));
+        let start = |p: usize| match starts.len() {
+            0 => p * count / parts,
+            n if p < n => starts[p].min(count),
+            _ => count,
+        };
+        let parts = if starts.is_empty() {
+            parts
+        } else {
+            starts.len()
+        };
         let shares = (0..parts)
             .map(|p| Share {
-                next: AtomicUsize::new(p * count / parts),
-                end: (p + 1) * count / parts,
+                next: AtomicUsize::new(start(p)),
+                end: start(p + 1).max(start(p)),
             })
             .collect();
         Chunks {
@@ -243,6 +255,13 @@ fn helper_loop(index: usize, parked: &AtomicBool) {
 /// where a rayon fork-join would cost as much as the work (batch-1 decode products and
 /// attention).
 pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
+    run_split(count, &[], work)
+}
+
+/// [`run`], each computing thread's share of the chunks starting at `starts` (ascending
+/// chunk indices, one a thread, the first 0; empty: shares of about as many chunks each),
+/// for chunks of very different sizes: the caller cuts the shares at about the same work.
+pub fn run_split(count: usize, starts: &[usize], work: &(dyn Fn(usize) + Sync)) {
     // SAFETY: only the lifetime is erased; see `Erased`.
     let erased = Erased(unsafe {
         std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
@@ -250,7 +269,7 @@ pub fn run(count: usize, work: &(dyn Fn(usize) + Sync)) {
         )
     });
     let threads = threads();
-    let chunks = Arc::new(Chunks::new(count, threads, erased));
+    let chunks = Arc::new(Chunks::new(count, threads, starts, erased));
     if count > 1 && threads > 1 {
         helpers().publish(&chunks);
     }
@@ -536,7 +555,7 @@ mod tests {
                     *const (dyn Fn(usize) + Sync),
                 >(&work)
             });
-            let chunks = Chunks::new(count, threads, erased);
+            let chunks = Chunks::new(count, threads, &[], erased);
             let parts = chunks.shares.len();
             assert_eq!(parts, threads.min(count).max(1), "{count} / {threads}");
             let bounds: Vec<(usize, usize)> = chunks

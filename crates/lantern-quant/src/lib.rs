@@ -298,9 +298,12 @@ fn tile_tokens_per_task(
     longer.max(tokens)
 }
 
+/// A chunk of a product's panels: `(part index, (first panel, end panel))`.
+type PanelChunk = (usize, (usize, usize));
+
 /// Cuts the parts' panel ranges into chunks of `per` panels (the last of a part shorter):
 /// `(part index, (first panel, end panel))` in order.
-fn even_chunks(parts: &[Part], per: usize) -> Vec<(usize, (usize, usize))> {
+fn even_chunks(parts: &[Part], per: usize) -> Vec<PanelChunk> {
     let per = per.max(1);
     let even = parts.iter().enumerate().flat_map(|(i, part)| {
         let (first, end) = part.panels;
@@ -326,7 +329,7 @@ fn guided_chunks(
     granule: usize,
     most: usize,
     threads: usize,
-) -> (Vec<(usize, (usize, usize))>, Vec<usize>) {
+) -> (Vec<PanelChunk>, Vec<usize>) {
     let (granule, threads) = (granule.max(1), threads.max(1));
     let most = most.max(granule);
     let total: usize = parts.iter().map(|&(a, b)| b - a).sum();

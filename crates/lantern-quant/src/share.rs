@@ -68,21 +68,26 @@ impl Chunks {
     /// `count` chunks in `threads` shares of about as many chunks, or in the shares
     /// that start at `starts` (ascending chunk indices) when given.
     fn new(count: usize, threads: usize, starts: &[usize], work: Erased) -> Chunks {
-        let parts = threads.clamp(1, count.max(1));
-        let start = |p: usize| match starts.len() {
-            0 => p * count / parts,
-            n if p < n => starts[p].min(count),
-            _ => count,
-        };
-        let parts = if starts.is_empty() {
-            parts
+        // Share boundaries: from 0, never going back, ending at `count`, so that every
+        // chunk lies in exactly one share whatever `starts` holds.
+        let mut bounds: Vec<usize> = if starts.is_empty() {
+            let parts = threads.clamp(1, count.max(1));
+            (0..parts).map(|p| p * count / parts).collect()
         } else {
-            starts.len()
+            let mut at = 0;
+            (starts.iter().enumerate())
+                .map(|(p, &s)| {
+                    at = if p == 0 { 0 } else { s.clamp(at, count) };
+                    at
+                })
+                .collect()
         };
-        let shares = (0..parts)
-            .map(|p| Share {
-                next: AtomicUsize::new(start(p)),
-                end: start(p + 1).max(start(p)),
+        bounds.push(count);
+        let shares = bounds
+            .windows(2)
+            .map(|w| Share {
+                next: AtomicUsize::new(w[0]),
+                end: w[1],
             })
             .collect();
         Chunks {
@@ -577,6 +582,21 @@ mod tests {
             let want: Vec<usize> = (last..count).chain(0..last).collect();
             assert_eq!(*order.lock().unwrap(), want, "{count} / {threads}");
             assert_eq!(chunks.done.load(Ordering::Relaxed), count);
+        }
+    }
+
+    /// Given shares cover every chunk once, whatever the starts say.
+    #[test]
+    fn given_shares_cover_every_chunk_once() {
+        for starts in [&[0, 2, 9][..], &[3, 5], &[0, 7, 4, 40], &[0]] {
+            let hits: Vec<AtomicUsize> = (0..10).map(|_| AtomicUsize::new(0)).collect();
+            run_split(10, starts, &|c| {
+                hits[c].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "{starts:?}"
+            );
         }
     }
 

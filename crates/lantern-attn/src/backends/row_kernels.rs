@@ -282,38 +282,45 @@ mod x86 {
         blocks: [*const f32; B],
         d: usize,
     ) -> [[__m512; B]; 2] {
-        // x2[i][r][k]: X2[i] of row r and block k (`dots`' halving, see the module docs),
-        // each from the four lane chains i, i + 4, i + 8, i + 12.
-        let mut x2 = [[[_mm512_setzero_ps(); B]; 2]; 4];
-        for i in 0..4 {
-            let mut a = [[[_mm512_setzero_ps(); 4]; B]; 2];
-            for c in 0..d / LANES {
-                for s in 0..4 {
-                    let e = c * LANES + i + 4 * s;
-                    let kv = blocks.map(|block| _mm512_loadu_ps(block.add(e * KEYS)));
-                    for r in 0..2 {
-                        let qe = _mm512_set1_ps(*q[r].add(e));
-                        for k in 0..B {
-                            a[r][k][s] = _mm512_fmadd_ps(qe, kv[k], a[r][k][s]);
+        // X3[h] = X2[h] + X2[h + 2] (`dots`' halving, see the module docs), each X2[i]
+        // from the four lane chains i, i + 4, i + 8, i + 12. Each X3 is finished before
+        // the next begins, so that only two X2s are held (all four spilled registers).
+        let mut x3 = [[[_mm512_setzero_ps(); B]; 2]; 2];
+        for h in 0..2 {
+            let mut x2 = [[[_mm512_setzero_ps(); B]; 2]; 2];
+            for (w, i) in [h, h + 2].into_iter().enumerate() {
+                let mut a = [[[_mm512_setzero_ps(); 4]; B]; 2];
+                for c in 0..d / LANES {
+                    for s in 0..4 {
+                        let e = c * LANES + i + 4 * s;
+                        let kv = blocks.map(|block| _mm512_loadu_ps(block.add(e * KEYS)));
+                        for r in 0..2 {
+                            let qe = _mm512_set1_ps(*q[r].add(e));
+                            for k in 0..B {
+                                a[r][k][s] = _mm512_fmadd_ps(qe, kv[k], a[r][k][s]);
+                            }
                         }
+                    }
+                }
+                for r in 0..2 {
+                    for k in 0..B {
+                        let a = a[r][k];
+                        x2[w][r][k] =
+                            _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
                     }
                 }
             }
             for r in 0..2 {
                 for k in 0..B {
-                    let a = a[r][k];
-                    x2[i][r][k] =
-                        _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                    x3[h][r][k] = _mm512_add_ps(x2[0][r][k], x2[1][r][k]);
                 }
             }
         }
-        // X3[h] = X2[h] + X2[h + 2]; X3[0] + X3[1]; then `dots`' empty scalar tail (+0).
+        // X3[0] + X3[1]; then `dots`' empty scalar tail (+0).
         let mut sums = [[_mm512_setzero_ps(); B]; 2];
         for r in 0..2 {
             for k in 0..B {
-                let x3_0 = _mm512_add_ps(x2[0][r][k], x2[2][r][k]);
-                let x3_1 = _mm512_add_ps(x2[1][r][k], x2[3][r][k]);
-                let sum = _mm512_add_ps(x3_0, x3_1);
+                let sum = _mm512_add_ps(x3[0][r][k], x3[1][r][k]);
                 sums[r][k] = _mm512_add_ps(sum, _mm512_setzero_ps());
             }
         }
@@ -449,32 +456,37 @@ mod x86 {
                     break;
                 }
                 let block = kt.as_ptr().add(b * d * KEYS + half * 8);
-                // x2[i][r]: X2[i] of row r (`dots`' halving, see the module docs).
-                let mut x2 = [[_mm256_setzero_ps(); 2]; 4];
-                for i in 0..4 {
-                    let mut a = [[_mm256_setzero_ps(); 4]; 2];
-                    for c in 0..d / LANES {
-                        for s in 0..4 {
-                            let e = c * LANES + i + 4 * s;
-                            let kv = _mm256_loadu_ps(block.add(e * KEYS));
-                            for r in 0..2 {
-                                let qe = _mm256_set1_ps(*q[r].add(e));
-                                a[r][s] = _mm256_fmadd_ps(qe, kv, a[r][s]);
+                // x3[h][r]: X3[h] = X2[h] + X2[h + 2] of row r (`dots`' halving, see the
+                // module docs), each finished before the next begins (registers).
+                let mut x3 = [[_mm256_setzero_ps(); 2]; 2];
+                for h in 0..2 {
+                    let mut x2 = [[_mm256_setzero_ps(); 2]; 2];
+                    for (w, i) in [h, h + 2].into_iter().enumerate() {
+                        let mut a = [[_mm256_setzero_ps(); 4]; 2];
+                        for c in 0..d / LANES {
+                            for s in 0..4 {
+                                let e = c * LANES + i + 4 * s;
+                                let kv = _mm256_loadu_ps(block.add(e * KEYS));
+                                for r in 0..2 {
+                                    let qe = _mm256_set1_ps(*q[r].add(e));
+                                    a[r][s] = _mm256_fmadd_ps(qe, kv, a[r][s]);
+                                }
                             }
+                        }
+                        for r in 0..2 {
+                            let a = a[r];
+                            x2[w][r] =
+                                _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
                         }
                     }
                     for r in 0..2 {
-                        let a = a[r];
-                        x2[i][r] =
-                            _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+                        x3[h][r] = _mm256_add_ps(x2[0][r], x2[1][r]);
                     }
                 }
                 let count = (n - first).min(8);
                 for (r, dst) in [&mut *out0, &mut *out1].into_iter().enumerate() {
-                    let x3_0 = _mm256_add_ps(x2[0][r], x2[2][r]);
-                    let x3_1 = _mm256_add_ps(x2[1][r], x2[3][r]);
-                    // Then `dots`' empty scalar tail (+0), as at AVX-512.
-                    let sum = _mm256_add_ps(_mm256_add_ps(x3_0, x3_1), _mm256_setzero_ps());
+                    // X3[0] + X3[1], then `dots`' empty scalar tail (+0), as at AVX-512.
+                    let sum = _mm256_add_ps(_mm256_add_ps(x3[0][r], x3[1][r]), _mm256_setzero_ps());
                     let mut lanes = [0f32; 8];
                     _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
                     dst[first..first + count].copy_from_slice(&lanes[..count]);

@@ -40,6 +40,7 @@ pub use backend::{
 pub use backends::cpu_flash::{CpuFlashBackend, FlashTuning};
 pub use backends::cpu_reference::CpuReferenceBackend;
 pub use backends::kernels::{probabilities_from_logits, row_probabilities};
+pub use backends::row_scorer::RowScorer;
 pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
 pub use device::{host_f32, tensor3, Device, HostF32, LayerKvCache, Tensor};
 pub use error::AttnError;

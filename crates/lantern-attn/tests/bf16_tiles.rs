@@ -9,7 +9,7 @@ mod common;
 use common::{alone, dense_attention, make_batch, max_rel_error, run_backend, Batch, Req};
 use lantern_attn::{
     round_to_dtype, AttentionBackend, AttentionLayerSpec, AttentionMetadata, CpuFlashBackend,
-    FlashTuning, RowProbabilities,
+    FlashTuning, RowProbabilities, RowScorer,
 };
 use lantern_kv::KvDtype;
 use lantern_quant::{force_kernel, Kernel};
@@ -187,6 +187,40 @@ fn kept_probabilities_on_tiles_equal_those_from_the_keys() {
 
 /// [`common::run_backend`], then the same step again through `forward_with_probabilities`
 /// (writing the step's keys again changes nothing).
+/// A capture's rows scored two at a time (finalizing's `RowScorer`) are the bits of
+/// `row_probabilities` row by row on the tiles too.
+#[test]
+fn rows_scored_in_pairs_equal_row_probabilities_on_tiles() {
+    if !on_tiles() {
+        return;
+    }
+    let wave = |i: usize| ((i as f32) * 0.61).sin() * 2.0;
+    for (name, layer) in layers() {
+        let (n, d) = (75, layer.head_dim);
+        let keys: Vec<f32> = (0..n * d).map(|i| wave(i + 3)).collect();
+        let q: Vec<Vec<f32>> = (0..2)
+            .map(|r| (0..d).map(|i| wave(i * 7 + r * 101)).collect())
+            .collect();
+        let visible = [3..60, 17..75];
+        let mut got = visible.clone().map(|v| vec![0f32; v.len()]);
+        let [g0, g1] = &mut got;
+        let mut scorer = RowScorer::new(&keys, d);
+        scorer.probabilities(&layer, 1, [&q[0], &q[1]], visible.clone(), [g0, g1]);
+        for r in 0..2 {
+            let v = visible[r].clone();
+            let mut want = vec![0f32; v.len()];
+            lantern_attn::row_probabilities(
+                &layer,
+                1,
+                &q[r],
+                &keys[v.start * d..v.end * d],
+                &mut want,
+            );
+            assert!(same_bits(&got[r], &want), "{name} row {r}");
+        }
+    }
+}
+
 fn run_with_probabilities(
     backend: &CpuFlashBackend,
     layer: &AttentionLayerSpec,

@@ -22,7 +22,7 @@ use std::sync::Mutex;
 
 use lantern_attn::{
     combine_heads, top_k, AttentionBackend, AttentionLayerSpec, LayerKvCache, ProbabilityMap,
-    ProbabilityMapJob,
+    ProbabilityMapJob, RowScorer,
 };
 
 use crate::buffer::QueryRowBuffer;
@@ -578,31 +578,49 @@ impl PendingCapture {
                 KeyStatsAccumulator::new(groups, num_keys, spec.stats.contains(&KeyStat::KeyMax))
             }),
         };
-        // Row by row, so that what finalizing holds beside the maps is one row of every
-        // head (`heads × keys`) a thread, never `rows × heads × keys`: the maps are what
-        // the admission estimate counts.
-        let mut dense = vec![0f32; heads * num_keys];
+        // Two rows at a time, so that what finalizing holds beside the maps is two rows of
+        // every head (`2 × heads × keys`) and a transposed copy of the layer's keys a
+        // thread, never `rows × heads × keys`: the maps are what the admission estimate
+        // counts.
+        let mut dense = [vec![0f32; heads * num_keys], vec![0f32; heads * num_keys]];
         let mut reduced = Vec::new();
         // Rows are computed for what is not summed yet: maps, span masses, statistics.
         let rows_needed = map_from_rows || spans.is_some() || (accumulator.is_some() && !summed);
-        for pos in rows.clone().filter(|_| rows_needed) {
-            self.row_probabilities(slot, layer, pos, &mut dense)?;
+        let mut take_row = |dense: &[f32]| {
             if let Some(accumulator) = accumulator.as_mut().filter(|_| !summed) {
-                accumulator.add_row(&dense);
+                accumulator.add_row(dense);
             }
             if let Some(spans) = &mut spans {
-                spans.add_row(&dense);
+                spans.add_row(dense);
             }
             if !map_from_rows {
-                continue;
+                return;
             }
             let combine = spec.reduce.into();
             match &mut indices {
-                None => combine_heads(&dense, heads, num_keys, combine, &mut values),
+                None => combine_heads(dense, heads, num_keys, combine, &mut values),
                 Some(indices) => {
                     reduced.clear();
-                    combine_heads(&dense, heads, num_keys, combine, &mut reduced);
+                    combine_heads(dense, heads, num_keys, combine, &mut reduced);
                     top_k(&reduced, num_keys, width, &mut values, indices);
+                }
+            }
+        };
+        // Two at a time, over keys transposed once per kv head.
+        if rows_needed {
+            let mut scorers = RowScorers::new(&self.buffer, layer);
+            let mut pos = rows.start;
+            while pos < rows.end {
+                let [first, second] = &mut dense;
+                if pos + 1 < rows.end {
+                    scorers.pair(&self.buffer, slot, pos, [first, second])?;
+                    take_row(first);
+                    take_row(second);
+                    pos += 2;
+                } else {
+                    self.row_probabilities(slot, layer, pos, first)?;
+                    take_row(first);
+                    pos += 1;
                 }
             }
         }
@@ -623,6 +641,91 @@ impl PendingCapture {
             stats_groups,
             span_mass: summed_spans.or_else(|| spans.map(|s| s.finish(layer_idx))),
         })
+    }
+}
+
+/// One captured layer's keys made ready for scoring rows two at a time: a
+/// [`RowScorer`] per kv head the requested heads read.
+struct RowScorers<'a> {
+    layer: &'a AttentionLayerSpec,
+    keys: &'a KeySnapshot,
+    /// Per kv head, `None` where no requested head reads it.
+    scorers: Vec<Option<RowScorer<'a>>>,
+}
+
+impl<'a> RowScorers<'a> {
+    fn new(buffer: &QueryRowBuffer, (layer, keys): &'a (AttentionLayerSpec, KeySnapshot)) -> Self {
+        let mut scorers: Vec<Option<RowScorer<'a>>> =
+            (0..keys.num_kv_heads).map(|_| None).collect();
+        for &h in &buffer.spec().heads {
+            let kv = layer.kv_head_for(h);
+            if keys.keys.is_empty() || scorers.get(kv).is_none_or(Option::is_some) {
+                continue;
+            }
+            let all = keys.keys_of(keys.first_key..keys.num_keys, kv);
+            scorers[kv] = Some(RowScorer::new(all, keys.head_dim));
+        }
+        Self {
+            layer,
+            keys,
+            scorers,
+        }
+    }
+
+    /// [`row_probabilities`] of the rows at positions `pos` and `pos + 1`, into `out`.
+    fn pair(
+        &mut self,
+        buffer: &QueryRowBuffer,
+        slot: usize,
+        pos: usize,
+        out: [&mut [f32]; 2],
+    ) -> Result<(), CaptureError> {
+        let heads = &buffer.spec().heads;
+        let num_keys = out[0].len() / heads.len().max(1);
+        let [out0, out1] = out;
+        out0.fill(0.0);
+        out1.fill(0.0);
+        let first_key = self.keys.first_key;
+        // Each row's visible keys, as positions and as indices among the snapshot's.
+        let visible = [pos, pos + 1].map(|p| {
+            let v = self.layer.visible_key_range(p);
+            let v = v.start.max(first_key)..v.end.min(self.keys.num_keys).min(num_keys);
+            if v.is_empty() {
+                first_key..first_key
+            } else {
+                v
+            }
+        });
+        let indices = visible
+            .clone()
+            .map(|v| v.start - first_key..v.end - first_key);
+        for (hi, &h) in heads.iter().enumerate() {
+            let query = |p: usize| {
+                buffer.query(slot, p, hi).ok_or_else(|| {
+                    CaptureError::Incomplete(format!("no query row for position {p}"))
+                })
+            };
+            let q = [query(pos)?, query(pos + 1)?];
+            let Some(scorer) = self
+                .scorers
+                .get_mut(self.layer.kv_head_for(h))
+                .and_then(Option::as_mut)
+            else {
+                continue; // no keys: every probability is zero
+            };
+            let row = hi * num_keys;
+            scorer.probabilities(
+                self.layer,
+                h,
+                q,
+                indices.clone(),
+                [
+                    &mut out0[row..][visible[0].clone()],
+                    &mut out1[row..][visible[1].clone()],
+                ],
+            );
+        }
+        Ok(())
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use lantern_attn::AttentionLayerSpec;
+use lantern_attn::{AttentionLayerSpec, RowScorer};
 
 use crate::error::CaptureError;
 pub use crate::spans::{CaptureSpan, SpanAt, SpanText};
@@ -397,9 +397,13 @@ impl CaptureSpec {
         let mul = |factors: &[u64]| factors.iter().fold(1u64, |a, &b| a.saturating_mul(b));
         let width = self.top_k.map_or(keys, |k| (k as u64).min(keys));
         let per_value = if self.top_k.is_some() { 4 + 4 } else { 4 };
-        // One row of every head (`dense`), the reduced row and the top-k selection order
-        // (usize per key).
-        let scratch = mul(&[keys, heads * 4 + 4 + 8]);
+        // Two rows of every head (`dense`), the reduced row and the top-k selection order
+        // (usize per key), and the keys as the two-row scorer reads them.
+        let scorer_bytes = (geometry.num_kv_heads as u64).saturating_mul(RowScorer::held_bytes(
+            usize::try_from(keys).unwrap_or(usize::MAX),
+            geometry.head_dim,
+        ));
+        let scratch = mul(&[keys, 2 * heads * 4 + 4 + 8]).saturating_add(scorer_bytes);
         // With statistics: one row of every group, and the running sums beside the
         // copies finishing makes.
         let groups = self.stats_heads.max_groups(self.heads.len()) as u64;
@@ -804,7 +808,9 @@ mod tests {
         let queries = layers * n * 9 * 64 * 4;
         let keys = layers * n * 3 * 64 * 4;
         let f32_maps = layers * n * (4 + 4);
-        let scratch = n * (9 * 4 + 4 + 8);
+        // Two rows of every head, the reduced row and the top-k order; each kv head's
+        // keys transposed in blocks of 16 (1,008 keys) and two rows of scores.
+        let scratch = n * (2 * 9 * 4 + 4 + 8) + 3 * (1008 * 64 + 2 * (n + 16)) * 4;
         let metadata = 2 * n * 8 + 2 * n * TOKEN_META_BYTES;
         let working = queries + keys + f32_maps + scratch + metadata;
         assert_eq!(s.working_bytes(1000, 0, g), working);

@@ -46,7 +46,8 @@ const CHUNK: usize = 300;
 const LAYERS: usize = 2;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
-const HEAD_DIM: usize = 8;
+/// A multiple of 16: finalizing scores rows two at a time over transposed keys.
+const HEAD_DIM: usize = 16;
 const GEOMETRY: CaptureGeometry = CaptureGeometry {
     num_kv_heads: KV_HEADS,
     head_dim: HEAD_DIM,

@@ -561,11 +561,21 @@ pub fn row_probabilities(
         return;
     }
     dots(q, keys, layer.head_dim, out);
+    probabilities_from_scores(layer, query_head, out);
+}
+
+/// The rest of [`row_probabilities`] after its dot products: one row's raw `q . k`
+/// scores over every key it sees (in position order) into its probabilities in place.
+pub(crate) fn probabilities_from_scores(
+    layer: &crate::AttentionLayerSpec,
+    query_head: usize,
+    scores: &mut [f32],
+) {
     let sink = layer.sink_logit(query_head);
     let floor = sink.unwrap_or(f32::NEG_INFINITY);
     // The maximum of the logits and the sink, as `row_max` takes it.
-    let (max, _) = logits_and_rescale(out, layer.scale, layer.logits_soft_cap, floor);
-    normalize(out, max, sink);
+    let (max, _) = logits_and_rescale(scores, layer.scale, layer.logits_soft_cap, floor);
+    normalize(scores, max, sink);
 }
 
 /// Turns one row's logits over every key it sees (scaled and soft-capped, in position

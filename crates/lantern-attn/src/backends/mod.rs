@@ -13,6 +13,7 @@ pub mod cpu_flash;
 pub mod cpu_reference;
 pub(crate) mod kernels;
 pub(crate) mod row_kernels;
+pub mod row_scorer;
 
 use std::ops::Range;
 use std::sync::Arc;

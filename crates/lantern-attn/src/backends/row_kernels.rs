@@ -19,7 +19,7 @@
 use lantern_quant::simd::fma as fmadd;
 
 /// Lanes of a dot product's partial sums (as in `kernels::dots`).
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 /// Keys side by side in a transposed block.
 pub(crate) const KEYS: usize = 16;

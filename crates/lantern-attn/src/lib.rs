@@ -53,4 +53,4 @@ pub use metadata::{
     reorder_batch_to_split_decodes_and_prefills, slot_for_position, split_decodes_and_prefills,
     BlockTable, CommonAttentionMetadata, DecodePrefillSplit, ScheduledSeq,
 };
-pub use tap::{AttentionTap, RowProbabilities};
+pub use tap::{AttentionTap, RecordedRows, RowProbabilities};

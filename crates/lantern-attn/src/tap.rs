@@ -28,13 +28,19 @@ pub trait AttentionTap {
         true
     }
 
-    /// `q`: `[num_tokens, num_heads, head_dim]`; `attn_out`: the backend's output,
-    /// same shape (`None` where [`Self::wants_output`] said it is not needed). Rows are
-    /// the step's tokens in batch order. Errors when the tensors cannot be read back to
-    /// the host.
+    /// The batch rows [`Self::record`] reads on `layer`, as ranges in batch order: the
+    /// capturing requests' tokens. A device's model code copies only these rows to the
+    /// host ([`RecordedRows::Read`]).
+    fn rows_read(&self, layer: usize) -> Vec<Range<usize>>;
+
+    /// `q`: `[rows, num_heads, head_dim]`; `attn_out`: the backend's output, same shape
+    /// (`None` where [`Self::wants_output`] said it is not needed); `rows` says which
+    /// rows of the step they hold. Errors when the tensors cannot be read back to the
+    /// host or do not hold the rows `rows` says.
     fn record(
         &mut self,
         layer: usize,
+        rows: RecordedRows,
         q: &Tensor,
         attn_out: Option<&Tensor>,
     ) -> Result<(), AttnError>;
@@ -48,6 +54,16 @@ pub trait AttentionTap {
     /// Those rows' probabilities, filled in by the backend, before [`Self::record`] of
     /// the same layer.
     fn record_probabilities(&mut self, _layer: usize, _probabilities: RowProbabilities) {}
+}
+
+/// Which rows of a step the tensors handed to [`AttentionTap::record`] hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordedRows {
+    /// Every row of the step, in batch order.
+    All,
+    /// Only the rows [`AttentionTap::rows_read`] named for the layer, one range after
+    /// another.
+    Read,
 }
 
 /// Probabilities of chosen query rows of a step on one layer, computed by the backend as

@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use lantern_attn::{
-    host_f32, AttentionLayerSpec, AttentionTap, AttnError, RowProbabilities, Tensor,
+    host_f32, AttentionLayerSpec, AttentionTap, AttnError, RecordedRows, RowProbabilities, Tensor,
 };
 use lantern_quant::share;
 
@@ -394,16 +394,30 @@ impl AttentionTap for StepTap<'_> {
         })
     }
 
+    fn rows_read(&self, layer: usize) -> Vec<Range<usize>> {
+        self.targets
+            .iter()
+            .filter(|t| t.buffer.captures_layer(layer))
+            .map(|t| t.batch_row..t.batch_row + t.num_tokens)
+            .collect()
+    }
+
     fn record(
         &mut self,
         layer: usize,
+        rows: RecordedRows,
         q: &Tensor,
         attn_out: Option<&Tensor>,
     ) -> Result<(), AttnError> {
         let q = host_f32(q)?;
         let attn_out = attn_out.map(host_f32).transpose()?;
         let n = self.token_len;
-        for t in &mut self.targets {
+        // With `Read`, the rows of the targets before this one that capture the layer.
+        let mut read = 0;
+        for t in self.targets.iter_mut() {
+            if !t.buffer.captures_layer(layer) {
+                continue;
+            }
             // Every kept row of this step must have been summed by now.
             if let Some(slot) = t.buffer.live_slot(layer) {
                 let end = Self::kept_positions(t).end;
@@ -411,16 +425,30 @@ impl AttentionTap for StepTap<'_> {
                     live.expect_rows(slot, end);
                 }
             }
-            let rows = t.batch_row * n..(t.batch_row + t.num_tokens) * n;
-            let out = attn_out.as_ref().and_then(|o| o.get(rows.clone()));
+            let first = match rows {
+                RecordedRows::All => t.batch_row,
+                RecordedRows::Read => read,
+            };
+            read += t.num_tokens;
+            let span = first * n..(first + t.num_tokens) * n;
+            let q = q
+                .get(span.clone())
+                .ok_or_else(|| AttnError::UnsupportedTensor {
+                    what: "captured query rows",
+                    problem: format!(
+                        "layer {layer}: {} values handed over, where the capture reads rows \
+                         {first}..{} of {n} values",
+                        q.len(),
+                        first + t.num_tokens
+                    ),
+                })?;
+            let out = attn_out.as_ref().and_then(|o| o.get(span));
             if out.is_none() && t.buffer.spec().keep_attention_output {
                 return Err(AttnError::Unsupported(format!(
                     "layer {layer}'s attention output was not handed to a capture that keeps it"
                 )));
             }
-            if let Some(q) = q.get(rows) {
-                t.buffer.record(layer, t.first_pos, q, out.unwrap_or(&[]));
-            }
+            t.buffer.record(layer, t.first_pos, q, out.unwrap_or(&[]));
         }
         Ok(())
     }
@@ -535,7 +563,7 @@ mod tests {
             let shape = [q.len() / 6, 3, 2];
             let q = lantern_attn::tensor3(q, shape, &lantern_attn::Device::Cpu).unwrap();
             let out = lantern_attn::tensor3(out, shape, &lantern_attn::Device::Cpu).unwrap();
-            tap.record(1, &q, Some(&out)).unwrap();
+            tap.record(1, RecordedRows::All, &q, Some(&out)).unwrap();
         }
         assert_eq!(b.filled_to(), 6);
         for pos in 0..6 {
@@ -549,6 +577,65 @@ mod tests {
             }
         }
         assert!(b.query(0, 6, 0).is_none());
+    }
+
+    /// A device hands over only the rows the tap reads (`RecordedRows::Read`): the
+    /// capturing requests' rows, one after another, without the others between them.
+    /// They land as the whole batch's do; a request that keeps outputs but does not
+    /// capture the layer asks for none; too few rows are an error, not a silent skip.
+    #[test]
+    fn rows_read_alone_land_as_the_whole_batch_does() {
+        let shape = |rows: usize| [rows, 3, 2];
+        let tensor = |v: Vec<f32>| {
+            let rows = v.len() / 6;
+            lantern_attn::tensor3(v, shape(rows), &lantern_attn::Device::Cpu).unwrap()
+        };
+        // Batch: request A (positions 4..7, rows 0..3), someone else (rows 3..5),
+        // request B (position 9, row 5); C keeps outputs of layer 0 only.
+        let mut whole = batch(4, 3, 3, 2);
+        whole.extend(batch(900, 2, 3, 2));
+        whole.extend(batch(9, 1, 3, 2));
+        let make = || {
+            let plain = |layers, heads| CaptureSpec {
+                keep_attention_output: false,
+                ..spec(layers, heads, RowSelection::All)
+            };
+            let a = QueryRowBuffer::new(plain(vec![1], vec![0, 2]), 4, 3, 2, 8, 4);
+            let b = QueryRowBuffer::new(plain(vec![1, 3], vec![1]), 4, 3, 2, 9, 3);
+            let c = QueryRowBuffer::new(spec(vec![0], vec![0], RowSelection::All), 4, 3, 2, 9, 3);
+            [a, b, c]
+        };
+        let (mut via_all, mut via_read) = (make(), make());
+        for (buffers, read) in [(&mut via_all, false), (&mut via_read, true)] {
+            let [a, b, c] = buffers;
+            let mut tap = StepTap::new(4, 3, 2);
+            tap.add(0, 3, 4, a);
+            tap.add(5, 1, 9, b);
+            tap.add(3, 2, 900, c);
+            assert_eq!(tap.rows_read(1), [0..3, 5..6]);
+            assert_eq!(tap.rows_read(0), vec![Range { start: 3, end: 5 }]);
+            // C keeps outputs, of layer 0 only: layer 1 is recorded without them.
+            assert!(!tap.wants_output(1) && tap.wants_output(0));
+            if read {
+                let mut picked = whole[..3 * 6].to_vec();
+                picked.extend(&whole[5 * 6..]);
+                // One row short of what the capturing requests need.
+                let short = tensor(picked[..3 * 6].to_vec());
+                assert!(tap.record(1, RecordedRows::Read, &short, None).is_err());
+                tap.record(1, RecordedRows::Read, &tensor(picked), None)
+                    .unwrap();
+            } else {
+                tap.record(1, RecordedRows::All, &tensor(whole.clone()), None)
+                    .unwrap();
+            }
+        }
+        for (x, y) in via_all.iter().zip(&via_read) {
+            assert_eq!(x.q, y.q);
+            assert_eq!(x.filled_to(), y.filled_to());
+        }
+        assert_eq!(via_read[0].query(0, 6, 1).unwrap(), [620.0, 621.0]);
+        assert_eq!(via_read[1].query(0, 9, 0).unwrap(), [910.0, 911.0]);
+        assert_eq!(via_read[2].filled_to(), 0);
     }
 
     /// The attention output is asked for only by a capture that keeps it, and a tap
@@ -566,7 +653,7 @@ mod tests {
             tap.add(0, 2, 0, &mut b);
             assert_eq!(tap.wants_output(1), keep);
             assert!(!tap.wants_output(0), "a layer nobody captures");
-            assert_eq!(tap.record(1, &q, None).is_ok(), !keep);
+            assert_eq!(tap.record(1, RecordedRows::All, &q, None).is_ok(), !keep);
             if !keep {
                 assert_eq!(b.filled_to(), 2);
                 assert_eq!(b.query(0, 1, 2).unwrap(), [120.0, 121.0]);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lantern_attn::{tensor3, AttentionBackend, Device};
+use lantern_attn::{tensor3, AttentionBackend, Device, RecordedRows};
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
@@ -519,18 +519,33 @@ impl Compute for CudaCompute {
                 )?;
                 tap.record_probabilities(call.layer, probabilities);
             }
+            // Only the capturing requests' rows cross to the host, gathered on the
+            // device where they are not the whole step.
             let (spec, tokens) = (call.spec, call.tokens);
-            let dims = [tokens, spec.num_heads, spec.head_dim];
+            let width = spec.num_heads * spec.head_dim;
+            let rows: Vec<usize> = tap.rows_read(call.layer).into_iter().flatten().collect();
+            let whole_step = rows.iter().copied().eq(0..tokens);
+            let recorded = if whole_step {
+                RecordedRows::All
+            } else {
+                RecordedRows::Read
+            };
             let host = |b: &GpuAct| -> Result<lantern_attn::Tensor> {
-                let values = self.gpu.download(&**b).map_err(model_error)?;
-                Ok(tensor3(values, dims, &Device::Cpu)?)
+                let values = if whole_step {
+                    self.gpu.download(&**b)
+                } else {
+                    self.gpu.download(&*self.select_rows(b, &rows, width)?)
+                };
+                let dims = [rows.len(), spec.num_heads, spec.head_dim];
+                Ok(tensor3(values.map_err(model_error)?, dims, &Device::Cpu)?)
             };
             // The output only where a capture checks P·V against it.
-            let out_host = match tap.wants_output(call.layer) {
-                true => Some(host(&out)?),
-                false => None,
+            let out_host = if tap.wants_output(call.layer) {
+                Some(host(&out)?)
+            } else {
+                None
             };
-            tap.record(call.layer, &host(&q)?, out_host.as_ref())?;
+            tap.record(call.layer, recorded, &host(&q)?, out_host.as_ref())?;
         }
         Ok(out)
     }

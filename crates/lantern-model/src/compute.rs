@@ -12,7 +12,7 @@ use crate::{ops, LoadOptions};
 use candle_core::quantized::QTensor;
 use lantern_attn::{
     host_f32, tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap,
-    CpuFlashBackend, LayerKvCache,
+    CpuFlashBackend, LayerKvCache, RecordedRows,
 };
 use lantern_quant::share;
 
@@ -358,7 +358,7 @@ impl Compute for Cpu {
                 .forward(spec, call.meta, &q, &k, &v, call.cache)?,
         };
         if let Some(tap) = tap {
-            tap.record(call.layer, &q, Some(&out))?;
+            tap.record(call.layer, RecordedRows::All, &q, Some(&out))?;
         }
         let values = share::copied(&host_f32(&out)?);
         Ok(values)

@@ -161,13 +161,15 @@ def admission_bytes(n):
     """What the server compares with its cap for a capture of every row, head and layer
     of a sequence of n tokens in float32: the maps delivered, plus what computing them
     holds (docs/attention-capture.md): the query rows, the keys (3 kv heads of 64), the
-    maps in f32, one row of every head with its scratch, positions and tokens; plus the
-    encoder's copy of the maps."""
+    maps in f32, two rows of every head with their scratch and each kv head's keys
+    transposed for scoring two rows at a time, positions and tokens; plus the encoder's
+    copy of the maps."""
     kv_heads, head_dim = 3, 64
     maps = NUM_LAYERS * NUM_HEADS * n * n * 4
     queries = NUM_LAYERS * n * NUM_HEADS * head_dim * 4
     keys = NUM_LAYERS * n * kv_heads * head_dim * 4
-    scratch = n * (NUM_HEADS * 4 + 16)
+    transposed = kv_heads * (-(-n // 16) * 16 * head_dim + 2 * (n + 16)) * 4
+    scratch = n * (2 * NUM_HEADS * 4 + 12) + transposed
     metadata = 2 * n * 8 + 2 * n * 64
     return 3 * maps + queries + keys + scratch + metadata
 

@@ -27,6 +27,7 @@ use lantern_attn::{
 
 use crate::buffer::QueryRowBuffer;
 use crate::error::CaptureError;
+use crate::pages;
 use crate::result::{
     AbsentRow, CaptureMeta, CaptureResult, LayerAttentionInfo, LayerMap, TokenInfo, CAPTURE_FORMAT,
 };
@@ -546,8 +547,8 @@ impl PendingCapture {
         } else {
             0
         };
-        let mut values = Vec::with_capacity(map_len);
-        let mut indices = spec.top_k.map(|_| Vec::with_capacity(map_len));
+        let mut values = pages::vec_to_fill(map_len);
+        let mut indices = spec.top_k.map(|_| pages::vec_to_fill(map_len));
         let groups = spec.stats_heads.groups(&spec.heads, &layer.0);
         let stats_groups = (!spec.stats.is_empty() || !spec.spans.is_empty()).then(|| {
             groups

@@ -20,6 +20,7 @@ pub mod buffer;
 pub mod error;
 pub mod finalize;
 pub mod live;
+mod pages;
 pub mod result;
 pub mod spans;
 pub mod spec;

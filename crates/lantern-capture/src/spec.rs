@@ -377,8 +377,9 @@ impl CaptureSpec {
     /// attention outputs with `keep_attention_output`), the keys (and values) copied
     /// out of the cache for every captured layer, the maps as finalizing holds them
     /// (f32 values and u32 indices whatever the wire dtype, alive while they are
-    /// encoded), one row of every head with its scratch, the positions and tokens of
-    /// the metadata, and the copy the safetensors encoder makes.
+    /// encoded), two rows of every head with their scratch and each kv head's keys
+    /// transposed for scoring two rows at a time, the positions and tokens of the
+    /// metadata, and the copy the safetensors encoder makes.
     pub fn admission_parts(
         &self,
         prompt_len: usize,

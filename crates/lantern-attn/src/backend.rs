@@ -228,6 +228,20 @@ pub trait AttentionBackend: Send + Sync {
         None
     }
 
+    /// Room on the backend's device for `rows` query rows of `row_len` values that a
+    /// capturing request keeps there between steps ([`crate::KeptRows`]), so its steps
+    /// copy no query rows to the host. `None` (the default, and a device backend without
+    /// room to spare): the capture keeps them on the host, as the host backends'
+    /// tensors already are.
+    fn keep_rows(
+        &self,
+        rows: usize,
+        row_len: usize,
+    ) -> Option<Result<Box<dyn crate::KeptRows>, AttnError>> {
+        let _ = (rows, row_len);
+        None
+    }
+
     /// The backend itself, for a device's model code that calls its native (non-host)
     /// entry points; `None` for backends that have none.
     fn as_any(&self) -> Option<&dyn Any> {

@@ -16,6 +16,7 @@
 //! - [`device`]: what crosses the backend boundary: tensors on the backend's device and
 //!   the [`LayerKvCache`]s a backend allocates.
 //! - [`tap`]: the hook that hands query rows to attention capture.
+//! - [`kept`]: query rows a capture keeps on the backend's device between steps.
 //! - [`maps`]: a captured layer's probability map as a backend computes it where its
 //!   cache lives, and how rows of probabilities become a map.
 //! - [`backends`]: `cpu-reference` (the oracle) and `cpu-flash` (the default on CPU).
@@ -26,6 +27,7 @@ pub mod cache;
 pub mod device;
 pub mod error;
 pub mod graphs;
+pub mod kept;
 pub mod layer;
 pub mod layout;
 pub mod local;
@@ -45,6 +47,7 @@ pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
 pub use device::{host_f32, tensor3, Device, HostF32, LayerKvCache, Tensor};
 pub use error::AttnError;
 pub use graphs::{GraphKey, GraphStats, StepGraphs};
+pub use kept::{KeptHeads, KeptRows, MapQueries};
 pub use layer::AttentionLayerSpec;
 pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};
 pub use local::{make_local_attention_virtual_batches, LocalVirtualBatch};

@@ -5,8 +5,10 @@
 //! ([`combine_heads`]), then the largest keys kept ([`top_k`]) — which the host's
 //! finalize and every backend follow.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
+use crate::kept::MapQueries;
 use crate::AttentionLayerSpec;
 
 /// How a map's query heads are combined before delivery.
@@ -26,8 +28,9 @@ pub enum HeadCombine {
 pub struct ProbabilityMapJob<'a> {
     pub layer: &'a AttentionLayerSpec,
     /// The query rows as the layer's attention saw them (after RoPE and norms):
-    /// `[positions.len(), heads.len(), head_dim]` f32.
-    pub queries: &'a [f32],
+    /// `[positions.len(), heads.len(), head_dim]` f32, on the host or kept on the
+    /// backend's device.
+    pub queries: MapQueries<'a>,
     /// The rows' positions in the sequence (the first row's, then one each).
     pub positions: Range<usize>,
     /// The layer's query heads of `queries`, in order.
@@ -39,7 +42,7 @@ pub struct ProbabilityMapJob<'a> {
     pub top_k: Option<usize>,
 }
 
-impl ProbabilityMapJob<'_> {
+impl<'a> ProbabilityMapJob<'a> {
     /// Heads of each row of the map.
     pub fn output_heads(&self) -> usize {
         match self.combine {
@@ -67,14 +70,8 @@ impl ProbabilityMapJob<'_> {
     /// Checks the job's shape against itself and its layer.
     pub fn check(&self) -> Result<(), crate::AttnError> {
         let layer = self.layer;
-        let expected = self.positions.len() * self.heads.len() * layer.head_dim;
-        if self.queries.len() != expected {
-            return Err(crate::AttnError::LengthMismatch {
-                what: "probability map queries",
-                expected,
-                got: self.queries.len(),
-            });
-        }
+        self.queries
+            .check(self.positions.len(), self.heads.len() * layer.head_dim)?;
         if let Some(&h) = self.heads.iter().find(|&&h| h >= layer.num_heads) {
             return Err(crate::AttnError::Unsupported(format!(
                 "probability map of head {h} on a layer of {} heads",
@@ -87,6 +84,17 @@ impl ProbabilityMapJob<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// The query rows on the host: lent where they are there, copied from the device
+    /// where they were kept.
+    pub fn host_queries(&self) -> Result<Cow<'a, [f32]>, crate::AttnError> {
+        match self.queries {
+            MapQueries::Host(q) => Ok(Cow::Borrowed(q)),
+            MapQueries::Kept { rows, first } => {
+                Ok(Cow::Owned(rows.read(first..first + self.positions.len())?))
+            }
+        }
     }
 }
 

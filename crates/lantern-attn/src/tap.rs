@@ -45,6 +45,24 @@ pub trait AttentionTap {
         attn_out: Option<&Tensor>,
     ) -> Result<(), AttnError>;
 
+    /// Whether some request capturing `layer` keeps its query rows on the backend's
+    /// device ([`crate::KeptRows`]): a device's model code then hands the step's q over
+    /// with [`Self::record_kept`] for them, and copies to the host only the rows of the
+    /// others ([`Self::rows_read`] and [`Self::record`] concern only those).
+    fn keeps_on_device(&self, _layer: usize) -> bool {
+        false
+    }
+
+    /// The step's whole q (`[tokens, num_heads, head_dim]`) as the backend's own device
+    /// tensor, for the requests that keep their rows on the device to copy them there;
+    /// only where [`Self::keeps_on_device`] said some do.
+    fn record_kept(&mut self, layer: usize, _q: &dyn std::any::Any) -> Result<(), AttnError> {
+        Err(AttnError::Unsupported(format!(
+            "layer {layer}'s query rows handed over on the device to a capture that keeps \
+             them on the host"
+        )))
+    }
+
     /// The rows of this step whose probabilities on `layer` the tap takes from the
     /// backend, if any (called after [`Self::wants_layer`], before the layer runs).
     fn probability_rows(&mut self, _layer: usize) -> Option<RowProbabilities> {

@@ -4,11 +4,18 @@
 //! recomputation after preemption all write to the same place: recomputing a position
 //! overwrites its row with the same values. Copies are per contiguous range of a
 //! request's tokens, never per-token map inserts.
+//!
+//! Where the backend keeps them on its device ([`QueryRowBuffer::keep_rows_on`]), the
+//! rows are written there instead, and copied to the host's planes only when something
+//! computed on the host reads them ([`QueryRowBuffer::sync_host`]).
 
+use std::any::Any;
 use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use lantern_attn::{
-    host_f32, AttentionLayerSpec, AttentionTap, AttnError, RecordedRows, RowProbabilities, Tensor,
+    host_f32, AttentionBackend, AttentionLayerSpec, AttentionTap, AttnError, KeptHeads, KeptRows,
+    MapQueries, RecordedRows, RowProbabilities, Tensor,
 };
 use lantern_quant::share;
 
@@ -32,6 +39,14 @@ pub struct QueryRowBuffer {
     q: Vec<Vec<f32>>,
     /// Per captured layer, same shape, when `spec.keep_attention_output`.
     out: Vec<Vec<f32>>,
+    /// Per captured layer, its rows on the backend's device, when the backend keeps
+    /// them there ([`Self::keep_rows_on`]); empty otherwise, and once released. Clones
+    /// of the buffer share them.
+    device: Vec<SharedKeptRows>,
+    /// Per captured layer, where the rows were ever kept on the device: one past the
+    /// last position copied to `q` ([`Self::sync_host`]). Empty where they never were
+    /// (`q` then holds every recorded row).
+    host_to: Vec<usize>,
     /// One past the highest position written.
     filled_to: usize,
     /// Key statistics and span masses summed as rows run, when enabled
@@ -74,9 +89,113 @@ impl QueryRowBuffer {
             } else {
                 Vec::new()
             },
+            device: Vec::new(),
+            host_to: Vec::new(),
             filled_to: 0,
             live: None,
         }
+    }
+
+    /// Keeps the rows on `backend`'s device, where it has room for every captured
+    /// layer's ([`AttentionBackend::keep_rows`]): steps then copy none to the host. Left
+    /// on the host where the backend keeps none (the host backends), where it has no
+    /// room (logged), and for a capture that checks the attention output, which is read
+    /// on the host beside them.
+    pub fn keep_rows_on(mut self, backend: &dyn AttentionBackend) -> Self {
+        if self.spec.keep_attention_output || self.positions.is_empty() {
+            return self;
+        }
+        let (rows, row_len) = (self.positions.len(), self.row_len());
+        let mut planes = Vec::with_capacity(self.spec.layers.len());
+        for _ in &self.spec.layers {
+            match backend.keep_rows(rows, row_len) {
+                Some(Ok(plane)) => planes.push(Arc::new(Mutex::new(plane))),
+                Some(Err(e)) => {
+                    tracing::warn!(
+                        backend = backend.name(),
+                        error = %e,
+                        "a capture's query rows are kept on the host: the device has no room"
+                    );
+                    return self;
+                }
+                None => return self,
+            }
+        }
+        self.host_to = vec![self.positions.start; planes.len()];
+        self.device = planes;
+        self
+    }
+
+    /// Whether the rows are being kept on the backend's device.
+    pub fn keeps_on_device(&self) -> bool {
+        !self.device.is_empty()
+    }
+
+    /// Copies the rows recorded on the device that the host's planes do not hold yet
+    /// to them, for what computes on the host (finalizing from keys, live figures of
+    /// a streamed row). A buffer without device rows has them all already.
+    pub fn sync_host(&mut self) -> Result<(), AttnError> {
+        let end = self.filled_to.min(self.positions.end);
+        let (start, row_len) = (self.positions.start, self.row_len());
+        let full = self.positions.len() * row_len;
+        for (slot, plane) in self.device.iter().enumerate() {
+            let from = self.host_to[slot];
+            if from >= end {
+                continue;
+            }
+            let rows = from - start..end - start;
+            let values = lock(plane).read(rows.clone())?;
+            let q = &mut self.q[slot];
+            let needed = rows.end * row_len;
+            if q.len() < needed {
+                q.reserve_exact(full.max(needed) - q.len());
+                q.resize(needed, 0.0);
+            }
+            q[rows.start * row_len..needed].copy_from_slice(&values);
+            self.host_to[slot] = end;
+        }
+        Ok(())
+    }
+
+    /// Frees the rows kept on the device (a finished request's, once its maps were
+    /// computed there and what the host needs was copied, [`Self::sync_host`]); rows
+    /// the host never got stay absent from it.
+    pub fn release_device_rows(&mut self) {
+        self.device.clear();
+    }
+
+    /// Calls `f` with rows `rows` of captured layer slot `slot` as a map job reads
+    /// them: where they are kept on the device, or else from the host's planes; `None`
+    /// unless every one was recorded.
+    pub fn with_map_queries<R>(
+        &self,
+        slot: usize,
+        rows: Range<usize>,
+        f: impl FnOnce(MapQueries<'_>) -> R,
+    ) -> Option<R> {
+        let Some(plane) = self.device.get(slot) else {
+            return self.queries(slot, rows).map(|q| f(MapQueries::Host(q)));
+        };
+        let recorded = self.positions.start..self.filled_to.min(self.positions.end);
+        if !rows.is_empty() && (rows.start < recorded.start || rows.end > recorded.end) {
+            return None;
+        }
+        let plane = lock(plane);
+        let first = rows.start.saturating_sub(self.positions.start);
+        Some(f(MapQueries::Kept {
+            rows: &**plane,
+            first,
+        }))
+    }
+
+    /// Whether the row of position `pos` was recorded (on the host or the device).
+    pub fn has_row(&self, pos: usize) -> bool {
+        self.positions.contains(&pos) && pos < self.filled_to
+    }
+
+    /// One past the last position of captured layer slot `slot` the host's planes hold.
+    fn host_end(&self, slot: usize) -> usize {
+        self.host_to.get(slot).copied().unwrap_or(self.filled_to)
     }
 
     /// Sums the key statistics and span masses as rows run, from the probabilities the
@@ -221,7 +340,9 @@ impl QueryRowBuffer {
         if rows.is_empty() {
             return Some(&[]);
         }
-        if rows.start < self.positions.start || rows.end > self.filled_to.min(self.positions.end) {
+        if rows.start < self.positions.start
+            || rows.end > self.host_end(slot).min(self.positions.end)
+        {
             return None;
         }
         let start = (rows.start - self.positions.start) * self.row_len();
@@ -242,7 +363,7 @@ impl QueryRowBuffer {
         pos: usize,
         head_index: usize,
     ) -> Option<&'a [f32]> {
-        if !self.positions.contains(&pos) || pos >= self.filled_to {
+        if !self.positions.contains(&pos) || pos >= self.host_end(slot) {
             return None;
         }
         let start = (pos - self.positions.start) * self.row_len() + head_index * self.head_dim;
@@ -295,7 +416,45 @@ impl QueryRowBuffer {
         self.filled_to = self.filled_to.max(wanted.end);
     }
 
-    /// Bytes allocated for the buffered rows (and the live sums).
+    /// [`Self::record`] for rows kept on the device: copies the rows of tokens
+    /// `first_pos..first_pos + num_tokens` of layer `layer` from the step's `q` (the
+    /// backend's device tensor; this request's tokens start at its row `batch_row`)
+    /// into the layer's device rows, there.
+    pub fn record_kept(
+        &mut self,
+        layer: usize,
+        first_pos: usize,
+        q: &dyn Any,
+        (batch_row, num_tokens): (usize, usize),
+    ) -> Result<(), AttnError> {
+        let Some(Some(slot)) = self.layer_slot.get(layer).copied() else {
+            return Ok(());
+        };
+        let wanted =
+            first_pos.max(self.positions.start)..(first_pos + num_tokens).min(self.positions.end);
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let plane = self.device.get(slot).ok_or_else(|| {
+            AttnError::Unsupported(format!(
+                "layer {layer}'s query rows handed over on the device to a capture that \
+                 keeps them on the host"
+            ))
+        })?;
+        let tokens = batch_row + (wanted.start - first_pos)..batch_row + (wanted.end - first_pos);
+        let heads = KeptHeads {
+            num_heads: self.num_heads,
+            kept: &self.spec.heads,
+            head_dim: self.head_dim,
+        };
+        let first_row = wanted.start - self.positions.start;
+        lock(plane).write(q, tokens, heads, first_row)?;
+        self.filled_to = self.filled_to.max(wanted.end);
+        Ok(())
+    }
+
+    /// Bytes allocated on the host for the buffered rows (and the live sums); rows kept
+    /// on the device are not counted.
     pub fn size_bytes(&self) -> usize {
         (self
             .q
@@ -306,6 +465,15 @@ impl QueryRowBuffer {
             * 4
             + self.live.as_ref().map_or(0, LiveSums::size_bytes)
     }
+}
+
+/// One captured layer's rows on the device, shared by clones of the buffer.
+type SharedKeptRows = Arc<Mutex<Box<dyn KeptRows>>>;
+
+/// The rows, whether or not a thread panicked while holding them (a write either
+/// happened or errored; the rows stay as valid as the device left them).
+fn lock(plane: &SharedKeptRows) -> MutexGuard<'_, Box<dyn KeptRows>> {
+    plane.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One capturing request's part of a step's batch.
@@ -381,6 +549,23 @@ impl<'a> StepTap<'a> {
     pub fn is_empty(&self) -> bool {
         self.targets.is_empty()
     }
+
+    /// Whether target `t` captures `layer` with its rows on the host: the rows
+    /// [`AttentionTap::rows_read`] names and [`AttentionTap::record`] copies.
+    fn records_on_host(t: &TapTarget<'_>, layer: usize) -> bool {
+        t.buffer.captures_layer(layer) && !t.buffer.keeps_on_device()
+    }
+
+    /// Every kept row of target `t`'s step on `layer` must have been summed live by the
+    /// time its rows are recorded (or the live sums stop).
+    fn expect_summed(t: &mut TapTarget<'_>, layer: usize) {
+        if let Some(slot) = t.buffer.live_slot(layer) {
+            let end = Self::kept_positions(t).end;
+            if let Some(live) = &mut t.buffer.live {
+                live.expect_rows(slot, end);
+            }
+        }
+    }
 }
 
 impl AttentionTap for StepTap<'_> {
@@ -397,7 +582,7 @@ impl AttentionTap for StepTap<'_> {
     fn rows_read(&self, layer: usize) -> Vec<Range<usize>> {
         self.targets
             .iter()
-            .filter(|t| t.buffer.captures_layer(layer))
+            .filter(|t| Self::records_on_host(t, layer))
             .map(|t| t.batch_row..t.batch_row + t.num_tokens)
             .collect()
     }
@@ -412,19 +597,13 @@ impl AttentionTap for StepTap<'_> {
         let q = host_f32(q)?;
         let attn_out = attn_out.map(host_f32).transpose()?;
         let n = self.token_len;
-        // With `Read`, the rows of the targets before this one that capture the layer.
+        // With `Read`, the rows of the targets before this one that it names.
         let mut read = 0;
         for t in self.targets.iter_mut() {
-            if !t.buffer.captures_layer(layer) {
+            if !Self::records_on_host(t, layer) {
                 continue;
             }
-            // Every kept row of this step must have been summed by now.
-            if let Some(slot) = t.buffer.live_slot(layer) {
-                let end = Self::kept_positions(t).end;
-                if let Some(live) = &mut t.buffer.live {
-                    live.expect_rows(slot, end);
-                }
-            }
+            Self::expect_summed(t, layer);
             let first = match rows {
                 RecordedRows::All => t.batch_row,
                 RecordedRows::Read => read,
@@ -449,6 +628,24 @@ impl AttentionTap for StepTap<'_> {
                 )));
             }
             t.buffer.record(layer, t.first_pos, q, out.unwrap_or(&[]));
+        }
+        Ok(())
+    }
+
+    fn keeps_on_device(&self, layer: usize) -> bool {
+        self.targets
+            .iter()
+            .any(|t| t.buffer.captures_layer(layer) && t.buffer.keeps_on_device())
+    }
+
+    fn record_kept(&mut self, layer: usize, q: &dyn Any) -> Result<(), AttnError> {
+        for t in self.targets.iter_mut() {
+            if !t.buffer.captures_layer(layer) || !t.buffer.keeps_on_device() {
+                continue;
+            }
+            Self::expect_summed(t, layer);
+            let rows = (t.batch_row, t.num_tokens);
+            t.buffer.record_kept(layer, t.first_pos, q, rows)?;
         }
         Ok(())
     }
@@ -545,6 +742,99 @@ mod tests {
             }
         }
         v
+    }
+
+    /// Rows "kept on a device": a vector, written from a step's q given as one.
+    #[derive(Debug)]
+    struct VecRows {
+        values: Vec<f32>,
+        row_len: usize,
+    }
+
+    impl KeptRows for VecRows {
+        fn row_len(&self) -> usize {
+            self.row_len
+        }
+        fn capacity(&self) -> usize {
+            self.values.len() / self.row_len
+        }
+        fn write(
+            &mut self,
+            q: &dyn Any,
+            tokens: Range<usize>,
+            heads: KeptHeads<'_>,
+            first_row: usize,
+        ) -> Result<(), AttnError> {
+            let q: &Vec<f32> = q.downcast_ref().unwrap();
+            let d = heads.head_dim;
+            for (i, t) in tokens.enumerate() {
+                for (j, &h) in heads.kept.iter().enumerate() {
+                    let dst = (first_row + i) * self.row_len + j * d;
+                    let src = (t * heads.num_heads + h) * d;
+                    self.values[dst..dst + d].copy_from_slice(&q[src..src + d]);
+                }
+            }
+            Ok(())
+        }
+        fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, AttnError> {
+            Ok(self.values[rows.start * self.row_len..rows.end * self.row_len].to_vec())
+        }
+        fn size_bytes(&self) -> usize {
+            self.values.len() * 4
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    /// Rows kept on the device land where the host's would (the same values once
+    /// copied over), reach the host's planes only through `sync_host`, are read where
+    /// they are by a map job, and stay on the host once the device's are released.
+    #[test]
+    fn rows_kept_on_the_device_reach_the_host_when_synced() {
+        let mut s = spec(
+            vec![1],
+            vec![0, 2],
+            RowSelection::Range { start: 2, end: 7 },
+        );
+        s.keep_attention_output = false;
+        let mut host = QueryRowBuffer::new(s.clone(), 4, 3, 2, 5, 3);
+        let mut kept = QueryRowBuffer::new(s, 4, 3, 2, 5, 3);
+        let rows = VecRows {
+            values: vec![0.0; kept.positions().len() * 4],
+            row_len: 4,
+        };
+        kept.device = vec![Arc::new(Mutex::new(Box::new(rows) as Box<dyn KeptRows>))];
+        kept.host_to = vec![kept.positions().start];
+        assert!(kept.keeps_on_device());
+        for (first, n) in [(0, 3), (3, 2), (5, 1)] {
+            // Another request's rows first in the batch.
+            let mut q = batch(900, 2, 3, 2);
+            q.extend(batch(first, n, 3, 2));
+            host.record(1, first, &q[2 * 6..], &[]);
+            kept.record_kept(1, first, &q, (2, n)).unwrap();
+            kept.record_kept(0, first, &q, (2, n)).unwrap(); // a layer not captured
+        }
+        assert!(kept.has_row(5) && !kept.has_row(6) && !kept.has_row(1));
+        assert_eq!(kept.queries(0, 2..6), None, "not on the host before a sync");
+        let on_device = kept
+            .with_map_queries(0, 3..6, |q| match q {
+                MapQueries::Kept { rows, first } => rows.read(first..first + 3).unwrap(),
+                MapQueries::Host(_) => panic!("read from the host"),
+            })
+            .unwrap();
+        assert_eq!(on_device, host.queries(0, 3..6).unwrap());
+        kept.sync_host().unwrap();
+        assert_eq!(kept.queries(0, 2..6), host.queries(0, 2..6));
+        // Position 4, the second kept head (2): 4 * 100 + 2 * 10 + d.
+        assert_eq!(kept.query(0, 4, 1), Some(&[420.0, 421.0][..]));
+        kept.release_device_rows();
+        assert!(!kept.keeps_on_device());
+        assert_eq!(kept.queries(0, 2..6), host.queries(0, 2..6));
+        let from_host = kept.with_map_queries(0, 2..4, |q| matches!(q, MapQueries::Host(_)));
+        assert_eq!(from_host, Some(true));
+        let q = batch(6, 1, 3, 2);
+        assert!(kept.record_kept(1, 6, &q, (0, 1)).is_err());
     }
 
     #[test]

@@ -164,27 +164,30 @@ pub fn map_on_backend(
     if !spec.maps {
         return None;
     }
-    let Some(queries) = buffer.queries(slot, rows.clone()) else {
+    let computed = buffer.with_map_queries(slot, rows.clone(), |queries| {
+        let job = ProbabilityMapJob {
+            layer,
+            queries,
+            positions: rows.clone(),
+            heads: &spec.heads,
+            num_keys,
+            combine: spec.reduce.into(),
+            top_k: spec.top_k,
+        };
+        let map = backend.probability_map(cache, block_table, &job)?;
+        Some(map.map(|map| (map, job.map_len())))
+    });
+    let Some(computed) = computed else {
         return Some(Err(CaptureError::Incomplete(format!(
             "no query rows for positions {rows:?}"
         ))));
     };
-    let job = ProbabilityMapJob {
-        layer,
-        queries,
-        positions: rows,
-        heads: &spec.heads,
-        num_keys,
-        combine: spec.reduce.into(),
-        top_k: spec.top_k,
-    };
-    let map = match backend.probability_map(cache, block_table, &job)? {
-        Ok(map) => map,
+    let (map, len) = match computed? {
+        Ok(done) => done,
         Err(e) => return Some(Err(e.into())),
     };
-    let len = job.map_len();
     let indices_len = map.indices.as_ref().map(Vec::len);
-    if map.values.len() != len || indices_len != job.top_k.map(|_| len) {
+    if map.values.len() != len || indices_len != spec.top_k.map(|_| len) {
         return Some(Err(CaptureError::Incomplete(format!(
             "the backend's map has {} values and {indices_len:?} indices, not {len}",
             map.values.len()

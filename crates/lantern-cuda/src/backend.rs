@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaView};
 use lantern_attn::{
     host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
-    AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KvCacheLayout,
+    AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KeptRows, KvCacheLayout,
     KvCacheShape, LayerKvCache, ProbabilityMap, ProbabilityMapJob, RowProbabilities, StepGraphs,
     Tensor, DECODE_THRESHOLD,
 };
@@ -19,6 +19,7 @@ use crate::cache::{attn_error, CacheData, CudaKvCache};
 use crate::capture::ProbabilityRow;
 use crate::gpu::Gpu;
 use crate::graph::GRAPH_BATCH_SIZES;
+use crate::kept::CudaKeptRows;
 use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta};
 use crate::pool::Pooled;
 
@@ -34,6 +35,10 @@ pub struct CudaBackend {
     layout: KvCacheLayout,
     /// Whether decode steps are replayed from CUDA graphs.
     graphs: bool,
+    /// Whether capturing requests keep their query rows on the device
+    /// ([`AttentionBackend::keep_rows`]); `LANTERN_CUDA_KEEP_QUERIES=off` keeps them on
+    /// the host (for comparing the two).
+    keeps_rows: bool,
 }
 
 /// One step's metadata of one KV cache group, on the device.
@@ -74,6 +79,8 @@ impl CudaBackend {
             name,
             layout: KvCacheLayout::contiguous(shape),
             graphs: true,
+            keeps_rows: std::env::var("LANTERN_CUDA_KEEP_QUERIES")
+                .map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false")),
         })
     }
 
@@ -400,6 +407,22 @@ impl AttentionBackend for CudaBackend {
         job: &ProbabilityMapJob<'_>,
     ) -> Option<Result<ProbabilityMap, AttnError>> {
         Some(self.map_on_device(cache, block_table, job))
+    }
+
+    /// On the device, where it has room (see [`CudaKeptRows::new`]).
+    fn keep_rows(
+        &self,
+        rows: usize,
+        row_len: usize,
+    ) -> Option<Result<Box<dyn KeptRows>, AttnError>> {
+        if !self.keeps_rows {
+            return None;
+        }
+        let kept = CudaKeptRows::new(Arc::clone(&self.gpu), rows, row_len);
+        Some(
+            kept.map(|k| Box::new(k) as Box<dyn KeptRows>)
+                .map_err(attn_error),
+        )
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

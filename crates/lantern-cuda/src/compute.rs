@@ -519,11 +519,20 @@ impl Compute for CudaCompute {
                 )?;
                 tap.record_probabilities(call.layer, probabilities);
             }
-            // Only the capturing requests' rows cross to the host, gathered on the
+            // Requests that keep their rows on the device copy them there: none of
+            // theirs crosses to the host.
+            if tap.keeps_on_device(call.layer) {
+                let q: &CudaSlice<f32> = &q;
+                tap.record_kept(call.layer, q as &dyn std::any::Any)?;
+            }
+            // The other capturing requests' rows cross to the host, gathered on the
             // device where they are not the whole step.
             let (spec, tokens) = (call.spec, call.tokens);
             let width = spec.num_heads * spec.head_dim;
             let rows: Vec<usize> = tap.rows_read(call.layer).into_iter().flatten().collect();
+            if rows.is_empty() {
+                return Ok(out);
+            }
             let whole_step = rows.iter().copied().eq(0..tokens);
             let recorded = if whole_step {
                 RecordedRows::All

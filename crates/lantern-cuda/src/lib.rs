@@ -12,6 +12,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod gpu;
 pub mod graph;
+pub mod kept;
 pub mod kernels;
 pub mod libs;
 pub mod maps;

@@ -8,13 +8,16 @@
 
 use std::ops::Range;
 
-use cudarc::driver::CudaSlice;
-use lantern_attn::{AttnError, HeadCombine, LayerKvCache, ProbabilityMap, ProbabilityMapJob};
+use cudarc::driver::{CudaSlice, CudaView};
+use lantern_attn::{
+    AttnError, HeadCombine, LayerKvCache, MapQueries, ProbabilityMap, ProbabilityMapJob,
+};
 
 use crate::backend::{attn_params, CudaBackend};
 use crate::cache::{attn_error, CacheData, CudaKvCache};
 use crate::capture::MAP_CHUNK_BYTES;
 use crate::gpu::Gpu;
+use crate::kept::CudaKeptRows;
 use crate::kernels::{AttnParams, CacheElem, KvStrides, GRID_YZ};
 use crate::CudaError;
 
@@ -62,21 +65,42 @@ impl CudaBackend {
             strides: cache.strides(),
             params: &params,
         };
-        let (heads, d) = (job.heads.len(), job.layer.head_dim);
+        let row_len = job.heads.len() * job.layer.head_dim;
+        // The rows where the device kept them, or else copied up from the host.
+        let uploaded;
+        let (all_rows, first_row) = match kept_on_device(job.queries) {
+            Some(kept) => kept,
+            None => {
+                uploaded = gpu.upload(&job.host_queries()?).map_err(attn_error)?;
+                (&uploaded, 0)
+            }
+        };
         let positions: Vec<usize> = job.positions.clone().collect();
-        let per_chunk = rows_per_chunk(heads, job.num_keys);
+        let per_chunk = rows_per_chunk(job.heads.len(), job.num_keys);
         for (c, rows) in positions.chunks(per_chunk).enumerate() {
-            let first = c * per_chunk * heads * d;
-            let q = &job.queries[first..first + rows.len() * heads * d];
+            let first = (first_row + c * per_chunk) * row_len;
+            let q = all_rows.slice(first..first + rows.len() * row_len);
             let visible: Vec<Range<usize>> = rows.iter().map(|&p| job.visible(p)).collect();
             match &cache.data {
-                CacheData::F32(k) => chunk.run(k, q, &visible, &mut map),
-                CacheData::F16(k) => chunk.run(k, q, &visible, &mut map),
-                CacheData::Bf16(k) => chunk.run(k, q, &visible, &mut map),
+                CacheData::F32(k) => chunk.run(k, &q, &visible, &mut map),
+                CacheData::F16(k) => chunk.run(k, &q, &visible, &mut map),
+                CacheData::Bf16(k) => chunk.run(k, &q, &visible, &mut map),
             }
             .map_err(attn_error)?;
         }
         Ok(map)
+    }
+}
+
+/// Query rows this backend kept on the device: their buffer and the job's first row
+/// in it.
+fn kept_on_device(queries: MapQueries<'_>) -> Option<(&CudaSlice<f32>, usize)> {
+    match queries {
+        MapQueries::Kept { rows, first } => rows
+            .as_any()
+            .downcast_ref::<CudaKeptRows>()
+            .map(|kept| (kept.rows(), first)),
+        MapQueries::Host(_) => None,
     }
 }
 
@@ -90,23 +114,22 @@ struct Chunk<'a> {
 }
 
 impl Chunk<'_> {
-    /// The rows of `q` (seeing keys `visible`) on the device, their part of the map
+    /// The rows of `q` (on the device; seeing keys `visible`), their part of the map
     /// appended to `map`.
     fn run<T: CacheElem>(
         &self,
         cache: &CudaSlice<T>,
-        q: &[f32],
+        q: &CudaView<'_, f32>,
         visible: &[Range<usize>],
         map: &mut ProbabilityMap,
     ) -> crate::Result<()> {
         let (gpu, job) = (self.gpu, self.job);
         let (rows, heads, n) = (visible.len(), job.heads.len(), job.num_keys);
-        let q = gpu.upload(q)?;
         let mut dense = gpu.zeros::<f32>(rows * heads * n)?;
         let mut bad = gpu.zeros::<u32>(1)?;
         let shape = (job.heads, visible, n);
         gpu.map_probabilities(
-            &q,
+            q,
             cache,
             self.strides,
             self.table,

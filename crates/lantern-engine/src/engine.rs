@@ -402,7 +402,8 @@ impl Engine {
                         prompt.len(),
                         params.max_tokens,
                     )
-                    .with_live_sums(&info.attention),
+                    .with_live_sums(&info.attention)
+                    .keep_rows_on(self.runner.backend()),
                 ))
             }
             None => None,
@@ -492,7 +493,7 @@ impl Engine {
         let Some(req) = self.requests.get_mut(&id) else {
             return;
         };
-        let Some(buffer) = req.capture.take() else {
+        let Some(mut buffer) = req.capture.take() else {
             return;
         };
         let info = &self.info;
@@ -513,6 +514,7 @@ impl Engine {
         let mut layers = Vec::with_capacity(spec.layers.len());
         let mut computed_maps = Vec::with_capacity(spec.layers.len());
         let mut failure = None;
+        let mut host_reads_queries = false;
         for (slot, &l) in spec.layers.iter().enumerate() {
             let (Some(layer), Some(cache)) = (info.attention.get(l), self.runner.caches().get(l))
             else {
@@ -541,6 +543,7 @@ impl Engine {
                     computed.map_err(why).ok()
                 });
             let needs_keys = buffer.needs_keys(&rows, num_keys, map.is_some());
+            host_reads_queries |= needs_keys;
             computed_maps.push(map);
             if !needs_keys {
                 let snapshot = KeySnapshot::without_keys(keys, layer.num_kv_heads, layer.head_dim);
@@ -561,6 +564,16 @@ impl Engine {
                 }
             }
         }
+        // Rows kept on the device go to the host only where finalize computes from
+        // them there; then the device's copy is freed.
+        if host_reads_queries && failure.is_none() {
+            if let Err(e) = buffer.sync_host() {
+                failure = Some(CaptureFailure::Snapshot(format!(
+                    "the query rows kept on the device could not be read: {e}"
+                )));
+            }
+        }
+        buffer.release_device_rows();
         let tokens = req
             .prompt()
             .iter()
@@ -788,18 +801,28 @@ impl Engine {
     /// kept of the row (the attention kernel's probabilities), or else from its keys read
     /// from the cache through the backend, as finalizing reads them. `None` otherwise, or
     /// when they cannot be computed (the finished capture then says why).
-    fn live_row(&self, id: RequestId) -> Option<Box<RowCapture>> {
+    fn live_row(&mut self, id: RequestId) -> Option<Box<RowCapture>> {
         let req = self.requests.get(&id)?;
         let buffer = req.capture.as_deref()?;
-        let spec = buffer.spec();
         let num_computed = req.num_computed_tokens;
         let pos = num_computed.checked_sub(1)?;
-        if !spec.stream_rows || buffer.query(0, pos, 0).is_none() {
+        if !buffer.spec().stream_rows || !buffer.has_row(pos) {
             return None;
         }
         if let Some(row) = row_capture_from_sums(buffer, pos) {
             return Some(Box::new(row));
         }
+        // From the keys, on the host: its query row comes over first where the device
+        // keeps it.
+        if buffer.keeps_on_device() {
+            let buffer = self.requests.get_mut(&id)?.capture.as_deref_mut()?;
+            if let Err(e) = buffer.sync_host() {
+                tracing::warn!(error = %e, "a streamed capture row's query could not be read");
+                return None;
+            }
+        }
+        let buffer = self.requests.get(&id)?.capture.as_deref()?;
+        let spec = buffer.spec();
         let mut layers = Vec::with_capacity(spec.layers.len());
         for &l in &spec.layers {
             let layer = self.info.attention.get(l)?;

@@ -2,20 +2,24 @@
 //! here, with its own cache type, its own per-step metadata and its own kernel, runs the
 //! engine, the model and attention capture unchanged, and gives what `cpu-reference`
 //! gives. It stands in for a device backend: it allocates its caches, takes and returns
-//! tensors, and hands capture its keys through `read_slots`.
+//! tensors, hands capture its keys through `read_slots`, and may keep capturing requests'
+//! query rows on its "device" (`keep_rows`).
 
 mod common;
 
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use lantern_attn::{
     backend_by_name, combine_heads, host_f32, slot_for_position, tensor3, top_k,
     validate_forward_inputs, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError,
-    CacheGeometry, CommonAttentionMetadata, Device, KvCacheLayout, KvCacheShape, LayerKvCache,
-    ProbabilityMap, ProbabilityMapJob, Tensor, CPU_REFERENCE,
+    CacheGeometry, CommonAttentionMetadata, Device, KeptHeads, KeptRows, KvCacheLayout,
+    KvCacheShape, LayerKvCache, MapQueries, ProbabilityMap, ProbabilityMapJob, Tensor,
+    CPU_REFERENCE,
 };
-use lantern_capture::{CaptureSpec, HeadReduce, RowSelection};
+use lantern_capture::{CaptureResult, CaptureSpec, HeadReduce, KeyStat, RowSelection};
 use lantern_engine::{Completion, Engine, SamplingParams};
 use lantern_kv::KvDtype;
 
@@ -71,9 +75,92 @@ enum Maps {
     Misshapen,
 }
 
+/// Where the backend keeps capturing requests' query rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kept {
+    /// Leaves them to the capture, on the host (as the host backends do).
+    Host,
+    /// Keeps them itself ([`SlotKeptRows`]), as a device backend keeps them on its device.
+    Device,
+    /// Has no room for them (as a full device): the capture keeps them on the host.
+    NoRoom,
+}
+
+/// What happened to the rows the backend kept.
+#[derive(Debug, Default)]
+struct RowTraffic {
+    /// Rows copied in from a step's q.
+    written: AtomicUsize,
+    /// Rows copied out to the host.
+    read: AtomicUsize,
+    /// Layers' rows allocated and not yet dropped.
+    alive: AtomicUsize,
+}
+
+/// One captured layer's query rows, kept by the backend: `[capacity, row_len]`.
+#[derive(Debug)]
+struct SlotKeptRows {
+    values: Vec<f32>,
+    row_len: usize,
+    traffic: Arc<RowTraffic>,
+}
+
+impl Drop for SlotKeptRows {
+    fn drop(&mut self) {
+        self.traffic.alive.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl KeptRows for SlotKeptRows {
+    fn row_len(&self) -> usize {
+        self.row_len
+    }
+
+    fn capacity(&self) -> usize {
+        self.values.len() / self.row_len
+    }
+
+    fn write(
+        &mut self,
+        q: &dyn std::any::Any,
+        tokens: Range<usize>,
+        heads: KeptHeads<'_>,
+        first_row: usize,
+    ) -> Result<(), AttnError> {
+        let q: &Tensor = q
+            .downcast_ref()
+            .ok_or_else(|| AttnError::Unsupported("not this backend's tensor".into()))?;
+        let q = host_f32(q)?;
+        let d = heads.head_dim;
+        for (i, t) in tokens.enumerate() {
+            for (j, &h) in heads.kept.iter().enumerate() {
+                let src = &q[(t * heads.num_heads + h) * d..][..d];
+                self.values[(first_row + i) * self.row_len + j * d..][..d].copy_from_slice(src);
+                self.traffic.written.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, AttnError> {
+        self.traffic.read.fetch_add(rows.len(), Ordering::SeqCst);
+        Ok(self.values[rows.start * self.row_len..rows.end * self.row_len].to_vec())
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.values.len() * 4
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 struct SlotBackend {
     layout: KvCacheLayout,
     maps: Maps,
+    kept: Kept,
+    traffic: Arc<RowTraffic>,
 }
 
 impl SlotBackend {
@@ -85,7 +172,14 @@ impl SlotBackend {
         Self {
             layout: KvCacheLayout::contiguous(KvCacheShape::BlocksFirst),
             maps,
+            kept: Kept::Host,
+            traffic: Arc::default(),
         }
+    }
+
+    fn keeping(mut self, kept: Kept) -> Self {
+        self.kept = kept;
+        self
     }
 
     /// The map `job` asks for, from the keys at the request's slots, row by row through
@@ -97,6 +191,20 @@ impl SlotBackend {
         job: &ProbabilityMapJob<'_>,
     ) -> Result<ProbabilityMap, AttnError> {
         job.check()?;
+        // Rows it kept itself are read where they are; others come from the host.
+        let queries = match job.queries {
+            MapQueries::Kept { rows, first } => {
+                match rows.as_any().downcast_ref::<SlotKeptRows>() {
+                    Some(kept) => {
+                        let row_len = kept.row_len;
+                        let n = job.positions.len();
+                        std::borrow::Cow::Borrowed(&kept.values[first * row_len..][..n * row_len])
+                    }
+                    None => job.host_queries()?,
+                }
+            }
+            MapQueries::Host(_) => job.host_queries()?,
+        };
         let (layer, d) = (job.layer, job.layer.head_dim);
         let (row_len, bs) = (cache.geometry.token_row_len(), cache.geometry.block_size);
         let (heads, n) = (job.heads.len(), job.num_keys);
@@ -115,7 +223,7 @@ impl SlotBackend {
                         .ok_or_else(|| AttnError::InvalidMetadata(format!("no slot for {p}")))?;
                     keys.extend_from_slice(&cache.keys[slot * row_len + kv..][..d]);
                 }
-                let q = &job.queries[(i * heads + hi) * d..][..d];
+                let q = &queries[(i * heads + hi) * d..][..d];
                 let row = &mut dense[hi * n..][visible.clone()];
                 lantern_attn::row_probabilities(layer, h, q, &keys, row);
             }
@@ -286,6 +394,25 @@ impl AttentionBackend for SlotBackend {
         Ok(())
     }
 
+    fn keep_rows(
+        &self,
+        rows: usize,
+        row_len: usize,
+    ) -> Option<Result<Box<dyn KeptRows>, AttnError>> {
+        match self.kept {
+            Kept::Host => None,
+            Kept::NoRoom => Some(Err(AttnError::Unsupported("no room".into()))),
+            Kept::Device => {
+                self.traffic.alive.fetch_add(1, Ordering::SeqCst);
+                Some(Ok(Box::new(SlotKeptRows {
+                    values: vec![0.0; rows * row_len],
+                    row_len,
+                    traffic: Arc::clone(&self.traffic),
+                })))
+            }
+        }
+    }
+
     fn probability_map(
         &self,
         cache: &dyn LayerKvCache,
@@ -426,7 +553,11 @@ fn capture_shapes() -> Vec<CaptureSpec> {
 }
 
 fn run_shapes(engine: &mut Engine) -> Vec<Completion> {
-    let mut requests: Vec<_> = capture_shapes()
+    run_specs(engine, capture_shapes())
+}
+
+fn run_specs(engine: &mut Engine, specs: Vec<CaptureSpec>) -> Vec<Completion> {
+    let mut requests: Vec<_> = specs
         .into_iter()
         .enumerate()
         .map(|(i, spec)| {
@@ -470,17 +601,118 @@ fn maps_a_backend_computes_equal_the_ones_finalize_computes() {
             );
             assert_eq!(g.holds_keys(), !computed, "{maps:?} request {i}");
             let (gr, wr) = (g.finalize().unwrap(), w.finalize().unwrap());
-            assert_eq!(gr.meta, wr.meta);
-            assert!(!gr.layers.is_empty());
-            for (x, y) in gr.layers.iter().zip(&wr.layers) {
-                assert_eq!((x.layer_idx, x.shape), (y.layer_idx, y.shape));
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&x.values), bits(&y.values), "{maps:?} request {i}");
-                assert_eq!(x.indices, y.indices, "{maps:?} request {i}");
-            }
+            assert_same_maps(&gr, &wr, &format!("{maps:?} request {i}"));
             // The owner's finalize moves the maps into the result: the same result.
             let owned = g.clone().into_result(1, || {}).unwrap();
             assert_eq!(owned.layers, gr.layers);
         }
     }
+}
+
+/// Equal metadata and the same maps bit for bit.
+fn assert_same_maps(got: &CaptureResult, want: &CaptureResult, what: &str) {
+    assert_eq!(got.meta, want.meta, "{what}");
+    assert!(!got.layers.is_empty(), "{what}");
+    assert_eq!(got.layers.len(), want.layers.len(), "{what}");
+    for (x, y) in got.layers.iter().zip(&want.layers) {
+        assert_eq!((x.layer_idx, x.shape), (y.layer_idx, y.shape), "{what}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x.values), bits(&y.values), "{what}");
+        assert_eq!(x.indices, y.indices, "{what}");
+    }
+}
+
+/// Query rows the backend keeps on its "device" give the captures that rows kept on
+/// the host give, bit for bit, in batches beside a capture whose rows stay on the host
+/// (it checks the attention output). With maps computed where the rows are kept, no
+/// row crosses to the host; where the host computes the maps from keys, the rows cross
+/// once, when the request finishes; every layer's rows are freed with their request;
+/// and a backend without room leaves the rows on the host.
+#[test]
+fn query_rows_kept_on_the_backend_give_the_same_captures() {
+    let shapes = || {
+        let mut specs = capture_shapes();
+        let mut checked = CaptureSpec::everything(LAYERS, 4);
+        checked.keep_attention_output = true;
+        specs.insert(2, checked);
+        specs
+    };
+    let (mut host, _d0) = engine(Box::new(SlotBackend::with_maps(Maps::Declined)));
+    let want = run_specs(&mut host, shapes());
+    for (maps, kept) in [
+        (Maps::Computed, Kept::Device),
+        (Maps::Declined, Kept::Device),
+        (Maps::Failing, Kept::Device),
+        (Maps::Computed, Kept::NoRoom),
+    ] {
+        let backend = SlotBackend::with_maps(maps).keeping(kept);
+        let traffic = Arc::clone(&backend.traffic);
+        let (mut theirs, _dir) = engine(Box::new(backend));
+        let got = run_specs(&mut theirs, shapes());
+        let what = format!("{maps:?}, rows {kept:?}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.token_ids, w.token_ids, "{what}");
+            let (Some(g), Some(w)) = (&g.capture, &w.capture) else {
+                continue;
+            };
+            let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+            let (gr, wr) = (g.finalize().unwrap(), w.finalize().unwrap());
+            assert_same_maps(&gr, &wr, &format!("{what}, request {i}"));
+        }
+        let count = |c: &AtomicUsize| c.load(Ordering::SeqCst);
+        let (written, read) = (count(&traffic.written), count(&traffic.read));
+        assert_eq!(
+            count(&traffic.alive),
+            0,
+            "{what}: kept rows outlived their requests"
+        );
+        match (kept, maps) {
+            (Kept::NoRoom, _) => assert_eq!(written, 0, "{what}"),
+            (_, Maps::Computed) => assert!(written > 0 && read == 0, "{what}: {written} {read}"),
+            _ => assert!(written > 0 && read > 0, "{what}: {written} {read}"),
+        }
+    }
+}
+
+/// A streamed capture with key statistics, on a backend that gives no probabilities as
+/// rows run: each step's row is computed from the keys, and the statistics when the
+/// request finishes, from query rows copied over from where they were kept. The same
+/// streamed rows and the same capture as with rows kept on the host.
+#[test]
+fn streamed_rows_and_statistics_of_kept_rows_are_the_same() {
+    let run_streamed = |kept: Kept| {
+        let backend = SlotBackend::with_maps(Maps::Computed).keeping(kept);
+        let traffic = Arc::clone(&backend.traffic);
+        let (mut engine, _dir) = engine(Box::new(backend));
+        let mut spec = CaptureSpec::everything(LAYERS, 4);
+        spec.stats = vec![KeyStat::KeyMass, KeyStat::KeyMax];
+        spec.stream_rows = true;
+        spec.top_k = Some(4);
+        let prompt: Vec<u32> = (0..21).map(|j| (j * 11 % 250) as u32).collect();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(5)
+        };
+        let id = engine
+            .add_request_with_capture(prompt, params, Some(spec))
+            .unwrap();
+        let mut rows = Vec::new();
+        while engine.has_unfinished() {
+            for out in engine.step().unwrap() {
+                rows.extend(out.capture_row);
+            }
+        }
+        let done = engine.take_completion(id).unwrap();
+        let result = done.capture.unwrap().unwrap().finalize().unwrap();
+        (rows, result, traffic)
+    };
+    let (want_rows, want, _) = run_streamed(Kept::Host);
+    let (rows, got, traffic) = run_streamed(Kept::Device);
+    assert_eq!(rows.len(), 5, "a streamed row for every sampled token");
+    assert_eq!(rows, want_rows);
+    assert_same_maps(&got, &want, "streamed");
+    assert!(!got.stats.is_empty());
+    assert_eq!(got.stats, want.stats);
+    assert!(traffic.written.load(Ordering::SeqCst) > 0);
+    assert!(traffic.read.load(Ordering::SeqCst) > 0);
 }

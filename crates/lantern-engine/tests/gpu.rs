@@ -250,6 +250,72 @@ fn captures_on_the_gpu_equal_the_reference_and_the_cpu() {
     }
 }
 
+/// `spec`'s capture of `p`'s prompt and 4 greedy tokens, its maps computed on the device.
+fn capture_on_device(
+    engine: &mut Engine,
+    p: &ReferencePrompt,
+    spec: &CaptureSpec,
+    name: &str,
+) -> lantern_capture::PendingCapture {
+    let request = vec![(p.prompt_ids.clone(), greedy(4), Some(spec.clone()))];
+    let out = common::run_to_completion(engine, request);
+    let pending = out[0].capture.clone().unwrap().unwrap();
+    assert!(
+        pending.maps_computed_by_backend(),
+        "{name}: maps on the device"
+    );
+    pending
+}
+
+/// A capture's query rows kept on the device between steps (the default where the
+/// capture does not check the attention output) give the maps of rows copied to the
+/// host at every step and uploaded again when the request finishes (a capture that keeps
+/// the output, whose rows stay on the host), bit for bit: prompt and generated rows,
+/// every head and a few, both layouts, every architecture.
+#[test]
+fn query_rows_kept_on_the_gpu_give_the_maps_of_rows_kept_on_the_host() {
+    if !gpu_present("query_rows_kept_on_the_gpu_give_the_maps_of_rows_kept_on_the_host") {
+        return;
+    }
+    for &arch in ARCHS {
+        for &backend in BACKENDS {
+            let mut gpu = engine_on(DeviceChoice::Cuda(0), arch, backend, true, KvDtype::F32);
+            let info = gpu.model_info().clone();
+            let heads = info.attention[0].num_heads;
+            let p = &prompts(arch)[0];
+            let mut every = CaptureSpec::everything(info.num_layers, heads);
+            every.rows = RowSelection::All;
+            let mut few = every.clone();
+            few.heads = (0..heads).rev().step_by(2).collect();
+            for spec in [every, few] {
+                let name = format!("{arch} {backend} {} heads {:?}", p.id, spec.heads);
+                let checked = CaptureSpec {
+                    keep_attention_output: true,
+                    ..spec.clone()
+                };
+                let capture = |engine: &mut Engine, spec: &CaptureSpec| {
+                    let pending = capture_on_device(engine, p, spec, &name);
+                    pending.into_result(1, || {}).unwrap()
+                };
+                let (kept, host) = (capture(&mut gpu, &spec), capture(&mut gpu, &checked));
+                assert_eq!(kept.meta, host.meta, "{name}");
+                assert!(!kept.layers.is_empty(), "{name}");
+                for (k, h) in kept.layers.iter().zip(&host.layers) {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(k.shape, h.shape, "{name} layer {}", k.layer_idx);
+                    assert_eq!(
+                        bits(&k.values),
+                        bits(&h.values),
+                        "{name} layer {}",
+                        k.layer_idx
+                    );
+                }
+                eprintln!("{name}: maps of rows kept on the GPU equal those of host rows");
+            }
+        }
+    }
+}
+
 /// Maps computed on the device with heads combined, top-k kept and a few heads asked
 /// equal lantern-attn's host definitions applied to the device's own full maps, bit for
 /// bit; no keys are copied for them; both layouts, every architecture.
@@ -270,13 +336,7 @@ fn reduced_and_top_k_maps_on_the_gpu_follow_the_host_definitions() {
             let mut full = CaptureSpec::everything(info.num_layers, heads);
             full.heads = (0..heads).rev().step_by(2).collect();
             let capture = |engine: &mut Engine, spec: &CaptureSpec| {
-                let request = vec![(p.prompt_ids.clone(), greedy(4), Some(spec.clone()))];
-                let out = common::run_to_completion(engine, request);
-                let pending = out[0].capture.clone().unwrap().unwrap();
-                assert!(
-                    pending.maps_computed_by_backend(),
-                    "{name}: maps on the device"
-                );
+                let pending = capture_on_device(engine, p, spec, &name);
                 assert!(!pending.holds_keys(), "{name}: keys copied");
                 pending.into_result(1, || {}).unwrap()
             };

@@ -358,6 +358,11 @@ impl Compute for Cpu {
                 .forward(spec, call.meta, &q, &k, &v, call.cache)?,
         };
         if let Some(tap) = tap {
+            // Requests whose rows a backend keeps on its device copy them from the
+            // tensor it took; the others' are recorded on the host.
+            if tap.keeps_on_device(call.layer) {
+                tap.record_kept(call.layer, &q as &dyn std::any::Any)?;
+            }
             tap.record(call.layer, RecordedRows::All, &q, Some(&out))?;
         }
         let values = share::copied(&host_f32(&out)?);

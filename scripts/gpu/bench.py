@@ -10,7 +10,9 @@ lantern, first (so that nothing of transformers' holds the GPU meanwhile):
   lantern bench --device cuda --model DIR --json --prompt-tokens 512 --decode-tokens 64
       --batches 8,32,256 --repeat 2
   lantern bench --device cuda --model DIR --capture --capture-prompt-tokens 512 --repeat 1
-      (text; its "512 tokens: X ms per layer" finalize line is read)
+      (text; its "512 tokens: X ms per layer" finalize line is read), then again with
+      LANTERN_CUDA_KEEP_QUERIES=off (every capture's query rows copied to the host at each
+      step instead of kept on the device: the "kept rows / host rows" rows)
 transformers (bf16, SDPA, its default dynamic cache, `generate` greedy with
 min_new_tokens = max_new_tokens so that EOS cannot stop it), the same figures as lantern
 defines them:
@@ -122,11 +124,28 @@ def lantern_figures(args, model_dir, budget):
         res["capture_error"] = err
         return res
     res["capture_text"] = out
+    res.update(capture_figures(out, args.capture_tokens))
+    # The same with every capture's query rows copied to the host at each step instead of
+    # kept on the device (LANTERN_CUDA_KEEP_QUERIES=off), from the same binary.
+    if budget.left() < 120:
+        return res
+    timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+    out, err, secs = run(cmd, timeout, env={"LANTERN_CUDA_KEEP_QUERIES": "off"})
+    if out is None:
+        res["capture_host_rows_error"] = err
+    else:
+        res["capture_host_rows"] = capture_figures(out, args.capture_tokens)
+    return res
+
+
+def capture_figures(out, tokens):
+    """The figures of `lantern bench --capture`'s text output."""
+    res = {}
     m = re.search(r"^\s*(\d+) tokens:\s+([\d.]+) ms per layer", out, re.M)
-    if m and int(m.group(1)) == args.capture_tokens:
+    if m and int(m.group(1)) == tokens:
         res["capture_finalize_ms_per_layer"] = float(m.group(2))
     m = re.search(r"^\s*(\d+) tokens end to end:\s+([\d.]+) ms with capture,\s+([\d.]+) ms without", out, re.M)
-    if m and int(m.group(1)) == args.capture_tokens:
+    if m and int(m.group(1)) == tokens:
         res["capture_end_to_end_ms"] = float(m.group(2))
         res["capture_prompt_alone_ms"] = float(m.group(3))
     m = re.search(r"no capturing request\s+([\d.]+) tokens/s", out)
@@ -269,6 +288,17 @@ def table(name, layers, lan, hf, args):
         lan_capture = 1e3 * args.capture_tokens / bench["prefill_tokens_per_s"] + per_layer * layers
     add(f"capture {args.capture_tokens} (prefill + maps)", hf.get("capture_ms"), lan_capture,
         higher_better=False, unit="ms")
+    host_rows = lan.get("capture_host_rows") or {}
+    for key, metric, higher in (
+        ("capture_decode_capturing_tokens_per_s", "decode beside a capturing request", True),
+        ("capture_end_to_end_ms", f"capture {args.capture_tokens} end to end", False),
+    ):
+        kept, host = lan.get(key), host_rows.get(key)
+        if kept is not None and host is not None:
+            rows.append({"model": name, "metric": f"{metric}: kept rows / host rows",
+                         "unit": "tok/s" if higher else "ms", "transformers": host,
+                         "lantern": kept,
+                         "speedup": ratio(kept, host) if higher else ratio(host, kept)})
     for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only")):
         other = lan.get(key)
         if not other:

@@ -98,9 +98,9 @@ impl QueryRowBuffer {
 
     /// Keeps the rows on `backend`'s device, where it has room for every captured
     /// layer's ([`AttentionBackend::keep_rows`]): steps then copy none to the host. Left
-    /// on the host where the backend keeps none (the host backends), where it has no
-    /// room (logged), and for a capture that checks the attention output, which is read
-    /// on the host beside them.
+    /// on the host where the backend keeps none (the host backends), where it cannot
+    /// (no room on the device: logged), and for a capture that checks the attention
+    /// output, which is read on the host beside them.
     pub fn keep_rows_on(mut self, backend: &dyn AttentionBackend) -> Self {
         if self.spec.keep_attention_output || self.positions.is_empty() {
             return self;
@@ -114,7 +114,8 @@ impl QueryRowBuffer {
                     tracing::warn!(
                         backend = backend.name(),
                         error = %e,
-                        "a capture's query rows are kept on the host: the device has no room"
+                        "a capture's query rows are kept on the host: the backend could not \
+                         keep them on its device"
                     );
                     return self;
                 }

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """The bundle of scripts/build-gpu-bundle, on the GPU machine (scripts/test-gpu uses it).
 
-    bundle.py unpack BUNDLE DEST   decompress BUNDLE/bin/*.xz (python's lzma) into DEST
+    bundle.py unpack BUNDLE DEST   extract the manifest's executables from BUNDLE's
+                                   archive (an xz-compressed tar) into DEST
     bundle.py tests BUNDLE         the test executables: "name<TAB>crate dir" lines,
                                    lantern-cuda's first
     bundle.py build-root BUNDLE    the checkout's path at build time
 """
 import json
-import lzma
 import os
 import sys
+import tarfile
 
 
 def manifest(bundle):
@@ -22,15 +23,21 @@ def unpack(bundle, dest):
     print(f"bundle: commit {m.get('commit')} (dirty: {m.get('dirty')}), "
           f"features '{m.get('features')}', built {m.get('built_at')}")
     os.makedirs(dest, exist_ok=True)
-    for f in m["files"]:
-        target = os.path.join(dest, f["name"])
-        with lzma.open(os.path.join(bundle, f["file"])) as src, open(target + ".part", "wb") as out:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-        os.replace(target + ".part", target)
-        os.chmod(target, 0o755)
-        print(f"  {f['name']:<20} {os.path.getsize(target):>12} bytes  "
-              f"({f['kind']}, runs in {f['crate_dir']})")
+    with tarfile.open(os.path.join(bundle, m["archive"]), "r:xz") as archive:
+        for f in m["files"]:
+            # Only the members the manifest names, each written to DEST under its own
+            # name (never a path the archive would choose).
+            target = os.path.join(dest, os.path.basename(f["name"]))
+            src = archive.extractfile(f["name"])
+            if src is None:
+                sys.exit(f"bundle: {f['name']} is not a file of {m['archive']}")
+            with src, open(target + ".part", "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            os.replace(target + ".part", target)
+            os.chmod(target, 0o755)
+            print(f"  {f['name']:<20} {os.path.getsize(target):>12} bytes  "
+                  f"({f['kind']}, runs in {f['crate_dir']})")
 
 
 def tests(bundle):

@@ -168,6 +168,80 @@ pub fn top_k(values: &[f32], keys: usize, k: usize, vals: &mut Vec<f32>, idx: &m
 mod tests {
     use super::*;
 
+    /// Rows "kept on a device": a vector.
+    #[derive(Debug)]
+    struct Rows(Vec<f32>, usize);
+
+    impl crate::KeptRows for Rows {
+        fn row_len(&self) -> usize {
+            self.1
+        }
+        fn capacity(&self) -> usize {
+            self.0.len() / self.1
+        }
+        fn write(
+            &mut self,
+            _: &dyn std::any::Any,
+            _: Range<usize>,
+            _: crate::KeptHeads<'_>,
+            _: usize,
+        ) -> Result<(), crate::AttnError> {
+            unreachable!("only read here")
+        }
+        fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, crate::AttnError> {
+            Ok(self.0[rows.start * self.1..rows.end * self.1].to_vec())
+        }
+        fn size_bytes(&self) -> usize {
+            self.0.len() * 4
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    /// A job's kept rows are checked against its shape like host rows, and read from
+    /// the job's first row on.
+    #[test]
+    fn kept_queries_are_checked_and_read_from_their_first_row() {
+        let layer = AttentionLayerSpec::new(4, 2, 2);
+        let heads = [1, 3];
+        // 5 rows of 2 heads x 2 dims.
+        let rows = Rows((0..20).map(|v| v as f32).collect(), 4);
+        let job = |queries| ProbabilityMapJob {
+            layer: &layer,
+            queries,
+            positions: 7..10,
+            heads: &heads,
+            num_keys: 10,
+            combine: HeadCombine::Each,
+            top_k: None,
+        };
+        let kept = job(MapQueries::Kept {
+            rows: &rows,
+            first: 2,
+        });
+        kept.check().unwrap();
+        let q = kept.host_queries().unwrap();
+        assert_eq!(&q[..], &rows.0[8..20]);
+        let past = job(MapQueries::Kept {
+            rows: &rows,
+            first: 3,
+        });
+        assert!(past.check().is_err(), "rows 3..6 of 5");
+        let narrow = Rows(vec![0.0; 10], 2);
+        let misshapen = job(MapQueries::Kept {
+            rows: &narrow,
+            first: 0,
+        });
+        assert!(
+            misshapen.check().is_err(),
+            "rows of 2 values for 2 heads of 2"
+        );
+        let host = vec![1.0; 12];
+        assert!(job(MapQueries::Host(&host)).check().is_ok());
+        assert!(job(MapQueries::Host(&host[1..])).check().is_err());
+    }
+
     #[test]
     fn heads_combine() {
         // 1 row, 2 heads, 3 keys

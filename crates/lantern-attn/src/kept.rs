@@ -40,9 +40,6 @@ pub trait KeptRows: Send + Sync + Debug {
     /// Rows `rows`, copied to the host: `[rows.len(), row_len]`.
     fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, AttnError>;
 
-    /// Bytes it holds on its device.
-    fn size_bytes(&self) -> usize;
-
     /// For the backend that made it to get its own type back.
     fn as_any(&self) -> &dyn Any;
 }

@@ -191,9 +191,6 @@ mod tests {
         fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, crate::AttnError> {
             Ok(self.0[rows.start * self.1..rows.end * self.1].to_vec())
         }
-        fn size_bytes(&self) -> usize {
-            self.0.len() * 4
-        }
         fn as_any(&self) -> &dyn std::any::Any {
             self
         }

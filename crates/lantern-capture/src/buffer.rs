@@ -43,10 +43,10 @@ pub struct QueryRowBuffer {
     /// them there ([`Self::keep_rows_on`]); empty otherwise, and once released. Clones
     /// of the buffer share them.
     device: Vec<SharedKeptRows>,
-    /// Per captured layer, where the rows were ever kept on the device: one past the
-    /// last position copied to `q` ([`Self::sync_host`]). Empty where they never were
+    /// Where the rows were ever kept on the device: one past the last position copied
+    /// to `q` ([`Self::sync_host`], every layer at once). `None` where they never were
     /// (`q` then holds every recorded row).
-    host_to: Vec<usize>,
+    host_to: Option<usize>,
     /// One past the highest position written.
     filled_to: usize,
     /// Key statistics and span masses summed as rows run, when enabled
@@ -90,7 +90,7 @@ impl QueryRowBuffer {
                 Vec::new()
             },
             device: Vec::new(),
-            host_to: Vec::new(),
+            host_to: None,
             filled_to: 0,
             live: None,
         }
@@ -122,7 +122,7 @@ impl QueryRowBuffer {
                 None => return self,
             }
         }
-        self.host_to = vec![self.positions.start; planes.len()];
+        self.host_to = Some(self.positions.start);
         self.device = planes;
         self
     }
@@ -139,12 +139,12 @@ impl QueryRowBuffer {
         let end = self.filled_to.min(self.positions.end);
         let (start, row_len) = (self.positions.start, self.row_len());
         let full = self.positions.len() * row_len;
+        let from = self.host_to.unwrap_or(end);
+        if self.device.is_empty() || from >= end {
+            return Ok(());
+        }
+        let rows = from - start..end - start;
         for (slot, plane) in self.device.iter().enumerate() {
-            let from = self.host_to[slot];
-            if from >= end {
-                continue;
-            }
-            let rows = from - start..end - start;
             let values = lock(plane).read(rows.clone())?;
             let q = &mut self.q[slot];
             let needed = rows.end * row_len;
@@ -153,8 +153,8 @@ impl QueryRowBuffer {
                 q.resize(needed, 0.0);
             }
             q[rows.start * row_len..needed].copy_from_slice(&values);
-            self.host_to[slot] = end;
         }
+        self.host_to = Some(end);
         Ok(())
     }
 
@@ -194,9 +194,9 @@ impl QueryRowBuffer {
         self.positions.contains(&pos) && pos < self.filled_to
     }
 
-    /// One past the last position of captured layer slot `slot` the host's planes hold.
-    fn host_end(&self, slot: usize) -> usize {
-        self.host_to.get(slot).copied().unwrap_or(self.filled_to)
+    /// One past the last position the host's planes hold.
+    fn host_end(&self) -> usize {
+        self.host_to.unwrap_or(self.filled_to)
     }
 
     /// Sums the key statistics and span masses as rows run, from the probabilities the
@@ -341,9 +341,7 @@ impl QueryRowBuffer {
         if rows.is_empty() {
             return Some(&[]);
         }
-        if rows.start < self.positions.start
-            || rows.end > self.host_end(slot).min(self.positions.end)
-        {
+        if rows.start < self.positions.start || rows.end > self.host_end().min(self.positions.end) {
             return None;
         }
         let start = (rows.start - self.positions.start) * self.row_len();
@@ -364,7 +362,7 @@ impl QueryRowBuffer {
         pos: usize,
         head_index: usize,
     ) -> Option<&'a [f32]> {
-        if !self.positions.contains(&pos) || pos >= self.host_end(slot) {
+        if !self.positions.contains(&pos) || pos >= self.host_end() {
             return None;
         }
         let start = (pos - self.positions.start) * self.row_len() + head_index * self.head_dim;
@@ -780,9 +778,6 @@ mod tests {
         fn read(&self, rows: Range<usize>) -> Result<Vec<f32>, AttnError> {
             Ok(self.values[rows.start * self.row_len..rows.end * self.row_len].to_vec())
         }
-        fn size_bytes(&self) -> usize {
-            self.values.len() * 4
-        }
         fn as_any(&self) -> &dyn Any {
             self
         }
@@ -806,7 +801,7 @@ mod tests {
             row_len: 4,
         };
         kept.device = vec![Arc::new(Mutex::new(Box::new(rows) as Box<dyn KeptRows>))];
-        kept.host_to = vec![kept.positions().start];
+        kept.host_to = Some(kept.positions().start);
         assert!(kept.keeps_on_device());
         for (first, n) in [(0, 3), (3, 2), (5, 1)] {
             // Another request's rows first in the batch.

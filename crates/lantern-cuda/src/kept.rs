@@ -159,10 +159,6 @@ impl KeptRows for CudaKeptRows {
             .map_err(attn_error)
     }
 
-    fn size_bytes(&self) -> usize {
-        self.capacity * self.row_len * 4
-    }
-
     fn as_any(&self) -> &dyn Any {
         self
     }

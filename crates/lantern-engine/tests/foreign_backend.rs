@@ -147,10 +147,6 @@ impl KeptRows for SlotKeptRows {
         Ok(self.values[rows.start * self.row_len..rows.end * self.row_len].to_vec())
     }
 
-    fn size_bytes(&self) -> usize {
-        self.values.len() * 4
-    }
-
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

@@ -15,6 +15,10 @@ pub struct GraphKey {
     pub table_width: usize,
     /// Whether every logits row is read back whole (else each is reduced to its argmax).
     pub whole_logits: bool,
+    /// Whether the step carries capturing requests that keep their query rows on the
+    /// device ([`crate::AttentionTap::device_only`]): every layer of such a step copies
+    /// their rows there, in one launch whose destinations are uploaded with the step.
+    pub capturing: bool,
 }
 
 /// What a backend's graphs did so far (for tests, benchmarks and logs).

@@ -63,6 +63,15 @@ pub trait AttentionTap {
         )))
     }
 
+    /// Whether everything this tap does in the step stays on the backend's device: every
+    /// capturing request keeps its rows there ([`Self::keeps_on_device`]) and none takes
+    /// rows or probabilities back to the host during the step ([`Self::rows_read`] and
+    /// [`Self::probability_rows`] give nothing). Such a step can be replayed from a
+    /// recorded graph ([`crate::GraphKey::capturing`]).
+    fn device_only(&self) -> bool {
+        false
+    }
+
     /// The rows of this step whose probabilities on `layer` the tap takes from the
     /// backend, if any (called after [`Self::wants_layer`], before the layer runs).
     fn probability_rows(&mut self, _layer: usize) -> Option<RowProbabilities> {

@@ -239,10 +239,15 @@ impl QueryRowBuffer {
         self
     }
 
+    /// Whether figures are being summed live from the rows' probabilities as they run.
+    fn sums_live(&self) -> bool {
+        self.live.as_ref().is_some_and(|l| !l.is_stopped())
+    }
+
     /// The captured layer slot of `layer` when its figures are being summed live.
     fn live_slot(&self, layer: usize) -> Option<usize> {
         let slot = (*self.layer_slot.get(layer)?)?;
-        self.live.as_ref().filter(|l| !l.is_stopped()).map(|_| slot)
+        self.sums_live().then_some(slot)
     }
 
     /// The live key statistics as accumulators over `rows`, `num_keys` wide, if they
@@ -631,6 +636,12 @@ impl AttentionTap for StepTap<'_> {
         Ok(())
     }
 
+    fn device_only(&self) -> bool {
+        self.targets
+            .iter()
+            .all(|t| t.buffer.keeps_on_device() && !t.buffer.sums_live())
+    }
+
     fn keeps_on_device(&self, layer: usize) -> bool {
         self.targets
             .iter()
@@ -831,6 +842,47 @@ mod tests {
         assert_eq!(from_host, Some(true));
         let q = batch(6, 1, 3, 2);
         assert!(kept.record_kept(1, 6, &q, (0, 1)).is_err());
+    }
+
+    /// A step's capture stays on the device, so that the step may run from a recorded
+    /// graph, only where every capturing request keeps its rows there and sums nothing
+    /// live from the step's probabilities.
+    #[test]
+    fn a_step_stays_on_the_device_only_where_every_capture_does() {
+        let on_device = |mut b: QueryRowBuffer| {
+            let rows = VecRows {
+                values: vec![0.0; b.positions().len() * 4],
+                row_len: 4,
+            };
+            b.device = vec![Arc::new(Mutex::new(Box::new(rows) as Box<dyn KeptRows>))];
+            b.host_to = Some(b.positions().start);
+            b
+        };
+        let mut s = spec(vec![1], vec![0, 2], RowSelection::All);
+        s.keep_attention_output = false;
+        let mut kept = on_device(QueryRowBuffer::new(s.clone(), 4, 3, 2, 5, 3));
+        let mut host = QueryRowBuffer::new(s.clone(), 4, 3, 2, 5, 3);
+        let mut summing = s.clone();
+        summing.stats = vec![KeyStat::KeyMass];
+        let layers = vec![AttentionLayerSpec::new(3, 3, 2); 4];
+        let summing = QueryRowBuffer::new(summing, 4, 3, 2, 5, 3).with_live_sums(&layers);
+        assert!(summing.sums_live());
+        let mut summing = on_device(summing);
+
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(0, 1, 5, &mut kept);
+        assert!(tap.device_only());
+        tap.add(1, 1, 5, &mut host);
+        assert!(!tap.device_only(), "a capture on the host");
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(0, 1, 5, &mut kept);
+        tap.add(1, 1, 5, &mut summing);
+        assert!(!tap.device_only(), "statistics summed live");
+        drop(tap);
+        summing.live.as_mut().unwrap().stop();
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(0, 1, 5, &mut summing);
+        assert!(tap.device_only(), "live sums stopped");
     }
 
     #[test]

@@ -3,12 +3,15 @@
 //! dequantized on the way), activations stay on the device from the embedding lookup to
 //! the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lantern_attn::{tensor3, AttentionBackend, Device, RecordedRows};
+use lantern_attn::{
+    tensor3, AttentionBackend, AttentionLayerSpec, AttentionTap, Device, RecordedRows,
+};
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
@@ -18,6 +21,7 @@ use crate::backend::CudaBackend;
 use crate::fused::MAX_SPLIT_PARTS;
 use crate::gemv::{gemv_fits, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
+use crate::kept::KeptRowsTable;
 use crate::kernels::Activation;
 use crate::pool::{Pool, Pooled};
 use crate::CudaError;
@@ -259,6 +263,73 @@ impl CudaCompute {
                 buf.len()
             )))
         }
+    }
+
+    /// Requests that keep their rows on the device copy them there from `q`: none of
+    /// theirs crosses to the host. A graph step of capturing requests copies them in one
+    /// launch on every layer, captured or not, so that every step of its graph is the
+    /// same; the tap (`None` where this layer is not captured) fills its table.
+    fn keep_rows(
+        &self,
+        tap: Option<&mut (dyn AttentionTap + '_)>,
+        layer: usize,
+        q: &CudaSlice<f32>,
+        head_dim: usize,
+    ) -> Result<()> {
+        let table = self
+            .gpu
+            .in_capturing_graph_step()
+            .then(|| KeptRowsTable::new(q.len(), head_dim));
+        if let Some(tap) = tap.filter(|t| t.keeps_on_device(layer)) {
+            let handed: &dyn Any = match &table {
+                Some(table) => table,
+                None => q,
+            };
+            tap.record_kept(layer, handed)?;
+        }
+        match table {
+            Some(table) => table.scatter(&self.gpu, q, head_dim).map_err(model_error),
+            None => Ok(()),
+        }
+    }
+
+    /// The query rows (and, where a capture checks P·V, the output rows) of capturing
+    /// requests that keep theirs on the host, copied there: gathered on the device
+    /// where they are not the whole step.
+    fn record_on_host(
+        &self,
+        tap: &mut (dyn AttentionTap + '_),
+        (layer, spec, tokens): (usize, &AttentionLayerSpec, usize),
+        q: &GpuAct,
+        out: &GpuAct,
+    ) -> Result<()> {
+        let width = spec.num_heads * spec.head_dim;
+        let rows: Vec<usize> = tap.rows_read(layer).into_iter().flatten().collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let whole_step = rows.iter().copied().eq(0..tokens);
+        let recorded = if whole_step {
+            RecordedRows::All
+        } else {
+            RecordedRows::Read
+        };
+        let host = |b: &GpuAct| -> Result<lantern_attn::Tensor> {
+            let values = if whole_step {
+                self.gpu.download(&**b)
+            } else {
+                self.gpu.download(&*self.select_rows(b, &rows, width)?)
+            };
+            let dims = [rows.len(), spec.num_heads, spec.head_dim];
+            Ok(tensor3(values.map_err(model_error)?, dims, &Device::Cpu)?)
+        };
+        let out_host = if tap.wants_output(layer) {
+            Some(host(out)?)
+        } else {
+            None
+        };
+        tap.record(layer, recorded, &host(q)?, out_host.as_ref())?;
+        Ok(())
     }
 }
 
@@ -505,56 +576,21 @@ impl Compute for CudaCompute {
     ) -> Result<GpuAct> {
         let backend: &CudaBackend = as_cuda(call.backend)?;
         let out = GpuAct::new(backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?);
+        let layer = call.layer;
+        let mut tap = call.tap.filter(|t| t.wants_layer(layer));
+        // The rows whose probabilities the tap sums as they run (key statistics, span
+        // masses, streamed rows), before it records the step's rows.
+        if let Some(tap) = tap.as_deref_mut() {
+            if let Some(mut probabilities) = tap.probability_rows(layer) {
+                let cache = &*call.cache;
+                backend.row_probabilities(call.spec, call.meta, &q, cache, &mut probabilities)?;
+                tap.record_probabilities(layer, probabilities);
+            }
+        }
+        self.keep_rows(tap.as_deref_mut(), layer, &q, call.spec.head_dim)?;
         // Capture: only a tap that wants this layer costs a copy to the host.
-        if let Some(tap) = call.tap.filter(|t| t.wants_layer(call.layer)) {
-            // The rows whose probabilities the tap sums as they run (key statistics,
-            // span masses, streamed rows), before it records the step's rows.
-            if let Some(mut probabilities) = tap.probability_rows(call.layer) {
-                backend.row_probabilities(
-                    call.spec,
-                    call.meta,
-                    &q,
-                    &*call.cache,
-                    &mut probabilities,
-                )?;
-                tap.record_probabilities(call.layer, probabilities);
-            }
-            // Requests that keep their rows on the device copy them there: none of
-            // theirs crosses to the host.
-            if tap.keeps_on_device(call.layer) {
-                let q: &CudaSlice<f32> = &q;
-                tap.record_kept(call.layer, q as &dyn std::any::Any)?;
-            }
-            // The other capturing requests' rows cross to the host, gathered on the
-            // device where they are not the whole step.
-            let (spec, tokens) = (call.spec, call.tokens);
-            let width = spec.num_heads * spec.head_dim;
-            let rows: Vec<usize> = tap.rows_read(call.layer).into_iter().flatten().collect();
-            if rows.is_empty() {
-                return Ok(out);
-            }
-            let whole_step = rows.iter().copied().eq(0..tokens);
-            let recorded = if whole_step {
-                RecordedRows::All
-            } else {
-                RecordedRows::Read
-            };
-            let host = |b: &GpuAct| -> Result<lantern_attn::Tensor> {
-                let values = if whole_step {
-                    self.gpu.download(&**b)
-                } else {
-                    self.gpu.download(&*self.select_rows(b, &rows, width)?)
-                };
-                let dims = [rows.len(), spec.num_heads, spec.head_dim];
-                Ok(tensor3(values.map_err(model_error)?, dims, &Device::Cpu)?)
-            };
-            // The output only where a capture checks P·V against it.
-            let out_host = if tap.wants_output(call.layer) {
-                Some(host(&out)?)
-            } else {
-                None
-            };
-            tap.record(call.layer, recorded, &host(&q)?, out_host.as_ref())?;
+        if let Some(tap) = tap {
+            self.record_on_host(tap, (layer, call.spec, call.tokens), &q, &out)?;
         }
         Ok(out)
     }

@@ -249,6 +249,16 @@ impl Gpu {
         self.mode() != EAGER
     }
 
+    /// Whether a graph step of capturing requests is in progress
+    /// ([`GraphKey::capturing`]): every layer copies their kept rows in one launch.
+    pub(crate) fn in_capturing_graph_step(&self) -> bool {
+        self.in_graph_step()
+            && lock(&self.graphs)
+                .current
+                .as_ref()
+                .is_some_and(|c| c.key.capturing)
+    }
+
     /// A launch builder for `f`, or `None` while replaying (nothing is launched then).
     pub(crate) fn launcher<'a>(&'a self, f: &'a CudaFunction) -> Result<Option<LaunchArgs<'a>>> {
         // Kernels are not part of the sequence hash: a replay returns at a wrapper's first

@@ -42,6 +42,7 @@ pub const SOURCES: &[KernelSource] = &[
             "embed_f16",
             "embed_f32",
             "gather_rows",
+            "scatter_rows",
         ],
     },
     KernelSource {
@@ -633,6 +634,52 @@ impl Gpu {
         unsafe {
             b.launch(row_cfg(
                 u32_of("gathered rows", n)? as usize,
+                width.min(1024),
+            ))
+        }?;
+        Ok(())
+    }
+
+    /// Copies rows of `width` values of x to device addresses: entry `i` of `table`
+    /// (`[n, 2]`: destination address, source row) copies x's row `table[i][1]` to
+    /// `table[i][0]`; a destination of 0 copies nothing.
+    ///
+    /// # Safety
+    /// Every non-zero destination in `table` must address `width` f32 of live device
+    /// memory that nothing else reads or writes until the stream has run the copy.
+    pub unsafe fn scatter_rows(
+        &self,
+        x: &impl DevicePtr<f32>,
+        table: &impl DevicePtr<u64>,
+        width: usize,
+    ) -> Result<()> {
+        ensure(width > 0 && x.len().is_multiple_of(width), || {
+            format!("scatter_rows: {} values are not rows of {width}", x.len())
+        })?;
+        ensure(table.len().is_multiple_of(2), || {
+            format!(
+                "scatter_rows: a table of {} values is not pairs",
+                table.len()
+            )
+        })?;
+        let n = table.len() / 2;
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = u32_of("rows", x.len() / width)?;
+        let w32 = u32_of("width", width)?;
+        let f = self.function("scatter_rows")?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (tp, _gt) = table.device_ptr(&self.stream);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
+        b.arg(&xp).arg(&tp).arg(&w32).arg(&rows);
+        // SAFETY: x holds `rows` rows of `width`; the table's `n` pairs are read; the
+        // destinations are the caller's (see # Safety).
+        unsafe {
+            b.launch(row_cfg(
+                u32_of("scattered rows", n)? as usize,
                 width.min(1024),
             ))
         }?;

@@ -118,6 +118,7 @@ fn replayed_steps_equal_eager_steps_with_new_inputs_each_time() {
             num_reqs: n,
             table_width: 16,
             whole_logits: false,
+            capturing: false,
         };
         for round in 0..6 {
             let (ids, positions) = inputs(&mut r, n);
@@ -154,6 +155,7 @@ fn a_step_that_changes_shape_under_its_key_fails_without_running() {
         num_reqs: 3,
         table_width: 64,
         whole_logits: true,
+        capturing: false,
     };
     for _ in 0..2 {
         let (ids, positions) = inputs(&mut r, 3);

@@ -279,6 +279,25 @@ mod gpu_tests {
             .collect();
         assert_close(&g.download(&out).unwrap(), &want, 0.0, "gather_rows");
 
+        // scatter: rows of x to addresses inside one buffer, some entries empty.
+        use lantern_cuda::cudarc::driver::DevicePtr;
+        let dst_rows = 10usize;
+        let out = g.zeros::<f32>(dst_rows * w).unwrap();
+        let base = out.device_ptr(g.stream()).0;
+        let mut want = vec![0f64; dst_rows * w];
+        let mut table = Vec::new();
+        for (slot, src) in [(7usize, 3usize), (0, 19), (4, 3), (9, 0), (2, 11)] {
+            table.extend([base + (slot * w * 4) as u64, src as u64]);
+            for (o, &v) in want[slot * w..][..w].iter_mut().zip(&x[src * w..][..w]) {
+                *o = v as f64;
+            }
+        }
+        table.splice(4..4, [0, 5]);
+        table.extend([0, 0]);
+        // SAFETY: every destination is a row inside `out`, alive until the download.
+        unsafe { g.scatter_rows(&g.upload(&x).unwrap(), &g.upload(&table).unwrap(), w) }.unwrap();
+        assert_close(&g.download(&out).unwrap(), &want, 0.0, "scatter_rows");
+
         // argmax with planted ties: the first index wins.
         let (rows, n) = (6usize, 5000usize);
         let mut x = rand_vec(&mut r, rows * n, 1.0);

@@ -165,13 +165,16 @@ impl ModelRunner {
         plan: &SchedulerOutput,
         requests: &HashMap<RequestId, Request>,
         kv: &KvCacheManager,
-        tap: Option<&mut dyn AttentionTap>,
+        mut tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogits> {
         let (inputs, rows) = Self::step_inputs(model, plan, requests, self.pick_on_host)?;
         let vocab = model.info().vocab_size;
-        if tap.is_none() {
-            if let Some(key) = self.graph_key(plan, kv, &inputs) {
-                match self.execute_graphed(model, plan, requests, kv, &inputs, key) {
+        // A capture whose work stays on the device is recorded into the step's graph.
+        if tap.as_ref().is_none_or(|t| t.device_only()) {
+            if let Some(key) = self.graph_key(plan, kv, &inputs, tap.is_some()) {
+                // A reborrow: the tap is the eager run's again should the graph fail.
+                let graph_tap = tap.as_mut().map(|t| &mut **t as &mut dyn AttentionTap);
+                match self.execute_graphed(model, plan, requests, kv, &inputs, key, graph_tap) {
                     Ok(Some(out)) => {
                         return Ok(StepLogits {
                             requests: rows,
@@ -264,11 +267,13 @@ impl ModelRunner {
     /// The graph a step replays, when the backend records graphs and the step is one
     /// they serve: decodes only (one token each, every one sampled), no chunked-local
     /// layers (their virtual batches change shape), at most the largest graph's requests.
+    /// `capturing`: the step carries capturing requests whose work stays on the device.
     fn graph_key(
         &self,
         plan: &SchedulerOutput,
         kv: &KvCacheManager,
         inputs: &StepInputs,
+        capturing: bool,
     ) -> Option<GraphKey> {
         let graphs = self.backend.step_graphs()?;
         let n = plan.scheduled.len();
@@ -295,12 +300,15 @@ impl ModelRunner {
             num_reqs,
             table_width,
             whole_logits: !inputs.pick.iter().all(|&p| p),
+            capturing,
         })
     }
 
     /// Runs a step of decodes as graph `key`: padded to its requests and table width,
     /// recorded or replayed by the backend, the padding's rows dropped after. `None`:
-    /// the backend does not graph this key (any more); run the step eagerly.
+    /// the backend does not graph this key (any more); run the step eagerly. `tap`: the
+    /// step's capture, whose work stays on the device ([`AttentionTap::device_only`]).
+    #[allow(clippy::too_many_arguments)]
     fn execute_graphed(
         &mut self,
         model: &dyn CausalLm,
@@ -309,6 +317,7 @@ impl ModelRunner {
         kv: &KvCacheManager,
         inputs: &StepInputs,
         key: GraphKey,
+        tap: Option<&mut dyn AttentionTap>,
     ) -> Result<Option<StepLogitRows>> {
         let Some(graphs) = self.backend.step_graphs() else {
             return Ok(None);
@@ -316,7 +325,7 @@ impl ModelRunner {
         if !graphs.begin_step(key)? {
             return Ok(None);
         }
-        let result = self.forward_padded(model, plan, requests, kv, inputs, key);
+        let result = self.forward_padded(model, plan, requests, kv, inputs, key, tap);
         let ended = match self.backend.step_graphs() {
             Some(graphs) => graphs.end_step(result.is_ok()),
             None => Ok(()),
@@ -330,7 +339,9 @@ impl ModelRunner {
     }
 
     /// The step padded to graph `key`'s shapes: extra requests of one token at position
-    /// 0 that write no KV (see `CommonAttentionMetadata::padded_for_graph`).
+    /// 0 that write no KV (see `CommonAttentionMetadata::padded_for_graph`); the tap's
+    /// requests keep their batch rows, the padding comes after them.
+    #[allow(clippy::too_many_arguments)]
     fn forward_padded(
         &mut self,
         model: &dyn CausalLm,
@@ -339,6 +350,7 @@ impl ModelRunner {
         kv: &KvCacheManager,
         inputs: &StepInputs,
         key: GraphKey,
+        tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogitRows> {
         let b = key.num_reqs;
         let mut padded = StepInputs {
@@ -357,7 +369,7 @@ impl ModelRunner {
                 Ok(self.backend.build_metadata_for(Arc::new(common), None)?)
             })
             .collect::<Result<Vec<_>>>()?;
-        self.forward(model, &padded, &attention, None)
+        self.forward(model, &padded, &attention, tap)
     }
 
     /// The model's forward over `inputs`: rows marked in `pick` reduced to their argmax

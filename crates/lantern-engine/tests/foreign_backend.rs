@@ -9,15 +9,15 @@ mod common;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::GgmlDType;
 use lantern_attn::{
     backend_by_name, combine_heads, host_f32, slot_for_position, tensor3, top_k,
     validate_forward_inputs, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttnError,
-    CacheGeometry, CommonAttentionMetadata, Device, KeptHeads, KeptRows, KvCacheLayout,
-    KvCacheShape, LayerKvCache, MapQueries, ProbabilityMap, ProbabilityMapJob, Tensor,
-    CPU_REFERENCE,
+    CacheGeometry, CommonAttentionMetadata, Device, GraphKey, GraphStats, KeptHeads, KeptRows,
+    KvCacheLayout, KvCacheShape, LayerKvCache, MapQueries, ProbabilityMap, ProbabilityMapJob,
+    StepGraphs, Tensor, CPU_REFERENCE,
 };
 use lantern_capture::{CaptureResult, CaptureSpec, HeadReduce, KeyStat, RowSelection};
 use lantern_engine::{Completion, Engine, SamplingParams};
@@ -152,11 +152,44 @@ impl KeptRows for SlotKeptRows {
     }
 }
 
+/// Graph steps that record nothing: a step of a key runs as it would eagerly. What they
+/// check is the runner's side of graphs (steps padded to a graph's batch size, the keys,
+/// a capture's tap handed to a graph step), on a machine without a GPU.
+#[derive(Debug, Default)]
+struct PassThroughGraphs {
+    /// The key of every step run as a graph step.
+    steps: Mutex<Vec<GraphKey>>,
+}
+
+impl StepGraphs for PassThroughGraphs {
+    fn batch_sizes(&self) -> &[usize] {
+        &[1, 2, 4, 8]
+    }
+
+    fn begin_step(&self, key: GraphKey) -> Result<bool, AttnError> {
+        self.steps.lock().unwrap().push(key);
+        Ok(true)
+    }
+
+    fn end_step(&self, ok: bool) -> Result<(), AttnError> {
+        assert!(ok, "a graph step failed");
+        Ok(())
+    }
+
+    fn stats(&self) -> GraphStats {
+        GraphStats {
+            replayed: self.steps.lock().unwrap().len(),
+            ..GraphStats::default()
+        }
+    }
+}
+
 struct SlotBackend {
     layout: KvCacheLayout,
     maps: Maps,
     kept: Kept,
     traffic: Arc<RowTraffic>,
+    graphs: Option<Arc<PassThroughGraphs>>,
 }
 
 impl SlotBackend {
@@ -170,7 +203,13 @@ impl SlotBackend {
             maps,
             kept: Kept::Host,
             traffic: Arc::default(),
+            graphs: None,
         }
+    }
+
+    fn graphing(mut self, graphs: Arc<PassThroughGraphs>) -> Self {
+        self.graphs = Some(graphs);
+        self
     }
 
     fn keeping(mut self, kept: Kept) -> Self {
@@ -428,6 +467,10 @@ impl AttentionBackend for SlotBackend {
                 m
             })),
         }
+    }
+
+    fn step_graphs(&self) -> Option<&dyn StepGraphs> {
+        self.graphs.as_deref().map(|g| g as &dyn StepGraphs)
     }
 }
 
@@ -711,4 +754,63 @@ fn streamed_rows_and_statistics_of_kept_rows_are_the_same() {
     assert_eq!(got.stats, want.stats);
     assert!(traffic.written.load(Ordering::SeqCst) > 0);
     assert!(traffic.read.load(Ordering::SeqCst) > 0);
+}
+
+/// Decode steps whose capturing requests keep their rows on the backend's device and
+/// take nothing back per step run as graph steps (keys marked `capturing`), the tap
+/// handed to the padded batch; steps with a capture that reads rows on the host (it
+/// checks the attention output) or sums statistics from each step's probabilities do
+/// not. The captures and tokens are those of eager steps, bit for bit.
+#[test]
+fn decode_steps_whose_capture_stays_on_the_device_run_as_graph_steps() {
+    let specs = || {
+        let mut specs = capture_shapes();
+        let mut summed = CaptureSpec::everything(LAYERS, 4);
+        summed.stats = vec![KeyStat::KeyMass];
+        specs.push(summed);
+        specs
+    };
+    let eager = SlotBackend::with_maps(Maps::Computed).keeping(Kept::Device);
+    let (mut eager, _d0) = engine(Box::new(eager));
+    let want = run_specs(&mut eager, specs());
+    assert_eq!(eager.graph_stats(), None);
+    let graphs = Arc::new(PassThroughGraphs::default());
+    let graphed = SlotBackend::with_maps(Maps::Computed)
+        .keeping(Kept::Device)
+        .graphing(Arc::clone(&graphs));
+    let (mut graphed, _d1) = engine(Box::new(graphed));
+    let got = run_specs(&mut graphed, specs());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.token_ids, w.token_ids, "request {i}");
+        let (Some(g), Some(w)) = (&g.capture, &w.capture) else {
+            continue;
+        };
+        let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+        let (gr, wr) = (g.finalize().unwrap(), w.finalize().unwrap());
+        assert_same_maps(&gr, &wr, &format!("graph steps, request {i}"));
+        assert_eq!(gr.stats, wr.stats, "request {i}");
+    }
+    let steps = graphs.steps.lock().unwrap().clone();
+    let capturing = steps.iter().filter(|k| k.capturing).count();
+    assert!(
+        capturing >= 3 && steps.iter().all(|k| k.num_reqs.is_power_of_two()),
+        "{steps:?}"
+    );
+
+    // A capture that reads its rows on the host keeps every step it is in eager.
+    let graphs = Arc::new(PassThroughGraphs::default());
+    let backend = SlotBackend::with_maps(Maps::Computed)
+        .keeping(Kept::Device)
+        .graphing(Arc::clone(&graphs));
+    let (mut engine, _d2) = engine(Box::new(backend));
+    let mut checked = CaptureSpec::everything(LAYERS, 4);
+    checked.keep_attention_output = true;
+    let prompt: Vec<u32> = (0..13).map(|j| (j * 17 % 250) as u32).collect();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(6)
+    };
+    let done = common::run_to_completion(&mut engine, vec![(prompt, params, Some(checked))]);
+    assert!(done[0].capture.as_ref().unwrap().is_ok());
+    assert_eq!(*graphs.steps.lock().unwrap(), []);
 }

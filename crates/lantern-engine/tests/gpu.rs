@@ -423,6 +423,16 @@ fn capture_figures_on_the_gpu_are_summed_as_the_rows_run() {
     }
 }
 
+/// Two engines of `arch` on the GPU, f32 weights and cache: one replaying decode steps
+/// from CUDA graphs, one running every step eagerly.
+fn graphed_and_eager(arch: &str, backend: &str) -> (Engine, Engine) {
+    let run = |eager: bool| {
+        let f32_kv = KvDtype::F32;
+        engine_with(DeviceChoice::Cuda(0), arch, backend, true, f32_kv, eager)
+    };
+    (run(false), run(true))
+}
+
 /// Each request's tokens and, where it asked, the log-probabilities of its tokens and of
 /// its top 3 alternatives, step by step.
 fn run_logged(
@@ -465,17 +475,7 @@ fn graph_steps_equal_eager_steps() {
     }
     for arch in ["llama", "gemma2", "gemma3_text", "qwen3"] {
         for &backend in BACKENDS {
-            let run = |eager: bool| {
-                engine_with(
-                    DeviceChoice::Cuda(0),
-                    arch,
-                    backend,
-                    true,
-                    KvDtype::F32,
-                    eager,
-                )
-            };
-            let (mut graphed, mut eager) = (run(false), run(true));
+            let (mut graphed, mut eager) = graphed_and_eager(arch, backend);
             let mut prompts: Vec<Vec<u32>> =
                 prompts(arch).into_iter().map(|p| p.prompt_ids).collect();
             // A context of 300+ tokens: its table is 32 blocks wide, split-K territory.
@@ -525,6 +525,76 @@ fn graph_steps_equal_eager_steps() {
                 eager.graph_stats().is_none(),
                 "enforce_eager records nothing"
             );
+        }
+    }
+}
+
+/// Decode steps carrying a capturing request whose rows stay on the device are replayed
+/// from CUDA graphs too (each layer's copies into the kept rows recorded as one launch,
+/// with the step's destinations uploaded beside its metadata), and give what eager
+/// steps give: the same tokens for every request and the same maps within f32
+/// summation noise, for every head or a few, every layer or some, beside requests that
+/// do not capture, in both layouts.
+#[test]
+fn capturing_decode_steps_replay_graphs_and_keep_the_eager_maps() {
+    if !gpu_present("capturing_decode_steps_replay_graphs_and_keep_the_eager_maps") {
+        return;
+    }
+    for arch in ["llama", "gemma2", "qwen3"] {
+        for &backend in BACKENDS {
+            let (mut graphed, mut eager) = graphed_and_eager(arch, backend);
+            let info = graphed.model_info().clone();
+            let heads = info.attention[0].num_heads;
+            let prompts = prompts(arch);
+            let mut every = CaptureSpec::everything(info.num_layers, heads);
+            every.rows = RowSelection::All;
+            let mut some = every.clone();
+            some.heads = (0..heads).rev().step_by(2).collect();
+            some.layers = (0..info.num_layers).step_by(2).collect();
+            for (what, spec) in [("every head and layer", every), ("some", some)] {
+                let name = format!("{arch} {backend} {what}");
+                let requests = || {
+                    (0..3)
+                        .map(|i| {
+                            let capture = (i == 1).then(|| spec.clone());
+                            let p = &prompts[i % prompts.len()];
+                            (p.prompt_ids.clone(), greedy(12), capture)
+                        })
+                        .collect::<Vec<_>>()
+                };
+                let before = graphed.graph_stats().expect("graphs are recorded");
+                let on_graphs = common::run_to_completion(&mut graphed, requests());
+                let after = graphed.graph_stats().expect("graphs are recorded");
+                let eagerly = common::run_to_completion(&mut eager, requests());
+                assert!(
+                    after.replayed >= before.replayed + 8 && after.failed == 0,
+                    "{name}: the capturing steps were not replayed ({before:?} -> {after:?})"
+                );
+                for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
+                    assert_eq!(g.token_ids, e.token_ids, "{name}: request {r}'s tokens");
+                }
+                let result = |c: &lantern_engine::Completion| {
+                    let pending = c.capture.clone().unwrap().unwrap();
+                    assert!(
+                        pending.maps_computed_by_backend(),
+                        "{name}: maps on the device"
+                    );
+                    pending.into_result(1, || {}).unwrap()
+                };
+                let (g, e) = (result(&on_graphs[1]), result(&eagerly[1]));
+                assert_eq!(g.meta, e.meta, "{name}");
+                assert!(!g.layers.is_empty(), "{name}");
+                for (gm, em) in g.layers.iter().zip(&e.layers) {
+                    assert_eq!(gm.shape, em.shape, "{name} layer {}", gm.layer_idx);
+                    let diff = common::max_abs_diff(&gm.values, &em.values);
+                    assert!(
+                        diff < ATTENTION_TOLERANCE,
+                        "{name} layer {}: maps differ by {diff}",
+                        gm.layer_idx
+                    );
+                }
+                eprintln!("{name}: {after:?}, maps as eager steps give them");
+            }
         }
     }
 }

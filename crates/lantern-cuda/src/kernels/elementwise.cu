@@ -68,3 +68,20 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     const float* src = x + (u64)src_row * width;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
+
+// One block per table entry i: x's row table[2i + 1] copied to the address table[2i]
+// (rows of `width` f32); a destination of 0 copies nothing, a source row at or past
+// `rows` writes NaN. The destinations change every step while the launch does not, so
+// a graph replays it with the step's own table.
+extern "C" __global__ void scatter_rows(const float* __restrict__ x, const u64* __restrict__ table, u32 width,
+                                        u32 rows) {
+    float* dst = (float*)table[2 * (u64)blockIdx.x];
+    if (dst == nullptr) return;
+    const u64 src_row = table[2 * (u64)blockIdx.x + 1];
+    if (src_row >= rows) {
+        for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = LT_NAN;
+        return;
+    }
+    const float* src = x + src_row * width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}

@@ -12,7 +12,9 @@ lantern, first (so that nothing of transformers' holds the GPU meanwhile):
   lantern bench --device cuda --model DIR --capture --capture-prompt-tokens 512 --repeat 1
       (text; its "512 tokens: X ms per layer" finalize line is read), then again with
       LANTERN_CUDA_KEEP_QUERIES=off (every capture's query rows copied to the host at each
-      step instead of kept on the device: the "kept rows / host rows" rows)
+      step instead of kept on the device: the "kept rows / host rows" rows); its batch of 8
+      decoding with one capturing request against none capturing is the row "decode beside
+      a capturing request / none capturing"
 transformers (bf16, SDPA, its default dynamic cache, `generate` greedy with
 min_new_tokens = max_new_tokens so that EOS cannot stop it), the same figures as lantern
 defines them:
@@ -288,6 +290,13 @@ def table(name, layers, lan, hf, args):
         lan_capture = 1e3 * args.capture_tokens / bench["prefill_tokens_per_s"] + per_layer * layers
     add(f"capture {args.capture_tokens} (prefill + maps)", hf.get("capture_ms"), lan_capture,
         higher_better=False, unit="ms")
+    # What one capturing request costs the batch it decodes in (since 5aa23f4 such steps
+    # replay graphs where the capture keeps its rows on the device).
+    plain, capturing = lan.get("capture_decode_plain_tokens_per_s"), lan.get("capture_decode_capturing_tokens_per_s")
+    if plain is not None and capturing is not None:
+        rows.append({"model": name, "metric": "decode beside a capturing request / none capturing",
+                     "unit": "tok/s", "transformers": plain, "lantern": capturing,
+                     "speedup": ratio(capturing, plain)})
     host_rows = lan.get("capture_host_rows") or {}
     for key, metric, higher in (
         ("capture_decode_capturing_tokens_per_s", "decode beside a capturing request", True),

@@ -103,6 +103,19 @@ def lantern_figures(args, model_dir, budget):
             res["bench_eager"] = json.loads(lines[-1])
         except Exception:
             res["bench_eager_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+    if args.lantern_sampled:
+        # The same figures sampling at temperature 1 (rows sampled on the device from the
+        # draws of seeded streams): what a client's default sampling costs against greedy.
+        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
+                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
+                      "--repeat", str(args.repeat), "--temperature", "1"]
+        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+        out, err, secs = run(cmd, timeout)
+        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
+        try:
+            res["bench_sampled"] = json.loads(lines[-1])
+        except Exception:
+            res["bench_sampled_error"] = err or f"unreadable output: {(out or '')[-400:]}"
     if args.lantern_no_small_products:
         # The same figures with cuBLAS for every product: what the small-product kernels give.
         cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
@@ -308,7 +321,8 @@ def table(name, layers, lan, hf, args):
                          "unit": "tok/s" if higher else "ms", "transformers": host,
                          "lantern": kept,
                          "speedup": ratio(kept, host) if higher else ratio(host, kept)})
-    for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only")):
+    for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only"),
+                       ("bench_sampled", "greedy / temperature 1")):
         other = lan.get(key)
         if not other:
             continue
@@ -348,6 +362,8 @@ def main():
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
     ap.add_argument("--lantern-eager", action="store_true",
                     help="also run lantern's bench with --enforce-eager (rows 'graphs / eager': the eager figure in the transformers column)")
+    ap.add_argument("--lantern-sampled", action="store_true",
+                    help="also run lantern's bench with --temperature 1 (rows 'greedy / temperature 1': the sampled figure in the transformers column)")
     ap.add_argument("--skip-lantern", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--budget", type=float, default=230, help="seconds for the whole run")

@@ -51,6 +51,10 @@ pub struct BenchArgs {
     /// Prompt lengths of the capture figures.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
     pub capture_prompt_tokens: Vec<usize>,
+    /// The decode figures sample from the whole softmax at this temperature (seeded)
+    /// instead of greedily (0): what a client's default of temperature 1 costs.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
 }
 
 /// The kernel level `name` names, which this CPU must run and which must differ from
@@ -95,6 +99,16 @@ pub(crate) fn decode_params(tokens: usize) -> SamplingParams {
     }
 }
 
+/// [`decode_params`] sampling at `temperature` (0: greedy), each request from its own
+/// fixed seed.
+fn sampled_params(tokens: usize, temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: (temperature > 0.0).then_some(seed),
+        ..decode_params(tokens)
+    }
+}
+
 /// Seconds to compute a prompt and sample its first token.
 pub(crate) fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
     let id = engine.add_request(prompt, decode_params(1))?;
@@ -129,10 +143,12 @@ pub(crate) fn decode_rate(
     engine: &mut Engine,
     prompts: Vec<Vec<u32>>,
     tokens: usize,
+    temperature: f32,
 ) -> Result<f64> {
     let ids = prompts
         .into_iter()
-        .map(|p| engine.add_request(p, decode_params(tokens)))
+        .enumerate()
+        .map(|(i, p)| engine.add_request(p, sampled_params(tokens, temperature, i as u64)))
         .collect::<Result<Vec<_>, _>>()?;
     run_prefills(engine, &ids)?;
     let start = Instant::now();
@@ -206,6 +222,11 @@ pub fn peak_memory_bytes() -> Option<u64> {
 }
 
 pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
+    anyhow::ensure!(
+        args.temperature.is_finite() && args.temperature >= 0.0,
+        "--temperature must be a number of at least 0, not {}",
+        args.temperature
+    );
     args.engine.no_prefix_caching = true;
     let repeat = args.repeat.max(1);
     let mut engine = args.engine.build_engine(verbose)?;
@@ -265,7 +286,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         let runs = (0..repeat)
             .map(|_| {
                 let prompts = (0..batch).map(|_| next_prompt(prompt_len)).collect();
-                decode_rate(&mut engine, prompts, args.decode_tokens)
+                decode_rate(&mut engine, prompts, args.decode_tokens, args.temperature)
             })
             .collect::<Result<_>>()?;
         Ok(median(runs))
@@ -316,6 +337,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "prefill_tokens_per_s": prefill,
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
+                "temperature": args.temperature,
                 "decode_tokens_per_s": decode_empty,
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
@@ -341,6 +363,10 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         println!("threads            {}", rayon_threads());
         println!("cpu                {topology}");
         println!("attention backend  {}", engine.attention_backend());
+        if args.temperature > 0.0 {
+            let t = args.temperature;
+            println!("decode sampling    temperature {t} (the whole softmax, seeded)");
+        }
         println!(
             "prefill            {prefill:8.1} tokens/s  ({}-token prompt)",
             args.prompt_tokens

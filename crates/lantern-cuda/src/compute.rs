@@ -15,7 +15,7 @@ use lantern_attn::{
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
-use lantern_model::{LoadOptions, ModelError, Result};
+use lantern_model::{LoadOptions, ModelError, Result, SampleDraw};
 
 use crate::backend::CudaBackend;
 use crate::fused::MAX_SPLIT_PARTS;
@@ -619,21 +619,35 @@ impl Compute for CudaCompute {
         self.gpu.download(&*x).map_err(model_error)
     }
 
-    /// Greedy rows are reduced here: one id per row crosses to the host, not the row.
+    /// Greedy and plainly sampled rows are reduced here: one id per row crosses to the
+    /// host, not the row.
     const PICKS_ON_DEVICE: bool = true;
 
-    fn argmax_rows(&self, x: &GpuAct, width: usize) -> Result<Vec<u32>> {
-        if width == 0 || !x.len().is_multiple_of(width) {
+    fn pick_rows(
+        &self,
+        x: &GpuAct,
+        width: usize,
+        draws: &[Option<SampleDraw>],
+    ) -> Result<Vec<u32>> {
+        let rows = x.len() / width.max(1);
+        if width == 0 || !x.len().is_multiple_of(width) || draws.len() != rows {
             return Err(ModelError::Compute(format!(
-                "argmax_rows: {} values are not rows of {width}",
-                x.len()
+                "pick_rows: {} values are not {} rows of {width}",
+                x.len(),
+                draws.len()
             )));
         }
-        let mut ids = self
-            .gpu
-            .step_output::<u32>(x.len() / width)
+        // One kernel for argmax and sampled rows alike, its parameters uploaded with the
+        // step: a graph replays it whichever rows sample.
+        let params: Vec<f32> = draws
+            .iter()
+            .flat_map(|d| d.map_or([0.0, 0.0], |d| [d.inv_temperature, d.draw]))
+            .collect();
+        let params = self.gpu.step_upload(&params).map_err(model_error)?;
+        let mut ids = self.gpu.step_output::<u32>(rows).map_err(model_error)?;
+        self.gpu
+            .pick_rows(&**x, &*params, &mut *ids)
             .map_err(model_error)?;
-        self.gpu.argmax_rows(&**x, &mut *ids).map_err(model_error)?;
         self.gpu.download(&*ids).map_err(model_error)
     }
 }

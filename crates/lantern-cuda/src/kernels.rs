@@ -48,7 +48,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rows.cu",
         source: include_str!("kernels/rows.cu"),
-        functions: &["rms_norm", "argmax_rows", "rope"],
+        functions: &["rms_norm", "pick_rows", "rope"],
     },
     KernelSource {
         name: "fused.cu",
@@ -686,10 +686,14 @@ impl Gpu {
         Ok(())
     }
 
-    /// out[r] = index of the first maximum of row r of x `[rows, n]` (rows = out.len()).
-    pub fn argmax_rows(
+    /// out[r] = the token row r of x `[rows, n]` gives (rows = out.len()): with
+    /// `params[r] = [1 / temperature, u]`, the sample a uniform draw u picks from the
+    /// row's softmax (lantern-model's `sample_row`), or its first maximum where
+    /// 1 / temperature is 0.
+    pub fn pick_rows(
         &self,
         x: &impl DevicePtr<f32>,
+        params: &impl DevicePtr<f32>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         let rows = out.len();
@@ -697,21 +701,25 @@ impl Gpu {
             rows > 0 && x.len().is_multiple_of(rows) && x.len() > 0,
             || {
                 format!(
-                    "argmax_rows: {} values are not {rows} non-empty rows",
+                    "pick_rows: {} values are not {rows} non-empty rows",
                     x.len()
                 )
             },
         )?;
+        ensure(params.len() == 2 * rows, || {
+            format!("pick_rows: {} parameters for {rows} rows", params.len())
+        })?;
         let n = x.len() / rows;
         let n32 = u32_of("row length", n)?;
-        let f = self.function("argmax_rows")?;
+        let f = self.function("pick_rows")?;
         let (xp, _gx) = x.device_ptr(&self.stream);
+        let (pp, _gp) = params.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
         let Some(mut b) = self.launcher(f)? else {
             return Ok(());
         };
-        b.arg(&xp).arg(&op).arg(&n32);
-        // SAFETY: as above.
+        b.arg(&xp).arg(&pp).arg(&op).arg(&n32);
+        // SAFETY: x holds `rows` rows of n, params 2 per row, out one per row.
         unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
         Ok(())
     }

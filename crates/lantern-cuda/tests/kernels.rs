@@ -19,6 +19,7 @@ mod gpu_tests {
 
     use half::{bf16, f16};
     use lantern_cuda::{Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta};
+    use lantern_model::pick::{self, SampleDraw};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -310,8 +311,63 @@ mod gpu_tests {
             want.push(a as u32);
         }
         let mut out = g.zeros::<u32>(rows).unwrap();
-        g.argmax_rows(&g.upload(&x).unwrap(), &mut out).unwrap();
-        assert_eq!(g.download(&out).unwrap(), want, "argmax_rows");
+        let argmax = g.upload(&vec![0f32; 2 * rows]).unwrap();
+        g.pick_rows(&g.upload(&x).unwrap(), &argmax, &mut out)
+            .unwrap();
+        assert_eq!(g.download(&out).unwrap(), want, "pick_rows: argmax");
+
+        // pick: argmax rows and sampled rows in one launch. A sampled row's token is the
+        // one whose interval of the cumulative softmax (in id order, f64) holds the draw,
+        // up to the f32 sums' rounding: the host reference's token, or a neighbour of it
+        // when the draw falls on the boundary between them.
+        let (rows, n) = (64usize, 5000usize);
+        let x = rand_vec(&mut r, rows * n, 4.0);
+        let draws: Vec<Option<SampleDraw>> = (0..rows)
+            .map(|i| {
+                (i % 4 != 0).then(|| SampleDraw {
+                    draw: r.gen_range(0.0..1.0),
+                    inv_temperature: [1.0, 0.5, 2.0][i % 3],
+                })
+            })
+            .collect();
+        let params: Vec<f32> = draws
+            .iter()
+            .flat_map(|d| d.map_or([0.0, 0.0], |d| [d.inv_temperature, d.draw]))
+            .collect();
+        let mut out = g.zeros::<u32>(rows).unwrap();
+        g.pick_rows(
+            &g.upload(&x).unwrap(),
+            &g.upload(&params).unwrap(),
+            &mut out,
+        )
+        .unwrap();
+        let got = g.download(&out).unwrap();
+        let mut exact = 0;
+        for (row, (&token, draw)) in got.iter().zip(&draws).enumerate() {
+            let values = &x[row * n..][..n];
+            let Some(d) = draw else {
+                assert_eq!(token, pick::first_max(values), "row {row}: argmax");
+                continue;
+            };
+            let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let w: Vec<f64> = values
+                .iter()
+                .map(|&v| ((v as f64 - max) * d.inv_temperature as f64).exp())
+                .collect();
+            let total: f64 = w.iter().sum();
+            let before: f64 = w[..token as usize].iter().sum::<f64>() / total;
+            let after = before + w[token as usize] / total;
+            let u = d.draw as f64;
+            assert!(
+                before <= u + 1e-5 && u - 1e-5 <= after,
+                "row {row}: token {token} covers [{before}, {after}), the draw is {u}"
+            );
+            exact += usize::from(token == pick::sample_row(values, *d));
+        }
+        assert!(
+            exact + 2 >= rows * 3 / 4,
+            "{exact} sampled rows as the reference"
+        );
 
         // cast: bit-exact round to nearest even, specials included.
         let mut x = rand_vec(&mut r, 4000, 100.0);

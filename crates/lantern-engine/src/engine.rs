@@ -220,9 +220,9 @@ impl Engine {
         self.runner.backend().step_graphs().map(|g| g.stats())
     }
 
-    /// Testing: rows that need only their argmax are reduced by the model even when it
-    /// keeps its logits on the host (as a GPU model does on its device), so the path
-    /// that takes a picked token runs without a GPU.
+    /// Testing: rows that need only their argmax, or a sample of the whole softmax, are
+    /// reduced by the model even when it keeps its logits on the host (as a GPU model does
+    /// on its device), so the path that takes a picked token runs without a GPU.
     pub fn set_pick_on_host(&mut self, on: bool) {
         self.runner.pick_on_host = on;
     }
@@ -756,10 +756,17 @@ impl Engine {
     ) -> Result<crate::runner::StepLogits> {
         let mut buffers = Vec::new();
         let mut batch_row = 0;
+        // A model that samples rows where its logits are takes each such token's draw
+        // now, from the request's stream, as the host sampler would after the step.
+        let draws_ahead = self.model.picks_on_device() || self.runner.pick_on_host;
         for s in &plan.scheduled {
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;
             };
+            let samples = req.num_computed_tokens + s.num_tokens == req.num_tokens();
+            if draws_ahead && samples && req.samples_whole_row() {
+                req.sampler.draw_ahead();
+            }
             if let Some(buffer) = req.capture.take() {
                 buffers.push((
                     s.id,
@@ -938,8 +945,12 @@ impl Engine {
     }
 
     /// Appends the token the model picked on its device for a request that needs only
-    /// the argmax (`Request::needs_only_argmax`): what `append_token` would choose.
+    /// the argmax (`Request::needs_only_argmax`) or samples the whole row with the draw
+    /// taken ahead (`Request::samples_whole_row`): what `append_token` would choose.
     fn append_picked(&mut self, id: RequestId, token: u32) -> Result<RequestOutput> {
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.sampler.used_draw();
+        }
         self.push_token(id, token, None, None)
     }
 

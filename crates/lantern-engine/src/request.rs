@@ -191,20 +191,33 @@ impl Request {
         self.wants_prompt_rows() || self.capture.is_some()
     }
 
-    /// Whether the steps must return a logits row for every prompt position.
     /// Whether its next token is the argmax of the model's logits row and nothing else
-    /// reads that row: greedy, no penalty or bias, past `min_tokens`, no structured
-    /// output, no logprobs, no prompt rows. A device model then hands back the id alone.
+    /// reads that row (greedy; see [`Self::row_gives_only_the_token`]). A device model
+    /// then hands back the id alone.
     pub fn needs_only_argmax(&self) -> bool {
+        self.params.temperature == 0.0 && self.row_gives_only_the_token()
+    }
+
+    /// Whether its next token is sampled from the whole softmax of the model's logits
+    /// row (a temperature, no top-k, top-p or min-p) and nothing else reads that row: a
+    /// device model then samples it there, with the draw taken ahead
+    /// ([`crate::sampling::Sampler::draw_ahead`]), and hands back the id alone.
+    pub fn samples_whole_row(&self) -> bool {
+        self.params.temperature > 0.0 && !self.params.truncates() && self.row_gives_only_the_token()
+    }
+
+    /// Whether the next logits row is read for its token alone: no penalty or bias, past
+    /// `min_tokens`, no structured output, no logprobs, no prompt rows.
+    fn row_gives_only_the_token(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0
-            && !p.has_penalties()
+        !p.has_penalties()
             && self.num_output_tokens() >= p.min_tokens
             && self.constraint.is_none()
             && p.logprobs.is_none()
             && !self.wants_prompt_rows()
     }
 
+    /// Whether the steps must return a logits row for every prompt position.
     pub fn wants_prompt_rows(&self) -> bool {
         self.params.prompt_logits || self.params.prompt_logprobs.is_some()
     }

@@ -8,7 +8,7 @@ use lantern_attn::{
     GraphKey, LayerKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
-use lantern_model::{CausalLm, ForwardBatch, StepLogitRows};
+use lantern_model::{CausalLm, ForwardBatch, RowPick, SampleDraw, StepLogitRows};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -68,6 +68,22 @@ impl StepLogits {
     }
 }
 
+/// What a model that picks tokens where its logits are does with a request's sampling
+/// row: its argmax (greedy), a sample with the draw the engine took ahead (the whole
+/// softmax at a temperature), or the row whole for the host's sampler (everything else).
+fn row_pick(req: &Request) -> RowPick {
+    if req.needs_only_argmax() {
+        return RowPick::Argmax;
+    }
+    match req.sampler.drawn() {
+        Some(draw) if req.samples_whole_row() => RowPick::Sample(SampleDraw {
+            draw,
+            inv_temperature: 1.0 / req.params.temperature,
+        }),
+        _ => RowPick::Whole,
+    }
+}
+
 /// Keys a graph step can attend over at least (the block-table width of its smallest
 /// graphs): shorter contexts share these graphs.
 const MIN_GRAPH_CONTEXT: usize = 256;
@@ -77,8 +93,8 @@ struct StepInputs {
     token_ids: Vec<u32>,
     positions: Vec<usize>,
     logits_rows: Vec<usize>,
-    /// Per logits row: only its argmax is needed.
-    pick: Vec<bool>,
+    /// Per logits row: whole, or only its token (argmax or sample).
+    pick: Vec<RowPick>,
 }
 
 pub struct ModelRunner {
@@ -91,8 +107,8 @@ pub struct ModelRunner {
     /// virtual batch is built with the group's metadata, once per step.
     group_chunk: Vec<Option<usize>>,
     block_size: usize,
-    /// Ask for argmax-only rows even from a model that keeps its logits on the host (it
-    /// reduces them there): the picked-row path tested without a GPU.
+    /// Ask for picked rows (argmax or sampled) even from a model that keeps its logits on
+    /// the host (it reduces them there): the picked-row path tested without a GPU.
     pub pick_on_host: bool,
 }
 
@@ -217,7 +233,7 @@ impl ModelRunner {
         let mut positions = Vec::with_capacity(num_tokens);
         let picking = model.picks_on_device() || pick_on_host;
         let mut logits_rows = Vec::new();
-        // Per logits row: only its argmax is needed (see `Request::needs_only_argmax`).
+        // Per logits row: whole, or only its token (see `row_pick`).
         let mut pick = Vec::new();
         let mut rows = Vec::new();
         for s in &plan.scheduled {
@@ -241,10 +257,14 @@ impl ModelRunner {
             };
             let first_row = logits_rows.len();
             logits_rows.extend(first_token_row..first_token_row + num_prompt_rows);
-            pick.resize(logits_rows.len(), false);
+            pick.resize(logits_rows.len(), RowPick::Whole);
             if samples {
                 logits_rows.push(token_ids.len() - 1);
-                pick.push(picking && req.needs_only_argmax());
+                pick.push(if picking {
+                    row_pick(req)
+                } else {
+                    RowPick::Whole
+                });
             }
             if samples || num_prompt_rows > 0 {
                 rows.push(RequestRows {
@@ -299,7 +319,7 @@ impl ModelRunner {
         Some(GraphKey {
             num_reqs,
             table_width,
-            whole_logits: !inputs.pick.iter().all(|&p| p),
+            whole_logits: !inputs.pick.iter().all(|p| p.is_picked()),
             capturing,
         })
     }
@@ -353,11 +373,20 @@ impl ModelRunner {
         tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogitRows> {
         let b = key.num_reqs;
+        // Every row whole in a whole-logits graph; else the rows' own picks, the
+        // padding's rows reduced to their argmax.
+        let pick = if key.whole_logits {
+            vec![RowPick::Whole; b]
+        } else {
+            let mut pick = inputs.pick.clone();
+            pick.resize(b, RowPick::Argmax);
+            pick
+        };
         let mut padded = StepInputs {
             token_ids: inputs.token_ids.clone(),
             positions: inputs.positions.clone(),
             logits_rows: (0..b).collect(),
-            pick: vec![!key.whole_logits; b],
+            pick,
         };
         padded.token_ids.resize(b, 0);
         padded.positions.resize(b, 0);
@@ -372,7 +401,7 @@ impl ModelRunner {
         self.forward(model, &padded, &attention, tap)
     }
 
-    /// The model's forward over `inputs`: rows marked in `pick` reduced to their argmax
+    /// The model's forward over `inputs`: rows picked in `pick` reduced to their token
     /// where the logits are, the others whole.
     fn forward(
         &mut self,
@@ -389,7 +418,7 @@ impl ModelRunner {
             logits_rows: &inputs.logits_rows,
         };
         let backend = self.backend.as_ref();
-        Ok(if inputs.pick.contains(&true) {
+        Ok(if inputs.pick.iter().any(|p| p.is_picked()) {
             model.forward_picking(&batch, backend, &mut self.caches, tap, &inputs.pick)?
         } else {
             StepLogitRows::all(model.forward(&batch, backend, &mut self.caches, tap)?)

@@ -300,6 +300,9 @@ pub fn top_k_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
 /// Per-request sampling state: its random stream.
 pub struct Sampler {
     rng: StdRng,
+    /// The next token's uniform draw, taken ahead for a device that samples the row where
+    /// the logits are ([`Self::draw_ahead`]).
+    drawn: Option<f32>,
 }
 
 impl Sampler {
@@ -308,7 +311,29 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_entropy(),
         };
-        Self { rng }
+        Self { rng, drawn: None }
+    }
+
+    /// The uniform draw the next token is sampled with, taken now (once per token: a
+    /// second call before the token is sampled gives the same draw). The stream is the
+    /// one [`Self::sample`] reads, so a token gets the same draw wherever it is sampled.
+    pub fn draw_ahead(&mut self) -> f32 {
+        *self.drawn.get_or_insert_with(|| self.rng.gen::<f32>())
+    }
+
+    /// The draw taken ahead, if any.
+    pub fn drawn(&self) -> Option<f32> {
+        self.drawn
+    }
+
+    /// The token was sampled elsewhere (on the device) with the draw taken ahead.
+    pub fn used_draw(&mut self) {
+        self.drawn = None;
+    }
+
+    /// The next uniform draw: the one taken ahead, else a new one.
+    fn next_draw(&mut self) -> f32 {
+        self.drawn.take().unwrap_or_else(|| self.rng.gen::<f32>())
     }
 
     /// Picks the next token from one row of logits.
@@ -321,7 +346,7 @@ impl Sampler {
         }
         let candidates = filtered_probabilities(logits, params);
         let total: f32 = candidates.iter().map(|(_, p)| p).sum();
-        let mut threshold = self.rng.gen::<f32>() * total;
+        let mut threshold = self.next_draw() * total;
         for &(id, p) in &candidates {
             if threshold < p {
                 return id;
@@ -340,7 +365,7 @@ impl Sampler {
         let max = vocab_row::max(logits);
         let mut probs = vec![0f32; logits.len()];
         let total = vocab_row::exp_scaled(logits, max, 1.0 / temperature, &mut probs);
-        let mut threshold = self.rng.gen::<f32>() * total;
+        let mut threshold = self.next_draw() * total;
         for (id, &p) in probs.iter().enumerate() {
             if threshold < p {
                 return id as u32;

@@ -599,6 +599,47 @@ fn capturing_decode_steps_replay_graphs_and_keep_the_eager_maps() {
     }
 }
 
+/// Requests sampling the whole softmax at a temperature are sampled on the GPU with the
+/// draw the engine takes ahead from their seeded streams (one id per row crosses to the
+/// host): the tokens the host sampler picks from the same logits with the same draws
+/// (the same requests asking for logprobs, whose rows are copied to the host), at three
+/// temperatures, batched, eager and from graphs, in both layouts.
+#[test]
+fn sampled_rows_on_the_gpu_give_the_host_samplers_tokens() {
+    if !gpu_present("sampled_rows_on_the_gpu_give_the_host_samplers_tokens") {
+        return;
+    }
+    for arch in ["llama", "gemma2"] {
+        for &backend in BACKENDS {
+            let (mut graphed, mut eager) = graphed_and_eager(arch, backend);
+            let prompts = prompts(arch);
+            let requests = |logprobs: Option<usize>| -> Vec<(Vec<u32>, SamplingParams)> {
+                (0..4)
+                    .map(|i| {
+                        let params = SamplingParams {
+                            temperature: [1.0, 0.7, 1.3, 1.0][i],
+                            seed: Some(100 + i as u64),
+                            logprobs,
+                            ..greedy(16)
+                        };
+                        (prompts[i % prompts.len()].prompt_ids.clone(), params)
+                    })
+                    .collect()
+            };
+            for (how, engine) in [("graphs", &mut graphed), ("eager", &mut eager)] {
+                let name = format!("{arch} {backend} {how}");
+                let on_device = run_logged(engine, &requests(None));
+                let on_host = run_logged(engine, &requests(Some(1)));
+                for (r, (d, h)) in on_device.iter().zip(&on_host).enumerate() {
+                    assert_eq!(d.0.len(), 16, "{name}: request {r}");
+                    assert_eq!(d.0, h.0, "{name}: request {r}'s sampled tokens");
+                }
+                eprintln!("{name}: sampled on the device as on the host");
+            }
+        }
+    }
+}
+
 /// With bf16 weights, a decode step's products take the small-product kernels (up to 4
 /// rows, f32 activations) or cuBLAS (more rows, bf16 activations), a prefill's always
 /// cuBLAS. The log-probability each decode step gave its token is held against the one a

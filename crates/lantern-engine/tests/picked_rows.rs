@@ -1,8 +1,10 @@
-//! Rows reduced to their argmax by the model (what a GPU model does for greedy requests,
-//! so that only one id per row crosses to the host) give exactly the tokens the host
-//! sampler gives, and leave every other kind of request to the sampler: a batch mixing
-//! plain greedy, greedy with logprobs, penalties, `min_tokens`, prompt logits and
-//! seeded sampling runs identically with picking on and off.
+//! Rows reduced to one token by the model (what a GPU model does for greedy requests and
+//! for requests sampling the whole softmax at a temperature, so that only one id per row
+//! crosses to the host) give exactly the tokens the host sampler gives, and leave every
+//! other kind of request to the sampler: a batch mixing plain greedy, greedy with
+//! logprobs, penalties, `min_tokens`, prompt logits, seeded sampling of the whole row
+//! (picked with the draw taken ahead of the step) and seeded sampling with top-p or
+//! logprobs (left to the sampler) runs identically with picking on and off.
 
 mod common;
 
@@ -78,6 +80,44 @@ fn requests() -> Vec<(
                 temperature: 0.8,
                 seed: Some(7),
                 ..greedy(10)
+            },
+            None,
+        ),
+        (
+            prompt(8, 12),
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(8),
+                ..greedy(24)
+            },
+            None,
+        ),
+        (
+            prompt(9, 7),
+            SamplingParams {
+                temperature: 1.5,
+                seed: Some(9),
+                ..greedy(24)
+            },
+            None,
+        ),
+        (
+            prompt(10, 10),
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.9,
+                seed: Some(10),
+                ..greedy(12)
+            },
+            None,
+        ),
+        (
+            prompt(11, 9),
+            SamplingParams {
+                temperature: 1.0,
+                logprobs: Some(2),
+                seed: Some(11),
+                ..greedy(12)
             },
             None,
         ),

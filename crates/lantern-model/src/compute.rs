@@ -7,6 +7,7 @@
 use crate::blocks::Activation;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
+use crate::pick::{first_max, sample_row, SampleDraw};
 use crate::rope::{Rope, RopeTable};
 use crate::{ops, LoadOptions};
 use candle_core::quantized::QTensor;
@@ -148,11 +149,18 @@ pub trait Compute: Send + Sync + Sized + 'static {
     /// The values on the host.
     fn to_host(&self, x: Self::Act) -> Result<Vec<f32>>;
 
-    /// Whether rows reduced to their argmax here save a copy to the host.
+    /// Whether rows reduced to one token here save a copy to the host.
     const PICKS_ON_DEVICE: bool = false;
 
-    /// The index of the largest value of each row of `width` (the first on ties).
-    fn argmax_rows(&self, x: &Self::Act, width: usize) -> Result<Vec<u32>>;
+    /// One token per row of `width`: where `draws[r]` is `None` the index of the row's
+    /// largest value (the first on ties), else the token the draw picks from the row's
+    /// softmax ([`SampleDraw`], held to [`crate::pick::sample_row`]).
+    fn pick_rows(
+        &self,
+        x: &Self::Act,
+        width: usize,
+        draws: &[Option<SampleDraw>],
+    ) -> Result<Vec<u32>>;
 }
 
 /// The host CPU: lantern-quant's kernels for products, the chunked passes of [`ops`],
@@ -373,19 +381,20 @@ impl Compute for Cpu {
         Ok(x)
     }
 
-    fn argmax_rows(&self, x: &Vec<f32>, width: usize) -> Result<Vec<u32>> {
-        whole_rows("argmax_rows", x.len(), width)?;
-        Ok(x.chunks_exact(width).map(first_max).collect())
+    fn pick_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        draws: &[Option<SampleDraw>],
+    ) -> Result<Vec<u32>> {
+        whole_rows("pick_rows", x.len(), width)?;
+        same_len("pick_rows: draws", draws.len(), x.len() / width)?;
+        Ok(x.chunks_exact(width)
+            .zip(draws)
+            .map(|(row, draw)| match draw {
+                Some(d) => sample_row(row, *d),
+                None => first_max(row),
+            })
+            .collect())
     }
-}
-
-/// The first index of the largest value (NaN never wins).
-fn first_max(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] || row[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
 }

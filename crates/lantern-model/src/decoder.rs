@@ -10,7 +10,7 @@ use crate::hparams::HParams;
 use crate::linear::tensor_to_vec;
 use crate::rope::{Rope, RopePairs, RopeScaling};
 use crate::source::WeightSource;
-use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo, StepLogitRows};
+use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo, RowPick, StepLogitRows};
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, LayerKvCache};
 
 /// What an architecture is, in terms of the shared blocks.
@@ -303,7 +303,7 @@ impl<C: Compute> CausalLm for Decoder<C> {
         C::PICKS_ON_DEVICE
     }
 
-    /// Picked rows go through [`Compute::argmax_rows`] where the logits are; only the
+    /// Picked rows go through [`Compute::pick_rows`] where the logits are; only the
     /// other rows (and the picked rows' ids) are copied to the host.
     fn forward_picking(
         &self,
@@ -311,11 +311,11 @@ impl<C: Compute> CausalLm for Decoder<C> {
         backend: &dyn AttentionBackend,
         caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
-        pick: &[bool],
+        pick: &[RowPick],
     ) -> Result<StepLogitRows> {
         if pick.len() != batch.logits_rows.len() {
             return Err(crate::ModelError::Compute(format!(
-                "{} pick flags for {} logits rows",
+                "{} picks for {} logits rows",
                 pick.len(),
                 batch.logits_rows.len()
             )));
@@ -323,18 +323,23 @@ impl<C: Compute> CausalLm for Decoder<C> {
         let c = &self.compute;
         let vocab = self.info.vocab_size;
         let logits = self.logits(batch, backend, caches, tap)?;
-        let rows_where = |wanted: bool| -> Vec<usize> {
-            (0..pick.len()).filter(|&i| pick[i] == wanted).collect()
+        let rows_where = |picked: bool| -> Vec<usize> {
+            (0..pick.len())
+                .filter(|&i| pick[i].is_picked() == picked)
+                .collect()
         };
         let (picked_rows, whole_rows) = (rows_where(true), rows_where(false));
         if picked_rows.is_empty() {
             return Ok(StepLogitRows::all(c.to_host(logits)?));
         }
+        let draws: Vec<_> = picked_rows.iter().map(|&r| pick[r].draw()).collect();
         let mut ids = if whole_rows.is_empty() {
-            // Every row picked (a batch of greedy requests): no copy of the logits.
-            c.argmax_rows(&logits, vocab)?
+            // Every row picked (a batch of greedy or plainly sampled requests): no copy
+            // of the logits.
+            c.pick_rows(&logits, vocab, &draws)?
         } else {
-            c.argmax_rows(&c.select_rows(&logits, &picked_rows, vocab)?, vocab)?
+            let picked = c.select_rows(&logits, &picked_rows, vocab)?;
+            c.pick_rows(&picked, vocab, &draws)?
         }
         .into_iter();
         let whole = if whole_rows.is_empty() {
@@ -344,7 +349,7 @@ impl<C: Compute> CausalLm for Decoder<C> {
         };
         let picked = pick
             .iter()
-            .map(|&p| if p { ids.next() } else { None })
+            .map(|p| if p.is_picked() { ids.next() } else { None })
             .collect();
         Ok(StepLogitRows {
             logits: whole,

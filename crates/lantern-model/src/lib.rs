@@ -15,6 +15,7 @@ pub mod hf;
 pub mod hparams;
 pub mod linear;
 pub mod ops;
+pub mod pick;
 pub mod prompt;
 pub mod rope;
 pub mod source;
@@ -30,6 +31,7 @@ pub use chat::{
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;
+pub use pick::{RowPick, SampleDraw};
 pub use source::WeightSource;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
 
@@ -104,13 +106,13 @@ pub trait CausalLm: Send + Sync {
     ) -> Result<Vec<f32>>;
 
     /// Whether [`Self::forward_picking`] saves work: the logits live on a device and a
-    /// row reduced there to its argmax is not copied to the host.
+    /// row reduced there to one token is not copied to the host.
     fn picks_on_device(&self) -> bool {
         false
     }
 
-    /// [`Self::forward`] where the logits rows marked in `pick` (one flag per
-    /// `batch.logits_rows` entry) are only wanted for their argmax (greedy sampling).
+    /// [`Self::forward`] where each `batch.logits_rows` entry says in `pick` whether it is
+    /// wanted whole or only for one token (its argmax, or a sample: [`RowPick`]).
     /// Models that do not pick on a device return every row whole.
     fn forward_picking(
         &self,
@@ -118,7 +120,7 @@ pub trait CausalLm: Send + Sync {
         backend: &dyn AttentionBackend,
         caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
-        pick: &[bool],
+        pick: &[RowPick],
     ) -> Result<StepLogitRows> {
         let _ = pick;
         Ok(StepLogitRows::all(
@@ -127,13 +129,13 @@ pub trait CausalLm: Send + Sync {
     }
 }
 
-/// A step's logits rows as the model returns them: whole rows, and rows reduced to their
-/// argmax where the caller asked only for that.
+/// A step's logits rows as the model returns them: whole rows, and rows reduced to one
+/// token where the caller asked only for that.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepLogitRows {
     /// The whole rows, in the order of `ForwardBatch::logits_rows`, picked rows left out.
     pub logits: Vec<f32>,
-    /// Per `logits_rows` entry: its argmax when it was picked (empty: none was).
+    /// Per `logits_rows` entry: its token when it was picked (empty: none was).
     pub picked: Vec<Option<u32>>,
 }
 

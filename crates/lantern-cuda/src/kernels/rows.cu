@@ -14,9 +14,9 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ we
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i] * inv * weight[i];
 }
 
-// Index of the first maximum of each row (NaN never wins).
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restrict__ out, u32 n) {
-    const float* src = x + (u64)blockIdx.x * n;
+// The first maximum of src[0..n) (NaN never wins), in every thread of the block: its
+// value (-inf for a row without a number) and index (0 then).
+__device__ void lt_row_argmax(const float* __restrict__ src, u32 n, float* value, u32* index) {
     float best = LT_NEG_INF;
     u32 best_i = 0xffffffffu;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
@@ -42,8 +42,67 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, u32* __restr
             const u32 oi = __shfl_xor_sync(0xffffffffu, best_i, o);
             if (oi != 0xffffffffu && (best_i == 0xffffffffu || ov > best || (ov == best && oi < best_i))) { best = ov; best_i = oi; }
         }
-        if (lane == 0) out[blockIdx.x] = best_i == 0xffffffffu ? 0u : best_i;
+        if (lane == 0) { sv[0] = best; si[0] = best_i == 0xffffffffu ? 0u : best_i; }
     }
+    __syncthreads();
+    *value = sv[0];
+    *index = si[0];
+}
+
+// A logit's weight in the softmax at 1 / inv_t, against the row's maximum (0 for NaN).
+__device__ __forceinline__ float lt_sample_weight(float v, float max, float inv_t) {
+    const float w = expf((v - max) * inv_t);
+    return w == w ? w : 0.0f;
+}
+
+// One token per row of n logits. params[2r] = 1 / temperature (0: the argmax), params[2r+1]
+// = a uniform draw u in [0, 1): the token where the running sum of the weights, in id
+// order, first passes u times their total (lantern-model's `sample_row`, summed here per
+// thread's contiguous chunk, then across chunks). Where rounding leaves no token past
+// the threshold, the argmax, as the host's sampler.
+extern "C" __global__ void pick_rows(const float* __restrict__ x, const float* __restrict__ params,
+                                     u32* __restrict__ out, u32 n) {
+    const float* src = x + (u64)blockIdx.x * n;
+    float best;
+    u32 best_i;
+    lt_row_argmax(src, n, &best, &best_i);
+    const float inv_t = params[2 * (u64)blockIdx.x], draw = params[2 * (u64)blockIdx.x + 1];
+    if (!(inv_t > 0.0f) || best == LT_NEG_INF) {
+        if (threadIdx.x == 0) out[blockIdx.x] = best_i;
+        return;
+    }
+    const u32 per = (n + blockDim.x - 1) / blockDim.x;
+    const u32 lo = min(threadIdx.x * per, n), hi = min(lo + per, n);
+    float mass = 0.0f;
+    for (u32 i = lo; i < hi; ++i) mass += lt_sample_weight(src[i], best, inv_t);
+    // Inclusive running sums of the chunks' masses (Hillis-Steele).
+    __shared__ float sums[1024];
+    __shared__ u32 chosen;
+    sums[threadIdx.x] = mass;
+    if (threadIdx.x == 0) chosen = 0xffffffffu;
+    __syncthreads();
+    for (u32 o = 1; o < blockDim.x; o <<= 1) {
+        const float add = threadIdx.x >= o ? sums[threadIdx.x - o] : 0.0f;
+        __syncthreads();
+        sums[threadIdx.x] += add;
+        __syncthreads();
+    }
+    const float threshold = draw * sums[blockDim.x - 1];
+    const float before = threadIdx.x == 0 ? 0.0f : sums[threadIdx.x - 1];
+    // Rounding may let two neighbouring chunks both claim the threshold: the lower id wins.
+    if (mass > 0.0f && before <= threshold && threshold < sums[threadIdx.x]) {
+        float left = threshold - before;
+        u32 pick = 0xffffffffu;
+        for (u32 i = lo; i < hi; ++i) {
+            const float p = lt_sample_weight(src[i], best, inv_t);
+            if (p > 0.0f) pick = i;
+            if (left < p) break;
+            left -= p;
+        }
+        atomicMin(&chosen, pick);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = chosen == 0xffffffffu ? best_i : chosen;
 }
 
 // Rotary embedding in place on x [tokens, heads, head_dim]; one block per token. Pair i of

@@ -13,7 +13,8 @@ pub struct GraphKey {
     pub num_reqs: usize,
     /// Width of every KV cache group's padded block table.
     pub table_width: usize,
-    /// Whether every logits row is read back whole (else each is reduced to its argmax).
+    /// Whether every logits row is read back whole (else each is reduced to its token:
+    /// its argmax, or a sample from the draw uploaded with the step).
     pub whole_logits: bool,
     /// Whether the step carries capturing requests that keep their query rows on the
     /// device ([`crate::AttentionTap::device_only`]): every layer of such a step copies

@@ -78,9 +78,15 @@ pub trait AttentionTap {
         None
     }
 
-    /// Those rows' probabilities, filled in by the backend, before [`Self::record`] of
-    /// the same layer.
+    /// Those rows' probabilities, filled in by the backend: before [`Self::record`] of
+    /// the same layer, or, from a device that keeps them until the step's layers have all
+    /// run (one wait for the device instead of one a layer), after it, before
+    /// [`Self::finish_step`].
     fn record_probabilities(&mut self, _layer: usize, _probabilities: RowProbabilities) {}
+
+    /// After the step's forward, every layer recorded and every probability handed over:
+    /// the tap checks that what it sums as rows run covers them.
+    fn finish_step(&mut self) {}
 }
 
 /// Which rows of a step the tensors handed to [`AttentionTap::record`] hold.

@@ -501,8 +501,9 @@ pub struct StepTap<'a> {
     /// Elements per token row of q (`num_heads * head_dim`).
     token_len: usize,
     num_heads: usize,
-    /// Per row asked of the backend on the current layer: its target and position.
-    asked: Vec<(usize, usize)>,
+    /// Per layer, per row asked of the backend: its target and position (kept per
+    /// layer: a device may hand the probabilities over after later layers have run).
+    asked: Vec<Vec<(usize, usize)>>,
     /// The probabilities' buffers, kept from layer to layer.
     spare: Option<RowProbabilities>,
 }
@@ -518,7 +519,7 @@ impl<'a> StepTap<'a> {
             wanted: vec![false; num_layers],
             token_len: num_heads * head_dim,
             num_heads,
-            asked: Vec::new(),
+            asked: vec![Vec::new(); num_layers],
             spare: None,
         }
     }
@@ -561,7 +562,7 @@ impl<'a> StepTap<'a> {
     }
 
     /// Every kept row of target `t`'s step on `layer` must have been summed live by the
-    /// time its rows are recorded (or the live sums stop).
+    /// end of the step (or the live sums stop).
     fn expect_summed(t: &mut TapTarget<'_>, layer: usize) {
         if let Some(slot) = t.buffer.live_slot(layer) {
             let end = Self::kept_positions(t).end;
@@ -607,7 +608,6 @@ impl AttentionTap for StepTap<'_> {
             if !Self::records_on_host(t, layer) {
                 continue;
             }
-            Self::expect_summed(t, layer);
             let first = match rows {
                 RecordedRows::All => t.batch_row,
                 RecordedRows::Read => read,
@@ -653,7 +653,6 @@ impl AttentionTap for StepTap<'_> {
             if !t.buffer.captures_layer(layer) || !t.buffer.keeps_on_device() {
                 continue;
             }
-            Self::expect_summed(t, layer);
             let rows = (t.batch_row, t.num_tokens);
             t.buffer.record_kept(layer, t.first_pos, q, rows)?;
         }
@@ -661,7 +660,8 @@ impl AttentionTap for StepTap<'_> {
     }
 
     fn probability_rows(&mut self, layer: usize) -> Option<RowProbabilities> {
-        self.asked.clear();
+        let mut asked = std::mem::take(self.asked.get_mut(layer)?);
+        asked.clear();
         let mut rows = Vec::new();
         let mut values = 0usize;
         for (ti, t) in self.targets.iter_mut().enumerate() {
@@ -679,9 +679,10 @@ impl AttentionTap for StepTap<'_> {
             values += need;
             for pos in kept {
                 rows.push(t.batch_row + (pos - t.first_pos));
-                self.asked.push((ti, pos));
+                asked.push((ti, pos));
             }
         }
+        self.asked[layer] = asked;
         if rows.is_empty() {
             return None;
         }
@@ -691,16 +692,16 @@ impl AttentionTap for StepTap<'_> {
     }
 
     fn record_probabilities(&mut self, layer: usize, probabilities: RowProbabilities) {
-        if probabilities.is_filled() && probabilities.rows().len() == self.asked.len() {
+        let asked = self.asked.get(layer).map_or(&[][..], Vec::as_slice);
+        if probabilities.is_filled() && probabilities.rows().len() == asked.len() {
             // Each target's rows are consecutive among those asked; targets in parallel.
             let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
-            for (i, &(ti, _)) in self.asked.iter().enumerate() {
+            for (i, &(ti, _)) in asked.iter().enumerate() {
                 match runs.last_mut() {
                     Some((last, r)) if *last == ti => r.end = i + 1,
                     _ => runs.push((ti, i..i + 1)),
                 }
             }
-            let asked = &self.asked;
             let probabilities = &probabilities;
             let targets = share::SharedMut::new(&mut self.targets);
             let add = |run: usize| {
@@ -724,6 +725,15 @@ impl AttentionTap for StepTap<'_> {
             }
         }
         self.spare = Some(probabilities);
+    }
+
+    fn finish_step(&mut self) {
+        for t in self.targets.iter_mut() {
+            let layers = t.buffer.spec.layers.clone();
+            for layer in layers {
+                Self::expect_summed(t, layer);
+            }
+        }
     }
 }
 
@@ -883,6 +893,54 @@ mod tests {
         let mut tap = StepTap::new(4, 3, 2);
         tap.add(0, 1, 5, &mut summing);
         assert!(tap.device_only(), "live sums stopped");
+    }
+
+    /// Probabilities a device hands over after the layers have run (after the rows were
+    /// recorded, layers out of order) keep the live sums, as long as every layer's come
+    /// before the step ends; a layer whose never came stops them at the step's end.
+    #[test]
+    fn probabilities_handed_over_after_the_layers_count_until_the_step_ends() {
+        let layers = vec![AttentionLayerSpec::new(3, 3, 2); 4];
+        let mut s = spec(vec![1, 3], vec![0, 2], RowSelection::All);
+        s.stats = vec![KeyStat::KeyMass];
+        let q = lantern_attn::tensor3(batch(0, 2, 3, 2), [2, 3, 2], &lantern_attn::Device::Cpu)
+            .unwrap();
+        for deliver_all in [true, false] {
+            let mut b = QueryRowBuffer::new(s.clone(), 4, 3, 2, 2, 1).with_live_sums(&layers);
+            let mut tap = StepTap::new(4, 3, 2);
+            tap.add(0, 2, 0, &mut b);
+            let mut asked = Vec::new();
+            for layer in [1, 3] {
+                asked.push((layer, tap.probability_rows(layer).unwrap()));
+                let out = Some(&q);
+                tap.record(layer, RecordedRows::All, &q, out).unwrap();
+            }
+            // Handed over last layer first, as a device's queue may; each row's keys
+            // share its mass evenly.
+            for (layer, mut p) in asked.into_iter().rev() {
+                if !deliver_all && layer == 1 {
+                    continue;
+                }
+                p.prepare(3, |t| 0..t + 1);
+                let (values, keys, offsets) = p.parts_mut();
+                let filled: Vec<(usize, usize)> = keys
+                    .iter()
+                    .map(|k| k.len())
+                    .zip(offsets.iter().copied())
+                    .collect();
+                for (n, offset) in filled {
+                    values[offset..offset + 3 * n].fill(1.0 / n as f32);
+                }
+                tap.record_probabilities(layer, p);
+            }
+            tap.finish_step();
+            drop(tap);
+            assert_eq!(
+                b.sums_live(),
+                deliver_all,
+                "every layer delivered: {deliver_all}"
+            );
+        }
     }
 
     #[test]

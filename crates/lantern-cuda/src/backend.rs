@@ -198,26 +198,62 @@ impl CudaBackend {
     }
 }
 
+/// Probabilities of a capture's rows computed on the device and not yet copied to the
+/// host ([`CudaBackend::launch_row_probabilities`]).
+pub struct PendingProbabilities {
+    values: Pooled<f32>,
+    len: usize,
+}
+
+impl PendingProbabilities {
+    /// Device bytes it holds.
+    pub fn size_bytes(&self) -> usize {
+        self.values.len() * size_of::<f32>()
+    }
+
+    /// Copies the values into `probabilities` (laid out for them by
+    /// [`CudaBackend::launch_row_probabilities`]); left unfilled where a row met an
+    /// invalid block.
+    pub fn fill(self, gpu: &Gpu, probabilities: &mut RowProbabilities) -> Result<(), AttnError> {
+        let len = self.len;
+        let values = gpu.download(&*self.values).map_err(attn_error)?;
+        let room = probabilities.parts_mut().0.len();
+        if values.len() < len || room < len {
+            return Err(AttnError::Unsupported(format!(
+                "{len} probabilities filled into rows of {room} from {} computed",
+                values.len()
+            )));
+        }
+        if values[..len].iter().any(|v| v.is_nan()) {
+            probabilities.clear_filled();
+            return Ok(());
+        }
+        probabilities.parts_mut().0[..len].copy_from_slice(&values[..len]);
+        Ok(())
+    }
+}
+
 impl CudaBackend {
-    /// Fills in `probabilities` (the batch rows a capture asks for) after the layer's
-    /// [`CudaBackend::attend`]: each row's probabilities for every query head over the
-    /// keys it sees, computed on the device from `q` and the paged cache with the layer's
-    /// scale, masks, soft-cap and sinks, and copied to the host. Left unfilled (the
-    /// capture then computes its figures from the keys when the request finishes) when a
-    /// row meets an invalid block.
-    pub fn row_probabilities(
+    /// Lays out `probabilities` (the batch rows a capture asks for) and launches their
+    /// computation after the layer's [`CudaBackend::attend`]: each row's probabilities
+    /// for every query head over the keys it sees, from `q` and the paged cache with the
+    /// layer's scale, masks, soft-cap and sinks. The values stay on the device until
+    /// [`PendingProbabilities::fill`] copies them over (`None`: nothing to compute, left
+    /// unfilled; a row that meets an invalid block leaves them unfilled too, and the
+    /// capture then computes its figures from the keys when the request finishes).
+    pub fn launch_row_probabilities(
         &self,
         spec: &AttentionLayerSpec,
         meta: &AttentionMetadata,
         q: &CudaSlice<f32>,
         cache: &dyn LayerKvCache,
         probabilities: &mut RowProbabilities,
-    ) -> Result<(), AttnError> {
+    ) -> Result<Option<PendingProbabilities>, AttnError> {
         probabilities.clear_filled();
         let common = &meta.common;
         let device = match meta.backend_data::<Uploaded>() {
             Some(Ok(d)) => d,
-            _ => return Ok(()),
+            _ => return Ok(None),
         };
         let cache: &CudaKvCache = cache
             .as_any()
@@ -281,13 +317,7 @@ impl CudaBackend {
             CacheData::Bf16(c) => gpu.row_probabilities(q, c, strides, table, &rows, &params, o),
         }
         .map_err(attn_error)?;
-        let values = gpu.download(&*out).map_err(attn_error)?;
-        if values[..len].iter().any(|v| v.is_nan()) {
-            probabilities.clear_filled();
-            return Ok(());
-        }
-        probabilities.parts_mut().0[..len].copy_from_slice(&values[..len]);
-        Ok(())
+        Ok(Some(PendingProbabilities { values: out, len }))
     }
 }
 

@@ -4,20 +4,21 @@
 //! the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::QTensor;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lantern_attn::{
-    tensor3, AttentionBackend, AttentionLayerSpec, AttentionTap, Device, RecordedRows,
+    tensor3, AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionTap, Device,
+    LayerKvCache, RecordedRows, RowProbabilities,
 };
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
 use lantern_model::{LoadOptions, ModelError, Result, SampleDraw};
 
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, PendingProbabilities};
 use crate::fused::MAX_SPLIT_PARTS;
 use crate::gemv::{gemv_fits, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
@@ -36,7 +37,29 @@ pub struct CudaCompute {
     /// Activations and the bf16 copies products take, reused from step to step.
     acts: Arc<Pool<f32>>,
     halves: Arc<Pool<bf16>>,
+    /// Capture probabilities of this step's layers, computed on the device and handed to
+    /// the tap once the layers have all run ([`Compute::finish_layers`]).
+    deferred: Arc<Mutex<Vec<DeferredProbabilities>>>,
 }
+
+/// One layer's capture probabilities waiting on the device for the step's end.
+struct DeferredProbabilities {
+    layer: usize,
+    probabilities: RowProbabilities,
+    pending: PendingProbabilities,
+}
+
+/// Device bytes of probabilities a step keeps for the end of its layers: past it, a
+/// layer's are copied to the host at once (a wait for the device).
+const MAX_DEFERRED_BYTES: usize = 64 << 20;
+
+/// A layer as its capture probabilities are computed: its index, spec, metadata, cache.
+type LayerAt<'a> = (
+    usize,
+    &'a AttentionLayerSpec,
+    &'a AttentionMetadata,
+    &'a dyn LayerKvCache,
+);
 
 /// `[rows, width]` f32 activations on the device, with their bf16 copy when the kernel
 /// that made them wrote one: the input of the next product, which then needs no cast.
@@ -132,7 +155,48 @@ impl CudaCompute {
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
             small_products,
+            deferred: Arc::default(),
         }
+    }
+
+    fn deferred(&self) -> std::sync::MutexGuard<'_, Vec<DeferredProbabilities>> {
+        self.deferred.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The rows whose probabilities the tap sums as they run (key statistics, span
+    /// masses, streamed rows), computed on the device right after the layer's attention
+    /// and kept there for the end of the step's layers: the layers then run without a
+    /// wait for the device each (past [`MAX_DEFERRED_BYTES`] they are copied at once).
+    fn probabilities_for(
+        &self,
+        tap: &mut (dyn AttentionTap + '_),
+        (layer, spec, meta, cache): LayerAt<'_>,
+        backend: &CudaBackend,
+        q: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let Some(mut probabilities) = tap.probability_rows(layer) else {
+            return Ok(());
+        };
+        let launched =
+            backend.launch_row_probabilities(spec, meta, q, cache, &mut probabilities)?;
+        let Some(pending) = launched else {
+            tap.record_probabilities(layer, probabilities);
+            return Ok(());
+        };
+        let mut deferred = self.deferred();
+        let held: usize = deferred.iter().map(|d| d.pending.size_bytes()).sum();
+        if held + pending.size_bytes() > MAX_DEFERRED_BYTES {
+            drop(deferred);
+            pending.fill(&self.gpu, &mut probabilities)?;
+            tap.record_probabilities(layer, probabilities);
+        } else {
+            deferred.push(DeferredProbabilities {
+                layer,
+                probabilities,
+                pending,
+            });
+        }
+        Ok(())
     }
 
     fn act(&self, n: usize) -> Result<GpuAct> {
@@ -574,25 +638,42 @@ impl Compute for CudaCompute {
         k: GpuAct,
         v: GpuAct,
     ) -> Result<GpuAct> {
-        let backend: &CudaBackend = as_cuda(call.backend)?;
-        let out = GpuAct::new(backend.attend(call.spec, call.meta, &q, &k, &v, call.cache)?);
-        let layer = call.layer;
-        let mut tap = call.tap.filter(|t| t.wants_layer(layer));
-        // The rows whose probabilities the tap sums as they run (key statistics, span
-        // masses, streamed rows), before it records the step's rows.
+        let AttentionCall {
+            layer,
+            tokens,
+            spec,
+            meta,
+            backend,
+            cache,
+            tap,
+        } = call;
+        let backend: &CudaBackend = as_cuda(backend)?;
+        let out = GpuAct::new(backend.attend(spec, meta, &q, &k, &v, &mut *cache)?);
+        let mut tap = tap.filter(|t| t.wants_layer(layer));
         if let Some(tap) = tap.as_deref_mut() {
-            if let Some(mut probabilities) = tap.probability_rows(layer) {
-                let cache = &*call.cache;
-                backend.row_probabilities(call.spec, call.meta, &q, cache, &mut probabilities)?;
-                tap.record_probabilities(layer, probabilities);
-            }
+            self.probabilities_for(tap, (layer, spec, meta, &*cache), backend, &q)?;
         }
-        self.keep_rows(tap.as_deref_mut(), layer, &q, call.spec.head_dim)?;
+        self.keep_rows(tap.as_deref_mut(), layer, &q, spec.head_dim)?;
         // Capture: only a tap that wants this layer costs a copy to the host.
         if let Some(tap) = tap {
-            self.record_on_host(tap, (layer, call.spec, call.tokens), &q, &out)?;
+            self.record_on_host(tap, (layer, spec, tokens), &q, &out)?;
         }
         Ok(out)
+    }
+
+    /// Hands the tap the probabilities the layers left on the device: one wait for the
+    /// device, then a copy of each (none of them while the layers ran).
+    fn finish_layers(&self, tap: Option<&mut (dyn AttentionTap + '_)>) -> Result<()> {
+        let deferred = std::mem::take(&mut *self.deferred());
+        let Some(tap) = tap else {
+            return Ok(());
+        };
+        for d in deferred {
+            let mut probabilities = d.probabilities;
+            d.pending.fill(&self.gpu, &mut probabilities)?;
+            tap.record_probabilities(d.layer, probabilities);
+        }
+        Ok(())
     }
 
     fn rope_qk(

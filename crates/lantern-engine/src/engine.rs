@@ -11,7 +11,7 @@ use crate::sampling::{
     PromptTokenLogprob, SamplingParams, TokenLogprobs,
 };
 use crate::scheduler::Scheduler;
-use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec};
+use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec, AttentionTap};
 use lantern_capture::{
     keys_needed, map_on_backend, row_capture, row_capture_from_sums, snapshot_layer, CaptureError,
     CaptureFailure, CaptureSpec, KeySnapshot, PendingCapture, QueryRowBuffer, RowCapture, StepTap,
@@ -792,8 +792,11 @@ impl Engine {
             for (_, row, n, pos, buffer) in &mut buffers {
                 tap.add(*row, *n, *pos, buffer);
             }
-            self.runner
-                .execute(model, plan, &self.requests, &self.kv, Some(&mut tap))
+            let result = self
+                .runner
+                .execute(model, plan, &self.requests, &self.kv, Some(&mut tap));
+            tap.finish_step();
+            result
         };
         for (id, _, _, _, buffer) in buffers {
             if let Some(req) = self.requests.get_mut(&id) {

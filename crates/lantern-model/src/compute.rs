@@ -149,6 +149,13 @@ pub trait Compute: Send + Sync + Sized + 'static {
     /// The values on the host.
     fn to_host(&self, x: Self::Act) -> Result<Vec<f32>>;
 
+    /// After the step's layers: hands `tap` the probabilities a device computed for it
+    /// as the layers ran and kept there until now (one wait for the device a step, not
+    /// one a layer). `None`: the step failed; they are dropped.
+    fn finish_layers(&self, _tap: Option<&mut (dyn AttentionTap + '_)>) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether rows reduced to one token here save a copy to the host.
     const PICKS_ON_DEVICE: bool = false;
 

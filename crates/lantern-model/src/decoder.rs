@@ -226,6 +226,8 @@ impl<C: Compute> Decoder<C> {
     ) -> Result<C::Act> {
         batch.validate(&self.info, caches.len())?;
         let c = &self.compute;
+        // Whatever a failed step left on the device for its tap is dropped.
+        c.finish_layers(None)?;
         let tokens = batch.token_ids.len();
         let tables = self
             .ropes
@@ -279,6 +281,7 @@ impl<C: Compute> Decoder<C> {
         if let Some(cap) = self.final_soft_cap {
             c.soft_cap(&mut logits, cap)?;
         }
+        c.finish_layers(tap)?;
         Ok(logits)
     }
 }

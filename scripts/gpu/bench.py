@@ -169,6 +169,12 @@ def capture_figures(out, tokens):
     m = re.search(r"one capturing all \d+ layers\s+([\d.]+) tokens/s", out)
     if m:
         res["capture_decode_capturing_tokens_per_s"] = float(m.group(1))
+    m = re.search(r"key statistics: no capture\s+([\d.]+) tokens/s", out)
+    if m:
+        res["stats_plain_tokens_per_s"] = float(m.group(1))
+    m = re.search(r"key statistics, decode steps\s+([\d.]+) tokens/s", out)
+    if m:
+        res["stats_decode_tokens_per_s"] = float(m.group(1))
     return res
 
 
@@ -310,6 +316,13 @@ def table(name, layers, lan, hf, args):
         rows.append({"model": name, "metric": "decode beside a capturing request / none capturing",
                      "unit": "tok/s", "transformers": plain, "lantern": capturing,
                      "speedup": ratio(capturing, plain)})
+    # Every request of a batch of 32 summing key statistics of every layer as its rows run
+    # (since 1993931 their probabilities wait on the device for the step's end).
+    plain, stats = lan.get("stats_plain_tokens_per_s"), lan.get("stats_decode_tokens_per_s")
+    if plain is not None and stats is not None:
+        rows.append({"model": name, "metric": "decode batch 32, key statistics / none",
+                     "unit": "tok/s", "transformers": plain, "lantern": stats,
+                     "speedup": ratio(stats, plain)})
     host_rows = lan.get("capture_host_rows") or {}
     for key, metric, higher in (
         ("capture_decode_capturing_tokens_per_s", "decode beside a capturing request", True),

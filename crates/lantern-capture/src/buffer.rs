@@ -729,8 +729,8 @@ impl AttentionTap for StepTap<'_> {
 
     fn finish_step(&mut self) {
         for t in self.targets.iter_mut() {
-            let layers = t.buffer.spec.layers.clone();
-            for layer in layers {
+            for i in 0..t.buffer.spec.layers.len() {
+                let layer = t.buffer.spec.layers[i];
                 Self::expect_summed(t, layer);
             }
         }

@@ -106,6 +106,15 @@ pub struct Engine {
     finalize_threads: usize,
 }
 
+/// A logits row the step's threads reduce to its token ([`Engine::tokens_on_threads`]).
+struct RowOnThreads<'a> {
+    /// Its index among the step's requests.
+    request: usize,
+    row: &'a [f32],
+    /// Its temperature and draw when sampled; `None`: its argmax.
+    sampling: Option<(f32, f32)>,
+}
+
 impl Engine {
     /// An engine running attention on the backend `config.attention_backend` names.
     pub fn new(loaded: LoadedModel, config: EngineConfig) -> Result<Self> {
@@ -651,9 +660,9 @@ impl Engine {
                 self.kv.release_out_of_reach(s.id, req.num_computed_tokens);
             }
         }
-        let greedy = self.greedy_tokens(&logits)?;
+        let on_threads = self.tokens_on_threads(&logits)?;
         let mut outputs = Vec::with_capacity(logits.requests.len());
-        for (rows, greedy) in logits.requests.iter().zip(greedy) {
+        for (rows, on_threads) in logits.requests.iter().zip(on_threads) {
             let req = self
                 .requests
                 .get_mut(&rows.id)
@@ -694,7 +703,7 @@ impl Engine {
                 // Before the token is appended: a token that ends the request takes
                 // its capture, and with it the query row.
                 let live = self.live_row(rows.id);
-                let mut output = match logits.picked(sample_row).or(greedy) {
+                let mut output = match logits.picked(sample_row).or(on_threads) {
                     Some(token) => self.append_picked(rows.id, token)?,
                     None => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
                 };
@@ -756,15 +765,15 @@ impl Engine {
     ) -> Result<crate::runner::StepLogits> {
         let mut buffers = Vec::new();
         let mut batch_row = 0;
-        // A model that samples rows where its logits are takes each such token's draw
-        // now, from the request's stream, as the host sampler would after the step.
-        let draws_ahead = self.model.picks_on_device() || self.runner.pick_on_host;
+        // A token sampled from the whole row takes its draw now, from the request's
+        // stream, as the host sampler would after the step: the model may sample it where
+        // its logits are, or the step's threads on the host (`tokens_on_threads`).
         for s in &plan.scheduled {
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;
             };
             let samples = req.num_computed_tokens + s.num_tokens == req.num_tokens();
-            if draws_ahead && samples && req.samples_whole_row() {
+            if samples && req.samples_whole_row() {
                 req.sampler.draw_ahead();
             }
             if let Some(buffer) = req.capture.take() {
@@ -915,34 +924,49 @@ impl Engine {
     }
 
     /// Per request of the step's logits: its next token when it needs only the argmax of
-    /// a row the model left on the host (`Request::needs_only_argmax`), the rows reduced
-    /// on the step's threads (each row whole by one thread: the token `append_token`
-    /// would choose), so that a large batch's argmaxes do not run on this thread alone.
-    fn greedy_tokens(&self, logits: &crate::runner::StepLogits) -> Result<Vec<Option<u32>>> {
-        let mut rows = Vec::new();
+    /// a row the model left on the host (`Request::needs_only_argmax`), or samples the
+    /// whole row with the draw taken before the step (`Request::samples_whole_row`), the
+    /// rows reduced on the step's threads (each row whole by one thread: the token
+    /// `append_token` would choose, from the same draw), so that a large batch's rows do
+    /// not run on this thread alone.
+    fn tokens_on_threads(&self, logits: &crate::runner::StepLogits) -> Result<Vec<Option<u32>>> {
+        let mut rows: Vec<RowOnThreads<'_>> = Vec::new();
         for (i, r) in logits.requests.iter().enumerate() {
             let sample_row = r.first_row + r.num_prompt_rows;
             let req = self
                 .requests
                 .get(&r.id)
                 .ok_or(EngineError::LostRequest(r.id))?;
-            if r.samples
-                && req.params.max_tokens > 0
-                && req.needs_only_argmax()
-                && logits.picked(sample_row).is_none()
-            {
-                rows.push((i, logits.rows(sample_row, 1)?));
+            if !r.samples || req.params.max_tokens == 0 || logits.picked(sample_row).is_some() {
+                continue;
             }
+            let sampling = match req.sampler.drawn() {
+                Some(draw) if req.samples_whole_row() => Some((req.params.temperature, draw)),
+                _ if req.needs_only_argmax() => None,
+                _ => continue,
+            };
+            let row = logits.rows(sample_row, 1)?;
+            rows.push(RowOnThreads {
+                request: i,
+                row,
+                sampling,
+            });
         }
         let picked: Vec<std::sync::atomic::AtomicU32> =
             rows.iter().map(|_| u32::MAX.into()).collect();
         lantern_quant::share::run(rows.len(), &|c| {
-            let token = crate::sampling::argmax(rows[c].1);
+            let r = &rows[c];
+            let token = match r.sampling {
+                Some((temperature, draw)) => {
+                    crate::sampling::sample_whole_row(r.row, temperature, draw)
+                }
+                None => crate::sampling::argmax(r.row),
+            };
             picked[c].store(token, std::sync::atomic::Ordering::Relaxed);
         });
         let mut tokens = vec![None; logits.requests.len()];
-        for ((i, _), token) in rows.iter().zip(picked) {
-            tokens[*i] = Some(token.into_inner());
+        for (r, token) in rows.iter().zip(picked) {
+            tokens[r.request] = Some(token.into_inner());
         }
         Ok(tokens)
     }

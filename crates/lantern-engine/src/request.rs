@@ -199,9 +199,10 @@ impl Request {
     }
 
     /// Whether its next token is sampled from the whole softmax of the model's logits
-    /// row (a temperature, no top-k, top-p or min-p) and nothing else reads that row: a
-    /// device model then samples it there, with the draw taken ahead
-    /// ([`crate::sampling::Sampler::draw_ahead`]), and hands back the id alone.
+    /// row (a temperature, no top-k, top-p or min-p) and nothing else reads that row: it
+    /// is sampled with the draw taken before the step
+    /// ([`crate::sampling::Sampler::draw_ahead`]) by a device model where its logits are
+    /// (handing back the id alone), or on the host by the step's threads.
     pub fn samples_whole_row(&self) -> bool {
         self.params.temperature > 0.0 && !self.params.truncates() && self.row_gives_only_the_token()
     }

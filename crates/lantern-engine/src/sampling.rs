@@ -300,8 +300,8 @@ pub fn top_k_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
 /// Per-request sampling state: its random stream.
 pub struct Sampler {
     rng: StdRng,
-    /// The next token's uniform draw, taken ahead for a device that samples the row where
-    /// the logits are ([`Self::draw_ahead`]).
+    /// The next token's uniform draw, taken before the step for a row sampled whole by a
+    /// device model or by the step's threads ([`Self::draw_ahead`]).
     drawn: Option<f32>,
 }
 
@@ -359,21 +359,27 @@ impl Sampler {
             .unwrap_or_else(|| argmax(logits))
     }
 
-    /// Samples from the whole softmax at `temperature`, walking the row in id order: the
-    /// same distribution as walking it sorted, without sorting the vocabulary.
+    /// Samples from the whole softmax at `temperature` ([`sample_whole_row`]).
     fn sample_whole_row(&mut self, logits: &[f32], temperature: f32) -> u32 {
-        let max = vocab_row::max(logits);
-        let mut probs = vec![0f32; logits.len()];
-        let total = vocab_row::exp_scaled(logits, max, 1.0 / temperature, &mut probs);
-        let mut threshold = self.next_draw() * total;
-        for (id, &p) in probs.iter().enumerate() {
-            if threshold < p {
-                return id as u32;
-            }
-            threshold -= p;
-        }
-        argmax(logits)
+        sample_whole_row(logits, temperature, self.next_draw())
     }
+}
+
+/// The token a uniform `draw` in [0, 1) picks from the whole softmax of `logits` at
+/// `temperature`, walking the row in id order: the same distribution as walking it
+/// sorted, without sorting the vocabulary.
+pub fn sample_whole_row(logits: &[f32], temperature: f32, draw: f32) -> u32 {
+    let max = vocab_row::max(logits);
+    let mut probs = vec![0f32; logits.len()];
+    let total = vocab_row::exp_scaled(logits, max, 1.0 / temperature, &mut probs);
+    let mut threshold = draw * total;
+    for (id, &p) in probs.iter().enumerate() {
+        if threshold < p {
+            return id as u32;
+        }
+        threshold -= p;
+    }
+    argmax(logits)
 }
 
 /// The most likely token; the lowest id wins a tie, so greedy decoding is deterministic.

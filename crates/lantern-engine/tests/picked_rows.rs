@@ -174,3 +174,37 @@ fn greedy_rows_reduced_together_give_the_samplers_tokens() {
         assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
     }
 }
+
+/// Rows sampled from the whole softmax are reduced on the step's threads too, each with
+/// the draw its request's stream gave before the step: a batch of seeded requests at
+/// several temperatures gives the tokens of the same requests asking for logprobs, whose
+/// rows go through the sampler one by one (taking the same draws from the same streams).
+#[test]
+fn sampled_rows_reduced_together_give_the_samplers_tokens() {
+    let batch = |logprobs: Option<usize>| {
+        (0..9u32)
+            .map(|s| {
+                let prompt = (0..4 + 2 * s)
+                    .map(|i| 200 + (s * 41 + i * 23) % 1700)
+                    .collect();
+                let params = SamplingParams {
+                    ignore_eos: true,
+                    temperature: [0.6, 1.0, 1.4][s as usize % 3],
+                    seed: Some(u64::from(s) + 40),
+                    logprobs,
+                    ..SamplingParams::greedy(12)
+                };
+                (prompt, params, None)
+            })
+            .collect::<Vec<_>>()
+    };
+    let together = common::run_to_completion(&mut engine(), batch(None));
+    let one_by_one = common::run_to_completion(&mut engine(), batch(Some(1)));
+    for (i, (a, b)) in together.iter().zip(&one_by_one).enumerate() {
+        assert_eq!(a.token_ids.len(), 12, "request {i}");
+        assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
+    }
+    let distinct: std::collections::HashSet<&Vec<u32>> =
+        together.iter().map(|c| &c.token_ids).collect();
+    assert!(distinct.len() > 1, "the requests sampled different tokens");
+}

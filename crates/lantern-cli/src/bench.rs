@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// instead of greedily (0): what a client's default of temperature 1 costs.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// With `--temperature`: sample from the smallest set of most likely tokens whose
+    /// probability reaches this (1: the whole softmax).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
 }
 
 /// The kernel level `name` names, which this CPU must run and which must differ from
@@ -99,12 +103,26 @@ pub(crate) fn decode_params(tokens: usize) -> SamplingParams {
     }
 }
 
-/// [`decode_params`] sampling at `temperature` (0: greedy), each request from its own
-/// fixed seed.
-fn sampled_params(tokens: usize, temperature: f32, seed: u64) -> SamplingParams {
+/// How the decode figures sample: a temperature (0: greedy) and a top-p.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+}
+
+impl Sampling {
+    pub(crate) const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+    };
+}
+
+/// [`decode_params`] sampling as `sampling` says, each request from its own fixed seed.
+fn sampled_params(tokens: usize, sampling: Sampling, seed: u64) -> SamplingParams {
     SamplingParams {
-        temperature,
-        seed: (temperature > 0.0).then_some(seed),
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
+        seed: (sampling.temperature > 0.0).then_some(seed),
         ..decode_params(tokens)
     }
 }
@@ -143,12 +161,12 @@ pub(crate) fn decode_rate(
     engine: &mut Engine,
     prompts: Vec<Vec<u32>>,
     tokens: usize,
-    temperature: f32,
+    sampling: Sampling,
 ) -> Result<f64> {
     let ids = prompts
         .into_iter()
         .enumerate()
-        .map(|(i, p)| engine.add_request(p, sampled_params(tokens, temperature, i as u64)))
+        .map(|(i, p)| engine.add_request(p, sampled_params(tokens, sampling, i as u64)))
         .collect::<Result<Vec<_>, _>>()?;
     run_prefills(engine, &ids)?;
     let start = Instant::now();
@@ -227,6 +245,15 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         "--temperature must be a number of at least 0, not {}",
         args.temperature
     );
+    anyhow::ensure!(
+        args.top_p > 0.0 && args.top_p <= 1.0,
+        "--top-p must be above 0 and at most 1, not {}",
+        args.top_p
+    );
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p,
+    };
     args.engine.no_prefix_caching = true;
     let repeat = args.repeat.max(1);
     let mut engine = args.engine.build_engine(verbose)?;
@@ -286,7 +313,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         let runs = (0..repeat)
             .map(|_| {
                 let prompts = (0..batch).map(|_| next_prompt(prompt_len)).collect();
-                decode_rate(&mut engine, prompts, args.decode_tokens, args.temperature)
+                decode_rate(&mut engine, prompts, args.decode_tokens, sampling)
             })
             .collect::<Result<_>>()?;
         Ok(median(runs))
@@ -338,6 +365,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
                 "temperature": args.temperature,
+                "top_p": args.top_p,
                 "decode_tokens_per_s": decode_empty,
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
@@ -364,8 +392,8 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         println!("cpu                {topology}");
         println!("attention backend  {}", engine.attention_backend());
         if args.temperature > 0.0 {
-            let t = args.temperature;
-            println!("decode sampling    temperature {t} (the whole softmax, seeded)");
+            let (t, p) = (args.temperature, args.top_p);
+            println!("decode sampling    temperature {t}, top-p {p} (seeded)");
         }
         println!(
             "prefill            {prefill:8.1} tokens/s  ({}-token prompt)",

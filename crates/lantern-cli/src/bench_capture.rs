@@ -44,7 +44,12 @@ fn decode_rate(engine: &mut Engine, salt: &mut u64) -> Result<f64> {
             synthetic_prompt(DECODE_PROMPT, *salt, vocab)
         })
         .collect();
-    crate::bench::decode_rate(engine, prompts, DECODE_TOKENS, 0.0)
+    crate::bench::decode_rate(
+        engine,
+        prompts,
+        DECODE_TOKENS,
+        crate::bench::Sampling::GREEDY,
+    )
 }
 
 /// Requests in the batch of the key statistics figures.

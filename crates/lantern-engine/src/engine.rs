@@ -111,8 +111,8 @@ struct RowOnThreads<'a> {
     /// Its index among the step's requests.
     request: usize,
     row: &'a [f32],
-    /// Its temperature and draw when sampled; `None`: its argmax.
-    sampling: Option<(f32, f32)>,
+    /// Its request's sampling and draw when sampled; `None`: its argmax.
+    sampling: Option<(&'a crate::sampling::SamplingParams, f32)>,
 }
 
 impl Engine {
@@ -765,15 +765,16 @@ impl Engine {
     ) -> Result<crate::runner::StepLogits> {
         let mut buffers = Vec::new();
         let mut batch_row = 0;
-        // A token sampled from the whole row takes its draw now, from the request's
-        // stream, as the host sampler would after the step: the model may sample it where
-        // its logits are, or the step's threads on the host (`tokens_on_threads`).
+        // A token sampled from a row nothing else reads takes its draw now, from the
+        // request's stream, as the host sampler would after the step: the model may sample
+        // it where its logits are (the whole softmax), or the step's threads on the host
+        // (`tokens_on_threads`).
         for s in &plan.scheduled {
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;
             };
             let samples = req.num_computed_tokens + s.num_tokens == req.num_tokens();
-            if samples && req.samples_whole_row() {
+            if samples && req.samples_row() {
                 req.sampler.draw_ahead();
             }
             if let Some(buffer) = req.capture.take() {
@@ -925,7 +926,7 @@ impl Engine {
 
     /// Per request of the step's logits: its next token when it needs only the argmax of
     /// a row the model left on the host (`Request::needs_only_argmax`), or samples the
-    /// whole row with the draw taken before the step (`Request::samples_whole_row`), the
+    /// row with the draw taken before the step (`Request::samples_row`), the
     /// rows reduced on the step's threads (each row whole by one thread: the token
     /// `append_token` would choose, from the same draw), so that a large batch's rows do
     /// not run on this thread alone.
@@ -941,7 +942,7 @@ impl Engine {
                 continue;
             }
             let sampling = match req.sampler.drawn() {
-                Some(draw) if req.samples_whole_row() => Some((req.params.temperature, draw)),
+                Some(draw) if req.samples_row() => Some((&req.params, draw)),
                 _ if req.needs_only_argmax() => None,
                 _ => continue,
             };
@@ -957,9 +958,7 @@ impl Engine {
         lantern_quant::share::run(rows.len(), &|c| {
             let r = &rows[c];
             let token = match r.sampling {
-                Some((temperature, draw)) => {
-                    crate::sampling::sample_whole_row(r.row, temperature, draw)
-                }
+                Some((params, draw)) => crate::sampling::sample_with_draw(r.row, params, draw),
                 None => crate::sampling::argmax(r.row),
             };
             picked[c].store(token, std::sync::atomic::Ordering::Relaxed);

@@ -204,7 +204,14 @@ impl Request {
     /// ([`crate::sampling::Sampler::draw_ahead`]) by a device model where its logits are
     /// (handing back the id alone), or on the host by the step's threads.
     pub fn samples_whole_row(&self) -> bool {
-        self.params.temperature > 0.0 && !self.params.truncates() && self.row_gives_only_the_token()
+        self.samples_row() && !self.params.truncates()
+    }
+
+    /// Whether its next token is sampled (a temperature) from the model's logits row and
+    /// nothing else reads that row: the step's threads sample it on the host, with the
+    /// draw taken before the step, whatever top-k, top-p or min-p cut.
+    pub fn samples_row(&self) -> bool {
+        self.params.temperature > 0.0 && self.row_gives_only_the_token()
     }
 
     /// Whether the next logits row is read for its token alone: no penalty or bias, past

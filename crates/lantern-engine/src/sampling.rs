@@ -341,28 +341,30 @@ impl Sampler {
         if params.temperature == 0.0 {
             return argmax(logits);
         }
-        if !params.truncates() {
-            return self.sample_whole_row(logits, params.temperature);
-        }
-        let candidates = filtered_probabilities(logits, params);
-        let total: f32 = candidates.iter().map(|(_, p)| p).sum();
-        let mut threshold = self.next_draw() * total;
-        for &(id, p) in &candidates {
-            if threshold < p {
-                return id;
-            }
-            threshold -= p;
-        }
-        candidates
-            .last()
-            .map(|&(id, _)| id)
-            .unwrap_or_else(|| argmax(logits))
+        sample_with_draw(logits, params, self.next_draw())
     }
+}
 
-    /// Samples from the whole softmax at `temperature` ([`sample_whole_row`]).
-    fn sample_whole_row(&mut self, logits: &[f32], temperature: f32) -> u32 {
-        sample_whole_row(logits, temperature, self.next_draw())
+/// The token a uniform `draw` in [0, 1) picks from `logits` under `params` (a temperature
+/// above 0): from the whole softmax ([`sample_whole_row`]), or from what top-k, top-p and
+/// min-p leave, walked most likely first.
+pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, draw: f32) -> u32 {
+    if !params.truncates() {
+        return sample_whole_row(logits, params.temperature, draw);
     }
+    let candidates = filtered_probabilities(logits, params);
+    let total: f32 = candidates.iter().map(|(_, p)| p).sum();
+    let mut threshold = draw * total;
+    for &(id, p) in &candidates {
+        if threshold < p {
+            return id;
+        }
+        threshold -= p;
+    }
+    candidates
+        .last()
+        .map(|&(id, _)| id)
+        .unwrap_or_else(|| argmax(logits))
 }
 
 /// The token a uniform `draw` in [0, 1) picks from the whole softmax of `logits` at

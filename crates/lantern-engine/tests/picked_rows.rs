@@ -175,21 +175,27 @@ fn greedy_rows_reduced_together_give_the_samplers_tokens() {
     }
 }
 
-/// Rows sampled from the whole softmax are reduced on the step's threads too, each with
-/// the draw its request's stream gave before the step: a batch of seeded requests at
-/// several temperatures gives the tokens of the same requests asking for logprobs, whose
-/// rows go through the sampler one by one (taking the same draws from the same streams).
+/// Sampled rows are reduced on the step's threads too, each with the draw its request's
+/// stream gave before the step: a batch of seeded requests at several temperatures, with
+/// and without top-k, top-p and min-p, gives the tokens of the same requests asking for
+/// logprobs, whose rows go through the sampler one by one (taking the same draws from the
+/// same streams).
 #[test]
 fn sampled_rows_reduced_together_give_the_samplers_tokens() {
     let batch = |logprobs: Option<usize>| {
-        (0..9u32)
+        (0..12u32)
             .map(|s| {
                 let prompt = (0..4 + 2 * s)
                     .map(|i| 200 + (s * 41 + i * 23) % 1700)
                     .collect();
+                let (top_k, top_p, min_p) =
+                    [(0, 1.0, 0.0), (0, 0.9, 0.0), (20, 1.0, 0.0), (0, 1.0, 0.05)][s as usize % 4];
                 let params = SamplingParams {
                     ignore_eos: true,
                     temperature: [0.6, 1.0, 1.4][s as usize % 3],
+                    top_k,
+                    top_p,
+                    min_p,
                     seed: Some(u64::from(s) + 40),
                     logprobs,
                     ..SamplingParams::greedy(12)

@@ -424,15 +424,16 @@ fn filtered_probabilities(logits: &[f32], params: &SamplingParams) -> Vec<(u32, 
 
 /// The smallest most-likely-first prefix of `probs` whose mass (out of `total`) reaches
 /// `top_p`, sorted. Sorting a whole vocabulary costs milliseconds and the nucleus usually
-/// lies within the most likely few hundred tokens, so those are selected and sorted first;
-/// the rest is sorted only when they fall short.
+/// lies within the most likely few hundred tokens, so those are selected and sorted first,
+/// then (a flat row) the most likely sixteen thousand; the rest is sorted only when they
+/// fall short. Each pass's sorted prefix is the whole sort's, so the cut is the same.
 fn nucleus(
     mut probs: Vec<(u32, f32)>,
     total: f32,
     top_p: f32,
     order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
 ) -> Vec<(u32, f32)> {
-    const FIRST_PASS: usize = 1024;
+    const PASSES: [usize; 2] = [1024, 16384];
     let reaches = |sorted: &[(u32, f32)]| {
         let mut cumulative = 0.0;
         sorted.iter().position(|&(_, p)| {
@@ -440,10 +441,13 @@ fn nucleus(
             cumulative >= top_p
         })
     };
-    if probs.len() > FIRST_PASS {
-        probs.select_nth_unstable_by(FIRST_PASS - 1, order);
-        probs[..FIRST_PASS].sort_unstable_by(order);
-        if let Some(i) = reaches(&probs[..FIRST_PASS]) {
+    for first in PASSES {
+        if probs.len() <= first {
+            break;
+        }
+        probs.select_nth_unstable_by(first - 1, order);
+        probs[..first].sort_unstable_by(order);
+        if let Some(i) = reaches(&probs[..first]) {
             probs.truncate(i + 1);
             return probs;
         }
@@ -558,6 +562,44 @@ mod tests {
                 assert!(!got.is_empty());
             }
         }
+    }
+
+    /// The nucleus found in passes (the most likely 1,024, then 16,384, then all) is the
+    /// one a sort of the whole row finds, token for token, whether it ends inside the
+    /// first pass, the second or beyond.
+    #[test]
+    fn the_nucleus_in_passes_is_the_whole_sorts() {
+        use rand::Rng;
+        let mut rng = StdRng::seed_from_u64(5);
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut ends = std::collections::BTreeSet::new();
+        for spread in [0.5f32, 3.0, 8.0, 20.0] {
+            let probs: Vec<(u32, f32)> = (0..49_152u32)
+                .map(|i| (i, (rng.gen::<f32>() * spread - spread).exp()))
+                .collect();
+            let total: f32 = probs.iter().map(|p| p.1).sum();
+            for top_p in [0.3f32, 0.9, 0.99, 0.9999] {
+                let got = nucleus(probs.clone(), total, top_p, order);
+                let mut want = probs.clone();
+                want.sort_unstable_by(order);
+                let mut cumulative = 0.0;
+                let keep = want
+                    .iter()
+                    .position(|&(_, p)| {
+                        cumulative += p / total;
+                        cumulative >= top_p
+                    })
+                    .map_or(want.len(), |i| i + 1);
+                want.truncate(keep);
+                assert_eq!(got, want, "spread {spread}, top-p {top_p}");
+                ends.insert(match got.len() {
+                    0..=1024 => 0,
+                    1025..=16384 => 1,
+                    _ => 2,
+                });
+            }
+        }
+        assert_eq!(ends.len(), 3, "nuclei end in every pass: {ends:?}");
     }
 
     #[test]

@@ -163,18 +163,15 @@ def capture_figures(out, tokens):
     if m and int(m.group(1)) == tokens:
         res["capture_end_to_end_ms"] = float(m.group(2))
         res["capture_prompt_alone_ms"] = float(m.group(3))
-    m = re.search(r"no capturing request\s+([\d.]+) tokens/s", out)
-    if m:
-        res["capture_decode_plain_tokens_per_s"] = float(m.group(1))
-    m = re.search(r"one capturing all \d+ layers\s+([\d.]+) tokens/s", out)
-    if m:
-        res["capture_decode_capturing_tokens_per_s"] = float(m.group(1))
-    m = re.search(r"key statistics: no capture\s+([\d.]+) tokens/s", out)
-    if m:
-        res["stats_plain_tokens_per_s"] = float(m.group(1))
-    m = re.search(r"key statistics, decode steps\s+([\d.]+) tokens/s", out)
-    if m:
-        res["stats_decode_tokens_per_s"] = float(m.group(1))
+    for key, label in (
+        ("capture_decode_plain_tokens_per_s", r"no capturing request"),
+        ("capture_decode_capturing_tokens_per_s", r"one capturing all \d+ layers"),
+        ("stats_plain_tokens_per_s", r"key statistics: no capture"),
+        ("stats_decode_tokens_per_s", r"key statistics, decode steps"),
+    ):
+        m = re.search(label + r"\s+([\d.]+) tokens/s", out)
+        if m:
+            res[key] = float(m.group(1))
     return res
 
 
@@ -311,18 +308,17 @@ def table(name, layers, lan, hf, args):
         higher_better=False, unit="ms")
     # What one capturing request costs the batch it decodes in (since 5aa23f4 such steps
     # replay graphs where the capture keeps its rows on the device).
-    plain, capturing = lan.get("capture_decode_plain_tokens_per_s"), lan.get("capture_decode_capturing_tokens_per_s")
-    if plain is not None and capturing is not None:
-        rows.append({"model": name, "metric": "decode beside a capturing request / none capturing",
-                     "unit": "tok/s", "transformers": plain, "lantern": capturing,
-                     "speedup": ratio(capturing, plain)})
-    # Every request of a batch of 32 summing key statistics of every layer as its rows run
-    # (since 1993931 their probabilities wait on the device for the step's end).
-    plain, stats = lan.get("stats_plain_tokens_per_s"), lan.get("stats_decode_tokens_per_s")
-    if plain is not None and stats is not None:
-        rows.append({"model": name, "metric": "decode batch 32, key statistics / none",
-                     "unit": "tok/s", "transformers": plain, "lantern": stats,
-                     "speedup": ratio(stats, plain)})
+    # And every request of a batch of 32 summing key statistics of every layer as its rows
+    # run (since 1993931 their probabilities wait on the device for the step's end).
+    for plain_key, key, metric in (
+        ("capture_decode_plain_tokens_per_s", "capture_decode_capturing_tokens_per_s",
+         "decode beside a capturing request / none capturing"),
+        ("stats_plain_tokens_per_s", "stats_decode_tokens_per_s", "decode batch 32, key statistics / none"),
+    ):
+        plain, got = lan.get(plain_key), lan.get(key)
+        if plain is not None and got is not None:
+            rows.append({"model": name, "metric": metric, "unit": "tok/s", "transformers": plain,
+                         "lantern": got, "speedup": ratio(got, plain)})
     host_rows = lan.get("capture_host_rows") or {}
     for key, metric, higher in (
         ("capture_decode_capturing_tokens_per_s", "decode beside a capturing request", True),

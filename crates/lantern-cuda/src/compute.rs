@@ -333,16 +333,15 @@ impl CudaCompute {
     /// theirs crosses to the host. A graph step of capturing requests copies them in one
     /// launch on every layer, captured or not, so that every step of its graph is the
     /// same; the tap (`None` where this layer is not captured) fills its table.
+    /// `step_captures`: the step has a tap at all (a step without one does nothing here).
     fn keep_rows(
         &self,
-        tap: Option<&mut (dyn AttentionTap + '_)>,
+        (tap, step_captures): (Option<&mut (dyn AttentionTap + '_)>, bool),
         layer: usize,
         q: &CudaSlice<f32>,
         head_dim: usize,
     ) -> Result<()> {
-        let table = self
-            .gpu
-            .in_capturing_graph_step()
+        let table = (step_captures && self.gpu.in_capturing_graph_step())
             .then(|| KeptRowsTable::new(q.len(), head_dim));
         if let Some(tap) = tap.filter(|t| t.keeps_on_device(layer)) {
             let handed: &dyn Any = match &table {
@@ -649,11 +648,17 @@ impl Compute for CudaCompute {
         } = call;
         let backend: &CudaBackend = as_cuda(backend)?;
         let out = GpuAct::new(backend.attend(spec, meta, &q, &k, &v, &mut *cache)?);
+        let step_captures = tap.is_some();
         let mut tap = tap.filter(|t| t.wants_layer(layer));
         if let Some(tap) = tap.as_deref_mut() {
             self.probabilities_for(tap, (layer, spec, meta, &*cache), backend, &q)?;
         }
-        self.keep_rows(tap.as_deref_mut(), layer, &q, spec.head_dim)?;
+        self.keep_rows(
+            (tap.as_deref_mut(), step_captures),
+            layer,
+            &q,
+            spec.head_dim,
+        )?;
         // Capture: only a tap that wants this layer costs a copy to the host.
         if let Some(tap) = tap {
             self.record_on_host(tap, (layer, spec, tokens), &q, &out)?;

@@ -640,7 +640,14 @@ impl IncrementalDecoder {
         let prefix = tokenizer.decode(&ids[self.prefix_offset..self.read_offset], true)?;
         let full = tokenizer.decode(&ids[self.prefix_offset..], true)?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
-            let piece = full[prefix.len()..].to_string();
+            let piece = match full.strip_prefix(prefix.as_str()) {
+                Some(rest) => rest.to_string(),
+                // The text of the window changed as it grew: a run of byte tokens that
+                // was valid UTF-8 is not with the next byte, and decodes to replacement
+                // characters as a whole. What was sent stays sent; the new text is what
+                // follows as many characters as were sent (vLLM's rule).
+                None => full.chars().skip(prefix.chars().count()).collect(),
+            };
             self.prefix_offset = self.read_offset;
             self.read_offset = ids.len();
             Ok(piece)

@@ -1,6 +1,7 @@
 // Shared by every lantern kernel source (prepended before compilation; NVRTC needs no
 // headers). 16-bit storage types are plain structs; conversions are exact bit operations
-// or PTX cvt instructions, so no CUDA header is needed at run time.
+// or PTX cvt instructions, so no CUDA header is needed at run time. (Without NVRTC, the
+// CUDA emulator's host compiler converts f16 with _Float16: see emulator/device.h.)
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -18,9 +19,15 @@ __device__ __forceinline__ float to_f32(lt_bf16 v) {
     return __uint_as_float(((u32)v.bits) << 16);
 }
 __device__ __forceinline__ float to_f32(lt_f16 v) {
+#ifdef __CUDACC_RTC__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
+#else  // the CUDA emulator's host compiler
+    _Float16 h;
+    __builtin_memcpy(&h, &v.bits, 2);
+    return (float)h;
+#endif
 }
 
 template <typename T> __device__ __forceinline__ T from_f32(float v);
@@ -39,7 +46,12 @@ template <> __device__ __forceinline__ lt_bf16 from_f32<lt_bf16>(float v) {
 }
 template <> __device__ __forceinline__ lt_f16 from_f32<lt_f16>(float v) {
     lt_f16 r;
+#ifdef __CUDACC_RTC__
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+#else  // the CUDA emulator's host compiler
+    const _Float16 h = (_Float16)v;
+    __builtin_memcpy(&r.bits, &h, 2);
+#endif
     return r;
 }
 

@@ -322,7 +322,12 @@ pub fn run(
     println!("capture: finalize (every layer and head, prompt rows), per prompt length");
     let mut largest = None;
     let vocab = engine.model_info().vocab_size;
+    let context = engine.model_info().context_length;
     for &len in prompt_lengths {
+        if len >= context {
+            println!("  {len:5} tokens: skipped (the model's context is {context} tokens)");
+            continue;
+        }
         // End to end: from the request's submission to its finalized maps (on every
         // core, as an idle server finalizes; a backend that computes maps where its
         // cache lives does that work as the request finishes, inside its last step),

@@ -42,11 +42,19 @@ impl RequestError {
     }
 }
 
+impl From<RequestError> for EngineError {
+    fn from(e: RequestError) -> Self {
+        EngineError::InvalidRequest(e)
+    }
+}
+
 /// What can go wrong while accepting or running requests.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The request error is this error's message, not its source, so that an error
+    /// chain printed whole (`{:#}`) names it once.
     #[error("invalid request: {0}")]
-    InvalidRequest(#[from] RequestError),
+    InvalidRequest(RequestError),
     #[error("invalid engine configuration: {0}")]
     InvalidConfig(String),
     /// The device asked for cannot be used (no driver or library, a build without it).
@@ -117,3 +125,16 @@ impl EngineError {
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_invalid_request_names_its_reason_once() {
+        let e = EngineError::from(RequestError::EmptyPrompt);
+        assert_eq!(e.to_string(), "invalid request: the prompt is empty");
+        // Printers of the whole chain (anyhow's `{:#}`) add each source's message.
+        assert!(std::error::Error::source(&e).is_none());
+    }
+}

@@ -151,6 +151,12 @@ pub trait AttentionBackend: Send + Sync {
     /// returns the output there.
     fn device(&self) -> Device;
 
+    /// The accelerator its caches live on, described for people (name, compute
+    /// capability, memory); `None` for the host's CPU.
+    fn accelerator(&self) -> Option<String> {
+        None
+    }
+
     /// The layout of the caches it allocates.
     fn kv_cache_layout(&self) -> KvCacheLayout;
 

@@ -361,6 +361,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "threads": rayon_threads(),
                 "topology": topology.to_string(),
                 "attention_backend": engine.attention_backend(),
+                "device": engine.accelerator().unwrap_or_else(|| "cpu".into()),
                 "prefill_tokens_per_s": prefill,
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
@@ -387,7 +388,11 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
     } else {
         println!("model              {}", info.name);
         println!("simd               {level}");
-        println!("kernels            {}", crate::kernels::summary(&kernels));
+        match engine.accelerator() {
+            // The matrices run there, in bf16 or f32, not with the CPU's kernels.
+            Some(device) => println!("device             {device}"),
+            None => println!("kernels            {}", crate::kernels::summary(&kernels)),
+        }
         println!("threads            {}", rayon_threads());
         println!("cpu                {topology}");
         println!("attention backend  {}", engine.attention_backend());

@@ -439,7 +439,7 @@ EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuDeviceGetName(char* name, int len, CUdevice) {
-    std::snprintf(name, len, "lantern CUDA emulator (CPU)");
+    std::snprintf(name, len, "lantern CUDA emulator");
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice) {

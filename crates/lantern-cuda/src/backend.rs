@@ -371,6 +371,21 @@ impl AttentionBackend for CudaBackend {
         Device::Cpu
     }
 
+    fn accelerator(&self) -> Option<String> {
+        let g = &self.gpu;
+        let (major, minor) = g.compute_capability();
+        let memory = g
+            .memory_info()
+            .map(|(_, total)| format!(", {:.0} GiB", total as f64 / (1u64 << 30) as f64))
+            .unwrap_or_default();
+        Some(format!(
+            "{} (cuda:{}, compute capability {major}.{minor}, {} SMs{memory})",
+            g.name(),
+            g.ordinal(),
+            g.sm_count()
+        ))
+    }
+
     fn kv_cache_layout(&self) -> KvCacheLayout {
         self.layout
     }

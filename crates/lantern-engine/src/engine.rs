@@ -223,6 +223,11 @@ impl Engine {
         self.runner.backend_name()
     }
 
+    /// The accelerator the model runs on, described; `None` on the CPU.
+    pub fn accelerator(&self) -> Option<String> {
+        self.runner.backend().accelerator()
+    }
+
     /// What the backend's decode-step graphs did so far; `None` where steps run eagerly
     /// (the CPU, `enforce_eager`).
     pub fn graph_stats(&self) -> Option<lantern_attn::GraphStats> {

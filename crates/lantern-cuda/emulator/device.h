@@ -44,6 +44,7 @@ struct Fiber {
     void* sp;  // null until the fiber first runs
     uint3 tid;
     unsigned index, warp, lane, stack;
+    unsigned turn;  // its place in the order the block's fibers take turns in
     unsigned shuffles;  // warp shuffles this thread made: which of two buffers the next uses
     State state;
     unsigned long wait_gen;
@@ -78,6 +79,8 @@ struct Block {
     // never wait runs them all on one stack, warm in the cache.
     unsigned free_stacks[kMaxThreads];
     unsigned free_count;
+    // turns[t]: the fiber whose turn is t-th (see run_order).
+    unsigned turns[kMaxThreads];
     bool deadlock;
     void (*body)(void*);
     void* body_arg;
@@ -137,11 +140,11 @@ inline bool runnable(const Block& b, const Fiber& f) {
 
 inline void prepare_stack(Fiber& f, unsigned char* stack_top);
 
-// The next runnable fiber from index `from` on (cyclically), started on a free stack
+// The next runnable fiber from turn `from` on (cyclically), started on a free stack
 // if it has not run yet; null when none can run.
 inline Fiber* next_runnable(Block& b, unsigned from) {
     for (unsigned k = 0; k < b.n; k++) {
-        Fiber& f = b.fibers[(from + k) % b.n];
+        Fiber& f = b.fibers[b.turns[(from + k) % b.n]];
         if (!runnable(b, f)) continue;
         if (!f.sp) {
             f.stack = b.free_stacks[--b.free_count];
@@ -157,7 +160,7 @@ inline Fiber* next_runnable(Block& b, unsigned from) {
 inline void switch_away() {
     Block& b = *blk;
     Fiber* self = cur;
-    Fiber* f = next_runnable(b, self->index + 1);
+    Fiber* f = next_runnable(b, self->turn + 1);
     if (f == self) return;
     if (!f) {
         b.deadlock = true;
@@ -246,6 +249,35 @@ inline void prepare_stack(Fiber& f, unsigned char* stack_top) {
     f.sp = slot(9);
 }
 
+// The order a block's threads take turns in between barriers, from
+// LANTERN_CUDA_EMULATOR_ORDER: `forward` (by thread index, the default), `reverse`, or
+// `shuffle` (a different seeded permutation per block). A kernel whose results change
+// with the order has threads that race outside its barriers.
+enum class Order { Forward, Reverse, Shuffle };
+inline Order run_order() {
+    static const Order order = [] {
+        const char* v = std::getenv("LANTERN_CUDA_EMULATOR_ORDER");
+        if (!v || !std::strcmp(v, "forward")) return Order::Forward;
+        if (!std::strcmp(v, "reverse")) return Order::Reverse;
+        return Order::Shuffle;
+    }();
+    return order;
+}
+
+inline void order_turns(Block& b, unsigned long long block_number) {
+    const unsigned n = b.n;
+    for (unsigned t = 0; t < n; t++) b.turns[t] = run_order() == Order::Reverse ? n - 1 - t : t;
+    if (run_order() == Order::Shuffle) {
+        unsigned long long state = 0x9e3779b97f4a7c15ull * (block_number + 1);
+        for (unsigned t = n - 1; t > 0; t--) {
+            state = state * 6364136223846793005ull + 1442695040888963407ull;
+            const unsigned j = unsigned((state >> 33) % (t + 1));
+            std::swap(b.turns[t], b.turns[j]);
+        }
+    }
+    for (unsigned t = 0; t < n; t++) b.fibers[b.turns[t]].turn = t;
+}
+
 // Runs `body` for every thread of every block; false (and a message) on a deadlock.
 inline bool run_grid(const Launch& l, void (*body)(void*), void* arg) {
     const unsigned n = l.block[0] * l.block[1] * l.block[2];
@@ -300,6 +332,7 @@ inline bool run_grid(const Launch& l, void (*body)(void*), void* arg) {
                     b.free_stacks[i] = n - 1 - i;
                 }
                 b.free_count = n;
+                order_turns(b, (unsigned long long)(bz * l.grid[1] + by) * l.grid[0] + bx);
                 // Fibers hand the thread to each other while they wait; one that finishes
                 // comes back here, where its stack is freed and the next one starts.
                 Fiber* f = next_runnable(b, 0);
@@ -309,7 +342,7 @@ inline bool run_grid(const Launch& l, void (*body)(void*), void* arg) {
                     if (b.deadlock) break;
                     Fiber* done = cur;
                     b.free_stacks[b.free_count++] = done->stack;
-                    f = next_runnable(b, done->index + 1);
+                    f = next_runnable(b, done->turn + 1);
                 }
                 if (b.live > 0) b.deadlock = true;
                 if (b.deadlock) {

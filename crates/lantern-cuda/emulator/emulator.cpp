@@ -5,8 +5,9 @@
 //
 // - "Device" memory is host memory: a device pointer is a host address. Fresh allocations
 //   are filled with 0xff bytes (NaN as f32), so a kernel reading what nobody wrote shows;
-//   a guard after each allocation is checked after every launch and copy, so writing past
-//   the end is an error naming the kernel.
+//   a guard after each allocation is checked after every launch (writing past the end is
+//   an error naming the kernel), and copies, memsets and GEMM operands must lie inside
+//   a live allocation.
 // - NVRTC "compiles" a kernel source with the host C++ compiler (g++ or $CXX), device.h
 //   first (the CUDA dialect: fibers for threads, __syncthreads, warp shuffles), into a
 //   shared library cached by the hash of its text; the "PTX" names that library.
@@ -15,9 +16,9 @@
 //   capture (waiting for the stream, copies from pageable host memory) is refused here too.
 // - cuBLAS's GemmEx for f32 / f16 / bf16 inputs, accumulated in double.
 //
-// What it cannot tell: speed, races between threads of a block outside barriers, the
-// GPU's own rounding of exp and friends, and anything the real driver checks that is not
-// listed above.
+// What it cannot tell: speed, races between a block's threads beyond what changing their
+// order shows (LANTERN_CUDA_EMULATOR_ORDER, device.h), the GPU's own rounding of exp and
+// friends, and anything the real driver checks that is not listed above.
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>

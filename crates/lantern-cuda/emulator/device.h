@@ -182,30 +182,25 @@ inline void release_if_complete(Block& b, unsigned warp) {
     }
 }
 
-inline void syncthreads() {
-    Block& b = *blk;
+// The current fiber arrives at a barrier (`arrived`, released by bumping `gen`): the last
+// to arrive goes on, the others wait (as `waiting`) until it does.
+inline void arrive(unsigned& arrived, const unsigned long& gen, State waiting) {
     Fiber* f = cur;
-    const unsigned long gen = b.block_gen;
-    b.block_arrived++;
-    release_if_complete(b, f->warp);
-    if (b.block_gen != gen) return;
-    f->state = State::WaitBlock;
-    f->wait_gen = gen;
+    const unsigned long at = gen;
+    arrived++;
+    release_if_complete(*blk, f->warp);
+    if (gen != at) return;
+    f->state = waiting;
+    f->wait_gen = at;
     switch_away();
     f->state = State::Ready;
 }
 
+inline void syncthreads() { arrive(blk->block_arrived, blk->block_gen, State::WaitBlock); }
+
 inline void syncwarp() {
-    Block& b = *blk;
-    Fiber* f = cur;
-    const unsigned long gen = b.warp_gen[f->warp];
-    b.warp_arrived[f->warp]++;
-    release_if_complete(b, f->warp);
-    if (b.warp_gen[f->warp] != gen) return;
-    f->state = State::WaitWarp;
-    f->wait_gen = gen;
-    switch_away();
-    f->state = State::Ready;
+    const unsigned w = cur->warp;
+    arrive(blk->warp_arrived[w], blk->warp_gen[w], State::WaitWarp);
 }
 
 template <typename T>

@@ -23,13 +23,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -305,8 +305,8 @@ bool compile_program(Program& prog) {
     }
     const char* cache_env = std::getenv("LANTERN_CUDA_EMULATOR_CACHE");
     const std::string cache = cache_env ? cache_env : dir + "/cache";
-    std::string ignored;
-    run_command("mkdir -p '" + cache + "'", ignored);
+    std::error_code ignored;
+    std::filesystem::create_directories(cache, ignored);
     const char* cxx_env = std::getenv("CXX");
     const std::string cxx = cxx_env ? cxx_env : "g++";
     char hash[32];
@@ -602,29 +602,30 @@ EXPORT CUresult cuMemFreeHost(void* p) {
     return CUDA_SUCCESS;
 }
 
-static CUresult copy_checked(const char* what, void* s, CUdeviceptr dst_dev, bool dst_is_dev, CUdeviceptr src_dev,
-                             bool src_is_dev, size_t bytes, void* dst_host, const void* src_host) {
+static void* as_host(CUdeviceptr p) { return reinterpret_cast<void*>(p); }
+
+// A copy of `bytes` from src to dst; `*_device` says which side is device memory (a
+// device pointer is a host address here).
+static CUresult copy_checked(const char* what, void* s, void* dst, bool dst_device, const void* src,
+                             bool src_device, size_t bytes) {
     if (bytes == 0) return CUDA_SUCCESS;
-    if (dst_is_dev && !device_range(dst_dev, bytes)) {
-        report("%s: %zu bytes to %#llx, outside any allocation", what, bytes, dst_dev);
+    auto outside = [&](bool device, const void* p) {
+        return device && !device_range(reinterpret_cast<CUdeviceptr>(p), bytes);
+    };
+    if (outside(dst_device, dst) || outside(src_device, src)) {
+        report("%s: %zu bytes from %p to %p, outside any allocation", what, bytes, src, dst);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (src_is_dev && !device_range(src_dev, bytes)) {
-        report("%s: %zu bytes from %#llx, outside any allocation", what, bytes, src_dev);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    const void* host = dst_is_dev ? src_host : dst_host;
     Stream* st = stream_of(s);
     {
         Lock lock(g_mutex);
-        if (st->capturing && !(dst_is_dev && src_is_dev) && !pinned_range(host, bytes)) {
+        const void* host = dst_device ? src : dst;
+        if (st->capturing && !(dst_device && src_device) && !pinned_range(host, bytes)) {
             st->invalidated = true;
             report("%s of pageable host memory on a stream being captured (CUDA refuses this)", what);
             return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
         }
     }
-    void* dst = dst_is_dev ? reinterpret_cast<void*>(dst_dev) : dst_host;
-    const void* src = src_is_dev ? reinterpret_cast<const void*>(src_dev) : src_host;
     return enqueue(s, [=] {
         std::memmove(dst, src, bytes);
         return CUDA_SUCCESS;
@@ -632,22 +633,22 @@ static CUresult copy_checked(const char* what, void* s, CUdeviceptr dst_dev, boo
 }
 
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
-    return copy_checked("cuMemcpyHtoDAsync", s, dst, true, 0, false, n, nullptr, src);
+    return copy_checked("cuMemcpyHtoDAsync", s, as_host(dst), true, src, false, n);
 }
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
-    return copy_checked("cuMemcpyDtoHAsync", s, 0, false, src, true, n, dst, nullptr);
+    return copy_checked("cuMemcpyDtoHAsync", s, dst, false, as_host(src), true, n);
 }
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
-    return copy_checked("cuMemcpyDtoDAsync", s, dst, true, src, true, n, nullptr, nullptr);
+    return copy_checked("cuMemcpyDtoDAsync", s, as_host(dst), true, as_host(src), true, n);
 }
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
-    return copy_checked("cuMemcpyHtoD", nullptr, dst, true, 0, false, n, nullptr, src);
+    return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
-    return copy_checked("cuMemcpyDtoH", nullptr, 0, false, src, true, n, dst, nullptr);
+    return cuMemcpyDtoHAsync_v2(dst, src, n, nullptr);
 }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    return copy_checked("cuMemcpyDtoD", nullptr, dst, true, src, true, n, nullptr, nullptr);
+    return cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void* s) {
     if (n && !device_range(dst, n)) {

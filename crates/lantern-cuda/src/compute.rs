@@ -16,7 +16,10 @@ use lantern_attn::{
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
-use lantern_model::{LoadOptions, ModelError, Result, SampleDraw};
+use lantern_model::{
+    LoadOptions, ModelError, ReducedRow, Result, RowReduction, TokenChoice,
+    MAX_REDUCED_TOP_LOGPROBS,
+};
 
 use crate::backend::{CudaBackend, PendingProbabilities};
 use crate::fused::MAX_SPLIT_PARTS;
@@ -25,6 +28,7 @@ use crate::gpu::Gpu;
 use crate::kept::KeptRowsTable;
 use crate::kernels::Activation;
 use crate::pool::{Pool, Pooled};
+use crate::reduce::{reduce_params, reduce_stride, reduced_row};
 use crate::CudaError;
 
 /// The model's blocks on one GPU.
@@ -705,36 +709,60 @@ impl Compute for CudaCompute {
         self.gpu.download(&*x).map_err(model_error)
     }
 
-    /// Greedy and plainly sampled rows are reduced here: one id per row crosses to the
-    /// host, not the row.
+    /// Greedy and plainly sampled rows, with their logprobs, and prompt rows scored for
+    /// their logprobs are reduced here: a few numbers per row cross to the host, not the
+    /// row.
     const PICKS_ON_DEVICE: bool = true;
 
-    fn pick_rows(
+    fn reduce_rows(
         &self,
         x: &GpuAct,
         width: usize,
-        draws: &[Option<SampleDraw>],
-    ) -> Result<Vec<u32>> {
+        wants: &[RowReduction],
+    ) -> Result<Vec<ReducedRow>> {
         let rows = x.len() / width.max(1);
-        if width == 0 || !x.len().is_multiple_of(width) || draws.len() != rows {
+        if width == 0 || !x.len().is_multiple_of(width) || wants.len() != rows {
             return Err(ModelError::Compute(format!(
-                "pick_rows: {} values are not {} rows of {width}",
+                "reduce_rows: {} values are not {} rows of {width}",
                 x.len(),
-                draws.len()
+                wants.len()
             )));
         }
-        // One kernel for argmax and sampled rows alike, its parameters uploaded with the
-        // step: a graph replays it whichever rows sample.
-        let params: Vec<f32> = draws
+        if let Some(k) = wants
             .iter()
-            .flat_map(|d| d.map_or([0.0, 0.0], |d| [d.inv_temperature, d.draw]))
-            .collect();
+            .filter_map(|w| w.logprobs)
+            .find(|&k| k > MAX_REDUCED_TOP_LOGPROBS)
+        {
+            return Err(ModelError::Compute(format!(
+                "reduce_rows: {k} top logprobs asked, at most {MAX_REDUCED_TOP_LOGPROBS}"
+            )));
+        }
+        if let Some(t) = wants.iter().find_map(|w| match w.token {
+            TokenChoice::Given(t) if t as usize >= width => Some(t),
+            _ => None,
+        }) {
+            return Err(ModelError::Compute(format!(
+                "reduce_rows: token {t} outside rows of {width}"
+            )));
+        }
+        // One kernel for every kind of row, its parameters uploaded with the step and its
+        // output of one size: a graph replays it whichever rows sample or score.
+        let params: Vec<u32> = wants.iter().flat_map(reduce_params).collect();
         let params = self.gpu.step_upload(&params).map_err(model_error)?;
-        let mut ids = self.gpu.step_output::<u32>(rows).map_err(model_error)?;
-        self.gpu
-            .pick_rows(&**x, &*params, &mut *ids)
+        let stride = reduce_stride(MAX_REDUCED_TOP_LOGPROBS);
+        let mut words = self
+            .gpu
+            .step_output::<u32>(rows * stride)
             .map_err(model_error)?;
-        self.gpu.download(&*ids).map_err(model_error)
+        self.gpu
+            .reduce_rows(&**x, &*params, &mut *words, MAX_REDUCED_TOP_LOGPROBS)
+            .map_err(model_error)?;
+        let words = self.gpu.download(&*words).map_err(model_error)?;
+        Ok(words
+            .chunks_exact(stride)
+            .zip(wants)
+            .map(|(w, want)| reduced_row(w, want))
+            .collect())
     }
 }
 

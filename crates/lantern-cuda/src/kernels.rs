@@ -48,7 +48,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rows.cu",
         source: include_str!("kernels/rows.cu"),
-        functions: &["rms_norm", "pick_rows", "rope"],
+        functions: &["rms_norm", "reduce_rows", "rope"],
     },
     KernelSource {
         name: "fused.cu",
@@ -686,40 +686,48 @@ impl Gpu {
         Ok(())
     }
 
-    /// out[r] = the token row r of x `[rows, n]` gives (rows = out.len()): with
-    /// `params[r] = [1 / temperature, u]`, the sample a uniform draw u picks from the
-    /// row's softmax (lantern-model's `sample_row`), or its first maximum where
-    /// 1 / temperature is 0.
-    pub fn pick_rows(
+    /// Each row of x `[rows, n]` reduced as `params` `[rows, 4]` says, into `out`
+    /// `[rows, 3 + 2 * top_cap]` (the `reduce_rows` kernel says how; [`crate::reduce`]
+    /// writes a row's parameters and reads its words back).
+    pub fn reduce_rows(
         &self,
         x: &impl DevicePtr<f32>,
-        params: &impl DevicePtr<f32>,
+        params: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<u32>,
+        top_cap: usize,
     ) -> Result<()> {
-        let rows = out.len();
+        let rows = params.len() / 4;
         ensure(
-            rows > 0 && x.len().is_multiple_of(rows) && x.len() > 0,
+            rows > 0 && params.len() == 4 * rows && x.len().is_multiple_of(rows) && x.len() > 0,
             || {
                 format!(
-                    "pick_rows: {} values are not {rows} non-empty rows",
-                    x.len()
+                    "reduce_rows: {} values and {} parameters are not {rows} non-empty rows",
+                    x.len(),
+                    params.len()
                 )
             },
         )?;
-        ensure(params.len() == 2 * rows, || {
-            format!("pick_rows: {} parameters for {rows} rows", params.len())
-        })?;
+        ensure(
+            out.len() == rows * crate::reduce::reduce_stride(top_cap),
+            || {
+                format!(
+                    "reduce_rows: {} outputs for {rows} rows of top {top_cap}",
+                    out.len()
+                )
+            },
+        )?;
         let n = x.len() / rows;
         let n32 = u32_of("row length", n)?;
-        let f = self.function("pick_rows")?;
+        let cap32 = u32_of("top logprobs", top_cap)?;
+        let f = self.function("reduce_rows")?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (pp, _gp) = params.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr_mut(&self.stream);
         let Some(mut b) = self.launcher(f)? else {
             return Ok(());
         };
-        b.arg(&xp).arg(&pp).arg(&op).arg(&n32);
-        // SAFETY: x holds `rows` rows of n, params 2 per row, out one per row.
+        b.arg(&xp).arg(&pp).arg(&op).arg(&n32).arg(&cap32);
+        // SAFETY: x holds `rows` rows of n, params 4 per row, out a stride per row.
         unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
         Ok(())
     }

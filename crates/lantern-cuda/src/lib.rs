@@ -17,6 +17,7 @@ pub mod kernels;
 pub mod libs;
 pub mod maps;
 pub mod pool;
+pub mod reduce;
 
 pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};
 pub use compute::CudaCompute;

@@ -10,7 +10,7 @@ use lantern_cuda::{CudaCompute, CudaError, Gpu};
 use lantern_model::blocks::Activation;
 use lantern_model::compute::Compute;
 use lantern_model::rope::{Rope, RopePairs, RopeScaling};
-use lantern_model::{LoadOptions, SampleDraw};
+use lantern_model::{LoadOptions, ReducedRow, RowReduction, SampleDraw, TokenChoice};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -62,14 +62,14 @@ fn weights(c: &CudaCompute) -> Weights {
 }
 
 /// One "decode step" of the kinds of work a model step does: uploads (ids, the RoPE
-/// table, row indices), products, element-wise kernels, a gather, an argmax and a copy
-/// back. Returns (argmax per row, the rows).
+/// table, row indices), products, element-wise kernels, a gather, rows reduced (argmax,
+/// sampled, scored) and a copy back. Returns (the reduced rows, the rows).
 fn step(
     c: &CudaCompute,
     w: &Weights,
     ids: &[u32],
     positions: &[usize],
-) -> lantern_model::Result<(Vec<u32>, Vec<f32>)> {
+) -> lantern_model::Result<(Vec<ReducedRow>, Vec<f32>)> {
     let n = ids.len();
     let table = c.rope_table(&w.rope, positions)?;
     let mut x = c.embed(&w.embed, ids, Some(0.5))?;
@@ -82,17 +82,28 @@ fn step(
     let logits = c.matmul(&w.down, &gate, n)?;
     let rows: Vec<usize> = (0..n).rev().collect();
     let reversed = c.select_rows(&logits, &rows, VOCAB)?;
-    // Odd rows sampled with a draw that changes with the step's inputs, even rows greedy.
-    let draws: Vec<Option<SampleDraw>> = (0..n)
+    // Odd rows sampled with a draw that changes with the step's inputs, even rows greedy,
+    // every third row scored with logprobs, every fifth given a token to score.
+    let wants: Vec<RowReduction> = (0..n)
         .map(|i| {
             let draw = (ids[i] % 97) as f32 / 97.0;
-            (i % 2 == 1).then_some(SampleDraw {
-                draw,
-                inv_temperature: 0.7,
-            })
+            let token = if i % 5 == 4 {
+                TokenChoice::Given(ids[i])
+            } else if i % 2 == 1 {
+                TokenChoice::Sample(SampleDraw {
+                    draw,
+                    inv_temperature: 0.7,
+                })
+            } else {
+                TokenChoice::Argmax
+            };
+            RowReduction {
+                token,
+                logprobs: (i % 3 == 0 || i % 5 == 4).then_some(i % 7),
+            }
         })
         .collect();
-    let picked = c.pick_rows(&reversed, VOCAB, &draws)?;
+    let picked = c.reduce_rows(&reversed, VOCAB, &wants)?;
     Ok((picked, c.to_host(reversed)?))
 }
 
@@ -140,7 +151,7 @@ fn replayed_steps_equal_eager_steps_with_new_inputs_each_time() {
             let graphed = step(&c, &w, &ids, &positions);
             gpu.end_graph_step(graphed.is_ok()).unwrap();
             let graphed = graphed.unwrap();
-            assert_eq!(graphed.0, eager.0, "n {n} round {round}: picked tokens");
+            assert_eq!(graphed.0, eager.0, "n {n} round {round}: reduced rows");
             assert_eq!(graphed.1, eager.1, "n {n} round {round}: rows, bit for bit");
             assert!(eager.1.iter().any(|&v| v != 0.0), "not all zeros");
         }

@@ -18,8 +18,12 @@ mod gpu_tests {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
     use half::{bf16, f16};
+    use lantern_cuda::reduce;
     use lantern_cuda::{Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta};
     use lantern_model::pick::{self, SampleDraw};
+    use lantern_model::{
+        ReducedRow, RowReduction, RowScore, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+    };
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -233,7 +237,7 @@ mod gpu_tests {
     }
 
     #[test]
-    fn embed_gather_argmax_and_cast() {
+    fn embed_gather_scatter_and_cast() {
         let Some((g, _t)) = gpu() else { return };
         let mut r = rng(4);
         let (vocab, hidden) = (50usize, 96usize);
@@ -299,27 +303,87 @@ mod gpu_tests {
         unsafe { g.scatter_rows(&g.upload(&x).unwrap(), &g.upload(&table).unwrap(), w) }.unwrap();
         assert_close(&g.download(&out).unwrap(), &want, 0.0, "scatter_rows");
 
+        // cast: bit-exact round to nearest even, specials included.
+        let mut x = rand_vec(&mut r, 4000, 100.0);
+        x.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -3e-39,
+            f32::MAX,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+        ]);
+        let mut out = g.zeros::<bf16>(x.len()).unwrap();
+        g.cast_f32_to_bf16(&g.upload(&x).unwrap(), &mut out)
+            .unwrap();
+        let got: Vec<u16> = g
+            .download(&out)
+            .unwrap()
+            .iter()
+            .map(|b| b.to_bits())
+            .collect();
+        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(got, want, "cast_f32_to_bf16");
+    }
+
+    /// `reduce_rows` on the device, its parameters and words as lantern-cuda's
+    /// `reduce` module writes and reads them.
+    fn reduce(g: &Gpu, x: &[f32], wants: &[RowReduction]) -> Vec<ReducedRow> {
+        let cap = MAX_REDUCED_TOP_LOGPROBS;
+        let params: Vec<u32> = wants.iter().flat_map(reduce::reduce_params).collect();
+        let stride = reduce::reduce_stride(cap);
+        let mut out = g.zeros::<u32>(wants.len() * stride).unwrap();
+        g.reduce_rows(
+            &g.upload(x).unwrap(),
+            &g.upload(&params).unwrap(),
+            &mut out,
+            cap,
+        )
+        .unwrap();
+        let words = g.download(&out).unwrap();
+        words
+            .chunks_exact(stride)
+            .zip(wants)
+            .map(|(w, want)| reduce::reduced_row(w, want))
+            .collect()
+    }
+
+    fn want(token: TokenChoice, logprobs: Option<usize>) -> RowReduction {
+        RowReduction { token, logprobs }
+    }
+
+    /// Rows reduced on the device as lantern-model's `reduce_row` reduces them: argmax
+    /// (ties to the first), samples (the draw's interval of the cumulative softmax), given
+    /// tokens, and their logprobs, ranks and top alternatives.
+    #[test]
+    fn reduced_rows_follow_the_reference() {
+        let Some((g, _turn)) = gpu() else { return };
+        let mut r = rng(23);
+
         // argmax with planted ties: the first index wins.
         let (rows, n) = (6usize, 5000usize);
         let mut x = rand_vec(&mut r, rows * n, 1.0);
-        let mut want = Vec::new();
+        let mut expected = Vec::new();
         for row in 0..rows {
             let a = r.gen_range(0..n - 1);
             let b = r.gen_range(a + 1..n);
             x[row * n + a] = 2.0;
             x[row * n + b] = 2.0;
-            want.push(a as u32);
+            expected.push(a as u32);
         }
-        let mut out = g.zeros::<u32>(rows).unwrap();
-        let argmax = g.upload(&vec![0f32; 2 * rows]).unwrap();
-        g.pick_rows(&g.upload(&x).unwrap(), &argmax, &mut out)
-            .unwrap();
-        assert_eq!(g.download(&out).unwrap(), want, "pick_rows: argmax");
+        let got: Vec<u32> = reduce(&g, &x, &vec![want(TokenChoice::Argmax, None); rows])
+            .iter()
+            .map(|r| r.token)
+            .collect();
+        assert_eq!(got, expected, "argmax");
 
-        // pick: argmax rows and sampled rows in one launch. A sampled row's token is the
-        // one whose interval of the cumulative softmax (in id order, f64) holds the draw,
-        // up to the f32 sums' rounding: the host reference's token, or a neighbour of it
-        // when the draw falls on the boundary between them.
+        // Argmax rows and sampled rows in one launch. A sampled row's token is the one
+        // whose interval of the cumulative softmax (in id order, f64) holds the draw, up to
+        // the f32 sums' rounding: the host reference's token, or a neighbour of it when the
+        // draw falls on the boundary between them.
         let (rows, n) = (64usize, 5000usize);
         let x = rand_vec(&mut r, rows * n, 4.0);
         let draws: Vec<Option<SampleDraw>> = (0..rows)
@@ -330,20 +394,15 @@ mod gpu_tests {
                 })
             })
             .collect();
-        let params: Vec<f32> = draws
+        let wants: Vec<RowReduction> = draws
             .iter()
-            .flat_map(|d| d.map_or([0.0, 0.0], |d| [d.inv_temperature, d.draw]))
+            .map(|d| want(d.map_or(TokenChoice::Argmax, TokenChoice::Sample), None))
             .collect();
-        let mut out = g.zeros::<u32>(rows).unwrap();
-        g.pick_rows(
-            &g.upload(&x).unwrap(),
-            &g.upload(&params).unwrap(),
-            &mut out,
-        )
-        .unwrap();
-        let got = g.download(&out).unwrap();
+        let got = reduce(&g, &x, &wants);
         let mut exact = 0;
-        for (row, (&token, draw)) in got.iter().zip(&draws).enumerate() {
+        for (row, (reduced, draw)) in got.iter().zip(&draws).enumerate() {
+            let token = reduced.token;
+            assert_eq!(reduced.score, None, "row {row}: not scored");
             let values = &x[row * n..][..n];
             let Some(d) = draw else {
                 assert_eq!(token, pick::first_max(values), "row {row}: argmax");
@@ -369,30 +428,75 @@ mod gpu_tests {
             "{exact} sampled rows as the reference"
         );
 
-        // cast: bit-exact round to nearest even, specials included.
-        let mut x = rand_vec(&mut r, 4000, 100.0);
-        x.extend([
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            1e-40,
-            -3e-39,
-            f32::MAX,
-            1.0 + 1.0 / 256.0,
-            1.0 + 3.0 / 256.0,
-        ]);
-        let mut out = g.zeros::<bf16>(x.len()).unwrap();
-        g.cast_f32_to_bf16(&g.upload(&x).unwrap(), &mut out)
-            .unwrap();
-        let got: Vec<u16> = g
-            .download(&out)
-            .unwrap()
-            .iter()
-            .map(|b| b.to_bits())
-            .collect();
-        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-        assert_eq!(got, want, "cast_f32_to_bf16");
+        // Scored rows of every kind, vocabularies small and large, 0 to the most
+        // alternatives: the reference's ranks and top ids exactly, logprobs to f32 sums.
+        for (rows, n) in [(40usize, 5000usize), (6, 151_936), (8, 7)] {
+            let mut x = rand_vec(&mut r, rows * n, 6.0);
+            // Planted ties among the largest (ties go to the lower id).
+            if n > 100 {
+                for row in (0..rows).step_by(3) {
+                    let top = x[row * n..][..n].iter().copied().fold(f32::MIN, f32::max);
+                    for j in [n / 3, n / 7, n - 1] {
+                        x[row * n + j] = top + 0.5;
+                    }
+                }
+            }
+            let wants: Vec<RowReduction> = (0..rows)
+                .map(|i| {
+                    let token = match i % 3 {
+                        0 => TokenChoice::Argmax,
+                        1 => TokenChoice::Sample(SampleDraw {
+                            draw: r.gen_range(0.0..1.0),
+                            inv_temperature: 0.8,
+                        }),
+                        _ => TokenChoice::Given(r.gen_range(0..n as u32)),
+                    };
+                    let k = [0, 1, 5, MAX_REDUCED_TOP_LOGPROBS][i % 4];
+                    want(token, Some(k))
+                })
+                .collect();
+            let got = reduce(&g, &x, &wants);
+            for (row, (reduced, w)) in got.iter().zip(&wants).enumerate() {
+                let what = format!("{n} ids, row {row}");
+                let values = &x[row * n..][..n];
+                if let TokenChoice::Given(t) = w.token {
+                    assert_eq!(reduced.token, t, "{what}: given token");
+                } else if w.token == TokenChoice::Argmax {
+                    assert_eq!(reduced.token, pick::first_max(values), "{what}: argmax");
+                }
+                let score = reduced.score.as_ref().expect("scored");
+                let reference = pick::score_token(values, reduced.token, w.logprobs.unwrap());
+                assert_eq!(score.rank, reference.rank, "{what}: rank");
+                let ids = |s: &RowScore| s.top.iter().map(|t| t.0).collect::<Vec<_>>();
+                assert_eq!(ids(score), ids(&reference), "{what}: top ids");
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 + 1e-5 * b.abs();
+                assert!(
+                    close(score.logprob, reference.logprob),
+                    "{what}: logprob {} against {}",
+                    score.logprob,
+                    reference.logprob
+                );
+                for (a, b) in score.top.iter().zip(&reference.top) {
+                    assert!(close(a.1, b.1), "{what}: top logprob {a:?} against {b:?}");
+                }
+            }
+        }
+
+        // A row with few numbers (NaN elsewhere) and -inf: the top stops at its numbers.
+        let mut x = vec![f32::NAN; 64];
+        x[9] = 1.0;
+        x[3] = f32::NEG_INFINITY;
+        x[40] = 1.0;
+        x[17] = -2.0;
+        let got = reduce(&g, &x, &[want(TokenChoice::Given(17), Some(10))]);
+        let score = got[0].score.as_ref().unwrap();
+        let reference = pick::score_token(&x, 17, 10);
+        assert_eq!(score.rank, 3, "two logits above -2");
+        let ids = |s: &RowScore| s.top.iter().map(|t| t.0).collect::<Vec<_>>();
+        assert_eq!(ids(score), vec![9, 40, 17, 3]);
+        assert_eq!(ids(score), ids(&reference));
+        assert!((score.logprob - reference.logprob).abs() < 1e-6);
+        assert_eq!(score.top[3].1, f32::NEG_INFINITY);
     }
 
     #[test]

@@ -21,7 +21,9 @@ use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
     AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, PrefixCacheStats, RequestId,
 };
-use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
+use lantern_model::{
+    CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer, RowScore,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -692,13 +694,18 @@ impl Engine {
                     }
                     let next = req.prompt_logprobs.len() + 1;
                     let token = req.token(next).unwrap_or(u32::MAX);
-                    let row = logits.rows(rows.first_row + r, 1)?;
-                    let entry = prompt_token_logprob(row, token, k).ok_or(
-                        EngineError::InvalidRequest(RequestError::TokenOutsideVocabulary {
+                    let row = rows.first_row + r;
+                    // Scored by the model where its logits are (`prompt_row_pick`), or here.
+                    let entry = match logits.picked(row).and_then(|p| p.score.as_ref()) {
+                        Some(score) => Some(PromptTokenLogprob::from(score.clone())),
+                        None => prompt_token_logprob(logits.rows(row, 1)?, token, k),
+                    }
+                    .ok_or(EngineError::InvalidRequest(
+                        RequestError::TokenOutsideVocabulary {
                             token,
                             vocab_size: logits.vocab,
-                        }),
-                    )?;
+                        },
+                    ))?;
                     req.prompt_logprobs.push(entry);
                 }
             }
@@ -708,9 +715,12 @@ impl Engine {
                 // Before the token is appended: a token that ends the request takes
                 // its capture, and with it the query row.
                 let live = self.live_row(rows.id);
-                let mut output = match logits.picked(sample_row).or(on_threads) {
-                    Some(token) => self.append_picked(rows.id, token)?,
-                    None => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
+                let mut output = match (logits.picked(sample_row), on_threads) {
+                    (Some(reduced), _) => {
+                        self.append_picked(rows.id, reduced.token, reduced.score.as_ref())?
+                    }
+                    (None, Some(token)) => self.append_picked(rows.id, token, None)?,
+                    (None, None) => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
                 };
                 output.capture_row = live;
                 outputs.push(output);
@@ -770,16 +780,16 @@ impl Engine {
     ) -> Result<crate::runner::StepLogits> {
         let mut buffers = Vec::new();
         let mut batch_row = 0;
-        // A token sampled from a row nothing else reads takes its draw now, from the
-        // request's stream, as the host sampler would after the step: the model may sample
-        // it where its logits are (the whole softmax), or the step's threads on the host
-        // (`tokens_on_threads`).
+        // A sampled token takes its draw now, from the request's stream, as the host
+        // sampler would after the step (one draw a token, whatever samples it): the model
+        // may sample it where its logits are (the whole softmax), the step's threads on the
+        // host (`tokens_on_threads`), or `append_token`.
         for s in &plan.scheduled {
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;
             };
             let samples = req.num_computed_tokens + s.num_tokens == req.num_tokens();
-            if samples && req.samples_row() {
+            if samples && req.params.temperature > 0.0 {
                 req.sampler.draw_ahead();
             }
             if let Some(buffer) = req.capture.take() {
@@ -975,14 +985,24 @@ impl Engine {
         Ok(tokens)
     }
 
-    /// Appends the token the model picked on its device for a request that needs only
-    /// the argmax (`Request::needs_only_argmax`) or samples the whole row with the draw
-    /// taken ahead (`Request::samples_whole_row`): what `append_token` would choose.
-    fn append_picked(&mut self, id: RequestId, token: u32) -> Result<RequestOutput> {
+    /// Appends a token chosen outside `append_token` with the draw taken ahead, as it
+    /// would have chosen it: on the step's threads (`tokens_on_threads`), or by the model
+    /// where its logits are (`Request::reduces_row`), with the logprobs it scored there.
+    fn append_picked(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        score: Option<&RowScore>,
+    ) -> Result<RequestOutput> {
         if let Some(req) = self.requests.get_mut(&id) {
             req.sampler.used_draw();
         }
-        self.push_token(id, token, None, None)
+        let logprobs = score.map(|s| TokenLogprobs {
+            token_id: token,
+            logprob: s.logprob,
+            top: s.top.clone(),
+        });
+        self.push_token(id, token, logprobs, None)
     }
 
     /// Appends the sampled `token` and decides whether the request is done.

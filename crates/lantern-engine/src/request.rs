@@ -4,7 +4,7 @@ use crate::sampling::{PromptTokenLogprob, Sampler, SamplingParams};
 use lantern_capture::{CaptureFailure, PendingCapture, QueryRowBuffer};
 use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{RequestId, TokenSeq};
-use lantern_model::IncrementalDecoder;
+use lantern_model::{IncrementalDecoder, MAX_REDUCED_TOP_LOGPROBS};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -198,15 +198,6 @@ impl Request {
         self.params.temperature == 0.0 && self.row_gives_only_the_token()
     }
 
-    /// Whether its next token is sampled from the whole softmax of the model's logits
-    /// row (a temperature, no top-k, top-p or min-p) and nothing else reads that row: it
-    /// is sampled with the draw taken before the step
-    /// ([`crate::sampling::Sampler::draw_ahead`]) by a device model where its logits are
-    /// (handing back the id alone), or on the host by the step's threads.
-    pub fn samples_whole_row(&self) -> bool {
-        self.samples_row() && !self.params.truncates()
-    }
-
     /// Whether its next token is sampled (a temperature) from the model's logits row and
     /// nothing else reads that row: the step's threads sample it on the host, with the
     /// draw taken before the step, whatever top-k, top-p or min-p cut.
@@ -214,15 +205,31 @@ impl Request {
         self.params.temperature > 0.0 && self.row_gives_only_the_token()
     }
 
-    /// Whether the next logits row is read for its token alone: no penalty or bias, past
-    /// `min_tokens`, no structured output, no logprobs, no prompt rows.
+    /// Whether the next logits row is read for its token alone (see
+    /// [`Self::reads_raw_row`]): no logprobs either.
     fn row_gives_only_the_token(&self) -> bool {
+        self.reads_raw_row() && self.params.logprobs.is_none()
+    }
+
+    /// Whether the next logits row can be reduced where the model's logits are: read
+    /// as the model gave it (see [`Self::reads_raw_row`]), for its token and at most
+    /// [`MAX_REDUCED_TOP_LOGPROBS`] alternatives.
+    pub fn reduces_row(&self) -> bool {
+        self.reads_raw_row()
+            && self
+                .params
+                .logprobs
+                .is_none_or(|k| k <= MAX_REDUCED_TOP_LOGPROBS)
+    }
+
+    /// Whether the next logits row is used as the model gave it: no penalty or bias,
+    /// past `min_tokens`, no structured output, no prompt logits (which keep the row).
+    fn reads_raw_row(&self) -> bool {
         let p = &self.params;
         !p.has_penalties()
             && self.num_output_tokens() >= p.min_tokens
             && self.constraint.is_none()
-            && p.logprobs.is_none()
-            && !self.wants_prompt_rows()
+            && !p.prompt_logits
     }
 
     /// Whether the steps must return a logits row for every prompt position.

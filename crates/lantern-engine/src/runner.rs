@@ -8,7 +8,10 @@ use lantern_attn::{
     GraphKey, LayerKvCache, ScheduledSeq,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
-use lantern_model::{CausalLm, ForwardBatch, RowPick, SampleDraw, StepLogitRows};
+use lantern_model::{
+    CausalLm, ForwardBatch, ReducedRow, RowPick, RowReduction, SampleDraw, StepLogitRows,
+    TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -26,10 +29,10 @@ pub struct RequestRows {
 /// The logits a step computed: the rows each request needs, in plan order.
 pub struct StepLogits {
     pub requests: Vec<RequestRows>,
-    /// `[whole rows, vocab]`: every row but the picked ones, in row order.
+    /// `[whole rows, vocab]`: every row but the reduced ones, in row order.
     pub logits: Vec<f32>,
-    /// Per row: its argmax when the model reduced it to that (empty: no row was).
-    pub picked: Vec<Option<u32>>,
+    /// Per row: what the model reduced it to, if it did (empty: no row was).
+    pub picked: Vec<Option<ReducedRow>>,
     pub vocab: usize,
 }
 
@@ -62,23 +65,51 @@ impl StepLogits {
             })
     }
 
-    /// The token the model picked for row `row`, if it reduced that row to its argmax.
-    pub fn picked(&self, row: usize) -> Option<u32> {
-        self.picked.get(row).copied().flatten()
+    /// What the model reduced row `row` to, if it did.
+    pub fn picked(&self, row: usize) -> Option<&ReducedRow> {
+        self.picked.get(row).and_then(Option::as_ref)
     }
 }
 
-/// What a model that picks tokens where its logits are does with a request's sampling
-/// row: its argmax (greedy), a sample with the draw the engine took ahead (the whole
-/// softmax at a temperature), or the row whole for the host's sampler (everything else).
+/// What a model that reduces rows where its logits are does with a request's sampling
+/// row: its argmax (greedy) or a sample with the draw the engine took ahead (the whole
+/// softmax at a temperature), with the logprobs the request asks for; the row whole for
+/// the host's sampler otherwise (penalties, top-k/top-p/min-p, structured output, ...).
 fn row_pick(req: &Request) -> RowPick {
-    if req.needs_only_argmax() {
-        return RowPick::Argmax;
+    if !req.reduces_row() {
+        return RowPick::Whole;
     }
-    match req.sampler.drawn() {
-        Some(draw) if req.samples_whole_row() => RowPick::Sample(SampleDraw {
-            draw,
-            inv_temperature: 1.0 / req.params.temperature,
+    let token = if req.params.temperature == 0.0 {
+        TokenChoice::Argmax
+    } else {
+        match req.sampler.drawn() {
+            Some(draw) if !req.params.truncates() => TokenChoice::Sample(SampleDraw {
+                draw,
+                inv_temperature: 1.0 / req.params.temperature,
+            }),
+            _ => return RowPick::Whole,
+        }
+    };
+    RowPick::Reduced(RowReduction {
+        token,
+        logprobs: req.params.logprobs,
+    })
+}
+
+/// What a model that reduces rows where its logits are does with the prompt row of
+/// position `pos` (which predicts the prompt token after it): that token scored, when the
+/// request wants prompt logprobs alone (not the logits) of at most
+/// [`MAX_REDUCED_TOP_LOGPROBS`] alternatives; else the row whole.
+fn prompt_row_pick(req: &Request, pos: usize, vocab: usize) -> RowPick {
+    let scored = match req.params.prompt_logprobs {
+        Some(k) if !req.params.prompt_logits && k <= MAX_REDUCED_TOP_LOGPROBS => k,
+        _ => return RowPick::Whole,
+    };
+    match req.token(pos + 1) {
+        // A token outside the vocabulary takes the host's path, which names it.
+        Some(token) if (token as usize) < vocab => RowPick::Reduced(RowReduction {
+            token: TokenChoice::Given(token),
+            logprobs: Some(scored),
         }),
         _ => RowPick::Whole,
     }
@@ -93,7 +124,7 @@ struct StepInputs {
     token_ids: Vec<u32>,
     positions: Vec<usize>,
     logits_rows: Vec<usize>,
-    /// Per logits row: whole, or only its token (argmax or sample).
+    /// Per logits row: whole, or reduced (see `row_pick`, `prompt_row_pick`).
     pick: Vec<RowPick>,
 }
 
@@ -233,8 +264,9 @@ impl ModelRunner {
         let mut positions = Vec::with_capacity(num_tokens);
         let picking = model.picks_on_device() || pick_on_host;
         let mut logits_rows = Vec::new();
-        // Per logits row: whole, or only its token (see `row_pick`).
+        // Per logits row: whole, or reduced (see `row_pick`, `prompt_row_pick`).
         let mut pick = Vec::new();
+        let vocab = model.info().vocab_size;
         let mut rows = Vec::new();
         for s in &plan.scheduled {
             let req = requests.get(&s.id).ok_or(EngineError::LostRequest(s.id))?;
@@ -257,7 +289,13 @@ impl ModelRunner {
             };
             let first_row = logits_rows.len();
             logits_rows.extend(first_token_row..first_token_row + num_prompt_rows);
-            pick.resize(logits_rows.len(), RowPick::Whole);
+            pick.extend((start..start + num_prompt_rows).map(|pos| {
+                if picking {
+                    prompt_row_pick(req, pos, vocab)
+                } else {
+                    RowPick::Whole
+                }
+            }));
             if samples {
                 logits_rows.push(token_ids.len() - 1);
                 pick.push(if picking {
@@ -379,7 +417,7 @@ impl ModelRunner {
             vec![RowPick::Whole; b]
         } else {
             let mut pick = inputs.pick.clone();
-            pick.resize(b, RowPick::Argmax);
+            pick.resize(b, RowPick::ARGMAX);
             pick
         };
         let mut padded = StepInputs {
@@ -401,8 +439,8 @@ impl ModelRunner {
         self.forward(model, &padded, &attention, tap)
     }
 
-    /// The model's forward over `inputs`: rows picked in `pick` reduced to their token
-    /// where the logits are, the others whole.
+    /// The model's forward over `inputs`: rows reduced as `pick` says where the logits
+    /// are, the others whole.
     fn forward(
         &mut self,
         model: &dyn CausalLm,

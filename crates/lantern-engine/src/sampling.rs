@@ -5,6 +5,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::vocab_row;
+use lantern_model::RowScore;
 
 /// How one request picks its tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -228,26 +229,27 @@ pub struct TokenLogprobs {
 
 /// Log-softmax of a row of logits.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let log_sum = log_sum_exp(logits);
+    logits.iter().map(|&l| l - log_sum).collect()
+}
+
+/// `ln(sum(exp(logits)))`, against the row's maximum.
+fn log_sum_exp(logits: &[f32]) -> f32 {
     let max = vocab_row::max(logits);
-    let mut out = vec![0f32; logits.len()];
-    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut out);
-    let log_sum = max + sum.ln();
-    out.iter_mut()
-        .zip(logits)
-        .for_each(|(o, &l)| *o = l - log_sum);
-    out
+    let mut scratch = vec![0f32; logits.len()];
+    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut scratch);
+    max + sum.ln()
 }
 
 /// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
 pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
-    let logprobs = log_softmax(logits);
+    let log_sum = log_sum_exp(logits);
     TokenLogprobs {
         token_id: token,
-        logprob: logprobs
+        logprob: logits
             .get(token as usize)
-            .copied()
-            .unwrap_or(f32::NEG_INFINITY),
-        top: top_k_logprobs(&logprobs, k),
+            .map_or(f32::NEG_INFINITY, |&l| l - log_sum),
+        top: top_k_logprobs(logits, log_sum, k),
     }
 }
 
@@ -256,45 +258,43 @@ pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PromptTokenLogprob {
     pub logprob: f32,
-    /// 1 + how many tokens are more likely.
+    /// 1 + how many tokens are more likely (have a larger logit).
     pub rank: usize,
     /// The `k` most likely tokens, most likely first.
     pub top: Vec<(u32, f32)>,
 }
 
+/// A prompt token scored where the model's logits are (the same definitions).
+impl From<RowScore> for PromptTokenLogprob {
+    fn from(s: RowScore) -> Self {
+        Self {
+            logprob: s.logprob,
+            rank: s.rank,
+            top: s.top,
+        }
+    }
+}
+
 /// Reduces one row of logits to the logprob and rank of `token` and the top `k`
 /// (`None` when `token` is outside the row).
 pub fn prompt_token_logprob(logits: &[f32], token: u32, k: usize) -> Option<PromptTokenLogprob> {
-    let logprobs = log_softmax(logits);
-    let logprob = *logprobs.get(token as usize)?;
+    let logit = *logits.get(token as usize)?;
+    let log_sum = log_sum_exp(logits);
     Some(PromptTokenLogprob {
-        logprob,
-        rank: 1 + logprobs.iter().filter(|&&l| l > logprob).count(),
-        top: top_k_logprobs(&logprobs, k),
+        logprob: logit - log_sum,
+        rank: 1 + logits.iter().filter(|&&l| l > logit).count(),
+        top: top_k_logprobs(logits, log_sum, k),
     })
 }
 
-/// The `k` largest entries of a row of logprobs, most likely first.
-pub fn top_k_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = logprobs
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    let by_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let k = k.min(all.len());
-    if k == 0 {
-        return Vec::new();
-    }
-    if k < all.len() {
-        all.select_nth_unstable_by(k - 1, by_desc);
-        all.truncate(k);
-        // Kept per token (and per prompt position): give back the vocabulary-sized
-        // buffer rather than hold it for k entries.
-        all.shrink_to_fit();
-    }
-    all.sort_unstable_by(by_desc);
-    all
+/// The `k` largest logits of a row as logprobs (`log_sum`: the row's log-sum-exp), most
+/// likely first, ties to the lower id (as a device's reduction orders them:
+/// [`lantern_model::pick::top_k`]).
+fn top_k_logprobs(logits: &[f32], log_sum: f32, k: usize) -> Vec<(u32, f32)> {
+    lantern_model::pick::top_k(logits, k)
+        .into_iter()
+        .map(|id| (id, logits[id as usize] - log_sum))
+        .collect()
 }
 
 /// Per-request sampling state: its random stream.
@@ -633,9 +633,39 @@ mod tests {
     #[test]
     fn top_k_keeps_k_entries_not_the_vocabulary() {
         let logprobs: Vec<f32> = (0..50_000).map(|i| -(i as f32)).collect();
-        let top = top_k_logprobs(&logprobs, 3);
+        let top = top_k_logprobs(&logprobs, 0.0, 3);
         assert_eq!(top, vec![(0, 0.0), (1, -1.0), (2, -2.0)]);
         assert!(top.capacity() < 1000, "holds {} entries", top.capacity());
+    }
+
+    /// The host's logprobs follow the definitions a device's reduction is held to
+    /// (lantern-model's `score_token`): the same ranks and top ids (ties to the lower
+    /// id), logprobs up to the order of the f32 sums.
+    #[test]
+    fn host_logprobs_follow_the_reduced_rows_definitions() {
+        use rand::rngs::StdRng;
+        let mut r = StdRng::seed_from_u64(5);
+        for n in [7usize, 1000, 49_152] {
+            let mut row: Vec<f32> = (0..n).map(|_| r.gen_range(-8.0f32..8.0)).collect();
+            row[n / 2] = 9.0;
+            row[n - 1] = 9.0;
+            for k in [0, 1, 5, 20] {
+                let token = r.gen_range(0..n as u32);
+                let want = lantern_model::pick::score_token(&row, token, k);
+                let host = prompt_token_logprob(&row, token, k).unwrap();
+                let sampled = token_logprobs(&row, token, k);
+                assert_eq!(host.rank, want.rank, "{n} ids: rank");
+                let ids = |t: &[(u32, f32)]| t.iter().map(|e| e.0).collect::<Vec<_>>();
+                assert_eq!(ids(&host.top), ids(&want.top), "{n} ids: top");
+                assert_eq!(sampled.top, host.top);
+                assert_eq!(sampled.logprob, host.logprob);
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 + 1e-5 * b.abs();
+                assert!(close(host.logprob, want.logprob), "{n} ids: logprob");
+                for (a, b) in host.top.iter().zip(&want.top) {
+                    assert!(close(a.1, b.1), "{n} ids: {a:?} against {b:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -465,9 +465,10 @@ fn run_logged(
 /// Decode steps replayed from CUDA graphs compute what eager steps compute: the same
 /// greedy tokens and log-probabilities within f32 summation noise, for batches padded to a
 /// graph's size (3 to 4, 5 to 8), contexts long enough for split-K attention, greedy-only
-/// batches (argmax graphs) and batches with a logprobs request (whole-logits graphs), in
-/// both layouts, sliding-window and two-group models included. Each shape is recorded once
-/// and replayed after.
+/// batches (argmax graphs), batches with requests for 3 logprobs (their rows reduced on the
+/// device, in the same graphs) or for 21 (whole-logits graphs), in both layouts,
+/// sliding-window and two-group models included. Each shape is recorded once and
+/// replayed after.
 #[test]
 fn graph_steps_equal_eager_steps() {
     if !gpu_present("graph_steps_equal_eager_steps") {
@@ -488,10 +489,12 @@ fn graph_steps_equal_eager_steps() {
                 .collect();
             prompts.push(long);
             for batch in [1, 3, 5] {
-                for with_logprobs in [false, true] {
+                // Argmax graphs, graphs of rows reduced with their logprobs, and
+                // whole-logits graphs (more alternatives than a reduced row gives).
+                for asked in [None, Some(3), Some(21)] {
                     let requests: Vec<_> = (0..batch)
                         .map(|i| {
-                            let logprobs = (with_logprobs && i % 2 == 0).then_some(3);
+                            let logprobs = asked.filter(|_| i % 2 == 0);
                             let params = SamplingParams {
                                 logprobs,
                                 ..greedy(12)
@@ -499,7 +502,7 @@ fn graph_steps_equal_eager_steps() {
                             (prompts[(i + batch) % prompts.len()].clone(), params)
                         })
                         .collect();
-                    let name = format!("{arch} {backend} batch {batch} logprobs {with_logprobs}");
+                    let name = format!("{arch} {backend} batch {batch} logprobs {asked:?}");
                     let on_graphs = run_logged(&mut graphed, &requests);
                     let eagerly = run_logged(&mut eager, &requests);
                     for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
@@ -602,8 +605,9 @@ fn capturing_decode_steps_replay_graphs_and_keep_the_eager_maps() {
 /// Requests sampling the whole softmax at a temperature are sampled on the GPU with the
 /// draw the engine takes ahead from their seeded streams (one id per row crosses to the
 /// host): the tokens the host sampler picks from the same logits with the same draws
-/// (the same requests asking for logprobs, whose rows are copied to the host), at three
-/// temperatures, batched, eager and from graphs, in both layouts.
+/// (the same requests asking for more logprobs than a row reduced on the device gives,
+/// whose rows are copied to the host), at three temperatures, batched, eager and from
+/// graphs, in both layouts.
 #[test]
 fn sampled_rows_on_the_gpu_give_the_host_samplers_tokens() {
     if !gpu_present("sampled_rows_on_the_gpu_give_the_host_samplers_tokens") {
@@ -629,13 +633,101 @@ fn sampled_rows_on_the_gpu_give_the_host_samplers_tokens() {
             for (how, engine) in [("graphs", &mut graphed), ("eager", &mut eager)] {
                 let name = format!("{arch} {backend} {how}");
                 let on_device = run_logged(engine, &requests(None));
-                let on_host = run_logged(engine, &requests(Some(1)));
+                let on_host = run_logged(engine, &requests(Some(21)));
                 for (r, (d, h)) in on_device.iter().zip(&on_host).enumerate() {
                     assert_eq!(d.0.len(), 16, "{name}: request {r}");
                     assert_eq!(d.0, h.0, "{name}: request {r}'s sampled tokens");
                 }
                 eprintln!("{name}: sampled on the device as on the host");
             }
+        }
+    }
+}
+
+/// Logprobs and prompt logprobs reduced on the GPU (a few numbers per row cross to the
+/// host) equal those the host computes from the same rows copied whole: requests for 0 to
+/// 20 alternatives (greedy and seeded sampled) against the same requests for 21 (more than
+/// a reduced row gives: whole rows), prompt logprobs against the same with prompt logits
+/// (whole rows), eager and from graphs. The same tokens, ranks and top ids; logprobs up to
+/// the order of f32 sums.
+#[test]
+fn logprobs_reduced_on_the_gpu_equal_the_hosts() {
+    if !gpu_present("logprobs_reduced_on_the_gpu_equal_the_hosts") {
+        return;
+    }
+    type Logged = (Vec<u32>, Vec<lantern_engine::sampling::TokenLogprobs>);
+    type Prompted = Vec<lantern_engine::sampling::PromptTokenLogprob>;
+    let run = |engine: &mut Engine, requests: &[(Vec<u32>, SamplingParams)]| {
+        let ids: Vec<_> = requests
+            .iter()
+            .map(|(p, s)| engine.add_request(p.clone(), s.clone()).unwrap())
+            .collect();
+        let mut logged: Vec<(Logged, Prompted)> = vec![Default::default(); ids.len()];
+        while engine.has_unfinished() {
+            for o in engine.step().unwrap() {
+                let i = ids.iter().position(|&id| id == o.id).unwrap();
+                logged[i].0 .0.extend(&o.new_token_ids);
+                logged[i].0 .1.extend(o.logprobs);
+                if let Some(rows) = engine.take_prompt_logprobs(o.id) {
+                    logged[i].1 = rows;
+                }
+            }
+        }
+        assert_eq!(
+            engine.kv_cache().num_free_blocks(),
+            engine.kv_cache().num_blocks()
+        );
+        logged
+    };
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 + 1e-5 * b.abs();
+    // `reduced`'s top entries are the first of `whole`'s.
+    let same_top = |what: &str, reduced: &[(u32, f32)], whole: &[(u32, f32)]| {
+        assert!(reduced.len() <= whole.len(), "{what}: top");
+        for (a, b) in reduced.iter().zip(whole) {
+            assert_eq!(a.0, b.0, "{what}: top ids");
+            assert!(close(a.1, b.1), "{what}: top {a:?} against {b:?}");
+        }
+    };
+    for arch in ["llama", "gemma2"] {
+        let (mut graphed, mut eager) = graphed_and_eager(arch, lantern_cuda::CUDA);
+        let prompts = prompts(arch);
+        let requests = |whole: bool| -> Vec<(Vec<u32>, SamplingParams)> {
+            (0..4)
+                .map(|i| {
+                    let params = SamplingParams {
+                        temperature: [0.0, 0.0, 0.8, 0.0][i],
+                        seed: Some(7 + i as u64),
+                        logprobs: Some(if whole { 21 } else { [0, 5, 20, 2][i] }),
+                        prompt_logprobs: (i % 2 == 1).then_some(3),
+                        prompt_logits: whole && i % 2 == 1,
+                        ..greedy(8)
+                    };
+                    (prompts[i % prompts.len()].prompt_ids.clone(), params)
+                })
+                .collect()
+        };
+        for (how, engine) in [("graphs", &mut graphed), ("eager", &mut eager)] {
+            let reduced = run(engine, &requests(false));
+            let whole = run(engine, &requests(true));
+            for (r, (d, h)) in reduced.iter().zip(&whole).enumerate() {
+                let name = format!("{arch} {how} request {r}");
+                assert_eq!(d.0 .0, h.0 .0, "{name}: tokens");
+                assert_eq!(d.0 .1.len(), 8, "{name}: a logprob a token");
+                for (s, (a, b)) in d.0 .1.iter().zip(&h.0 .1).enumerate() {
+                    let what = format!("{name} token {s}");
+                    assert_eq!(a.token_id, b.token_id, "{what}");
+                    assert!(close(a.logprob, b.logprob), "{what}: {a:?} against {b:?}");
+                    same_top(&what, &a.top, &b.top);
+                }
+                assert_eq!(d.1.len(), h.1.len(), "{name}: prompt logprobs");
+                for (pos, (a, b)) in d.1.iter().zip(&h.1).enumerate() {
+                    let what = format!("{name} prompt position {pos}");
+                    assert_eq!(a.rank, b.rank, "{what}: rank");
+                    assert!(close(a.logprob, b.logprob), "{what}: {a:?} against {b:?}");
+                    same_top(&what, &a.top, &b.top);
+                }
+            }
+            eprintln!("{arch} {how}: logprobs reduced on the device as on the host");
         }
     }
 }

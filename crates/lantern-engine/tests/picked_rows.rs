@@ -214,3 +214,175 @@ fn sampled_rows_reduced_together_give_the_samplers_tokens() {
         together.iter().map(|c| &c.token_ids).collect();
     assert!(distinct.len() > 1, "the requests sampled different tokens");
 }
+
+/// Per request: its tokens, each token's (id, logprob, top) where it asked for logprobs,
+/// and its prompt logprobs (logprob, rank, top) where it asked for those.
+type Logged = (
+    Vec<u32>,
+    Vec<(u32, f32, Vec<(u32, f32)>)>,
+    Vec<(f32, usize, Vec<(u32, f32)>)>,
+);
+
+fn run_logged(engine: &mut Engine, requests: &[(Vec<u32>, SamplingParams)]) -> Vec<Logged> {
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|(p, s)| engine.add_request(p.clone(), s.clone()).unwrap())
+        .collect();
+    let mut logged: Vec<Logged> = vec![Default::default(); ids.len()];
+    while engine.has_unfinished() {
+        for o in engine.step().unwrap() {
+            let i = ids.iter().position(|&id| id == o.id).unwrap();
+            logged[i].0.extend(&o.new_token_ids);
+            if let Some(lp) = o.logprobs {
+                logged[i].1.push((lp.token_id, lp.logprob, lp.top));
+            }
+            if let Some(rows) = engine.take_prompt_logprobs(o.id) {
+                logged[i].2 = rows
+                    .into_iter()
+                    .map(|r| (r.logprob, r.rank, r.top))
+                    .collect();
+            }
+        }
+    }
+    assert_eq!(
+        engine.kv_cache().num_free_blocks(),
+        engine.kv_cache().num_blocks()
+    );
+    logged
+}
+
+/// Logprobs and prompt logprobs reduced where the logits are (what a GPU model does, so
+/// that a few numbers per row cross to the host instead of the row) equal the host's: a
+/// batch of greedy and seeded sampled requests asking for 0 to 20 alternatives, prompt
+/// logprobs of 0 to 20 alternatives over prompts computed in several steps, and the kinds
+/// the host keeps (more than 20 alternatives, prompt logprobs beside prompt logits)
+/// gives the same tokens, ranks and top ids, and logprobs up to the order of f32 sums.
+#[test]
+fn reduced_rows_give_the_hosts_logprobs() {
+    let prompt = |seed: u32, len: u32| -> Vec<u32> {
+        (0..len)
+            .map(|i| 100 + (seed * 43 + i * 17) % 1800)
+            .collect()
+    };
+    let base = |n| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(n)
+    };
+    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (
+            prompt(1, 6),
+            SamplingParams {
+                logprobs: Some(0),
+                ..base(5)
+            },
+        ),
+        (
+            prompt(2, 9),
+            SamplingParams {
+                logprobs: Some(3),
+                ..base(7)
+            },
+        ),
+        (
+            prompt(3, 4),
+            SamplingParams {
+                logprobs: Some(20),
+                ..base(6)
+            },
+        ),
+        (
+            prompt(4, 8),
+            SamplingParams {
+                logprobs: Some(25),
+                ..base(4)
+            },
+        ),
+        (
+            prompt(5, 7),
+            SamplingParams {
+                temperature: 0.9,
+                seed: Some(5),
+                logprobs: Some(4),
+                ..base(9)
+            },
+        ),
+        (
+            prompt(6, 30),
+            SamplingParams {
+                prompt_logprobs: Some(0),
+                ..base(3)
+            },
+        ),
+        (
+            prompt(7, 21),
+            SamplingParams {
+                prompt_logprobs: Some(20),
+                logprobs: Some(2),
+                ..base(4)
+            },
+        ),
+        (
+            prompt(8, 12),
+            SamplingParams {
+                prompt_logprobs: Some(21),
+                ..base(2)
+            },
+        ),
+        (
+            prompt(9, 10),
+            SamplingParams {
+                prompt_logprobs: Some(3),
+                prompt_logits: true,
+                ..base(2)
+            },
+        ),
+    ];
+    let chunked = |pick: bool| {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/archs/llama/hf");
+        let loaded = lantern_model::load_model(&path, &LoadOptions::default()).unwrap();
+        let config = EngineConfig {
+            kv_cache_memory: 16 << 20,
+            kv_cache_dtype: KvDtype::F32,
+            max_num_batched_tokens: 24,
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(loaded, config).unwrap();
+        e.set_pick_on_host(pick);
+        e
+    };
+    let host = run_logged(&mut chunked(false), &requests);
+    let reduced = run_logged(&mut chunked(true), &requests);
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 + 1e-5 * b.abs();
+    let same_top = |what: &str, a: &[(u32, f32)], b: &[(u32, f32)]| {
+        let ids = |t: &[(u32, f32)]| t.iter().map(|e| e.0).collect::<Vec<_>>();
+        assert_eq!(ids(a), ids(b), "{what}: top ids");
+        for (x, y) in a.iter().zip(b) {
+            assert!(close(x.1, y.1), "{what}: top {x:?} against {y:?}");
+        }
+    };
+    for (i, (h, r)) in host.iter().zip(&reduced).enumerate() {
+        let params = &requests[i].1;
+        assert_eq!(h.0, r.0, "request {i}: tokens");
+        assert_eq!(h.1.len(), r.1.len(), "request {i}: logprobs");
+        assert_eq!(h.1.len(), params.logprobs.map_or(0, |_| h.0.len()));
+        for (s, (a, b)) in h.1.iter().zip(&r.1).enumerate() {
+            let what = format!("request {i} token {s}");
+            assert_eq!(a.0, b.0, "{what}: id");
+            assert!(close(a.1, b.1), "{what}: logprob {} against {}", a.1, b.1);
+            assert_eq!(a.2.len(), params.logprobs.unwrap());
+            same_top(&what, &a.2, &b.2);
+        }
+        let prompt_rows = params
+            .prompt_logprobs
+            .map_or(0, |_| requests[i].0.len() - 1);
+        assert_eq!(h.2.len(), prompt_rows, "request {i}: prompt logprobs");
+        assert_eq!(r.2.len(), prompt_rows, "request {i}: prompt logprobs");
+        for (pos, (a, b)) in h.2.iter().zip(&r.2).enumerate() {
+            let what = format!("request {i} prompt position {pos}");
+            assert!(close(a.0, b.0), "{what}: logprob {} against {}", a.0, b.0);
+            assert_eq!(a.1, b.1, "{what}: rank");
+            same_top(&what, &a.2, &b.2);
+        }
+    }
+}

@@ -7,7 +7,7 @@
 use crate::blocks::Activation;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::pick::{first_max, sample_row, SampleDraw};
+use crate::pick::{reduce_row, ReducedRow, RowReduction};
 use crate::rope::{Rope, RopeTable};
 use crate::{ops, LoadOptions};
 use candle_core::quantized::QTensor;
@@ -156,18 +156,16 @@ pub trait Compute: Send + Sync + Sized + 'static {
         Ok(())
     }
 
-    /// Whether rows reduced to one token here save a copy to the host.
+    /// Whether rows reduced here save a copy to the host.
     const PICKS_ON_DEVICE: bool = false;
 
-    /// One token per row of `width`: where `draws[r]` is `None` the index of the row's
-    /// largest value (the first on ties), else the token the draw picks from the row's
-    /// softmax ([`SampleDraw`], held to [`crate::pick::sample_row`]).
-    fn pick_rows(
+    /// Each row of `width` reduced as `wants` says (held to [`crate::pick::reduce_row`]).
+    fn reduce_rows(
         &self,
         x: &Self::Act,
         width: usize,
-        draws: &[Option<SampleDraw>],
-    ) -> Result<Vec<u32>>;
+        wants: &[RowReduction],
+    ) -> Result<Vec<ReducedRow>>;
 }
 
 /// The host CPU: lantern-quant's kernels for products, the chunked passes of [`ops`],
@@ -388,20 +386,17 @@ impl Compute for Cpu {
         Ok(x)
     }
 
-    fn pick_rows(
+    fn reduce_rows(
         &self,
         x: &Vec<f32>,
         width: usize,
-        draws: &[Option<SampleDraw>],
-    ) -> Result<Vec<u32>> {
-        whole_rows("pick_rows", x.len(), width)?;
-        same_len("pick_rows: draws", draws.len(), x.len() / width)?;
+        wants: &[RowReduction],
+    ) -> Result<Vec<ReducedRow>> {
+        whole_rows("reduce_rows", x.len(), width)?;
+        same_len("reduce_rows: wants", wants.len(), x.len() / width)?;
         Ok(x.chunks_exact(width)
-            .zip(draws)
-            .map(|(row, draw)| match draw {
-                Some(d) => sample_row(row, *d),
-                None => first_max(row),
-            })
+            .zip(wants)
+            .map(|(row, want)| reduce_row(row, *want))
             .collect())
     }
 }

@@ -306,8 +306,8 @@ impl<C: Compute> CausalLm for Decoder<C> {
         C::PICKS_ON_DEVICE
     }
 
-    /// Picked rows go through [`Compute::pick_rows`] where the logits are; only the
-    /// other rows (and the picked rows' ids) are copied to the host.
+    /// Reduced rows go through [`Compute::reduce_rows`] where the logits are; only the
+    /// other rows (and what the reduced rows give) are copied to the host.
     fn forward_picking(
         &self,
         batch: &ForwardBatch,
@@ -326,23 +326,28 @@ impl<C: Compute> CausalLm for Decoder<C> {
         let c = &self.compute;
         let vocab = self.info.vocab_size;
         let logits = self.logits(batch, backend, caches, tap)?;
-        let rows_where = |picked: bool| -> Vec<usize> {
-            (0..pick.len())
-                .filter(|&i| pick[i].is_picked() == picked)
-                .collect()
-        };
-        let (picked_rows, whole_rows) = (rows_where(true), rows_where(false));
-        if picked_rows.is_empty() {
+        let mut wants = Vec::new();
+        let mut reduced_rows = Vec::new();
+        let mut whole_rows = Vec::new();
+        for (row, p) in pick.iter().enumerate() {
+            match p {
+                RowPick::Reduced(want) => {
+                    wants.push(*want);
+                    reduced_rows.push(row);
+                }
+                RowPick::Whole => whole_rows.push(row),
+            }
+        }
+        if reduced_rows.is_empty() {
             return Ok(StepLogitRows::all(c.to_host(logits)?));
         }
-        let draws: Vec<_> = picked_rows.iter().map(|&r| pick[r].draw()).collect();
-        let mut ids = if whole_rows.is_empty() {
-            // Every row picked (a batch of greedy or plainly sampled requests): no copy
+        let mut reduced = if whole_rows.is_empty() {
+            // Every row reduced (a batch of greedy or plainly sampled requests): no copy
             // of the logits.
-            c.pick_rows(&logits, vocab, &draws)?
+            c.reduce_rows(&logits, vocab, &wants)?
         } else {
-            let picked = c.select_rows(&logits, &picked_rows, vocab)?;
-            c.pick_rows(&picked, vocab, &draws)?
+            let selected = c.select_rows(&logits, &reduced_rows, vocab)?;
+            c.reduce_rows(&selected, vocab, &wants)?
         }
         .into_iter();
         let whole = if whole_rows.is_empty() {
@@ -352,7 +357,7 @@ impl<C: Compute> CausalLm for Decoder<C> {
         };
         let picked = pick
             .iter()
-            .map(|p| if p.is_picked() { ids.next() } else { None })
+            .map(|p| if p.is_picked() { reduced.next() } else { None })
             .collect();
         Ok(StepLogitRows {
             logits: whole,

@@ -31,7 +31,9 @@ pub use chat::{
 pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;
-pub use pick::{RowPick, SampleDraw};
+pub use pick::{
+    ReducedRow, RowPick, RowReduction, RowScore, SampleDraw, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+};
 pub use source::WeightSource;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
 
@@ -106,13 +108,14 @@ pub trait CausalLm: Send + Sync {
     ) -> Result<Vec<f32>>;
 
     /// Whether [`Self::forward_picking`] saves work: the logits live on a device and a
-    /// row reduced there to one token is not copied to the host.
+    /// row reduced there (to a token and its logprobs) is not copied to the host.
     fn picks_on_device(&self) -> bool {
         false
     }
 
     /// [`Self::forward`] where each `batch.logits_rows` entry says in `pick` whether it is
-    /// wanted whole or only for one token (its argmax, or a sample: [`RowPick`]).
+    /// wanted whole or reduced (to its argmax, a sample or a given token, with logprobs
+    /// if asked: [`RowPick`]).
     /// Models that do not pick on a device return every row whole.
     fn forward_picking(
         &self,
@@ -129,14 +132,14 @@ pub trait CausalLm: Send + Sync {
     }
 }
 
-/// A step's logits rows as the model returns them: whole rows, and rows reduced to one
-/// token where the caller asked only for that.
+/// A step's logits rows as the model returns them: whole rows, and rows reduced where the
+/// caller asked only for that.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepLogitRows {
     /// The whole rows, in the order of `ForwardBatch::logits_rows`, picked rows left out.
     pub logits: Vec<f32>,
-    /// Per `logits_rows` entry: its token when it was picked (empty: none was).
-    pub picked: Vec<Option<u32>>,
+    /// Per `logits_rows` entry: what it was reduced to, if it was (empty: none was).
+    pub picked: Vec<Option<ReducedRow>>,
 }
 
 impl StepLogitRows {

@@ -1,30 +1,136 @@
-//! Logits rows reduced to one token where the logits are ([`RowPick`]): a model on a
-//! device then copies the token's id to the host instead of the vocabulary-wide row.
+//! Logits rows reduced where the logits are ([`RowPick`]): to the token a request samples,
+//! and to the logprobs it asks for (the token's, its rank, the most likely alternatives),
+//! so that a model on a device copies a few numbers per row to the host instead of the
+//! vocabulary-wide row.
+
+/// Most alternatives a reduced row gives ([`RowReduction::logprobs`]): OpenAI's limit on
+/// `top_logprobs`; rows asking for more are taken whole.
+pub const MAX_REDUCED_TOP_LOGPROBS: usize = 20;
 
 /// What the caller wants of one logits row.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RowPick {
     /// The whole row, on the host.
     Whole,
+    /// Only what [`RowReduction`] says ([`ReducedRow`]).
+    Reduced(RowReduction),
+}
+
+impl RowPick {
+    /// The row's argmax alone (greedy sampling).
+    pub const ARGMAX: RowPick = RowPick::Reduced(RowReduction {
+        token: TokenChoice::Argmax,
+        logprobs: None,
+    });
+
+    /// Whether the row is reduced where the logits are.
+    pub fn is_picked(self) -> bool {
+        self != RowPick::Whole
+    }
+}
+
+/// A row reduced to one token, and that token scored against the row if asked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowReduction {
+    pub token: TokenChoice,
+    /// The token's logprob and rank in the row's log-softmax, with this many most likely
+    /// tokens (at most [`MAX_REDUCED_TOP_LOGPROBS`]); `None`: the token alone.
+    pub logprobs: Option<usize>,
+}
+
+/// How a reduced row's token is chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TokenChoice {
     /// Its argmax (the first on ties): greedy sampling.
     Argmax,
     /// The token a uniform draw picks from the row's softmax ([`SampleDraw`]).
     Sample(SampleDraw),
+    /// A token known before the step (the next prompt token, for prompt logprobs); it
+    /// must be inside the row.
+    Given(u32),
 }
 
-impl RowPick {
-    /// Whether the row is reduced to a token where the logits are.
-    pub fn is_picked(self) -> bool {
-        self != RowPick::Whole
-    }
+/// What a reduced row gives back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReducedRow {
+    pub token: u32,
+    /// Present when [`RowReduction::logprobs`] asked for it.
+    pub score: Option<RowScore>,
+}
 
-    /// The draw of a sampled row (`None`: its argmax).
-    pub fn draw(self) -> Option<SampleDraw> {
-        match self {
-            RowPick::Sample(d) => Some(d),
-            _ => None,
-        }
+/// A token scored against its row's log-softmax (the raw logits: no temperature).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowScore {
+    pub logprob: f32,
+    /// 1 + how many logits are larger than the token's.
+    pub rank: usize,
+    /// The most likely tokens with their logprobs: larger logits first, ties to the lower
+    /// id.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The reference reduction of one row (what a device's kernel is held to): the token
+/// [`RowReduction::token`] chooses, scored with the log-sum-exp summed in f64.
+pub fn reduce_row(row: &[f32], want: RowReduction) -> ReducedRow {
+    let token = match want.token {
+        TokenChoice::Argmax => first_max(row),
+        TokenChoice::Sample(d) => sample_row(row, d),
+        TokenChoice::Given(t) => t,
+    };
+    ReducedRow {
+        token,
+        score: want.logprobs.map(|k| score_token(row, token, k)),
     }
+}
+
+/// `token`'s logprob and rank in `row` and its `k` most likely tokens ([`RowScore`]); a
+/// token outside the row has logprob -inf.
+pub fn score_token(row: &[f32], token: u32, k: usize) -> RowScore {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| f64::from(v - max).exp())
+        .sum();
+    let log_sum = max + sum.ln() as f32;
+    let value = row.get(token as usize).copied();
+    RowScore {
+        logprob: value.map_or(f32::NEG_INFINITY, |v| v - log_sum),
+        rank: 1 + value.map_or(0, |t| row.iter().filter(|&&v| v > t).count()),
+        top: top_k(row, k)
+            .into_iter()
+            .map(|i| (i, row[i as usize] - log_sum))
+            .collect(),
+    }
+}
+
+/// The ids of the `k` largest values of `row` (NaN never), larger first, ties to the lower
+/// id.
+pub fn top_k(row: &[f32], k: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    // No NaN left: every pair compares (and -0 equals 0, as on a device).
+    let by_desc = |a: &u32, b: &u32| {
+        row[*b as usize]
+            .partial_cmp(&row[*a as usize])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
+    };
+    let k = k.min(ids.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, by_desc);
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(by_desc);
+    ids
 }
 
 /// Sampling from the whole softmax of a row at a temperature, by inverse transform: the

@@ -169,69 +169,11 @@ extern "C" __global__ void combine_heads(const float* __restrict__ in, u32 heads
     out[(u64)r * num_keys + j] = acc;
 }
 
-// Whether (v, j) comes before (bv, bj) in top-k order: larger values first, ties by lower
-// position; bj == NONE is after everything.
-#define TOP_K_NONE 0xffffffffu
-__device__ __forceinline__ bool top_k_before(float v, u32 j, float bv, u32 bj) {
-    return bj == TOP_K_NONE || v > bv || (v == bv && j < bj);
-}
-
 // The k largest values of each row of in ([rows, num_keys], no NaN) with their positions,
 // in order (values descending, ties by lower position), as lantern_attn::top_k gives
 // them: vals and idx [rows, k], k <= num_keys. Grid: (row); blockDim.x a multiple of 32.
-// Round by round, each the first key after the previous pick in that order.
 extern "C" __global__ void top_k_rows(const float* __restrict__ in, u32 num_keys, u32 k, float* __restrict__ vals,
                                       u32* __restrict__ idx) {
-    __shared__ float warp_v[32];
-    __shared__ u32 warp_j[32];
-    __shared__ float prev_v;
-    __shared__ u32 prev_j;
     const u64 r = blockIdx.x;
-    const float* row = in + r * num_keys;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (threadIdx.x == 0) {
-        prev_v = LT_INF;
-        prev_j = TOP_K_NONE;
-    }
-    __syncthreads();
-    for (u32 round = 0; round < k; ++round) {
-        const float pv = prev_v;
-        const u32 pj = prev_j;
-        float bv = LT_NEG_INF;
-        u32 bj = TOP_K_NONE;
-        for (u32 j = threadIdx.x; j < num_keys; j += blockDim.x) {
-            const float v = row[j];
-            const bool after = pj == TOP_K_NONE || v < pv || (v == pv && j > pj);
-            if (after && top_k_before(v, j, bv, bj)) {
-                bv = v;
-                bj = j;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const u32 oj = __shfl_xor_sync(0xffffffffu, bj, o);
-            if (oj != TOP_K_NONE && top_k_before(ov, oj, bv, bj)) {
-                bv = ov;
-                bj = oj;
-            }
-        }
-        if (lane == 0) {
-            warp_v[warp] = bv;
-            warp_j[warp] = bj;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (u32 w = 1; w < warps; ++w) {
-                if (warp_j[w] != TOP_K_NONE && top_k_before(warp_v[w], warp_j[w], warp_v[0], warp_j[0])) {
-                    warp_v[0] = warp_v[w];
-                    warp_j[0] = warp_j[w];
-                }
-            }
-            vals[r * k + round] = warp_v[0];
-            idx[r * k + round] = warp_j[0];
-            prev_v = warp_v[0];
-            prev_j = warp_j[0];
-        }
-        __syncthreads();
-    }
+    lt_block_top_k(in + r * num_keys, num_keys, k, vals + r * k, idx + r * k, 1);
 }

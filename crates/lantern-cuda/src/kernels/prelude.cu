@@ -94,3 +94,71 @@ __device__ __forceinline__ float block_sum(float v) {
     __syncthreads();
     return total;
 }
+
+// Whether (v, j) comes before (bv, bj) in top-k order: larger values first, ties by lower
+// position; bj == LT_TOP_K_NONE is after everything.
+#define LT_TOP_K_NONE 0xffffffffu
+__device__ __forceinline__ bool lt_top_k_before(float v, u32 j, float bv, u32 bj) {
+    return bj == LT_TOP_K_NONE || v > bv || (v == bv && j < bj);
+}
+
+// The k largest values of row[0..n) (NaN never) with their positions, in order (values
+// descending, ties by lower position): vals[i * stride] and idx[i * stride] for i < k,
+// written by thread 0 (-inf and LT_TOP_K_NONE past a row's last number). Round by round,
+// each the first position after the previous pick in that order; the whole block calls
+// it (blockDim.x a multiple of 32). Rounds, not a sort: k is small (a map's top-k or a
+// request's top logprobs), the row read k times from cache.
+__device__ void lt_block_top_k(const float* __restrict__ row, u32 n, u32 k, float* vals, u32* idx, u32 stride) {
+    __shared__ float warp_v[32];
+    __shared__ u32 warp_j[32];
+    __shared__ float prev_v;
+    __shared__ u32 prev_j;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (threadIdx.x == 0) {
+        prev_v = LT_INF;
+        prev_j = LT_TOP_K_NONE;
+    }
+    __syncthreads();
+    for (u32 round = 0; round < k; ++round) {
+        const float pv = prev_v;
+        const u32 pj = prev_j;
+        float bv = LT_NEG_INF;
+        u32 bj = LT_TOP_K_NONE;
+        // After a round that found nothing, every later one finds nothing too.
+        const bool exhausted = round > 0 && pj == LT_TOP_K_NONE;
+        for (u32 j = threadIdx.x; j < n && !exhausted; j += blockDim.x) {
+            const float v = row[j];
+            const bool after = pj == LT_TOP_K_NONE || v < pv || (v == pv && j > pj);
+            if (after && v == v && lt_top_k_before(v, j, bv, bj)) {
+                bv = v;
+                bj = j;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const u32 oj = __shfl_xor_sync(0xffffffffu, bj, o);
+            if (oj != LT_TOP_K_NONE && lt_top_k_before(ov, oj, bv, bj)) {
+                bv = ov;
+                bj = oj;
+            }
+        }
+        if (lane == 0) {
+            warp_v[warp] = bv;
+            warp_j[warp] = bj;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (u32 w = 1; w < warps; ++w) {
+                if (warp_j[w] != LT_TOP_K_NONE && lt_top_k_before(warp_v[w], warp_j[w], warp_v[0], warp_j[0])) {
+                    warp_v[0] = warp_v[w];
+                    warp_j[0] = warp_j[w];
+                }
+            }
+            vals[round * stride] = warp_v[0];
+            idx[round * stride] = warp_j[0];
+            prev_v = warp_v[0];
+            prev_j = warp_j[0];
+        }
+        __syncthreads();
+    }
+}

@@ -55,26 +55,16 @@ __device__ __forceinline__ float lt_sample_weight(float v, float max, float inv_
     return w == w ? w : 0.0f;
 }
 
-// One token per row of n logits. params[2r] = 1 / temperature (0: the argmax), params[2r+1]
-// = a uniform draw u in [0, 1): the token where the running sum of the weights, in id
-// order, first passes u times their total (lantern-model's `sample_row`, summed here per
-// thread's contiguous chunk, then across chunks). Where rounding leaves no token past
-// the threshold, the argmax, as the host's sampler.
-extern "C" __global__ void pick_rows(const float* __restrict__ x, const float* __restrict__ params,
-                                     u32* __restrict__ out, u32 n) {
-    const float* src = x + (u64)blockIdx.x * n;
-    float best;
-    u32 best_i;
-    lt_row_argmax(src, n, &best, &best_i);
-    const float inv_t = params[2 * (u64)blockIdx.x], draw = params[2 * (u64)blockIdx.x + 1];
-    if (!(inv_t > 0.0f) || best == LT_NEG_INF) {
-        if (threadIdx.x == 0) out[blockIdx.x] = best_i;
-        return;
-    }
+// The token a uniform draw u in [0, 1) picks from the softmax of src[0..n) at 1 / inv_t, in
+// every thread: the token where the running sum of the weights, in id order, first passes
+// u times their total (lantern-model's `sample_row`, summed here per thread's contiguous
+// chunk, then across chunks). Where rounding leaves no token past the threshold, the
+// argmax best_i (max: its value), as the host's sampler.
+__device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, u32 best_i, float inv_t, float draw) {
     const u32 per = (n + blockDim.x - 1) / blockDim.x;
     const u32 lo = min(threadIdx.x * per, n), hi = min(lo + per, n);
     float mass = 0.0f;
-    for (u32 i = lo; i < hi; ++i) mass += lt_sample_weight(src[i], best, inv_t);
+    for (u32 i = lo; i < hi; ++i) mass += lt_sample_weight(src[i], max, inv_t);
     // Inclusive running sums of the chunks' masses (Hillis-Steele).
     __shared__ float sums[1024];
     __shared__ u32 chosen;
@@ -94,7 +84,7 @@ extern "C" __global__ void pick_rows(const float* __restrict__ x, const float* _
         float left = threshold - before;
         u32 pick = 0xffffffffu;
         for (u32 i = lo; i < hi; ++i) {
-            const float p = lt_sample_weight(src[i], best, inv_t);
+            const float p = lt_sample_weight(src[i], max, inv_t);
             if (p > 0.0f) pick = i;
             if (left < p) break;
             left -= p;
@@ -102,7 +92,60 @@ extern "C" __global__ void pick_rows(const float* __restrict__ x, const float* _
         atomicMin(&chosen, pick);
     }
     __syncthreads();
-    if (threadIdx.x == 0) out[blockIdx.x] = chosen == 0xffffffffu ? best_i : chosen;
+    return chosen == 0xffffffffu ? best_i : chosen;
+}
+
+// Each row of n logits reduced to a token and, if asked, its logprobs (lantern-model's
+// `reduce_row`). params [rows, 4]: 1 / temperature as f32 bits (0: the argmax), a uniform
+// draw u as f32 bits (see lt_sample_token), a given token (LT_NO_TOKEN: the chosen one;
+// it must be < n), and how many alternatives to score (LT_NO_SCORE: the token alone;
+// at most top_cap). out [rows, 3 + 2 * top_cap]: the token, then when scored its rank
+// (1 + how many logits are larger), its logprob as f32 bits, and the top tokens (larger
+// logits first, ties to the lower id) as (id, logprob bits) pairs (LT_NO_TOKEN where a
+// row has fewer numbers). Logprobs are logit - log-sum-exp of the row (no temperature).
+#define LT_NO_TOKEN 0xffffffffu
+#define LT_NO_SCORE 0xffffffffu
+extern "C" __global__ void reduce_rows(const float* __restrict__ x, const u32* __restrict__ params,
+                                       u32* __restrict__ out, u32 n, u32 top_cap) {
+    const u64 r = blockIdx.x;
+    const float* src = x + r * n;
+    const u32* p = params + 4 * r;
+    u32* o = out + r * (3 + 2 * (u64)top_cap);
+    float best;
+    u32 best_i;
+    lt_row_argmax(src, n, &best, &best_i);
+    const float inv_t = __uint_as_float(p[0]), draw = __uint_as_float(p[1]);
+    u32 token = best_i;
+    if (p[2] != LT_NO_TOKEN) {
+        token = p[2];
+    } else if (inv_t > 0.0f && best != LT_NEG_INF) {
+        token = lt_sample_token(src, n, best, best_i, inv_t, draw);
+    }
+    if (threadIdx.x == 0) o[0] = token;
+    const u32 k = p[3];
+    if (k == LT_NO_SCORE) return;
+    // log-sum-exp against the maximum; the rank counted in f32 (exact below 2^24 ids).
+    const float t = src[token];
+    float mass = 0.0f, larger = 0.0f;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = src[i];
+        const float w = expf(v - best);
+        mass += w == w ? w : 0.0f;
+        larger += v > t ? 1.0f : 0.0f;
+    }
+    mass = block_sum(mass);
+    larger = block_sum(larger);
+    const float log_sum = best + logf(mass);
+    if (threadIdx.x == 0) {
+        o[1] = 1u + (u32)larger;
+        o[2] = __float_as_uint(t - log_sum);
+    }
+    const u32 kk = min(k, top_cap);
+    lt_block_top_k(src, n, kk, (float*)(o + 4), o + 3, 2);
+    if (threadIdx.x < kk && o[3 + 2 * threadIdx.x] != LT_NO_TOKEN) {
+        float* lp = (float*)(o + 4 + 2 * threadIdx.x);
+        *lp -= log_sum;
+    }
 }
 
 // Rotary embedding in place on x [tokens, heads, head_dim]; one block per token. Pair i of

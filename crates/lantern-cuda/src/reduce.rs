@@ -1,0 +1,47 @@
+//! The `reduce_rows` kernel's words: a row's reduction as the four parameters the kernel
+//! reads, and its output read back into lantern-model's [`ReducedRow`].
+
+use lantern_model::{ReducedRow, RowReduction, RowScore, TokenChoice};
+
+/// The kernel's marker for "none" (no given token, no score, no top entry).
+const NONE: u32 = u32::MAX;
+
+/// Words per row of the kernel's output for rows of up to `top_cap` alternatives.
+pub fn reduce_stride(top_cap: usize) -> usize {
+    3 + 2 * top_cap
+}
+
+/// `[1 / temperature, draw, given token, alternatives]` (f32 as bits; 0 and 0 for the
+/// argmax, NONE for no given token and no score).
+pub fn reduce_params(want: &RowReduction) -> [u32; 4] {
+    let (inv_t, draw, given) = match want.token {
+        TokenChoice::Argmax => (0.0f32, 0.0f32, NONE),
+        TokenChoice::Sample(d) => (d.inv_temperature, d.draw, NONE),
+        TokenChoice::Given(t) => (0.0, 0.0, t),
+    };
+    let k = want
+        .logprobs
+        .map_or(NONE, |k| k.min(NONE as usize - 1) as u32);
+    [inv_t.to_bits(), draw.to_bits(), given, k]
+}
+
+/// One row's output words (`reduce_stride` of them) as the reduction `want` asked for.
+pub fn reduced_row(words: &[u32], want: &RowReduction) -> ReducedRow {
+    let score = want.logprobs.map(|k| {
+        let top = words[3..]
+            .chunks_exact(2)
+            .take(k)
+            .take_while(|pair| pair[0] != NONE)
+            .map(|pair| (pair[0], f32::from_bits(pair[1])))
+            .collect();
+        RowScore {
+            logprob: f32::from_bits(words[2]),
+            rank: words[1] as usize,
+            top,
+        }
+    });
+    ReducedRow {
+        token: words[0],
+        score,
+    }
+}

@@ -686,7 +686,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// Each row of x `[rows, n]` reduced as `params` `[rows, 4]` says, into `out`
+    /// Each row of x `[rows, n]` reduced as `params` `[rows, 8]` says, into `out`
     /// `[rows, 3 + 2 * top_cap]` (the `reduce_rows` kernel says how; [`crate::reduce`]
     /// writes a row's parameters and reads its words back).
     pub fn reduce_rows(
@@ -696,9 +696,13 @@ impl Gpu {
         out: &mut impl DevicePtrMut<u32>,
         top_cap: usize,
     ) -> Result<()> {
-        let rows = params.len() / 4;
+        let per_row = crate::reduce::REDUCE_PARAMS;
+        let rows = params.len() / per_row;
         ensure(
-            rows > 0 && params.len() == 4 * rows && x.len().is_multiple_of(rows) && x.len() > 0,
+            rows > 0
+                && params.len() == per_row * rows
+                && x.len().is_multiple_of(rows)
+                && x.len() > 0,
             || {
                 format!(
                     "reduce_rows: {} values and {} parameters are not {rows} non-empty rows",
@@ -727,7 +731,7 @@ impl Gpu {
             return Ok(());
         };
         b.arg(&xp).arg(&pp).arg(&op).arg(&n32).arg(&cap32);
-        // SAFETY: x holds `rows` rows of n, params 4 per row, out a stride per row.
+        // SAFETY: x holds `rows` rows of n, params 8 per row, out a stride per row.
         unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! The `reduce_rows` kernel's words: a row's reduction as the four parameters the kernel
 //! reads, and its output read back into lantern-model's [`ReducedRow`].
 
-use lantern_model::{ReducedRow, RowReduction, RowScore, TokenChoice};
+use lantern_model::{ReducedRow, RowReduction, RowScore, SampleDraw, TokenChoice};
 
 /// The kernel's marker for "none" (no given token, no score, no top entry).
 const NONE: u32 = u32::MAX;
@@ -11,18 +11,34 @@ pub fn reduce_stride(top_cap: usize) -> usize {
     3 + 2 * top_cap
 }
 
-/// `[1 / temperature, draw, given token, alternatives]` (f32 as bits; 0 and 0 for the
-/// argmax, NONE for no given token and no score).
-pub fn reduce_params(want: &RowReduction) -> [u32; 4] {
-    let (inv_t, draw, given) = match want.token {
-        TokenChoice::Argmax => (0.0f32, 0.0f32, NONE),
-        TokenChoice::Sample(d) => (d.inv_temperature, d.draw, NONE),
-        TokenChoice::Given(t) => (0.0, 0.0, t),
+/// Parameters per row.
+pub const REDUCE_PARAMS: usize = 8;
+
+/// `[1 / temperature, draw, given token, alternatives, top-k, top-p, min-p, 0]` (f32 as
+/// bits; 0 and 0 for the argmax, NONE for no given token and no score, 0, 1 and 0 for no
+/// cut).
+pub fn reduce_params(want: &RowReduction) -> [u32; REDUCE_PARAMS] {
+    let whole = SampleDraw::whole(0.0, 0.0);
+    let (d, given) = match want.token {
+        TokenChoice::Argmax => (whole, NONE),
+        TokenChoice::Sample(d) => (d, NONE),
+        TokenChoice::Given(t) => (whole, t),
     };
     let k = want
         .logprobs
         .map_or(NONE, |k| k.min(NONE as usize - 1) as u32);
-    [inv_t.to_bits(), draw.to_bits(), given, k]
+    // top-k at or past u32::MAX keeps everything, as 0 does.
+    let top_k = u32::try_from(d.top_k).unwrap_or(0);
+    [
+        d.inv_temperature.to_bits(),
+        d.draw.to_bits(),
+        given,
+        k,
+        top_k,
+        d.top_p.to_bits(),
+        d.min_p.to_bits(),
+        0,
+    ]
 }
 
 /// One row's output words (`reduce_stride` of them) as the reduction `want` asked for.

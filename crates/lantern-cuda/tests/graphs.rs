@@ -90,9 +90,11 @@ fn step(
             let token = if i % 5 == 4 {
                 TokenChoice::Given(ids[i])
             } else if i % 2 == 1 {
+                // Every other sampled row cut by top-k and top-p.
                 TokenChoice::Sample(SampleDraw {
-                    draw,
-                    inv_temperature: 0.7,
+                    top_k: if i % 4 == 1 { 20 } else { 0 },
+                    top_p: if i % 4 == 1 { 0.8 } else { 1.0 },
+                    ..SampleDraw::whole(draw, 0.7)
                 })
             } else {
                 TokenChoice::Argmax

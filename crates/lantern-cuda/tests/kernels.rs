@@ -388,10 +388,8 @@ mod gpu_tests {
         let x = rand_vec(&mut r, rows * n, 4.0);
         let draws: Vec<Option<SampleDraw>> = (0..rows)
             .map(|i| {
-                (i % 4 != 0).then(|| SampleDraw {
-                    draw: r.gen_range(0.0..1.0),
-                    inv_temperature: [1.0, 0.5, 2.0][i % 3],
-                })
+                (i % 4 != 0)
+                    .then(|| SampleDraw::whole(r.gen_range(0.0..1.0), [1.0, 0.5, 2.0][i % 3]))
             })
             .collect();
         let wants: Vec<RowReduction> = draws
@@ -428,6 +426,77 @@ mod gpu_tests {
             "{exact} sampled rows as the reference"
         );
 
+        // Sampled rows cut by top-k, top-p and min-p (alone and together, on flat and
+        // peaked rows, with ties at the cuts): the reference's token, or at a boundary of
+        // the f32 sums a token the reference keeps too.
+        let (rows, n) = (48usize, 6000usize);
+        let mut x = rand_vec(&mut r, rows * n, 1.0);
+        for (row, chunk) in x.chunks_exact_mut(n).enumerate() {
+            let spread = [1.0f32, 4.0, 12.0][row % 3];
+            chunk.iter_mut().for_each(|v| *v *= spread);
+            if row % 4 == 1 {
+                // Ties among the most likely tokens.
+                let top = chunk.iter().copied().fold(f32::MIN, f32::max);
+                for j in [5, 900, 4100, 5999] {
+                    chunk[j] = top;
+                }
+            }
+        }
+        let cuts = [
+            (1usize, 1.0f32, 0.0f32),
+            (2, 1.0, 0.0),
+            (40, 1.0, 0.0),
+            (0, 0.9, 0.0),
+            (0, 0.5, 0.0),
+            (0, 1.0, 0.05),
+            (50, 0.8, 0.01),
+            (5999, 0.95, 0.0),
+        ];
+        let draws: Vec<SampleDraw> = (0..rows)
+            .map(|i| {
+                let (top_k, top_p, min_p) = cuts[i % cuts.len()];
+                SampleDraw {
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..SampleDraw::whole(r.gen_range(0.0..1.0), [1.0, 0.7][i % 2])
+                }
+            })
+            .collect();
+        let wants: Vec<RowReduction> = draws
+            .iter()
+            .map(|&d| want(TokenChoice::Sample(d), None))
+            .collect();
+        let got = reduce(&g, &x, &wants);
+        let mut exact = 0;
+        for (row, (reduced, d)) in got.iter().zip(&draws).enumerate() {
+            let values = &x[row * n..][..n];
+            let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let weights: Vec<f32> = values
+                .iter()
+                .map(|&v| ((v - max) * d.inv_temperature).exp())
+                .collect();
+            let floor = pick::cut_weight(&weights, d);
+            let token = reduced.token as usize;
+            assert!(
+                weights[token] >= floor * (1.0 - 1e-4),
+                "row {row} ({d:?}): token {token} of weight {} under the cut {floor}",
+                weights[token]
+            );
+            if d.top_k <= 2 && d.top_k > 0 && d.top_p == 1.0 {
+                // Ties at the cut all kept (five tied tokens lead the tie rows).
+                let kept = weights.iter().filter(|&&w| w >= floor).count();
+                let ties = values.iter().filter(|&&v| v == max).count();
+                let want_kept = ties.max(d.top_k);
+                assert_eq!(kept, want_kept, "row {row}: top-{}", d.top_k);
+            }
+            exact += usize::from(reduced.token == pick::sample_row(values, *d));
+        }
+        assert!(
+            exact + 3 >= rows,
+            "{exact} of {rows} cut rows as the reference"
+        );
+
         // Scored rows of every kind, vocabularies small and large, 0 to the most
         // alternatives: the reference's ranks and top ids exactly, logprobs to f32 sums.
         for (rows, n) in [(40usize, 5000usize), (6, 151_936), (8, 7)] {
@@ -445,10 +514,7 @@ mod gpu_tests {
                 .map(|i| {
                     let token = match i % 3 {
                         0 => TokenChoice::Argmax,
-                        1 => TokenChoice::Sample(SampleDraw {
-                            draw: r.gen_range(0.0..1.0),
-                            inv_temperature: 0.8,
-                        }),
+                        1 => TokenChoice::Sample(SampleDraw::whole(r.gen_range(0.0..1.0), 0.8)),
                         _ => TokenChoice::Given(r.gen_range(0..n as u32)),
                     };
                     let k = [0, 1, 5, MAX_REDUCED_TOP_LOGPROBS][i % 4];

@@ -72,9 +72,9 @@ impl StepLogits {
 }
 
 /// What a model that reduces rows where its logits are does with a request's sampling
-/// row: its argmax (greedy) or a sample with the draw the engine took ahead (the whole
-/// softmax at a temperature), with the logprobs the request asks for; the row whole for
-/// the host's sampler otherwise (penalties, top-k/top-p/min-p, structured output, ...).
+/// row: its argmax (greedy) or a sample with the draw the engine took ahead (at a
+/// temperature, with top-k, top-p and min-p), with the logprobs the request asks for;
+/// the row whole for the host's sampler otherwise (penalties, structured output, ...).
 fn row_pick(req: &Request) -> RowPick {
     if !req.reduces_row() {
         return RowPick::Whole;
@@ -82,12 +82,16 @@ fn row_pick(req: &Request) -> RowPick {
     let token = if req.params.temperature == 0.0 {
         TokenChoice::Argmax
     } else {
+        let p = &req.params;
         match req.sampler.drawn() {
-            Some(draw) if !req.params.truncates() => TokenChoice::Sample(SampleDraw {
+            Some(draw) => TokenChoice::Sample(SampleDraw {
                 draw,
-                inv_temperature: 1.0 / req.params.temperature,
+                inv_temperature: 1.0 / p.temperature,
+                top_k: p.top_k,
+                top_p: p.top_p,
+                min_p: p.min_p,
             }),
-            _ => return RowPick::Whole,
+            None => return RowPick::Whole,
         }
     };
     RowPick::Reduced(RowReduction {

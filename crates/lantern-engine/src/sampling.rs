@@ -346,42 +346,40 @@ impl Sampler {
 }
 
 /// The token a uniform `draw` in [0, 1) picks from `logits` under `params` (a temperature
-/// above 0): from the whole softmax ([`sample_whole_row`]), or from what top-k, top-p and
-/// min-p leave, walked most likely first.
+/// above 0): from the whole softmax, or from the weights top-k, top-p and min-p keep
+/// ([`cut_weight`]), walked in id order (the same distribution as walking them sorted;
+/// a device samples the same way: `lantern_model::pick::sample_row`).
 pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, draw: f32) -> u32 {
-    if !params.truncates() {
-        return sample_whole_row(logits, params.temperature, draw);
-    }
-    let candidates = filtered_probabilities(logits, params);
-    let total: f32 = candidates.iter().map(|(_, p)| p).sum();
+    let max = vocab_row::max(logits);
+    let mut weights = vec![0f32; logits.len()];
+    let total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, &mut weights);
+    let (floor, total) = if params.truncates() {
+        let floor = cut_weight(&weights, total, params);
+        (floor, weights.iter().filter(|&&w| w >= floor).sum())
+    } else {
+        (0.0, total)
+    };
     let mut threshold = draw * total;
-    for &(id, p) in &candidates {
-        if threshold < p {
-            return id;
+    for (id, &w) in weights.iter().enumerate() {
+        if w >= floor {
+            if threshold < w {
+                return id as u32;
+            }
+            threshold -= w;
         }
-        threshold -= p;
     }
-    candidates
-        .last()
-        .map(|&(id, _)| id)
-        .unwrap_or_else(|| argmax(logits))
+    argmax(logits)
 }
 
 /// The token a uniform `draw` in [0, 1) picks from the whole softmax of `logits` at
 /// `temperature`, walking the row in id order: the same distribution as walking it
 /// sorted, without sorting the vocabulary.
 pub fn sample_whole_row(logits: &[f32], temperature: f32, draw: f32) -> u32 {
-    let max = vocab_row::max(logits);
-    let mut probs = vec![0f32; logits.len()];
-    let total = vocab_row::exp_scaled(logits, max, 1.0 / temperature, &mut probs);
-    let mut threshold = draw * total;
-    for (id, &p) in probs.iter().enumerate() {
-        if threshold < p {
-            return id as u32;
-        }
-        threshold -= p;
-    }
-    argmax(logits)
+    let params = SamplingParams {
+        temperature,
+        ..SamplingParams::default()
+    };
+    sample_with_draw(logits, &params, draw)
 }
 
 /// The most likely token; the lowest id wins a tie, so greedy decoding is deterministic.
@@ -389,37 +387,32 @@ pub fn argmax(logits: &[f32]) -> u32 {
     vocab_row::argmax(logits) as u32
 }
 
-/// Tokens that survive temperature, top-k, top-p and min-p, most likely first, with their
-/// (unnormalized) probabilities.
-fn filtered_probabilities(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f32)> {
-    let max = vocab_row::max(logits);
-    let mut exps = vec![0f32; logits.len()];
-    let all_total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, &mut exps);
-    let mut probs: Vec<(u32, f32)> = exps
-        .into_iter()
+/// The smallest weight (`exp((logit - max) / temperature)`, the largest 1; `total`: their
+/// sum) a token keeps under top-k, top-p and min-p, cut by value as
+/// `lantern_model::pick::cut_weight` defines it (ties at a cut all kept), without sorting
+/// the whole vocabulary where the cut lies among the most likely tokens.
+fn cut_weight(weights: &[f32], total: f32, params: &SamplingParams) -> f32 {
+    let mut probs: Vec<(u32, f32)> = weights
+        .iter()
         .enumerate()
-        .map(|(i, p)| (i as u32, p))
+        .filter(|(_, w)| !w.is_nan())
+        .map(|(i, &w)| (i as u32, w))
         .collect();
     let by_prob_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let total = if params.top_k > 0 && params.top_k < probs.len() {
+    let mut floor = 0.0f32;
+    let mut total = total;
+    if params.top_k > 0 && params.top_k < probs.len() {
         probs.select_nth_unstable_by(params.top_k - 1, by_prob_desc);
-        probs.truncate(params.top_k);
-        probs.iter().map(|(_, p)| p).sum::<f32>()
-    } else {
-        all_total
-    };
-    // The most likely token has probability e^0 = 1 before normalization.
-    let min_p_floor = params.min_p;
-    if params.top_p < 1.0 {
-        probs = nucleus(probs, total, params.top_p, by_prob_desc);
-        probs.retain(|&(_, p)| p >= min_p_floor);
-    } else {
-        // min-p is a threshold, so filtering before sorting keeps the same tokens in
-        // the same order and sorts far fewer.
-        probs.retain(|&(_, p)| p >= min_p_floor);
-        probs.sort_unstable_by(by_prob_desc);
+        floor = probs[params.top_k - 1].1;
+        probs.retain(|&(_, w)| w >= floor);
+        total = probs.iter().map(|(_, w)| w).sum();
     }
-    probs
+    if params.top_p < 1.0 {
+        if let Some(&(_, y)) = nucleus(probs, total, params.top_p, by_prob_desc).last() {
+            floor = floor.max(y);
+        }
+    }
+    floor.max(params.min_p)
 }
 
 /// The smallest most-likely-first prefix of `probs` whose mass (out of `total`) reaches
@@ -434,11 +427,12 @@ fn nucleus(
     order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
 ) -> Vec<(u32, f32)> {
     const PASSES: [usize; 2] = [1024, 16384];
+    let target = top_p * total;
     let reaches = |sorted: &[(u32, f32)]| {
         let mut cumulative = 0.0;
         sorted.iter().position(|&(_, p)| {
-            cumulative += p / total;
-            cumulative >= top_p
+            cumulative += p;
+            cumulative >= target
         })
     };
     for first in PASSES {
@@ -482,6 +476,17 @@ mod tests {
         }
     }
 
+    /// The tokens top-k, top-p and min-p keep.
+    fn kept(logits: &[f32], params: &SamplingParams) -> Vec<u32> {
+        let max = vocab_row::max(logits);
+        let mut weights = vec![0f32; logits.len()];
+        let total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, &mut weights);
+        let floor = cut_weight(&weights, total, params);
+        (0..logits.len() as u32)
+            .filter(|&i| weights[i as usize] >= floor)
+            .collect()
+    }
+
     #[test]
     fn top_p_keeps_the_nucleus() {
         let logits = [10.0, 9.0, -10.0, -10.0];
@@ -489,47 +494,24 @@ mod tests {
             top_p: 0.9,
             ..SamplingParams::default()
         };
-        let kept: Vec<u32> = filtered_probabilities(&logits, &p)
-            .iter()
-            .map(|c| c.0)
-            .collect();
-        assert_eq!(kept, vec![0, 1]);
+        assert_eq!(kept(&logits, &p), vec![0, 1]);
+        // Ties at the cut are all kept.
+        let p = SamplingParams {
+            top_k: 2,
+            ..SamplingParams::default()
+        };
+        assert_eq!(kept(&[1.0, 3.0, 2.0, 2.0], &p), vec![1, 2, 3]);
     }
 
-    /// The plain definition: sort everything, cut at top-k, at top-p, at min-p.
-    fn filtered_naive(logits: &[f32], params: &SamplingParams) -> Vec<u32> {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, (((l - max) / params.temperature) as f64).exp()))
-            .collect();
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if params.top_k > 0 {
-            probs.truncate(params.top_k);
-        }
-        let total: f64 = probs.iter().map(|p| p.1).sum();
-        if params.top_p < 1.0 {
-            let mut cumulative = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&(_, p)| {
-                    cumulative += p / total;
-                    cumulative >= params.top_p as f64
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-        }
-        probs.retain(|&(_, p)| p >= params.min_p as f64);
-        probs.into_iter().map(|p| p.0).collect()
-    }
-
+    /// The host's cut is the reference's (lantern-model's `cut_weight`, a sort of the
+    /// whole row), on flat and peaked rows of a large vocabulary whose cut lies inside
+    /// and beyond the first pass; a token or two may move at the boundary with the order
+    /// of the f32 sums.
     #[test]
-    fn filters_match_their_plain_definition_on_a_large_vocabulary() {
+    fn cuts_match_the_reference_on_a_large_vocabulary() {
         use rand::Rng;
         let mut rng = StdRng::seed_from_u64(11);
         for round in 0..6 {
-            // Flat and peaked rows: the nucleus inside and beyond the first pass.
             let spread = if round % 2 == 0 { 2.0 } else { 12.0 };
             let logits: Vec<f32> = (0..20_000).map(|_| rng.gen::<f32>() * spread).collect();
             for (top_k, top_p, min_p) in [
@@ -547,19 +529,28 @@ mod tests {
                     min_p,
                     ..SamplingParams::default()
                 };
-                let got = filtered_probabilities(&logits, &params);
-                assert!(
-                    got.windows(2).all(|w| w[0].1 >= w[1].1),
-                    "not most likely first"
-                );
-                let got: std::collections::HashSet<u32> = got.iter().map(|c| c.0).collect();
-                let want: std::collections::HashSet<u32> =
-                    filtered_naive(&logits, &params).into_iter().collect();
-                // f32 sums and exps (vs f64 here) may move a cut by a token or two at the
-                // boundary; nothing else may differ.
+                let got: std::collections::HashSet<u32> =
+                    kept(&logits, &params).into_iter().collect();
+                let weights: Vec<f32> = logits
+                    .iter()
+                    .map(|&l| ((l - vocab_row::max(&logits)) / 0.8).exp())
+                    .collect();
+                let d = lantern_model::SampleDraw {
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..lantern_model::SampleDraw::whole(0.0, 1.0 / 0.8)
+                };
+                let floor = lantern_model::pick::cut_weight(&weights, &d);
+                let want: std::collections::HashSet<u32> = (0..logits.len() as u32)
+                    .filter(|&i| weights[i as usize] >= floor)
+                    .collect();
                 let differ = got.symmetric_difference(&want).count();
                 assert!(differ <= 2, "{top_k} {top_p} {min_p}: {differ} differ");
                 assert!(!got.is_empty());
+                if top_k > 0 && top_p == 1.0 {
+                    assert_eq!(got.len(), top_k, "no ties among random logits");
+                }
             }
         }
     }
@@ -586,12 +577,15 @@ mod tests {
                 let keep = want
                     .iter()
                     .position(|&(_, p)| {
-                        cumulative += p / total;
-                        cumulative >= top_p
+                        cumulative += p;
+                        cumulative >= top_p * total
                     })
                     .map_or(want.len(), |i| i + 1);
                 want.truncate(keep);
-                assert_eq!(got, want, "spread {spread}, top-p {top_p}");
+                assert!(
+                    got == want,
+                    "spread {spread}, top-p {top_p}: another nucleus"
+                );
                 ends.insert(match got.len() {
                     0..=1024 => 0,
                     1025..=16384 => 1,

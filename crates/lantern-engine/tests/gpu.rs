@@ -602,9 +602,10 @@ fn capturing_decode_steps_replay_graphs_and_keep_the_eager_maps() {
     }
 }
 
-/// Requests sampling the whole softmax at a temperature are sampled on the GPU with the
-/// draw the engine takes ahead from their seeded streams (one id per row crosses to the
-/// host): the tokens the host sampler picks from the same logits with the same draws
+/// Requests sampling at a temperature, from the whole softmax or cut by top-k, top-p and
+/// min-p, are sampled on the GPU with the draw the engine takes ahead from their seeded
+/// streams (one id per row crosses to the host): the tokens the host sampler picks from
+/// the same logits with the same draws
 /// (the same requests asking for more logprobs than a row reduced on the device gives,
 /// whose rows are copied to the host), at three temperatures, batched, eager and from
 /// graphs, in both layouts.
@@ -622,6 +623,9 @@ fn sampled_rows_on_the_gpu_give_the_host_samplers_tokens() {
                     .map(|i| {
                         let params = SamplingParams {
                             temperature: [1.0, 0.7, 1.3, 1.0][i],
+                            top_p: [1.0, 0.9, 1.0, 0.95][i],
+                            top_k: [0, 0, 40, 0][i],
+                            min_p: [0.0, 0.0, 0.0, 0.02][i],
                             seed: Some(100 + i as u64),
                             logprobs,
                             ..greedy(16)

@@ -1,10 +1,10 @@
-//! Rows reduced to one token by the model (what a GPU model does for greedy requests and
-//! for requests sampling the whole softmax at a temperature, so that only one id per row
-//! crosses to the host) give exactly the tokens the host sampler gives, and leave every
-//! other kind of request to the sampler: a batch mixing plain greedy, greedy with
-//! logprobs, penalties, `min_tokens`, prompt logits, seeded sampling of the whole row
-//! (picked with the draw taken ahead of the step) and seeded sampling with top-p or
-//! logprobs (left to the sampler) runs identically with picking on and off.
+//! Rows reduced by the model (what a GPU model does for greedy requests and for requests
+//! sampling at a temperature, whole or cut by top-k/top-p/min-p, with their logprobs and
+//! prompt logprobs, so that a few numbers per row cross to the host) give the tokens and
+//! logprobs the host gives, and leave every other kind of request to the sampler: a batch
+//! mixing plain greedy, greedy with logprobs, penalties, `min_tokens`, prompt logits,
+//! seeded sampling of the whole row and with top-p (picked with the draw taken ahead of
+//! the step) and with logprobs runs identically with reducing on and off.
 
 mod common;
 

@@ -133,16 +133,69 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<u32> {
     ids
 }
 
-/// Sampling from the whole softmax of a row at a temperature, by inverse transform: the
-/// token where the running sum of `exp((logit - max) / temperature)`, in id order, first
-/// passes `draw` times the row's total. The host sampler picks the same way from the same
-/// draw of the request's random stream; only the order of a device's sums differs.
+/// Sampling from the softmax of a row at a temperature, by inverse transform: weights
+/// `exp((logit - max) / temperature)` (the most likely token's is 1), those below the cut
+/// of top-k, top-p and min-p dropped ([`cut_weight`]), and the token where their running
+/// sum, in id order, first passes `draw` times their total. The host sampler picks the
+/// same way from the same draw of the request's random stream; only the order of a
+/// device's sums differs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampleDraw {
     /// Uniform in [0, 1).
     pub draw: f32,
     /// 1 / temperature (> 0).
     pub inv_temperature: f32,
+    /// Keep the `top_k` largest weights (0: all).
+    pub top_k: usize,
+    /// Keep the largest weights whose mass reaches `top_p` of what top-k kept (1: all).
+    pub top_p: f32,
+    /// Keep weights of at least `min_p` (0: all).
+    pub min_p: f32,
+}
+
+impl SampleDraw {
+    /// A draw from the whole softmax at `1 / inv_temperature`: nothing cut.
+    pub fn whole(draw: f32, inv_temperature: f32) -> Self {
+        Self {
+            draw,
+            inv_temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        }
+    }
+
+    /// Whether top-k, top-p or min-p may cut weights.
+    pub fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+}
+
+/// The smallest weight a token keeps under top-k, top-p and min-p, as values: top-k keeps
+/// the weights of at least the `top_k`-th largest; top-p then the weights of at least the
+/// largest value `y` whose tokens (weights >= y) hold `top_p` of what top-k kept; min-p
+/// the weights of at least `min_p`. Tokens tied at a cut are all kept (as vLLM's masks
+/// keep them). NaN weights are none.
+pub fn cut_weight(weights: &[f32], d: &SampleDraw) -> f32 {
+    let mut sorted: Vec<f32> = weights.iter().copied().filter(|w| !w.is_nan()).collect();
+    sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+    let mut floor = 0.0f32;
+    if d.top_k > 0 && d.top_k < sorted.len() {
+        floor = sorted[d.top_k - 1];
+        sorted.retain(|&w| w >= floor);
+    }
+    if d.top_p < 1.0 {
+        let total: f32 = sorted.iter().sum();
+        let target = d.top_p * total;
+        let mut cumulative = 0.0f32;
+        if let Some(&y) = sorted.iter().find(|&&w| {
+            cumulative += w;
+            cumulative >= target
+        }) {
+            floor = y;
+        }
+    }
+    floor.max(d.min_p)
 }
 
 /// [`SampleDraw`]'s token of `row`, summed in id order (the reference a device's kernel
@@ -154,18 +207,20 @@ pub fn sample_row(row: &[f32], d: SampleDraw) -> u32 {
         .copied()
         .filter(|v| !v.is_nan())
         .fold(f32::NEG_INFINITY, f32::max);
-    let weight = |v: f32| {
-        let w = ((v - max) * d.inv_temperature).exp();
-        if w.is_nan() {
-            0.0
-        } else {
-            w
-        }
+    let weights: Vec<f32> = row
+        .iter()
+        .map(|&v| ((v - max) * d.inv_temperature).exp())
+        .collect();
+    let floor = if d.truncates() {
+        cut_weight(&weights, &d)
+    } else {
+        0.0
     };
-    let total: f32 = row.iter().map(|&v| weight(v)).sum();
+    let kept = |w: f32| if w >= floor { w } else { 0.0 };
+    let total: f32 = weights.iter().map(|&w| kept(w)).sum();
     let mut threshold = d.draw * total;
-    for (id, &v) in row.iter().enumerate() {
-        let p = weight(v);
+    for (id, &w) in weights.iter().enumerate() {
+        let p = kept(w);
         if threshold < p {
             return id as u32;
         }
@@ -205,13 +260,7 @@ mod tests {
             let mut counts = [0usize; 6];
             for i in 0..n {
                 let draw = (i as f32 + 0.5) / n as f32;
-                counts[sample_row(
-                    &row,
-                    SampleDraw {
-                        draw,
-                        inv_temperature,
-                    },
-                ) as usize] += 1;
+                counts[sample_row(&row, SampleDraw::whole(draw, inv_temperature)) as usize] += 1;
             }
             for (id, &c) in counts.iter().enumerate() {
                 let want = weights[id] / total;
@@ -222,22 +271,67 @@ mod tests {
                 );
             }
             assert_eq!(counts[4], 0, "a token of -inf is never sampled");
-            let first = SampleDraw {
-                draw: 0.0,
-                inv_temperature,
-            };
+            let first = SampleDraw::whole(0.0, inv_temperature);
             assert_eq!(sample_row(&row, first), 0);
         }
     }
 
     #[test]
     fn a_row_without_mass_gives_its_argmax() {
-        let d = SampleDraw {
-            draw: 0.5,
-            inv_temperature: 1.0,
-        };
+        let d = SampleDraw::whole(0.5, 1.0);
         assert_eq!(sample_row(&[f32::NEG_INFINITY; 3], d), 0);
         assert_eq!(sample_row(&[f32::NAN, 2.0, f32::NAN], d), 1);
         assert_eq!(first_max(&[1.0, 3.0, 3.0]), 1);
+    }
+
+    /// Top-k, top-p and min-p cut by value (ties at a cut all kept), and draws spread
+    /// over [0, 1) pick each kept token as often as its share of the kept weights.
+    #[test]
+    fn cuts_keep_values_and_draws_follow_the_kept_weights() {
+        let row = [2.0f32, 0.0, 2.0, 1.0, -1.0, f32::NAN, 1.0];
+        let weights: Vec<f32> = row.iter().map(|&v| (v - 2.0).exp()).collect();
+        let cut = |top_k, top_p, min_p| {
+            let d = SampleDraw {
+                top_k,
+                top_p,
+                min_p,
+                ..SampleDraw::whole(0.0, 1.0)
+            };
+            let floor = cut_weight(&weights, &d);
+            (0..row.len())
+                .filter(|&i| weights[i] >= floor)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(cut(1, 1.0, 0.0), [0, 2], "the tie at the top-k cut is kept");
+        assert_eq!(cut(3, 1.0, 0.0), [0, 2, 3, 6]);
+        assert_eq!(cut(0, 0.5, 0.0), [0, 2], "the two ones hold over half");
+        assert_eq!(cut(0, 0.75, 0.0), [0, 2, 3, 6]);
+        assert_eq!(cut(0, 1.0, 0.3), [0, 2, 3, 6]);
+        assert_eq!(cut(0, 1.0, 0.5), [0, 2]);
+        assert_eq!(cut(5, 0.99, 0.0), [0, 1, 2, 3, 6]);
+        let d = SampleDraw {
+            top_k: 3,
+            ..SampleDraw::whole(0.0, 1.0)
+        };
+        let kept = [0usize, 2, 3, 6];
+        let total: f64 = kept.iter().map(|&i| weights[i] as f64).sum();
+        let n = 100_000;
+        let mut counts = [0usize; 7];
+        for i in 0..n {
+            let draw = (i as f32 + 0.5) / n as f32;
+            counts[sample_row(&row, SampleDraw { draw, ..d }) as usize] += 1;
+        }
+        for (id, &c) in counts.iter().enumerate() {
+            let want = if kept.contains(&id) {
+                weights[id] as f64 / total
+            } else {
+                0.0
+            };
+            let got = c as f64 / n as f64;
+            assert!(
+                (got - want).abs() < 1e-3,
+                "token {id}: {got} against {want}"
+            );
+        }
     }
 }

@@ -55,16 +55,67 @@ __device__ __forceinline__ float lt_sample_weight(float v, float max, float inv_
     return w == w ? w : 0.0f;
 }
 
-// The token a uniform draw u in [0, 1) picks from the softmax of src[0..n) at 1 / inv_t, in
-// every thread: the token where the running sum of the weights, in id order, first passes
-// u times their total (lantern-model's `sample_row`, summed here per thread's contiguous
-// chunk, then across chunks). Where rounding leaves no token past the threshold, the
-// argmax best_i (max: its value), as the host's sampler.
-__device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, u32 best_i, float inv_t, float draw) {
+// How many of src[0..n)'s weights at 1 / inv_t are at least `floor`, and their sum, in
+// every thread (block_sum's fixed order: the same sums every run).
+__device__ void lt_weights_from(const float* __restrict__ src, u32 n, float max, float inv_t, float floor,
+                                float* count, float* mass) {
+    float c = 0.0f, m = 0.0f;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const float w = lt_sample_weight(src[i], max, inv_t);
+        if (w >= floor) {
+            c += 1.0f;
+            m += w;
+        }
+    }
+    *count = block_sum(c);
+    *mass = block_sum(m);
+}
+
+// The smallest weight a token keeps under top-k, top-p and min-p (lantern-model's
+// `cut_weight`: cuts by value, ties kept), in every thread. Each cut is a bisection over
+// the bits of non-negative floats (ordered as the floats are), one pass over the row a
+// step: the largest x keeping at least top_k weights, then the largest keeping top_p of
+// what top-k kept. Weights are at most 1 (the maximum's).
+__device__ float lt_cut_weight(const float* __restrict__ src, u32 n, float max, float inv_t, u32 top_k, float top_p,
+                               float min_p) {
+    const u32 above_one = __float_as_uint(1.0f) + 1u;
+    float count, mass;
+    u32 floor = 0;
+    if (top_k > 0 && top_k < n) {
+        u32 hi = above_one;
+        while (hi - floor > 1) {
+            const u32 mid = floor + (hi - floor) / 2;
+            lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), &count, &mass);
+            if (count >= (float)top_k) floor = mid; else hi = mid;
+        }
+    }
+    if (top_p < 1.0f) {
+        lt_weights_from(src, n, max, inv_t, __uint_as_float(floor), &count, &mass);
+        const float target = top_p * mass;
+        u32 hi = above_one;
+        while (hi - floor > 1) {
+            const u32 mid = floor + (hi - floor) / 2;
+            lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), &count, &mass);
+            if (mass >= target) floor = mid; else hi = mid;
+        }
+    }
+    return fmaxf(__uint_as_float(floor), min_p);
+}
+
+// The token a uniform draw u in [0, 1) picks from the weights of src[0..n) at 1 / inv_t that
+// are at least `floor`, in every thread: the token where their running sum, in id order,
+// first passes u times their total (lantern-model's `sample_row`, summed here per thread's
+// contiguous chunk, then across chunks). Where rounding leaves no token past the threshold,
+// the argmax best_i (max: its value), as the host's sampler.
+__device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, u32 best_i, float inv_t, float floor,
+                               float draw) {
     const u32 per = (n + blockDim.x - 1) / blockDim.x;
     const u32 lo = min(threadIdx.x * per, n), hi = min(lo + per, n);
     float mass = 0.0f;
-    for (u32 i = lo; i < hi; ++i) mass += lt_sample_weight(src[i], max, inv_t);
+    for (u32 i = lo; i < hi; ++i) {
+        const float w = lt_sample_weight(src[i], max, inv_t);
+        mass += w >= floor ? w : 0.0f;
+    }
     // Inclusive running sums of the chunks' masses (Hillis-Steele).
     __shared__ float sums[1024];
     __shared__ u32 chosen;
@@ -84,7 +135,8 @@ __device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, 
         float left = threshold - before;
         u32 pick = 0xffffffffu;
         for (u32 i = lo; i < hi; ++i) {
-            const float p = lt_sample_weight(src[i], max, inv_t);
+            float p = lt_sample_weight(src[i], max, inv_t);
+            p = p >= floor ? p : 0.0f;
             if (p > 0.0f) pick = i;
             if (left < p) break;
             left -= p;
@@ -96,30 +148,34 @@ __device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, 
 }
 
 // Each row of n logits reduced to a token and, if asked, its logprobs (lantern-model's
-// `reduce_row`). params [rows, 4]: 1 / temperature as f32 bits (0: the argmax), a uniform
+// `reduce_row`). params [rows, 8]: 1 / temperature as f32 bits (0: the argmax), a uniform
 // draw u as f32 bits (see lt_sample_token), a given token (LT_NO_TOKEN: the chosen one;
-// it must be < n), and how many alternatives to score (LT_NO_SCORE: the token alone;
-// at most top_cap). out [rows, 3 + 2 * top_cap]: the token, then when scored its rank
-// (1 + how many logits are larger), its logprob as f32 bits, and the top tokens (larger
-// logits first, ties to the lower id) as (id, logprob bits) pairs (LT_NO_TOKEN where a
-// row has fewer numbers). Logprobs are logit - log-sum-exp of the row (no temperature).
+// it must be < n), how many alternatives to score (LT_NO_SCORE: the token alone; at most
+// top_cap), top-k (0: none), top-p and min-p as f32 bits (1 and 0: none), one unused.
+// out [rows, 3 + 2 * top_cap]: the token, then when scored its rank (1 + how many logits
+// are larger), its logprob as f32 bits, and the top tokens (larger logits first, ties to
+// the lower id) as (id, logprob bits) pairs (LT_NO_TOKEN where a row has fewer numbers).
+// Logprobs are logit - log-sum-exp of the row (no temperature, nothing cut).
 #define LT_NO_TOKEN 0xffffffffu
 #define LT_NO_SCORE 0xffffffffu
 extern "C" __global__ void reduce_rows(const float* __restrict__ x, const u32* __restrict__ params,
                                        u32* __restrict__ out, u32 n, u32 top_cap) {
     const u64 r = blockIdx.x;
     const float* src = x + r * n;
-    const u32* p = params + 4 * r;
+    const u32* p = params + 8 * r;
     u32* o = out + r * (3 + 2 * (u64)top_cap);
     float best;
     u32 best_i;
     lt_row_argmax(src, n, &best, &best_i);
     const float inv_t = __uint_as_float(p[0]), draw = __uint_as_float(p[1]);
+    const float top_p = __uint_as_float(p[5]), min_p = __uint_as_float(p[6]);
     u32 token = best_i;
     if (p[2] != LT_NO_TOKEN) {
         token = p[2];
     } else if (inv_t > 0.0f && best != LT_NEG_INF) {
-        token = lt_sample_token(src, n, best, best_i, inv_t, draw);
+        const bool cuts = p[4] > 0 || top_p < 1.0f || min_p > 0.0f;
+        const float floor = cuts ? lt_cut_weight(src, n, best, inv_t, p[4], top_p, min_p) : 0.0f;
+        token = lt_sample_token(src, n, best, best_i, inv_t, floor, draw);
     }
     if (threadIdx.x == 0) o[0] = token;
     const u32 k = p[3];

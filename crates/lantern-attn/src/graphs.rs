@@ -13,13 +13,16 @@ pub struct GraphKey {
     pub num_reqs: usize,
     /// Width of every KV cache group's padded block table.
     pub table_width: usize,
-    /// Whether every logits row is read back whole (else each is reduced to its token:
-    /// its argmax, or a sample from the draw uploaded with the step).
+    /// Whether every logits row is read back whole (else each is reduced where the
+    /// logits are, as parameters uploaded with the step say).
     pub whole_logits: bool,
     /// Whether the step carries capturing requests that keep their query rows on the
     /// device ([`crate::AttentionTap::device_only`]): every layer of such a step copies
     /// their rows there, in one launch whose destinations are uploaded with the step.
     pub capturing: bool,
+    /// Edits of the logits before they are reduced (penalties) the step uploads, padded
+    /// to this many (0: none, and no launch for them).
+    pub edit_capacity: usize,
 }
 
 /// What a backend's graphs did so far (for tests, benchmarks and logs).

@@ -55,10 +55,18 @@ pub struct BenchArgs {
     /// instead of greedily (0): what a client's default of temperature 1 costs.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
-    /// With `--temperature`: sample from the smallest set of most likely tokens whose
-    /// probability reaches this (1: the whole softmax).
+    /// With `--temperature`: sample from the most likely tokens whose probability
+    /// reaches this (1: the whole softmax).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// The decode figures return this many top logprobs with each token (0 to 20): what
+    /// an evaluation client's `logprobs` costs.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=20))]
+    pub logprobs: Option<u8>,
+    /// The decode figures apply this repetition penalty (1: none): what penalized
+    /// sampling costs.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
 }
 
 /// The kernel level `name` names, which this CPU must run and which must differ from
@@ -103,17 +111,22 @@ pub(crate) fn decode_params(tokens: usize) -> SamplingParams {
     }
 }
 
-/// How the decode figures sample: a temperature (0: greedy) and a top-p.
+/// How the decode figures sample: a temperature (0: greedy), a top-p, top logprobs and a
+/// repetition penalty.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sampling {
     pub temperature: f32,
     pub top_p: f32,
+    pub logprobs: Option<usize>,
+    pub repetition_penalty: f32,
 }
 
 impl Sampling {
     pub(crate) const GREEDY: Sampling = Sampling {
         temperature: 0.0,
         top_p: 1.0,
+        logprobs: None,
+        repetition_penalty: 1.0,
     };
 }
 
@@ -122,6 +135,8 @@ fn sampled_params(tokens: usize, sampling: Sampling, seed: u64) -> SamplingParam
     SamplingParams {
         temperature: sampling.temperature,
         top_p: sampling.top_p,
+        logprobs: sampling.logprobs,
+        repetition_penalty: sampling.repetition_penalty,
         seed: (sampling.temperature > 0.0).then_some(seed),
         ..decode_params(tokens)
     }
@@ -250,9 +265,16 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         "--top-p must be above 0 and at most 1, not {}",
         args.top_p
     );
+    anyhow::ensure!(
+        args.repetition_penalty.is_finite() && args.repetition_penalty > 0.0,
+        "--repetition-penalty must be above 0, not {}",
+        args.repetition_penalty
+    );
     let sampling = Sampling {
         temperature: args.temperature,
         top_p: args.top_p,
+        logprobs: args.logprobs.map(usize::from),
+        repetition_penalty: args.repetition_penalty,
     };
     args.engine.no_prefix_caching = true;
     let repeat = args.repeat.max(1);
@@ -367,6 +389,8 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "decode_tokens": args.decode_tokens,
                 "temperature": args.temperature,
                 "top_p": args.top_p,
+                "logprobs": args.logprobs,
+                "repetition_penalty": args.repetition_penalty,
                 "decode_tokens_per_s": decode_empty,
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
@@ -399,6 +423,12 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         if args.temperature > 0.0 {
             let (t, p) = (args.temperature, args.top_p);
             println!("decode sampling    temperature {t}, top-p {p} (seeded)");
+        }
+        if let Some(k) = args.logprobs {
+            println!("decode logprobs    {k} top logprobs a token");
+        }
+        if args.repetition_penalty != 1.0 {
+            println!("decode penalty     repetition {}", args.repetition_penalty);
         }
         println!(
             "prefill            {prefill:8.1} tokens/s  ({}-token prompt)",

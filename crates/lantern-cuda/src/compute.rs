@@ -17,7 +17,7 @@ use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
 use lantern_model::rope::{Rope, RopePairs};
 use lantern_model::{
-    LoadOptions, ModelError, ReducedRow, Result, RowReduction, TokenChoice,
+    LoadOptions, LogitEdit, ModelError, ReducedRow, Result, RowReduction, TokenChoice,
     MAX_REDUCED_TOP_LOGPROBS,
 };
 
@@ -28,7 +28,7 @@ use crate::gpu::Gpu;
 use crate::kept::KeptRowsTable;
 use crate::kernels::Activation;
 use crate::pool::{Pool, Pooled};
-use crate::reduce::{reduce_params, reduce_stride, reduced_row};
+use crate::reduce::{edit_words, reduce_params, reduce_stride, reduced_row};
 use crate::CudaError;
 
 /// The model's blocks on one GPU.
@@ -713,6 +713,18 @@ impl Compute for CudaCompute {
     /// their logprobs are reduced here: a few numbers per row cross to the host, not the
     /// row.
     const PICKS_ON_DEVICE: bool = true;
+
+    fn edit_logits(&self, x: &mut GpuAct, width: usize, edits: &[LogitEdit]) -> Result<()> {
+        // Uploaded with the step: a graph of edited steps replays the launch with the
+        // step's own edits (padded by the engine to the graph's count).
+        let words = self
+            .gpu
+            .step_upload(&edit_words(edits))
+            .map_err(model_error)?;
+        self.gpu
+            .edit_logits(&mut **x, width, &*words)
+            .map_err(model_error)
+    }
 
     fn reduce_rows(
         &self,

@@ -48,7 +48,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rows.cu",
         source: include_str!("kernels/rows.cu"),
-        functions: &["rms_norm", "reduce_rows", "rope"],
+        functions: &["rms_norm", "reduce_rows", "edit_logits", "rope"],
     },
     KernelSource {
         name: "fused.cu",
@@ -733,6 +733,39 @@ impl Gpu {
         b.arg(&xp).arg(&pp).arg(&op).arg(&n32).arg(&cap32);
         // SAFETY: x holds `rows` rows of n, params 8 per row, out a stride per row.
         unsafe { b.launch(row_cfg(u32_of("rows", rows)? as usize, n)) }?;
+        Ok(())
+    }
+
+    /// Applies `edits` (`[count, 6]` words, [`crate::reduce::edit_words`]) to the rows of
+    /// `n` in x.
+    pub fn edit_logits(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        n: usize,
+        edits: &impl DevicePtr<u32>,
+    ) -> Result<()> {
+        ensure(n > 0 && x.len().is_multiple_of(n), || {
+            format!("edit_logits: {} values are not rows of {n}", x.len())
+        })?;
+        ensure(edits.len().is_multiple_of(6), || {
+            format!("edit_logits: {} words are not edits of 6", edits.len())
+        })?;
+        let count = edits.len() / 6;
+        if count == 0 {
+            return Ok(());
+        }
+        let n32 = u32_of("row length", n)?;
+        let rows32 = u32_of("rows", x.len() / n)?;
+        let count32 = u32_of("edits", count)?;
+        let f = self.function("edit_logits")?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let (ep, _ge) = edits.device_ptr(&self.stream);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
+        b.arg(&xp).arg(&n32).arg(&rows32).arg(&ep).arg(&count32);
+        // SAFETY: the kernel checks every edit's row and token against x's shape.
+        unsafe { b.launch(LaunchConfig::for_num_elems(count32)) }?;
         Ok(())
     }
 

@@ -1,7 +1,8 @@
-//! The `reduce_rows` kernel's words: a row's reduction as the four parameters the kernel
-//! reads, and its output read back into lantern-model's [`ReducedRow`].
+//! The `reduce_rows` and `edit_logits` kernels' words: a row's reduction as the parameters
+//! the kernel reads, its output read back into lantern-model's [`ReducedRow`], and logit
+//! edits.
 
-use lantern_model::{ReducedRow, RowReduction, RowScore, SampleDraw, TokenChoice};
+use lantern_model::{LogitEdit, ReducedRow, RowReduction, RowScore, SampleDraw, TokenChoice};
 
 /// The kernel's marker for "none" (no given token, no score, no top entry).
 const NONE: u32 = u32::MAX;
@@ -60,4 +61,21 @@ pub fn reduced_row(words: &[u32], want: &RowReduction) -> ReducedRow {
         token: words[0],
         score,
     }
+}
+
+/// The `edit_logits` kernel's six words of each edit.
+pub fn edit_words(edits: &[LogitEdit]) -> Vec<u32> {
+    edits
+        .iter()
+        .flat_map(|e| {
+            [
+                e.row,
+                e.token,
+                e.repetition.to_bits(),
+                e.subtract.to_bits(),
+                e.add.to_bits(),
+                u32::from(e.suppress),
+            ]
+        })
+        .collect()
 }

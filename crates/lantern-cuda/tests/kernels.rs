@@ -22,7 +22,7 @@ mod gpu_tests {
     use lantern_cuda::{Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta};
     use lantern_model::pick::{self, SampleDraw};
     use lantern_model::{
-        ReducedRow, RowReduction, RowScore, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+        LogitEdit, ReducedRow, RowReduction, RowScore, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
     };
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -547,6 +547,47 @@ mod gpu_tests {
                 }
             }
         }
+
+        // Edits (penalties, bias, suppressed tokens) bit for bit as the reference applies
+        // them, padding edits of no row doing nothing.
+        let (rows, n) = (5usize, 3000usize);
+        let x = rand_vec(&mut r, rows * n, 5.0);
+        let mut edits = Vec::new();
+        for row in 0..rows as u32 {
+            let mut tokens: Vec<u32> = (0..n as u32).collect();
+            for i in 0..200 {
+                let t = tokens.swap_remove(r.gen_range(0..tokens.len()));
+                edits.push(LogitEdit {
+                    row,
+                    token: t,
+                    repetition: [1.0, 1.3, 0.7][i % 3],
+                    subtract: [0.0, 0.45, -1.5][i % 5 % 3],
+                    add: [0.0, 2.0][i % 2],
+                    suppress: i % 17 == 0,
+                });
+            }
+        }
+        edits.push(LogitEdit {
+            row: u32::MAX,
+            token: 0,
+            repetition: 2.0,
+            subtract: 1.0,
+            add: 1.0,
+            suppress: true,
+        });
+        let mut edited = x.clone();
+        pick::apply_edits(&mut edited, n, &edits);
+        let mut on_device = g.upload(&x).unwrap();
+        g.edit_logits(
+            &mut on_device,
+            n,
+            &g.upload(&reduce::edit_words(&edits)).unwrap(),
+        )
+        .unwrap();
+        let got = g.download(&on_device).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&got) == bits(&edited), "edit_logits: rows differ");
+        assert!(got != x, "edits changed the rows");
 
         // A row with few numbers (NaN elsewhere) and -inf: the top stops at its numbers.
         let mut x = vec![f32::NAN; 64];

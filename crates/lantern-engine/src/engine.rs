@@ -165,7 +165,9 @@ impl Engine {
             )));
         }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
-        let runner = ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
+        let mut runner =
+            ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
+        runner.stop_ids = loaded.tokenizer.stop_ids().to_vec();
         // The CUDA backends' names start so (`lantern_cuda::CUDA_BACKEND_NAMES`): their
         // forward leaves the host's cores idle.
         let finalize_threads =

@@ -211,15 +211,22 @@ impl Request {
         self.reads_raw_row() && self.params.logprobs.is_none()
     }
 
-    /// Whether the next logits row can be reduced where the model's logits are: read
-    /// as the model gave it (see [`Self::reads_raw_row`]), for its token and at most
-    /// [`MAX_REDUCED_TOP_LOGPROBS`] alternatives.
+    /// Whether the next logits row can be reduced where the model's logits are: read for
+    /// its token and at most [`MAX_REDUCED_TOP_LOGPROBS`] alternatives, after penalties
+    /// (edits there: `sampling::logit_edits`), without structured output or prompt logits.
     pub fn reduces_row(&self) -> bool {
-        self.reads_raw_row()
+        self.constraint.is_none()
+            && !self.params.prompt_logits
             && self
                 .params
                 .logprobs
                 .is_none_or(|k| k <= MAX_REDUCED_TOP_LOGPROBS)
+    }
+
+    /// Whether its next token's row is still below `min_tokens` (its stop tokens are
+    /// suppressed).
+    pub fn below_min_tokens(&self) -> bool {
+        self.num_output_tokens() < self.params.min_tokens
     }
 
     /// Whether the next logits row is used as the model gave it: no penalty or bias,
@@ -227,7 +234,7 @@ impl Request {
     fn reads_raw_row(&self) -> bool {
         let p = &self.params;
         !p.has_penalties()
-            && self.num_output_tokens() >= p.min_tokens
+            && !self.below_min_tokens()
             && self.constraint.is_none()
             && !p.prompt_logits
     }

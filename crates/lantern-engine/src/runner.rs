@@ -2,6 +2,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::request::Request;
+use crate::sampling::logit_edits;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
     AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry, CommonAttentionMetadata,
@@ -9,8 +10,8 @@ use lantern_attn::{
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{
-    CausalLm, ForwardBatch, ReducedRow, RowPick, RowReduction, SampleDraw, StepLogitRows,
-    TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+    CausalLm, ForwardBatch, LogitEdit, ReducedRow, RowPick, RowReduction, SampleDraw,
+    StepLogitRows, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -72,17 +73,25 @@ impl StepLogits {
 }
 
 /// What a model that reduces rows where its logits are does with a request's sampling
-/// row: its argmax (greedy) or a sample with the draw the engine took ahead (at a
-/// temperature, with top-k, top-p and min-p), with the logprobs the request asks for;
-/// the row whole for the host's sampler otherwise (penalties, structured output, ...).
-fn row_pick(req: &Request) -> RowPick {
+/// row (row `row` of the step's logits): its argmax (greedy) or a sample with the draw the
+/// engine took ahead (at a temperature, with top-k, top-p and min-p), after the edits its
+/// penalties and `min_tokens` make (added to `edits`), with the logprobs the request asks
+/// for; the row whole for the host's sampler otherwise (structured output, too many
+/// edits, ...).
+fn row_pick(
+    req: &Request,
+    row: usize,
+    vocab: usize,
+    stop_ids: &[u32],
+    edits: &mut Vec<LogitEdit>,
+) -> RowPick {
+    let p = &req.params;
     if !req.reduces_row() {
         return RowPick::Whole;
     }
-    let token = if req.params.temperature == 0.0 {
+    let token = if p.temperature == 0.0 {
         TokenChoice::Argmax
     } else {
-        let p = &req.params;
         match req.sampler.drawn() {
             Some(draw) => TokenChoice::Sample(SampleDraw {
                 draw,
@@ -94,9 +103,26 @@ fn row_pick(req: &Request) -> RowPick {
             None => return RowPick::Whole,
         }
     };
+    if p.has_penalties() || req.below_min_tokens() {
+        // As `Engine::append_token` edits the row on the host.
+        let mut suppressed: Vec<&[u32]> = Vec::new();
+        if req.below_min_tokens() {
+            if !p.ignore_eos {
+                suppressed.push(stop_ids);
+            }
+            suppressed.push(&p.stop_token_ids);
+        }
+        let Ok(row) = u32::try_from(row) else {
+            return RowPick::Whole;
+        };
+        match logit_edits(p, req.prompt(), req.output_ids(), &suppressed, vocab, row) {
+            Some(row_edits) => edits.extend(row_edits),
+            None => return RowPick::Whole,
+        }
+    }
     RowPick::Reduced(RowReduction {
         token,
-        logprobs: req.params.logprobs,
+        logprobs: p.logprobs,
     })
 }
 
@@ -123,6 +149,10 @@ fn prompt_row_pick(req: &Request, pos: usize, vocab: usize) -> RowPick {
 /// graphs): shorter contexts share these graphs.
 const MIN_GRAPH_CONTEXT: usize = 256;
 
+/// Fewest and most logit edits a graph step carries (more: the step runs eagerly).
+const MIN_GRAPH_EDITS: usize = 256;
+const MAX_GRAPH_EDITS: usize = 1 << 16;
+
 /// What a step feeds the model, before any padding.
 struct StepInputs {
     token_ids: Vec<u32>,
@@ -130,6 +160,8 @@ struct StepInputs {
     logits_rows: Vec<usize>,
     /// Per logits row: whole, or reduced (see `row_pick`, `prompt_row_pick`).
     pick: Vec<RowPick>,
+    /// Edits of reduced rows' logits before they are reduced (penalties, `min_tokens`).
+    edits: Vec<LogitEdit>,
 }
 
 pub struct ModelRunner {
@@ -145,6 +177,8 @@ pub struct ModelRunner {
     /// Ask for picked rows (argmax or sampled) even from a model that keeps its logits on
     /// the host (it reduces them there): the picked-row path tested without a GPU.
     pub pick_on_host: bool,
+    /// The tokenizer's stop tokens, suppressed in reduced rows below `min_tokens`.
+    pub stop_ids: Vec<u32>,
 }
 
 impl ModelRunner {
@@ -188,6 +222,7 @@ impl ModelRunner {
                 .collect(),
             block_size,
             pick_on_host: false,
+            stop_ids: Vec::new(),
         })
     }
 
@@ -218,7 +253,8 @@ impl ModelRunner {
         kv: &KvCacheManager,
         mut tap: Option<&mut dyn AttentionTap>,
     ) -> Result<StepLogits> {
-        let (inputs, rows) = Self::step_inputs(model, plan, requests, self.pick_on_host)?;
+        let (inputs, rows) =
+            Self::step_inputs(model, plan, requests, self.pick_on_host, &self.stop_ids)?;
         let vocab = model.info().vocab_size;
         // A capture whose work stays on the device is recorded into the step's graph.
         if tap.as_ref().is_none_or(|t| t.device_only()) {
@@ -262,6 +298,7 @@ impl ModelRunner {
         plan: &SchedulerOutput,
         requests: &HashMap<RequestId, Request>,
         pick_on_host: bool,
+        stop_ids: &[u32],
     ) -> Result<(StepInputs, Vec<RequestRows>)> {
         let num_tokens = plan.num_tokens();
         let mut token_ids = Vec::with_capacity(num_tokens);
@@ -270,6 +307,7 @@ impl ModelRunner {
         let mut logits_rows = Vec::new();
         // Per logits row: whole, or reduced (see `row_pick`, `prompt_row_pick`).
         let mut pick = Vec::new();
+        let mut edits = Vec::new();
         let vocab = model.info().vocab_size;
         let mut rows = Vec::new();
         for s in &plan.scheduled {
@@ -303,7 +341,7 @@ impl ModelRunner {
             if samples {
                 logits_rows.push(token_ids.len() - 1);
                 pick.push(if picking {
-                    row_pick(req)
+                    row_pick(req, logits_rows.len() - 1, vocab, stop_ids, &mut edits)
                 } else {
                     RowPick::Whole
                 });
@@ -322,6 +360,7 @@ impl ModelRunner {
             positions,
             logits_rows,
             pick,
+            edits,
         };
         Ok((inputs, rows))
     }
@@ -358,11 +397,18 @@ impl ModelRunner {
         let table_width = longest
             .next_power_of_two()
             .max(MIN_GRAPH_CONTEXT.div_ceil(self.block_size.max(1)));
+        // Edits in powers of two too (padded with edits of no row).
+        let edit_capacity = match inputs.edits.len() {
+            0 => 0,
+            n if n > MAX_GRAPH_EDITS => return None,
+            n => n.next_power_of_two().max(MIN_GRAPH_EDITS),
+        };
         Some(GraphKey {
             num_reqs,
             table_width,
             whole_logits: !inputs.pick.iter().all(|p| p.is_picked()),
             capturing,
+            edit_capacity,
         })
     }
 
@@ -424,11 +470,25 @@ impl ModelRunner {
             pick.resize(b, RowPick::ARGMAX);
             pick
         };
+        // The graph's count of edits, the padding's naming no row.
+        let mut edits = inputs.edits.clone();
+        edits.resize(
+            key.edit_capacity.max(edits.len()),
+            LogitEdit {
+                row: u32::MAX,
+                token: 0,
+                repetition: 1.0,
+                subtract: 0.0,
+                add: 0.0,
+                suppress: false,
+            },
+        );
         let mut padded = StepInputs {
             token_ids: inputs.token_ids.clone(),
             positions: inputs.positions.clone(),
             logits_rows: (0..b).collect(),
             pick,
+            edits,
         };
         padded.token_ids.resize(b, 0);
         padded.positions.resize(b, 0);
@@ -461,7 +521,14 @@ impl ModelRunner {
         };
         let backend = self.backend.as_ref();
         Ok(if inputs.pick.iter().any(|p| p.is_picked()) {
-            model.forward_picking(&batch, backend, &mut self.caches, tap, &inputs.pick)?
+            model.forward_picking(
+                &batch,
+                backend,
+                &mut self.caches,
+                tap,
+                &inputs.pick,
+                &inputs.edits,
+            )?
         } else {
             StepLogitRows::all(model.forward(&batch, backend, &mut self.caches, tap)?)
         })

@@ -5,7 +5,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::vocab_row;
-use lantern_model::RowScore;
+use lantern_model::{LogitEdit, RowScore};
 
 /// How one request picks its tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -201,6 +201,94 @@ pub fn apply_penalties(
     for &(t, bias) in &params.logit_bias {
         if let Some(logit) = logits.get_mut(t as usize) {
             *logit += bias;
+        }
+    }
+}
+
+/// Most edits one reduced row may take, as a share of the vocabulary: a row with more
+/// (a long prompt under a repetition penalty) is copied whole instead, which moves fewer
+/// bytes.
+const MAX_EDITS_PER_VOCAB: usize = 8;
+
+/// What [`apply_penalties`] and then (below `min_tokens`) [`suppress_stop_tokens`] do to
+/// row `row` of a step's logits, as one [`LogitEdit`] per logit they change: the same
+/// values, bit for bit, where a device applies them. `suppressed`: the stop tokens
+/// suppressed (empty at or past `min_tokens`). `None` where the row takes more than a
+/// vocabulary's [`MAX_EDITS_PER_VOCAB`]th, or the bias names a token twice (applied twice
+/// in a row by the host).
+pub fn logit_edits(
+    params: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+    suppressed: &[&[u32]],
+    vocab: usize,
+    row: u32,
+) -> Option<Vec<LogitEdit>> {
+    let mut edits = RowEdits {
+        edits: std::collections::BTreeMap::new(),
+        limit: (vocab / MAX_EDITS_PER_VOCAB).max(1),
+        vocab,
+        row,
+        overflow: false,
+    };
+    if params.repetition_penalty != 1.0 {
+        for &t in prompt.iter().chain(output) {
+            edits.change(t, |e| e.repetition = params.repetition_penalty);
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, count) in counts {
+            let subtract = params.frequency_penalty * count as f32 + params.presence_penalty;
+            edits.change(t, |e| e.subtract = subtract);
+        }
+    }
+    let mut biased = std::collections::HashSet::new();
+    for &(t, bias) in &params.logit_bias {
+        if !biased.insert(t) {
+            return None;
+        }
+        edits.change(t, |e| e.add = bias);
+    }
+    for &t in suppressed.iter().copied().flatten() {
+        edits.change(t, |e| e.suppress = true);
+    }
+    (!edits.overflow).then(|| edits.edits.into_values().collect())
+}
+
+/// One row's edits by token, up to a limit.
+struct RowEdits {
+    edits: std::collections::BTreeMap<u32, LogitEdit>,
+    limit: usize,
+    vocab: usize,
+    row: u32,
+    /// A token past the limit was left out.
+    overflow: bool,
+}
+
+impl RowEdits {
+    /// Changes `token`'s edit (a new one unchanged but for `f`); tokens outside the row
+    /// are ignored, as the host ignores them.
+    fn change(&mut self, token: u32, f: impl FnOnce(&mut LogitEdit)) {
+        use std::collections::btree_map::Entry;
+        if token as usize >= self.vocab {
+            return;
+        }
+        let full = self.edits.len() >= self.limit;
+        match self.edits.entry(token) {
+            Entry::Occupied(e) => f(e.into_mut()),
+            Entry::Vacant(_) if full => self.overflow = true,
+            Entry::Vacant(v) => f(v.insert(LogitEdit {
+                row: self.row,
+                token,
+                repetition: 1.0,
+                subtract: 0.0,
+                add: 0.0,
+                suppress: false,
+            })),
         }
     }
 }
@@ -660,6 +748,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A row edited by `logit_edits` (what a device applies) is bit for bit the row
+    /// `apply_penalties` and `suppress_stop_tokens` give, for every kind of penalty alone
+    /// and together, tokens outside the row included; too many edits, or a bias naming a
+    /// token twice, give none.
+    #[test]
+    fn logit_edits_give_the_hosts_penalized_row() {
+        use rand::Rng;
+        let mut rng = StdRng::seed_from_u64(9);
+        let vocab = 3000;
+        for round in 0..40 {
+            let row: Vec<f32> = (0..vocab).map(|_| rng.gen_range(-6.0f32..6.0)).collect();
+            let prompt: Vec<u32> = (0..rng.gen_range(0..200))
+                .map(|_| rng.gen_range(0..vocab as u32 + 10))
+                .collect();
+            let output: Vec<u32> = (0..rng.gen_range(0..60))
+                .map(|_| rng.gen_range(0..400))
+                .collect();
+            let params = SamplingParams {
+                repetition_penalty: [1.0, 1.3, 0.8][round % 3],
+                frequency_penalty: [0.0, 0.5, -1.25][round % 4 % 3],
+                presence_penalty: [0.0, 1.5][round % 2],
+                logit_bias: (0..round % 5)
+                    .map(|i| (rng.gen_range(0..vocab as u32) * 5 + i as u32, 3.0))
+                    .filter(|(t, _)| (*t as usize) < vocab)
+                    .collect(),
+                ..SamplingParams::default()
+            };
+            let stops: &[u32] = &[7, 2999, 5000];
+            let suppressed: Vec<&[u32]> = if round % 3 == 0 { vec![stops] } else { vec![] };
+            let mut want = row.clone();
+            apply_penalties(&mut want, &params, &prompt, &output);
+            for s in &suppressed {
+                suppress_stop_tokens(&mut want, s);
+            }
+            let edits = logit_edits(&params, &prompt, &output, &suppressed, vocab, 0).unwrap();
+            let mut got = row.clone();
+            lantern_model::pick::apply_edits(&mut got, vocab, &edits);
+            let bits = |r: &[f32]| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&got) == bits(&want), "round {round}: rows differ");
+            assert!(edits.len() <= vocab / MAX_EDITS_PER_VOCAB);
+        }
+        let many: Vec<u32> = (0..vocab as u32).collect();
+        let params = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::default()
+        };
+        assert_eq!(logit_edits(&params, &many, &[], &[], vocab, 0), None);
+        let params = SamplingParams {
+            logit_bias: vec![(5, 1.0), (5, 2.0)],
+            ..SamplingParams::default()
+        };
+        assert_eq!(logit_edits(&params, &[], &[], &[], vocab, 0), None);
     }
 
     #[test]

@@ -466,7 +466,8 @@ fn run_logged(
 /// greedy tokens and log-probabilities within f32 summation noise, for batches padded to a
 /// graph's size (3 to 4, 5 to 8), contexts long enough for split-K attention, greedy-only
 /// batches (argmax graphs), batches with requests for 3 logprobs (their rows reduced on the
-/// device, in the same graphs) or for 21 (whole-logits graphs), in both layouts,
+/// device, in the same graphs; with a repetition penalty, edited there first) or for 21
+/// (whole-logits graphs), in both layouts,
 /// sliding-window and two-group models included. Each shape is recorded once and
 /// replayed after.
 #[test]
@@ -489,20 +490,25 @@ fn graph_steps_equal_eager_steps() {
                 .collect();
             prompts.push(long);
             for batch in [1, 3, 5] {
-                // Argmax graphs, graphs of rows reduced with their logprobs, and
-                // whole-logits graphs (more alternatives than a reduced row gives).
-                for asked in [None, Some(3), Some(21)] {
+                // Argmax graphs, graphs of rows reduced with their logprobs (and edited
+                // by a repetition penalty first), and whole-logits graphs (more
+                // alternatives than a reduced row gives).
+                for (asked, penalty) in
+                    [(None, 1.0), (Some(3), 1.0), (Some(3), 1.3), (Some(21), 1.0)]
+                {
                     let requests: Vec<_> = (0..batch)
                         .map(|i| {
                             let logprobs = asked.filter(|_| i % 2 == 0);
                             let params = SamplingParams {
                                 logprobs,
+                                repetition_penalty: if i % 2 == 1 { 1.0 } else { penalty },
                                 ..greedy(12)
                             };
                             (prompts[(i + batch) % prompts.len()].clone(), params)
                         })
                         .collect();
-                    let name = format!("{arch} {backend} batch {batch} logprobs {asked:?}");
+                    let name =
+                        format!("{arch} {backend} batch {batch} logprobs {asked:?} {penalty}");
                     let on_graphs = run_logged(&mut graphed, &requests);
                     let eagerly = run_logged(&mut eager, &requests);
                     for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
@@ -650,9 +656,10 @@ fn sampled_rows_on_the_gpu_give_the_host_samplers_tokens() {
 
 /// Logprobs and prompt logprobs reduced on the GPU (a few numbers per row cross to the
 /// host) equal those the host computes from the same rows copied whole: requests for 0 to
-/// 20 alternatives (greedy and seeded sampled) against the same requests for 21 (more than
-/// a reduced row gives: whole rows), prompt logprobs against the same with prompt logits
-/// (whole rows), eager and from graphs. The same tokens, ranks and top ids; logprobs up to
+/// 20 alternatives (greedy and seeded sampled, with penalties, bias and `min_tokens`
+/// edited into the row there) against the same requests for 21 (more than a reduced row
+/// gives: whole rows), prompt logprobs against the same with prompt logits (whole rows),
+/// eager and from graphs. The same tokens, ranks and top ids; logprobs up to
 /// the order of f32 sums.
 #[test]
 fn logprobs_reduced_on_the_gpu_equal_the_hosts() {
@@ -704,6 +711,17 @@ fn logprobs_reduced_on_the_gpu_equal_the_hosts() {
                         logprobs: Some(if whole { 21 } else { [0, 5, 20, 2][i] }),
                         prompt_logprobs: (i % 2 == 1).then_some(3),
                         prompt_logits: whole && i % 2 == 1,
+                        // Penalties, bias and min_tokens: edits of the row on the device.
+                        repetition_penalty: [1.3, 1.0, 1.0, 1.0][i],
+                        presence_penalty: [0.0, 0.0, 0.6, 0.0][i],
+                        frequency_penalty: [0.0, 0.0, 0.4, 0.0][i],
+                        logit_bias: if i == 0 {
+                            vec![(3, 4.0), (60, -2.0)]
+                        } else {
+                            vec![]
+                        },
+                        min_tokens: [0, 0, 5, 0][i],
+                        stop_token_ids: vec![1, 2].into(),
                         ..greedy(8)
                     };
                     (prompts[i % prompts.len()].prompt_ids.clone(), params)

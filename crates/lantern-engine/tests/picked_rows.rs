@@ -336,6 +336,32 @@ fn reduced_rows_give_the_hosts_logprobs() {
                 ..base(2)
             },
         ),
+        // Penalties and min_tokens: edits of the row before it is reduced.
+        (
+            prompt(10, 9),
+            SamplingParams {
+                repetition_penalty: 1.4,
+                frequency_penalty: 0.7,
+                presence_penalty: -0.3,
+                logit_bias: vec![(301, 2.5), (17, -100.0), (999_999, 1.0)],
+                logprobs: Some(5),
+                ..base(12)
+            },
+        ),
+        (
+            prompt(11, 5),
+            SamplingParams {
+                temperature: 1.1,
+                top_p: 0.9,
+                seed: Some(11),
+                presence_penalty: 1.5,
+                min_tokens: 6,
+                ignore_eos: false,
+                stop_token_ids: vec![400, 1200].into(),
+                logprobs: Some(3),
+                ..SamplingParams::greedy(10)
+            },
+        ),
     ];
     let chunked = |pick: bool| {
         let path =

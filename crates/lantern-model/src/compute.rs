@@ -7,7 +7,7 @@
 use crate::blocks::Activation;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use crate::pick::{reduce_row, ReducedRow, RowReduction};
+use crate::pick::{apply_edits, reduce_row, LogitEdit, ReducedRow, RowReduction};
 use crate::rope::{Rope, RopeTable};
 use crate::{ops, LoadOptions};
 use candle_core::quantized::QTensor;
@@ -158,6 +158,11 @@ pub trait Compute: Send + Sync + Sized + 'static {
 
     /// Whether rows reduced here save a copy to the host.
     const PICKS_ON_DEVICE: bool = false;
+
+    /// Applies `edits` to the rows of `width` in `x` (held to
+    /// [`crate::pick::apply_edits`]; an edit whose row is `u32::MAX` does nothing: a graph
+    /// step's padding).
+    fn edit_logits(&self, x: &mut Self::Act, width: usize, edits: &[LogitEdit]) -> Result<()>;
 
     /// Each row of `width` reduced as `wants` says (held to [`crate::pick::reduce_row`]).
     fn reduce_rows(
@@ -384,6 +389,12 @@ impl Compute for Cpu {
 
     fn to_host(&self, x: Vec<f32>) -> Result<Vec<f32>> {
         Ok(x)
+    }
+
+    fn edit_logits(&self, x: &mut Vec<f32>, width: usize, edits: &[LogitEdit]) -> Result<()> {
+        whole_rows("edit_logits", x.len(), width)?;
+        apply_edits(x, width, edits);
+        Ok(())
     }
 
     fn reduce_rows(

@@ -10,7 +10,9 @@ use crate::hparams::HParams;
 use crate::linear::tensor_to_vec;
 use crate::rope::{Rope, RopePairs, RopeScaling};
 use crate::source::WeightSource;
-use crate::{CausalLm, ForwardBatch, LoadOptions, LoadProgress, ModelInfo, RowPick, StepLogitRows};
+use crate::{
+    CausalLm, ForwardBatch, LoadOptions, LoadProgress, LogitEdit, ModelInfo, RowPick, StepLogitRows,
+};
 use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, LayerKvCache};
 
 /// What an architecture is, in terms of the shared blocks.
@@ -306,8 +308,9 @@ impl<C: Compute> CausalLm for Decoder<C> {
         C::PICKS_ON_DEVICE
     }
 
-    /// Reduced rows go through [`Compute::reduce_rows`] where the logits are; only the
-    /// other rows (and what the reduced rows give) are copied to the host.
+    /// Reduced rows go through [`Compute::edit_logits`] and [`Compute::reduce_rows`] where
+    /// the logits are; only the other rows (and what the reduced rows give) are copied to
+    /// the host.
     fn forward_picking(
         &self,
         batch: &ForwardBatch,
@@ -315,6 +318,7 @@ impl<C: Compute> CausalLm for Decoder<C> {
         caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
         pick: &[RowPick],
+        edits: &[LogitEdit],
     ) -> Result<StepLogitRows> {
         if pick.len() != batch.logits_rows.len() {
             return Err(crate::ModelError::Compute(format!(
@@ -325,7 +329,10 @@ impl<C: Compute> CausalLm for Decoder<C> {
         }
         let c = &self.compute;
         let vocab = self.info.vocab_size;
-        let logits = self.logits(batch, backend, caches, tap)?;
+        let mut logits = self.logits(batch, backend, caches, tap)?;
+        if !edits.is_empty() {
+            c.edit_logits(&mut logits, vocab, edits)?;
+        }
         let mut wants = Vec::new();
         let mut reduced_rows = Vec::new();
         let mut whole_rows = Vec::new();

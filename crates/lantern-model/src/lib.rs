@@ -32,7 +32,8 @@ pub use cpu::{simd_level, SimdLevel};
 pub use error::{ModelError, Result};
 pub use gguf::GgufFile;
 pub use pick::{
-    ReducedRow, RowPick, RowReduction, RowScore, SampleDraw, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
+    LogitEdit, ReducedRow, RowPick, RowReduction, RowScore, SampleDraw, TokenChoice,
+    MAX_REDUCED_TOP_LOGPROBS,
 };
 pub use source::WeightSource;
 pub use tokenizer::{IncrementalDecoder, ModelTokenizer};
@@ -115,8 +116,9 @@ pub trait CausalLm: Send + Sync {
 
     /// [`Self::forward`] where each `batch.logits_rows` entry says in `pick` whether it is
     /// wanted whole or reduced (to its argmax, a sample or a given token, with logprobs
-    /// if asked: [`RowPick`]).
-    /// Models that do not pick on a device return every row whole.
+    /// if asked: [`RowPick`]), reduced rows after `edits` (penalties; none for whole
+    /// rows, which the caller edits itself). Models that do not pick on a device return
+    /// every row whole.
     fn forward_picking(
         &self,
         batch: &ForwardBatch,
@@ -124,8 +126,9 @@ pub trait CausalLm: Send + Sync {
         caches: &mut [Box<dyn LayerKvCache>],
         tap: Option<&mut dyn AttentionTap>,
         pick: &[RowPick],
+        edits: &[LogitEdit],
     ) -> Result<StepLogitRows> {
-        let _ = pick;
+        let _ = (pick, edits);
         Ok(StepLogitRows::all(
             self.forward(batch, backend, caches, tap)?,
         ))

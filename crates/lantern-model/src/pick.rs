@@ -69,6 +69,60 @@ pub struct RowScore {
     pub top: Vec<(u32, f32)>,
 }
 
+/// A change to one logit of a reduced row before it is reduced (penalties, logit bias,
+/// stop tokens before `min_tokens`), in the host sampler's order: the repetition penalty,
+/// then `subtract`, then `add`, then `suppress`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitEdit {
+    /// The row's index among the step's logits rows.
+    pub row: u32,
+    pub token: u32,
+    /// A positive logit is divided by it, another multiplied (1: unchanged).
+    pub repetition: f32,
+    /// Subtracted where not 0 (frequency and presence penalties).
+    pub subtract: f32,
+    /// Added where not 0 (logit bias).
+    pub add: f32,
+    /// The logit becomes -inf (a stop token before `min_tokens`).
+    pub suppress: bool,
+}
+
+impl LogitEdit {
+    /// The edited logit.
+    pub fn apply(&self, logit: f32) -> f32 {
+        let mut x = logit;
+        if self.repetition != 1.0 {
+            x = if x > 0.0 {
+                x / self.repetition
+            } else {
+                x * self.repetition
+            };
+        }
+        if self.subtract != 0.0 {
+            x -= self.subtract;
+        }
+        if self.add != 0.0 {
+            x += self.add;
+        }
+        if self.suppress {
+            x = f32::NEG_INFINITY;
+        }
+        x
+    }
+}
+
+/// Applies `edits` to `rows` (`[rows, width]`, the step's logits rows in order); edits of
+/// rows or tokens outside them are ignored.
+pub fn apply_edits(rows: &mut [f32], width: usize, edits: &[LogitEdit]) {
+    for e in edits {
+        let t = e.token as usize;
+        let at = (e.row as usize).checked_mul(width).filter(|_| t < width);
+        if let Some(logit) = at.and_then(|start| rows.get_mut(start + t)) {
+            *logit = e.apply(*logit);
+        }
+    }
+}
+
 /// The reference reduction of one row (what a device's kernel is held to): the token
 /// [`RowReduction::token`] chooses, scored with the log-sum-exp summed in f64.
 pub fn reduce_row(row: &[f32], want: RowReduction) -> ReducedRow {

@@ -204,6 +204,26 @@ extern "C" __global__ void reduce_rows(const float* __restrict__ x, const u32* _
     }
 }
 
+// Edits to logits of x [rows, n] before they are reduced (lantern-model's `LogitEdit`,
+// in its order): edits [count, 6] of (row, token, repetition, subtract, add as f32 bits,
+// suppress); row 0xffffffff: none (a graph step's padding). One thread an edit; no two
+// edits name the same logit.
+extern "C" __global__ void edit_logits(float* __restrict__ x, u32 n, u32 rows, const u32* __restrict__ edits,
+                                       u32 count) {
+    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= count) return;
+    const u32* d = edits + 6 * (u64)e;
+    if (d[0] >= rows || d[1] >= n) return;
+    float* logit = x + (u64)d[0] * n + d[1];
+    float v = *logit;
+    const float repetition = __uint_as_float(d[2]), subtract = __uint_as_float(d[3]), add = __uint_as_float(d[4]);
+    if (repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
+    if (subtract != 0.0f) v -= subtract;
+    if (add != 0.0f) v += add;
+    if (d[5]) v = LT_NEG_INF;
+    *logit = v;
+}
+
 // Rotary embedding in place on x [tokens, heads, head_dim]; one block per token. Pair i of
 // a head is (2i, 2i+1) when `adjacent`, else (i, i + half); only the first 2*half dims turn.
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,

@@ -116,6 +116,21 @@ def lantern_figures(args, model_dir, budget):
             res["bench_sampled"] = json.loads(lines[-1])
         except Exception:
             res["bench_sampled_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+    if args.lantern_logprobs:
+        # The same figures with what evaluation and chat clients add: top-p, 5 top
+        # logprobs a token and a repetition penalty (the rows edited, cut, sampled and
+        # scored on the device): what they cost against greedy.
+        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
+                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
+                      "--repeat", str(args.repeat), "--temperature", "0.8", "--top-p", "0.95",
+                      "--logprobs", "5", "--repetition-penalty", "1.1"]
+        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+        out, err, secs = run(cmd, timeout)
+        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
+        try:
+            res["bench_logprobs"] = json.loads(lines[-1])
+        except Exception:
+            res["bench_logprobs_error"] = err or f"unreadable output: {(out or '')[-400:]}"
     if args.lantern_no_small_products:
         # The same figures with cuBLAS for every product: what the small-product kernels give.
         cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
@@ -331,7 +346,8 @@ def table(name, layers, lan, hf, args):
                          "lantern": kept,
                          "speedup": ratio(kept, host) if higher else ratio(host, kept)})
     for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only"),
-                       ("bench_sampled", "greedy / temperature 1")):
+                       ("bench_sampled", "greedy / temperature 1"),
+                       ("bench_logprobs", "greedy / top-p, logprobs, penalty")):
         other = lan.get(key)
         if not other:
             continue
@@ -373,6 +389,8 @@ def main():
                     help="also run lantern's bench with --enforce-eager (rows 'graphs / eager': the eager figure in the transformers column)")
     ap.add_argument("--lantern-sampled", action="store_true",
                     help="also run lantern's bench with --temperature 1 (rows 'greedy / temperature 1': the sampled figure in the transformers column)")
+    ap.add_argument("--lantern-logprobs", action="store_true",
+                    help="also run lantern's bench sampling at temperature 0.8, top-p 0.95, 5 logprobs, repetition penalty 1.1 (rows 'greedy / top-p, logprobs, penalty')")
     ap.add_argument("--skip-lantern", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--budget", type=float, default=230, help="seconds for the whole run")

@@ -784,8 +784,8 @@ impl Engine {
         let mut batch_row = 0;
         // A sampled token takes its draw now, from the request's stream, as the host
         // sampler would after the step (one draw a token, whatever samples it): the model
-        // may sample it where its logits are (the whole softmax), the step's threads on the
-        // host (`tokens_on_threads`), or `append_token`.
+        // may sample it where its logits are (`Request::reduces_row`), the step's threads
+        // on the host (`tokens_on_threads`), or `append_token`.
         for s in &plan.scheduled {
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;

@@ -397,16 +397,19 @@ impl ModelRunner {
         let table_width = longest
             .next_power_of_two()
             .max(MIN_GRAPH_CONTEXT.div_ceil(self.block_size.max(1)));
-        // Edits in powers of two too (padded with edits of no row).
+        // Edits in powers of two too (padded with edits of no row); a whole-logits graph
+        // takes every row whole, edited on the host.
+        let whole_logits = !inputs.pick.iter().all(|p| p.is_picked());
         let edit_capacity = match inputs.edits.len() {
             0 => 0,
+            _ if whole_logits => 0,
             n if n > MAX_GRAPH_EDITS => return None,
             n => n.next_power_of_two().max(MIN_GRAPH_EDITS),
         };
         Some(GraphKey {
             num_reqs,
             table_width,
-            whole_logits: !inputs.pick.iter().all(|p| p.is_picked()),
+            whole_logits,
             capturing,
             edit_capacity,
         })
@@ -470,8 +473,12 @@ impl ModelRunner {
             pick.resize(b, RowPick::ARGMAX);
             pick
         };
-        // The graph's count of edits, the padding's naming no row.
-        let mut edits = inputs.edits.clone();
+        // The graph's count of edits, the padding's naming no row (none for whole rows).
+        let mut edits = if key.whole_logits {
+            Vec::new()
+        } else {
+            inputs.edits.clone()
+        };
         edits.resize(
             key.edit_capacity.max(edits.len()),
             LogitEdit {

@@ -67,6 +67,10 @@ pub struct BenchArgs {
     /// sampling costs.
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// Also measure the prefill of a request for prompt logprobs with this many
+    /// alternatives (0 to 20), beside the plain prefill: what scoring a prompt costs.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=20))]
+    pub prompt_logprobs: Option<u8>,
 }
 
 /// The kernel level `name` names, which this CPU must run and which must differ from
@@ -144,7 +148,16 @@ fn sampled_params(tokens: usize, sampling: Sampling, seed: u64) -> SamplingParam
 
 /// Seconds to compute a prompt and sample its first token.
 pub(crate) fn prefill_seconds(engine: &mut Engine, prompt: Vec<u32>) -> Result<f64> {
-    let id = engine.add_request(prompt, decode_params(1))?;
+    prefill_seconds_with(engine, prompt, decode_params(1))
+}
+
+/// [`prefill_seconds`] of a request asking for `params` (one token).
+fn prefill_seconds_with(
+    engine: &mut Engine,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> Result<f64> {
+    let id = engine.add_request(prompt, params)?;
     let start = Instant::now();
     while engine.has_unfinished() {
         engine.step()?;
@@ -331,6 +344,28 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
             })
             .collect::<Result<_>>()?,
     );
+    // The same prompt length scored: every position's row reduced to its logprobs (the
+    // prompt computed 128 positions a step, as a request for them is).
+    let scored_prefill = match args.prompt_logprobs {
+        Some(k) => {
+            let params = SamplingParams {
+                prompt_logprobs: Some(usize::from(k)),
+                ..decode_params(1)
+            };
+            let runs = (0..repeat)
+                .map(|_| {
+                    prefill_seconds_with(
+                        &mut engine,
+                        next_prompt(args.prompt_tokens),
+                        params.clone(),
+                    )
+                    .map(|s| args.prompt_tokens as f64 / s)
+                })
+                .collect::<Result<_>>()?;
+            Some(median(runs))
+        }
+        None => None,
+    };
     let mut rate = |batch: usize, prompt_len: usize| -> Result<f64> {
         let runs = (0..repeat)
             .map(|_| {
@@ -385,6 +420,8 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "attention_backend": engine.attention_backend(),
                 "device": engine.accelerator().unwrap_or_else(|| "cpu".into()),
                 "prefill_tokens_per_s": prefill,
+                "prompt_logprobs": args.prompt_logprobs,
+                "prefill_with_prompt_logprobs_tokens_per_s": scored_prefill,
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
                 "temperature": args.temperature,
@@ -434,6 +471,12 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
             "prefill            {prefill:8.1} tokens/s  ({}-token prompt)",
             args.prompt_tokens
         );
+        if let (Some(k), Some(scored)) = (args.prompt_logprobs, scored_prefill) {
+            println!(
+                "prefill, scored    {scored:8.1} tokens/s  (prompt logprobs {k}: {:.2}x the plain prefill)",
+                scored / prefill
+            );
+        }
         println!(
             "decode, batch 1    {decode_empty:8.1} tokens/s  ({} tokens from an empty context)",
             args.decode_tokens

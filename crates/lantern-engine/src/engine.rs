@@ -690,26 +690,16 @@ impl Engine {
             if let Some(k) = req.params.prompt_logprobs {
                 // Row `p` predicts prompt token `p + 1`; rows arrive in order (a
                 // preemption before the last one starts them over).
-                for r in 0..rows.num_prompt_rows {
-                    if req.prompt_logprobs_complete() {
-                        break;
-                    }
-                    let next = req.prompt_logprobs.len() + 1;
-                    let token = req.token(next).unwrap_or(u32::MAX);
-                    let row = rows.first_row + r;
-                    // Scored by the model where its logits are (`prompt_row_pick`), or here.
-                    let entry = match logits.picked(row).and_then(|p| p.score.as_ref()) {
-                        Some(score) => Some(PromptTokenLogprob::from(score.clone())),
-                        None => prompt_token_logprob(logits.rows(row, 1)?, token, k),
-                    }
-                    .ok_or(EngineError::InvalidRequest(
-                        RequestError::TokenOutsideVocabulary {
-                            token,
-                            vocab_size: logits.vocab,
-                        },
-                    ))?;
-                    req.prompt_logprobs.push(entry);
-                }
+                let wanted = req
+                    .prompt_len()
+                    .saturating_sub(1 + req.prompt_logprobs.len());
+                let take = rows.num_prompt_rows.min(wanted);
+                let first_token = req.prompt_logprobs.len() + 1;
+                let tokens: Vec<u32> = (first_token..first_token + take)
+                    .map(|t| req.token(t).unwrap_or(u32::MAX))
+                    .collect();
+                let entries = prompt_logprob_rows(&logits, rows.first_row, &tokens, k)?;
+                req.prompt_logprobs.extend(entries);
             }
             if rows.samples && req.params.max_tokens == 0 {
                 outputs.push(self.finish_prompt_only(rows.id));
@@ -1110,4 +1100,47 @@ impl Engine {
             .filter_map(|id| self.take_completion(id))
             .collect())
     }
+}
+
+/// The prompt logprobs of `tokens` from the step's rows `first_row..` (row `r` predicts
+/// `tokens[r]`): as the model scored them where its logits are (`prompt_row_pick`), or
+/// reduced here, each row whole by one of the step's threads (a 128-row chunk of a long
+/// prompt on one thread would take as long as its forward).
+fn prompt_logprob_rows(
+    logits: &crate::runner::StepLogits,
+    first_row: usize,
+    tokens: &[u32],
+    k: usize,
+) -> Result<Vec<PromptTokenLogprob>> {
+    let outside = |token: u32| {
+        EngineError::InvalidRequest(RequestError::TokenOutsideVocabulary {
+            token,
+            vocab_size: logits.vocab,
+        })
+    };
+    let scored = |r: usize| logits.picked(first_row + r).and_then(|p| p.score.clone());
+    let mut on_host = Vec::new();
+    for (r, &token) in tokens.iter().enumerate() {
+        if scored(r).is_none() {
+            on_host.push((r, token, logits.rows(first_row + r, 1)?));
+        }
+    }
+    let reduced: Vec<std::sync::OnceLock<Option<PromptTokenLogprob>>> =
+        on_host.iter().map(|_| std::sync::OnceLock::new()).collect();
+    lantern_quant::share::run(on_host.len(), &|c| {
+        let (_, token, row) = on_host[c];
+        let _ = reduced[c].set(prompt_token_logprob(row, token, k));
+    });
+    let mut reduced = on_host
+        .iter()
+        .zip(reduced)
+        .map(|(&(_, token, _), r)| r.into_inner().flatten().ok_or_else(|| outside(token)));
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(r, &token)| match scored(r) {
+            Some(score) => Ok(PromptTokenLogprob::from(score)),
+            None => reduced.next().unwrap_or_else(|| Err(outside(token))),
+        })
+        .collect()
 }

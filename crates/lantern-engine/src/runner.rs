@@ -479,17 +479,7 @@ impl ModelRunner {
         } else {
             inputs.edits.clone()
         };
-        edits.resize(
-            key.edit_capacity.max(edits.len()),
-            LogitEdit {
-                row: u32::MAX,
-                token: 0,
-                repetition: 1.0,
-                subtract: 0.0,
-                add: 0.0,
-                suppress: false,
-            },
-        );
+        edits.resize(key.edit_capacity.max(edits.len()), LogitEdit::NONE);
         let mut padded = StepInputs {
             token_ids: inputs.token_ids.clone(),
             positions: inputs.positions.clone(),

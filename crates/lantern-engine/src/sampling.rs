@@ -284,10 +284,7 @@ impl RowEdits {
             Entry::Vacant(v) => f(v.insert(LogitEdit {
                 row: self.row,
                 token,
-                repetition: 1.0,
-                subtract: 0.0,
-                add: 0.0,
-                suppress: false,
+                ..LogitEdit::NONE
             })),
         }
     }

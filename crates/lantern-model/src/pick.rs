@@ -1,7 +1,9 @@
-//! Logits rows reduced where the logits are ([`RowPick`]): to the token a request samples,
-//! and to the logprobs it asks for (the token's, its rank, the most likely alternatives),
-//! so that a model on a device copies a few numbers per row to the host instead of the
-//! vocabulary-wide row.
+//! Logits rows reduced where the logits are ([`RowPick`]): edited by penalties
+//! ([`LogitEdit`]), then reduced to the token a request samples (argmax, or a draw from
+//! what top-k, top-p and min-p keep: [`SampleDraw`]) and to the logprobs it asks for (the
+//! token's, its rank, the most likely alternatives), so that a model on a device copies a
+//! few numbers per row to the host instead of the vocabulary-wide row. The functions here
+//! are the references a device's kernels are held to.
 
 /// Most alternatives a reduced row gives ([`RowReduction::logprobs`]): OpenAI's limit on
 /// `top_logprobs`; rows asking for more are taken whole.
@@ -58,7 +60,8 @@ pub struct ReducedRow {
     pub score: Option<RowScore>,
 }
 
-/// A token scored against its row's log-softmax (the raw logits: no temperature).
+/// A token scored against its row's log-softmax (after the row's edits, before any
+/// temperature or cut).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowScore {
     pub logprob: f32,
@@ -88,6 +91,16 @@ pub struct LogitEdit {
 }
 
 impl LogitEdit {
+    /// An edit of no row, changing nothing (a graph step's padding).
+    pub const NONE: LogitEdit = LogitEdit {
+        row: u32::MAX,
+        token: 0,
+        repetition: 1.0,
+        subtract: 0.0,
+        add: 0.0,
+        suppress: false,
+    };
+
     /// The edited logit.
     pub fn apply(&self, logit: f32) -> f32 {
         let mut x = logit;

@@ -709,9 +709,9 @@ impl Compute for CudaCompute {
         self.gpu.download(&*x).map_err(model_error)
     }
 
-    /// Greedy and plainly sampled rows, with their logprobs, and prompt rows scored for
-    /// their logprobs are reduced here: a few numbers per row cross to the host, not the
-    /// row.
+    /// Greedy and sampled rows (cut by top-k, top-p and min-p, edited by penalties), with
+    /// their logprobs, and prompt rows scored for their logprobs are reduced here: a few
+    /// numbers per row cross to the host, not the row.
     const PICKS_ON_DEVICE: bool = true;
 
     fn edit_logits(&self, x: &mut GpuAct, width: usize, edits: &[LogitEdit]) -> Result<()> {

@@ -329,10 +329,18 @@ impl<C: Compute> CausalLm for Decoder<C> {
         }
         let c = &self.compute;
         let vocab = self.info.vocab_size;
-        let mut logits = self.logits(batch, backend, caches, tap)?;
-        if !edits.is_empty() {
-            c.edit_logits(&mut logits, vocab, edits)?;
+        // Whole rows are the caller's to edit: an edit may name a reduced row or none
+        // (a graph step's padding).
+        if let Some(e) = edits
+            .iter()
+            .find(|e| pick.get(e.row as usize) == Some(&RowPick::Whole))
+        {
+            return Err(crate::ModelError::Compute(format!(
+                "an edit of logits row {}, which is wanted whole",
+                e.row
+            )));
         }
+        let mut logits = self.logits(batch, backend, caches, tap)?;
         let mut wants = Vec::new();
         let mut reduced_rows = Vec::new();
         let mut whole_rows = Vec::new();
@@ -348,9 +356,12 @@ impl<C: Compute> CausalLm for Decoder<C> {
         if reduced_rows.is_empty() {
             return Ok(StepLogitRows::all(c.to_host(logits)?));
         }
+        if !edits.is_empty() {
+            c.edit_logits(&mut logits, vocab, edits)?;
+        }
         let mut reduced = if whole_rows.is_empty() {
-            // Every row reduced (a batch of greedy or plainly sampled requests): no copy
-            // of the logits.
+            // Every row reduced (a batch of greedy or sampled requests): no copy of the
+            // logits.
             c.reduce_rows(&logits, vocab, &wants)?
         } else {
             let selected = c.select_rows(&logits, &reduced_rows, vocab)?;

@@ -21,9 +21,7 @@ use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
     AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, PrefixCacheStats, RequestId,
 };
-use lantern_model::{
-    CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer, RowScore,
-};
+use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -115,7 +113,12 @@ struct RowOnThreads<'a> {
     row: &'a [f32],
     /// Its request's sampling and draw when sampled; `None`: its argmax.
     sampling: Option<(&'a crate::sampling::SamplingParams, f32)>,
+    /// The top logprobs its request asks for with the token.
+    logprobs: Option<usize>,
 }
+
+/// A token chosen on the step's threads, with the logprobs its request asked for.
+type TokenOnThreads = (u32, Option<TokenLogprobs>);
 
 impl Engine {
     /// An engine running attention on the backend `config.attention_backend` names.
@@ -709,9 +712,16 @@ impl Engine {
                 let live = self.live_row(rows.id);
                 let mut output = match (logits.picked(sample_row), on_threads) {
                     (Some(reduced), _) => {
-                        self.append_picked(rows.id, reduced.token, reduced.score.as_ref())?
+                        let logprobs = reduced.score.as_ref().map(|s| TokenLogprobs {
+                            token_id: reduced.token,
+                            logprob: s.logprob,
+                            top: s.top.clone(),
+                        });
+                        self.append_picked(rows.id, reduced.token, logprobs)?
                     }
-                    (None, Some(token)) => self.append_picked(rows.id, token, None)?,
+                    (None, Some((token, logprobs))) => {
+                        self.append_picked(rows.id, token, logprobs)?
+                    }
                     (None, None) => self.append_token(rows.id, logits.rows(sample_row, 1)?)?,
                 };
                 output.capture_row = live;
@@ -931,13 +941,16 @@ impl Engine {
         self.push_token(id, token, logprobs, guided_failure)
     }
 
-    /// Per request of the step's logits: its next token when it needs only the argmax of
-    /// a row the model left on the host (`Request::needs_only_argmax`), or samples the
-    /// row with the draw taken before the step (`Request::samples_row`), the
-    /// rows reduced on the step's threads (each row whole by one thread: the token
-    /// `append_token` would choose, from the same draw), so that a large batch's rows do
-    /// not run on this thread alone.
-    fn tokens_on_threads(&self, logits: &crate::runner::StepLogits) -> Result<Vec<Option<u32>>> {
+    /// Per request of the step's logits: its next token, with the logprobs it asks for,
+    /// when its row is left on the host and read as the model gave it
+    /// (`Request::reads_raw_row`: greedy, or sampled with the draw taken before the step),
+    /// the rows reduced on the step's threads (each row whole by one thread: what
+    /// `append_token` would give, from the same draw), so that a large batch's rows do not
+    /// run on this thread alone.
+    fn tokens_on_threads(
+        &self,
+        logits: &crate::runner::StepLogits,
+    ) -> Result<Vec<Option<TokenOnThreads>>> {
         let mut rows: Vec<RowOnThreads<'_>> = Vec::new();
         for (i, r) in logits.requests.iter().enumerate() {
             let sample_row = r.first_row + r.num_prompt_rows;
@@ -945,34 +958,36 @@ impl Engine {
                 .requests
                 .get(&r.id)
                 .ok_or(EngineError::LostRequest(r.id))?;
-            if !r.samples || req.params.max_tokens == 0 || logits.picked(sample_row).is_some() {
+            let skip = !r.samples || req.params.max_tokens == 0 || !req.reads_raw_row();
+            if skip || logits.picked(sample_row).is_some() {
                 continue;
             }
             let sampling = match req.sampler.drawn() {
-                Some(draw) if req.samples_row() => Some((&req.params, draw)),
-                _ if req.needs_only_argmax() => None,
-                _ => continue,
+                _ if req.params.temperature == 0.0 => None,
+                Some(draw) => Some((&req.params, draw)),
+                None => continue,
             };
-            let row = logits.rows(sample_row, 1)?;
             rows.push(RowOnThreads {
                 request: i,
-                row,
+                row: logits.rows(sample_row, 1)?,
                 sampling,
+                logprobs: req.params.logprobs,
             });
         }
-        let picked: Vec<std::sync::atomic::AtomicU32> =
-            rows.iter().map(|_| u32::MAX.into()).collect();
+        let picked: Vec<std::sync::OnceLock<TokenOnThreads>> =
+            rows.iter().map(|_| std::sync::OnceLock::new()).collect();
         lantern_quant::share::run(rows.len(), &|c| {
             let r = &rows[c];
             let token = match r.sampling {
                 Some((params, draw)) => crate::sampling::sample_with_draw(r.row, params, draw),
                 None => crate::sampling::argmax(r.row),
             };
-            picked[c].store(token, std::sync::atomic::Ordering::Relaxed);
+            let logprobs = r.logprobs.map(|k| token_logprobs(r.row, token, k));
+            let _ = picked[c].set((token, logprobs));
         });
         let mut tokens = vec![None; logits.requests.len()];
         for (r, token) in rows.iter().zip(picked) {
-            tokens[r.request] = Some(token.into_inner());
+            tokens[r.request] = token.into_inner();
         }
         Ok(tokens)
     }
@@ -984,16 +999,11 @@ impl Engine {
         &mut self,
         id: RequestId,
         token: u32,
-        score: Option<&RowScore>,
+        logprobs: Option<TokenLogprobs>,
     ) -> Result<RequestOutput> {
         if let Some(req) = self.requests.get_mut(&id) {
             req.sampler.used_draw();
         }
-        let logprobs = score.map(|s| TokenLogprobs {
-            token_id: token,
-            logprob: s.logprob,
-            top: s.top.clone(),
-        });
         self.push_token(id, token, logprobs, None)
     }
 

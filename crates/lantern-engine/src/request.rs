@@ -191,26 +191,6 @@ impl Request {
         self.wants_prompt_rows() || self.capture.is_some()
     }
 
-    /// Whether its next token is the argmax of the model's logits row and nothing else
-    /// reads that row (greedy; see [`Self::row_gives_only_the_token`]). A device model
-    /// then hands back the id alone.
-    pub fn needs_only_argmax(&self) -> bool {
-        self.params.temperature == 0.0 && self.row_gives_only_the_token()
-    }
-
-    /// Whether its next token is sampled (a temperature) from the model's logits row and
-    /// nothing else reads that row: the step's threads sample it on the host, with the
-    /// draw taken before the step, whatever top-k, top-p or min-p cut.
-    pub fn samples_row(&self) -> bool {
-        self.params.temperature > 0.0 && self.row_gives_only_the_token()
-    }
-
-    /// Whether the next logits row is read for its token alone (see
-    /// [`Self::reads_raw_row`]): no logprobs either.
-    fn row_gives_only_the_token(&self) -> bool {
-        self.reads_raw_row() && self.params.logprobs.is_none()
-    }
-
     /// Whether the next logits row can be reduced where the model's logits are: read for
     /// its token and at most [`MAX_REDUCED_TOP_LOGPROBS`] alternatives, after penalties
     /// (edits there: `sampling::logit_edits`), without structured output or prompt logits.
@@ -231,7 +211,9 @@ impl Request {
 
     /// Whether the next logits row is used as the model gave it: no penalty or bias,
     /// past `min_tokens`, no structured output, no prompt logits (which keep the row).
-    fn reads_raw_row(&self) -> bool {
+    /// The step's threads then reduce such a row left on the host to its token and
+    /// logprobs (`Engine::tokens_on_threads`), as `Engine::append_token` would.
+    pub fn reads_raw_row(&self) -> bool {
         let p = &self.params;
         !p.has_penalties()
             && !self.below_min_tokens()

@@ -142,76 +142,82 @@ fn picked_rows_give_the_samplers_tokens_and_leave_the_rest_alone() {
     assert!(expected.iter().all(|c| !c.token_ids.is_empty()));
 }
 
-/// Greedy rows left on the host are reduced on the step's threads (`greedy_tokens`):
-/// a batch of plain greedy requests gives the tokens of the same requests asking for
-/// logprobs too, whose rows go through the sampler one by one.
-#[test]
-fn greedy_rows_reduced_together_give_the_samplers_tokens() {
-    let prompts: Vec<Vec<u32>> = (0..9u32)
-        .map(|s| {
-            (0..5 + 3 * s)
-                .map(|i| 200 + (s * 53 + i * 29) % 1700)
-                .collect()
-        })
-        .collect();
-    let batch = |logprobs: Option<usize>| {
-        prompts
-            .iter()
-            .map(|p| {
-                let params = SamplingParams {
-                    ignore_eos: true,
-                    logprobs,
-                    ..SamplingParams::greedy(10)
-                };
-                (p.clone(), params, None)
-            })
-            .collect::<Vec<_>>()
-    };
-    let together = common::run_to_completion(&mut engine(), batch(None));
-    let sampled = common::run_to_completion(&mut engine(), batch(Some(1)));
-    for (i, (a, b)) in together.iter().zip(&sampled).enumerate() {
-        assert_eq!(a.token_ids.len(), 10, "request {i}");
-        assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
+/// A zero logit bias leaves the row as it is but sends it through `append_token`, the
+/// sampler one row at a time (a bias is a penalty: the row is not read raw).
+fn one_by_one(params: SamplingParams) -> SamplingParams {
+    SamplingParams {
+        logit_bias: vec![(0, 0.0)],
+        ..params
     }
 }
 
+/// Runs `requests` as they are and sent through the sampler one by one, and asserts the
+/// same `tokens` tokens and the same logprobs; returns the first run.
+fn same_together_as_alone(requests: &[(Vec<u32>, SamplingParams)], tokens: usize) -> Vec<Logged> {
+    let sampler: Vec<_> = requests
+        .iter()
+        .map(|(p, s)| (p.clone(), one_by_one(s.clone())))
+        .collect();
+    let together = run_logged(&mut engine(), requests);
+    let alone = run_logged(&mut engine(), &sampler);
+    for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(a.0.len(), tokens, "request {i}");
+        assert_eq!(a, b, "request {i}: tokens and logprobs");
+    }
+    together
+}
+
+/// Greedy rows left on the host are reduced on the step's threads
+/// (`Engine::tokens_on_threads`), with their logprobs where asked: a batch of greedy
+/// requests (some asking for 0 to 20 logprobs) gives the tokens and logprobs of the same
+/// requests sent through the sampler one by one.
+#[test]
+fn greedy_rows_reduced_together_give_the_samplers_tokens() {
+    let requests: Vec<(Vec<u32>, SamplingParams)> = (0..9u32)
+        .map(|s| {
+            let prompt = (0..5 + 3 * s)
+                .map(|i| 200 + (s * 53 + i * 29) % 1700)
+                .collect();
+            let params = SamplingParams {
+                ignore_eos: true,
+                logprobs: [None, Some(0), Some(3), Some(20)][s as usize % 4],
+                ..SamplingParams::greedy(10)
+            };
+            (prompt, params)
+        })
+        .collect();
+    same_together_as_alone(&requests, 10);
+}
+
 /// Sampled rows are reduced on the step's threads too, each with the draw its request's
-/// stream gave before the step: a batch of seeded requests at several temperatures, with
-/// and without top-k, top-p and min-p, gives the tokens of the same requests asking for
-/// logprobs, whose rows go through the sampler one by one (taking the same draws from the
-/// same streams).
+/// stream gave before the step, with their logprobs where asked: a batch of seeded
+/// requests at several temperatures, with and without top-k, top-p and min-p, gives the
+/// tokens and logprobs of the same requests sent through the sampler one by one (taking
+/// the same draws from the same streams).
 #[test]
 fn sampled_rows_reduced_together_give_the_samplers_tokens() {
-    let batch = |logprobs: Option<usize>| {
-        (0..12u32)
-            .map(|s| {
-                let prompt = (0..4 + 2 * s)
-                    .map(|i| 200 + (s * 41 + i * 23) % 1700)
-                    .collect();
-                let (top_k, top_p, min_p) =
-                    [(0, 1.0, 0.0), (0, 0.9, 0.0), (20, 1.0, 0.0), (0, 1.0, 0.05)][s as usize % 4];
-                let params = SamplingParams {
-                    ignore_eos: true,
-                    temperature: [0.6, 1.0, 1.4][s as usize % 3],
-                    top_k,
-                    top_p,
-                    min_p,
-                    seed: Some(u64::from(s) + 40),
-                    logprobs,
-                    ..SamplingParams::greedy(12)
-                };
-                (prompt, params, None)
-            })
-            .collect::<Vec<_>>()
-    };
-    let together = common::run_to_completion(&mut engine(), batch(None));
-    let one_by_one = common::run_to_completion(&mut engine(), batch(Some(1)));
-    for (i, (a, b)) in together.iter().zip(&one_by_one).enumerate() {
-        assert_eq!(a.token_ids.len(), 12, "request {i}");
-        assert_eq!(a.token_ids, b.token_ids, "request {i}: tokens");
-    }
-    let distinct: std::collections::HashSet<&Vec<u32>> =
-        together.iter().map(|c| &c.token_ids).collect();
+    let requests: Vec<(Vec<u32>, SamplingParams)> = (0..12u32)
+        .map(|s| {
+            let prompt = (0..4 + 2 * s)
+                .map(|i| 200 + (s * 41 + i * 23) % 1700)
+                .collect();
+            let (top_k, top_p, min_p) =
+                [(0, 1.0, 0.0), (0, 0.9, 0.0), (20, 1.0, 0.0), (0, 1.0, 0.05)][s as usize % 4];
+            let params = SamplingParams {
+                ignore_eos: true,
+                temperature: [0.6, 1.0, 1.4][s as usize % 3],
+                top_k,
+                top_p,
+                min_p,
+                seed: Some(u64::from(s) + 40),
+                logprobs: (s % 5 == 0).then_some(2),
+                ..SamplingParams::greedy(12)
+            };
+            (prompt, params)
+        })
+        .collect();
+    let together = same_together_as_alone(&requests, 12);
+    let distinct: std::collections::HashSet<&Vec<u32>> = together.iter().map(|c| &c.0).collect();
     assert!(distinct.len() > 1, "the requests sampled different tokens");
 }
 

@@ -22,6 +22,7 @@ use lantern_kv::{
     AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, PrefixCacheStats, RequestId,
 };
 use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -111,10 +112,10 @@ struct RowOnThreads<'a> {
     /// Its index among the step's requests.
     request: usize,
     row: &'a [f32],
-    /// Its request's sampling and draw when sampled; `None`: its argmax.
-    sampling: Option<(&'a crate::sampling::SamplingParams, f32)>,
-    /// The top logprobs its request asks for with the token.
-    logprobs: Option<usize>,
+    /// What its penalties read of its request.
+    penalties: RowRequest<'a>,
+    /// The draw taken for it when sampled; `None`: its argmax.
+    draw: Option<f32>,
 }
 
 /// A token chosen on the step's threads, with the logprobs its request asked for.
@@ -892,22 +893,8 @@ impl Engine {
             .requests
             .get_mut(&id)
             .ok_or(EngineError::LostRequest(id))?;
-        let below_min_tokens = req.num_output_tokens() < req.params.min_tokens;
-        let penalized;
-        let logits = if req.params.has_penalties() || below_min_tokens {
-            let mut row = logits.to_vec();
-            apply_penalties(&mut row, &req.params, req.prompt(), req.output_ids());
-            if below_min_tokens {
-                if !req.params.ignore_eos {
-                    suppress_stop_tokens(&mut row, self.tokenizer.stop_ids());
-                }
-                suppress_stop_tokens(&mut row, &req.params.stop_token_ids);
-            }
-            penalized = row;
-            &penalized[..]
-        } else {
-            logits
-        };
+        let penalized = penalized_row(logits, &RowRequest::of(req), self.tokenizer.stop_ids());
+        let logits = &penalized[..];
         let mut guided_failure = None;
         let token = match req.constraint.as_mut() {
             None => req.sampler.sample(logits, &req.params),
@@ -942,9 +929,9 @@ impl Engine {
     }
 
     /// Per request of the step's logits: its next token, with the logprobs it asks for,
-    /// when its row is left on the host and read as the model gave it
-    /// (`Request::reads_raw_row`: greedy, or sampled with the draw taken before the step),
-    /// the rows reduced on the step's threads (each row whole by one thread: what
+    /// when its row is left on the host and read alone (`Request::reads_row_alone`:
+    /// greedy, or sampled with the draw taken before the step; penalties applied to a
+    /// copy), the rows reduced on the step's threads (each row whole by one thread: what
     /// `append_token` would give, from the same draw), so that a large batch's rows do not
     /// run on this thread alone.
     fn tokens_on_threads(
@@ -958,31 +945,34 @@ impl Engine {
                 .requests
                 .get(&r.id)
                 .ok_or(EngineError::LostRequest(r.id))?;
-            let skip = !r.samples || req.params.max_tokens == 0 || !req.reads_raw_row();
+            let skip = !r.samples || req.params.max_tokens == 0 || !req.reads_row_alone();
             if skip || logits.picked(sample_row).is_some() {
                 continue;
             }
-            let sampling = match req.sampler.drawn() {
+            let draw = match req.sampler.drawn() {
                 _ if req.params.temperature == 0.0 => None,
-                Some(draw) => Some((&req.params, draw)),
+                Some(draw) => Some(draw),
                 None => continue,
             };
             rows.push(RowOnThreads {
                 request: i,
                 row: logits.rows(sample_row, 1)?,
-                sampling,
-                logprobs: req.params.logprobs,
+                penalties: RowRequest::of(req),
+                draw,
             });
         }
+        let stop_ids = self.tokenizer.stop_ids();
         let picked: Vec<std::sync::OnceLock<TokenOnThreads>> =
             rows.iter().map(|_| std::sync::OnceLock::new()).collect();
         lantern_quant::share::run(rows.len(), &|c| {
             let r = &rows[c];
-            let token = match r.sampling {
-                Some((params, draw)) => crate::sampling::sample_with_draw(r.row, params, draw),
-                None => crate::sampling::argmax(r.row),
+            let params = r.penalties.params;
+            let row = penalized_row(r.row, &r.penalties, stop_ids);
+            let token = match r.draw {
+                Some(draw) => crate::sampling::sample_with_draw(&row, params, draw),
+                None => crate::sampling::argmax(&row),
             };
-            let logprobs = r.logprobs.map(|k| token_logprobs(r.row, token, k));
+            let logprobs = params.logprobs.map(|k| token_logprobs(&row, token, k));
             let _ = picked[c].set((token, logprobs));
         });
         let mut tokens = vec![None; logits.requests.len()];
@@ -1109,6 +1099,43 @@ impl Engine {
             .into_iter()
             .filter_map(|id| self.take_completion(id))
             .collect())
+    }
+}
+
+/// `logits`, the next row of a request, as its sampler reads it: with its penalties and
+/// bias, and its stop tokens suppressed below `min_tokens` (`stop_ids`: the tokenizer's).
+fn penalized_row<'a>(logits: &'a [f32], row: &RowRequest<'_>, stop_ids: &[u32]) -> Cow<'a, [f32]> {
+    let p = row.params;
+    if !p.has_penalties() && !row.below_min_tokens {
+        return Cow::Borrowed(logits);
+    }
+    let mut penalized = logits.to_vec();
+    apply_penalties(&mut penalized, p, row.prompt, row.output);
+    if row.below_min_tokens {
+        if !p.ignore_eos {
+            suppress_stop_tokens(&mut penalized, stop_ids);
+        }
+        suppress_stop_tokens(&mut penalized, &p.stop_token_ids);
+    }
+    Cow::Owned(penalized)
+}
+
+/// What of a request its next row's penalties read.
+struct RowRequest<'a> {
+    params: &'a SamplingParams,
+    prompt: &'a [u32],
+    output: &'a [u32],
+    below_min_tokens: bool,
+}
+
+impl<'a> RowRequest<'a> {
+    fn of(req: &'a Request) -> Self {
+        Self {
+            params: &req.params,
+            prompt: req.prompt(),
+            output: req.output_ids(),
+            below_min_tokens: req.below_min_tokens(),
+        }
     }
 }
 

@@ -191,34 +191,31 @@ impl Request {
         self.wants_prompt_rows() || self.capture.is_some()
     }
 
-    /// Whether the next logits row can be reduced where the model's logits are: read for
-    /// its token and at most [`MAX_REDUCED_TOP_LOGPROBS`] alternatives, after penalties
-    /// (edits there: `sampling::logit_edits`), without structured output or prompt logits.
+    /// Whether the next logits row can be reduced where the model's logits are: its
+    /// token read from the row alone (see [`Self::reads_row_alone`]), with at most
+    /// [`MAX_REDUCED_TOP_LOGPROBS`] alternatives (penalties are edits there:
+    /// `sampling::logit_edits`).
     pub fn reduces_row(&self) -> bool {
-        self.constraint.is_none()
-            && !self.params.prompt_logits
+        self.reads_row_alone()
             && self
                 .params
                 .logprobs
                 .is_none_or(|k| k <= MAX_REDUCED_TOP_LOGPROBS)
     }
 
+    /// Whether its next token and logprobs come from the next logits row, its own tokens
+    /// and its parameters alone (penalties included): no structured output (whose mask
+    /// the engine computes), no prompt logits (which keep the row). The step's threads
+    /// reduce such a row left on the host (`Engine::tokens_on_threads`), as
+    /// `Engine::append_token` would.
+    pub fn reads_row_alone(&self) -> bool {
+        self.constraint.is_none() && !self.params.prompt_logits
+    }
+
     /// Whether its next token's row is still below `min_tokens` (its stop tokens are
     /// suppressed).
     pub fn below_min_tokens(&self) -> bool {
         self.num_output_tokens() < self.params.min_tokens
-    }
-
-    /// Whether the next logits row is used as the model gave it: no penalty or bias,
-    /// past `min_tokens`, no structured output, no prompt logits (which keep the row).
-    /// The step's threads then reduce such a row left on the host to its token and
-    /// logprobs (`Engine::tokens_on_threads`), as `Engine::append_token` would.
-    pub fn reads_raw_row(&self) -> bool {
-        let p = &self.params;
-        !p.has_penalties()
-            && !self.below_min_tokens()
-            && self.constraint.is_none()
-            && !p.prompt_logits
     }
 
     /// Whether the steps must return a logits row for every prompt position.

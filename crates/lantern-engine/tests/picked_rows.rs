@@ -142,11 +142,11 @@ fn picked_rows_give_the_samplers_tokens_and_leave_the_rest_alone() {
     assert!(expected.iter().all(|c| !c.token_ids.is_empty()));
 }
 
-/// A zero logit bias leaves the row as it is but sends it through `append_token`, the
-/// sampler one row at a time (a bias is a penalty: the row is not read raw).
+/// Prompt logits change no row but send the sampling row through `append_token`, the
+/// sampler one row at a time (such a request's rows are not read alone).
 fn one_by_one(params: SamplingParams) -> SamplingParams {
     SamplingParams {
-        logit_bias: vec![(0, 0.0)],
+        prompt_logits: true,
         ..params
     }
 }
@@ -168,9 +168,9 @@ fn same_together_as_alone(requests: &[(Vec<u32>, SamplingParams)], tokens: usize
 }
 
 /// Greedy rows left on the host are reduced on the step's threads
-/// (`Engine::tokens_on_threads`), with their logprobs where asked: a batch of greedy
-/// requests (some asking for 0 to 20 logprobs) gives the tokens and logprobs of the same
-/// requests sent through the sampler one by one.
+/// (`Engine::tokens_on_threads`), with their penalties and logprobs where asked: a batch
+/// of greedy requests (some asking for 0 to 20 logprobs, some penalized) gives the tokens
+/// and logprobs of the same requests sent through the sampler one by one.
 #[test]
 fn greedy_rows_reduced_together_give_the_samplers_tokens() {
     let requests: Vec<(Vec<u32>, SamplingParams)> = (0..9u32)
@@ -181,6 +181,10 @@ fn greedy_rows_reduced_together_give_the_samplers_tokens() {
             let params = SamplingParams {
                 ignore_eos: true,
                 logprobs: [None, Some(0), Some(3), Some(20)][s as usize % 4],
+                // Penalties and bias, edited into a copy of the row on the thread.
+                repetition_penalty: [1.0, 1.0, 1.3][s as usize % 3],
+                presence_penalty: [0.0, 0.8][s as usize % 2],
+                logit_bias: if s == 4 { vec![(300, 5.0)] } else { vec![] },
                 ..SamplingParams::greedy(10)
             };
             (prompt, params)
@@ -190,8 +194,9 @@ fn greedy_rows_reduced_together_give_the_samplers_tokens() {
 }
 
 /// Sampled rows are reduced on the step's threads too, each with the draw its request's
-/// stream gave before the step, with their logprobs where asked: a batch of seeded
-/// requests at several temperatures, with and without top-k, top-p and min-p, gives the
+/// stream gave before the step, with their penalties and logprobs where asked: a batch of
+/// seeded requests at several temperatures, with and without top-k, top-p, min-p,
+/// penalties and `min_tokens`, gives the
 /// tokens and logprobs of the same requests sent through the sampler one by one (taking
 /// the same draws from the same streams).
 #[test]
@@ -211,6 +216,9 @@ fn sampled_rows_reduced_together_give_the_samplers_tokens() {
                 min_p,
                 seed: Some(u64::from(s) + 40),
                 logprobs: (s % 5 == 0).then_some(2),
+                frequency_penalty: [0.0, 0.5][s as usize % 2],
+                min_tokens: if s % 3 == 0 { 6 } else { 0 },
+                stop_token_ids: vec![250, 900].into(),
                 ..SamplingParams::greedy(12)
             };
             (prompt, params)

@@ -1155,28 +1155,31 @@ fn prompt_logprob_rows(
             vocab_size: logits.vocab,
         })
     };
-    let scored = |r: usize| logits.picked(first_row + r).and_then(|p| p.score.clone());
+    // Rows the model scored, and the others, reduced on the step's threads.
+    let scored: Vec<Option<&lantern_model::RowScore>> = (0..tokens.len())
+        .map(|r| logits.picked(first_row + r).and_then(|p| p.score.as_ref()))
+        .collect();
     let mut on_host = Vec::new();
     for (r, &token) in tokens.iter().enumerate() {
-        if scored(r).is_none() {
-            on_host.push((r, token, logits.rows(first_row + r, 1)?));
+        if scored[r].is_none() {
+            on_host.push((token, logits.rows(first_row + r, 1)?));
         }
     }
     let reduced: Vec<std::sync::OnceLock<Option<PromptTokenLogprob>>> =
         on_host.iter().map(|_| std::sync::OnceLock::new()).collect();
     lantern_quant::share::run(on_host.len(), &|c| {
-        let (_, token, row) = on_host[c];
+        let (token, row) = on_host[c];
         let _ = reduced[c].set(prompt_token_logprob(row, token, k));
     });
     let mut reduced = on_host
         .iter()
         .zip(reduced)
-        .map(|(&(_, token, _), r)| r.into_inner().flatten().ok_or_else(|| outside(token)));
+        .map(|(&(token, _), r)| r.into_inner().flatten().ok_or_else(|| outside(token)));
     tokens
         .iter()
-        .enumerate()
-        .map(|(r, &token)| match scored(r) {
-            Some(score) => Ok(PromptTokenLogprob::from(score)),
+        .zip(scored)
+        .map(|(&token, score)| match score {
+            Some(score) => Ok(PromptTokenLogprob::from(score.clone())),
             None => reduced.next().unwrap_or_else(|| Err(outside(token))),
         })
         .collect()

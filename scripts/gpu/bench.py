@@ -92,57 +92,35 @@ def lantern_figures(args, model_dir, budget):
             res["bench"] = json.loads(lines[-1])
         except Exception as e:
             res["bench_error"] = f"unreadable output ({e}): {out[-400:]}"
+    bench_cmd = cmd
+
+    def variant(key, extra, env=None):
+        """The same figures with `extra` arguments (and `env`), as res[key] (or key_error)."""
+        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
+        out, err, secs = run(bench_cmd + extra, timeout, env=env)
+        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
+        try:
+            res[key] = json.loads(lines[-1])
+        except Exception:
+            res[key + "_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+        return secs
+
     if args.lantern_eager:
-        # The same figures with every step eager: what CUDA graphs give, in the same run.
-        cmd = cmd + ["--enforce-eager"]
-        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
-        out, err, secs = run(cmd, timeout)
-        res["eager_seconds"] = round(secs, 1)
-        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
-        try:
-            res["bench_eager"] = json.loads(lines[-1])
-        except Exception:
-            res["bench_eager_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+        # Every step eager: what CUDA graphs give, in the same run.
+        res["eager_seconds"] = round(variant("bench_eager", ["--enforce-eager"]), 1)
     if args.lantern_sampled:
-        # The same figures sampling at temperature 1 (rows sampled on the device from the
-        # draws of seeded streams): what a client's default sampling costs against greedy.
-        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
-                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
-                      "--repeat", str(args.repeat), "--temperature", "1"]
-        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
-        out, err, secs = run(cmd, timeout)
-        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
-        try:
-            res["bench_sampled"] = json.loads(lines[-1])
-        except Exception:
-            res["bench_sampled_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+        # Sampling at temperature 1 (rows sampled on the device from the draws of seeded
+        # streams): what a client's default sampling costs against greedy.
+        variant("bench_sampled", ["--temperature", "1"])
     if args.lantern_logprobs:
-        # The same figures with what evaluation and chat clients add: top-p, 5 top
-        # logprobs a token and a repetition penalty (the rows edited, cut, sampled and
-        # scored on the device): what they cost against greedy.
-        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
-                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
-                      "--repeat", str(args.repeat), "--temperature", "0.8", "--top-p", "0.95",
-                      "--logprobs", "5", "--repetition-penalty", "1.1"]
-        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
-        out, err, secs = run(cmd, timeout)
-        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
-        try:
-            res["bench_logprobs"] = json.loads(lines[-1])
-        except Exception:
-            res["bench_logprobs_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+        # What evaluation and chat clients add: top-p, 5 top logprobs a token and a
+        # repetition penalty (the rows edited, cut, sampled and scored on the device):
+        # what they cost against greedy.
+        variant("bench_logprobs", ["--temperature", "0.8", "--top-p", "0.95", "--logprobs", "5",
+                                   "--repetition-penalty", "1.1"])
     if args.lantern_no_small_products:
-        # The same figures with cuBLAS for every product: what the small-product kernels give.
-        cmd = base + ["--json", "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
-                      str(args.decode_tokens), "--batches", ",".join(map(str, batches)),
-                      "--repeat", str(args.repeat)]
-        timeout = int(min(args.lantern_timeout, max(budget.left() - 90, 10)))
-        out, err, secs = run(cmd, timeout, env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
-        lines = [l for l in (out or "").splitlines() if l.startswith("{")]
-        try:
-            res["bench_cublas"] = json.loads(lines[-1])
-        except Exception:
-            res["bench_cublas_error"] = err or f"unreadable output: {(out or '')[-400:]}"
+        # cuBLAS for every product: what the small-product kernels give.
+        variant("bench_cublas", [], env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
     if args.no_capture:
         return res
     cmd = base + ["--capture", "--capture-prompt-tokens", str(args.capture_tokens), "--repeat", "1"]

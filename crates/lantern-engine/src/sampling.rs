@@ -456,17 +456,6 @@ pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, draw: f32) -> u
     argmax(logits)
 }
 
-/// The token a uniform `draw` in [0, 1) picks from the whole softmax of `logits` at
-/// `temperature`, walking the row in id order: the same distribution as walking it
-/// sorted, without sorting the vocabulary.
-pub fn sample_whole_row(logits: &[f32], temperature: f32, draw: f32) -> u32 {
-    let params = SamplingParams {
-        temperature,
-        ..SamplingParams::default()
-    };
-    sample_with_draw(logits, &params, draw)
-}
-
 /// The most likely token; the lowest id wins a tie, so greedy decoding is deterministic.
 pub fn argmax(logits: &[f32]) -> u32 {
     vocab_row::argmax(logits) as u32

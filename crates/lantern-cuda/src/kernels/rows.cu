@@ -55,20 +55,16 @@ __device__ __forceinline__ float lt_sample_weight(float v, float max, float inv_
     return w == w ? w : 0.0f;
 }
 
-// How many of src[0..n)'s weights at 1 / inv_t are at least `floor`, and their sum, in
-// every thread (block_sum's fixed order: the same sums every run).
-__device__ void lt_weights_from(const float* __restrict__ src, u32 n, float max, float inv_t, float floor,
-                                float* count, float* mass) {
-    float c = 0.0f, m = 0.0f;
+// How many of src[0..n)'s weights at 1 / inv_t are at least `floor` (or, `by_mass`, their
+// sum), in every thread (block_sum's fixed order: the same sums every run).
+__device__ float lt_weights_from(const float* __restrict__ src, u32 n, float max, float inv_t, float floor,
+                                 bool by_mass) {
+    float s = 0.0f;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const float w = lt_sample_weight(src[i], max, inv_t);
-        if (w >= floor) {
-            c += 1.0f;
-            m += w;
-        }
+        if (w >= floor) s += by_mass ? w : 1.0f;
     }
-    *count = block_sum(c);
-    *mass = block_sum(m);
+    return block_sum(s);
 }
 
 // The smallest weight a token keeps under top-k, top-p and min-p (lantern-model's
@@ -79,24 +75,22 @@ __device__ void lt_weights_from(const float* __restrict__ src, u32 n, float max,
 __device__ float lt_cut_weight(const float* __restrict__ src, u32 n, float max, float inv_t, u32 top_k, float top_p,
                                float min_p) {
     const u32 above_one = __float_as_uint(1.0f) + 1u;
-    float count, mass;
     u32 floor = 0;
     if (top_k > 0 && top_k < n) {
         u32 hi = above_one;
         while (hi - floor > 1) {
             const u32 mid = floor + (hi - floor) / 2;
-            lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), &count, &mass);
-            if (count >= (float)top_k) floor = mid; else hi = mid;
+            if (lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), false) >= (float)top_k) floor = mid;
+            else hi = mid;
         }
     }
     if (top_p < 1.0f) {
-        lt_weights_from(src, n, max, inv_t, __uint_as_float(floor), &count, &mass);
-        const float target = top_p * mass;
+        const float target = top_p * lt_weights_from(src, n, max, inv_t, __uint_as_float(floor), true);
         u32 hi = above_one;
         while (hi - floor > 1) {
             const u32 mid = floor + (hi - floor) / 2;
-            lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), &count, &mass);
-            if (mass >= target) floor = mid; else hi = mid;
+            if (lt_weights_from(src, n, max, inv_t, __uint_as_float(mid), true) >= target) floor = mid;
+            else hi = mid;
         }
     }
     return fmaxf(__uint_as_float(floor), min_p);

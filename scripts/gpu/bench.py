@@ -118,6 +118,9 @@ def lantern_figures(args, model_dir, budget):
         # what they cost against greedy.
         variant("bench_logprobs", ["--temperature", "0.8", "--top-p", "0.95", "--logprobs", "5",
                                    "--repetition-penalty", "1.1"])
+    if args.lantern_plain_launches:
+        # Every kernel launched the plain way: what programmatic dependent launch gives.
+        variant("bench_plain_launches", [], env={"LANTERN_CUDA_PDL": "off"})
     if args.lantern_no_small_products:
         # cuBLAS for every product: what the small-product kernels give.
         variant("bench_cublas", [], env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
@@ -324,6 +327,7 @@ def table(name, layers, lan, hf, args):
                          "lantern": kept,
                          "speedup": ratio(kept, host) if higher else ratio(host, kept)})
     for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only"),
+                       ("bench_plain_launches", "overlapped / plain launches"),
                        ("bench_sampled", "greedy / temperature 1"),
                        ("bench_logprobs", "greedy / top-p, logprobs, penalty")):
         other = lan.get(key)
@@ -363,6 +367,8 @@ def main():
     ap.add_argument("--no-capture", action="store_true")
     ap.add_argument("--lantern-no-small-products", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
+    ap.add_argument("--lantern-plain-launches", action="store_true",
+                    help="also run lantern's bench with LANTERN_CUDA_PDL=off (rows 'overlapped / plain launches')")
     ap.add_argument("--lantern-eager", action="store_true",
                     help="also run lantern's bench with --enforce-eager (rows 'graphs / eager': the eager figure in the transformers column)")
     ap.add_argument("--lantern-sampled", action="store_true",

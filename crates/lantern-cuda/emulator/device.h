@@ -31,6 +31,8 @@
 // Shared memory is the block's: the driver runs one launch at a time and a launch's blocks
 // one after another, so plain statics serve (no thread-local lookups in the kernels).
 #define __shared__ static
+// kernels/prelude.cu's lt_grid_dependency calls lt_emu::grid_dependency here.
+#define LT_CUDA_EMULATOR 1
 
 namespace lt_emu {
 
@@ -57,6 +59,9 @@ struct Launch {
     unsigned shared_bytes;
     void** params;
     char* error;  // 512 bytes: a message when the launch fails
+    // Launched to overlap the kernel before it (programmatic dependent launch): every
+    // thread must then call lt_grid_dependency (kernels/prelude.cu).
+    unsigned programmatic;
 };
 
 constexpr unsigned kMaxThreads = 1024;
@@ -82,6 +87,7 @@ struct Block {
     // turns[t]: the fiber whose turn is t-th (see run_order).
     unsigned turns[kMaxThreads];
     bool deadlock;
+    unsigned grid_waits;  // threads that called lt_grid_dependency
     void (*body)(void*);
     void* body_arg;
 };
@@ -308,6 +314,7 @@ inline bool run_grid(const Launch& l, void (*body)(void*), void* arg) {
                 b.block_arrived = 0;
                 b.block_gen = 0;
                 b.deadlock = false;
+                b.grid_waits = 0;
                 for (unsigned w = 0; w < kWarps; w++) {
                     b.warp_live[w] = 0;
                     b.warp_arrived[w] = 0;
@@ -352,6 +359,15 @@ inline bool run_grid(const Launch& l, void (*body)(void*), void* arg) {
                                   bx, by, bz, at_block, at_warp, n - b.live);
                     return false;
                 }
+                // Work runs when it is queued, so the wait itself has nothing to wait for;
+                // a kernel that skips it would race the kernel before it on a GPU.
+                if (l.programmatic && b.grid_waits != n) {
+                    std::snprintf(l.error, 512,
+                                  "launched to overlap the kernel before it, but %u of block (%u,%u,%u)'s %u "
+                                  "threads did not wait for it (lt_grid_dependency)",
+                                  n - b.grid_waits, bx, by, bz, n);
+                    return false;
+                }
             }
     return true;
 }
@@ -385,6 +401,9 @@ size_t param_sizes(void (*)(A...), size_t* out, size_t cap) {
 }
 
 inline unsigned char* dynamic_shared() { return blk->dynamic_shared; }
+
+// griddepcontrol.wait and .launch_dependents: counted, so that a launch can check them.
+inline void grid_dependency() { blk->grid_waits++; }
 
 }  // namespace lt_emu
 

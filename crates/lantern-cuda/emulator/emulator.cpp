@@ -70,6 +70,7 @@ struct Launch {
     unsigned shared_bytes;
     void** params;
     char* error;
+    unsigned programmatic;
 };
 
 std::recursive_mutex g_mutex;
@@ -720,8 +721,9 @@ EXPORT CUresult cuFuncSetAttribute(void* f, int attribute, int v) {
 }
 EXPORT CUresult cuFuncSetCacheConfig(void*, int) { return CUDA_SUCCESS; }
 
-EXPORT CUresult cuLaunchKernel(void* fp, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                               unsigned bz, unsigned shared, void* s, void** params, void** extra) {
+namespace {
+CUresult launch_kernel(void* fp, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shared, void* s, void** params, void** extra, bool programmatic) {
     auto* f = static_cast<Function*>(fp);
     if (extra) return CUDA_ERROR_NOT_SUPPORTED;
     if (gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535) {
@@ -750,7 +752,7 @@ EXPORT CUresult cuLaunchKernel(void* fp, unsigned gx, unsigned gy, unsigned gz, 
         for (auto& v : *values) ptrs.push_back(v.data());
         std::lock_guard<std::mutex> running(g_launch_mutex);
         char error[512] = {0};
-        Launch l{{gx, gy, gz}, {bx, by, bz}, shared, ptrs.data(), error};
+        Launch l{{gx, gy, gz}, {bx, by, bz}, shared, ptrs.data(), error, programmatic};
         if (!f->launch(&l)) {
             report("kernel %s: %s", f->name.c_str(), error);
             return CUDA_ERROR_LAUNCH_FAILED;
@@ -762,6 +764,45 @@ EXPORT CUresult cuLaunchKernel(void* fp, unsigned gx, unsigned gy, unsigned gz, 
         }
         return CUDA_SUCCESS;
     });
+}
+}  // namespace
+
+EXPORT CUresult cuLaunchKernel(void* fp, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shared, void* s, void** params, void** extra) {
+    return launch_kernel(fp, gx, gy, gz, bx, by, bz, shared, s, params, extra, false);
+}
+
+// CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (a 64-byte value union).
+struct LaunchAttribute {
+    int id;
+    char pad[4];
+    union {
+        char bytes[64];
+        int programmatic_stream_serialization_allowed;
+    } value;
+};
+struct LaunchConfig {
+    unsigned grid[3], block[3], shared;
+    void* stream;
+    LaunchAttribute* attrs;
+    unsigned num_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
+
+EXPORT CUresult cuLaunchKernelEx(const LaunchConfig* c, void* fp, void** params, void** extra) {
+    constexpr int kProgrammaticStreamSerialization = 6;
+    bool programmatic = false;
+    for (unsigned i = 0; i < c->num_attrs; i++) {
+        const LaunchAttribute& a = c->attrs[i];
+        if (a.id == 0) continue;  // ignored
+        if (a.id != kProgrammaticStreamSerialization) {
+            report("cuLaunchKernelEx: launch attribute %d is not emulated", a.id);
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+        programmatic = a.value.programmatic_stream_serialization_allowed != 0;
+    }
+    return launch_kernel(fp, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2], c->shared,
+                         c->stream, params, extra, programmatic);
 }
 
 // ===================== NVRTC =====================

@@ -378,8 +378,13 @@ impl AttentionBackend for CudaBackend {
             .memory_info()
             .map(|(_, total)| format!(", {:.0} GiB", total as f64 / (1u64 << 30) as f64))
             .unwrap_or_default();
+        let launches = if g.programmatic_launch {
+            ", overlapped launches"
+        } else {
+            ""
+        };
         Some(format!(
-            "{} (cuda:{}, compute capability {major}.{minor}, {} SMs{memory})",
+            "{} (cuda:{}, compute capability {major}.{minor}, {} SMs{memory}{launches})",
             g.name(),
             g.ordinal(),
             g.sm_count()

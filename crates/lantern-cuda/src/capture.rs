@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use lantern_attn::HeadCombine;
 

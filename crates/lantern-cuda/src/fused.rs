@@ -3,7 +3,7 @@
 //! split into its parts, and RoPE of queries and keys in one launch. Each checks its
 //! buffers' lengths and answers [`crate::CudaError::Shape`] instead of launching.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};

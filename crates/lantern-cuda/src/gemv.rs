@@ -2,7 +2,7 @@
 //! from f32 activations, without the cast cuBLAS's bf16 GEMM needs, its output split into
 //! parts or gated (a gated MLP's `act(gate) * up`) in the same launch.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
 use crate::error::{ensure, Result};

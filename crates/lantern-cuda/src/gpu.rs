@@ -38,6 +38,8 @@ pub struct Gpu {
     ordinal: usize,
     compute_capability: (i32, i32),
     sm_count: usize,
+    /// Whether kernels are launched to overlap the one ahead of them (`launch.rs`).
+    pub(crate) programmatic_launch: bool,
     /// Split-K attention's partial results, kept between calls and grown as needed (all
     /// work is on the one stream, so a call's kernels follow the previous call's merge).
     pub(crate) attn_scratch: Mutex<Option<CudaSlice<f32>>>,
@@ -126,6 +128,7 @@ impl Gpu {
             ordinal,
             compute_capability,
             sm_count,
+            programmatic_launch: crate::launch::pdl_enabled(cc),
             attn_scratch: Mutex::new(None),
             graphs: Mutex::new(GraphState::new()),
             graph_mode: AtomicU8::new(EAGER),
@@ -362,6 +365,19 @@ pub fn compile_all_kernels_ptx() -> Result<()> {
                     log: format!("the compiled PTX has no kernel {f}"),
                 });
             }
+        }
+        // Each kernel's lt_grid_dependency (launch.rs) is compiled in at sm_90. (The CUDA
+        // emulator's modules are no PTX: it checks every thread's wait as kernels run.)
+        let emulated = ptx.contains("\n.emulated ");
+        let waits = ptx.matches("griddepcontrol.wait").count();
+        if !emulated && waits < src.functions.len() {
+            return Err(CudaError::Nvrtc {
+                kernel: src.name.to_string(),
+                log: format!(
+                    "{waits} griddepcontrol.wait in the PTX of {} kernels",
+                    src.functions.len()
+                ),
+            });
         }
         compile(src, &Target::Cubin(90))?;
     }

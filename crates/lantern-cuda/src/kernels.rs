@@ -3,7 +3,7 @@
 //! buffer lengths and answers [`CudaError::Shape`] instead of launching on a mismatch.
 
 use cudarc::driver::{
-    CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 
 use crate::error::{ensure, CudaError, Result};

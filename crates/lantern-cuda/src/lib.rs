@@ -14,6 +14,7 @@ pub mod gpu;
 pub mod graph;
 pub mod kept;
 pub mod kernels;
+pub mod launch;
 pub mod libs;
 pub mod maps;
 pub mod pool;

@@ -225,6 +225,7 @@ __device__ void paged_attention_impl(
         u64 s_head, u64 s_dim, u32 block_size, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 group_block,    \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_table, u32 table_stride, u32 num_reqs,  \
         float scale, u32 window, u32 chunk, float soft_cap, const float* sinks) {                                 \
+        lt_grid_dependency();                                                                                     \
         paged_attention_impl(q, out, cache, cache_len, s_kv, s_block, s_in_block, s_head, s_dim, block_size,      \
                              num_heads, num_kv_heads, head_dim, group_block, query_start_loc, seq_lens,           \
                              block_table, table_stride, num_reqs, scale, window, chunk, soft_cap, sinks, 1u,      \
@@ -241,6 +242,7 @@ PAGED_ATTENTION(paged_attention_f32, float)
         u64 s_head, u64 s_dim, u32 block_size, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 group_block,    \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_table, u32 table_stride, u32 num_reqs,  \
         float scale, u32 window, u32 chunk, float soft_cap, u32 num_splits) {                                     \
+        lt_grid_dependency();                                                                                     \
         paged_attention_impl(q, (float*)0, cache, cache_len, s_kv, s_block, s_in_block, s_head, s_dim,           \
                              block_size, num_heads, num_kv_heads, head_dim, group_block, query_start_loc,         \
                              seq_lens, block_table, table_stride, num_reqs, scale, window, chunk, soft_cap,       \
@@ -256,6 +258,7 @@ PAGED_ATTENTION_SPLIT(paged_attention_split_f32, float)
 extern "C" __global__ void paged_attention_merge(const float* __restrict__ part, float* __restrict__ out,
                                                  u32 num_heads, u32 head_dim, u32 num_splits,
                                                  const float* __restrict__ sinks) {
+    lt_grid_dependency();
     const u32 t = blockIdx.x, h = blockIdx.y, D = head_dim, S = num_splits;
     const u64 rows = (u64)gridDim.x * num_heads * S;
     const u64 row0 = ((u64)t * num_heads + h) * S;

@@ -104,6 +104,7 @@ __device__ void row_probabilities_impl(
                                     u32 head_dim, const u32* rows, const u64* offsets, const u32* block_table,   \
                                     u32 table_stride, float scale, float soft_cap, const float* sinks,           \
                                     float* out) {                                                               \
+        lt_grid_dependency();                                                                                   \
         row_probabilities_impl(q, cache, cache_len, s_block, s_in_block, s_head, s_dim, block_size, num_heads,   \
                                num_kv_heads, head_dim, rows, offsets, block_table, table_stride, scale,         \
                                soft_cap, sinks, out);                                                            \
@@ -143,6 +144,7 @@ __device__ void map_probabilities_impl(
                                     const u32* head_ids, u32 num_asked, const u32* rows, const u32* table,       \
                                     u32 num_keys, float scale, float soft_cap, const float* sinks, float* out,  \
                                     u32* bad) {                                                                 \
+        lt_grid_dependency();                                                                                   \
         map_probabilities_impl(q, cache, cache_len, s_block, s_in_block, s_head, s_dim, block_size, group,       \
                                head_dim, head_ids, num_asked, rows, table, num_keys, scale, soft_cap, sinks,    \
                                out, bad);                                                                        \
@@ -157,6 +159,7 @@ MAP_PROBABILITIES(map_probabilities_f32, float)
 // out [rows, num_keys].
 extern "C" __global__ void combine_heads(const float* __restrict__ in, u32 heads, u32 num_keys, u32 mode, float inv,
                                          float* __restrict__ out) {
+    lt_grid_dependency();
     const u32 j = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
     if (j >= num_keys) return;
     const float* row = in + (u64)r * heads * num_keys + j;
@@ -174,6 +177,7 @@ extern "C" __global__ void combine_heads(const float* __restrict__ in, u32 heads
 // them: vals and idx [rows, k], k <= num_keys. Grid: (row); blockDim.x a multiple of 32.
 extern "C" __global__ void top_k_rows(const float* __restrict__ in, u32 num_keys, u32 k, float* __restrict__ vals,
                                       u32* __restrict__ idx) {
+    lt_grid_dependency();
     const u64 r = blockIdx.x;
     lt_block_top_k(in + r * num_keys, num_keys, k, vals + r * k, idx + r * k, 1);
 }

@@ -1,32 +1,38 @@
 // Element-wise and row-copy kernels over f32 activations (grid-stride loops).
 
 extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, lt_bf16* __restrict__ out, u64 n) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = from_f32<lt_bf16>(x[i]);
 }
 
 extern "C" __global__ void add_in_place(float* __restrict__ x, const float* __restrict__ y, u64 n) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] += y[i];
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, u64 n, u32 width) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] += bias[i % width];
 }
 
 // gate = act(gate) * up (lt_activation's act).
 extern "C" __global__ void act_mul(float* __restrict__ gate, const float* __restrict__ up, u64 n, u32 act) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         gate[i] = lt_activation(gate[i], act) * up[i];
 }
 
 extern "C" __global__ void scale_f32(float* __restrict__ x, u64 n, float s) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] *= s;
 }
 
 extern "C" __global__ void soft_cap_f32(float* __restrict__ x, u64 n, float cap) {
+    lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] = cap * tanhf(x[i] / cap);
 }
@@ -46,18 +52,22 @@ __device__ void embed_impl(const T* __restrict__ table, const u32* __restrict__ 
     for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = to_f32(src[i]) * scale;
 }
 extern "C" __global__ void embed_bf16(const lt_bf16* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    lt_grid_dependency();
     embed_impl(t, ids, out, hidden, vocab, scale);
 }
 extern "C" __global__ void embed_f16(const lt_f16* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    lt_grid_dependency();
     embed_impl(t, ids, out, hidden, vocab, scale);
 }
 extern "C" __global__ void embed_f32(const float* t, const u32* ids, float* out, u32 hidden, u32 vocab, float scale) {
+    lt_grid_dependency();
     embed_impl(t, ids, out, hidden, vocab, scale);
 }
 
 // One block per output row; an index at or past `rows` gives a row of NaN.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, float* __restrict__ out,
                                        u32 width, u32 rows) {
+    lt_grid_dependency();
     const u32 row = blockIdx.x;
     const u32 src_row = idx[row];
     float* dst = out + (u64)row * width;
@@ -75,6 +85,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
 // a graph replays it with the step's own table.
 extern "C" __global__ void scatter_rows(const float* __restrict__ x, const u64* __restrict__ table, u32 width,
                                         u32 rows) {
+    lt_grid_dependency();
     float* dst = (float*)table[2 * (u64)blockIdx.x];
     if (dst == nullptr) return;
     const u64 src_row = table[2 * (u64)blockIdx.x + 1];

@@ -7,6 +7,7 @@
 extern "C" __global__ void rms_norm_fused(float* __restrict__ x, const float* __restrict__ delta,
                                           const float* __restrict__ weight, float* __restrict__ out,
                                           lt_bf16* __restrict__ out_bf16, u32 width, float eps) {
+    lt_grid_dependency();
     const u64 base = (u64)blockIdx.x * width;
     float ss = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -31,6 +32,7 @@ extern "C" __global__ void rms_norm_fused(float* __restrict__ x, const float* __
 // bf16 copy (lt_activation's act).
 extern "C" __global__ void act_mul_split(const float* __restrict__ gu, float* __restrict__ out,
                                          lt_bf16* __restrict__ out_bf16, u64 rows, u32 width, u32 act) {
+    lt_grid_dependency();
     const u64 n = rows * width;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / width, c = i % width;
@@ -45,6 +47,7 @@ extern "C" __global__ void act_mul_split(const float* __restrict__ gu, float* __
 extern "C" __global__ void split_columns(const float* __restrict__ x, u64 rows, float* __restrict__ o0, u32 w0,
                                          float* __restrict__ o1, u32 w1, float* __restrict__ o2, u32 w2,
                                          float* __restrict__ o3, u32 w3) {
+    lt_grid_dependency();
     const u32 total = w0 + w1 + w2 + w3;
     const u64 n = rows * total;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
@@ -66,6 +69,7 @@ extern "C" __global__ void split_columns(const float* __restrict__ x, u64 rows, 
 extern "C" __global__ void rope_qk(float* __restrict__ q, u32 q_heads, float* __restrict__ k, u32 k_heads,
                                    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                    u32 head_dim, u32 half, u32 adjacent) {
+    lt_grid_dependency();
     const u32 t = blockIdx.x;
     const float* c = cos_t + (u64)t * half;
     const float* s = sin_t + (u64)t * half;

@@ -64,6 +64,7 @@ __device__ __forceinline__ void gemv_dot_tile(const lt_bf16* __restrict__ wrow, 
 extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m, u32 n,
                                      u32 k, u32 tile, float* __restrict__ o0, u32 w0, float* __restrict__ o1,
                                      u32 w1, float* __restrict__ o2, u32 w2) {
+    lt_grid_dependency();
     extern __shared__ float xs[];
     const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float acc[GEMV_MAX_M] = {0, 0, 0, 0};
@@ -89,6 +90,7 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16*
 // out[r, j] = act(W[j] · x[r]) * (W[f + j] · x[r]) (lt_activation's act), one j per warp.
 extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m,
                                            u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act) {
+    lt_grid_dependency();
     extern __shared__ float xs[];
     const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float gate[GEMV_MAX_M] = {0, 0, 0, 0};

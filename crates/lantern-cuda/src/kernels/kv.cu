@@ -28,6 +28,7 @@ __device__ void kv_write_impl(const float* __restrict__ k, const float* __restri
     extern "C" __global__ void NAME(const float* k, const float* v, const i64* slots, T* cache, u64 cache_len,  \
                                     u64 s_kv, u64 s_block, u64 s_in_block, u64 s_head, u64 s_dim, u32 block_size, \
                                     u32 num_kv_heads, u32 head_dim) {                                            \
+        lt_grid_dependency();                                                                                    \
         kv_write_impl(k, v, slots, cache, cache_len, s_kv, s_block, s_in_block, s_head, s_dim, block_size,      \
                       num_kv_heads, head_dim);                                                                   \
     }

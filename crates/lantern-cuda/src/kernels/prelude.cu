@@ -7,6 +7,20 @@ typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
 
+// Programmatic dependent launch (launch.rs): a kernel may be placed on the GPU while the
+// one before it on the stream still runs. Every kernel calls this first: it waits until
+// the kernel before has completed and its writes are visible, then lets the next kernel
+// start launching (it too will wait here). Both are no-ops for a kernel launched the
+// plain way; before sm_90 there is nothing to do.
+__device__ __forceinline__ void lt_grid_dependency() {
+#if defined(LT_CUDA_EMULATOR)
+    lt_emu::grid_dependency();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 #define LT_INF __int_as_float(0x7f800000)
 #define LT_NEG_INF __int_as_float(0xff800000)
 #define LT_NAN __int_as_float(0x7fc00000)

@@ -2,6 +2,7 @@
 
 // out = x / sqrt(mean(x^2) + eps) * weight; out may be x itself.
 extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ weight, float* out, u32 width, float eps) {
+    lt_grid_dependency();
     const float* src = x + (u64)blockIdx.x * width;
     float* dst = out + (u64)blockIdx.x * width;
     float ss = 0.0f;
@@ -154,6 +155,7 @@ __device__ u32 lt_sample_token(const float* __restrict__ src, u32 n, float max, 
 #define LT_NO_SCORE 0xffffffffu
 extern "C" __global__ void reduce_rows(const float* __restrict__ x, const u32* __restrict__ params,
                                        u32* __restrict__ out, u32 n, u32 top_cap) {
+    lt_grid_dependency();
     const u64 r = blockIdx.x;
     const float* src = x + r * n;
     const u32* p = params + 8 * r;
@@ -204,6 +206,7 @@ extern "C" __global__ void reduce_rows(const float* __restrict__ x, const u32* _
 // edits name the same logit.
 extern "C" __global__ void edit_logits(float* __restrict__ x, u32 n, u32 rows, const u32* __restrict__ edits,
                                        u32 count) {
+    lt_grid_dependency();
     const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= count) return;
     const u32* d = edits + 6 * (u64)e;
@@ -222,6 +225,7 @@ extern "C" __global__ void edit_logits(float* __restrict__ x, u32 n, u32 rows, c
 // a head is (2i, 2i+1) when `adjacent`, else (i, i + half); only the first 2*half dims turn.
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                 u32 heads, u32 head_dim, u32 half, u32 adjacent) {
+    lt_grid_dependency();
     const u32 t = blockIdx.x;
     float* row = x + (u64)t * heads * head_dim;
     const float* c = cos_t + (u64)t * half;

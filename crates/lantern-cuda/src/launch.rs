@@ -1,0 +1,154 @@
+//! Kernel launches, with programmatic dependent launch where the device has it.
+//!
+//! On compute capability 9.0 and later a kernel may be launched before the one ahead of
+//! it on the stream has finished (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`):
+//! its blocks are placed on the multiprocessors while the previous kernel's last blocks
+//! still run, and wait at `griddepcontrol.wait` (prelude.cu's `lt_grid_dependency`, the
+//! first statement of every kernel) until that kernel has completed and its writes are
+//! visible. A decode step at batch 1 is ~300 small dependent kernels, each otherwise
+//! paying its launch after the previous one drains; with this, the launch overlaps it.
+//! Graph capture keeps the overlap (its edges become programmatic ones).
+//!
+//! `LANTERN_CUDA_PDL=off` launches every kernel the plain way.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{
+    self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig,
+};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchConfig};
+
+/// First compute capability (major * 10 + minor) with programmatic dependent launch.
+pub const PDL_MIN_CC: u32 = 90;
+
+/// Whether kernels on a device of compute capability `cc` are launched with programmatic
+/// dependent launch: from [`PDL_MIN_CC`] on, unless `LANTERN_CUDA_PDL` is `off`.
+pub fn pdl_enabled(cc: u32) -> bool {
+    cc >= PDL_MIN_CC && !pdl_switched_off(std::env::var("LANTERN_CUDA_PDL").ok().as_deref())
+}
+
+fn pdl_switched_off(setting: Option<&str>) -> bool {
+    matches!(setting.map(str::trim), Some("off" | "0" | "false" | "no"))
+}
+
+/// One kernel launch being put together: the function, its arguments (addresses of
+/// values that live as long as the builder), and whether it may overlap the kernel
+/// ahead of it.
+#[derive(Debug)]
+pub struct Launch<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    args: Vec<*mut c_void>,
+    programmatic: bool,
+}
+
+impl<'a> Launch<'a> {
+    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction, programmatic: bool) -> Self {
+        Self {
+            stream,
+            func,
+            args: Vec::with_capacity(16),
+            programmatic,
+        }
+    }
+
+    /// Appends the next kernel argument.
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Queues the kernel on the stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and
+    /// the kernel must stay inside the buffers it is given.
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        let f = self.func.cu_function();
+        let params = self.args.as_mut_ptr();
+        if !self.programmatic {
+            // SAFETY: the caller's contract; `params` holds one address per argument.
+            return unsafe {
+                sys::cuLaunchKernel(
+                    f,
+                    cfg.grid_dim.0,
+                    cfg.grid_dim.1,
+                    cfg.grid_dim.2,
+                    cfg.block_dim.0,
+                    cfg.block_dim.1,
+                    cfg.block_dim.2,
+                    cfg.shared_mem_bytes,
+                    self.stream.cu_stream(),
+                    params,
+                    std::ptr::null_mut(),
+                )
+            }
+            .result();
+        }
+        let mut value = CUlaunchAttributeValue { pad: [0; 64] };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attribute = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; `config` and its one attribute live through the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) }.result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_switch_reads_off_and_its_synonyms() {
+        for off in ["off", "0", "false", "no", " off "] {
+            assert!(pdl_switched_off(Some(off)), "{off:?}");
+        }
+        for on in [None, Some("on"), Some("1"), Some("")] {
+            assert!(!pdl_switched_off(on), "{on:?}");
+        }
+    }
+
+    /// Every kernel must wait for the grid ahead of it before it reads or writes anything:
+    /// a kernel launched to overlap its predecessor that did not would race it.
+    #[test]
+    fn every_kernel_first_waits_for_the_grid_before_it() {
+        for src in crate::kernels::SOURCES {
+            let text = src.source;
+            let mut found = 0;
+            for (at, _) in text.match_indices("__global__") {
+                let body = &text[at..];
+                let open = body.find('{').expect("a kernel has a body");
+                let first =
+                    body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                assert!(
+                    first.starts_with("lt_grid_dependency();"),
+                    "{}: the kernel at byte {at} starts with {:?}, not lt_grid_dependency();",
+                    src.name,
+                    &first[..first.len().min(60)]
+                );
+                found += 1;
+            }
+            assert!(
+                found > 0 || src.functions.is_empty(),
+                "{}: no kernels",
+                src.name
+            );
+        }
+    }
+}

@@ -438,6 +438,7 @@ inline unsigned __float_as_uint(float v) { unsigned u; std::memcpy(&u, &v, 4); r
 inline int __float_as_int(float v) { int u; std::memcpy(&u, &v, 4); return u; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::isfinite;

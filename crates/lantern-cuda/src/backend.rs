@@ -20,7 +20,7 @@ use crate::capture::ProbabilityRow;
 use crate::gpu::Gpu;
 use crate::graph::GRAPH_BATCH_SIZES;
 use crate::kept::CudaKeptRows;
-use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta};
+use crate::kernels::{AttnParams, CacheElem, KvStrides, PagedMeta, RopeStep};
 use crate::pool::Pooled;
 
 /// FlashAttention's layout, `[2, num_blocks, block_size, kv_heads, head_dim]`.
@@ -117,21 +117,24 @@ impl CudaBackend {
 
     /// Attention of one layer on device buffers: writes this step's `k`/`v` into `cache`
     /// by the slot mapping, then attends `q` over the paged cache. All `[tokens, heads,
-    /// head_dim]` f32.
+    /// head_dim]` f32. With `rope`, the keys are turned by it as they are written and `q`
+    /// in place before (one launch for both: [`Gpu::rope_kv_write`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
         spec: &AttentionLayerSpec,
         meta: &AttentionMetadata,
-        q: &CudaSlice<f32>,
+        q: &mut CudaSlice<f32>,
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
+        rope: Option<&RopeStep<'_>>,
         cache: &mut dyn LayerKvCache,
     ) -> Result<Pooled<f32>, AttnError> {
         let common = &meta.common;
         validate_step(&self.layout, spec, common, &*cache)?;
         let t = common.num_actual_tokens;
         for (what, buf, heads) in [
-            ("q", q, spec.num_heads),
+            ("q", &*q, spec.num_heads),
             ("k", k, spec.num_kv_heads),
             ("v", v, spec.num_kv_heads),
         ] {
@@ -187,11 +190,12 @@ impl CudaBackend {
             strides: &strides,
             paged: &paged,
             params: &params,
+            rope,
         };
         match &mut cache.data {
-            CacheData::F32(c) => step.run(c, (q, k, v), slots, &mut out),
-            CacheData::F16(c) => step.run(c, (q, k, v), slots, &mut out),
-            CacheData::Bf16(c) => step.run(c, (q, k, v), slots, &mut out),
+            CacheData::F32(c) => step.run(c, (&mut *q, k, v), slots, &mut out),
+            CacheData::F16(c) => step.run(c, (&mut *q, k, v), slots, &mut out),
+            CacheData::Bf16(c) => step.run(c, (&mut *q, k, v), slots, &mut out),
         }
         .map_err(attn_error)?;
         Ok(out)
@@ -344,17 +348,33 @@ struct Step<'a> {
     strides: &'a KvStrides,
     paged: &'a PagedMeta<'a>,
     params: &'a AttnParams<'a>,
+    rope: Option<&'a RopeStep<'a>>,
 }
 
 impl Step<'_> {
     fn run<T: CacheElem>(
         &self,
         cache: &mut CudaSlice<T>,
-        (q, k, v): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        (q, k, v): (&mut CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
         slots: &CudaSlice<i64>,
         out: &mut CudaSlice<f32>,
     ) -> crate::Result<()> {
-        self.gpu.kv_write(k, v, slots, cache, self.strides)?;
+        match self.rope {
+            Some(rope) => {
+                let q_heads = self.params.num_heads;
+                self.gpu.rope_kv_write(
+                    (&mut *q, q_heads),
+                    k,
+                    v,
+                    rope,
+                    slots,
+                    cache,
+                    self.strides,
+                )?
+            }
+            None => self.gpu.kv_write(k, v, slots, cache, self.strides)?,
+        }
+        let q: &CudaSlice<f32> = q;
         self.gpu
             .paged_attention(q, out, cache, self.strides, self.paged, self.params)
     }
@@ -425,7 +445,7 @@ impl AttentionBackend for CudaBackend {
         let up = |t: &Tensor| -> Result<CudaSlice<f32>, AttnError> {
             self.gpu.upload(&host_f32(t)?).map_err(attn_error)
         };
-        let out = self.attend(layer, meta, &up(q)?, &up(k)?, &up(v)?, cache)?;
+        let out = self.attend(layer, meta, &mut up(q)?, &up(k)?, &up(v)?, None, cache)?;
         let host = self.gpu.download(&*out).map_err(attn_error)?;
         let dims = [
             meta.common.num_actual_tokens,

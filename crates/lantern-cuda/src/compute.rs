@@ -26,7 +26,7 @@ use crate::fused::MAX_SPLIT_PARTS;
 use crate::gemv::{gemv_fits, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
 use crate::kept::KeptRowsTable;
-use crate::kernels::Activation;
+use crate::kernels::{Activation, RopeStep};
 use crate::pool::{Pool, Pooled};
 use crate::reduce::{edit_words, reduce_params, reduce_stride, reduced_row};
 use crate::CudaError;
@@ -641,33 +641,28 @@ impl Compute for CudaCompute {
         k: GpuAct,
         v: GpuAct,
     ) -> Result<GpuAct> {
-        let AttentionCall {
-            layer,
-            tokens,
-            spec,
-            meta,
-            backend,
-            cache,
-            tap,
-        } = call;
-        let backend: &CudaBackend = as_cuda(backend)?;
-        let out = GpuAct::new(backend.attend(spec, meta, &q, &k, &v, &mut *cache)?);
-        let step_captures = tap.is_some();
-        let mut tap = tap.filter(|t| t.wants_layer(layer));
-        if let Some(tap) = tap.as_deref_mut() {
-            self.probabilities_for(tap, (layer, spec, meta, &*cache), backend, &q)?;
+        self.attend_layer(call, q, k, v, None)
+    }
+
+    /// RoPE in the cache write's launch ([`lantern_cuda::Gpu::rope_kv_write`]): one
+    /// launch a layer fewer than `rope_qk` and then `attention`, the same bits.
+    fn rope_attention(
+        &self,
+        call: AttentionCall<'_, '_>,
+        table: &GpuRopeTable,
+        (q, q_heads): (GpuAct, usize),
+        (k, k_heads): (GpuAct, usize),
+        v: GpuAct,
+        head_dim: usize,
+    ) -> Result<GpuAct> {
+        let spec = call.spec;
+        if (q_heads, k_heads, head_dim) != (spec.num_heads, spec.num_kv_heads, spec.head_dim) {
+            return Err(ModelError::Compute(format!(
+                "rope_attention: {q_heads}/{k_heads} heads of {head_dim} for a layer of {}/{} of {}",
+                spec.num_heads, spec.num_kv_heads, spec.head_dim
+            )));
         }
-        self.keep_rows(
-            (tap.as_deref_mut(), step_captures),
-            layer,
-            &q,
-            spec.head_dim,
-        )?;
-        // Capture: only a tap that wants this layer costs a copy to the host.
-        if let Some(tap) = tap {
-            self.record_on_host(tap, (layer, spec, tokens), &q, &out)?;
-        }
-        Ok(out)
+        self.attend_layer(call, q, k, v, Some(table))
     }
 
     /// Hands the tap the probabilities the layers left on the device: one wait for the
@@ -775,6 +770,54 @@ impl Compute for CudaCompute {
             .zip(wants)
             .map(|(w, want)| reduced_row(w, want))
             .collect())
+    }
+}
+
+impl CudaCompute {
+    /// A layer's attention on the device, RoPE fused into the cache write when `rope` is
+    /// given; then what a capture asks of the layer.
+    fn attend_layer(
+        &self,
+        call: AttentionCall<'_, '_>,
+        mut q: GpuAct,
+        k: GpuAct,
+        v: GpuAct,
+        rope: Option<&GpuRopeTable>,
+    ) -> Result<GpuAct> {
+        let AttentionCall {
+            layer,
+            tokens,
+            spec,
+            meta,
+            backend,
+            cache,
+            tap,
+        } = call;
+        let backend: &CudaBackend = as_cuda(backend)?;
+        let rope = rope.map(|t| RopeStep {
+            cos: &t.cos,
+            sin: &t.sin,
+            half: t.half,
+            adjacent: t.adjacent,
+        });
+        let out =
+            GpuAct::new(backend.attend(spec, meta, &mut q, &k, &v, rope.as_ref(), &mut *cache)?);
+        let step_captures = tap.is_some();
+        let mut tap = tap.filter(|t| t.wants_layer(layer));
+        if let Some(tap) = tap.as_deref_mut() {
+            self.probabilities_for(tap, (layer, spec, meta, &*cache), backend, &q)?;
+        }
+        self.keep_rows(
+            (tap.as_deref_mut(), step_captures),
+            layer,
+            &q,
+            spec.head_dim,
+        )?;
+        // Capture: only a tap that wants this layer costs a copy to the host.
+        if let Some(tap) = tap {
+            self.record_on_host(tap, (layer, spec, tokens), &q, &out)?;
+        }
+        Ok(out)
     }
 }
 

@@ -3,7 +3,7 @@
 //! buffer lengths and answers [`CudaError::Shape`] instead of launching on a mismatch.
 
 use cudarc::driver::{
-    CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 
 use crate::error::{ensure, CudaError, Result};
@@ -68,7 +68,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "kv.cu",
         source: include_str!("kernels/kv.cu"),
-        functions: &["kv_write_bf16", "kv_write_f16", "kv_write_f32"],
+        functions: &[
+            "kv_write_bf16",
+            "kv_write_f16",
+            "kv_write_f32",
+            "rope_kv_write_bf16",
+            "rope_kv_write_f16",
+            "rope_kv_write_f32",
+        ],
     },
     KernelSource {
         name: "capture.cu",
@@ -824,6 +831,100 @@ impl Gpu {
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+
+    /// [`Gpu::kv_write`] with the step's RoPE in the same launch: the keys are turned as
+    /// they are written (k itself is left as it is) and `q` `[t, q_heads, head_dim]`
+    /// (`q_heads` a multiple of the cache's kv heads) is turned in place, the same bits as
+    /// [`Gpu::rope_qk`] before [`Gpu::kv_write`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv_write<T: CacheElem>(
+        &self,
+        (q, q_heads): (&mut impl DevicePtrMut<f32>, usize),
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        rope: &RopeStep<'_>,
+        slots: &impl DevicePtr<i64>,
+        cache: &mut impl DevicePtrMut<T>,
+        strides: &KvStrides,
+    ) -> Result<()> {
+        let t = slots.len();
+        let (kvh, d, half) = (strides.num_kv_heads, strides.head_dim, rope.half);
+        ensure(kvh > 0 && q_heads.is_multiple_of(kvh), || {
+            format!("rope_kv_write: {q_heads} query heads for {kvh} kv heads")
+        })?;
+        ensure(half > 0 && 2 * half <= d, || {
+            format!("rope_kv_write: half {half} does not fit head_dim {d}")
+        })?;
+        ensure(
+            q.len() == t * q_heads * d
+                && k.len() == t * kvh * d
+                && v.len() == t * kvh * d
+                && rope.cos.len() == t * half
+                && rope.sin.len() == t * half,
+            || {
+                format!(
+                    "rope_kv_write: q {}, k {}, v {}, cos {}, sin {} values for {t} tokens of \
+                     {q_heads}/{kvh} heads of {d} (half {half})",
+                    q.len(),
+                    k.len(),
+                    v.len(),
+                    rope.cos.len(),
+                    rope.sin.len()
+                )
+            },
+        )?;
+        ensure(strides.block_size > 0, || {
+            "rope_kv_write: block_size is 0".into()
+        })?;
+        if t == 0 || d == 0 {
+            return Ok(());
+        }
+        ensure(kvh <= GRID_YZ, || format!("rope_kv_write: {kvh} kv heads"))?;
+        let f = self.function(&format!("rope_kv_write_{}", T::SUFFIX))?;
+        let cache_len = cache.len() as u64;
+        let (qp, _gq) = q.device_ptr_mut(&self.stream);
+        let (kp, _gk) = k.device_ptr(&self.stream);
+        let (vp, _gv) = v.device_ptr(&self.stream);
+        let (cosp, _gcos) = rope.cos.device_ptr(&self.stream);
+        let (sinp, _gsin) = rope.sin.device_ptr(&self.stream);
+        let (sp, _gs) = slots.device_ptr(&self.stream);
+        let (cp, _gc) = cache.device_ptr_mut(&self.stream);
+        let s = StrideArgs::new(strides)?;
+        let qh32 = u32_of("q_heads", q_heads)?;
+        let half32 = u32_of("half", half)?;
+        let adjacent = rope.adjacent as u32;
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
+        b.arg(&qp).arg(&qh32).arg(&kp).arg(&vp);
+        b.arg(&cosp).arg(&sinp).arg(&half32).arg(&adjacent);
+        b.arg(&sp).arg(&cp).arg(&cache_len);
+        b.arg(&s.kv)
+            .arg(&s.block)
+            .arg(&s.in_block)
+            .arg(&s.head)
+            .arg(&s.dim);
+        b.arg(&s.block_size).arg(&s.num_kv_heads).arg(&s.head_dim);
+        let threads = d.max(q_heads / kvh * half);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("tokens", t)?, kvh as u32, 1),
+            block_dim: (threads.next_multiple_of(32).min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; the kernel bounds every cache write by the cache length.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A step's RoPE on the device: cos and sin `[tokens, half]` of each token's angles; pair
+/// `i` of a head is `(2i, 2i + 1)` when `adjacent`, else `(i, i + half)`.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeStep<'a> {
+    pub cos: &'a CudaSlice<f32>,
+    pub sin: &'a CudaSlice<f32>,
+    pub half: usize,
+    pub adjacent: bool,
 }
 
 /// The stride arguments as the kernels take them.

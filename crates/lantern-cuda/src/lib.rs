@@ -25,4 +25,6 @@ pub use compute::CudaCompute;
 pub use error::{CudaError, Result};
 pub use gpu::{compile_all_kernels_ptx, Gpu};
 pub use graph::GRAPH_BATCH_SIZES;
-pub use kernels::{Activation, AttnParams, CacheElem, KvStrides, PagedMeta, MAX_HEAD_DIM};
+pub use kernels::{
+    Activation, AttnParams, CacheElem, KvStrides, PagedMeta, RopeStep, MAX_HEAD_DIM,
+};

@@ -19,7 +19,9 @@ mod gpu_tests {
 
     use half::{bf16, f16};
     use lantern_cuda::reduce;
-    use lantern_cuda::{Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta};
+    use lantern_cuda::{
+        Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta, RopeStep,
+    };
     use lantern_model::pick::{self, SampleDraw};
     use lantern_model::{
         LogitEdit, ReducedRow, RowReduction, RowScore, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
@@ -726,6 +728,109 @@ mod gpu_tests {
             let got = g.download(&cache).unwrap();
             assert!(got == want, "kv_write {} {name}", T::SUFFIX);
         }
+    }
+
+    /// `rope_kv_write` against `rope_qk` then `kv_write`: the same cache and queries, bit
+    /// for bit, in both cache layouts and pair layouts, with partial rotary dims, grouped
+    /// queries and skipped slots; k itself left as it was.
+    fn rope_kv_write_case<T: CacheElem + PartialEq + std::fmt::Debug>(g: &Gpu, r: &mut StdRng) {
+        let (bs, kvh, d, q_heads, t) = (16usize, 2usize, 64usize, 6usize, 24usize);
+        for (name, s) in layouts(NUM_BLOCKS, bs, kvh, d) {
+            for (half, adjacent) in [(32usize, false), (32, true), (8, false)] {
+                let what = format!("{} {name} half {half} adjacent {adjacent}", T::SUFFIX);
+                let len = s.cache_len(NUM_BLOCKS);
+                let q = rand_vec(r, t * q_heads * d, 2.0);
+                let k = rand_vec(r, t * kvh * d, 2.0);
+                let v = rand_vec(r, t * kvh * d, 1.0);
+                let angles: Vec<f32> = (0..t * half).map(|_| r.gen_range(0.0f32..6.3)).collect();
+                let cos = g
+                    .upload(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>())
+                    .unwrap();
+                let sin = g
+                    .upload(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>())
+                    .unwrap();
+                let mut pool: Vec<i64> = (0..(NUM_BLOCKS * bs) as i64).collect();
+                let slots: Vec<i64> = (0..t)
+                    .map(|_| {
+                        if r.gen_bool(0.2) {
+                            -1
+                        } else {
+                            pool.swap_remove(r.gen_range(0..pool.len()))
+                        }
+                    })
+                    .collect();
+                let slots = g.upload(&slots).unwrap();
+                let dv = g.upload(&v).unwrap();
+                let sentinel = T::from_f32(7.0);
+
+                let (mut q1, mut k1) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+                let mut cache1 = g.upload(&vec![sentinel; len]).unwrap();
+                g.rope_qk(
+                    (&mut q1, q_heads),
+                    (&mut k1, kvh),
+                    &cos,
+                    &sin,
+                    d,
+                    half,
+                    adjacent,
+                )
+                .unwrap();
+                g.kv_write(&k1, &dv, &slots, &mut cache1, &s).unwrap();
+
+                let (mut q2, k2) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+                let mut cache2 = g.upload(&vec![sentinel; len]).unwrap();
+                let rope = RopeStep {
+                    cos: &cos,
+                    sin: &sin,
+                    half,
+                    adjacent,
+                };
+                g.rope_kv_write((&mut q2, q_heads), &k2, &dv, &rope, &slots, &mut cache2, &s)
+                    .unwrap();
+
+                let cache = g.download(&cache2).unwrap();
+                assert!(cache == g.download(&cache1).unwrap(), "cache, {what}");
+                assert!(
+                    cache.iter().any(|c| *c != sentinel),
+                    "something written, {what}"
+                );
+                assert_eq!(
+                    g.download(&q2).unwrap(),
+                    g.download(&q1).unwrap(),
+                    "q, {what}"
+                );
+                assert_ne!(g.download(&q2).unwrap(), q, "q turned, {what}");
+                assert_eq!(g.download(&k2).unwrap(), k, "k left as it was, {what}");
+            }
+        }
+        // Query heads that are no multiple of the kv heads are refused, not launched.
+        let mut q = g.upload(&vec![0.0f32; 5 * d]).unwrap();
+        let kv = g.upload(&vec![0.0f32; kvh * d]).unwrap();
+        let one = g.upload(&[0.5f32; 32]).unwrap();
+        let rope = RopeStep {
+            cos: &one,
+            sin: &one,
+            half: 32,
+            adjacent: false,
+        };
+        let (slots, s) = (
+            g.upload(&[0i64]).unwrap(),
+            KvStrides::block_first(bs, kvh, d),
+        );
+        let mut cache = g.upload(&vec![T::from_f32(0.0); s.cache_len(1)]).unwrap();
+        assert!(matches!(
+            g.rope_kv_write((&mut q, 5), &kv, &kv, &rope, &slots, &mut cache, &s),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn rope_kv_write_equals_rope_then_kv_write() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(61);
+        rope_kv_write_case::<bf16>(&g, &mut r);
+        rope_kv_write_case::<f16>(&g, &mut r);
+        rope_kv_write_case::<f32>(&g, &mut r);
     }
 
     #[test]

@@ -146,6 +146,22 @@ pub trait Compute: Send + Sync + Sized + 'static {
         v: Self::Act,
     ) -> Result<Self::Act>;
 
+    /// [`Compute::rope_qk`] of `q` and `k`, then [`Compute::attention`]: one call, so that a
+    /// device may turn the keys as it writes them into the cache (one pass fewer).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        call: AttentionCall<'_, '_>,
+        table: &Self::RopeTable,
+        (mut q, q_heads): (Self::Act, usize),
+        (mut k, k_heads): (Self::Act, usize),
+        v: Self::Act,
+        head_dim: usize,
+    ) -> Result<Self::Act> {
+        self.rope_qk(table, (&mut q, q_heads), (&mut k, k_heads), head_dim)?;
+        self.attention(call, q, k, v)
+    }
+
     /// The values on the host.
     fn to_host(&self, x: Self::Act) -> Result<Vec<f32>>;
 

@@ -77,14 +77,34 @@ __device__ __forceinline__ float lt_activation(float g, u32 act) {
     return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
 }
 
+// A pair (x0, x1) turned by angle (c, s), rounded as the host computes it (no fused
+// multiply-add), so that every kernel turning it gives the same bits.
+__device__ __forceinline__ float lt_rope_first(float x0, float x1, float c, float s) {
+    return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+}
+__device__ __forceinline__ float lt_rope_second(float x0, float x1, float c, float s) {
+    return __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 // Turns pair i of one head (`base`, head_dim values) by angle (c, s): the pair is
 // (2i, 2i+1) when `adjacent`, else (i, i + half).
 __device__ __forceinline__ void lt_rope_pair(float* base, u32 i, u32 half, u32 adjacent, float c, float s) {
     const u32 a = adjacent ? 2 * i : i;
     const u32 b = adjacent ? 2 * i + 1 : i + half;
     const float x0 = base[a], x1 = base[b];
-    base[a] = x0 * c - x1 * s;
-    base[b] = x0 * s + x1 * c;
+    base[a] = lt_rope_first(x0, x1, c, s);
+    base[b] = lt_rope_second(x0, x1, c, s);
+}
+
+// Value d of one head (`base`) after lt_rope_pair turned its pairs by the angles
+// (cos_t[i], sin_t[i]); values past the pairs (d >= 2 * half) are left as they are.
+__device__ __forceinline__ float lt_rope_value(const float* base, u32 d, u32 half, u32 adjacent,
+                                               const float* cos_t, const float* sin_t) {
+    if (d >= 2 * half) return base[d];
+    const u32 i = adjacent ? d / 2 : (d < half ? d : d - half);
+    const bool first = adjacent ? d % 2 == 0 : d < half;
+    const float x0 = base[adjacent ? 2 * i : i], x1 = base[adjacent ? 2 * i + 1 : i + half];
+    return first ? lt_rope_first(x0, x1, cos_t[i], sin_t[i]) : lt_rope_second(x0, x1, cos_t[i], sin_t[i]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -109,18 +109,19 @@ impl<C: Compute> Attention<C> {
                 "q/k/v projections are incomplete".into(),
             ));
         };
-        let (mut q, mut k) = match &self.qk_norm {
+        let (q, k) = match &self.qk_norm {
             // Rows of `head_dim`: one norm per head.
             Some((q_norm, k_norm)) => (q_norm.forward(c, &q)?, k_norm.forward(c, &k)?),
             None => (q, k),
         };
-        c.rope_qk(
+        let out = c.rope_attention(
+            call,
             rope,
-            (&mut q, s.num_heads),
-            (&mut k, s.num_kv_heads),
+            (q, s.num_heads),
+            (k, s.num_kv_heads),
+            v,
             s.head_dim,
         )?;
-        let out = c.attention(call, q, k, v)?;
         c.matmul(&self.output, &out, tokens)
     }
 }

@@ -8,6 +8,7 @@ use cudarc::driver::{
 
 use crate::error::{ensure, CudaError, Result};
 use crate::gpu::Gpu;
+use crate::launch::Launch;
 
 mod attention;
 pub use attention::{auto_attention_splits, MAX_ATTN_SPLITS};
@@ -816,12 +817,7 @@ impl Gpu {
             return Ok(());
         };
         b.arg(&kp).arg(&vp).arg(&sp).arg(&cp).arg(&cache_len);
-        b.arg(&s.kv)
-            .arg(&s.block)
-            .arg(&s.in_block)
-            .arg(&s.head)
-            .arg(&s.dim);
-        b.arg(&s.block_size).arg(&s.num_kv_heads).arg(&s.head_dim);
+        s.push_write_args(&mut b);
         let cfg = LaunchConfig {
             grid_dim: (u32_of("tokens", t)?, strides.num_kv_heads as u32, 1),
             block_dim: (strides.head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
@@ -899,12 +895,7 @@ impl Gpu {
         b.arg(&qp).arg(&qh32).arg(&kp).arg(&vp);
         b.arg(&cosp).arg(&sinp).arg(&half32).arg(&adjacent);
         b.arg(&sp).arg(&cp).arg(&cache_len);
-        b.arg(&s.kv)
-            .arg(&s.block)
-            .arg(&s.in_block)
-            .arg(&s.head)
-            .arg(&s.dim);
-        b.arg(&s.block_size).arg(&s.num_kv_heads).arg(&s.head_dim);
+        s.push_write_args(&mut b);
         let threads = d.max(q_heads / kvh * half);
         let cfg = LaunchConfig {
             grid_dim: (u32_of("tokens", t)?, kvh as u32, 1),
@@ -951,6 +942,18 @@ impl StrideArgs {
             num_kv_heads: u32_of("num_kv_heads", s.num_kv_heads)?,
             head_dim: u32_of("head_dim", s.head_dim)?,
         })
+    }
+
+    /// The strides and sizes as the cache-write kernels (kv.cu) take them, in order.
+    fn push_write_args<'a>(&'a self, b: &mut Launch<'a>) {
+        b.arg(&self.kv)
+            .arg(&self.block)
+            .arg(&self.in_block)
+            .arg(&self.head)
+            .arg(&self.dim);
+        b.arg(&self.block_size)
+            .arg(&self.num_kv_heads)
+            .arg(&self.head_dim);
     }
 }
 

@@ -4,6 +4,7 @@
 //! the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::QTensor;
@@ -23,7 +24,7 @@ use lantern_model::{
 
 use crate::backend::{CudaBackend, PendingProbabilities};
 use crate::fused::MAX_SPLIT_PARTS;
-use crate::gemv::{gemv_fits, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
+use crate::gemv::{gemv_fits, GemvExtras, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
 use crate::kept::KeptRowsTable;
 use crate::kernels::{Activation, RopeStep};
@@ -38,6 +39,9 @@ pub struct CudaCompute {
     /// Products of a few rows with bf16 weights take the small-product kernels (gemv.rs);
     /// `LANTERN_CUDA_SMALL_PRODUCTS=off` sends them to cuBLAS (for comparing the two).
     small_products: bool,
+    /// Whether any matrix was uploaded as f32 (`--f32-weights`): the small-product
+    /// kernels, which fold norms and residual adds, take bf16 only.
+    f32_matrices: Arc<AtomicBool>,
     /// Activations and the bf16 copies products take, reused from step to step.
     acts: Arc<Pool<f32>>,
     halves: Arc<Pool<bf16>>,
@@ -159,6 +163,7 @@ impl CudaCompute {
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
             small_products,
+            f32_matrices: Arc::new(AtomicBool::new(false)),
             deferred: Arc::default(),
         }
     }
@@ -225,6 +230,14 @@ impl CudaCompute {
             None
         };
         Ok((values, copy))
+    }
+
+    /// What `w`'s cuBLAS product reads besides `x`: its bf16 copy for bf16 weights.
+    fn product_input<'a>(&self, w: &GpuMatrix, x: &'a GpuAct) -> Result<Option<Bf16Input<'a>>> {
+        match &w.weight {
+            Weight::Bf16(_) => Ok(Some(self.bf16_input(x)?)),
+            Weight::F32(_) => Ok(None),
+        }
     }
 
     /// `x` as a product's bf16 input: its copy when it has one, else a cast.
@@ -309,6 +322,7 @@ impl CudaCompute {
     ) -> Result<GpuMatrix> {
         let (values, rows, cols) = Self::dequantized(name, tensors)?;
         let weight = if options.f32_weights {
+            self.f32_matrices.store(true, Ordering::Relaxed);
             Weight::F32(self.gpu.upload(&values).map_err(model_error)?)
         } else {
             let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -459,55 +473,70 @@ impl Compute for CudaCompute {
         rows: usize,
         widths: &[usize],
     ) -> Result<Vec<GpuAct>> {
+        self.products(w, x, rows, widths, None)
+    }
+
+    fn folds_norms(&self, rows: usize) -> bool {
+        self.small_products
+            && (1..=GEMV_MAX_ROWS).contains(&rows)
+            && !self.f32_matrices.load(Ordering::Relaxed)
+    }
+
+    /// The norm in the small product's staging of x (gemv.cu), where it takes the product.
+    fn normed_matmul_parts(
+        &self,
+        w: &GpuMatrix,
+        (x, norm): (&GpuAct, (&CudaSlice<f32>, f32)),
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<Vec<GpuAct>> {
+        if self.takes_small_product(w, rows) && widths.len() <= GEMV_MAX_PARTS {
+            return self.products(w, x, rows, widths, Some(norm));
+        }
+        let h = self.rms_norm(x, norm.0, norm.1)?;
+        self.matmul_parts(w, &h, rows, widths)
+    }
+
+    fn normed_matmul_gated(
+        &self,
+        w: &GpuMatrix,
+        (x, norm): (&GpuAct, (&CudaSlice<f32>, f32)),
+        rows: usize,
+        width: usize,
+        act: ModelActivation,
+    ) -> Result<GpuAct> {
+        if self.takes_small_product(w, rows) {
+            return self.gated(w, x, rows, width, act, Some(norm));
+        }
+        let h = self.rms_norm(x, norm.0, norm.1)?;
+        self.matmul_gated(w, &h, rows, width, act)
+    }
+
+    /// The residual add in the small product's output (gemv.cu), where it takes the
+    /// product.
+    fn matmul_add(&self, w: &GpuMatrix, x: &GpuAct, rows: usize, acc: &mut GpuAct) -> Result<()> {
         let k = w.in_features;
-        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
-        if widths.iter().sum::<usize>() != w.out_features {
-            return Err(ModelError::Compute(format!(
-                "`{}`: output widths {widths:?} do not add up to its {} rows",
-                w.name, w.out_features
-            )));
-        }
-        let mut outputs = widths
-            .iter()
-            .map(|&n| self.act(rows * n))
-            .collect::<Result<Vec<_>>>()?;
-        if let Weight::Bf16(wb) = &w.weight {
-            if self.small_products && gemv_fits(rows, k) && widths.len() <= GEMV_MAX_PARTS {
-                // A decode step's few rows: one launch from f32, split as it writes.
-                let mut parts: Vec<&mut CudaSlice<f32>> =
-                    outputs.iter_mut().map(|o| &mut **o).collect();
+        match &w.weight {
+            Weight::Bf16(wb) if self.takes_small_product(w, rows) => {
+                Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+                Self::expect_len(
+                    &format!("`{}` residual", w.name),
+                    acc,
+                    rows * w.out_features,
+                )?;
+                let extras = GemvExtras {
+                    norm: None,
+                    accumulate: true,
+                };
                 self.gpu
-                    .gemv_bf16(&**x, wb, rows, k, &mut parts)
-                    .map_err(model_error)?;
-                return Ok(outputs);
+                    .gemv_bf16(&**x, wb, rows, k, &mut [&mut **acc], extras)
+                    .map_err(model_error)
+            }
+            _ => {
+                let y = self.matmul(w, x, rows)?;
+                self.add(acc, &y)
             }
         }
-        let x_bf16 = match &w.weight {
-            Weight::Bf16(_) => Some(self.bf16_input(x)?),
-            Weight::F32(_) => None,
-        };
-        let x_bf16 = x_bf16.as_deref();
-        if let [y] = outputs.as_mut_slice() {
-            self.product(w, x, x_bf16, rows, 0..w.out_features, y)?;
-        } else if widths.len() <= MAX_SPLIT_PARTS && rows > 0 {
-            // One product over every part (a larger, faster GEMM than one per part),
-            // then one launch that splits its rows' columns into the parts.
-            let mut whole = self.act(rows * w.out_features)?;
-            self.product(w, x, x_bf16, rows, 0..w.out_features, &mut whole)?;
-            let mut parts: Vec<&mut CudaSlice<f32>> =
-                outputs.iter_mut().map(|o| &mut **o).collect();
-            self.gpu
-                .split_columns(&whole, rows, &mut parts)
-                .map_err(model_error)?;
-        } else {
-            // Each part's rows of W are contiguous: one product per part.
-            let mut row0 = 0;
-            for (y, &n) in outputs.iter_mut().zip(widths) {
-                self.product(w, x, x_bf16, rows, row0..row0 + n, y)?;
-                row0 += n;
-            }
-        }
-        Ok(outputs)
     }
 
     fn out_features(&self, w: &GpuMatrix) -> usize {
@@ -550,34 +579,7 @@ impl Compute for CudaCompute {
         width: usize,
         act: ModelActivation,
     ) -> Result<GpuAct> {
-        let k = w.in_features;
-        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
-        if w.out_features != 2 * width {
-            return Err(ModelError::Compute(format!(
-                "`{}`: {} rows are not gate and up of {width}",
-                w.name, w.out_features
-            )));
-        }
-        if let Weight::Bf16(wb) = &w.weight {
-            if self.small_products && gemv_fits(rows, k) {
-                let mut out = self.act(rows * width)?;
-                self.gpu
-                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act))
-                    .map_err(model_error)?;
-                return Ok(out);
-            }
-        }
-        let x_bf16 = match &w.weight {
-            Weight::Bf16(_) => Some(self.bf16_input(x)?),
-            Weight::F32(_) => None,
-        };
-        let mut gate_up = self.act(rows * 2 * width)?;
-        self.product(w, x, x_bf16.as_deref(), rows, 0..2 * width, &mut gate_up)?;
-        let (mut out, mut half) = self.twin(rows * width)?;
-        self.gpu
-            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act))
-            .map_err(model_error)?;
-        Ok(GpuAct::with_bf16(out, half))
+        self.gated(w, x, rows, width, act, None)
     }
 
     fn add(&self, acc: &mut GpuAct, x: &GpuAct) -> Result<()> {
@@ -774,6 +776,113 @@ impl Compute for CudaCompute {
 }
 
 impl CudaCompute {
+    /// Whether `w`'s product of `rows` rows takes the small-product kernels (gemv.rs).
+    fn takes_small_product(&self, w: &GpuMatrix, rows: usize) -> bool {
+        self.small_products && matches!(w.weight, Weight::Bf16(_)) && gemv_fits(rows, w.in_features)
+    }
+
+    /// [`Compute::matmul_parts`], x normalized as the small product reads it where
+    /// `norm` is given (which only that product takes).
+    fn products(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        rows: usize,
+        widths: &[usize],
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<Vec<GpuAct>> {
+        let k = w.in_features;
+        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+        if widths.iter().sum::<usize>() != w.out_features {
+            return Err(ModelError::Compute(format!(
+                "`{}`: output widths {widths:?} do not add up to its {} rows",
+                w.name, w.out_features
+            )));
+        }
+        let mut outputs = widths
+            .iter()
+            .map(|&n| self.act(rows * n))
+            .collect::<Result<Vec<_>>>()?;
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.takes_small_product(w, rows) && widths.len() <= GEMV_MAX_PARTS {
+                // A decode step's few rows: one launch from f32, split as it writes.
+                let mut parts: Vec<&mut CudaSlice<f32>> =
+                    outputs.iter_mut().map(|o| &mut **o).collect();
+                let extras = GemvExtras {
+                    norm,
+                    accumulate: false,
+                };
+                self.gpu
+                    .gemv_bf16(&**x, wb, rows, k, &mut parts, extras)
+                    .map_err(model_error)?;
+                return Ok(outputs);
+            }
+        }
+        refuse_folded_norm(w, norm)?;
+        let x_bf16 = self.product_input(w, x)?;
+        let x_bf16 = x_bf16.as_deref();
+        if let [y] = outputs.as_mut_slice() {
+            self.product(w, x, x_bf16, rows, 0..w.out_features, y)?;
+        } else if widths.len() <= MAX_SPLIT_PARTS && rows > 0 {
+            // One product over every part (a larger, faster GEMM than one per part),
+            // then one launch that splits its rows' columns into the parts.
+            let mut whole = self.act(rows * w.out_features)?;
+            self.product(w, x, x_bf16, rows, 0..w.out_features, &mut whole)?;
+            let mut parts: Vec<&mut CudaSlice<f32>> =
+                outputs.iter_mut().map(|o| &mut **o).collect();
+            self.gpu
+                .split_columns(&whole, rows, &mut parts)
+                .map_err(model_error)?;
+        } else {
+            // Each part's rows of W are contiguous: one product per part.
+            let mut row0 = 0;
+            for (y, &n) in outputs.iter_mut().zip(widths) {
+                self.product(w, x, x_bf16, rows, row0..row0 + n, y)?;
+                row0 += n;
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// [`Compute::matmul_gated`], x normalized as the small product reads it where `norm`
+    /// is given (which only that product takes).
+    fn gated(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        rows: usize,
+        width: usize,
+        act: ModelActivation,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<GpuAct> {
+        let k = w.in_features;
+        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+        if w.out_features != 2 * width {
+            return Err(ModelError::Compute(format!(
+                "`{}`: {} rows are not gate and up of {width}",
+                w.name, w.out_features
+            )));
+        }
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.takes_small_product(w, rows) {
+                let mut out = self.act(rows * width)?;
+                self.gpu
+                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act), norm)
+                    .map_err(model_error)?;
+                return Ok(out);
+            }
+        }
+        refuse_folded_norm(w, norm)?;
+        let x_bf16 = self.product_input(w, x)?;
+        let mut gate_up = self.act(rows * 2 * width)?;
+        self.product(w, x, x_bf16.as_deref(), rows, 0..2 * width, &mut gate_up)?;
+        let (mut out, mut half) = self.twin(rows * width)?;
+        self.gpu
+            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act))
+            .map_err(model_error)?;
+        Ok(GpuAct::with_bf16(out, half))
+    }
+
     /// A layer's attention on the device, RoPE fused into the cache write when `rope` is
     /// given; then what a capture asks of the layer.
     fn attend_layer(
@@ -818,6 +927,18 @@ impl CudaCompute {
             self.record_on_host(tap, (layer, spec, tokens), &q, &out)?;
         }
         Ok(out)
+    }
+}
+
+/// A norm folded into a product (`normed_matmul_*`) is for the small-product kernels only;
+/// their callers send any other product the normed rows instead.
+fn refuse_folded_norm(w: &GpuMatrix, norm: Option<(&CudaSlice<f32>, f32)>) -> Result<()> {
+    match norm {
+        Some(_) => Err(ModelError::Compute(format!(
+            "`{}`: a norm folded into a product the small-product kernels do not take",
+            w.name
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -16,8 +16,9 @@ pub const GEMV_MAX_ROWS: usize = 4;
 /// Most outputs [`Gpu::gemv_bf16`] splits into.
 pub const GEMV_MAX_PARTS: usize = 3;
 const GEMV_WARPS: usize = 8;
-/// f32 values of x a block stages at once (48 KiB, the most without an opt-in).
-const GEMV_STAGED: usize = 12 * 1024;
+/// f32 values of x a block stages at once: 47 KiB, leaving the kernels' static shared
+/// memory (block sums, row scales) room under the 48 KiB a block has without an opt-in.
+const GEMV_STAGED: usize = 12 * 1024 - 256;
 
 /// Whether a product of `rows` rows over `k` inputs takes the small-product kernels (its
 /// 16-byte weight loads need rows of a multiple of 8 values).
@@ -31,6 +32,27 @@ fn tile(rows: usize, k: usize) -> usize {
     k.min(GEMV_STAGED / rows.max(1) / 8 * 8)
 }
 
+/// What a small product does besides `x · Wᵀ`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GemvExtras<'a> {
+    /// RMS-normalizes each row of x as it is read: `x / sqrt(mean(x²) + eps) * weight`
+    /// (weight `[k]`), the norm that would otherwise be a launch of its own.
+    pub norm: Option<(&'a CudaSlice<f32>, f32)>,
+    /// Adds the product to the outputs instead of writing them (a residual add).
+    pub accumulate: bool,
+}
+
+impl GemvExtras<'_> {
+    fn check(&self, k: usize) -> Result<()> {
+        if let Some((w, _)) = self.norm {
+            ensure(w.len() == k, || {
+                format!("gemv: a norm of {} values for rows of {k}", w.len())
+            })?;
+        }
+        Ok(())
+    }
+}
+
 fn cfg(columns: usize, rows: usize, tile: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (columns.div_ceil(GEMV_WARPS) as u32, 1, 1),
@@ -42,7 +64,8 @@ fn cfg(columns: usize, rows: usize, tile: usize) -> LaunchConfig {
 impl Gpu {
     /// `x · Wᵀ` for x `[m, k]` f32 (`m` in 1..=4, `k` a multiple of 8) and W `[n, k]` bf16,
     /// into `outs` by columns: the first takes columns `[0, w0)` (`[m, w0]`), the next the
-    /// following ones, up to three, their widths adding up to `n`.
+    /// following ones, up to three, their widths adding up to `n`; with `extras`' norm
+    /// and accumulation.
     pub fn gemv_bf16(
         &self,
         x: &impl DevicePtr<f32>,
@@ -50,6 +73,7 @@ impl Gpu {
         m: usize,
         k: usize,
         outs: &mut [&mut CudaSlice<f32>],
+        extras: GemvExtras<'_>,
     ) -> Result<()> {
         ensure(gemv_fits(m, k) && x.len() == m * k, || {
             format!("gemv: x of {} values as {m} rows of {k}", x.len())
@@ -68,6 +92,7 @@ impl Gpu {
         ensure(w.len() == n * k, || {
             format!("gemv: w of {} values for {n} rows of {k}", w.len())
         })?;
+        extras.check(k)?;
         let (m32, n32, k32) = (m as u32, u32_of("n", n)?, u32_of("k", k)?);
         let tile = tile(m, k);
         let tile32 = tile as u32;
@@ -93,6 +118,12 @@ impl Gpu {
         for (p, wd) in ptrs.iter().zip(&widths) {
             b.arg(p).arg(wd);
         }
+        let norm = extras
+            .norm
+            .map(|(nw, eps)| (nw.device_ptr(&self.stream), eps));
+        let (norm_ptr, eps) = norm.as_ref().map_or((0, 0.0), |((p, _), e)| (*p, *e));
+        let accumulate = extras.accumulate as u32;
+        b.arg(&norm_ptr).arg(&eps).arg(&accumulate);
         // SAFETY: argument types and lengths match the kernel's signature; W's rows start
         // 16-byte aligned (k a multiple of 8, device buffers 256-byte aligned).
         unsafe { b.launch(cfg(n, m, tile)) }?;
@@ -101,7 +132,9 @@ impl Gpu {
     }
 
     /// A gated MLP's `act(gate) * up` for x `[m, k]` f32 and W `[2 * width, k]` bf16 (gate
-    /// rows, then up rows), into out `[m, width]`.
+    /// rows, then up rows), into out `[m, width]`; x normalized as it is read where `norm`
+    /// (weight `[k]`, eps) is given ([`GemvExtras::norm`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn gemv_gated_bf16(
         &self,
         x: &impl DevicePtr<f32>,
@@ -110,6 +143,7 @@ impl Gpu {
         k: usize,
         out: &mut CudaSlice<f32>,
         act: Activation,
+        norm: Option<(&CudaSlice<f32>, f32)>,
     ) -> Result<()> {
         ensure(gemv_fits(m, k) && x.len() == m * k, || {
             format!("gemv_gated: x of {} values as {m} rows of {k}", x.len())
@@ -122,6 +156,11 @@ impl Gpu {
                 out.len()
             )
         })?;
+        GemvExtras {
+            norm,
+            accumulate: false,
+        }
+        .check(k)?;
         let (m32, f32_, k32) = (m as u32, u32_of("width", width)?, u32_of("k", k)?);
         let tile = tile(m, k);
         let tile32 = tile as u32;
@@ -141,6 +180,9 @@ impl Gpu {
             .arg(&tile32)
             .arg(&op)
             .arg(&act32);
+        let norm = norm.map(|(nw, eps)| (nw.device_ptr(&self.stream), eps));
+        let (norm_ptr, eps) = norm.as_ref().map_or((0, 0.0), |((p, _), e)| (*p, *e));
+        b.arg(&norm_ptr).arg(&eps);
         // SAFETY: as above.
         unsafe { b.launch(cfg(width, m, tile)) }?;
         Ok(())

@@ -18,6 +18,7 @@ mod gpu_tests {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
     use half::{bf16, f16};
+    use lantern_cuda::gemv::GemvExtras;
     use lantern_cuda::reduce;
     use lantern_cuda::{
         Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta, RopeStep,
@@ -1421,7 +1422,8 @@ mod gpu_tests {
                 .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
                 .collect();
             let mut refs: Vec<_> = outs.iter_mut().collect();
-            g.gemv_bf16(&dx, &dw, m, k, &mut refs).unwrap();
+            g.gemv_bf16(&dx, &dw, m, k, &mut refs, GemvExtras::default())
+                .unwrap();
             // Columns of every part back in place: [m, n].
             let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
             let got: Vec<f32> = (0..m)
@@ -1444,7 +1446,9 @@ mod gpu_tests {
         let dx = g.upload(&[1.0f32; 12]).unwrap();
         let dw = g.upload(&[bf16::ONE; 24]).unwrap();
         let mut out = g.zeros::<f32>(2).unwrap();
-        assert!(g.gemv_bf16(&dx, &dw, 1, 12, &mut [&mut out]).is_err());
+        assert!(g
+            .gemv_bf16(&dx, &dw, 1, 12, &mut [&mut out], GemvExtras::default())
+            .is_err());
         assert!(!lantern_cuda::gemv::gemv_fits(5, 64));
     }
 
@@ -1479,7 +1483,8 @@ mod gpu_tests {
                     .collect();
                 let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
                 let mut out = g.zeros::<f32>(m * width).unwrap();
-                g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act).unwrap();
+                g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act, None)
+                    .unwrap();
                 assert_close(
                     &g.download(&out).unwrap(),
                     &want,
@@ -1488,6 +1493,123 @@ mod gpu_tests {
                 );
             }
         }
+    }
+
+    /// RMS norm of each row of x (`[m, k]`) in f64, as `rms_norm_fused` defines it.
+    fn norm_reference(x: &[f32], weight: &[f32], m: usize, eps: f64) -> Vec<f32> {
+        let k = weight.len();
+        (0..m)
+            .flat_map(|r| {
+                let row = &x[r * k..(r + 1) * k];
+                let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / k as f64;
+                let inv = 1.0 / (ms + eps).sqrt();
+                row.iter()
+                    .zip(weight)
+                    .map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The small products' norm (x normalized as it is staged, one tile or several) against
+    /// the product of the normed rows, and their residual add (the output added to, not
+    /// written) against the plain product added on the host: the same bits.
+    #[test]
+    fn gemv_folds_the_norm_and_the_residual_add() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(27);
+        let eps = 1e-5f32;
+        for (m, k, n) in [
+            (1usize, 576usize, 960usize),
+            (4, 576, 64),
+            (2, 8192, 40),
+            (4, 12288, 24),
+        ] {
+            let what = format!("m {m} k {k} n {n}");
+            let x = rand_vec(&mut r, m * k, 2.0);
+            let weight = rand_vec(&mut r, k, 1.5);
+            let (w, wf) = bf16_matrix(&mut r, n * k);
+            let normed = norm_reference(&x, &weight, m, eps as f64);
+            let (dx, dw, dn) = (
+                g.upload(&x).unwrap(),
+                g.upload(&w).unwrap(),
+                g.upload(&weight).unwrap(),
+            );
+            let mut out = g.zeros::<f32>(m * n).unwrap();
+            let norm = GemvExtras {
+                norm: Some((&dn, eps)),
+                accumulate: false,
+            };
+            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut out], norm).unwrap();
+            assert_close(
+                &g.download(&out).unwrap(),
+                &product_reference(&normed, &wf, m, n, k),
+                1e-5,
+                &format!("normed gemv {what}"),
+            );
+
+            let acc = rand_vec(&mut r, m * n, 3.0);
+            let mut plain = g.zeros::<f32>(m * n).unwrap();
+            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut plain], GemvExtras::default())
+                .unwrap();
+            let want: Vec<f32> = acc
+                .iter()
+                .zip(g.download(&plain).unwrap())
+                .map(|(a, y)| a + y)
+                .collect();
+            let mut residual = g.upload(&acc).unwrap();
+            let add = GemvExtras {
+                norm: None,
+                accumulate: true,
+            };
+            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut residual], add)
+                .unwrap();
+            assert_eq!(g.download(&residual).unwrap(), want, "accumulated {what}");
+
+            let width = n / 2;
+            let (wg, wgf) = bf16_matrix(&mut r, 2 * width * k);
+            let dwg = g.upload(&wg).unwrap();
+            let mut gated = g.zeros::<f32>(m * width).unwrap();
+            g.gemv_gated_bf16(
+                &dx,
+                &dwg,
+                m,
+                k,
+                &mut gated,
+                Activation::Silu,
+                Some((&dn, eps)),
+            )
+            .unwrap();
+            let both = product_reference(&normed, &wgf, m, 2 * width, k);
+            let want: Vec<f64> = (0..m * width)
+                .map(|i| {
+                    let (row, j) = (i / width, i % width);
+                    let (gate, up) = (both[row * 2 * width + j], both[row * 2 * width + width + j]);
+                    gate / (1.0 + (-gate).exp()) * up
+                })
+                .collect();
+            assert_close(
+                &g.download(&gated).unwrap(),
+                &want,
+                1e-5,
+                &format!("normed gated gemv {what}"),
+            );
+        }
+        // A norm weight of another length than the rows is refused.
+        let (dx, dw) = (
+            g.upload(&[1.0f32; 16]).unwrap(),
+            g.upload(&[bf16::ONE; 32]).unwrap(),
+        );
+        let short = g.upload(&[1.0f32; 8]).unwrap();
+        let mut out = g.zeros::<f32>(2).unwrap();
+        let bad = GemvExtras {
+            norm: Some((&short, 1e-5)),
+            accumulate: false,
+        };
+        assert!(matches!(
+            g.gemv_bf16(&dx, &dw, 1, 16, &mut [&mut out], bad),
+            Err(CudaError::Shape(_))
+        ));
     }
 
     /// The variants capture's kernels are checked on: plain, window, chunk, soft-cap with

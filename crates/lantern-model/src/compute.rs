@@ -106,6 +106,50 @@ pub trait Compute: Send + Sync + Sized + 'static {
         self.act_mul(act, &mut gate, &up)?;
         Ok(gate)
     }
+
+    /// Whether a step of `rows` rows should hand its blocks' first products the residual
+    /// stream un-normed ([`Compute::normed_matmul_parts`],
+    /// [`Compute::normed_matmul_gated`]) and let the last ones add into it
+    /// ([`Compute::matmul_add`]): where a device does the norm and the add inside the
+    /// products' launches. The defaults below do them apart, so it is false by default.
+    fn folds_norms(&self, _rows: usize) -> bool {
+        false
+    }
+    /// [`Compute::matmul_parts`] of the RMS norm of `x` (`norm`: weight and eps).
+    fn normed_matmul_parts(
+        &self,
+        w: &Self::Matrix,
+        (x, norm): (&Self::Act, (&Self::Vector, f32)),
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<Vec<Self::Act>> {
+        let h = self.rms_norm(x, norm.0, norm.1)?;
+        self.matmul_parts(w, &h, rows, widths)
+    }
+    /// [`Compute::matmul_gated`] of the RMS norm of `x` (`norm`: weight and eps).
+    fn normed_matmul_gated(
+        &self,
+        w: &Self::Matrix,
+        (x, norm): (&Self::Act, (&Self::Vector, f32)),
+        rows: usize,
+        width: usize,
+        act: Activation,
+    ) -> Result<Self::Act> {
+        let h = self.rms_norm(x, norm.0, norm.1)?;
+        self.matmul_gated(w, &h, rows, width, act)
+    }
+    /// `acc += x · Wᵀ` (a block's last product added into the residual stream).
+    fn matmul_add(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Act,
+        rows: usize,
+        acc: &mut Self::Act,
+    ) -> Result<()> {
+        let y = self.matmul(w, x, rows)?;
+        self.add(acc, &y)
+    }
+
     /// `acc += x`.
     fn add(&self, acc: &mut Self::Act, x: &Self::Act) -> Result<()>;
     /// Adds `bias` to every row.

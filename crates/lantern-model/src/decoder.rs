@@ -3,7 +3,7 @@
 //! norm and the LM head with an optional final soft-cap. An architecture is a
 //! [`DecoderSpec`] (see [`crate::archs`]).
 
-use crate::blocks::{Activation, Attention, AttentionShape, Loader, Mlp, RmsNorm};
+use crate::blocks::{Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, RmsNorm};
 use crate::compute::{AttentionCall, Compute};
 use crate::error::Result;
 use crate::hparams::HParams;
@@ -238,13 +238,11 @@ impl<C: Compute> Decoder<C> {
             .collect::<Result<Vec<_>>>()?;
         let mut x = c.embed(&self.token_embd, batch.token_ids, self.embed_scale)?;
         // Each block's output waits to be added to `x` by the next norm, which adds and
-        // normalizes in one pass where the device fuses them.
+        // normalizes in one pass where the device fuses them; where it folds norms into
+        // products (a decode step on a GPU), the products read and add to `x` instead.
         let mut pending: Option<C::Act> = None;
+        let folds = c.folds_norms(tokens);
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = match pending.take() {
-                Some(delta) => layer.attn_norm.add_forward(c, &mut x, &delta)?,
-                None => layer.attn_norm.forward(c, &x)?,
-            };
             let call = AttentionCall {
                 layer: l,
                 tokens,
@@ -254,9 +252,26 @@ impl<C: Compute> Decoder<C> {
                 cache: caches[l].as_mut(),
                 tap: tap.as_deref_mut(),
             };
-            let o = layer
-                .attention
-                .forward(c, &h, &tables[self.layer_rope[l]], call)?;
+            let rope = &tables[self.layer_rope[l]];
+            if folds && layer.post_attention_norm.is_none() && layer.post_ffn_norm.is_none() {
+                // The device normalizes as the blocks' first products read the residual
+                // stream, and their last products add into it: no launch of their own.
+                if let Some(delta) = pending.take() {
+                    c.add(&mut x, &delta)?;
+                }
+                let input = BlockInput::Residual(&x, &layer.attn_norm);
+                let o = layer.attention.attend(c, &input, rope, call)?;
+                layer.attention.add_output(c, &o, tokens, &mut x)?;
+                let input = BlockInput::Residual(&x, &layer.ffn_norm);
+                let m = layer.mlp.hidden(c, &input, tokens)?;
+                layer.mlp.add_down(c, &m, tokens, &mut x)?;
+                continue;
+            }
+            let h = match pending.take() {
+                Some(delta) => layer.attn_norm.add_forward(c, &mut x, &delta)?,
+                None => layer.attn_norm.forward(c, &x)?,
+            };
+            let o = layer.attention.forward(c, &h, rope, call)?;
             let o = match &layer.post_attention_norm {
                 Some(norm) => norm.forward(c, &o)?,
                 None => o,

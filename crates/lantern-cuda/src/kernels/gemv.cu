@@ -5,18 +5,43 @@
 // launcher makes the tile as long as 48 KiB allow, all of k for most products); sums run
 // per lane, then across the warp in a fixed order. Memory-bound at these sizes, and one
 // launch where cuBLAS's GEMM takes a cast first.
+//
+// Two things a decode layer would otherwise launch kernels for can ride along: with
+// norm_w, each row of x is RMS-normalized as it is staged (x / sqrt(mean(x^2) + eps) *
+// norm_w, as rms_norm_fused computes it, the mean over the row from this block's sum), and
+// with `accumulate` the product is added to the output instead of written (a residual).
 
 #define GEMV_MAX_M 4
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 4
 
-// x rows [0, m) of columns [k0, k0 + kt) into xs (rows `tile` apart).
+// Each row's 1 / sqrt(mean(x^2) + eps) into inv (shared; read after the next barrier),
+// where norm_w is given.
+__device__ __forceinline__ void gemv_row_scales(const float* __restrict__ x, u32 m, u32 k,
+                                                const float* __restrict__ norm_w, float eps, float* inv) {
+    if (norm_w == 0) return;
+#pragma unroll
+    for (u32 r = 0; r < GEMV_MAX_M; ++r) {
+        if (r >= m) break;
+        float ss = 0.0f;
+        for (u32 i = threadIdx.x; i < k; i += blockDim.x) {
+            const float v = x[(u64)r * k + i];
+            ss += v * v;
+        }
+        ss = block_sum(ss);
+        if (threadIdx.x == 0) inv[r] = 1.0f / sqrtf(ss / (float)k + eps);
+    }
+}
+
+// x rows [0, m) of columns [k0, k0 + kt) into xs (rows `tile` apart), normalized when
+// norm_w is given (inv from gemv_row_scales).
 __device__ __forceinline__ void gemv_stage_x(const float* __restrict__ x, float* xs, u32 m, u32 k, u32 k0, u32 kt,
-                                             u32 tile) {
+                                             u32 tile, const float* __restrict__ norm_w, const float* inv) {
     __syncthreads();
     for (u32 i = threadIdx.x; i < m * kt; i += blockDim.x) {
         const u32 r = i / kt, c = i % kt;
-        xs[r * tile + c] = x[(u64)r * k + k0 + c];
+        const float v = x[(u64)r * k + k0 + c];
+        xs[r * tile + c] = norm_w != 0 ? v * inv[r] * norm_w[k0 + c] : v;
     }
     __syncthreads();
 }
@@ -63,14 +88,17 @@ __device__ __forceinline__ void gemv_dot_tile(const lt_bf16* __restrict__ wrow, 
 // to three parts by column (o0 holds columns [0, w0), o1 the next w1, o2 the next w2).
 extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m, u32 n,
                                      u32 k, u32 tile, float* __restrict__ o0, u32 w0, float* __restrict__ o1,
-                                     u32 w1, float* __restrict__ o2, u32 w2) {
+                                     u32 w1, float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w,
+                                     float eps, u32 accumulate) {
     lt_grid_dependency();
     extern __shared__ float xs[];
     const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float acc[GEMV_MAX_M] = {0, 0, 0, 0};
+    __shared__ float inv[GEMV_MAX_M];
+    gemv_row_scales(x, m, k, norm_w, eps, inv);
     for (u32 k0 = 0; k0 < k; k0 += tile) {
         const u32 kt = min(tile, k - k0);
-        gemv_stage_x(x, xs, m, k, k0, kt, tile);
+        gemv_stage_x(x, xs, m, k, k0, kt, tile, norm_w, inv);
         if (j < n) gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, acc);
     }
     if (j >= n) return;
@@ -82,22 +110,28 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16*
 #pragma unroll
     for (u32 r = 0; r < GEMV_MAX_M; ++r) {
         const float s = warp_sum(acc[r]);
-        if (r < m && (threadIdx.x & 31) == 0) out[(u64)r * width + col] = s;
+        if (r < m && (threadIdx.x & 31) == 0) {
+            float* o = out + (u64)r * width + col;
+            *o = accumulate ? *o + s : s;
+        }
     }
 }
 
 // A gated MLP's gate and up from one stacked W ([2 * f, k]: gate rows, then up rows):
 // out[r, j] = act(W[j] · x[r]) * (W[f + j] · x[r]) (lt_activation's act), one j per warp.
 extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m,
-                                           u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act) {
+                                           u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act,
+                                           const float* __restrict__ norm_w, float eps) {
     lt_grid_dependency();
     extern __shared__ float xs[];
     const u32 j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     float gate[GEMV_MAX_M] = {0, 0, 0, 0};
     float up[GEMV_MAX_M] = {0, 0, 0, 0};
+    __shared__ float inv[GEMV_MAX_M];
+    gemv_row_scales(x, m, k, norm_w, eps, inv);
     for (u32 k0 = 0; k0 < k; k0 += tile) {
         const u32 kt = min(tile, k - k0);
-        gemv_stage_x(x, xs, m, k, k0, kt, tile);
+        gemv_stage_x(x, xs, m, k, k0, kt, tile, norm_w, inv);
         if (j < f) {
             gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, gate);
             gemv_dot_tile(w + (u64)(f + j) * k + k0, xs, m, kt, tile, up);

@@ -1,7 +1,7 @@
 //! The attention layer: q/k/v projections (separate or fused, optional biases), optional
 //! per-head QK-norm, RoPE, the backend call, the capture tap, the output projection.
 
-use super::{Loader, Projections, RmsNorm};
+use super::{BlockInput, Loader, Projections, RmsNorm};
 use crate::compute::{AttentionCall, Compute};
 use crate::error::{ModelError, Result};
 
@@ -101,9 +101,35 @@ impl<C: Compute> Attention<C> {
         rope: &C::RopeTable,
         call: AttentionCall<'_, '_>,
     ) -> Result<C::Act> {
+        let tokens = call.tokens;
+        let out = self.attend(c, &BlockInput::Normed(x), rope, call)?;
+        c.matmul(&self.output, &out, tokens)
+    }
+
+    /// `residual += out · Woᵀ`: the output projection of [`Self::attend`]'s `out` added
+    /// into the residual stream.
+    pub fn add_output(
+        &self,
+        c: &C,
+        out: &C::Act,
+        tokens: usize,
+        residual: &mut C::Act,
+    ) -> Result<()> {
+        c.matmul_add(&self.output, out, tokens, residual)
+    }
+
+    /// The attention output before its projection (`[tokens, heads * head_dim]`), from
+    /// `input` (normed rows, or the residual stream with the norm its product applies).
+    pub fn attend(
+        &self,
+        c: &C,
+        input: &BlockInput<'_, C>,
+        rope: &C::RopeTable,
+        call: AttentionCall<'_, '_>,
+    ) -> Result<C::Act> {
         let s = &self.shape;
         let tokens = call.tokens;
-        let mut qkv = self.qkv.forward(c, x, tokens)?.into_iter();
+        let mut qkv = self.qkv.forward_input(c, input, tokens)?.into_iter();
         let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
             return Err(ModelError::Compute(
                 "q/k/v projections are incomplete".into(),
@@ -114,14 +140,13 @@ impl<C: Compute> Attention<C> {
             Some((q_norm, k_norm)) => (q_norm.forward(c, &q)?, k_norm.forward(c, &k)?),
             None => (q, k),
         };
-        let out = c.rope_attention(
+        c.rope_attention(
             call,
             rope,
             (q, s.num_heads),
             (k, s.num_kv_heads),
             v,
             s.head_dim,
-        )?;
-        c.matmul(&self.output, &out, tokens)
+        )
     }
 }

@@ -1,6 +1,6 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, gate and up separate or fused.
 
-use super::{Loader, Projections};
+use super::{BlockInput, Loader, Projections};
 use crate::compute::Compute;
 use crate::error::{ModelError, Result};
 #[cfg(test)]
@@ -65,21 +65,43 @@ impl<C: Compute> Mlp<C> {
     }
 
     pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        let hidden = self.hidden(c, &BlockInput::Normed(x), tokens)?;
+        c.matmul(&self.down, &hidden, tokens)
+    }
+
+    /// `residual += hidden · Wdownᵀ`: the down projection of [`Self::hidden`]'s output
+    /// added into the residual stream.
+    pub fn add_down(
+        &self,
+        c: &C,
+        hidden: &C::Act,
+        tokens: usize,
+        residual: &mut C::Act,
+    ) -> Result<()> {
+        c.matmul_add(&self.down, hidden, tokens, residual)
+    }
+
+    /// `act(gate(x)) * up(x)` from `input` (see [`BlockInput`]).
+    pub fn hidden(&self, c: &C, input: &BlockInput<'_, C>, tokens: usize) -> Result<C::Act> {
         // Gate and up in one product: the activation can take them from its output.
         if let Some((w, &[gate, up])) = self.gate_up.single_product() {
             if gate == up {
-                let gated = c.matmul_gated(w, x, tokens, gate, self.activation)?;
-                return c.matmul(&self.down, &gated, tokens);
+                return match input {
+                    BlockInput::Normed(x) => c.matmul_gated(w, x, tokens, gate, self.activation),
+                    BlockInput::Residual(x, norm) => {
+                        c.normed_matmul_gated(w, (x, norm.parts()), tokens, gate, self.activation)
+                    }
+                };
             }
         }
-        let mut gate_up = self.gate_up.forward(c, x, tokens)?.into_iter();
+        let mut gate_up = self.gate_up.forward_input(c, input, tokens)?.into_iter();
         let (Some(mut gate), Some(up)) = (gate_up.next(), gate_up.next()) else {
             return Err(ModelError::Compute(
                 "gate/up projections are incomplete".into(),
             ));
         };
         c.act_mul(self.activation, &mut gate, &up)?;
-        c.matmul(&self.down, &gate, tokens)
+        Ok(gate)
     }
 }
 

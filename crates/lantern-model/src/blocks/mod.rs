@@ -10,5 +10,5 @@ pub mod projections;
 pub use attention::{Attention, AttentionShape};
 pub use loader::Loader;
 pub use mlp::{Activation, Mlp};
-pub use norm::RmsNorm;
+pub use norm::{BlockInput, RmsNorm};
 pub use projections::Projections;

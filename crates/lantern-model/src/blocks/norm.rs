@@ -27,4 +27,27 @@ impl<C: Compute> RmsNorm<C> {
     pub fn add_forward(&self, c: &C, x: &mut C::Act, delta: &C::Act) -> Result<C::Act> {
         c.add_rms_norm(x, delta, &self.weight, self.eps)
     }
+
+    /// The weight and eps, for a product that normalizes its input as it reads it.
+    pub fn parts(&self) -> (&C::Vector, f32) {
+        (&self.weight, self.eps)
+    }
+}
+
+/// What a block's first product reads: rows already normed, or the residual stream with
+/// the norm the product applies as it reads it ([`Compute::folds_norms`]).
+pub enum BlockInput<'a, C: Compute> {
+    Normed(&'a C::Act),
+    Residual(&'a C::Act, &'a RmsNorm<C>),
+}
+
+impl<C: Compute> BlockInput<'_, C> {
+    /// The normed rows, computed into `slot` where the norm is still to apply (for a block
+    /// whose products cannot take it).
+    pub fn normed<'s>(&'s self, c: &C, slot: &'s mut Option<C::Act>) -> Result<&'s C::Act> {
+        match self {
+            Self::Normed(h) => Ok(h),
+            Self::Residual(x, norm) => Ok(slot.insert(norm.forward(c, x)?)),
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! Several matrices applied to the same input (q/k/v, gate/up), with optional biases.
 
+use super::BlockInput;
 use crate::compute::Compute;
 use crate::error::{ModelError, Result};
 use crate::LoadOptions;
@@ -108,17 +109,41 @@ impl<C: Compute> Projections<C> {
         }
     }
 
+    /// [`Self::forward`] of a block's input: one product normalizes the residual stream
+    /// as it reads it; several read the norm computed once.
+    pub fn forward_input(
+        &self,
+        c: &C,
+        input: &BlockInput<'_, C>,
+        rows: usize,
+    ) -> Result<Vec<C::Act>> {
+        if let (BlockInput::Residual(x, norm), [(product, widths)]) =
+            (input, self.stacks.as_slice())
+        {
+            let mut outputs = c.normed_matmul_parts(product, (x, norm.parts()), rows, widths)?;
+            self.add_biases(c, &mut outputs)?;
+            return Ok(outputs);
+        }
+        let mut slot = None;
+        self.forward(c, input.normed(c, &mut slot)?, rows)
+    }
+
     pub fn forward(&self, c: &C, x: &C::Act, rows: usize) -> Result<Vec<C::Act>> {
         let mut outputs = Vec::with_capacity(self.biases.len());
         for (product, widths) in &self.stacks {
             outputs.extend(c.matmul_parts(product, x, rows, widths)?);
         }
+        self.add_biases(c, &mut outputs)?;
+        Ok(outputs)
+    }
+
+    fn add_biases(&self, c: &C, outputs: &mut [C::Act]) -> Result<()> {
         for (out, bias) in outputs.iter_mut().zip(&self.biases) {
             if let Some(bias) = bias {
                 c.add_bias(out, bias)?;
             }
         }
-        Ok(outputs)
+        Ok(())
     }
 }
 

@@ -118,6 +118,10 @@ def lantern_figures(args, model_dir, budget):
         # what they cost against greedy.
         variant("bench_logprobs", ["--temperature", "0.8", "--top-p", "0.95", "--logprobs", "5",
                                    "--repetition-penalty", "1.1"])
+    if args.lantern_separate_norms:
+        # Norms and residual adds launched apart at batch 1-4: what folding them into the
+        # small products gives.
+        variant("bench_separate_norms", [], env={"LANTERN_CUDA_FOLD_NORMS": "off"})
     if args.lantern_plain_launches:
         # Every kernel launched the plain way: what programmatic dependent launch gives.
         variant("bench_plain_launches", [], env={"LANTERN_CUDA_PDL": "off"})
@@ -328,6 +332,7 @@ def table(name, layers, lan, hf, args):
                          "speedup": ratio(kept, host) if higher else ratio(host, kept)})
     for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only"),
                        ("bench_plain_launches", "overlapped / plain launches"),
+                       ("bench_separate_norms", "folded / separate norms"),
                        ("bench_sampled", "greedy / temperature 1"),
                        ("bench_logprobs", "greedy / top-p, logprobs, penalty")):
         other = lan.get(key)
@@ -367,6 +372,8 @@ def main():
     ap.add_argument("--no-capture", action="store_true")
     ap.add_argument("--lantern-no-small-products", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
+    ap.add_argument("--lantern-separate-norms", action="store_true",
+                    help="also run lantern's bench with LANTERN_CUDA_FOLD_NORMS=off (rows 'folded / separate norms')")
     ap.add_argument("--lantern-plain-launches", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_PDL=off (rows 'overlapped / plain launches')")
     ap.add_argument("--lantern-eager", action="store_true",

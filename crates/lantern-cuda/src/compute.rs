@@ -39,6 +39,9 @@ pub struct CudaCompute {
     /// Products of a few rows with bf16 weights take the small-product kernels (gemv.rs);
     /// `LANTERN_CUDA_SMALL_PRODUCTS=off` sends them to cuBLAS (for comparing the two).
     small_products: bool,
+    /// Norms and residual adds ride in the small products (`LANTERN_CUDA_FOLD_NORMS=off`
+    /// launches them apart, for comparing the two).
+    fold_norms: bool,
     /// Whether any matrix was uploaded as f32 (`--f32-weights`): the small-product
     /// kernels, which fold norms and residual adds, take bf16 only.
     f32_matrices: Arc<AtomicBool>,
@@ -156,13 +159,17 @@ fn tensor_error(name: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
 
 impl CudaCompute {
     pub fn new(gpu: Arc<Gpu>) -> Self {
-        let small_products = std::env::var("LANTERN_CUDA_SMALL_PRODUCTS")
-            .map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false"));
+        let switched_on = |name: &str| {
+            std::env::var(name).map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false"))
+        };
+        let small_products = switched_on("LANTERN_CUDA_SMALL_PRODUCTS");
+        let fold_norms = switched_on("LANTERN_CUDA_FOLD_NORMS");
         Self {
             acts: Pool::new(Arc::clone(&gpu)),
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
             small_products,
+            fold_norms,
             f32_matrices: Arc::new(AtomicBool::new(false)),
             deferred: Arc::default(),
         }
@@ -478,6 +485,7 @@ impl Compute for CudaCompute {
 
     fn folds_norms(&self, rows: usize) -> bool {
         self.small_products
+            && self.fold_norms
             && (1..=GEMV_MAX_ROWS).contains(&rows)
             && !self.f32_matrices.load(Ordering::Relaxed)
     }

@@ -5,7 +5,7 @@
 
 use crate::blocks::{Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, RmsNorm};
 use crate::compute::{AttentionCall, Compute};
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
 use crate::linear::tensor_to_vec;
 use crate::rope::{Rope, RopePairs, RopeScaling};
@@ -292,9 +292,19 @@ impl<C: Compute> Decoder<C> {
         } else {
             c.select_rows(&x, batch.logits_rows, self.info.hidden_size)?
         };
-        let normed = self.output_norm.forward(c, &selected)?;
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
-        let mut logits = c.matmul(output, &normed, batch.logits_rows.len())?;
+        let rows = batch.logits_rows.len();
+        let mut logits = if c.folds_norms(rows) {
+            let widths = [c.out_features(output)];
+            let input = (&selected, self.output_norm.parts());
+            let mut logits = c.normed_matmul_parts(output, input, rows, &widths)?;
+            logits
+                .pop()
+                .ok_or_else(|| ModelError::Compute("the LM head gave no output".into()))?
+        } else {
+            let normed = self.output_norm.forward(c, &selected)?;
+            c.matmul(output, &normed, rows)?
+        };
         if let Some(cap) = self.final_soft_cap {
             c.soft_cap(&mut logits, cap)?;
         }

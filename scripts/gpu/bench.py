@@ -118,6 +118,10 @@ def lantern_figures(args, model_dir, budget):
         # what they cost against greedy.
         variant("bench_logprobs", ["--temperature", "0.8", "--top-p", "0.95", "--logprobs", "5",
                                    "--repetition-penalty", "1.1"])
+    if args.lantern_kernel_times:
+        # Every step eager with each kernel timed (LANTERN_CUDA_PROFILE): where a step's
+        # device time goes, against the graphed step's wall time above.
+        variant("bench_kernel_times", ["--enforce-eager"], env={"LANTERN_CUDA_PROFILE": "on"})
     if args.lantern_separate_norms:
         # Norms and residual adds launched apart at batch 1-4: what folding them into the
         # small products gives.
@@ -372,6 +376,8 @@ def main():
     ap.add_argument("--no-capture", action="store_true")
     ap.add_argument("--lantern-no-small-products", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
+    ap.add_argument("--lantern-kernel-times", action="store_true",
+                    help="also run lantern's bench eagerly with every kernel timed (LANTERN_CUDA_PROFILE=on): a table per model")
     ap.add_argument("--lantern-separate-norms", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_FOLD_NORMS=off (rows 'folded / separate norms')")
     ap.add_argument("--lantern-plain-launches", action="store_true",
@@ -444,6 +450,14 @@ def main():
     out["seconds"] = round(args.budget - budget.left(), 1)
     print("\n".join(lines))
     print("lantern/HF: how many times faster lantern is (capture: HF ms / lantern ms)")
+    for n in names:
+        times = (out["lantern"].get(n, {}).get("bench_kernel_times") or {}).get("kernel_times")
+        if times:
+            total = sum(t["seconds"] for t in times) or 1.0
+            print(f"{n}: device time per kernel, every step eager (LANTERN_CUDA_PROFILE=on)")
+            for t in times[:16]:
+                print(f"  {t['kernel']:<28} {t['launches']:>9} launches {t['seconds'] * 1e3:>10.2f} ms "
+                      f"{t['seconds'] * 1e6 / max(t['launches'], 1):>8.2f} us each {100 * t['seconds'] / total:>5.1f}%")
     for e in out["errors"]:
         print("error:", e)
     if args.json:

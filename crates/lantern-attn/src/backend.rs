@@ -142,6 +142,14 @@ impl AttentionMetadata {
     }
 }
 
+/// One kernel's launches and summed device time ([`AttentionBackend::kernel_times`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    pub name: String,
+    pub launches: u64,
+    pub seconds: f64,
+}
+
 /// One way of computing attention over the paged KV cache.
 pub trait AttentionBackend: Send + Sync {
     /// The name [`backend_by_name`] knows it by.
@@ -154,6 +162,13 @@ pub trait AttentionBackend: Send + Sync {
     /// The accelerator its caches live on, described for people (name, compute
     /// capability, memory); `None` for the host's CPU.
     fn accelerator(&self) -> Option<String> {
+        None
+    }
+
+    /// Device time per kernel so far, the longest total first, where the backend was
+    /// asked to time its kernels (the CUDA backend: `LANTERN_CUDA_PROFILE=on`); `None`
+    /// otherwise.
+    fn kernel_times(&self) -> Option<Vec<KernelTime>> {
         None
     }
 

@@ -37,7 +37,7 @@ pub mod tap;
 
 pub use backend::{
     backend_by_name, validate_forward_inputs, validate_step, AttentionBackend, AttentionMetadata,
-    BACKEND_NAMES, CPU_FLASH, CPU_REFERENCE, DECODE_THRESHOLD,
+    KernelTime, BACKEND_NAMES, CPU_FLASH, CPU_REFERENCE, DECODE_THRESHOLD,
 };
 pub use backends::cpu_flash::{CpuFlashBackend, FlashTuning};
 pub use backends::cpu_reference::CpuReferenceBackend;

@@ -432,6 +432,14 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
                 "peak_memory_bytes": peak,
+                "kernel_times": engine.kernel_times().map(|times| times
+                    .iter()
+                    .map(|t| json!({
+                        "kernel": t.name,
+                        "launches": t.launches,
+                        "seconds": t.seconds,
+                    }))
+                    .collect::<Vec<_>>()),
                 "cuda_graphs": engine.graph_stats().map(|g| json!({
                     "recorded": g.recorded,
                     "captured": g.captured,
@@ -506,6 +514,9 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 g.arena_bytes as f64 / (1 << 20) as f64
             );
         }
+        if let Some(times) = engine.kernel_times() {
+            print_kernel_times(&times);
+        }
         if let Some(p) = peak {
             println!("peak memory        {:8.1} MiB", p as f64 / (1 << 20) as f64);
         }
@@ -516,4 +527,21 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
 /// Threads of the compute pool the figures ran on (`--threads`, else one per core).
 fn rayon_threads() -> usize {
     rayon::current_num_threads()
+}
+
+/// The device time of every kernel the bench launched eagerly (`LANTERN_CUDA_PROFILE=on`),
+/// the longest total first.
+fn print_kernel_times(times: &[lantern_attn::KernelTime]) {
+    let total: f64 = times.iter().map(|t| t.seconds).sum();
+    println!("kernel times       {total:.3} s on the device, eager launches only:");
+    for t in times {
+        println!(
+            "  {:<28} {:>9} launches {:>10.3} ms {:>8.2} us each {:>5.1}%",
+            t.name,
+            t.launches,
+            t.seconds * 1e3,
+            t.seconds * 1e6 / t.launches.max(1) as f64,
+            100.0 * t.seconds / total.max(f64::MIN_POSITIVE)
+        );
+    }
 }

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaView};
 use lantern_attn::{
     host_f32, tensor3, validate_step, AttentionBackend, AttentionLayerSpec, AttentionMetadata,
-    AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KeptRows, KvCacheLayout,
-    KvCacheShape, LayerKvCache, ProbabilityMap, ProbabilityMapJob, RowProbabilities, StepGraphs,
-    Tensor, DECODE_THRESHOLD,
+    AttnError, CacheGeometry, CommonAttentionMetadata, Device, GraphKey, KeptRows, KernelTime,
+    KvCacheLayout, KvCacheShape, LayerKvCache, ProbabilityMap, ProbabilityMapJob, RowProbabilities,
+    StepGraphs, Tensor, DECODE_THRESHOLD,
 };
 use lantern_kv::KvDtype;
 
@@ -409,6 +409,16 @@ impl AttentionBackend for CudaBackend {
             g.ordinal(),
             g.sm_count()
         ))
+    }
+
+    fn kernel_times(&self) -> Option<Vec<KernelTime>> {
+        match self.gpu.kernel_times() {
+            Ok(times) => times,
+            Err(e) => {
+                tracing::warn!("kernel times could not be read: {e}");
+                None
+            }
+        }
     }
 
     fn kv_cache_layout(&self) -> KvCacheLayout {

@@ -95,10 +95,15 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
+        let name = if in_type == cublas_sys::cudaDataType_t::CUDA_R_16BF {
+            "cublas_gemm_bf16"
+        } else {
+            "cublas_gemm_f32"
+        };
         // SAFETY: the pointers are live device buffers of the checked lengths, on the
         // handle's stream; alpha and beta are host f32 as the f32 compute type expects.
-        unsafe {
-            cublas_result::gemm_ex(
+        self.timed(name, || unsafe {
+            Ok(cublas_result::gemm_ex(
                 *self.blas.handle(),
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
@@ -118,8 +123,7 @@ impl Gpu {
                 n32,
                 compute,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }?;
-        Ok(())
+            )?)
+        })
     }
 }

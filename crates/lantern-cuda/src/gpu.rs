@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::atomic::AtomicU8;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::sys::CUdevice_attribute;
@@ -16,12 +16,20 @@ use crate::error::{CudaError, Result};
 use crate::graph::{GraphState, EAGER};
 use crate::kernels::{KernelSource, PRELUDE, SOURCES};
 use crate::libs;
+use crate::profile::{profiler_requested, Profiler};
 
 /// The SM count assumed when the driver does not report one (an H100 SXM's).
 const DEFAULT_SM_COUNT: usize = 132;
 /// cuBLAS's workspace, set once so that no product allocates one inside a captured graph
 /// (32 MiB: what cuBLAS asks for on Hopper).
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A loaded kernel and its name.
+#[derive(Clone, Copy)]
+pub(crate) struct Kernel<'a> {
+    pub(crate) name: &'static str,
+    pub(crate) func: &'a CudaFunction,
+}
 
 /// A CUDA device ready for lantern's work.
 ///
@@ -40,6 +48,9 @@ pub struct Gpu {
     sm_count: usize,
     /// Whether kernels are launched to overlap the one ahead of them (`launch.rs`).
     pub(crate) programmatic_launch: bool,
+    /// Times each eager launch where `LANTERN_CUDA_PROFILE` is on, or once
+    /// [`Gpu::time_kernels`] was called.
+    profiler: OnceLock<Profiler>,
     /// Split-K attention's partial results, kept between calls and grown as needed (all
     /// work is on the one stream, so a call's kernels follow the previous call's merge).
     pub(crate) attn_scratch: Mutex<Option<CudaSlice<f32>>>,
@@ -119,7 +130,7 @@ impl Gpu {
             }
             .result()?;
         }
-        Ok(Arc::new(Gpu {
+        let gpu = Arc::new(Gpu {
             ctx,
             stream,
             functions,
@@ -129,11 +140,16 @@ impl Gpu {
             compute_capability,
             sm_count,
             programmatic_launch: crate::launch::pdl_enabled(cc),
+            profiler: OnceLock::new(),
             attn_scratch: Mutex::new(None),
             graphs: Mutex::new(GraphState::new()),
             graph_mode: AtomicU8::new(EAGER),
             _blas_workspace: blas_workspace,
-        }))
+        });
+        if profiler_requested() {
+            gpu.time_kernels();
+        }
+        Ok(gpu)
     }
 
     /// The device's name, e.g. "NVIDIA H200".
@@ -225,10 +241,35 @@ impl Gpu {
     }
 
     /// The compiled kernel `name`.
-    pub(crate) fn function(&self, name: &str) -> Result<&CudaFunction> {
+    pub(crate) fn function(&self, name: &str) -> Result<Kernel<'_>> {
         self.functions
-            .get(name)
+            .get_key_value(name)
+            .map(|(&name, func)| Kernel { name, func })
             .ok_or_else(|| CudaError::Driver(format!("kernel {name} is not loaded")))
+    }
+
+    /// Runs `work` (which queues `name`'s work on the stream) timed by the profiler when
+    /// there is one and the step runs eagerly (profile.rs).
+    pub(crate) fn timed<T>(
+        &self,
+        name: &'static str,
+        work: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        match self.profiler.get() {
+            Some(p) if !self.in_graph_step() => p.time(&self.stream, name, work),
+            _ => work(),
+        }
+    }
+
+    /// Times every eager launch from now on (as `LANTERN_CUDA_PROFILE=on` does from the
+    /// start): [`Gpu::kernel_times`].
+    pub fn time_kernels(&self) {
+        self.profiler.get_or_init(Profiler::default);
+    }
+
+    /// Device time per kernel so far, where kernels are timed (profile.rs).
+    pub fn kernel_times(&self) -> Result<Option<Vec<lantern_attn::KernelTime>>> {
+        self.profiler.get().map(|p| p.report()).transpose()
     }
 
     /// An allocation of `bytes` fails early with [`CudaError::OutOfMemory`] when it cannot fit.

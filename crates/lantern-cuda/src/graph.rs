@@ -21,10 +21,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{result as driver, CudaFunction, CudaGraph, CudaSlice, DeviceRepr};
+use cudarc::driver::{result as driver, CudaGraph, CudaSlice, DeviceRepr};
 use lantern_attn::{GraphKey, GraphStats};
 
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Kernel};
 use crate::launch::Launch;
 use crate::pool::Pooled;
 use crate::{CudaError, Result};
@@ -259,11 +259,11 @@ impl Gpu {
     }
 
     /// A launch builder for `f`, or `None` while replaying (nothing is launched then).
-    pub(crate) fn launcher<'a>(&'a self, f: &'a CudaFunction) -> Result<Option<Launch<'a>>> {
+    pub(crate) fn launcher<'a>(&'a self, f: Kernel<'a>) -> Result<Option<Launch<'a>>> {
         // Kernels are not part of the sequence hash: a replay returns at a wrapper's first
         // launch, so later launches of the same wrapper are never reached. Which kernels a
         // step runs follows from its buffers' sizes, which are hashed.
-        Ok((self.mode() != REPLAY).then(|| Launch::new(&self.stream, f, self.programmatic_launch)))
+        Ok((self.mode() != REPLAY).then(|| Launch::new(self, f)))
     }
 
     /// A buffer of `n` elements from the arena during a graph step; `None` otherwise.

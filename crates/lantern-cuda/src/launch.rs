@@ -16,7 +16,9 @@ use std::ffi::c_void;
 use cudarc::driver::sys::{
     self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig,
 };
-use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchConfig};
+use cudarc::driver::{DeviceRepr, DriverError, LaunchConfig};
+
+use crate::gpu::{Gpu, Kernel};
 
 /// First compute capability (major * 10 + minor) with programmatic dependent launch.
 pub const PDL_MIN_CC: u32 = 90;
@@ -34,21 +36,18 @@ fn pdl_switched_off(setting: Option<&str>) -> bool {
 /// One kernel launch being put together: the function, its arguments (addresses of
 /// values that live as long as the builder), and whether it may overlap the kernel
 /// ahead of it.
-#[derive(Debug)]
 pub struct Launch<'a> {
-    stream: &'a CudaStream,
-    func: &'a CudaFunction,
+    gpu: &'a Gpu,
+    kernel: Kernel<'a>,
     args: Vec<*mut c_void>,
-    programmatic: bool,
 }
 
 impl<'a> Launch<'a> {
-    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction, programmatic: bool) -> Self {
+    pub(crate) fn new(gpu: &'a Gpu, kernel: Kernel<'a>) -> Self {
         Self {
-            stream,
-            func,
+            gpu,
+            kernel,
             args: Vec::with_capacity(16),
-            programmatic,
         }
     }
 
@@ -63,11 +62,20 @@ impl<'a> Launch<'a> {
     /// # Safety
     /// The arguments must match the kernel's parameters in number, order and type, and
     /// the kernel must stay inside the buffers it is given.
-    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
-        self.stream.context().bind_to_thread()?;
-        let f = self.func.cu_function();
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> crate::Result<()> {
+        let (gpu, name) = (self.gpu, self.kernel.name);
+        // SAFETY: the caller's contract.
+        gpu.timed(name, || Ok(unsafe { self.queue(cfg) }?))
+    }
+
+    /// # Safety
+    /// As [`Launch::launch`].
+    unsafe fn queue(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        let stream = &self.gpu.stream;
+        stream.context().bind_to_thread()?;
+        let f = self.kernel.func.cu_function();
         let params = self.args.as_mut_ptr();
-        if !self.programmatic {
+        if !self.gpu.programmatic_launch {
             // SAFETY: the caller's contract; `params` holds one address per argument.
             return unsafe {
                 sys::cuLaunchKernel(
@@ -79,7 +87,7 @@ impl<'a> Launch<'a> {
                     cfg.block_dim.1,
                     cfg.block_dim.2,
                     cfg.shared_mem_bytes,
-                    self.stream.cu_stream(),
+                    stream.cu_stream(),
                     params,
                     std::ptr::null_mut(),
                 )
@@ -101,7 +109,7 @@ impl<'a> Launch<'a> {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: stream.cu_stream(),
             attrs: &mut attribute,
             numAttrs: 1,
         };

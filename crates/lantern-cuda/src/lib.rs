@@ -18,6 +18,7 @@ pub mod launch;
 pub mod libs;
 pub mod maps;
 pub mod pool;
+mod profile;
 pub mod reduce;
 
 pub use backend::{CudaBackend, CUDA, CUDA_BACKEND_NAMES, CUDA_FLASHINFER};

@@ -834,6 +834,39 @@ mod gpu_tests {
         rope_kv_write_case::<f32>(&g, &mut r);
     }
 
+    /// Once asked, every eager launch and cuBLAS product is timed and counted by name.
+    #[test]
+    fn kernel_times_count_each_launch_by_name() {
+        let Some((g, _t)) = gpu() else { return };
+        let before = |name: &str| -> u64 {
+            g.kernel_times()
+                .unwrap()
+                .unwrap_or_default()
+                .iter()
+                .find(|t| t.name == name)
+                .map_or(0, |t| t.launches)
+        };
+        g.time_kernels();
+        let (adds, gemms) = (before("add_in_place"), before("cublas_gemm_f32"));
+        let mut x = g.upload(&[1.0f32; 64]).unwrap();
+        let y = g.upload(&[2.0f32; 64]).unwrap();
+        for _ in 0..3 {
+            g.add_in_place(&mut x, &y).unwrap();
+        }
+        let mut out = g.zeros::<f32>(4).unwrap();
+        g.gemm_f32(&x, &y, &mut out, 2, 2, 32).unwrap();
+        let times = g.kernel_times().unwrap().expect("timing was asked for");
+        let of = |name: &str| times.iter().find(|t| t.name == name).expect(name);
+        assert_eq!(of("add_in_place").launches, adds + 3);
+        assert_eq!(of("cublas_gemm_f32").launches, gemms + 1);
+        assert!(times.iter().all(|t| t.seconds >= 0.0 && t.launches > 0));
+        assert!(
+            times.windows(2).all(|w| w[0].seconds >= w[1].seconds),
+            "longest first"
+        );
+        assert_eq!(g.download(&x).unwrap()[0], 7.0);
+    }
+
     #[test]
     fn kv_write_fills_both_layouts_and_skips_negative_slots() {
         let Some((g, _t)) = gpu() else { return };

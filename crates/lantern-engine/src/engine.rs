@@ -236,6 +236,12 @@ impl Engine {
         self.runner.backend().accelerator()
     }
 
+    /// Device time per kernel so far, where the backend times its kernels
+    /// (`LANTERN_CUDA_PROFILE=on`); `None` otherwise.
+    pub fn kernel_times(&self) -> Option<Vec<lantern_attn::KernelTime>> {
+        self.runner.backend().kernel_times()
+    }
+
     /// What the backend's decode-step graphs did so far; `None` where steps run eagerly
     /// (the CPU, `enforce_eager`).
     pub fn graph_stats(&self) -> Option<lantern_attn::GraphStats> {

@@ -122,6 +122,10 @@ def lantern_figures(args, model_dir, budget):
         # Every step eager with each kernel timed (LANTERN_CUDA_PROFILE): where a step's
         # device time goes, against the graphed step's wall time above.
         variant("bench_kernel_times", ["--enforce-eager"], env={"LANTERN_CUDA_PROFILE": "on"})
+    if args.lantern_unsplit_products:
+        # One warp per column in every small product: what splitting the long columns of
+        # products with few of them over more warps gives.
+        variant("bench_unsplit", [], env={"LANTERN_CUDA_GEMV_SPLITS": "off"})
     if args.lantern_separate_norms:
         # Norms and residual adds launched apart at batch 1-4: what folding them into the
         # small products gives.
@@ -337,6 +341,7 @@ def table(name, layers, lan, hf, args):
     for key, label in (("bench_eager", "graphs / eager"), ("bench_cublas", "default / cuBLAS only"),
                        ("bench_plain_launches", "overlapped / plain launches"),
                        ("bench_separate_norms", "folded / separate norms"),
+                       ("bench_unsplit", "split / unsplit products"),
                        ("bench_sampled", "greedy / temperature 1"),
                        ("bench_logprobs", "greedy / top-p, logprobs, penalty")):
         other = lan.get(key)
@@ -378,6 +383,8 @@ def main():
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
     ap.add_argument("--lantern-kernel-times", action="store_true",
                     help="also run lantern's bench eagerly with every kernel timed (LANTERN_CUDA_PROFILE=on): a table per model")
+    ap.add_argument("--lantern-unsplit-products", action="store_true",
+                    help="also run lantern's bench with LANTERN_CUDA_GEMV_SPLITS=off (rows 'split / unsplit products')")
     ap.add_argument("--lantern-separate-norms", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_FOLD_NORMS=off (rows 'folded / separate norms')")
     ap.add_argument("--lantern-plain-launches", action="store_true",

@@ -533,8 +533,8 @@ impl Compute for CudaCompute {
                     rows * w.out_features,
                 )?;
                 let extras = GemvExtras {
-                    norm: None,
                     accumulate: true,
+                    ..GemvExtras::default()
                 };
                 self.gpu
                     .gemv_bf16(&**x, wb, rows, k, &mut [&mut **acc], extras)
@@ -818,7 +818,7 @@ impl CudaCompute {
                     outputs.iter_mut().map(|o| &mut **o).collect();
                 let extras = GemvExtras {
                     norm,
-                    accumulate: false,
+                    ..GemvExtras::default()
                 };
                 self.gpu
                     .gemv_bf16(&**x, wb, rows, k, &mut parts, extras)
@@ -874,8 +874,12 @@ impl CudaCompute {
         if let Weight::Bf16(wb) = &w.weight {
             if self.takes_small_product(w, rows) {
                 let mut out = self.act(rows * width)?;
+                let extras = GemvExtras {
+                    norm,
+                    ..GemvExtras::default()
+                };
                 self.gpu
-                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act), norm)
+                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act), extras)
                     .map_err(model_error)?;
                 return Ok(out);
             }

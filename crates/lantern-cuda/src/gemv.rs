@@ -3,6 +3,8 @@
 //! parts or gated (a gated MLP's `act(gate) * up`) in the same launch.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use std::sync::OnceLock;
+
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -15,7 +17,14 @@ use crate::kernels::{u32_of, Activation};
 pub const GEMV_MAX_ROWS: usize = 4;
 /// Most outputs [`Gpu::gemv_bf16`] splits into.
 pub const GEMV_MAX_PARTS: usize = 3;
-const GEMV_WARPS: usize = 8;
+/// Output columns a block computes (gemv.cu's GEMV_COLUMNS), each by `splits` warps.
+const GEMV_COLUMNS: usize = 8;
+/// Most warps sharing one column (a block of at most 1,024 threads).
+pub const GEMV_MAX_SPLITS: usize = 4;
+/// Warps a multiprocessor holds at once (compute capability 8.0 and later).
+const WARPS_PER_SM: usize = 64;
+/// Fewest weights a split reads per column (two 16-byte loads a lane).
+const MIN_SPLIT_LEN: usize = 512;
 /// f32 values of x a block stages at once: 47 KiB, leaving the kernels' static shared
 /// memory (block sums, row scales) room under the 48 KiB a block has without an opt-in.
 const GEMV_STAGED: usize = 12 * 1024 - 256;
@@ -40,6 +49,8 @@ pub struct GemvExtras<'a> {
     pub norm: Option<(&'a CudaSlice<f32>, f32)>,
     /// Adds the product to the outputs instead of writing them (a residual add).
     pub accumulate: bool,
+    /// Warps per output column (1, 2 or 4); `None`: [`gemv_splits`] for the device.
+    pub splits: Option<usize>,
 }
 
 impl GemvExtras<'_> {
@@ -49,14 +60,50 @@ impl GemvExtras<'_> {
                 format!("gemv: a norm of {} values for rows of {k}", w.len())
             })?;
         }
-        Ok(())
+        ensure(
+            self.splits
+                .is_none_or(|s| s.is_power_of_two() && s <= GEMV_MAX_SPLITS),
+            || format!("gemv: {:?} splits (1, 2 or 4)", self.splits),
+        )
+    }
+
+    /// The splits to launch with for `columns` columns over `k` inputs.
+    fn splits_for(&self, gpu: &Gpu, columns: usize, k: usize) -> usize {
+        match self.splits {
+            Some(s) => s,
+            None if splits_switched_off() => 1,
+            None => gemv_splits(columns, k, gpu.sm_count()),
+        }
     }
 }
 
-fn cfg(columns: usize, rows: usize, tile: usize) -> LaunchConfig {
+/// Warps per output column for a product of `columns` columns over `k` inputs on a device
+/// of `sms` multiprocessors: doubled (up to 4) while the warps still fit on the device at
+/// once and each split still reads MIN_SPLIT_LEN weights, so that a product of few, long
+/// columns keeps more loads in flight. `LANTERN_CUDA_GEMV_SPLITS=off` keeps one.
+pub fn gemv_splits(columns: usize, k: usize, sms: usize) -> usize {
+    let mut splits = 1;
+    while splits < GEMV_MAX_SPLITS
+        && columns * splits * 2 <= sms * WARPS_PER_SM
+        && k / (2 * splits) >= MIN_SPLIT_LEN
+    {
+        splits *= 2;
+    }
+    splits
+}
+
+fn splits_switched_off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| {
+        std::env::var("LANTERN_CUDA_GEMV_SPLITS")
+            .is_ok_and(|v| matches!(v.trim(), "off" | "0" | "false"))
+    })
+}
+
+fn cfg(columns: usize, rows: usize, tile: usize, splits: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (columns.div_ceil(GEMV_WARPS) as u32, 1, 1),
-        block_dim: (32 * GEMV_WARPS as u32, 1, 1),
+        grid_dim: (columns.div_ceil(GEMV_COLUMNS) as u32, 1, 1),
+        block_dim: ((32 * GEMV_COLUMNS * splits) as u32, 1, 1),
         shared_mem_bytes: (rows * tile * 4) as u32,
     }
 }
@@ -123,17 +170,19 @@ impl Gpu {
             .map(|(nw, eps)| (nw.device_ptr(&self.stream), eps));
         let (norm_ptr, eps) = norm.as_ref().map_or((0, 0.0), |((p, _), e)| (*p, *e));
         let accumulate = extras.accumulate as u32;
-        b.arg(&norm_ptr).arg(&eps).arg(&accumulate);
+        let splits = extras.splits_for(self, n, k);
+        let splits32 = splits as u32;
+        b.arg(&norm_ptr).arg(&eps).arg(&accumulate).arg(&splits32);
         // SAFETY: argument types and lengths match the kernel's signature; W's rows start
         // 16-byte aligned (k a multiple of 8, device buffers 256-byte aligned).
-        unsafe { b.launch(cfg(n, m, tile)) }?;
+        unsafe { b.launch(cfg(n, m, tile, splits)) }?;
         drop(guards);
         Ok(())
     }
 
     /// A gated MLP's `act(gate) * up` for x `[m, k]` f32 and W `[2 * width, k]` bf16 (gate
-    /// rows, then up rows), into out `[m, width]`; x normalized as it is read where `norm`
-    /// (weight `[k]`, eps) is given ([`GemvExtras::norm`]).
+    /// rows, then up rows), into out `[m, width]`, with `extras`' norm and splits (it
+    /// cannot accumulate).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_gated_bf16(
         &self,
@@ -143,7 +192,7 @@ impl Gpu {
         k: usize,
         out: &mut CudaSlice<f32>,
         act: Activation,
-        norm: Option<(&CudaSlice<f32>, f32)>,
+        extras: GemvExtras<'_>,
     ) -> Result<()> {
         ensure(gemv_fits(m, k) && x.len() == m * k, || {
             format!("gemv_gated: x of {} values as {m} rows of {k}", x.len())
@@ -156,11 +205,10 @@ impl Gpu {
                 out.len()
             )
         })?;
-        GemvExtras {
-            norm,
-            accumulate: false,
-        }
-        .check(k)?;
+        extras.check(k)?;
+        ensure(!extras.accumulate, || {
+            "gemv_gated: accumulating into a gated output".into()
+        })?;
         let (m32, f32_, k32) = (m as u32, u32_of("width", width)?, u32_of("k", k)?);
         let tile = tile(m, k);
         let tile32 = tile as u32;
@@ -180,11 +228,15 @@ impl Gpu {
             .arg(&tile32)
             .arg(&op)
             .arg(&act32);
-        let norm = norm.map(|(nw, eps)| (nw.device_ptr(&self.stream), eps));
+        let norm = extras
+            .norm
+            .map(|(nw, eps)| (nw.device_ptr(&self.stream), eps));
         let (norm_ptr, eps) = norm.as_ref().map_or((0, 0.0), |((p, _), e)| (*p, *e));
-        b.arg(&norm_ptr).arg(&eps);
+        let splits = extras.splits_for(self, width, k);
+        let splits32 = splits as u32;
+        b.arg(&norm_ptr).arg(&eps).arg(&splits32);
         // SAFETY: as above.
-        unsafe { b.launch(cfg(width, m, tile)) }?;
+        unsafe { b.launch(cfg(width, m, tile, splits)) }?;
         Ok(())
     }
 }
@@ -192,6 +244,29 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn products_with_few_columns_split_them_over_more_warps() {
+        // An H200's 132 multiprocessors: a 1B model's narrow, long products split...
+        assert_eq!(gemv_splits(2048, 8192, 132), 4, "down");
+        assert_eq!(gemv_splits(3072, 2048, 132), 2, "q/k/v");
+        // ...wide ones, short rows and the LM head do not.
+        assert_eq!(gemv_splits(8192, 2048, 132), 1, "gate/up");
+        assert_eq!(
+            gemv_splits(960, 576, 132),
+            1,
+            "SmolLM2's q/k/v: rows too short"
+        );
+        assert_eq!(gemv_splits(49152, 2048, 132), 1, "LM head");
+        for (columns, k) in [(1, 1 << 20), (33, 8192), (4096, 4096)] {
+            let s = gemv_splits(columns, k, 132);
+            assert!(
+                s.is_power_of_two() && s <= GEMV_MAX_SPLITS,
+                "{columns} x {k}: {s}"
+            );
+            assert!(s == 1 || k / s >= MIN_SPLIT_LEN, "{columns} x {k}: {s}");
+        }
+    }
 
     #[test]
     fn tiles_fit_48k_and_keep_the_loads_aligned() {

@@ -1450,30 +1450,35 @@ mod gpu_tests {
             let (w, wf) = bf16_matrix(&mut r, n * k);
             let want = product_reference(&x, &wf, m, n, k);
             let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
-            let mut outs: Vec<_> = widths
-                .iter()
-                .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
-                .collect();
-            let mut refs: Vec<_> = outs.iter_mut().collect();
-            g.gemv_bf16(&dx, &dw, m, k, &mut refs, GemvExtras::default())
-                .unwrap();
-            // Columns of every part back in place: [m, n].
-            let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
-            let got: Vec<f32> = (0..m)
-                .flat_map(|row| {
-                    parts
-                        .iter()
-                        .zip(&widths)
-                        .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            assert_close(
-                &got,
-                &want,
-                1e-5,
-                &format!("gemv m {m} k {k} widths {widths:?}"),
-            );
+            for splits in [None, Some(1), Some(2), Some(4)] {
+                let mut outs: Vec<_> = widths
+                    .iter()
+                    .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
+                    .collect();
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                let extras = GemvExtras {
+                    splits,
+                    ..GemvExtras::default()
+                };
+                g.gemv_bf16(&dx, &dw, m, k, &mut refs, extras).unwrap();
+                // Columns of every part back in place: [m, n].
+                let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
+                let got: Vec<f32> = (0..m)
+                    .flat_map(|row| {
+                        parts
+                            .iter()
+                            .zip(&widths)
+                            .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                assert_close(
+                    &got,
+                    &want,
+                    1e-5,
+                    &format!("gemv m {m} k {k} widths {widths:?} splits {splits:?}"),
+                );
+            }
         }
         // Rows of a length the 16-byte loads cannot take, or too many rows: refused.
         let dx = g.upload(&[1.0f32; 12]).unwrap();
@@ -1482,6 +1487,19 @@ mod gpu_tests {
         assert!(g
             .gemv_bf16(&dx, &dw, 1, 12, &mut [&mut out], GemvExtras::default())
             .is_err());
+        // Splits other than 1, 2 or 4 are refused.
+        let dx = g.upload(&[1.0f32; 16]).unwrap();
+        let dw = g.upload(&[bf16::ONE; 32]).unwrap();
+        for splits in [0, 3, 8] {
+            let extras = GemvExtras {
+                splits: Some(splits),
+                ..GemvExtras::default()
+            };
+            assert!(matches!(
+                g.gemv_bf16(&dx, &dw, 1, 16, &mut [&mut out], extras),
+                Err(CudaError::Shape(_))
+            ));
+        }
         assert!(!lantern_cuda::gemv::gemv_fits(5, 64));
     }
 
@@ -1515,15 +1533,21 @@ mod gpu_tests {
                     })
                     .collect();
                 let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
-                let mut out = g.zeros::<f32>(m * width).unwrap();
-                g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act, None)
-                    .unwrap();
-                assert_close(
-                    &g.download(&out).unwrap(),
-                    &want,
-                    1e-5,
-                    &format!("gemv_gated m {m} k {k} width {width} {act:?}"),
-                );
+                for splits in [1, 2, 4] {
+                    let mut out = g.zeros::<f32>(m * width).unwrap();
+                    let extras = GemvExtras {
+                        splits: Some(splits),
+                        ..GemvExtras::default()
+                    };
+                    g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act, extras)
+                        .unwrap();
+                    assert_close(
+                        &g.download(&out).unwrap(),
+                        &want,
+                        1e-5,
+                        &format!("gemv_gated m {m} k {k} width {width} {act:?} splits {splits}"),
+                    );
+                }
             }
         }
     }
@@ -1571,7 +1595,7 @@ mod gpu_tests {
             let mut out = g.zeros::<f32>(m * n).unwrap();
             let norm = GemvExtras {
                 norm: Some((&dn, eps)),
-                accumulate: false,
+                ..GemvExtras::default()
             };
             g.gemv_bf16(&dx, &dw, m, k, &mut [&mut out], norm).unwrap();
             assert_close(
@@ -1592,8 +1616,8 @@ mod gpu_tests {
                 .collect();
             let mut residual = g.upload(&acc).unwrap();
             let add = GemvExtras {
-                norm: None,
                 accumulate: true,
+                ..GemvExtras::default()
             };
             g.gemv_bf16(&dx, &dw, m, k, &mut [&mut residual], add)
                 .unwrap();
@@ -1610,7 +1634,11 @@ mod gpu_tests {
                 k,
                 &mut gated,
                 Activation::Silu,
-                Some((&dn, eps)),
+                GemvExtras {
+                    norm: Some((&dn, eps)),
+                    splits: Some(4),
+                    ..GemvExtras::default()
+                },
             )
             .unwrap();
             let both = product_reference(&normed, &wgf, m, 2 * width, k);
@@ -1637,7 +1665,7 @@ mod gpu_tests {
         let mut out = g.zeros::<f32>(2).unwrap();
         let bad = GemvExtras {
             norm: Some((&short, 1e-5)),
-            accumulate: false,
+            ..GemvExtras::default()
         };
         assert!(matches!(
             g.gemv_bf16(&dx, &dw, 1, 16, &mut [&mut out], bad),

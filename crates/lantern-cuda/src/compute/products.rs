@@ -1,0 +1,203 @@
+//! The products of a step's activations with the model's matrices: the small-product
+//! kernels (gemv.rs) for a few rows of bf16 weights, with a norm and a residual add
+//! folded in where the decoder asks ([`lantern_model::compute::Compute::folds_norms`]);
+//! cuBLAS otherwise, from a bf16 copy of the activations for bf16 weights.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use lantern_model::blocks::Activation as ModelActivation;
+use lantern_model::{ModelError, Result};
+
+use super::{activation, model_error, CudaCompute, GpuAct, GpuMatrix, Weight};
+use crate::fused::MAX_SPLIT_PARTS;
+use crate::gemv::{gemv_fits, GemvExtras, GEMV_MAX_PARTS};
+use crate::pool::Pooled;
+
+/// A product's bf16 input: the activation's own copy, or a cast made for the product.
+enum Bf16Input<'a> {
+    Copy(&'a Pooled<bf16>),
+    Cast(Pooled<bf16>),
+}
+
+impl std::ops::Deref for Bf16Input<'_> {
+    type Target = Pooled<bf16>;
+
+    fn deref(&self) -> &Pooled<bf16> {
+        match self {
+            Self::Copy(h) => h,
+            Self::Cast(h) => h,
+        }
+    }
+}
+
+impl CudaCompute {
+    /// What `w`'s cuBLAS product reads besides `x`: its bf16 copy for bf16 weights.
+    fn product_input<'a>(&self, w: &GpuMatrix, x: &'a GpuAct) -> Result<Option<Bf16Input<'a>>> {
+        match &w.weight {
+            Weight::Bf16(_) => Ok(Some(self.bf16_input(x)?)),
+            Weight::F32(_) => Ok(None),
+        }
+    }
+
+    /// `x` as a product's bf16 input: its copy when it has one, else a cast.
+    fn bf16_input<'a>(&self, x: &'a GpuAct) -> Result<Bf16Input<'a>> {
+        if let Some(h) = &x.bf16 {
+            return Ok(Bf16Input::Copy(h));
+        }
+        let mut h = self.halves.output(x.len()).map_err(model_error)?;
+        self.gpu
+            .cast_f32_to_bf16(&**x, &mut *h)
+            .map_err(model_error)?;
+        Ok(Bf16Input::Cast(h))
+    }
+
+    /// `y = x · Wᵀ` for the rows `out_rows` of W (`n` of them).
+    fn product(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        x_bf16: Option<&Pooled<bf16>>,
+        rows: usize,
+        out_rows: std::ops::Range<usize>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (k, n) = (w.in_features, out_rows.len());
+        let part = out_rows.start * k..out_rows.end * k;
+        match (&w.weight, x_bf16) {
+            (Weight::Bf16(wb), Some(xb)) => {
+                self.gpu.gemm_bf16(&**xb, &wb.slice(part), y, rows, n, k)
+            }
+            (Weight::F32(wf), _) => self.gpu.gemm_f32(&**x, &wf.slice(part), y, rows, n, k),
+            (Weight::Bf16(_), None) => {
+                return Err(ModelError::Compute(format!(
+                    "`{}`: bf16 weights without a bf16 input",
+                    w.name
+                )))
+            }
+        }
+        .map_err(model_error)
+    }
+
+    /// Whether `w`'s product of `rows` rows takes the small-product kernels (gemv.rs).
+    pub(super) fn takes_small_product(&self, w: &GpuMatrix, rows: usize) -> bool {
+        self.small_products && matches!(w.weight, Weight::Bf16(_)) && gemv_fits(rows, w.in_features)
+    }
+
+    /// [`Compute::matmul_parts`], x normalized as the small product reads it where
+    /// `norm` is given (which only that product takes).
+    pub(super) fn products(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        rows: usize,
+        widths: &[usize],
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<Vec<GpuAct>> {
+        let k = w.in_features;
+        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+        if widths.iter().sum::<usize>() != w.out_features {
+            return Err(ModelError::Compute(format!(
+                "`{}`: output widths {widths:?} do not add up to its {} rows",
+                w.name, w.out_features
+            )));
+        }
+        let mut outputs = widths
+            .iter()
+            .map(|&n| self.act(rows * n))
+            .collect::<Result<Vec<_>>>()?;
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.takes_small_product(w, rows) && widths.len() <= GEMV_MAX_PARTS {
+                // A decode step's few rows: one launch from f32, split as it writes.
+                let mut parts: Vec<&mut CudaSlice<f32>> =
+                    outputs.iter_mut().map(|o| &mut **o).collect();
+                let extras = GemvExtras {
+                    norm,
+                    ..GemvExtras::default()
+                };
+                self.gpu
+                    .gemv_bf16(&**x, wb, rows, k, &mut parts, extras)
+                    .map_err(model_error)?;
+                return Ok(outputs);
+            }
+        }
+        refuse_folded_norm(w, norm)?;
+        let x_bf16 = self.product_input(w, x)?;
+        let x_bf16 = x_bf16.as_deref();
+        if let [y] = outputs.as_mut_slice() {
+            self.product(w, x, x_bf16, rows, 0..w.out_features, y)?;
+        } else if widths.len() <= MAX_SPLIT_PARTS && rows > 0 {
+            // One product over every part (a larger, faster GEMM than one per part),
+            // then one launch that splits its rows' columns into the parts.
+            let mut whole = self.act(rows * w.out_features)?;
+            self.product(w, x, x_bf16, rows, 0..w.out_features, &mut whole)?;
+            let mut parts: Vec<&mut CudaSlice<f32>> =
+                outputs.iter_mut().map(|o| &mut **o).collect();
+            self.gpu
+                .split_columns(&whole, rows, &mut parts)
+                .map_err(model_error)?;
+        } else {
+            // Each part's rows of W are contiguous: one product per part.
+            let mut row0 = 0;
+            for (y, &n) in outputs.iter_mut().zip(widths) {
+                self.product(w, x, x_bf16, rows, row0..row0 + n, y)?;
+                row0 += n;
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// [`Compute::matmul_gated`], x normalized as the small product reads it where `norm`
+    /// is given (which only that product takes).
+    pub(super) fn gated(
+        &self,
+        w: &GpuMatrix,
+        x: &GpuAct,
+        rows: usize,
+        width: usize,
+        act: ModelActivation,
+        norm: Option<(&CudaSlice<f32>, f32)>,
+    ) -> Result<GpuAct> {
+        let k = w.in_features;
+        Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
+        if w.out_features != 2 * width {
+            return Err(ModelError::Compute(format!(
+                "`{}`: {} rows are not gate and up of {width}",
+                w.name, w.out_features
+            )));
+        }
+        if let Weight::Bf16(wb) = &w.weight {
+            if self.takes_small_product(w, rows) {
+                let mut out = self.act(rows * width)?;
+                let extras = GemvExtras {
+                    norm,
+                    ..GemvExtras::default()
+                };
+                self.gpu
+                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act), extras)
+                    .map_err(model_error)?;
+                return Ok(out);
+            }
+        }
+        refuse_folded_norm(w, norm)?;
+        let x_bf16 = self.product_input(w, x)?;
+        let mut gate_up = self.act(rows * 2 * width)?;
+        self.product(w, x, x_bf16.as_deref(), rows, 0..2 * width, &mut gate_up)?;
+        let (mut out, mut half) = self.twin(rows * width)?;
+        self.gpu
+            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act))
+            .map_err(model_error)?;
+        Ok(GpuAct::with_bf16(out, half))
+    }
+}
+
+/// A norm folded into a product (`normed_matmul_*`) is for the small-product kernels only;
+/// their callers send any other product the normed rows instead.
+fn refuse_folded_norm(w: &GpuMatrix, norm: Option<(&CudaSlice<f32>, f32)>) -> Result<()> {
+    match norm {
+        Some(_) => Err(ModelError::Compute(format!(
+            "`{}`: a norm folded into a product the small-product kernels do not take",
+            w.name
+        ))),
+        None => Ok(()),
+    }
+}

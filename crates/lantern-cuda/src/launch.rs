@@ -33,9 +33,9 @@ fn pdl_switched_off(setting: Option<&str>) -> bool {
     matches!(setting.map(str::trim), Some("off" | "0" | "false" | "no"))
 }
 
-/// One kernel launch being put together: the function, its arguments (addresses of
-/// values that live as long as the builder), and whether it may overlap the kernel
-/// ahead of it.
+/// One kernel launch being put together: the kernel, its arguments (addresses of values
+/// that live as long as the builder), and the GPU, which says whether it may overlap the
+/// kernel ahead of it and times it when asked (profile.rs).
 pub struct Launch<'a> {
     gpu: &'a Gpu,
     kernel: Kernel<'a>,

@@ -1,10 +1,12 @@
 //! Products of a few rows with bf16 weights (`kernels/gemv.cu`): a decode step's `x · Wᵀ`
 //! from f32 activations, without the cast cuBLAS's bf16 GEMM needs, its output split into
-//! parts or gated (a gated MLP's `act(gate) * up`) in the same launch.
+//! parts or gated (a gated MLP's `act(gate) * up`) in the same launch, x RMS-normalized as
+//! it is read and the output added to where asked ([`GemvExtras`]), each column shared
+//! among 1, 2 or 4 warps ([`gemv_splits`]).
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::OnceLock;
 
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
 use crate::error::{ensure, Result};

@@ -789,6 +789,8 @@ struct LaunchConfig {
 };
 static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
 
+// LANTERN_CUDA_EMULATOR_PDL=refuse answers a programmatic launch as a driver without it
+// would (CUDA_ERROR_NOT_SUPPORTED), for testing the fallback to plain launches.
 EXPORT CUresult cuLaunchKernelEx(const LaunchConfig* c, void* fp, void** params, void** extra) {
     constexpr int kProgrammaticStreamSerialization = 6;
     bool programmatic = false;
@@ -801,6 +803,8 @@ EXPORT CUresult cuLaunchKernelEx(const LaunchConfig* c, void* fp, void** params,
         }
         programmatic = a.value.programmatic_stream_serialization_allowed != 0;
     }
+    const char* pdl = std::getenv("LANTERN_CUDA_EMULATOR_PDL");
+    if (programmatic && pdl && std::string(pdl) == "refuse") return CUDA_ERROR_NOT_SUPPORTED;
     return launch_kernel(fp, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2], c->shared,
                          c->stream, params, extra, programmatic);
 }

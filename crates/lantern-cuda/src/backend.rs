@@ -398,7 +398,7 @@ impl AttentionBackend for CudaBackend {
             .memory_info()
             .map(|(_, total)| format!(", {:.0} GiB", total as f64 / (1u64 << 30) as f64))
             .unwrap_or_default();
-        let launches = if g.programmatic_launch {
+        let launches = if g.launches_overlap() {
             ", overlapped launches"
         } else {
             ""

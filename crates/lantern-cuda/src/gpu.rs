@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
@@ -47,7 +47,9 @@ pub struct Gpu {
     compute_capability: (i32, i32),
     sm_count: usize,
     /// Whether kernels are launched to overlap the one ahead of them (`launch.rs`).
-    pub(crate) programmatic_launch: bool,
+    /// Turned off for good if the driver refuses such a launch that a plain one then
+    /// takes (launch.rs).
+    pub(crate) programmatic_launch: AtomicBool,
     /// Times each eager launch where `LANTERN_CUDA_PROFILE` is on, or once
     /// [`Gpu::time_kernels`] was called.
     profiler: OnceLock<Profiler>,
@@ -139,7 +141,7 @@ impl Gpu {
             ordinal,
             compute_capability,
             sm_count,
-            programmatic_launch: crate::launch::pdl_enabled(cc),
+            programmatic_launch: AtomicBool::new(crate::launch::pdl_enabled(cc)),
             profiler: OnceLock::new(),
             attn_scratch: Mutex::new(None),
             graphs: Mutex::new(GraphState::new()),
@@ -246,6 +248,11 @@ impl Gpu {
             .get_key_value(name)
             .map(|(&name, func)| Kernel { name, func })
             .ok_or_else(|| CudaError::Driver(format!("kernel {name} is not loaded")))
+    }
+
+    /// Whether kernels are launched to overlap the one before them (launch.rs).
+    pub fn launches_overlap(&self) -> bool {
+        self.programmatic_launch.load(Ordering::Relaxed)
     }
 
     /// Runs `work` (which queues `name`'s work on the stream) timed by the profiler when

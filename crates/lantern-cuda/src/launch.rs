@@ -12,6 +12,7 @@
 //! `LANTERN_CUDA_PDL=off` launches every kernel the plain way.
 
 use std::ffi::c_void;
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys::{
     self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig,
@@ -71,29 +72,61 @@ impl<'a> Launch<'a> {
     /// # Safety
     /// As [`Launch::launch`].
     unsafe fn queue(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        self.gpu.stream.context().bind_to_thread()?;
+        if !self.gpu.launches_overlap() {
+            // SAFETY: the caller's contract.
+            return unsafe { self.queue_plain(cfg) };
+        }
+        // SAFETY: the caller's contract.
+        let overlapped = unsafe { self.queue_overlapped(cfg) };
+        let Err(refused) = overlapped else {
+            return Ok(());
+        };
+        // A driver that refuses the attribute loses the overlap, not the kernel: every
+        // launch from now on is plain (a graph being captured fails once and is captured
+        // again later), and this one is tried the plain way.
+        if self.gpu.programmatic_launch.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                "kernels launch without overlap from now on: the driver refused a \
+                 programmatic dependent launch of {} ({refused})",
+                self.kernel.name
+            );
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.queue_plain(cfg) }
+    }
+
+    /// # Safety
+    /// As [`Launch::launch`].
+    unsafe fn queue_plain(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         let stream = &self.gpu.stream;
-        stream.context().bind_to_thread()?;
         let f = self.kernel.func.cu_function();
         let params = self.args.as_mut_ptr();
-        if !self.gpu.programmatic_launch {
-            // SAFETY: the caller's contract; `params` holds one address per argument.
-            return unsafe {
-                sys::cuLaunchKernel(
-                    f,
-                    cfg.grid_dim.0,
-                    cfg.grid_dim.1,
-                    cfg.grid_dim.2,
-                    cfg.block_dim.0,
-                    cfg.block_dim.1,
-                    cfg.block_dim.2,
-                    cfg.shared_mem_bytes,
-                    stream.cu_stream(),
-                    params,
-                    std::ptr::null_mut(),
-                )
-            }
-            .result();
+        // SAFETY: the caller's contract; `params` holds one address per argument.
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                cfg.grid_dim.0,
+                cfg.grid_dim.1,
+                cfg.grid_dim.2,
+                cfg.block_dim.0,
+                cfg.block_dim.1,
+                cfg.block_dim.2,
+                cfg.shared_mem_bytes,
+                stream.cu_stream(),
+                params,
+                std::ptr::null_mut(),
+            )
         }
+        .result()
+    }
+
+    /// # Safety
+    /// As [`Launch::launch`].
+    unsafe fn queue_overlapped(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        let stream = &self.gpu.stream;
+        let f = self.kernel.func.cu_function();
+        let params = self.args.as_mut_ptr();
         let mut value = CUlaunchAttributeValue { pad: [0; 64] };
         value.programmaticStreamSerializationAllowed = 1;
         let mut attribute = CUlaunchAttribute {

@@ -834,6 +834,30 @@ mod gpu_tests {
         rope_kv_write_case::<f32>(&g, &mut r);
     }
 
+    /// A driver that refuses programmatic dependent launches (the emulator with
+    /// `LANTERN_CUDA_EMULATOR_PDL=refuse`, which scripts/test-gpu-emulated runs this test
+    /// with too) costs the overlap, not the kernels: they run plainly, with the same
+    /// results, and the device says it no longer overlaps them.
+    #[test]
+    fn refused_overlapped_launches_fall_back_to_plain_ones() {
+        let Some((g, _t)) = gpu() else { return };
+        let refused = std::env::var("LANTERN_CUDA_EMULATOR_PDL").as_deref() == Ok("refuse");
+        let mut x = g.upload(&[1.5f32; 300]).unwrap();
+        let y = g.upload(&[0.25f32; 300]).unwrap();
+        for _ in 0..2 {
+            g.add_in_place(&mut x, &y).unwrap();
+        }
+        assert_eq!(g.download(&x).unwrap(), vec![2.0f32; 300]);
+        if refused {
+            assert!(
+                !g.launches_overlap(),
+                "refused: plain launches from then on"
+            );
+        } else if g.compute_capability().0 >= 9 && std::env::var("LANTERN_CUDA_PDL").is_err() {
+            assert!(g.launches_overlap(), "sm_90 and later overlap launches");
+        }
+    }
+
     /// Once asked, every eager launch and cuBLAS product is timed and counted by name.
     #[test]
     fn kernel_times_count_each_launch_by_name() {

@@ -5,7 +5,7 @@
 //! its blocks are placed on the multiprocessors while the previous kernel's last blocks
 //! still run, and wait at `griddepcontrol.wait` (prelude.cu's `lt_grid_dependency`, the
 //! first statement of every kernel) until that kernel has completed and its writes are
-//! visible. A decode step at batch 1 is ~300 small dependent kernels, each otherwise
+//! visible. A decode step at batch 1 is ~180 small dependent kernels, each otherwise
 //! paying its launch after the previous one drains; with this, the launch overlaps it.
 //! Graph capture keeps the overlap (its edges become programmatic ones).
 //!

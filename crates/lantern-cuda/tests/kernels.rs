@@ -1576,22 +1576,6 @@ mod gpu_tests {
         }
     }
 
-    /// RMS norm of each row of x (`[m, k]`) in f64, as `rms_norm_fused` defines it.
-    fn norm_reference(x: &[f32], weight: &[f32], m: usize, eps: f64) -> Vec<f32> {
-        let k = weight.len();
-        (0..m)
-            .flat_map(|r| {
-                let row = &x[r * k..(r + 1) * k];
-                let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / k as f64;
-                let inv = 1.0 / (ms + eps).sqrt();
-                row.iter()
-                    .zip(weight)
-                    .map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    }
-
     /// The small products' norm (x normalized as it is staged, one tile or several) against
     /// the product of the normed rows, and their residual add (the output added to, not
     /// written) against the plain product added on the host: the same bits.
@@ -1610,7 +1594,10 @@ mod gpu_tests {
             let x = rand_vec(&mut r, m * k, 2.0);
             let weight = rand_vec(&mut r, k, 1.5);
             let (w, wf) = bf16_matrix(&mut r, n * k);
-            let normed = norm_reference(&x, &weight, m, eps as f64);
+            let normed: Vec<f32> = rms_reference(&x, &weight, eps)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect();
             let (dx, dw, dn) = (
                 g.upload(&x).unwrap(),
                 g.upload(&w).unwrap(),

@@ -119,6 +119,7 @@
 //! buffer per part, each task writing its rows straight into their part.
 
 mod act;
+pub mod blockwise;
 pub mod convert;
 mod dense;
 mod format;
@@ -131,6 +132,7 @@ pub mod topology;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use blockwise::Blockwise;
 pub use format::QuantType;
 pub use level::{active_kernel, force_kernel, kernel_level, Kernel, KERNELS_ENV};
 #[cfg(target_arch = "x86_64")]
@@ -167,6 +169,8 @@ pub enum QuantError {
     Widths { widths: Vec<usize>, rows: usize },
     #[error("row {row} out of range for {rows} rows")]
     RowOutOfRange { row: usize, rows: usize },
+    #[error("{ty} is not a quantized type")]
+    NotQuantized { ty: QuantType },
 }
 
 /// A 64-byte aligned byte buffer.

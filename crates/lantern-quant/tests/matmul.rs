@@ -3,7 +3,7 @@
 //! bytes; and bit-identical results across levels.
 
 use half::f16;
-use lantern_quant::{Kernel, PackedMatrix, QuantError, QuantType};
+use lantern_quant::{Blockwise, Kernel, PackedMatrix, QuantError, QuantType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -860,4 +860,37 @@ fn split_products_equal_the_whole_products_columns() {
             );
         }
     }
+}
+
+/// The blockwise form (plain quants, f32 scales per 16 values, mins per 32) gives every
+/// type's values bit for bit as the GGUF bytes define them, and refuses what is not a
+/// quantized matrix of the stated shape.
+#[test]
+fn blockwise_form_gives_the_gguf_values_exactly() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for ty in QuantType::QUANTIZED {
+        let k = 2 * ty.block_values();
+        for n in [1, 3] {
+            let bytes = random_gguf(&mut rng, ty, n, k);
+            let form = Blockwise::from_gguf_bytes(ty, &bytes, n, k).unwrap();
+            let want = dequantize(&matrix_parts(ty, &bytes));
+            let got: Vec<f32> = (0..n * k).map(|i| form.value(i)).collect();
+            assert!(same_bits(&got, &want), "{ty} {n} x {k}");
+            let mut row = vec![0f32; k];
+            form.dequantize_row(n - 1, &mut row).unwrap();
+            assert!(same_bits(&row, &want[(n - 1) * k..]), "{ty} last row");
+            let per_byte = if form.bits() == 4 { 2 } else { 1 };
+            assert_eq!(form.quants().len() * per_byte, n * k, "{ty} quants");
+            assert_eq!(form.scales().len(), n * k / 16, "{ty} scales");
+            assert!(form.mins().is_empty() || form.mins().len() == n * k / 32);
+        }
+        let bytes = random_gguf(&mut rng, ty, 2, ty.block_values());
+        assert!(Blockwise::from_gguf_bytes(ty, &bytes[1..], 2, ty.block_values()).is_err());
+        assert!(Blockwise::from_gguf_bytes(ty, &bytes, 2, ty.block_values() + 8).is_err());
+        assert!(Blockwise::from_gguf_bytes(ty, &bytes, 0, ty.block_values()).is_err());
+    }
+    assert!(matches!(
+        Blockwise::from_gguf_bytes(QuantType::F16, &[0; 64], 1, 32),
+        Err(QuantError::NotQuantized { .. })
+    ));
 }

@@ -1,5 +1,6 @@
-//! Products of a few rows with bf16 weights (`kernels/gemv.cu`): a decode step's `x · Wᵀ`
-//! from f32 activations, without the cast cuBLAS's bf16 GEMM needs, its output split into
+//! Products of a few rows with bf16 or blockwise-quantized weights ([`GemvWeights`],
+//! `kernels/gemv.cu`): a decode step's `x · Wᵀ` from f32 activations, without the cast
+//! cuBLAS's bf16 GEMM needs (or, for GGUF weights, their dequantization), its output split into
 //! parts or gated (a gated MLP's `act(gate) * up`) in the same launch, x RMS-normalized as
 //! it is read and the output added to where asked ([`GemvExtras`]), each column shared
 //! among 1, 2 or 4 warps ([`gemv_splits`]).
@@ -9,15 +10,17 @@ use std::sync::OnceLock;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
+use crate::blocks::{BlockArgs, BlockGuards, DeviceBlocks};
 use crate::error::{ensure, Result};
 use crate::gpu::Gpu;
 use crate::kernels::{u32_of, Activation};
+use crate::launch::Launch;
 
 /// Most rows of x a small product takes (gemv.cu's GEMV_MAX_M): past it, every weight
 /// loaded is read against more staged rows than shared memory serves at the weights' pace,
 /// and cuBLAS's GEMM does better.
 pub const GEMV_MAX_ROWS: usize = 4;
-/// Most outputs [`Gpu::gemv_bf16`] splits into.
+/// Most outputs [`Gpu::gemv`] splits into.
 pub const GEMV_MAX_PARTS: usize = 3;
 /// Output columns a block computes (gemv.cu's GEMV_COLUMNS), each by `splits` warps.
 const GEMV_COLUMNS: usize = 8;
@@ -31,8 +34,58 @@ const MIN_SPLIT_LEN: usize = 512;
 /// memory (block sums, row scales) room under the 48 KiB a block has without an opt-in.
 const GEMV_STAGED: usize = 12 * 1024 - 256;
 
+/// The weights `[n, k]` of a small product.
+#[derive(Clone, Copy)]
+pub enum GemvWeights<'a> {
+    /// bf16, row-major.
+    Bf16(&'a CudaSlice<bf16>),
+    /// A GGUF matrix in lantern-quant's blockwise form.
+    Blocks(&'a DeviceBlocks),
+}
+
+impl GemvWeights<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Bf16(w) => w.len(),
+            Self::Blocks(w) => w.rows() * w.cols(),
+        }
+    }
+
+    /// Whether rows of `k` values are the matrix's own (blocks know their width).
+    fn has_rows_of(&self, k: usize) -> bool {
+        match self {
+            Self::Bf16(_) => true,
+            Self::Blocks(w) => w.cols() == k,
+        }
+    }
+
+    fn kernel(&self, name: &str) -> String {
+        match self {
+            Self::Bf16(_) => format!("{name}_bf16"),
+            Self::Blocks(_) => format!("{name}_blocks"),
+        }
+    }
+}
+
+/// A [`GemvWeights`]' kernel arguments: the bf16 rows' pointer, or the blocks'.
+enum WeightArgs {
+    Bf16(u64),
+    Blocks(BlockArgs),
+}
+
+impl WeightArgs {
+    fn push<'a>(&'a self, b: &mut Launch<'a>) {
+        match self {
+            Self::Bf16(p) => {
+                b.arg(p);
+            }
+            Self::Blocks(a) => a.push(b),
+        }
+    }
+}
+
 /// Whether a product of `rows` rows over `k` inputs takes the small-product kernels (its
-/// 16-byte weight loads need rows of a multiple of 8 values).
+/// 8-value weight loads need rows of a multiple of 8 values).
 pub fn gemv_fits(rows: usize, k: usize) -> bool {
     (1..=GEMV_MAX_ROWS).contains(&rows) && k > 0 && k.is_multiple_of(8)
 }
@@ -111,14 +164,14 @@ fn cfg(columns: usize, rows: usize, tile: usize, splits: usize) -> LaunchConfig 
 }
 
 impl Gpu {
-    /// `x · Wᵀ` for x `[m, k]` f32 (`m` in 1..=4, `k` a multiple of 8) and W `[n, k]` bf16,
+    /// `x · Wᵀ` for x `[m, k]` f32 (`m` in 1..=4, `k` a multiple of 8) and W `[n, k]`,
     /// into `outs` by columns: the first takes columns `[0, w0)` (`[m, w0]`), the next the
     /// following ones, up to three, their widths adding up to `n`; with `extras`' norm
     /// and accumulation.
-    pub fn gemv_bf16(
+    pub fn gemv(
         &self,
         x: &impl DevicePtr<f32>,
-        w: &impl DevicePtr<bf16>,
+        w: GemvWeights<'_>,
         m: usize,
         k: usize,
         outs: &mut [&mut CudaSlice<f32>],
@@ -138,16 +191,16 @@ impl Gpu {
             *wd = u32_of("width", o.len() / m)?;
         }
         let n: usize = widths.iter().map(|&wd| wd as usize).sum();
-        ensure(w.len() == n * k, || {
+        ensure(w.len() == n * k && w.has_rows_of(k), || {
             format!("gemv: w of {} values for {n} rows of {k}", w.len())
         })?;
         extras.check(k)?;
         let (m32, n32, k32) = (m as u32, u32_of("n", n)?, u32_of("k", k)?);
         let tile = tile(m, k);
         let tile32 = tile as u32;
-        let f = self.function("gemv_bf16")?;
+        let f = self.function(&w.kernel("gemv"))?;
         let (xp, _gx) = x.device_ptr(&self.stream);
-        let (wp, _gw) = w.device_ptr(&self.stream);
+        let (wa, _gw) = self.weight_args(w);
         let mut guards = Vec::with_capacity(outs.len());
         let mut ptrs = [0u64; GEMV_MAX_PARTS];
         for (p, o) in ptrs.iter_mut().zip(outs.iter_mut()) {
@@ -158,12 +211,9 @@ impl Gpu {
         let Some(mut b) = self.launcher(f)? else {
             return Ok(());
         };
-        b.arg(&xp)
-            .arg(&wp)
-            .arg(&m32)
-            .arg(&n32)
-            .arg(&k32)
-            .arg(&tile32);
+        b.arg(&xp);
+        wa.push(&mut b);
+        b.arg(&m32).arg(&n32).arg(&k32).arg(&tile32);
         for (p, wd) in ptrs.iter().zip(&widths) {
             b.arg(p).arg(wd);
         }
@@ -176,20 +226,21 @@ impl Gpu {
         let splits32 = splits as u32;
         b.arg(&norm_ptr).arg(&eps).arg(&accumulate).arg(&splits32);
         // SAFETY: argument types and lengths match the kernel's signature; W's rows start
-        // 16-byte aligned (k a multiple of 8, device buffers 256-byte aligned).
+        // aligned for its 8-value loads (k a multiple of 8, device buffers 256-byte
+        // aligned).
         unsafe { b.launch(cfg(n, m, tile, splits)) }?;
         drop(guards);
         Ok(())
     }
 
-    /// A gated MLP's `act(gate) * up` for x `[m, k]` f32 and W `[2 * width, k]` bf16 (gate
+    /// A gated MLP's `act(gate) * up` for x `[m, k]` f32 and W `[2 * width, k]` (gate
     /// rows, then up rows), into out `[m, width]`, with `extras`' norm and splits (it
     /// cannot accumulate).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_gated_bf16(
+    pub fn gemv_gated(
         &self,
         x: &impl DevicePtr<f32>,
-        w: &impl DevicePtr<bf16>,
+        w: GemvWeights<'_>,
         m: usize,
         k: usize,
         out: &mut CudaSlice<f32>,
@@ -200,13 +251,16 @@ impl Gpu {
             format!("gemv_gated: x of {} values as {m} rows of {k}", x.len())
         })?;
         let width = out.len() / m;
-        ensure(out.len() == m * width && w.len() == 2 * width * k, || {
-            format!(
-                "gemv_gated: w of {} values and out of {} for {m} rows of {k}",
-                w.len(),
-                out.len()
-            )
-        })?;
+        ensure(
+            out.len() == m * width && w.len() == 2 * width * k && w.has_rows_of(k),
+            || {
+                format!(
+                    "gemv_gated: w of {} values and out of {} for {m} rows of {k}",
+                    w.len(),
+                    out.len()
+                )
+            },
+        )?;
         extras.check(k)?;
         ensure(!extras.accumulate, || {
             "gemv_gated: accumulating into a gated output".into()
@@ -215,16 +269,16 @@ impl Gpu {
         let tile = tile(m, k);
         let tile32 = tile as u32;
         let act32: u32 = act.code();
-        let f = self.function("gemv_gated_bf16")?;
+        let f = self.function(&w.kernel("gemv_gated"))?;
         let (xp, _gx) = x.device_ptr(&self.stream);
-        let (wp, _gw) = w.device_ptr(&self.stream);
+        let (wa, _gw) = self.weight_args(w);
         let (op, _go) = out.device_ptr_mut(&self.stream);
         let Some(mut b) = self.launcher(f)? else {
             return Ok(());
         };
-        b.arg(&xp)
-            .arg(&wp)
-            .arg(&m32)
+        b.arg(&xp);
+        wa.push(&mut b);
+        b.arg(&m32)
             .arg(&f32_)
             .arg(&k32)
             .arg(&tile32)
@@ -240,6 +294,31 @@ impl Gpu {
         // SAFETY: as above.
         unsafe { b.launch(cfg(width, m, tile, splits)) }?;
         Ok(())
+    }
+}
+
+/// What keeps a [`GemvWeights`]' buffers in stream order until its launch.
+enum WeightGuards<'a> {
+    Bf16 {
+        _guard: cudarc::driver::SyncOnDrop<'a>,
+    },
+    Blocks {
+        _guards: BlockGuards<'a>,
+    },
+}
+
+impl Gpu {
+    fn weight_args<'a>(&'a self, w: GemvWeights<'a>) -> (WeightArgs, WeightGuards<'a>) {
+        match w {
+            GemvWeights::Bf16(w) => {
+                let (p, _guard) = w.device_ptr(&self.stream);
+                (WeightArgs::Bf16(p), WeightGuards::Bf16 { _guard })
+            }
+            GemvWeights::Blocks(w) => {
+                let (a, _guards) = w.args(self);
+                (WeightArgs::Blocks(a), WeightGuards::Blocks { _guards })
+            }
+        }
     }
 }
 

@@ -64,7 +64,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "gemv.cu",
         source: include_str!("kernels/gemv.cu"),
-        functions: &["gemv_bf16", "gemv_gated_bf16"],
+        functions: &[
+            "gemv_bf16",
+            "gemv_gated_bf16",
+            "gemv_blocks",
+            "gemv_gated_blocks",
+            "dequantize_blocks_bf16",
+            "embed_blocks",
+        ],
     },
     KernelSource {
         name: "kv.cu",

@@ -3,6 +3,7 @@
 pub use cudarc;
 
 pub mod backend;
+pub mod blocks;
 pub mod cache;
 pub mod capture;
 pub mod compute;

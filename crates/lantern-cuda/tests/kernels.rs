@@ -17,8 +17,9 @@ fn every_kernel_compiles_with_nvrtc() {
 mod gpu_tests {
     use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+    use candle_core::quantized::{GgmlDType, QTensor};
     use half::{bf16, f16};
-    use lantern_cuda::gemv::GemvExtras;
+    use lantern_cuda::gemv::{GemvExtras, GemvWeights};
     use lantern_cuda::reduce;
     use lantern_cuda::{
         Activation, AttnParams, CacheElem, CudaError, Gpu, KvStrides, PagedMeta, RopeStep,
@@ -27,6 +28,7 @@ mod gpu_tests {
     use lantern_model::{
         LogitEdit, ReducedRow, RowReduction, RowScore, TokenChoice, MAX_REDUCED_TOP_LOGPROBS,
     };
+    use lantern_quant::{Blockwise, QuantType};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -1484,7 +1486,8 @@ mod gpu_tests {
                     splits,
                     ..GemvExtras::default()
                 };
-                g.gemv_bf16(&dx, &dw, m, k, &mut refs, extras).unwrap();
+                g.gemv(&dx, GemvWeights::Bf16(&dw), m, k, &mut refs, extras)
+                    .unwrap();
                 // Columns of every part back in place: [m, n].
                 let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
                 let got: Vec<f32> = (0..m)
@@ -1509,7 +1512,14 @@ mod gpu_tests {
         let dw = g.upload(&[bf16::ONE; 24]).unwrap();
         let mut out = g.zeros::<f32>(2).unwrap();
         assert!(g
-            .gemv_bf16(&dx, &dw, 1, 12, &mut [&mut out], GemvExtras::default())
+            .gemv(
+                &dx,
+                GemvWeights::Bf16(&dw),
+                1,
+                12,
+                &mut [&mut out],
+                GemvExtras::default()
+            )
             .is_err());
         // Splits other than 1, 2 or 4 are refused.
         let dx = g.upload(&[1.0f32; 16]).unwrap();
@@ -1520,7 +1530,7 @@ mod gpu_tests {
                 ..GemvExtras::default()
             };
             assert!(matches!(
-                g.gemv_bf16(&dx, &dw, 1, 16, &mut [&mut out], extras),
+                g.gemv(&dx, GemvWeights::Bf16(&dw), 1, 16, &mut [&mut out], extras),
                 Err(CudaError::Shape(_))
             ));
         }
@@ -1563,7 +1573,7 @@ mod gpu_tests {
                         splits: Some(splits),
                         ..GemvExtras::default()
                     };
-                    g.gemv_gated_bf16(&dx, &dw, m, k, &mut out, act, extras)
+                    g.gemv_gated(&dx, GemvWeights::Bf16(&dw), m, k, &mut out, act, extras)
                         .unwrap();
                     assert_close(
                         &g.download(&out).unwrap(),
@@ -1608,7 +1618,8 @@ mod gpu_tests {
                 norm: Some((&dn, eps)),
                 ..GemvExtras::default()
             };
-            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut out], norm).unwrap();
+            g.gemv(&dx, GemvWeights::Bf16(&dw), m, k, &mut [&mut out], norm)
+                .unwrap();
             assert_close(
                 &g.download(&out).unwrap(),
                 &product_reference(&normed, &wf, m, n, k),
@@ -1618,8 +1629,15 @@ mod gpu_tests {
 
             let acc = rand_vec(&mut r, m * n, 3.0);
             let mut plain = g.zeros::<f32>(m * n).unwrap();
-            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut plain], GemvExtras::default())
-                .unwrap();
+            g.gemv(
+                &dx,
+                GemvWeights::Bf16(&dw),
+                m,
+                k,
+                &mut [&mut plain],
+                GemvExtras::default(),
+            )
+            .unwrap();
             let want: Vec<f32> = acc
                 .iter()
                 .zip(g.download(&plain).unwrap())
@@ -1630,7 +1648,7 @@ mod gpu_tests {
                 accumulate: true,
                 ..GemvExtras::default()
             };
-            g.gemv_bf16(&dx, &dw, m, k, &mut [&mut residual], add)
+            g.gemv(&dx, GemvWeights::Bf16(&dw), m, k, &mut [&mut residual], add)
                 .unwrap();
             assert_eq!(g.download(&residual).unwrap(), want, "accumulated {what}");
 
@@ -1638,9 +1656,9 @@ mod gpu_tests {
             let (wg, wgf) = bf16_matrix(&mut r, 2 * width * k);
             let dwg = g.upload(&wg).unwrap();
             let mut gated = g.zeros::<f32>(m * width).unwrap();
-            g.gemv_gated_bf16(
+            g.gemv_gated(
                 &dx,
-                &dwg,
+                GemvWeights::Bf16(&dwg),
                 m,
                 k,
                 &mut gated,
@@ -1679,7 +1697,193 @@ mod gpu_tests {
             ..GemvExtras::default()
         };
         assert!(matches!(
-            g.gemv_bf16(&dx, &dw, 1, 16, &mut [&mut out], bad),
+            g.gemv(&dx, GemvWeights::Bf16(&dw), 1, 16, &mut [&mut out], bad),
+            Err(CudaError::Shape(_))
+        ));
+    }
+
+    /// A random `[n, k]` matrix quantized to `ty` by candle (valid GGUF blocks), in the
+    /// blockwise form, with its values.
+    fn blockwise_matrix(
+        r: &mut StdRng,
+        ty: QuantType,
+        n: usize,
+        k: usize,
+    ) -> (Blockwise, Vec<f32>) {
+        let values = rand_vec(r, n * k, 0.5);
+        let t = candle_core::Tensor::from_vec(values, (n, k), &candle_core::Device::Cpu).unwrap();
+        let dtype = match ty {
+            QuantType::Q4_0 => GgmlDType::Q4_0,
+            QuantType::Q4_1 => GgmlDType::Q4_1,
+            QuantType::Q5_0 => GgmlDType::Q5_0,
+            QuantType::Q5_1 => GgmlDType::Q5_1,
+            QuantType::Q8_0 => GgmlDType::Q8_0,
+            QuantType::Q4K => GgmlDType::Q4K,
+            QuantType::Q5K => GgmlDType::Q5K,
+            QuantType::Q6K => GgmlDType::Q6K,
+            other => panic!("{other} is not quantized"),
+        };
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let form = Blockwise::from_gguf_bytes(ty, &q.data().unwrap(), n, k).unwrap();
+        let w = (0..n * k).map(|i| form.value(i)).collect();
+        (form, w)
+    }
+
+    /// GGUF weights kept quantized: dequantized rows (bf16 for cuBLAS) and embeddings
+    /// have the bits the CPU's dequantization gives, for every quantized type.
+    #[test]
+    fn blocks_dequantize_and_embed_as_the_cpu_does() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(28);
+        for ty in QuantType::QUANTIZED {
+            let (n, k) = (5, 2 * ty.block_values());
+            let (form, w) = blockwise_matrix(&mut r, ty, n, k);
+            let dw = g.upload_blocks(&form).unwrap();
+            assert_eq!((dw.rows(), dw.cols(), dw.quant_type()), (n, k, ty));
+            let mut rows = g.zeros::<bf16>(3 * k).unwrap();
+            g.dequantize_blocks_bf16(&dw, 1..4, &mut rows).unwrap();
+            let want: Vec<bf16> = w[k..4 * k].iter().map(|&v| bf16::from_f32(v)).collect();
+            assert_eq!(g.download(&rows).unwrap(), want, "{ty} rows 1..4");
+
+            let ids = g.upload(&[4u32, 0, 4, 2]).unwrap();
+            let mut out = g.zeros::<f32>(4 * k).unwrap();
+            g.embed_blocks(&dw, &ids, &mut out, 0.5).unwrap();
+            let want: Vec<f32> = [4, 0, 4, 2]
+                .iter()
+                .flat_map(|&id| w[id * k..(id + 1) * k].iter().map(|v| v * 0.5))
+                .collect();
+            assert_eq!(g.download(&out).unwrap(), want, "{ty} embeddings");
+
+            let mut short = g.zeros::<bf16>(k).unwrap();
+            assert!(g.dequantize_blocks_bf16(&dw, 4..6, &mut short).is_err());
+            assert!(g.dequantize_blocks_bf16(&dw, 0..2, &mut short).is_err());
+        }
+    }
+
+    /// The small products over GGUF weights as stored: plain, split into parts, gated,
+    /// with the norm folded in and accumulating, against the products of the CPU's
+    /// dequantized values.
+    #[test]
+    fn gemv_over_blocks_matches_the_dequantized_product() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(29);
+        let eps = 1e-5f32;
+        for (ty, m, k, widths) in [
+            (QuantType::Q4_1, 1usize, 576usize, vec![576usize, 192, 192]),
+            (QuantType::Q8_0, 4, 576, vec![64]),
+            (QuantType::Q4_0, 3, 2048, vec![24, 8]),
+            (QuantType::Q6K, 2, 12800, vec![40]),
+            (QuantType::Q4K, 4, 1024, vec![16, 16, 9]),
+            (QuantType::Q5K, 1, 256, vec![33]),
+            (QuantType::Q5_0, 2, 96, vec![8]),
+            (QuantType::Q5_1, 4, 160, vec![20]),
+        ] {
+            let what = format!("{ty} m {m} k {k} widths {widths:?}");
+            let n: usize = widths.iter().sum();
+            let x = rand_vec(&mut r, m * k, 2.0);
+            let (form, wf) = blockwise_matrix(&mut r, ty, n, k);
+            let dw = g.upload_blocks(&form).unwrap();
+            let dx = g.upload(&x).unwrap();
+            let want = product_reference(&x, &wf, m, n, k);
+            for splits in [None, Some(2), Some(4)] {
+                let mut outs: Vec<_> = widths
+                    .iter()
+                    .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
+                    .collect();
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                let extras = GemvExtras {
+                    splits,
+                    ..GemvExtras::default()
+                };
+                g.gemv(&dx, GemvWeights::Blocks(&dw), m, k, &mut refs, extras)
+                    .unwrap();
+                let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
+                let got: Vec<f32> = (0..m)
+                    .flat_map(|row| {
+                        parts
+                            .iter()
+                            .zip(&widths)
+                            .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                assert_close(&got, &want, 1e-5, &format!("{what} splits {splits:?}"));
+            }
+
+            // The norm folded in, and the output added to.
+            let weight = rand_vec(&mut r, k, 1.5);
+            let normed: Vec<f32> = rms_reference(&x, &weight, eps)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect();
+            let dn = g.upload(&weight).unwrap();
+            let acc = rand_vec(&mut r, m * n, 3.0);
+            let mut residual = g.upload(&acc).unwrap();
+            let extras = GemvExtras {
+                norm: Some((&dn, eps)),
+                accumulate: true,
+                ..GemvExtras::default()
+            };
+            g.gemv(
+                &dx,
+                GemvWeights::Blocks(&dw),
+                m,
+                k,
+                &mut [&mut residual],
+                extras,
+            )
+            .unwrap();
+            let want: Vec<f64> = product_reference(&normed, &wf, m, n, k)
+                .iter()
+                .zip(&acc)
+                .map(|(y, &a)| y + a as f64)
+                .collect();
+            assert_close(
+                &g.download(&residual).unwrap(),
+                &want,
+                1e-5,
+                &format!("normed, accumulated {what}"),
+            );
+        }
+
+        // Gated: gate rows, then up rows, of one quantized matrix.
+        let (m, k, width) = (3, 512, 48);
+        let x = rand_vec(&mut r, m * k, 2.0);
+        let (form, wf) = blockwise_matrix(&mut r, QuantType::Q4K, 2 * width, k);
+        let (dx, dw) = (g.upload(&x).unwrap(), g.upload_blocks(&form).unwrap());
+        let both = product_reference(&x, &wf, m, 2 * width, k);
+        let want: Vec<f64> = (0..m * width)
+            .map(|i| {
+                let (row, j) = (i / width, i % width);
+                let (gate, up) = (both[row * 2 * width + j], both[row * 2 * width + width + j]);
+                gate / (1.0 + (-gate).exp()) * up
+            })
+            .collect();
+        let mut out = g.zeros::<f32>(m * width).unwrap();
+        g.gemv_gated(
+            &dx,
+            GemvWeights::Blocks(&dw),
+            m,
+            k,
+            &mut out,
+            Activation::Silu,
+            GemvExtras::default(),
+        )
+        .unwrap();
+        assert_close(&g.download(&out).unwrap(), &want, 1e-5, "gated Q4_K");
+
+        // Rows of another width than the blocks' are refused.
+        let mut out = g.zeros::<f32>(2 * 2 * width).unwrap();
+        let dx = g.upload(&vec![1.0f32; k / 2]).unwrap();
+        assert!(matches!(
+            g.gemv(
+                &dx,
+                GemvWeights::Blocks(&dw),
+                1,
+                k / 2,
+                &mut [&mut out],
+                GemvExtras::default()
+            ),
             Err(CudaError::Shape(_))
         ));
     }

@@ -21,7 +21,8 @@ enum Weight {
     Candle(QMatMul),
 }
 
-fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
+/// The lantern-quant type of a GGUF tensor type, where lantern's kernels take it.
+pub fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
     match dtype {
         GgmlDType::Q4_0 => Some(QuantType::Q4_0),
         GgmlDType::Q4_1 => Some(QuantType::Q4_1),

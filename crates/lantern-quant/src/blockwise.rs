@@ -42,7 +42,11 @@ impl Blockwise {
         }
         let bv = ty.block_values();
         if cols == 0 || !cols.is_multiple_of(bv) {
-            return Err(QuantError::BadCols { k: cols, block: bv, ty });
+            return Err(QuantError::BadCols {
+                k: cols,
+                block: bv,
+                ty,
+            });
         }
         if rows == 0 {
             return Err(QuantError::NoRows);

@@ -1,6 +1,6 @@
 //! lantern-model's blocks on the GPU: [`Compute`] over device buffers. Weights are
-//! uploaded once at load (bf16, or f32 with `--f32-weights`; GGUF's quantized types are
-//! dequantized on the way), activations stay on the device from the embedding lookup to
+//! uploaded once at load (bf16, or f32 with `--f32-weights`; GGUF's quantized types stay
+//! quantized, in lantern-quant's blockwise form), activations stay on the device from the embedding lookup to
 //! the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
 use std::any::Any;
@@ -16,13 +16,16 @@ use lantern_attn::{
 };
 use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::compute::{AttentionCall, Compute};
+use lantern_model::linear::packed_type;
 use lantern_model::rope::{Rope, RopePairs};
 use lantern_model::{
     LoadOptions, LogitEdit, ModelError, ReducedRow, Result, RowReduction, TokenChoice,
     MAX_REDUCED_TOP_LOGPROBS,
 };
+use lantern_quant::Blockwise;
 
 use crate::backend::{CudaBackend, PendingProbabilities};
+use crate::blocks::DeviceBlocks;
 use crate::gemv::{GemvExtras, GEMV_MAX_PARTS, GEMV_MAX_ROWS};
 use crate::gpu::Gpu;
 use crate::kept::KeptRowsTable;
@@ -43,6 +46,10 @@ pub struct CudaCompute {
     /// Norms and residual adds ride in the small products (`LANTERN_CUDA_FOLD_NORMS=off`
     /// launches them apart, for comparing the two).
     fold_norms: bool,
+    /// GGUF weights of a quantized type stay quantized on the device (blocks.rs);
+    /// `LANTERN_CUDA_QUANTIZED_WEIGHTS=off` dequantizes them to bf16 at load (faster
+    /// products past the small-product kernels' rows, several times the memory).
+    quantized_weights: bool,
     /// Whether any matrix was uploaded as f32 (`--f32-weights`): the small-product
     /// kernels, which fold norms and residual adds, take bf16 only.
     f32_matrices: Arc<AtomicBool>,
@@ -120,6 +127,8 @@ pub struct GpuMatrix {
 enum Weight {
     Bf16(CudaSlice<bf16>),
     F32(CudaSlice<f32>),
+    /// A GGUF matrix kept quantized (blocks.rs).
+    Blocks(DeviceBlocks),
 }
 
 /// One step's RoPE cos/sin on the device.
@@ -148,7 +157,9 @@ impl CudaCompute {
         };
         let small_products = switched_on("LANTERN_CUDA_SMALL_PRODUCTS");
         let fold_norms = switched_on("LANTERN_CUDA_FOLD_NORMS");
+        let quantized_weights = switched_on("LANTERN_CUDA_QUANTIZED_WEIGHTS");
         Self {
+            quantized_weights,
             acts: Pool::new(Arc::clone(&gpu)),
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
@@ -258,12 +269,49 @@ impl CudaCompute {
         Ok((values, rows, cols.unwrap_or(0)))
     }
 
+    /// `tensors` stacked by rows in the blockwise form, where they are of one quantized
+    /// type lantern-quant reads (`None` for the dense types and the ones it does not).
+    fn blockwise(name: &str, tensors: &[QTensor]) -> Result<Option<Blockwise>> {
+        let Some(first) = tensors.first() else {
+            return Ok(None);
+        };
+        let dtype = first.dtype();
+        let Some(ty) = packed_type(dtype).filter(|ty| !ty.is_dense()) else {
+            return Ok(None);
+        };
+        let cols = first.shape().dims().last().copied().unwrap_or(0);
+        let (mut rows, mut bytes) = (0, Vec::new());
+        for t in tensors {
+            let dims = t.shape().dims();
+            if t.dtype() != dtype || dims.len() != 2 || dims[1] != cols {
+                return Err(ModelError::Compute(format!(
+                    "`{name}`: stacked matrices differ in type or width"
+                )));
+            }
+            rows += dims[0];
+            bytes.extend_from_slice(&t.data().map_err(tensor_error(name))?);
+        }
+        Blockwise::from_gguf_bytes(ty, &bytes, rows, cols)
+            .map(Some)
+            .map_err(|e| ModelError::InvalidConfig(format!("tensor `{name}`: {e}")))
+    }
+
     fn upload_matrix(
         &self,
         options: &LoadOptions,
         name: &str,
         tensors: &[QTensor],
     ) -> Result<GpuMatrix> {
+        if self.quantized_weights && !options.f32_weights {
+            if let Some(form) = Self::blockwise(name, tensors)? {
+                return Ok(GpuMatrix {
+                    name: name.to_string(),
+                    out_features: form.rows(),
+                    in_features: form.cols(),
+                    weight: Weight::Blocks(self.gpu.upload_blocks(&form).map_err(model_error)?),
+                });
+            }
+        }
         let (values, rows, cols) = Self::dequantized(name, tensors)?;
         let weight = if options.f32_weights {
             self.f32_matrices.store(true, Ordering::Relaxed);
@@ -405,6 +453,7 @@ impl Compute for CudaCompute {
         match &table.weight {
             Weight::Bf16(w) => self.gpu.embed(w, &*ids_dev, &mut *out, hidden, scale),
             Weight::F32(w) => self.gpu.embed(w, &*ids_dev, &mut *out, hidden, scale),
+            Weight::Blocks(w) => self.gpu.embed_blocks(w, &*ids_dev, &mut *out, scale),
         }
         .map_err(model_error)?;
         Ok(out)
@@ -461,8 +510,8 @@ impl Compute for CudaCompute {
     /// product.
     fn matmul_add(&self, w: &GpuMatrix, x: &GpuAct, rows: usize, acc: &mut GpuAct) -> Result<()> {
         let k = w.in_features;
-        match &w.weight {
-            Weight::Bf16(wb) if self.takes_small_product(w, rows) => {
+        match self.small_product(w, rows) {
+            Some(weights) => {
                 Self::expect_len(&format!("`{}` input", w.name), x, rows * k)?;
                 Self::expect_len(
                     &format!("`{}` residual", w.name),
@@ -474,10 +523,10 @@ impl Compute for CudaCompute {
                     ..GemvExtras::default()
                 };
                 self.gpu
-                    .gemv_bf16(&**x, wb, rows, k, &mut [&mut **acc], extras)
+                    .gemv(&**x, weights, rows, k, &mut [&mut **acc], extras)
                     .map_err(model_error)
             }
-            _ => {
+            None => {
                 let y = self.matmul(w, x, rows)?;
                 self.add(acc, &y)
             }

@@ -1,7 +1,9 @@
 //! The products of a step's activations with the model's matrices: the small-product
-//! kernels (gemv.rs) for a few rows of bf16 weights, with a norm and a residual add
-//! folded in where the decoder asks ([`lantern_model::compute::Compute::folds_norms`]);
-//! cuBLAS otherwise, from a bf16 copy of the activations for bf16 weights.
+//! kernels (gemv.rs) for a few rows of bf16 or GGUF-quantized weights, with a norm and a
+//! residual add folded in where the decoder asks
+//! ([`lantern_model::compute::Compute::folds_norms`]); cuBLAS otherwise, from a bf16 copy
+//! of the activations for bf16 weights and for GGUF weights, whose rows it reads
+//! dequantized to bf16 for the product.
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -10,7 +12,7 @@ use lantern_model::{ModelError, Result};
 
 use super::{activation, model_error, CudaCompute, GpuAct, GpuMatrix, Weight};
 use crate::fused::MAX_SPLIT_PARTS;
-use crate::gemv::{gemv_fits, GemvExtras, GEMV_MAX_PARTS};
+use crate::gemv::{gemv_fits, GemvExtras, GemvWeights, GEMV_MAX_PARTS};
 use crate::pool::Pooled;
 
 /// A product's bf16 input: the activation's own copy, or a cast made for the product.
@@ -31,10 +33,11 @@ impl std::ops::Deref for Bf16Input<'_> {
 }
 
 impl CudaCompute {
-    /// What `w`'s cuBLAS product reads besides `x`: its bf16 copy for bf16 weights.
+    /// What `w`'s cuBLAS product reads besides `x`: its bf16 copy for bf16 and GGUF
+    /// weights.
     fn product_input<'a>(&self, w: &GpuMatrix, x: &'a GpuAct) -> Result<Option<Bf16Input<'a>>> {
         match &w.weight {
-            Weight::Bf16(_) => Ok(Some(self.bf16_input(x)?)),
+            Weight::Bf16(_) | Weight::Blocks(_) => Ok(Some(self.bf16_input(x)?)),
             Weight::F32(_) => Ok(None),
         }
     }
@@ -67,10 +70,17 @@ impl CudaCompute {
             (Weight::Bf16(wb), Some(xb)) => {
                 self.gpu.gemm_bf16(&**xb, &wb.slice(part), y, rows, n, k)
             }
+            (Weight::Blocks(wq), Some(xb)) => {
+                // The rows dequantized for this product only: GGUF weights stay quantized.
+                let mut wb = self.halves.output(n * k).map_err(model_error)?;
+                self.gpu
+                    .dequantize_blocks_bf16(wq, out_rows, &mut *wb)
+                    .and_then(|()| self.gpu.gemm_bf16(&**xb, &*wb, y, rows, n, k))
+            }
             (Weight::F32(wf), _) => self.gpu.gemm_f32(&**x, &wf.slice(part), y, rows, n, k),
-            (Weight::Bf16(_), None) => {
+            (Weight::Bf16(_) | Weight::Blocks(_), None) => {
                 return Err(ModelError::Compute(format!(
-                    "`{}`: bf16 weights without a bf16 input",
+                    "`{}`: bf16 or GGUF weights without a bf16 input",
                     w.name
                 )))
             }
@@ -78,9 +88,26 @@ impl CudaCompute {
         .map_err(model_error)
     }
 
-    /// Whether `w`'s product of `rows` rows takes the small-product kernels (gemv.rs).
+    /// `w`'s weights as the small-product kernels (gemv.rs) read them, where its product
+    /// of `rows` rows takes them.
+    pub(super) fn small_product<'a>(
+        &self,
+        w: &'a GpuMatrix,
+        rows: usize,
+    ) -> Option<GemvWeights<'a>> {
+        if !self.small_products || !gemv_fits(rows, w.in_features) {
+            return None;
+        }
+        match &w.weight {
+            Weight::Bf16(wb) => Some(GemvWeights::Bf16(wb)),
+            Weight::Blocks(wq) => Some(GemvWeights::Blocks(wq)),
+            Weight::F32(_) => None,
+        }
+    }
+
+    /// Whether `w`'s product of `rows` rows takes the small-product kernels.
     pub(super) fn takes_small_product(&self, w: &GpuMatrix, rows: usize) -> bool {
-        self.small_products && matches!(w.weight, Weight::Bf16(_)) && gemv_fits(rows, w.in_features)
+        self.small_product(w, rows).is_some()
     }
 
     /// [`Compute::matmul_parts`], x normalized as the small product reads it where
@@ -105,8 +132,8 @@ impl CudaCompute {
             .iter()
             .map(|&n| self.act(rows * n))
             .collect::<Result<Vec<_>>>()?;
-        if let Weight::Bf16(wb) = &w.weight {
-            if self.takes_small_product(w, rows) && widths.len() <= GEMV_MAX_PARTS {
+        if let Some(weights) = self.small_product(w, rows) {
+            if widths.len() <= GEMV_MAX_PARTS {
                 // A decode step's few rows: one launch from f32, split as it writes.
                 let mut parts: Vec<&mut CudaSlice<f32>> =
                     outputs.iter_mut().map(|o| &mut **o).collect();
@@ -115,7 +142,7 @@ impl CudaCompute {
                     ..GemvExtras::default()
                 };
                 self.gpu
-                    .gemv_bf16(&**x, wb, rows, k, &mut parts, extras)
+                    .gemv(&**x, weights, rows, k, &mut parts, extras)
                     .map_err(model_error)?;
                 return Ok(outputs);
             }
@@ -165,18 +192,16 @@ impl CudaCompute {
                 w.name, w.out_features
             )));
         }
-        if let Weight::Bf16(wb) = &w.weight {
-            if self.takes_small_product(w, rows) {
-                let mut out = self.act(rows * width)?;
-                let extras = GemvExtras {
-                    norm,
-                    ..GemvExtras::default()
-                };
-                self.gpu
-                    .gemv_gated_bf16(&**x, wb, rows, k, &mut out, activation(act), extras)
-                    .map_err(model_error)?;
-                return Ok(out);
-            }
+        if let Some(weights) = self.small_product(w, rows) {
+            let mut out = self.act(rows * width)?;
+            let extras = GemvExtras {
+                norm,
+                ..GemvExtras::default()
+            };
+            self.gpu
+                .gemv_gated(&**x, weights, rows, k, &mut out, activation(act), extras)
+                .map_err(model_error)?;
+            return Ok(out);
         }
         refuse_folded_norm(w, norm)?;
         let x_bf16 = self.product_input(w, x)?;

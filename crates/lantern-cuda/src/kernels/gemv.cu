@@ -1,7 +1,8 @@
-// Products of a few rows (a decode step's batch) with bf16 weights: y = x · Wᵀ for x [m, k]
-// f32 (m <= GEMV_MAX_M), W [n, k] bf16 row-major. Each output column, for every row of x,
+// Products of a few rows (a decode step's batch) with bf16 or blockwise-quantized weights:
+// y = x · Wᵀ for x [m, k] f32 (m <= GEMV_MAX_M), W [n, k] row-major (Bf16Weights,
+// BlockWeights: the same kernels, read 8 values of a row at a time). Each output column, for every row of x,
 // is computed by `splits` warps (1, 2 or 4; a block holds GEMV_COLUMNS columns), reading
-// its row of W once between them (16-byte loads, GEMV_UNROLL in flight per lane) against
+// its row of W once between them (8 values a load, GEMV_UNROLL in flight per lane) against
 // x staged in shared memory, `tile` columns at a time (rows `tile` apart; the launcher
 // makes the tile as long as 47 KiB allow, all of k for most products); sums run per lane,
 // then across the warp, then across the splits, in a fixed order. Memory-bound at these
@@ -48,13 +49,66 @@ __device__ __forceinline__ void gemv_stage_x(const float* __restrict__ x, float*
     __syncthreads();
 }
 
-__device__ __forceinline__ void gemv_fma8(uint4 p, const float* xs, u32 m, u32 tile, u32 c, float* acc) {
-    const float w[8] = {
-        __uint_as_float(p.x << 16), __uint_as_float(p.x & 0xffff0000u),
-        __uint_as_float(p.y << 16), __uint_as_float(p.y & 0xffff0000u),
-        __uint_as_float(p.z << 16), __uint_as_float(p.z & 0xffff0000u),
-        __uint_as_float(p.w << 16), __uint_as_float(p.w & 0xffff0000u),
+// W as bf16 rows: 8 values in one 16-byte load.
+struct Bf16Weights {
+    const lt_bf16* __restrict__ w;
+    u32 k;
+    typedef uint4 Raw;
+    __device__ __forceinline__ Raw load(u32 row, u32 c) const {
+        return *reinterpret_cast<const uint4*>(w + (u64)row * k + c);
+    }
+    __device__ __forceinline__ void decode(const Raw& p, float* v) const {
+        v[0] = __uint_as_float(p.x << 16); v[1] = __uint_as_float(p.x & 0xffff0000u);
+        v[2] = __uint_as_float(p.y << 16); v[3] = __uint_as_float(p.y & 0xffff0000u);
+        v[4] = __uint_as_float(p.z << 16); v[5] = __uint_as_float(p.z & 0xffff0000u);
+        v[6] = __uint_as_float(p.w << 16); v[7] = __uint_as_float(p.w & 0xffff0000u);
+    }
+};
+
+// A blockwise weight: scale * q (+ min), rounded as the CPU's dequantization rounds it.
+__device__ __forceinline__ float lt_block_value(float scale, int q, float min, bool has_min) {
+    const float w = __fmul_rn(scale, (float)q);
+    return has_min ? __fadd_rn(w, min) : w;
+}
+
+// W in lantern-quant's blockwise form (GGUF weights as stored): quants of `bits` (4: two a
+// byte, the even column low; 8: one a byte), w = scale[i / 16] * (q - offset) (+ min[i / 32]
+// where mins are given), each step rounded as written, so that a value has the bits the CPU
+// dequantizes it to. 8 values: one 4- or 8-byte load, their scale and min.
+struct BlockWeights {
+    const u8* __restrict__ q;
+    const float* __restrict__ scales;
+    const float* __restrict__ mins;
+    u32 k;
+    int offset;
+    u32 bits;
+    struct Raw {
+        uint2 q;
+        float scale, min;
     };
+    __device__ __forceinline__ Raw load(u32 row, u32 c) const {
+        const u64 i = (u64)row * k + c;
+        Raw r;
+        if (bits == 4) {
+            r.q.x = *reinterpret_cast<const u32*>(q + i / 2);
+            r.q.y = 0;
+        } else {
+            r.q = *reinterpret_cast<const uint2*>(q + i);
+        }
+        r.scale = scales[i / 16];
+        r.min = mins != 0 ? mins[i / 32] : 0.0f;
+        return r;
+    }
+    __device__ __forceinline__ void decode(const Raw& r, float* v) const {
+#pragma unroll
+        for (u32 j = 0; j < 8; ++j) {
+            const u32 u = bits == 4 ? r.q.x >> (4 * j) & 15u : (j < 4 ? r.q.x : r.q.y) >> (8 * (j % 4)) & 255u;
+            v[j] = lt_block_value(r.scale, (int)u - offset, r.min, mins != 0);
+        }
+    }
+};
+
+__device__ __forceinline__ void gemv_fma8(const float* w, const float* xs, u32 m, u32 tile, u32 c, float* acc) {
 #pragma unroll
     for (u32 r = 0; r < GEMV_MAX_M; ++r) {
         if (r < m) {
@@ -66,25 +120,30 @@ __device__ __forceinline__ void gemv_fma8(uint4 p, const float* xs, u32 m, u32 t
     }
 }
 
-// acc[r] += this lane's share of W row `wrow` (columns [0, kt) of the tile) · xs row r,
-// for split `s` of `splits` warps sharing the row (split s takes the 256-column chunks
-// s, s + splits, ...): GEMV_UNROLL loads issued before their products, so that enough
-// bytes are in flight.
-__device__ __forceinline__ void gemv_dot_tile(const lt_bf16* __restrict__ wrow, const float* xs, u32 m, u32 kt,
+// acc[r] += this lane's share of W's row `row` (columns [k0, k0 + kt), the staged tile) ·
+// xs row r, for split `s` of `splits` warps sharing the row (split s takes the 256-column
+// chunks s, s + splits, ...): GEMV_UNROLL loads issued before their products, so that
+// enough bytes are in flight.
+template <typename W>
+__device__ __forceinline__ void gemv_dot_tile(const W& w, u32 row, u32 k0, const float* xs, u32 m, u32 kt,
                                               u32 tile, float* acc, u32 s, u32 splits) {
     const u32 lane = threadIdx.x & 31;
     const u32 step = 256 * splits;
     for (u32 c0 = s * 256 + lane * 8; c0 < kt; c0 += step * GEMV_UNROLL) {
-        uint4 p[GEMV_UNROLL];
+        typename W::Raw p[GEMV_UNROLL];
 #pragma unroll
         for (u32 u = 0; u < GEMV_UNROLL; ++u) {
             const u32 c = c0 + u * step;
-            if (c < kt) p[u] = *reinterpret_cast<const uint4*>(wrow + c);
+            if (c < kt) p[u] = w.load(row, k0 + c);
         }
 #pragma unroll
         for (u32 u = 0; u < GEMV_UNROLL; ++u) {
             const u32 c = c0 + u * step;
-            if (c < kt) gemv_fma8(p[u], xs, m, tile, c, acc);
+            if (c < kt) {
+                float v[8];
+                w.decode(p[u], v);
+                gemv_fma8(v, xs, m, tile, c, acc);
+            }
         }
     }
 }
@@ -117,11 +176,11 @@ __device__ __forceinline__ void gemv_join_splits(float* acc, u32 splits) {
 // One output column j (row j of W) for every row of x, per `splits` warps (GEMV_COLUMNS
 // columns a block); its output split into up to three parts by column (o0 holds columns
 // [0, w0), o1 the next w1, o2 the next w2).
-extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m, u32 n,
-                                     u32 k, u32 tile, float* __restrict__ o0, u32 w0, float* __restrict__ o1,
-                                     u32 w1, float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w,
-                                     float eps, u32 accumulate, u32 splits) {
-    lt_grid_dependency();
+template <typename W>
+__device__ __forceinline__ void gemv(const float* __restrict__ x, const W& w, u32 m, u32 n, u32 k, u32 tile,
+                                     float* __restrict__ o0, u32 w0, float* __restrict__ o1, u32 w1,
+                                     float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w, float eps,
+                                     u32 accumulate, u32 splits) {
     extern __shared__ float xs[];
     const u32 warp = threadIdx.x >> 5, split = warp % splits;
     const u32 j = blockIdx.x * GEMV_COLUMNS + warp / splits;
@@ -131,7 +190,7 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16*
     for (u32 k0 = 0; k0 < k; k0 += tile) {
         const u32 kt = min(tile, k - k0);
         gemv_stage_x(x, xs, m, k, k0, kt, tile, norm_w, inv);
-        if (j < n) gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, acc, split, splits);
+        if (j < n) gemv_dot_tile(w, j, k0, xs, m, kt, tile, acc, split, splits);
     }
     gemv_join_splits(acc, splits);
     if (j >= n || split != 0) return;
@@ -152,10 +211,10 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16*
 // A gated MLP's gate and up from one stacked W ([2 * f, k]: gate rows, then up rows):
 // out[r, j] = act(W[j] · x[r]) * (W[f + j] · x[r]) (lt_activation's act), one j per
 // `splits` warps.
-extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m,
-                                           u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act,
+template <typename W>
+__device__ __forceinline__ void gemv_gated(const float* __restrict__ x, const W& w, u32 m, u32 f, u32 k,
+                                           u32 tile, float* __restrict__ out, u32 act,
                                            const float* __restrict__ norm_w, float eps, u32 splits) {
-    lt_grid_dependency();
     extern __shared__ float xs[];
     const u32 warp = threadIdx.x >> 5, split = warp % splits;
     const u32 j = blockIdx.x * GEMV_COLUMNS + warp / splits;
@@ -167,8 +226,8 @@ extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt
         const u32 kt = min(tile, k - k0);
         gemv_stage_x(x, xs, m, k, k0, kt, tile, norm_w, inv);
         if (j < f) {
-            gemv_dot_tile(w + (u64)j * k + k0, xs, m, kt, tile, gate, split, splits);
-            gemv_dot_tile(w + (u64)(f + j) * k + k0, xs, m, kt, tile, up, split, splits);
+            gemv_dot_tile(w, j, k0, xs, m, kt, tile, gate, split, splits);
+            gemv_dot_tile(w, f + j, k0, xs, m, kt, tile, up, split, splits);
         }
     }
     gemv_join_splits(gate, splits);
@@ -177,5 +236,85 @@ extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt
 #pragma unroll
     for (u32 r = 0; r < GEMV_MAX_M; ++r) {
         if (r < m && (threadIdx.x & 31) == 0) out[(u64)r * f + j] = lt_activation(gate[r], act) * up[r];
+    }
+}
+
+extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m, u32 n,
+                                     u32 k, u32 tile, float* __restrict__ o0, u32 w0, float* __restrict__ o1,
+                                     u32 w1, float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w,
+                                     float eps, u32 accumulate, u32 splits) {
+    lt_grid_dependency();
+    const Bf16Weights weights = {w, k};
+    gemv(x, weights, m, n, k, tile, o0, w0, o1, w1, o2, w2, norm_w, eps, accumulate, splits);
+}
+
+extern "C" __global__ void gemv_blocks(const float* __restrict__ x, const u8* __restrict__ q,
+                                       const float* __restrict__ scales, const float* __restrict__ mins,
+                                       int offset, u32 bits, u32 m, u32 n, u32 k, u32 tile,
+                                       float* __restrict__ o0, u32 w0, float* __restrict__ o1, u32 w1,
+                                       float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w,
+                                       float eps, u32 accumulate, u32 splits) {
+    lt_grid_dependency();
+    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    gemv(x, weights, m, n, k, tile, o0, w0, o1, w1, o2, w2, norm_w, eps, accumulate, splits);
+}
+
+extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt_bf16* __restrict__ w, u32 m,
+                                           u32 f, u32 k, u32 tile, float* __restrict__ out, u32 act,
+                                           const float* __restrict__ norm_w, float eps, u32 splits) {
+    lt_grid_dependency();
+    const Bf16Weights weights = {w, k};
+    gemv_gated(x, weights, m, f, k, tile, out, act, norm_w, eps, splits);
+}
+
+extern "C" __global__ void gemv_gated_blocks(const float* __restrict__ x, const u8* __restrict__ q,
+                                             const float* __restrict__ scales, const float* __restrict__ mins,
+                                             int offset, u32 bits, u32 m, u32 f, u32 k, u32 tile,
+                                             float* __restrict__ out, u32 act, const float* __restrict__ norm_w,
+                                             float eps, u32 splits) {
+    lt_grid_dependency();
+    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    gemv_gated(x, weights, m, f, k, tile, out, act, norm_w, eps, splits);
+}
+
+// Rows [row0, row0 + rows) of a blockwise W [n, k] as bf16 (out [rows, k]), for products
+// of more rows than the small-product kernels take (cuBLAS's bf16 GEMM reads them): one
+// grid-stride thread per 8 values.
+extern "C" __global__ void dequantize_blocks_bf16(const u8* __restrict__ q, const float* __restrict__ scales,
+                                                  const float* __restrict__ mins, int offset, u32 bits, u32 k,
+                                                  u32 row0, u32 rows, lt_bf16* __restrict__ out) {
+    lt_grid_dependency();
+    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (u64)rows * k;
+         i += (u64)gridDim.x * blockDim.x * 8) {
+        const u32 row = (u32)(i / k), c = (u32)(i % k);
+        float v[8];
+        weights.decode(weights.load(row0 + row, c), v);
+#pragma unroll
+        for (u32 j = 0; j < 8; ++j) out[i + j] = from_f32<lt_bf16>(v[j]);
+    }
+}
+
+// Token embeddings from a blockwise table [vocab, hidden]: out[t] = W[ids[t]] * scale (a
+// row of NaN for an id at or past `vocab`, as embed_impl), a grid-stride thread per 8
+// values.
+extern "C" __global__ void embed_blocks(const u8* __restrict__ q, const float* __restrict__ scales,
+                                        const float* __restrict__ mins, int offset, u32 bits, u32 hidden,
+                                        u32 vocab, const u32* __restrict__ ids, u32 tokens, float scale,
+                                        float* __restrict__ out) {
+    lt_grid_dependency();
+    const BlockWeights weights = {q, scales, mins, hidden, offset, bits};
+    for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (u64)tokens * hidden;
+         i += (u64)gridDim.x * blockDim.x * 8) {
+        const u32 t = (u32)(i / hidden), c = (u32)(i % hidden);
+        float v[8];
+        if (ids[t] < vocab) {
+            weights.decode(weights.load(ids[t], c), v);
+        } else {
+#pragma unroll
+            for (u32 j = 0; j < 8; ++j) v[j] = LT_NAN;
+        }
+#pragma unroll
+        for (u32 j = 0; j < 8; ++j) out[i + j] = v[j] * scale;
     }
 }

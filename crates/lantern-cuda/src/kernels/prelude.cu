@@ -6,6 +6,7 @@
 typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
+typedef unsigned char u8;
 
 // Programmatic dependent launch (launch.rs): a kernel may be placed on the GPU while the
 // one before it on the stream still runs. Every kernel calls this first: it waits until

@@ -73,6 +73,8 @@ pub fn kv_budget_from_utilization(
 pub struct PlacedModel {
     pub loaded: LoadedModel,
     place: Place,
+    /// Bytes the weights take on a GPU (`None` on the CPU).
+    device_weight_bytes: Option<usize>,
 }
 
 enum Place {
@@ -91,12 +93,19 @@ pub fn load_on(
         DeviceChoice::Cpu => Ok(PlacedModel {
             loaded: lantern_model::load_model(path, weights)?,
             place: Place::Cpu,
+            device_weight_bytes: None,
         }),
         DeviceChoice::Cuda(ordinal) => cuda::load(ordinal, path, weights),
     }
 }
 
 impl PlacedModel {
+    /// Bytes the model's weights take on its GPU (GGUF's quantized types stay quantized
+    /// there); `None` on the CPU.
+    pub fn device_weight_bytes(&self) -> Option<usize> {
+        self.device_weight_bytes
+    }
+
     /// An engine over the model, with attention on its device: the backend
     /// `config.attention_backend` names on the CPU; on a GPU the CUDA backend it names, or
     /// the default CUDA one when it names a CPU backend. `utilization` (GPU only) sizes
@@ -167,9 +176,18 @@ mod cuda {
     ) -> Result<PlacedModel, EngineError> {
         let gpu = Gpu::open(ordinal).map_err(gpu_error(ordinal))?;
         let compute = CudaCompute::new(gpu.clone());
+        let loaded = lantern_model::load_model_on(path, weights, &compute)?;
+        let (bytes, quantized) = (compute.weight_bytes(), compute.quantized_weight_bytes());
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        tracing::info!(
+            "weights on cuda:{ordinal}: {:.1} MiB ({:.1} MiB of it GGUF matrices kept quantized)",
+            mib(bytes),
+            mib(quantized)
+        );
         Ok(PlacedModel {
-            loaded: lantern_model::load_model_on(path, weights, &compute)?,
+            loaded,
             place: Place::Cuda(gpu),
+            device_weight_bytes: Some(bytes),
         })
     }
 }

@@ -812,3 +812,98 @@ fn bf16_decode_steps_agree_with_a_prefill_of_the_same_tokens() {
         }
     }
 }
+
+/// Each architecture's GGUF files of quantized types, with the flavour of their
+/// dequantized-weights reference.
+const QUANTIZED_FILES: &[(&str, &str, &str)] = &[
+    ("llama", "llama.q8_0.gguf", ".q8_0"),
+    ("llama", "llama.Q4_K_M.gguf", ".Q4_K_M"),
+    ("mistral", "mistral.q8_0.gguf", ".q8_0"),
+    ("qwen2", "qwen2.q8_0.gguf", ".q8_0"),
+    ("qwen3", "qwen3.q8_0.gguf", ".q8_0"),
+    ("gemma2", "gemma2.q8_0.gguf", ".q8_0"),
+    ("phi3", "phi3.q8_0.gguf", ".q8_0"),
+    ("gemma3_text", "gemma3_text.q8_0.gguf", ".q8_0"),
+];
+
+fn gguf_engine(arch: &str, file: &str, f32_weights: bool) -> (Engine, Option<usize>) {
+    let options = LoadOptions {
+        progress: false,
+        f32_weights,
+        ..Default::default()
+    };
+    let config = EngineConfig {
+        kv_cache_memory: 16 << 20,
+        kv_cache_dtype: KvDtype::F32,
+        ..EngineConfig::default()
+    };
+    let placed = load_on(
+        DeviceChoice::Cuda(0),
+        &fixture(arch).join("gguf").join(file),
+        &options,
+    )
+    .unwrap_or_else(|e| panic!("{file}: {e}"));
+    let bytes = placed.device_weight_bytes();
+    (placed.start(config, None).unwrap(), bytes)
+}
+
+/// GGUF weights kept quantized on the GPU (Q8_0; Q4_K_M mixing Q4_K and Q6_K in a
+/// layer): steps of at most 4 rows read them as stored in the small products (f32
+/// activations, the exact dequantized values), so their logits equal those of the same
+/// file dequantized to f32 at load up to summation order; longer prompts read them
+/// dequantized to bf16 and stay near the dequantized-weights reference as bf16 weights
+/// do. On the device they take less than the bf16 copy of the same model.
+#[test]
+fn gguf_weights_kept_quantized_match_their_dequantized_values() {
+    if !gpu_present("gguf_weights_kept_quantized_match_their_dequantized_values") {
+        return;
+    }
+    for &(arch, file, flavour) in QUANTIZED_FILES {
+        let (mut kept, kept_bytes) = gguf_engine(arch, file, false);
+        let (mut exact, _) = gguf_engine(arch, file, true);
+        let prompts = common::reference_prompts_in(&fixture(arch).join("ref"), flavour);
+        for p in &prompts {
+            for len in 1..=4.min(p.all_ids.len()) {
+                let params = SamplingParams {
+                    prompt_logits: true,
+                    ..SamplingParams::greedy(1)
+                };
+                let prefix = p.all_ids[..len].to_vec();
+                let rows = |e: &mut Engine| {
+                    let mut out = e.generate(vec![(prefix.clone(), params.clone())]).unwrap();
+                    out[0].prompt_logits.take().unwrap()
+                };
+                let (got, want) = (rows(&mut kept), rows(&mut exact));
+                let diff = common::max_abs_diff(&got, &want);
+                assert!(
+                    diff < LOGIT_TOLERANCE,
+                    "{file} {} first {len} tokens: logits differ by {diff}",
+                    p.id
+                );
+            }
+            let (rows, first) = teacher_forced_logits(&mut kept, p);
+            let vocab = p.last_logits.len();
+            let diff = common::max_abs_diff(&rows[first * vocab..][..vocab], &p.last_logits);
+            let scale = p.last_logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+            eprintln!("{file} {}: kept quantized, last logits {diff:.2e}", p.id);
+            assert!(
+                diff < 0.1 * scale,
+                "{file} {}: last logits differ by {diff} (largest {scale})",
+                p.id
+            );
+        }
+        let hf_bytes = load_on(
+            DeviceChoice::Cuda(0),
+            &fixture(arch).join("hf"),
+            &LoadOptions::default(),
+        )
+        .unwrap()
+        .device_weight_bytes();
+        let (kept_bytes, hf_bytes) = (kept_bytes.unwrap(), hf_bytes.unwrap());
+        eprintln!("{file}: {kept_bytes} bytes on the device, bf16: {hf_bytes}");
+        assert!(
+            kept_bytes * 4 < hf_bytes * 3,
+            "{file}: {kept_bytes} bytes on the device, the bf16 copy {hf_bytes}"
+        );
+    }
+}

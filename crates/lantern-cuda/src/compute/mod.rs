@@ -4,7 +4,7 @@
 //! the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::QTensor;
@@ -50,6 +50,10 @@ pub struct CudaCompute {
     /// `LANTERN_CUDA_QUANTIZED_WEIGHTS=off` dequantizes them to bf16 at load (faster
     /// products past the small-product kernels' rows, several times the memory).
     quantized_weights: bool,
+    /// Device bytes of the weights uploaded so far (matrices and vectors), and of the
+    /// GGUF matrices among them kept quantized.
+    weight_bytes: Arc<AtomicUsize>,
+    quantized_bytes: Arc<AtomicUsize>,
     /// Whether any matrix was uploaded as f32 (`--f32-weights`): the small-product
     /// kernels, which fold norms and residual adds, take bf16 only.
     f32_matrices: Arc<AtomicBool>,
@@ -160,6 +164,8 @@ impl CudaCompute {
         let quantized_weights = switched_on("LANTERN_CUDA_QUANTIZED_WEIGHTS");
         Self {
             quantized_weights,
+            weight_bytes: Arc::default(),
+            quantized_bytes: Arc::default(),
             acts: Pool::new(Arc::clone(&gpu)),
             halves: Pool::new(Arc::clone(&gpu)),
             gpu,
@@ -238,6 +244,20 @@ impl CudaCompute {
         &self.gpu
     }
 
+    /// Device bytes the model's weights take (what has been loaded so far).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Self::weight_bytes`], those of GGUF matrices kept quantized.
+    pub fn quantized_weight_bytes(&self) -> usize {
+        self.quantized_bytes.load(Ordering::Relaxed)
+    }
+
+    fn count_weight_bytes(&self, bytes: usize) {
+        self.weight_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// `[rows, cols]` f32 values of `tensors` stacked by rows.
     fn dequantized(name: &str, tensors: &[QTensor]) -> Result<(Vec<f32>, usize, usize)> {
         let mut values = Vec::new();
@@ -304,15 +324,21 @@ impl CudaCompute {
     ) -> Result<GpuMatrix> {
         if self.quantized_weights && !options.f32_weights {
             if let Some(form) = Self::blockwise(name, tensors)? {
+                let blocks = self.gpu.upload_blocks(&form).map_err(model_error)?;
+                self.count_weight_bytes(blocks.size_bytes());
+                self.quantized_bytes
+                    .fetch_add(blocks.size_bytes(), Ordering::Relaxed);
                 return Ok(GpuMatrix {
                     name: name.to_string(),
                     out_features: form.rows(),
                     in_features: form.cols(),
-                    weight: Weight::Blocks(self.gpu.upload_blocks(&form).map_err(model_error)?),
+                    weight: Weight::Blocks(blocks),
                 });
             }
         }
         let (values, rows, cols) = Self::dequantized(name, tensors)?;
+        let per_value = if options.f32_weights { 4 } else { 2 };
+        self.count_weight_bytes(values.len() * per_value);
         let weight = if options.f32_weights {
             self.f32_matrices.store(true, Ordering::Relaxed);
             Weight::F32(self.gpu.upload(&values).map_err(model_error)?)
@@ -426,6 +452,7 @@ impl Compute for CudaCompute {
     }
 
     fn vector(&self, values: Vec<f32>) -> Result<CudaSlice<f32>> {
+        self.count_weight_bytes(4 * values.len());
         self.gpu.upload(&values).map_err(model_error)
     }
 

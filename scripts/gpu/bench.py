@@ -133,6 +133,12 @@ def lantern_figures(args, model_dir, budget):
     if args.lantern_plain_launches:
         # Every kernel launched the plain way: what programmatic dependent launch gives.
         variant("bench_plain_launches", [], env={"LANTERN_CUDA_PDL": "off"})
+    if args.lantern_quantized:
+        # The same bf16 model quantized at load to GGUF types, which stay quantized on the
+        # device: small products read them as stored, larger ones dequantize the rows
+        # they take (against the bf16 weights, what keeping GGUF weights costs or gives).
+        variant("bench_q4_k", ["--quantize", "q4_k"])
+        variant("bench_q8_0", ["--quantize", "q8_0"])
     if args.lantern_no_small_products:
         # cuBLAS for every product: what the small-product kernels give.
         variant("bench_cublas", [], env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
@@ -353,6 +359,21 @@ def table(name, layers, lan, hf, args):
             g = bench.get("decode_tokens_per_s") if b == 1 else batched.get(str(b))
             rows.append({"model": name, "metric": f"decode batch {b}: {label}", "unit": "tok/s",
                          "transformers": e, "lantern": g, "speedup": ratio(g, e)})
+    # GGUF types kept quantized in the lantern column, the bf16 weights in the other.
+    for key, label in (("bench_q4_k", "Q4_K kept / bf16"), ("bench_q8_0", "Q8_0 kept / bf16")):
+        other = lan.get(key)
+        if not other:
+            continue
+        other_batched = other.get("batched_decode_tokens_per_s") or {}
+        q = other.get("prefill_tokens_per_s")
+        rows.append({"model": name, "metric": f"prefill {args.prompt_tokens}: {label}", "unit": "tok/s",
+                     "transformers": bench.get("prefill_tokens_per_s"), "lantern": q,
+                     "speedup": ratio(q, bench.get("prefill_tokens_per_s"))})
+        for b in args.batches:
+            q = other.get("decode_tokens_per_s") if b == 1 else other_batched.get(str(b))
+            g = bench.get("decode_tokens_per_s") if b == 1 else batched.get(str(b))
+            rows.append({"model": name, "metric": f"decode batch {b}: {label}", "unit": "tok/s",
+                         "transformers": g, "lantern": q, "speedup": ratio(q, g)})
     return rows
 
 
@@ -381,6 +402,8 @@ def main():
     ap.add_argument("--no-capture", action="store_true")
     ap.add_argument("--lantern-no-small-products", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
+    ap.add_argument("--lantern-quantized", action="store_true",
+                    help="also run lantern's bench with --quantize q4_k and q8_0 (GGUF types kept quantized on the device; rows 'Q4_K kept / bf16', 'Q8_0 kept / bf16')")
     ap.add_argument("--lantern-kernel-times", action="store_true",
                     help="also run lantern's bench eagerly with every kernel timed (LANTERN_CUDA_PROFILE=on): a table per model")
     ap.add_argument("--lantern-unsplit-products", action="store_true",

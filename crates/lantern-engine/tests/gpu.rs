@@ -826,7 +826,12 @@ const QUANTIZED_FILES: &[(&str, &str, &str)] = &[
     ("gemma3_text", "gemma3_text.q8_0.gguf", ".q8_0"),
 ];
 
-fn gguf_engine(arch: &str, file: &str, f32_weights: bool) -> (Engine, Option<usize>) {
+fn gguf_engine(
+    arch: &str,
+    file: &str,
+    f32_weights: bool,
+    enforce_eager: bool,
+) -> (Engine, Option<usize>) {
     let options = LoadOptions {
         progress: false,
         f32_weights,
@@ -835,6 +840,7 @@ fn gguf_engine(arch: &str, file: &str, f32_weights: bool) -> (Engine, Option<usi
     let config = EngineConfig {
         kv_cache_memory: 16 << 20,
         kv_cache_dtype: KvDtype::F32,
+        enforce_eager,
         ..EngineConfig::default()
     };
     let placed = load_on(
@@ -852,15 +858,17 @@ fn gguf_engine(arch: &str, file: &str, f32_weights: bool) -> (Engine, Option<usi
 /// activations, the exact dequantized values), so their logits equal those of the same
 /// file dequantized to f32 at load up to summation order; longer prompts read them
 /// dequantized to bf16 and stay near the dequantized-weights reference as bf16 weights
-/// do. On the device they take less than the bf16 copy of the same model.
+/// do. Decode steps replayed from graphs give the eager steps' tokens and log-probabilities,
+/// at batch 1 (small products) and 5 (rows dequantized for cuBLAS). On the device they
+/// take less than the bf16 copy of the same model.
 #[test]
 fn gguf_weights_kept_quantized_match_their_dequantized_values() {
     if !gpu_present("gguf_weights_kept_quantized_match_their_dequantized_values") {
         return;
     }
     for &(arch, file, flavour) in QUANTIZED_FILES {
-        let (mut kept, kept_bytes) = gguf_engine(arch, file, false);
-        let (mut exact, _) = gguf_engine(arch, file, true);
+        let (mut kept, kept_bytes) = gguf_engine(arch, file, false, false);
+        let (mut exact, _) = gguf_engine(arch, file, true, false);
         let prompts = common::reference_prompts_in(&fixture(arch).join("ref"), flavour);
         for p in &prompts {
             for len in 1..=4.min(p.all_ids.len()) {
@@ -892,6 +900,30 @@ fn gguf_weights_kept_quantized_match_their_dequantized_values() {
                 p.id
             );
         }
+        let (mut eager, _) = gguf_engine(arch, file, false, true);
+        for batch in [1, 5] {
+            let requests: Vec<_> = (0..batch)
+                .map(|i| {
+                    let params = SamplingParams {
+                        logprobs: Some(3),
+                        ..greedy(10)
+                    };
+                    (prompts[i % prompts.len()].prompt_ids.clone(), params)
+                })
+                .collect();
+            let on_graphs = run_logged(&mut kept, &requests);
+            let eagerly = run_logged(&mut eager, &requests);
+            for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
+                assert_eq!(g.0, e.0, "{file} batch {batch}: request {r}'s tokens");
+                let diff = common::max_abs_diff(&g.1, &e.1);
+                assert!(
+                    diff < 1e-4,
+                    "{file} batch {batch}: request {r}'s logprobs differ by {diff}"
+                );
+            }
+        }
+        let stats = kept.graph_stats().expect("graphs");
+        assert!(stats.replayed > 0 && stats.failed == 0, "{file}: {stats:?}");
         let hf_bytes = load_on(
             DeviceChoice::Cuda(0),
             &fixture(arch).join("hf"),

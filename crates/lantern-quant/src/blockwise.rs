@@ -70,9 +70,6 @@ impl Blockwise {
         let mut scales = vec![0f32; values / SCALE_GROUP];
         let mut mins = vec![0f32; if has_mins(ty) { values / MIN_GROUP } else { 0 }];
         let row_bytes = bytes.len() / rows;
-        let unpack = |(((src, q), s), m): (((&[u8], &mut [u8]), &mut [f32]), &mut [f32])| {
-            unpack_row(ty, src, q, s, m)
-        };
         let min_rows: Vec<&mut [f32]> = if mins.is_empty() {
             (0..rows).map(|_| &mut [][..]).collect()
         } else {
@@ -83,7 +80,7 @@ impl Blockwise {
             .zip(quants.par_chunks_mut(cols * bits / 8))
             .zip(scales.par_chunks_mut(cols / SCALE_GROUP))
             .zip(min_rows)
-            .for_each(unpack);
+            .for_each(|(((src, q), s), m)| unpack_row(ty, src, q, s, m));
         Ok(Self {
             ty,
             rows,

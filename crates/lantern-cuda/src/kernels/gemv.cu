@@ -2,7 +2,7 @@
 // y = x · Wᵀ for x [m, k] f32 (m <= GEMV_MAX_M), W [n, k] row-major (Bf16Weights,
 // BlockWeights: the same kernels, read 8 values of a row at a time). Each output column, for every row of x,
 // is computed by `splits` warps (1, 2 or 4; a block holds GEMV_COLUMNS columns), reading
-// its row of W once between them (8 values a load, GEMV_UNROLL in flight per lane) against
+// its row of W once between them (8 values a load, W::UNROLL in flight per lane) against
 // x staged in shared memory, `tile` columns at a time (rows `tile` apart; the launcher
 // makes the tile as long as 47 KiB allow, all of k for most products); sums run per lane,
 // then across the warp, then across the splits, in a fixed order. Memory-bound at these
@@ -16,7 +16,6 @@
 
 #define GEMV_MAX_M 4
 #define GEMV_COLUMNS 8  // output columns a block computes
-#define GEMV_UNROLL 4
 
 // Each row's 1 / sqrt(mean(x^2) + eps) into inv (shared; read after the next barrier),
 // where norm_w is given.
@@ -49,8 +48,9 @@ __device__ __forceinline__ void gemv_stage_x(const float* __restrict__ x, float*
     __syncthreads();
 }
 
-// W as bf16 rows: 8 values in one 16-byte load.
+// W as bf16 rows: 8 values in one 16-byte load, 4 loads in flight per lane.
 struct Bf16Weights {
+    static constexpr u32 UNROLL = 4;
     const lt_bf16* __restrict__ w;
     u32 k;
     typedef uint4 Raw;
@@ -74,8 +74,10 @@ __device__ __forceinline__ float lt_block_value(float scale, int q, float min, b
 // W in lantern-quant's blockwise form (GGUF weights as stored): quants of `bits` (4: two a
 // byte, the even column low; 8: one a byte), w = scale[i / 16] * (q - offset) (+ min[i / 32]
 // where mins are given), each step rounded as written, so that a value has the bits the CPU
-// dequantizes it to. 8 values: one 4- or 8-byte load, their scale and min.
+// dequantizes it to. 8 values: one 4- or 8-byte load, their scale and min; twice the bf16
+// rows' loads in flight per lane, for as many bytes of quants in flight at 8 bits.
 struct BlockWeights {
+    static constexpr u32 UNROLL = 8;
     const u8* __restrict__ q;
     const float* __restrict__ scales;
     const float* __restrict__ mins;
@@ -122,22 +124,22 @@ __device__ __forceinline__ void gemv_fma8(const float* w, const float* xs, u32 m
 
 // acc[r] += this lane's share of W's row `row` (columns [k0, k0 + kt), the staged tile) ·
 // xs row r, for split `s` of `splits` warps sharing the row (split s takes the 256-column
-// chunks s, s + splits, ...): GEMV_UNROLL loads issued before their products, so that
+// chunks s, s + splits, ...): W::UNROLL loads issued before their products, so that
 // enough bytes are in flight.
 template <typename W>
 __device__ __forceinline__ void gemv_dot_tile(const W& w, u32 row, u32 k0, const float* xs, u32 m, u32 kt,
                                               u32 tile, float* acc, u32 s, u32 splits) {
     const u32 lane = threadIdx.x & 31;
     const u32 step = 256 * splits;
-    for (u32 c0 = s * 256 + lane * 8; c0 < kt; c0 += step * GEMV_UNROLL) {
-        typename W::Raw p[GEMV_UNROLL];
+    for (u32 c0 = s * 256 + lane * 8; c0 < kt; c0 += step * W::UNROLL) {
+        typename W::Raw p[W::UNROLL];
 #pragma unroll
-        for (u32 u = 0; u < GEMV_UNROLL; ++u) {
+        for (u32 u = 0; u < W::UNROLL; ++u) {
             const u32 c = c0 + u * step;
             if (c < kt) p[u] = w.load(row, k0 + c);
         }
 #pragma unroll
-        for (u32 u = 0; u < GEMV_UNROLL; ++u) {
+        for (u32 u = 0; u < W::UNROLL; ++u) {
             const u32 c = c0 + u * step;
             if (c < kt) {
                 float v[8];

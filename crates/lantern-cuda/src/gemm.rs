@@ -38,6 +38,31 @@ impl Gpu {
         )
     }
 
+    /// Columns `[col0, col0 + n)` of y `[m, width]` (f32) = x `[m, k]` · wᵀ (w `[n, k]`),
+    /// bf16 inputs, f32 accumulation: a product over some rows of a matrix, written where
+    /// the whole product's output has them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16_columns(
+        &self,
+        x: &impl DevicePtr<half::bf16>,
+        w: &impl DevicePtr<half::bf16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        (col0, n, width): (usize, usize, usize),
+        k: usize,
+    ) -> Result<()> {
+        ensure(k > 0, || "gemm: columns of an empty product".into())?;
+        self.gemm_at(
+            x,
+            w,
+            y,
+            (m, n, k),
+            (col0, width),
+            cublas_sys::cudaDataType_t::CUDA_R_16BF,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+    }
+
     /// y `[m, n]` = x `[m, k]` · wᵀ (w `[n, k]`), all f32, true f32 arithmetic (no TF32).
     pub fn gemm_f32(
         &self,
@@ -67,34 +92,59 @@ impl Gpu {
         in_type: cublas_sys::cudaDataType_t,
         compute: cublas_sys::cublasComputeType_t,
     ) -> Result<()> {
+        ensure(y.len() == m * n, || {
+            format!("gemm: y {} values for m {m}, n {n}", y.len())
+        })?;
+        if k == 0 && m > 0 && n > 0 && !self.skips_launches() {
+            self.stream.memset_zeros(y)?;
+            return Ok(());
+        }
+        self.gemm_at(x, w, y, (m, n, k), (0, n), in_type, compute)
+    }
+
+    /// The product into columns `[col0, col0 + n)` of y `[m, width]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_at<T>(
+        &self,
+        x: &impl DevicePtr<T>,
+        w: &impl DevicePtr<T>,
+        y: &mut impl DevicePtrMut<f32>,
+        (m, n, k): (usize, usize, usize),
+        (col0, width): (usize, usize),
+        in_type: cublas_sys::cudaDataType_t,
+        compute: cublas_sys::cublasComputeType_t,
+    ) -> Result<()> {
         ensure(
-            x.len() == m * k && w.len() == n * k && y.len() == m * n,
+            x.len() == m * k && w.len() == n * k && y.len() == m * width && col0 + n <= width,
             || {
                 format!(
-                    "gemm: x {}, w {}, y {} values for m {m}, n {n}, k {k}",
+                    "gemm: x {}, w {}, y {} values for m {m}, n {n} (columns from {col0} of \
+                     {width}), k {k}",
                     x.len(),
                     w.len(),
                     y.len()
                 )
             },
         )?;
-        if m == 0 || n == 0 || self.skips_launches() {
-            return Ok(());
-        }
-        if k == 0 {
-            self.stream.memset_zeros(y)?;
+        if m == 0 || n == 0 || k == 0 || self.skips_launches() {
             return Ok(());
         }
         let dim = |what: &str, v: usize| {
             i32::try_from(v)
                 .map_err(|_| CudaError::Shape(format!("gemm: {what} = {v} exceeds i32")))
         };
-        let (m32, n32, k32) = (dim("m", m)?, dim("n", n)?, dim("k", k)?);
+        let (m32, n32, k32, ldc) = (
+            dim("m", m)?,
+            dim("n", n)?,
+            dim("k", k)?,
+            dim("width", width)?,
+        );
         let alpha: f32 = 1.0;
         let beta: f32 = 0.0;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
+        let yp = yp + (col0 * std::mem::size_of::<f32>()) as u64;
         let name = if in_type == cublas_sys::cudaDataType_t::CUDA_R_16BF {
             "cublas_gemm_bf16"
         } else {
@@ -120,7 +170,7 @@ impl Gpu {
                 &beta as *const f32 as *const c_void,
                 yp as *mut c_void,
                 cublas_sys::cudaDataType_t::CUDA_R_32F,
-                n32,
+                ldc,
                 compute,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )?)

@@ -1888,6 +1888,41 @@ mod gpu_tests {
         ));
     }
 
+    /// A product over some rows of a matrix written into its columns of the whole
+    /// product's output (how GGUF matrices are multiplied a dequantized chunk at a time),
+    /// the other columns left as they were.
+    #[test]
+    fn gemm_columns_write_a_product_where_its_rows_go() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(30);
+        let (m, n, k) = (6usize, 40usize, 96usize);
+        let (x, xf) = bf16_matrix(&mut r, m * k);
+        let (w, wf) = bf16_matrix(&mut r, n * k);
+        let want = product_reference(&xf, &wf, m, n, k);
+        let dx = g.upload(&x).unwrap();
+        let mut y = g.upload(&vec![7.0f32; m * n]).unwrap();
+        for (col0, cols) in [(0usize, 16usize), (16, 20)] {
+            let dw = g.upload(&w[col0 * k..(col0 + cols) * k]).unwrap();
+            g.gemm_bf16_columns(&dx, &dw, &mut y, m, (col0, cols, n), k)
+                .unwrap();
+        }
+        let got = g.download(&y).unwrap();
+        for row in 0..m {
+            assert_close(
+                &got[row * n..row * n + 36],
+                &want[row * n..row * n + 36],
+                1e-5,
+                &format!("row {row}"),
+            );
+            assert!(got[row * n + 36..(row + 1) * n].iter().all(|&v| v == 7.0));
+        }
+        // Columns past the output's width are refused.
+        let dw = g.upload(&w[..8 * k]).unwrap();
+        assert!(g
+            .gemm_bf16_columns(&dx, &dw, &mut y, m, (36, 8, n), k)
+            .is_err());
+    }
+
     /// The variants capture's kernels are checked on: plain, window, chunk, soft-cap with
     /// sinks.
     fn capture_variants() -> [Variant; 4] {

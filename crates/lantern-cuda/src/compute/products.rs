@@ -71,11 +71,25 @@ impl CudaCompute {
                 self.gpu.gemm_bf16(&**xb, &wb.slice(part), y, rows, n, k)
             }
             (Weight::Blocks(wq), Some(xb)) => {
-                // The rows dequantized for this product only: GGUF weights stay quantized.
-                let mut wb = self.halves.output(n * k).map_err(model_error)?;
-                self.gpu
-                    .dequantize_blocks_bf16(wq, out_rows, &mut *wb)
-                    .and_then(|()| self.gpu.gemm_bf16(&**xb, &*wb, y, rows, n, k))
+                // The rows dequantized for this product only (GGUF weights stay quantized),
+                // a bounded chunk of them at a time, each chunk's product written into its
+                // columns of y.
+                let mut done = Ok(());
+                for chunk in row_chunks(out_rows.clone(), k, DEQUANTIZED_CHUNK) {
+                    let mut wb = self.halves.output(chunk.len() * k).map_err(model_error)?;
+                    let col0 = chunk.start - out_rows.start;
+                    done = self
+                        .gpu
+                        .dequantize_blocks_bf16(wq, chunk.clone(), &mut *wb)
+                        .and_then(|()| {
+                            let columns = (col0, chunk.len(), n);
+                            self.gpu.gemm_bf16_columns(&**xb, &*wb, y, rows, columns, k)
+                        });
+                    if done.is_err() {
+                        break;
+                    }
+                }
+                done
             }
             (Weight::F32(wf), _) => self.gpu.gemm_f32(&**x, &wf.slice(part), y, rows, n, k),
             (Weight::Bf16(_) | Weight::Blocks(_), None) => {
@@ -215,6 +229,23 @@ impl CudaCompute {
     }
 }
 
+/// Most values of a GGUF matrix dequantized to bf16 at once for a product (64 MiB): a
+/// larger matrix (a large vocabulary's LM head, a 70B model's MLP) is dequantized and
+/// multiplied a chunk of rows at a time.
+const DEQUANTIZED_CHUNK: usize = 32 << 20;
+
+/// `rows` cut into consecutive chunks of at most `max_values / k` rows (at least one).
+fn row_chunks(
+    rows: std::ops::Range<usize>,
+    k: usize,
+    max_values: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = (max_values / k.max(1)).max(1);
+    rows.clone()
+        .step_by(step)
+        .map(move |start| start..(start + step).min(rows.end))
+}
+
 /// A norm folded into a product (`normed_matmul_*`) is for the small-product kernels only;
 /// their callers send any other product the normed rows instead.
 fn refuse_folded_norm(w: &GpuMatrix, norm: Option<(&CudaSlice<f32>, f32)>) -> Result<()> {
@@ -224,5 +255,28 @@ fn refuse_folded_norm(w: &GpuMatrix, norm: Option<(&CudaSlice<f32>, f32)>) -> Re
             w.name
         ))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_matrices_are_dequantized_a_bounded_chunk_of_rows_at_a_time() {
+        let chunks: Vec<_> = row_chunks(10..35, 4, 40).collect();
+        assert_eq!(chunks, vec![10..20, 20..30, 30..35]);
+        // A 262k-token LM head over 640 inputs: 6 chunks of at most 64 MiB of bf16.
+        let head: Vec<_> = row_chunks(0..262_144, 640, DEQUANTIZED_CHUNK).collect();
+        assert_eq!(head.len(), 6);
+        assert!(head.iter().all(|c| c.len() * 640 <= DEQUANTIZED_CHUNK));
+        assert_eq!(head.last().unwrap().end, 262_144);
+        // A matrix that fits is one chunk; rows longer than the bound take one row each.
+        assert_eq!(row_chunks(0..2048, 8192, DEQUANTIZED_CHUNK).count(), 1);
+        assert_eq!(
+            row_chunks(0..3, 100, 10).collect::<Vec<_>>(),
+            vec![0..1, 1..2, 2..3]
+        );
+        assert_eq!(row_chunks(5..5, 64, 640).count(), 0);
     }
 }

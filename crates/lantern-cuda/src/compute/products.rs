@@ -11,6 +11,7 @@ use lantern_model::blocks::Activation as ModelActivation;
 use lantern_model::{ModelError, Result};
 
 use super::{activation, model_error, CudaCompute, GpuAct, GpuMatrix, Weight};
+use crate::blocks::DeviceBlocks;
 use crate::fused::MAX_SPLIT_PARTS;
 use crate::gemv::{gemv_fits, GemvExtras, GemvWeights, GEMV_MAX_PARTS};
 use crate::pool::Pooled;
@@ -70,27 +71,7 @@ impl CudaCompute {
             (Weight::Bf16(wb), Some(xb)) => {
                 self.gpu.gemm_bf16(&**xb, &wb.slice(part), y, rows, n, k)
             }
-            (Weight::Blocks(wq), Some(xb)) => {
-                // The rows dequantized for this product only (GGUF weights stay quantized),
-                // a bounded chunk of them at a time, each chunk's product written into its
-                // columns of y.
-                let mut done = Ok(());
-                for chunk in row_chunks(out_rows.clone(), k, DEQUANTIZED_CHUNK) {
-                    let mut wb = self.halves.output(chunk.len() * k).map_err(model_error)?;
-                    let col0 = chunk.start - out_rows.start;
-                    done = self
-                        .gpu
-                        .dequantize_blocks_bf16(wq, chunk.clone(), &mut *wb)
-                        .and_then(|()| {
-                            let columns = (col0, chunk.len(), n);
-                            self.gpu.gemm_bf16_columns(&**xb, &*wb, y, rows, columns, k)
-                        });
-                    if done.is_err() {
-                        break;
-                    }
-                }
-                done
-            }
+            (Weight::Blocks(wq), Some(xb)) => self.blocks_product(wq, xb, rows, out_rows, y),
             (Weight::F32(wf), _) => self.gpu.gemm_f32(&**x, &wf.slice(part), y, rows, n, k),
             (Weight::Bf16(_) | Weight::Blocks(_), None) => {
                 return Err(ModelError::Compute(format!(
@@ -100,6 +81,28 @@ impl CudaCompute {
             }
         }
         .map_err(model_error)
+    }
+
+    /// `y = x · Wᵀ` for the rows `out_rows` of a GGUF matrix, from x's bf16 copy: the rows
+    /// dequantized for this product only (the weights stay quantized), a bounded chunk
+    /// of them at a time, each chunk's product written into its columns of y.
+    fn blocks_product(
+        &self,
+        w: &DeviceBlocks,
+        x_bf16: &Pooled<bf16>,
+        rows: usize,
+        out_rows: std::ops::Range<usize>,
+        y: &mut CudaSlice<f32>,
+    ) -> crate::Result<()> {
+        let (k, n) = (w.cols(), out_rows.len());
+        for chunk in row_chunks(out_rows.clone(), k, DEQUANTIZED_CHUNK) {
+            let mut wb = self.halves.output(chunk.len() * k)?;
+            let columns = (chunk.start - out_rows.start, chunk.len(), n);
+            self.gpu.dequantize_blocks_bf16(w, chunk, &mut *wb)?;
+            self.gpu
+                .gemm_bf16_columns(&**x_bf16, &*wb, y, rows, columns, k)?;
+        }
+        Ok(())
     }
 
     /// `w`'s weights as the small-product kernels (gemv.rs) read them, where its product

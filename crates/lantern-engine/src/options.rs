@@ -43,14 +43,19 @@ pub fn parse_weight_type(text: &str) -> Result<GgmlDType, String> {
     Ok(match text.to_ascii_lowercase().as_str() {
         "q8_0" => GgmlDType::Q8_0,
         "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q5_0" => GgmlDType::Q5_0,
+        "q5_1" => GgmlDType::Q5_1,
         "q4_k" => GgmlDType::Q4K,
+        "q5_k" => GgmlDType::Q5K,
         "q6_k" => GgmlDType::Q6K,
         "f16" => GgmlDType::F16,
         "bf16" => GgmlDType::BF16,
         "f32" => GgmlDType::F32,
         other => {
             return Err(format!(
-                "{other:?} is not a weight type (q8_0, q4_0, q4_k, q6_k, f16, bf16, f32)"
+                "{other:?} is not a weight type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, \
+                 f16, bf16, f32)"
             ))
         }
     })
@@ -148,6 +153,8 @@ mod tests {
         assert_eq!(parse_kv_dtype("bfloat16"), Ok(KvDtype::BF16));
         assert!(parse_kv_dtype("f8").unwrap_err().contains("f16, bf16, f32"));
         assert_eq!(parse_weight_type("Q4_K"), Ok(GgmlDType::Q4K));
+        assert_eq!(parse_weight_type("q4_1"), Ok(GgmlDType::Q4_1));
+        assert_eq!(parse_weight_type("Q5_K"), Ok(GgmlDType::Q5K));
         assert!(parse_weight_type("q3_k").unwrap_err().contains("q8_0"));
     }
 

@@ -165,7 +165,12 @@ impl EngineArgs {
         if verbose {
             eprintln!("lantern: CPU {topology}");
             eprintln!("lantern: SIMD level {}", lantern_model::simd_level());
-            let kernels = crate::kernels::weight_kernels(&path, self.f32_weights, self.quantize)?;
+            let kernels = crate::kernels::weight_kernels(
+                &path,
+                self.f32_weights,
+                self.quantize,
+                self.device,
+            )?;
             eprintln!("lantern: kernels {}", crate::kernels::summary(&kernels));
         }
         let load = lantern_engine::options::ModelLoad {

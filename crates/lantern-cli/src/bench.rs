@@ -393,6 +393,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
         &args.engine.model_path()?,
         args.engine.f32_weights,
         args.engine.quantize,
+        args.engine.device,
     )?;
     if args.json {
         let kernels_json: serde_json::Map<String, serde_json::Value> = kernels

@@ -1,6 +1,7 @@
 //! Which kernels run the products of each weight type of a model file.
 
 use anyhow::{Context, Result};
+use lantern_engine::device::{product_kernel, DeviceChoice};
 use lantern_model::hf::HfDirectory;
 use lantern_model::{GgmlDType, GgufFile, WeightSource};
 use std::collections::BTreeMap;
@@ -13,16 +14,18 @@ pub struct WeightKernels {
     /// Matrices (2-D tensors) of this type in the file.
     pub matrices: usize,
     /// lantern's level for this type (a [`lantern_quant::Kernel::name`]), `candle`, or
-    /// `candle-f32` when the weights are dequantized to f32 at load.
+    /// `candle-f32` when the weights are dequantized to f32 at load; on a GPU
+    /// `cuda-gguf`, `cuda-bf16` or `cuda-f32` ([`lantern_engine::device::product_kernel`]).
     pub kernel: &'static str,
 }
 
 /// Per weight type of the model at `path` (a GGUF file, or a Hugging Face directory whose
-/// matrices `quantize` converts at load), in type-name order.
+/// matrices `quantize` converts at load), in type-name order, on `device`.
 pub fn weight_kernels(
     path: &Path,
     f32_weights: bool,
     quantize: Option<GgmlDType>,
+    device: DeviceChoice,
 ) -> Result<Vec<WeightKernels>> {
     let what = || format!("reading {}", path.display());
     let source: Box<dyn WeightSource> = if lantern_model::hf::is_hf_directory(path) {
@@ -43,11 +46,7 @@ pub fn weight_kernels(
         .map(|(name, (matrices, dtype))| WeightKernels {
             dtype: name,
             matrices,
-            kernel: if f32_weights {
-                "candle-f32"
-            } else {
-                lantern_model::linear::kernel_for(dtype)
-            },
+            kernel: product_kernel(device, dtype, f32_weights),
         })
         .collect())
 }

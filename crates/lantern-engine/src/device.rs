@@ -69,6 +69,24 @@ pub fn kv_budget_from_utilization(
     }
 }
 
+/// What the products over weights of type `dtype` run on, on `device`: lantern's CPU
+/// level for the type (`avx512`, ...), `candle`, `candle-f32` with `f32_weights`; on a
+/// GPU `cuda-gguf` (kept quantized), `cuda-bf16` or `cuda-f32`.
+pub fn product_kernel(
+    device: DeviceChoice,
+    dtype: lantern_model::GgmlDType,
+    f32_weights: bool,
+) -> &'static str {
+    match device {
+        DeviceChoice::Cpu if f32_weights => "candle-f32",
+        DeviceChoice::Cpu => lantern_model::linear::kernel_for(dtype),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(_) => lantern_cuda::compute::product_kernel(dtype, f32_weights),
+        #[cfg(not(feature = "cuda"))]
+        DeviceChoice::Cuda(_) => "cuda (not built)",
+    }
+}
+
 /// A model loaded onto its device, ready to start an engine there.
 pub struct PlacedModel {
     pub loaded: LoadedModel,
@@ -213,6 +231,26 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn products_name_the_kernels_of_their_device() {
+        use lantern_model::GgmlDType;
+        let cpu = DeviceChoice::Cpu;
+        assert_eq!(product_kernel(cpu, GgmlDType::Q4_1, true), "candle-f32");
+        assert_eq!(
+            product_kernel(cpu, GgmlDType::Q4_1, false),
+            lantern_model::linear::kernel_for(GgmlDType::Q4_1)
+        );
+        #[cfg(feature = "cuda")]
+        {
+            let gpu = DeviceChoice::Cuda(0);
+            assert_eq!(product_kernel(gpu, GgmlDType::Q4_1, true), "cuda-f32");
+            assert_eq!(product_kernel(gpu, GgmlDType::BF16, false), "cuda-bf16");
+            if std::env::var_os("LANTERN_CUDA_QUANTIZED_WEIGHTS").is_none() {
+                assert_eq!(product_kernel(gpu, GgmlDType::Q6K, false), "cuda-gguf");
+            }
+        }
+    }
 
     #[test]
     fn devices_parse_and_bad_ones_are_named() {

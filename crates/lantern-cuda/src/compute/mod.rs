@@ -154,11 +154,26 @@ fn tensor_error(name: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
     }
 }
 
+/// Whether the switch `name` (on unless set to off, 0 or false) is on.
+fn switched_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false"))
+}
+
+/// What the products over weights of GGUF type `dtype` run as on the GPU: `cuda-gguf`
+/// (kept quantized, [`crate::blocks`]), `cuda-f32` (`--f32-weights`) or `cuda-bf16`.
+pub fn product_kernel(dtype: candle_core::quantized::GgmlDType, f32_weights: bool) -> &'static str {
+    let quantized = packed_type(dtype).is_some_and(|ty| !ty.is_dense());
+    if f32_weights {
+        "cuda-f32"
+    } else if quantized && switched_on("LANTERN_CUDA_QUANTIZED_WEIGHTS") {
+        "cuda-gguf"
+    } else {
+        "cuda-bf16"
+    }
+}
+
 impl CudaCompute {
     pub fn new(gpu: Arc<Gpu>) -> Self {
-        let switched_on = |name: &str| {
-            std::env::var(name).map_or(true, |v| !matches!(v.trim(), "off" | "0" | "false"))
-        };
         let small_products = switched_on("LANTERN_CUDA_SMALL_PRODUCTS");
         let fold_norms = switched_on("LANTERN_CUDA_FOLD_NORMS");
         let quantized_weights = switched_on("LANTERN_CUDA_QUANTIZED_WEIGHTS");

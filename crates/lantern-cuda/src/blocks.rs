@@ -1,5 +1,6 @@
 //! GGUF weights kept quantized on the device, in lantern-quant's blockwise form
-//! ([`lantern_quant::Blockwise`]: plain quants, f32 scales per 16 values, mins per 32):
+//! ([`lantern_quant::Blockwise`]: plain quants, f32 scales per 32 values (16 for Q6_K),
+//! mins per 32):
 //! the small products read them as they are (gemv.cu's `BlockWeights`), larger products
 //! take their rows dequantized to bf16 for cuBLAS, embeddings read their rows. A
 //! dequantized value has the bits the CPU dequantizes it to.
@@ -20,6 +21,8 @@ pub struct DeviceBlocks {
     cols: usize,
     bits: u32,
     offset: i32,
+    /// log2 of the values sharing a scale.
+    scale_shift: u32,
     quants: CudaSlice<u8>,
     scales: CudaSlice<f32>,
     /// `None` for the types without mins (the kernels then add nothing).
@@ -56,6 +59,7 @@ impl DeviceBlocks {
             mins: mins.as_ref().map_or(0, |(p, _)| *p),
             offset: self.offset,
             bits: self.bits,
+            scale_shift: self.scale_shift,
         };
         (args, (gq, gs, mins.map(|(_, g)| g)))
     }
@@ -68,6 +72,7 @@ pub(crate) struct BlockArgs {
     mins: u64,
     offset: i32,
     bits: u32,
+    scale_shift: u32,
 }
 
 impl BlockArgs {
@@ -76,7 +81,8 @@ impl BlockArgs {
             .arg(&self.scales)
             .arg(&self.mins)
             .arg(&self.offset)
-            .arg(&self.bits);
+            .arg(&self.bits)
+            .arg(&self.scale_shift);
     }
 }
 
@@ -98,6 +104,7 @@ impl Gpu {
             cols: form.cols(),
             bits: form.bits(),
             offset: form.offset(),
+            scale_shift: form.scale_group().trailing_zeros(),
             quants: self.upload(form.quants())?,
             scales: self.upload(form.scales())?,
             mins,

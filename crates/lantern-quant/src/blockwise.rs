@@ -2,8 +2,9 @@
 //! dequantizes as it reads a matrix takes (lantern-cuda's small products keep GGUF
 //! weights quantized in it). Every type reads the same way:
 //!
-//! `w[r, c] = scale[r, c / 16] · (q[r, c] − offset)`, `+ min[r, c / 32]` for the types
-//! with mins (`Q4_1`, `Q5_1`, `Q4_K`, `Q5_K`),
+//! `w[r, c] = scale[r, c / g] · (q[r, c] − offset)`, `+ min[r, c / 32]` for the types
+//! with mins (`Q4_1`, `Q5_1`, `Q4_K`, `Q5_K`), where the scale group `g` is 16 for `Q6_K`
+//! (a scale per 16 values) and 32 for every other type,
 //!
 //! each product rounded to f32 as written (no fused multiply-add), which gives the bits
 //! of [`crate::PackedMatrix::dequantize_row`]. The K-quants' scales are the products
@@ -13,8 +14,6 @@ use crate::format::{self, Planes, Scales};
 use crate::{QuantError, QuantType, BLOCK};
 use rayon::prelude::*;
 
-/// Values sharing one scale.
-pub const SCALE_GROUP: usize = 16;
 /// Values sharing one min.
 pub const MIN_GROUP: usize = BLOCK;
 
@@ -67,7 +66,8 @@ impl Blockwise {
         let values = rows * cols;
         let bits = quant_bits(ty) as usize;
         let mut quants = vec![0u8; values * bits / 8];
-        let mut scales = vec![0f32; values / SCALE_GROUP];
+        let group = scale_group(ty);
+        let mut scales = vec![0f32; values / group];
         let mut mins = vec![0f32; if has_mins(ty) { values / MIN_GROUP } else { 0 }];
         let row_bytes = bytes.len() / rows;
         let min_rows: Vec<&mut [f32]> = if mins.is_empty() {
@@ -78,7 +78,7 @@ impl Blockwise {
         bytes
             .par_chunks(row_bytes)
             .zip(quants.par_chunks_mut(cols * bits / 8))
-            .zip(scales.par_chunks_mut(cols / SCALE_GROUP))
+            .zip(scales.par_chunks_mut(cols / group))
             .zip(min_rows)
             .for_each(|(((src, q), s), m)| unpack_row(ty, src, q, s, m));
         Ok(Self {
@@ -119,7 +119,12 @@ impl Blockwise {
         &self.quants
     }
 
-    /// One scale per [`SCALE_GROUP`] values, row-major.
+    /// Values sharing one scale: 16 for `Q6_K`, 32 for the other types.
+    pub fn scale_group(&self) -> usize {
+        scale_group(self.ty)
+    }
+
+    /// One scale per [`Self::scale_group`] values, row-major.
     pub fn scales(&self) -> &[f32] {
         &self.scales
     }
@@ -136,7 +141,7 @@ impl Blockwise {
         } else {
             self.quants[i]
         };
-        let w = self.scales[i / SCALE_GROUP] * (u as i32 - self.offset()) as f32;
+        let w = self.scales[i / self.scale_group()] * (u as i32 - self.offset()) as f32;
         match self.mins.get(i / MIN_GROUP) {
             Some(&m) => w + m,
             None => w,
@@ -191,8 +196,12 @@ fn unpack_row(ty: QuantType, src: &[u8], q: &mut [u8], s: &mut [f32], m: &mut [f
                 q[i * BLOCK..][..BLOCK].copy_from_slice(&u);
             }
             let sc = format::decode_scales(ty, &sr, 0, j);
-            s[2 * i] = sc.dw_lo;
-            s[2 * i + 1] = sc.dw_hi;
+            if scale_group(ty) == 16 {
+                s[2 * i] = sc.dw_lo;
+                s[2 * i + 1] = sc.dw_hi;
+            } else {
+                s[i] = sc.dw_lo; // dw_hi is the same scale
+            }
             if let Some(min) = m.get_mut(i) {
                 *min = sc.mneg;
             }
@@ -205,6 +214,15 @@ fn quant_bits(ty: QuantType) -> u32 {
         4
     } else {
         8
+    }
+}
+
+/// Values sharing one scale: `Q6_K` scales each half-block of 16 values apart.
+fn scale_group(ty: QuantType) -> usize {
+    if ty.scales() == Scales::SuperHalves {
+        16
+    } else {
+        BLOCK
     }
 }
 

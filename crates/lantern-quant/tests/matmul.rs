@@ -881,7 +881,11 @@ fn blockwise_form_gives_the_gguf_values_exactly() {
             assert!(same_bits(&row, &want[(n - 1) * k..]), "{ty} last row");
             let per_byte = if form.bits() == 4 { 2 } else { 1 };
             assert_eq!(form.quants().len() * per_byte, n * k, "{ty} quants");
-            assert_eq!(form.scales().len(), n * k / 16, "{ty} scales");
+            assert_eq!(
+                form.scales().len() * form.scale_group(),
+                n * k,
+                "{ty} scales"
+            );
             assert!(form.mins().is_empty() || form.mins().len() == n * k / 32);
         }
         let bytes = random_gguf(&mut rng, ty, 2, ty.block_values());

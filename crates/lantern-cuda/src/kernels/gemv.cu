@@ -72,10 +72,11 @@ __device__ __forceinline__ float lt_block_value(float scale, int q, float min, b
 }
 
 // W in lantern-quant's blockwise form (GGUF weights as stored): quants of `bits` (4: two a
-// byte, the even column low; 8: one a byte), w = scale[i / 16] * (q - offset) (+ min[i / 32]
-// where mins are given), each step rounded as written, so that a value has the bits the CPU
-// dequantizes it to. 8 values: one 4- or 8-byte load, their scale and min; twice the bf16
-// rows' loads in flight per lane, for as many bytes of quants in flight at 8 bits.
+// byte, the even column low; 8: one a byte), w = scale[i >> scale_shift] * (q - offset)
+// (+ min[i / 32] where mins are given; a scale per 16 values for Q6_K, per 32 otherwise),
+// each step rounded as written, so that a value has the bits the CPU dequantizes it to. 8
+// values: one 4- or 8-byte load, their scale and min; twice the bf16 rows' loads in flight
+// per lane, for as many bytes of quants in flight at 8 bits.
 struct BlockWeights {
     static constexpr u32 UNROLL = 8;
     const u8* __restrict__ q;
@@ -84,6 +85,7 @@ struct BlockWeights {
     u32 k;
     int offset;
     u32 bits;
+    u32 scale_shift;
     struct Raw {
         uint2 q;
         float scale, min;
@@ -97,14 +99,15 @@ struct BlockWeights {
         } else {
             r.q = *reinterpret_cast<const uint2*>(q + i);
         }
-        r.scale = scales[i / 16];
+        r.scale = scales[i >> scale_shift];
         r.min = mins != 0 ? mins[i / 32] : 0.0f;
         return r;
     }
     __device__ __forceinline__ void decode(const Raw& r, float* v) const {
 #pragma unroll
         for (u32 j = 0; j < 8; ++j) {
-            const u32 u = bits == 4 ? r.q.x >> (4 * j) & 15u : (j < 4 ? r.q.x : r.q.y) >> (8 * (j % 4)) & 255u;
+            const u32 u = bits == 4 ? r.q.x >> (4 * j) & 15u
+                                    : (j < 4 ? r.q.x : r.q.y) >> (8 * (j % 4)) & 255u;
             v[j] = lt_block_value(r.scale, (int)u - offset, r.min, mins != 0);
         }
     }
@@ -252,12 +255,12 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ x, const lt_bf16*
 
 extern "C" __global__ void gemv_blocks(const float* __restrict__ x, const u8* __restrict__ q,
                                        const float* __restrict__ scales, const float* __restrict__ mins,
-                                       int offset, u32 bits, u32 m, u32 n, u32 k, u32 tile,
+                                       int offset, u32 bits, u32 scale_shift, u32 m, u32 n, u32 k, u32 tile,
                                        float* __restrict__ o0, u32 w0, float* __restrict__ o1, u32 w1,
                                        float* __restrict__ o2, u32 w2, const float* __restrict__ norm_w,
                                        float eps, u32 accumulate, u32 splits) {
     lt_grid_dependency();
-    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    const BlockWeights weights = {q, scales, mins, k, offset, bits, scale_shift};
     gemv(x, weights, m, n, k, tile, o0, w0, o1, w1, o2, w2, norm_w, eps, accumulate, splits);
 }
 
@@ -271,11 +274,12 @@ extern "C" __global__ void gemv_gated_bf16(const float* __restrict__ x, const lt
 
 extern "C" __global__ void gemv_gated_blocks(const float* __restrict__ x, const u8* __restrict__ q,
                                              const float* __restrict__ scales, const float* __restrict__ mins,
-                                             int offset, u32 bits, u32 m, u32 f, u32 k, u32 tile,
+                                             int offset, u32 bits, u32 scale_shift, u32 m, u32 f, u32 k,
+                                             u32 tile,
                                              float* __restrict__ out, u32 act, const float* __restrict__ norm_w,
                                              float eps, u32 splits) {
     lt_grid_dependency();
-    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    const BlockWeights weights = {q, scales, mins, k, offset, bits, scale_shift};
     gemv_gated(x, weights, m, f, k, tile, out, act, norm_w, eps, splits);
 }
 
@@ -283,10 +287,11 @@ extern "C" __global__ void gemv_gated_blocks(const float* __restrict__ x, const 
 // of more rows than the small-product kernels take (cuBLAS's bf16 GEMM reads them): one
 // grid-stride thread per 8 values.
 extern "C" __global__ void dequantize_blocks_bf16(const u8* __restrict__ q, const float* __restrict__ scales,
-                                                  const float* __restrict__ mins, int offset, u32 bits, u32 k,
-                                                  u32 row0, u32 rows, lt_bf16* __restrict__ out) {
+                                                  const float* __restrict__ mins, int offset, u32 bits,
+                                                  u32 scale_shift, u32 k, u32 row0, u32 rows,
+                                                  lt_bf16* __restrict__ out) {
     lt_grid_dependency();
-    const BlockWeights weights = {q, scales, mins, k, offset, bits};
+    const BlockWeights weights = {q, scales, mins, k, offset, bits, scale_shift};
     for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (u64)rows * k;
          i += (u64)gridDim.x * blockDim.x * 8) {
         const u32 row = (u32)(i / k), c = (u32)(i % k);
@@ -301,11 +306,11 @@ extern "C" __global__ void dequantize_blocks_bf16(const u8* __restrict__ q, cons
 // row of NaN for an id at or past `vocab`, as embed_impl), a grid-stride thread per 8
 // values.
 extern "C" __global__ void embed_blocks(const u8* __restrict__ q, const float* __restrict__ scales,
-                                        const float* __restrict__ mins, int offset, u32 bits, u32 hidden,
-                                        u32 vocab, const u32* __restrict__ ids, u32 tokens, float scale,
-                                        float* __restrict__ out) {
+                                        const float* __restrict__ mins, int offset, u32 bits, u32 scale_shift,
+                                        u32 hidden, u32 vocab, const u32* __restrict__ ids, u32 tokens,
+                                        float scale, float* __restrict__ out) {
     lt_grid_dependency();
-    const BlockWeights weights = {q, scales, mins, hidden, offset, bits};
+    const BlockWeights weights = {q, scales, mins, hidden, offset, bits, scale_shift};
     for (u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (u64)tokens * hidden;
          i += (u64)gridDim.x * blockDim.x * 8) {
         const u32 t = (u32)(i / hidden), c = (u32)(i % hidden);

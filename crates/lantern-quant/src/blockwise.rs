@@ -63,7 +63,9 @@ impl Blockwise {
                 got: bytes.len(),
             });
         }
-        let values = rows * cols;
+        let values = rows
+            .checked_mul(cols)
+            .ok_or(QuantError::Overflow { n: rows, k: cols })?;
         let bits = quant_bits(ty) as usize;
         let mut quants = vec![0u8; values * bits / 8];
         let group = scale_group(ty);

@@ -59,10 +59,11 @@ impl GemvWeights<'_> {
         }
     }
 
-    fn kernel(&self, name: &str) -> String {
+    /// The kernels for these weights: the plain product and the gated one.
+    fn kernels(&self) -> (&'static str, &'static str) {
         match self {
-            Self::Bf16(_) => format!("{name}_bf16"),
-            Self::Blocks(_) => format!("{name}_blocks"),
+            Self::Bf16(_) => ("gemv_bf16", "gemv_gated_bf16"),
+            Self::Blocks(_) => ("gemv_blocks", "gemv_gated_blocks"),
         }
     }
 }
@@ -198,7 +199,7 @@ impl Gpu {
         let (m32, n32, k32) = (m as u32, u32_of("n", n)?, u32_of("k", k)?);
         let tile = tile(m, k);
         let tile32 = tile as u32;
-        let f = self.function(&w.kernel("gemv"))?;
+        let f = self.function(w.kernels().0)?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wa, _gw) = self.weight_args(w);
         let mut guards = Vec::with_capacity(outs.len());
@@ -269,7 +270,7 @@ impl Gpu {
         let tile = tile(m, k);
         let tile32 = tile as u32;
         let act32: u32 = act.code();
-        let f = self.function(&w.kernel("gemv_gated"))?;
+        let f = self.function(w.kernels().1)?;
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wa, _gw) = self.weight_args(w);
         let (op, _go) = out.device_ptr_mut(&self.stream);

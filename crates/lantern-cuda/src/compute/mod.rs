@@ -1,7 +1,7 @@
 //! lantern-model's blocks on the GPU: [`Compute`] over device buffers. Weights are
 //! uploaded once at load (bf16, or f32 with `--f32-weights`; GGUF's quantized types stay
-//! quantized, in lantern-quant's blockwise form), activations stay on the device from the embedding lookup to
-//! the logits, and attention runs on [`CudaBackend`]'s paged caches.
+//! quantized, in lantern-quant's blockwise form), activations stay on the device from the
+//! embedding lookup to the logits, and attention runs on [`CudaBackend`]'s paged caches.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,8 +47,9 @@ pub struct CudaCompute {
     /// launches them apart, for comparing the two).
     fold_norms: bool,
     /// GGUF weights of a quantized type stay quantized on the device (blocks.rs);
-    /// `LANTERN_CUDA_QUANTIZED_WEIGHTS=off` dequantizes them to bf16 at load (faster
-    /// products past the small-product kernels' rows, several times the memory).
+    /// `LANTERN_CUDA_QUANTIZED_WEIGHTS=off` dequantizes them to bf16 at load (no
+    /// dequantization in the products past the small-product kernels' rows, 1.6-3.2x the
+    /// memory).
     quantized_weights: bool,
     /// Device bytes of the weights uploaded so far (matrices and vectors), and of the
     /// GGUF matrices among them kept quantized.

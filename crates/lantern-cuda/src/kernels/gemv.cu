@@ -66,9 +66,18 @@ struct Bf16Weights {
 };
 
 // A blockwise weight: scale * q (+ min), rounded as the CPU's dequantization rounds it.
-__device__ __forceinline__ float lt_block_value(float scale, int q, float min, bool has_min) {
-    const float w = __fmul_rn(scale, (float)q);
+__device__ __forceinline__ float lt_block_value(float scale, float q, float min, bool has_min) {
+    const float w = __fmul_rn(scale, q);
     return has_min ? __fadd_rn(w, min) : w;
+}
+
+// The quant u (0..255) less `offset`, as an exact float without an int-to-float
+// conversion (which runs at a fraction of the float units' rate, and would bound a decode
+// step's products over 4- and 8-bit weights):
+// 2^23 + u has u in its low mantissa bits, and subtracting 2^23 + offset leaves u - offset
+// exactly. `base` is 2^23 + offset.
+__device__ __forceinline__ float lt_quant_less(u32 u, float base) {
+    return __uint_as_float(0x4B000000u | u) - base;
 }
 
 // W in lantern-quant's blockwise form (GGUF weights as stored): quants of `bits` (4: two a
@@ -104,11 +113,12 @@ struct BlockWeights {
         return r;
     }
     __device__ __forceinline__ void decode(const Raw& r, float* v) const {
+        const float base = 8388608.0f + (float)offset;
 #pragma unroll
         for (u32 j = 0; j < 8; ++j) {
             const u32 u = bits == 4 ? r.q.x >> (4 * j) & 15u
                                     : (j < 4 ? r.q.x : r.q.y) >> (8 * (j % 4)) & 255u;
-            v[j] = lt_block_value(r.scale, (int)u - offset, r.min, mins != 0);
+            v[j] = lt_block_value(r.scale, lt_quant_less(u, base), r.min, mins != 0);
         }
     }
 };

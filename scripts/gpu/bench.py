@@ -367,6 +367,10 @@ def table(name, layers, lan, hf, args):
         if not other:
             continue
         other_batched = other.get("batched_decode_tokens_per_s") or {}
+        mib = lambda b: None if b is None else round(b / 2**20, 1)
+        qw, bw = mib(other.get("device_weight_bytes")), mib(bench.get("device_weight_bytes"))
+        rows.append({"model": name, "metric": f"weights on the device: {label}", "unit": "MiB",
+                     "transformers": bw, "lantern": qw, "speedup": ratio(bw, qw)})
         q = other.get("prefill_tokens_per_s")
         rows.append({"model": name, "metric": f"prefill {args.prompt_tokens}: {label}", "unit": "tok/s",
                      "transformers": bench.get("prefill_tokens_per_s"), "lantern": q,

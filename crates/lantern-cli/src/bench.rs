@@ -433,6 +433,7 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 "decode_after_prompt_tokens_per_s": decode_after,
                 "batched_decode_tokens_per_s": batched_json,
                 "peak_memory_bytes": peak,
+                "device_weight_bytes": engine.device_weight_bytes(),
                 "kernel_times": engine.kernel_times().map(|times| times
                     .iter()
                     .map(|t| json!({
@@ -504,6 +505,12 @@ pub fn run(mut args: BenchArgs, verbose: bool) -> Result<()> {
                 mib(held),
                 args.kv_memory_tokens,
                 mib(all)
+            );
+        }
+        if let Some(bytes) = engine.device_weight_bytes() {
+            println!(
+                "weights on GPU     {:8.1} MiB",
+                bytes as f64 / (1 << 20) as f64
             );
         }
         if let Some(g) = engine.graph_stats() {

@@ -168,7 +168,9 @@ impl PlacedModel {
                     backend
                 };
                 config.attention_backend = name;
-                Engine::with_backend(self.loaded, config, Box::new(backend))
+                let mut engine = Engine::with_backend(self.loaded, config, Box::new(backend))?;
+                engine.device_weight_bytes = self.device_weight_bytes;
+                Ok(engine)
             }
         }
     }

@@ -105,6 +105,8 @@ pub struct Engine {
     faults: FaultPlan,
     /// Threads a finished capture's finalizing may use ([`host_threads`]).
     finalize_threads: usize,
+    /// Bytes the model's weights take on its GPU (set by [`crate::device::PlacedModel`]).
+    pub(crate) device_weight_bytes: Option<usize>,
 }
 
 /// A logits row the step's threads reduce to its token ([`Engine::tokens_on_threads`]).
@@ -200,6 +202,7 @@ impl Engine {
             prefix_stats_before_reset: PrefixCacheStats::default(),
             faults: FaultPlan::default(),
             finalize_threads,
+            device_weight_bytes: None,
         })
     }
 
@@ -240,6 +243,11 @@ impl Engine {
     /// (`LANTERN_CUDA_PROFILE=on`); `None` otherwise.
     pub fn kernel_times(&self) -> Option<Vec<lantern_attn::KernelTime>> {
         self.runner.backend().kernel_times()
+    }
+
+    /// Bytes the model's weights take on its GPU; `None` on the CPU.
+    pub fn device_weight_bytes(&self) -> Option<usize> {
+        self.device_weight_bytes
     }
 
     /// What the backend's decode-step graphs did so far; `None` where steps run eagerly

@@ -67,6 +67,12 @@ fn blocks(blocks: usize) -> usize {
 }
 
 #[test]
+fn an_engine_on_the_cpu_holds_no_weights_on_a_device() {
+    let (engine, _dir) = tiny_engine(config(blocks(64)));
+    assert_eq!(engine.device_weight_bytes(), None);
+}
+
+#[test]
 fn chunked_prefill_gives_the_same_tokens() {
     let p = prompts(6);
     let whole = run(config(blocks(512)), &p, 12);

@@ -868,6 +868,11 @@ fn gguf_weights_kept_quantized_match_their_dequantized_values() {
     }
     for &(arch, file, flavour) in QUANTIZED_FILES {
         let (mut kept, kept_bytes) = gguf_engine(arch, file, false, false);
+        assert_eq!(
+            kept.device_weight_bytes(),
+            kept_bytes,
+            "the engine tells its weights"
+        );
         let (mut exact, _) = gguf_engine(arch, file, true, false);
         let prompts = common::reference_prompts_in(&fixture(arch).join("ref"), flavour);
         for p in &prompts {

@@ -1458,6 +1458,38 @@ mod gpu_tests {
         (w, as_f32)
     }
 
+    /// `x · Wᵀ` by the small product into one output per width, with `splits` warps a
+    /// column, the columns of every part put back in place: `[m, n]`.
+    fn gemv_in_parts(
+        g: &Gpu,
+        dx: &cudarc::driver::CudaSlice<f32>,
+        weights: GemvWeights<'_>,
+        (m, k): (usize, usize),
+        widths: &[usize],
+        splits: Option<usize>,
+    ) -> Vec<f32> {
+        let mut outs: Vec<_> = widths
+            .iter()
+            .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
+            .collect();
+        let mut refs: Vec<_> = outs.iter_mut().collect();
+        let extras = GemvExtras {
+            splits,
+            ..GemvExtras::default()
+        };
+        g.gemv(dx, weights, m, k, &mut refs, extras).unwrap();
+        let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
+        (0..m)
+            .flat_map(|row| {
+                parts
+                    .iter()
+                    .zip(widths)
+                    .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     #[test]
     fn gemv_matches_reference_and_splits_its_output() {
         let Some((g, _t)) = gpu() else { return };
@@ -1477,28 +1509,8 @@ mod gpu_tests {
             let want = product_reference(&x, &wf, m, n, k);
             let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
             for splits in [None, Some(1), Some(2), Some(4)] {
-                let mut outs: Vec<_> = widths
-                    .iter()
-                    .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
-                    .collect();
-                let mut refs: Vec<_> = outs.iter_mut().collect();
-                let extras = GemvExtras {
-                    splits,
-                    ..GemvExtras::default()
-                };
-                g.gemv(&dx, GemvWeights::Bf16(&dw), m, k, &mut refs, extras)
-                    .unwrap();
-                // Columns of every part back in place: [m, n].
-                let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
-                let got: Vec<f32> = (0..m)
-                    .flat_map(|row| {
-                        parts
-                            .iter()
-                            .zip(&widths)
-                            .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
-                            .collect::<Vec<_>>()
-                    })
-                    .collect();
+                let weights = GemvWeights::Bf16(&dw);
+                let got = gemv_in_parts(&g, &dx, weights, (m, k), &widths, splits);
                 assert_close(
                     &got,
                     &want,
@@ -1786,27 +1798,8 @@ mod gpu_tests {
             let dx = g.upload(&x).unwrap();
             let want = product_reference(&x, &wf, m, n, k);
             for splits in [None, Some(2), Some(4)] {
-                let mut outs: Vec<_> = widths
-                    .iter()
-                    .map(|&wd| g.zeros::<f32>(m * wd).unwrap())
-                    .collect();
-                let mut refs: Vec<_> = outs.iter_mut().collect();
-                let extras = GemvExtras {
-                    splits,
-                    ..GemvExtras::default()
-                };
-                g.gemv(&dx, GemvWeights::Blocks(&dw), m, k, &mut refs, extras)
-                    .unwrap();
-                let parts: Vec<Vec<f32>> = outs.iter().map(|o| g.download(o).unwrap()).collect();
-                let got: Vec<f32> = (0..m)
-                    .flat_map(|row| {
-                        parts
-                            .iter()
-                            .zip(&widths)
-                            .flat_map(|(p, &wd)| p[row * wd..(row + 1) * wd].to_vec())
-                            .collect::<Vec<_>>()
-                    })
-                    .collect();
+                let weights = GemvWeights::Blocks(&dw);
+                let got = gemv_in_parts(&g, &dx, weights, (m, k), &widths, splits);
                 assert_close(&got, &want, 1e-5, &format!("{what} splits {splits:?}"));
             }
 

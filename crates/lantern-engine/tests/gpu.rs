@@ -462,6 +462,23 @@ fn run_logged(
     ids.into_iter().map(|id| out.remove(&id).unwrap()).collect()
 }
 
+/// The same tokens request by request, and log-probabilities within f32 summation noise
+/// (graph steps against eager ones).
+fn assert_same_runs(
+    name: &str,
+    on_graphs: &[(Vec<u32>, Vec<f32>)],
+    eagerly: &[(Vec<u32>, Vec<f32>)],
+) {
+    for (r, (g, e)) in on_graphs.iter().zip(eagerly).enumerate() {
+        assert_eq!(g.0, e.0, "{name}: request {r}'s tokens");
+        let diff = common::max_abs_diff(&g.1, &e.1);
+        assert!(
+            diff < 1e-4,
+            "{name}: request {r}'s logprobs differ by {diff}"
+        );
+    }
+}
+
 /// Decode steps replayed from CUDA graphs compute what eager steps compute: the same
 /// greedy tokens and log-probabilities within f32 summation noise, for batches padded to a
 /// graph's size (3 to 4, 5 to 8), contexts long enough for split-K attention, greedy-only
@@ -511,14 +528,7 @@ fn graph_steps_equal_eager_steps() {
                         format!("{arch} {backend} batch {batch} logprobs {asked:?} {penalty}");
                     let on_graphs = run_logged(&mut graphed, &requests);
                     let eagerly = run_logged(&mut eager, &requests);
-                    for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
-                        assert_eq!(g.0, e.0, "{name}: request {r}'s tokens");
-                        let diff = common::max_abs_diff(&g.1, &e.1);
-                        assert!(
-                            diff < 1e-4,
-                            "{name}: request {r}'s logprobs differ by {diff}"
-                        );
-                    }
+                    assert_same_runs(&name, &on_graphs, &eagerly);
                 }
             }
             let stats = graphed
@@ -918,14 +928,7 @@ fn gguf_weights_kept_quantized_match_their_dequantized_values() {
                 .collect();
             let on_graphs = run_logged(&mut kept, &requests);
             let eagerly = run_logged(&mut eager, &requests);
-            for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
-                assert_eq!(g.0, e.0, "{file} batch {batch}: request {r}'s tokens");
-                let diff = common::max_abs_diff(&g.1, &e.1);
-                assert!(
-                    diff < 1e-4,
-                    "{file} batch {batch}: request {r}'s logprobs differ by {diff}"
-                );
-            }
+            assert_same_runs(&format!("{file} batch {batch}"), &on_graphs, &eagerly);
         }
         let stats = kept.graph_stats().expect("graphs");
         assert!(stats.replayed > 0 && stats.failed == 0, "{file}: {stats:?}");

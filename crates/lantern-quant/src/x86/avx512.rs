@@ -31,13 +31,17 @@ pub(crate) unsafe fn quantize_token(x: &[f32], out: &mut TokenBlocks<'_>) {
     for g in (0..nb).step_by(16) {
         let n = (nb - g).min(16);
         let block = |j: usize| x.as_ptr().add((g + j) * BLOCK);
-        let mut amax = [0f32; 16];
+        // The 16 blocks' amax gathered in a register: through an array on the stack, the
+        // vector load waited for 16 scalar stores (no store forwarding), and so for
+        // every older store, the previous blocks' outputs among them.
+        let mut amax = _mm512_setzero_ps();
         for j in 0..n {
             let (x0, x1) = (_mm512_loadu_ps(block(j)), _mm512_loadu_ps(block(j).add(16)));
-            amax[j] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            let m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            amax = _mm512_mask_broadcastss_ps(amax, 1 << j, _mm_set_ss(m));
         }
         // `block_scale` for the 16: d = amax / 127, id = 1 / d where d > 0, else 0.
-        let d = _mm512_div_ps(_mm512_loadu_ps(amax.as_ptr()), _mm512_set1_ps(127.0));
+        let d = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
         let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, _mm512_setzero_ps());
         let id = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0), d);
         let (mut ds, mut ids) = ([0f32; 16], [0f32; 16]);

@@ -20,10 +20,20 @@ pub struct GraphKey {
     /// device ([`crate::AttentionTap::device_only`]): every layer of such a step copies
     /// their rows there, in one launch whose destinations are uploaded with the step.
     pub capturing: bool,
+    /// A fingerprint of how many rows' probabilities the step's capture takes on each
+    /// layer ([`crate::AttentionTap::probability_plan`]; 0: none): each such layer
+    /// computes them into a buffer with room for every key of the table, read after the
+    /// step (at most [`MAX_GRAPH_PROBABILITY_BYTES`] in all).
+    pub probabilities: u64,
     /// Edits of the logits before they are reduced (penalties) the step uploads, padded
     /// to this many (0: none, and no launch for them).
     pub edit_capacity: usize,
 }
+
+/// Device bytes a graph step may hold for its capture's probabilities until its layers
+/// have all run (each row with room for every key of the step's table): a step that
+/// would need more runs eagerly.
+pub const MAX_GRAPH_PROBABILITY_BYTES: usize = 64 << 20;
 
 /// What a backend's graphs did so far (for tests, benchmarks and logs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -46,7 +46,7 @@ pub use backends::row_scorer::RowScorer;
 pub use cache::{round_to_dtype, CacheStorage, PagedKvCache};
 pub use device::{host_f32, tensor3, Device, HostF32, LayerKvCache, Tensor};
 pub use error::AttnError;
-pub use graphs::{GraphKey, GraphStats, StepGraphs};
+pub use graphs::{GraphKey, GraphStats, StepGraphs, MAX_GRAPH_PROBABILITY_BYTES};
 pub use kept::{KeptHeads, KeptRows, MapQueries};
 pub use layer::AttentionLayerSpec;
 pub use layout::{CacheGeometry, KvCacheLayout, KvCacheShape, NamedStrides};

@@ -63,13 +63,23 @@ pub trait AttentionTap {
         )))
     }
 
-    /// Whether everything this tap does in the step stays on the backend's device: every
-    /// capturing request keeps its rows there ([`Self::keeps_on_device`]) and none takes
-    /// rows or probabilities back to the host during the step ([`Self::rows_read`] and
-    /// [`Self::probability_rows`] give nothing). Such a step can be replayed from a
-    /// recorded graph ([`crate::GraphKey::capturing`]).
+    /// Whether everything this tap does in the step stays on the backend's device until
+    /// the step's layers have all run: every capturing request keeps its rows there
+    /// ([`Self::keeps_on_device`]), none takes rows back to the host during the step
+    /// ([`Self::rows_read`] gives nothing), and the probabilities it asks for
+    /// ([`Self::probability_rows`]) may be handed over after the layers. Such a step can
+    /// be replayed from a recorded graph ([`crate::GraphKey::capturing`]), whose backend
+    /// computes those probabilities as its layers run and hands them over after them (or
+    /// leaves them unfilled).
     fn device_only(&self) -> bool {
         false
+    }
+
+    /// How many rows [`Self::probability_rows`] will ask for on each layer in this step
+    /// (empty: none), without asking: steps that ask alike replay one graph
+    /// ([`crate::GraphKey::probabilities`]).
+    fn probability_plan(&self) -> Vec<usize> {
+        Vec::new()
     }
 
     /// The rows of this step whose probabilities on `layer` the tap takes from the

@@ -637,9 +637,35 @@ impl AttentionTap for StepTap<'_> {
     }
 
     fn device_only(&self) -> bool {
-        self.targets
-            .iter()
-            .all(|t| t.buffer.keeps_on_device() && !t.buffer.sums_live())
+        self.targets.iter().all(|t| t.buffer.keeps_on_device())
+    }
+
+    fn probability_plan(&self) -> Vec<usize> {
+        // What `probability_rows` will ask, layer by layer: the rows of each live-summing
+        // target, but for those it stops on the way (too many values), which it asks for
+        // on no later layer either.
+        let mut stopped = vec![false; self.targets.len()];
+        let mut plan = vec![0; self.wanted.len()];
+        for (layer, planned) in plan.iter_mut().enumerate() {
+            let mut values = 0usize;
+            for (ti, t) in self.targets.iter().enumerate() {
+                if stopped[ti] || t.buffer.live_slot(layer).is_none() {
+                    continue;
+                }
+                let kept = Self::kept_positions(t);
+                let need: usize = kept.clone().map(|pos| (pos + 1) * self.num_heads).sum();
+                if values + need > MAX_LIVE_VALUES {
+                    stopped[ti] = true;
+                    continue;
+                }
+                values += need;
+                *planned += kept.len();
+            }
+        }
+        if plan.iter().all(|&rows| rows == 0) {
+            plan.clear();
+        }
+        plan
     }
 
     fn keeps_on_device(&self, layer: usize) -> bool {
@@ -884,15 +910,102 @@ mod tests {
         assert!(tap.device_only());
         tap.add(1, 1, 5, &mut host);
         assert!(!tap.device_only(), "a capture on the host");
+        assert!(tap.probability_plan().is_empty(), "nothing summed live");
         let mut tap = StepTap::new(4, 3, 2);
         tap.add(0, 1, 5, &mut kept);
         tap.add(1, 1, 5, &mut summing);
-        assert!(!tap.device_only(), "statistics summed live");
+        assert!(
+            tap.device_only(),
+            "statistics summed live, rows on the device"
+        );
+        let live = tap.probability_plan();
+        assert_eq!(live, [0, 1, 0, 0], "statistics summed live on layer 1");
+        let mut other = StepTap::new(4, 3, 2);
+        other.add(0, 1, 5, &mut host);
+        assert!(other.probability_plan().is_empty());
+        drop((tap, other));
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(2, 1, 5, &mut summing);
+        assert_eq!(
+            tap.probability_plan(),
+            live,
+            "the same rows on the same layers, wherever in the batch"
+        );
+        let mut two = StepTap::new(4, 3, 2);
+        two.add(0, 1, 5, &mut kept);
         drop(tap);
+        let mut summing_too = QueryRowBuffer::new(
+            {
+                let mut s = s.clone();
+                s.stats = vec![KeyStat::KeyMass];
+                s
+            },
+            4,
+            3,
+            2,
+            5,
+            3,
+        )
+        .with_live_sums(&layers);
+        two.add(1, 1, 5, &mut summing);
+        two.add(2, 1, 5, &mut summing_too);
+        assert_eq!(two.probability_plan(), [0, 2, 0, 0], "two rows a layer");
+        drop(two);
         summing.live.as_mut().unwrap().stop();
         let mut tap = StepTap::new(4, 3, 2);
         tap.add(0, 1, 5, &mut summing);
         assert!(tap.device_only(), "live sums stopped");
+        assert!(tap.probability_plan().is_empty(), "live sums stopped");
+    }
+
+    /// The plan a step's graph is keyed by names the rows `probability_rows` then asks
+    /// for, layer by layer: also where asking stops a target that needs too many values
+    /// (on that layer and every later one).
+    #[test]
+    fn the_probability_plan_names_the_rows_asked() {
+        let layers = vec![AttentionLayerSpec::new(3, 3, 2); 4];
+        let mut s = spec(vec![0, 1, 3], vec![0, 2], RowSelection::All);
+        s.stats = vec![KeyStat::KeyMass];
+        let live = |prompt: usize| {
+            QueryRowBuffer::new(s.clone(), 4, 3, 2, prompt, 3).with_live_sums(&layers)
+        };
+        // (pos + 1) · 3 heads past MAX_LIVE_VALUES on its own.
+        let far = MAX_LIVE_VALUES / 3 + 10;
+        let (mut near, mut next, mut beyond) = (live(5), live(9), live(far + 1));
+        let mut host = QueryRowBuffer::new(s.clone(), 4, 3, 2, 5, 3);
+        let asked = |tap: &mut StepTap<'_>| -> Vec<usize> {
+            (0..4)
+                .map(|layer| tap.probability_rows(layer).map_or(0, |p| p.rows().len()))
+                .collect()
+        };
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(0, 1, 5, &mut near);
+        tap.add(1, 1, 9, &mut next);
+        tap.add(2, 1, far, &mut beyond);
+        tap.add(3, 1, 5, &mut host);
+        let predicted = tap.probability_plan();
+        assert_eq!(
+            predicted,
+            [2, 2, 0, 2],
+            "two targets; the third needs too many values"
+        );
+        assert_eq!(
+            predicted,
+            asked(&mut tap),
+            "three targets, one stopped on the way"
+        );
+        drop(tap);
+        assert!(!beyond.sums_live() && near.sums_live() && next.sums_live());
+        let mut tap = StepTap::new(4, 3, 2);
+        tap.add(0, 1, 6, &mut near);
+        tap.add(1, 1, 10, &mut next);
+        tap.add(2, 1, far + 1, &mut beyond);
+        assert_eq!(
+            tap.probability_plan(),
+            predicted,
+            "the next step asks alike"
+        );
+        assert_eq!(tap.probability_plan(), asked(&mut tap));
     }
 
     /// Probabilities a device hands over after the layers have run (after the rows were

@@ -220,7 +220,11 @@ impl PendingProbabilities {
     /// invalid block.
     pub fn fill(self, gpu: &Gpu, probabilities: &mut RowProbabilities) -> Result<(), AttnError> {
         let len = self.len;
-        let values = gpu.download(&*self.values).map_err(attn_error)?;
+        // A graph step's buffer holds more than the rows (see `launch_row_probabilities`).
+        let computed = len.min(self.values.len());
+        let values = gpu
+            .download(&self.values.slice(..computed))
+            .map_err(attn_error)?;
         let room = probabilities.parts_mut().0.len();
         if values.len() < len || room < len {
             return Err(AttnError::Unsupported(format!(
@@ -308,9 +312,17 @@ impl CudaBackend {
             None => None,
         };
         let params = attn_params(spec, sinks.as_ref().map(|s| s.as_view()));
+        // A graph step's buffer has room for every key its table can hold in every row,
+        // so that it has the same size in every step replayed (the rows' offsets are
+        // uploaded with the step).
+        let room = if self.gpu.in_graph_step() {
+            rows.len() * device.table_stride * common.block_size * spec.num_heads
+        } else {
+            len
+        };
         let mut out = self
             .gpu
-            .step_output::<f32>(len.max(1))
+            .step_output::<f32>(room.max(len).max(1))
             .map_err(attn_error)?;
         let table = (&*device.block_table, device.table_stride);
         let strides = cache.strides();

@@ -142,6 +142,7 @@ fn replayed_steps_equal_eager_steps_with_new_inputs_each_time() {
             table_width: 16,
             whole_logits: false,
             capturing: false,
+            probabilities: 0,
             edit_capacity: 0,
         };
         for round in 0..6 {
@@ -180,6 +181,7 @@ fn a_step_that_changes_shape_under_its_key_fails_without_running() {
         table_width: 64,
         whole_logits: true,
         capturing: false,
+        probabilities: 0,
         edit_capacity: 0,
     };
     for _ in 0..2 {

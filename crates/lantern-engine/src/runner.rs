@@ -6,7 +6,7 @@ use crate::sampling::logit_edits;
 use crate::scheduler::SchedulerOutput;
 use lantern_attn::{
     AttentionBackend, AttentionMetadata, AttentionTap, CacheGeometry, CommonAttentionMetadata,
-    GraphKey, LayerKvCache, ScheduledSeq,
+    GraphKey, LayerKvCache, ScheduledSeq, MAX_GRAPH_PROBABILITY_BYTES,
 };
 use lantern_kv::{AttentionKind, KvCacheConfig, KvCacheManager, KvDtype, RequestId};
 use lantern_model::{
@@ -258,7 +258,8 @@ impl ModelRunner {
         let vocab = model.info().vocab_size;
         // A capture whose work stays on the device is recorded into the step's graph.
         if tap.as_ref().is_none_or(|t| t.device_only()) {
-            if let Some(key) = self.graph_key(plan, kv, &inputs, tap.is_some()) {
+            let capture = tap.as_ref().map(|t| t.probability_plan());
+            if let Some(key) = self.graph_key(model, plan, kv, &inputs, capture.as_deref()) {
                 // A reborrow: the tap is the eager run's again should the graph fail.
                 let graph_tap = tap.as_mut().map(|t| &mut **t as &mut dyn AttentionTap);
                 match self.execute_graphed(model, plan, requests, kv, &inputs, key, graph_tap) {
@@ -368,13 +369,16 @@ impl ModelRunner {
     /// The graph a step replays, when the backend records graphs and the step is one
     /// they serve: decodes only (one token each, every one sampled), no chunked-local
     /// layers (their virtual batches change shape), at most the largest graph's requests.
-    /// `capturing`: the step carries capturing requests whose work stays on the device.
+    /// `capture`: the step carries capturing requests whose work stays on the device,
+    /// asking for the probabilities of this many rows on each layer
+    /// ([`AttentionTap::probability_plan`]).
     fn graph_key(
         &self,
+        model: &dyn CausalLm,
         plan: &SchedulerOutput,
         kv: &KvCacheManager,
         inputs: &StepInputs,
-        capturing: bool,
+        capture: Option<&[usize]>,
     ) -> Option<GraphKey> {
         let graphs = self.backend.step_graphs()?;
         let n = plan.scheduled.len();
@@ -406,11 +410,22 @@ impl ModelRunner {
             n if n > MAX_GRAPH_EDITS => return None,
             n => n.next_power_of_two().max(MIN_GRAPH_EDITS),
         };
+        // Each asked row has room for every key of the table, on every layer it is asked.
+        let keys = table_width * self.block_size;
+        let probability_values: usize = (capture.unwrap_or_default().iter().enumerate())
+            .map(|(l, &rows)| {
+                rows * keys * model.info().attention.get(l).map_or(0, |a| a.num_heads)
+            })
+            .sum();
+        if probability_values * size_of::<f32>() > MAX_GRAPH_PROBABILITY_BYTES {
+            return None;
+        }
         Some(GraphKey {
             num_reqs,
             table_width,
             whole_logits,
-            capturing,
+            capturing: capture.is_some(),
+            probabilities: capture.map_or(0, plan_fingerprint),
             edit_capacity,
         })
     }
@@ -571,5 +586,46 @@ impl ModelRunner {
             })
             .collect();
         Ok(CommonAttentionMetadata::build(&seqs, self.block_size)?)
+    }
+}
+
+/// A step's probability plan as a graph key's fingerprint (FNV-1a over the layers' row
+/// counts): 0 when no layer asks for any, never 0 otherwise. Two plans that collide
+/// share a key, and the second's launches differ from the recorded ones: the graph
+/// diverges and the key runs eagerly from then on.
+fn plan_fingerprint(plan: &[usize]) -> u64 {
+    if plan.iter().all(|&rows| rows == 0) {
+        return 0;
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &rows in plan {
+        for b in (rows as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_fingerprint;
+
+    #[test]
+    fn a_plan_fingerprint_is_zero_only_for_no_rows_and_tells_plans_apart() {
+        assert_eq!(plan_fingerprint(&[]), 0);
+        assert_eq!(plan_fingerprint(&[0, 0, 0]), 0);
+        let plans: [&[usize]; 5] = [&[1, 0, 0], &[0, 1, 0], &[0, 0, 1], &[2, 0, 0], &[1, 1, 0]];
+        let prints: Vec<u64> = plans.iter().map(|p| plan_fingerprint(p)).collect();
+        assert!(prints.iter().all(|&f| f != 0));
+        for (i, a) in prints.iter().enumerate() {
+            for b in &prints[i + 1..] {
+                assert_ne!(a, b, "{plans:?}");
+            }
+        }
+        assert_eq!(
+            plan_fingerprint(&[0, 1, 0]),
+            prints[1],
+            "the same plan, the same key"
+        );
     }
 }

@@ -556,66 +556,141 @@ fn graph_steps_equal_eager_steps() {
 /// do not capture, in both layouts.
 #[test]
 fn capturing_decode_steps_replay_graphs_and_keep_the_eager_maps() {
-    if !gpu_present("capturing_decode_steps_replay_graphs_and_keep_the_eager_maps") {
+    let test = "capturing_decode_steps_replay_graphs_and_keep_the_eager_maps";
+    with_graphed_and_eager(test, |arch, graphed, eager, (layers, heads), prompts| {
+        let mut every = CaptureSpec::everything(layers, heads);
+        every.rows = RowSelection::All;
+        let mut some = every.clone();
+        some.heads = (0..heads).rev().step_by(2).collect();
+        some.layers = (0..layers).step_by(2).collect();
+        for (what, spec) in [("every head and layer", every), ("some", some)] {
+            let name = format!("{arch} {what}");
+            let captures = [None, Some(spec.clone()), None];
+            let (on_graphs, eagerly, after) =
+                graphed_beside_eager(graphed, eager, prompts, captures, &name);
+            let result = |c: &lantern_engine::Completion| {
+                let pending = c.capture.clone().unwrap().unwrap();
+                assert!(
+                    pending.maps_computed_by_backend(),
+                    "{name}: maps on the device"
+                );
+                pending.into_result(1, || {}).unwrap()
+            };
+            let (g, e) = (result(&on_graphs[1]), result(&eagerly[1]));
+            assert_eq!(g.meta, e.meta, "{name}");
+            assert!(!g.layers.is_empty(), "{name}");
+            for (gm, em) in g.layers.iter().zip(&e.layers) {
+                assert_eq!(gm.shape, em.shape, "{name} layer {}", gm.layer_idx);
+                let diff = common::max_abs_diff(&gm.values, &em.values);
+                assert!(
+                    diff < ATTENTION_TOLERANCE,
+                    "{name} layer {}: maps differ by {diff}",
+                    gm.layer_idx
+                );
+            }
+            eprintln!("{name}: {after:?}, maps as eager steps give them");
+        }
+    });
+}
+
+/// `check(name, graphed, eager, (layers, heads), prompts)` for two engines of every
+/// architecture the graph tests run (one replaying decode steps from graphs, one
+/// running them eagerly; [`graphed_and_eager`]) in both layouts, where a GPU answers.
+fn with_graphed_and_eager(
+    test: &str,
+    mut check: impl FnMut(&str, &mut Engine, &mut Engine, (usize, usize), &[ReferencePrompt]),
+) {
+    if !gpu_present(test) {
         return;
     }
     for arch in ["llama", "gemma2", "qwen3"] {
         for &backend in BACKENDS {
             let (mut graphed, mut eager) = graphed_and_eager(arch, backend);
             let info = graphed.model_info().clone();
-            let heads = info.attention[0].num_heads;
-            let prompts = prompts(arch);
-            let mut every = CaptureSpec::everything(info.num_layers, heads);
-            every.rows = RowSelection::All;
-            let mut some = every.clone();
-            some.heads = (0..heads).rev().step_by(2).collect();
-            some.layers = (0..info.num_layers).step_by(2).collect();
-            for (what, spec) in [("every head and layer", every), ("some", some)] {
-                let name = format!("{arch} {backend} {what}");
-                let requests = || {
-                    (0..3)
-                        .map(|i| {
-                            let capture = (i == 1).then(|| spec.clone());
-                            let p = &prompts[i % prompts.len()];
-                            (p.prompt_ids.clone(), greedy(12), capture)
-                        })
-                        .collect::<Vec<_>>()
-                };
-                let before = graphed.graph_stats().expect("graphs are recorded");
-                let on_graphs = common::run_to_completion(&mut graphed, requests());
-                let after = graphed.graph_stats().expect("graphs are recorded");
-                let eagerly = common::run_to_completion(&mut eager, requests());
-                assert!(
-                    after.replayed >= before.replayed + 8 && after.failed == 0,
-                    "{name}: the capturing steps were not replayed ({before:?} -> {after:?})"
-                );
-                for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
-                    assert_eq!(g.token_ids, e.token_ids, "{name}: request {r}'s tokens");
-                }
-                let result = |c: &lantern_engine::Completion| {
-                    let pending = c.capture.clone().unwrap().unwrap();
-                    assert!(
-                        pending.maps_computed_by_backend(),
-                        "{name}: maps on the device"
-                    );
-                    pending.into_result(1, || {}).unwrap()
-                };
-                let (g, e) = (result(&on_graphs[1]), result(&eagerly[1]));
-                assert_eq!(g.meta, e.meta, "{name}");
-                assert!(!g.layers.is_empty(), "{name}");
-                for (gm, em) in g.layers.iter().zip(&e.layers) {
-                    assert_eq!(gm.shape, em.shape, "{name} layer {}", gm.layer_idx);
-                    let diff = common::max_abs_diff(&gm.values, &em.values);
-                    assert!(
-                        diff < ATTENTION_TOLERANCE,
-                        "{name} layer {}: maps differ by {diff}",
-                        gm.layer_idx
-                    );
-                }
-                eprintln!("{name}: {after:?}, maps as eager steps give them");
-            }
+            let shape = (info.num_layers, info.attention[0].num_heads);
+            let name = format!("{arch} {backend}");
+            check(&name, &mut graphed, &mut eager, shape, &prompts(arch));
         }
     }
+}
+
+/// Three requests of 12 greedy tokens (capturing as `captures` say) run to completion
+/// on `graphed` and on `eager`: their completions and `graphed`'s graph statistics
+/// after, once checked that at least 8 of its steps replayed a graph, none failed, and
+/// the tokens are the eager ones.
+fn graphed_beside_eager(
+    graphed: &mut Engine,
+    eager: &mut Engine,
+    prompts: &[ReferencePrompt],
+    captures: [Option<CaptureSpec>; 3],
+    name: &str,
+) -> (
+    Vec<lantern_engine::Completion>,
+    Vec<lantern_engine::Completion>,
+    lantern_attn::GraphStats,
+) {
+    let requests = || {
+        (captures.iter().enumerate())
+            .map(|(i, capture)| {
+                let p = &prompts[i % prompts.len()];
+                (p.prompt_ids.clone(), greedy(12), capture.clone())
+            })
+            .collect::<Vec<_>>()
+    };
+    let before = graphed.graph_stats().expect("graphs are recorded");
+    let on_graphs = common::run_to_completion(graphed, requests());
+    let after = graphed.graph_stats().expect("graphs are recorded");
+    let eagerly = common::run_to_completion(eager, requests());
+    assert!(
+        after.replayed >= before.replayed + 8 && after.failed == 0,
+        "{name}: the capturing steps were not replayed ({before:?} -> {after:?})"
+    );
+    for (r, (g, e)) in on_graphs.iter().zip(&eagerly).enumerate() {
+        assert_eq!(g.token_ids, e.token_ids, "{name}: request {r}'s tokens");
+    }
+    (on_graphs, eagerly, after)
+}
+
+/// Decode steps with a request whose key statistics and span masses are summed as its
+/// rows run (their probabilities computed on the device after each layer and read after
+/// the step) replay graphs too, and sum what eager steps sum, bit for bit: the other
+/// requests of the batch keep their graphs.
+#[test]
+fn live_summing_decode_steps_replay_graphs_and_sum_as_eager_ones() {
+    let test = "live_summing_decode_steps_replay_graphs_and_sum_as_eager_ones";
+    with_graphed_and_eager(test, |name, graphed, eager, (layers, heads), prompts| {
+        let mut figures = common::with_every_stat(CaptureSpec::everything(layers, heads));
+        figures.maps = false;
+        figures.top_k = None;
+        figures.rows = RowSelection::Generated;
+        let mut some = figures.clone();
+        some.layers = (0..layers).step_by(2).collect();
+        some.heads = (0..heads).rev().step_by(2).collect();
+        some.rows = RowSelection::All;
+        let captures = [None, Some(figures), Some(some)];
+        let (on_graphs, eagerly, after) =
+            graphed_beside_eager(graphed, eager, prompts, captures, name);
+        for r in [1, 2] {
+            let pending = |c: &lantern_engine::Completion| c.capture.clone().unwrap().unwrap();
+            let (g, e) = (pending(&on_graphs[r]), pending(&eagerly[r]));
+            assert!(
+                g.stats_summed_live(),
+                "{name} request {r}: statistics summed live"
+            );
+            assert!(
+                g.span_masses_summed_live(),
+                "{name} request {r}: span masses"
+            );
+            let (g, e) = (
+                g.into_result(1, || {}).unwrap(),
+                e.into_result(1, || {}).unwrap(),
+            );
+            assert!(!g.stats.is_empty(), "{name} request {r}");
+            assert_eq!(g.stats, e.stats, "{name} request {r}: statistics");
+            assert_eq!(g.span_mass, e.span_mass, "{name} request {r}: span masses");
+        }
+        eprintln!("{name}: {after:?}, figures as eager steps sum them");
+    });
 }
 
 /// Requests sampling at a temperature, from the whole softmax or cut by top-k, top-p and

@@ -73,9 +73,10 @@ struct DeferredProbabilities {
     pending: PendingProbabilities,
 }
 
-/// Device bytes of probabilities a step keeps for the end of its layers: past it, a
-/// layer's are copied to the host at once (a wait for the device).
-const MAX_DEFERRED_BYTES: usize = 64 << 20;
+/// Device bytes of probabilities a step keeps for the end of its layers: past it, an
+/// eager step's are copied to the host at once (a wait for the device); graph steps are
+/// only run where theirs fit.
+const MAX_DEFERRED_BYTES: usize = lantern_attn::MAX_GRAPH_PROBABILITY_BYTES;
 
 /// A layer as its capture probabilities are computed: its index, spec, metadata, cache.
 type LayerAt<'a> = (
@@ -220,7 +221,15 @@ impl CudaCompute {
         let held: usize = deferred.iter().map(|d| d.pending.size_bytes()).sum();
         if held + pending.size_bytes() > MAX_DEFERRED_BYTES {
             drop(deferred);
-            pending.fill(&self.gpu, &mut probabilities)?;
+            if self.gpu.in_graph_step() {
+                // A copy now would end the graph step before its last layer (the runner
+                // graphs only steps whose probabilities fit): left unfilled, as in every
+                // replay of the step, and the capture computes these figures when it
+                // finishes.
+                probabilities.clear_filled();
+            } else {
+                pending.fill(&self.gpu, &mut probabilities)?;
+            }
             tap.record_probabilities(layer, probabilities);
         } else {
             deferred.push(DeferredProbabilities {

@@ -979,6 +979,28 @@ fn gguf_weights_kept_quantized_match_their_dequantized_values() {
                     p.id
                 );
             }
+            // The whole prompt at once: products past the small ones' 4 rows read their
+            // rows dequantized to bf16 (in chunks for large matrices) and the activations
+            // as bf16, so within bf16's rounding, not 1e-3 (up to 12% of the largest
+            // logit for these tiny random models, Gemma 2's).
+            let params = SamplingParams {
+                prompt_logits: true,
+                ..SamplingParams::greedy(1)
+            };
+            let whole = |e: &mut Engine| {
+                let mut out = e
+                    .generate(vec![(p.all_ids.clone(), params.clone())])
+                    .unwrap();
+                out[0].prompt_logits.take().unwrap()
+            };
+            let (got, want) = (whole(&mut kept), whole(&mut exact));
+            let diff = common::max_abs_diff(&got, &want);
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                got.len() == want.len() && diff < 0.15 * scale,
+                "{file} {}: the whole prompt's logits differ by {diff} (largest {scale})",
+                p.id
+            );
             let (rows, first) = teacher_forced_logits(&mut kept, p);
             let vocab = p.last_logits.len();
             let diff = common::max_abs_diff(&rows[first * vocab..][..vocab], &p.last_logits);

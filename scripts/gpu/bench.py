@@ -141,6 +141,14 @@ def lantern_figures(args, model_dir, budget):
         # (SmolLM2's; Q4_K needs multiples of 256); Q8_0 as the 8-bit types do.
         variant("bench_q4_1", ["--quantize", "q4_1"])
         variant("bench_q8_0", ["--quantize", "q8_0"])
+        # What the dequantization of the rows past the small products costs a step: the
+        # same Q4_1 weights dequantized to bf16 at load (none per step, more memory), and
+        # kept but dequantized 16 MiB at a time (a chunk the L2 cache holds for the
+        # product that reads it back) instead of 64.
+        variant("bench_q4_1_at_load", ["--quantize", "q4_1"],
+                env={"LANTERN_CUDA_QUANTIZED_WEIGHTS": "off"})
+        variant("bench_q4_1_l2_chunks", ["--quantize", "q4_1"],
+                env={"LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB": "16"})
     if args.lantern_no_small_products:
         # cuBLAS for every product: what the small-product kernels give.
         variant("bench_cublas", [], env={"LANTERN_CUDA_SMALL_PRODUCTS": "off"})
@@ -380,6 +388,18 @@ def table(name, layers, lan, hf, args):
             g = bench.get("decode_tokens_per_s") if b == 1 else batched.get(str(b))
             rows.append({"model": name, "metric": f"decode batch {b}: {label}", "unit": "tok/s",
                          "transformers": g, "lantern": q, "speedup": ratio(q, g)})
+    # One lantern variant over another.
+    for top, bottom, label in (("bench_q4_1", "bench_q4_1_at_load", "Q4_1 kept / dequantized at load"),
+                               ("bench_q4_1_l2_chunks", "bench_q4_1", "Q4_1 16 MiB / 64 MiB chunks")):
+        a, b = lan.get(top), lan.get(bottom)
+        if not a or not b:
+            continue
+        ab, bb = a.get("batched_decode_tokens_per_s") or {}, b.get("batched_decode_tokens_per_s") or {}
+        for bs in args.batches:
+            x = a.get("decode_tokens_per_s") if bs == 1 else ab.get(str(bs))
+            y = b.get("decode_tokens_per_s") if bs == 1 else bb.get(str(bs))
+            rows.append({"model": name, "metric": f"decode batch {bs}: {label}", "unit": "tok/s",
+                         "transformers": y, "lantern": x, "speedup": ratio(x, y)})
     return rows
 
 
@@ -409,7 +429,7 @@ def main():
     ap.add_argument("--lantern-no-small-products", action="store_true",
                     help="also run lantern's bench with LANTERN_CUDA_SMALL_PRODUCTS=off (rows 'default / cuBLAS only')")
     ap.add_argument("--lantern-quantized", action="store_true",
-                    help="also run lantern's bench with --quantize q4_1 and q8_0 (GGUF types kept quantized on the device; rows 'Q4_1 kept / bf16', 'Q8_0 kept / bf16')")
+                    help="also run lantern's bench with --quantize q4_1 and q8_0 (GGUF types kept quantized on the device; rows 'Q4_1 kept / bf16', 'Q8_0 kept / bf16'), and Q4_1 dequantized at load and in 16 MiB chunks (rows 'Q4_1 kept / dequantized at load', 'Q4_1 16 MiB / 64 MiB chunks')")
     ap.add_argument("--lantern-kernel-times", action="store_true",
                     help="also run lantern's bench eagerly with every kernel timed (LANTERN_CUDA_PROFILE=on): a table per model")
     ap.add_argument("--lantern-unsplit-products", action="store_true",

@@ -51,6 +51,10 @@ pub struct CudaCompute {
     /// dequantization in the products past the small-product kernels' rows, 1.6-3.2x the
     /// memory).
     quantized_weights: bool,
+    /// Values of a GGUF matrix dequantized at once for a product past the small-product
+    /// kernels' rows (`LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB`, bf16 MiB, default 64): a
+    /// chunk that fits the GPU's L2 cache is read back from it by the product.
+    dequantized_chunk: usize,
     /// Device bytes of the weights uploaded so far (matrices and vectors), and of the
     /// GGUF matrices among them kept quantized.
     weight_bytes: Arc<AtomicUsize>,
@@ -179,8 +183,14 @@ impl CudaCompute {
         let small_products = switched_on("LANTERN_CUDA_SMALL_PRODUCTS");
         let fold_norms = switched_on("LANTERN_CUDA_FOLD_NORMS");
         let quantized_weights = switched_on("LANTERN_CUDA_QUANTIZED_WEIGHTS");
+        let dequantized_chunk = products::dequantized_chunk(
+            std::env::var("LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB")
+                .ok()
+                .as_deref(),
+        );
         Self {
             quantized_weights,
+            dequantized_chunk,
             weight_bytes: Arc::default(),
             quantized_bytes: Arc::default(),
             acts: Pool::new(Arc::clone(&gpu)),

@@ -95,7 +95,7 @@ impl CudaCompute {
         y: &mut CudaSlice<f32>,
     ) -> crate::Result<()> {
         let (k, n) = (w.cols(), out_rows.len());
-        for chunk in row_chunks(out_rows.clone(), k, DEQUANTIZED_CHUNK) {
+        for chunk in row_chunks(out_rows.clone(), k, self.dequantized_chunk) {
             let mut wb = self.halves.output(chunk.len() * k)?;
             let columns = (chunk.start - out_rows.start, chunk.len(), n);
             self.gpu.dequantize_blocks_bf16(w, chunk, &mut *wb)?;
@@ -232,10 +232,29 @@ impl CudaCompute {
     }
 }
 
-/// Most values of a GGUF matrix dequantized to bf16 at once for a product (64 MiB): a
-/// larger matrix (a large vocabulary's LM head, a 70B model's MLP) is dequantized and
-/// multiplied a chunk of rows at a time.
+/// Most values of a GGUF matrix dequantized to bf16 at once for a product, unless
+/// `LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB` says otherwise (64 MiB): a larger matrix (a large
+/// vocabulary's LM head, a 70B model's MLP) is dequantized and multiplied a chunk of rows
+/// at a time.
 const DEQUANTIZED_CHUNK: usize = 32 << 20;
+
+/// The chunk `LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB` (`mib`: MiB of bf16, a whole number
+/// of at least 1) sets, in values; [`DEQUANTIZED_CHUNK`] when unset, or with a warning
+/// when not understood.
+pub(super) fn dequantized_chunk(mib: Option<&str>) -> usize {
+    let Some(text) = mib.map(str::trim).filter(|t| !t.is_empty()) else {
+        return DEQUANTIZED_CHUNK;
+    };
+    match text.parse::<usize>() {
+        Ok(mib @ 1..=65_536) => (mib << 20) / size_of::<bf16>(),
+        _ => {
+            tracing::warn!(
+                "LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB={text:?} is not a whole number of MiB                  from 1 to 65536; dequantizing 64 MiB at a time"
+            );
+            DEQUANTIZED_CHUNK
+        }
+    }
+}
 
 /// `rows` cut into consecutive chunks of at most `max_values / k` rows (at least one).
 fn row_chunks(
@@ -276,6 +295,14 @@ mod tests {
         assert_eq!(head.last().unwrap().end, 262_144);
         // A matrix that fits is one chunk; rows longer than the bound take one row each.
         assert_eq!(row_chunks(0..2048, 8192, DEQUANTIZED_CHUNK).count(), 1);
+        // The variable's MiB of bf16, in values; the default where unset or not a size.
+        assert_eq!(dequantized_chunk(None), DEQUANTIZED_CHUNK);
+        assert_eq!(dequantized_chunk(Some("64")), DEQUANTIZED_CHUNK);
+        assert_eq!(dequantized_chunk(Some(" 16 ")), 8 << 20);
+        for bad in ["", "0", "-4", "1.5", "lots", "100000"] {
+            let want = DEQUANTIZED_CHUNK;
+            assert_eq!(dequantized_chunk(Some(bad)), want, "{bad:?}");
+        }
         assert_eq!(
             row_chunks(0..3, 100, 10).collect::<Vec<_>>(),
             vec![0..1, 1..2, 2..3]

@@ -934,19 +934,8 @@ mod tests {
         let mut two = StepTap::new(4, 3, 2);
         two.add(0, 1, 5, &mut kept);
         drop(tap);
-        let mut summing_too = QueryRowBuffer::new(
-            {
-                let mut s = s.clone();
-                s.stats = vec![KeyStat::KeyMass];
-                s
-            },
-            4,
-            3,
-            2,
-            5,
-            3,
-        )
-        .with_live_sums(&layers);
+        let mut summing_too =
+            QueryRowBuffer::new(summing.spec().clone(), 4, 3, 2, 5, 3).with_live_sums(&layers);
         two.add(1, 1, 5, &mut summing);
         two.add(2, 1, 5, &mut summing_too);
         assert_eq!(two.probability_plan(), [0, 2, 0, 0], "two rows a layer");

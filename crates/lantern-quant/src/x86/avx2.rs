@@ -43,7 +43,11 @@ pub(crate) unsafe fn quantize_token(x: &[f32], out: &mut TokenBlocks<'_>) {
         let block = |j: usize| -> [__m256; 4] {
             std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add((g + j) * BLOCK + 8 * i)))
         };
-        let mut amax = [0f32; 8];
+        // The 8 blocks' amax gathered in a register (blended into lane j), not through an
+        // array on the stack whose vector load cannot be forwarded from 8 scalar stores
+        // (see the AVX-512 version).
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut amax = _mm256_setzero_ps();
         for j in 0..n {
             let v = block(j);
             let m = _mm256_max_ps(
@@ -53,10 +57,11 @@ pub(crate) unsafe fn quantize_token(x: &[f32], out: &mut TokenBlocks<'_>) {
             let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
             let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
-            amax[j] = _mm_cvtss_f32(m);
+            let lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, _mm256_set1_epi32(j as i32)));
+            amax = _mm256_blendv_ps(amax, _mm256_broadcastss_ps(m), lane);
         }
         // `block_scale` for the 8: d = amax / 127, id = 1 / d where d > 0, else 0.
-        let d = _mm256_div_ps(_mm256_loadu_ps(amax.as_ptr()), _mm256_set1_ps(127.0));
+        let d = _mm256_div_ps(amax, _mm256_set1_ps(127.0));
         let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(d, _mm256_setzero_ps());
         let id = _mm256_and_ps(positive, _mm256_div_ps(_mm256_set1_ps(1.0), d));
         let (mut ds, mut ids) = ([0f32; 8], [0f32; 8]);

@@ -651,10 +651,10 @@ fn graphed_beside_eager(
     (on_graphs, eagerly, after)
 }
 
-/// Decode steps with a request whose key statistics and span masses are summed as its
-/// rows run (their probabilities computed on the device after each layer and read after
-/// the step) replay graphs too, and sum what eager steps sum, bit for bit: the other
-/// requests of the batch keep their graphs.
+/// Decode steps with a request whose key statistics, span masses and streamed rows are
+/// summed as its rows run (their probabilities computed on the device after each layer
+/// and read after the step) replay graphs too, and sum and stream what eager steps do,
+/// bit for bit: the other requests of the batch keep their graphs.
 #[test]
 fn live_summing_decode_steps_replay_graphs_and_sum_as_eager_ones() {
     let test = "live_summing_decode_steps_replay_graphs_and_sum_as_eager_ones";
@@ -667,9 +667,36 @@ fn live_summing_decode_steps_replay_graphs_and_sum_as_eager_ones() {
         some.layers = (0..layers).step_by(2).collect();
         some.heads = (0..heads).rev().step_by(2).collect();
         some.rows = RowSelection::All;
-        let captures = [None, Some(figures), Some(some)];
+        // Streamed rows' top-k keys are taken from the same probabilities.
+        some.stream_rows = true;
+        some.top_k = Some(3);
+        let captures = [None, Some(figures), Some(some.clone())];
         let (on_graphs, eagerly, after) =
             graphed_beside_eager(graphed, eager, prompts, captures, name);
+        // The rows streamed as they run, alone in their steps: as eager steps give them.
+        let streamed = |engine: &mut Engine| {
+            let prompt = prompts[0].prompt_ids.clone();
+            let capture = Some(some.clone());
+            let id = engine
+                .add_request_with_capture(prompt, greedy(12), capture)
+                .unwrap();
+            let mut rows = Vec::new();
+            while engine.has_unfinished() {
+                let outputs = engine.step().unwrap();
+                rows.extend(outputs.into_iter().filter_map(|o| o.capture_row));
+            }
+            engine.take_completion(id).unwrap();
+            rows
+        };
+        let before = graphed.graph_stats().expect("graphs are recorded");
+        let (g, e) = (streamed(graphed), streamed(eager));
+        let replayed = graphed.graph_stats().expect("graphs are recorded").replayed;
+        assert!(
+            replayed >= before.replayed + 8,
+            "{name}: streamed steps replayed"
+        );
+        assert_eq!(g.len(), 12, "{name}: a row streamed with every token");
+        assert_eq!(g, e, "{name}: streamed rows");
         for r in [1, 2] {
             let pending = |c: &lantern_engine::Completion| c.capture.clone().unwrap().unwrap();
             let (g, e) = (pending(&on_graphs[r]), pending(&eagerly[r]));

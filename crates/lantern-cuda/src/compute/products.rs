@@ -249,7 +249,8 @@ pub(super) fn dequantized_chunk(mib: Option<&str>) -> usize {
         Ok(mib @ 1..=65_536) => (mib << 20) / size_of::<bf16>(),
         _ => {
             tracing::warn!(
-                "LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB={text:?} is not a whole number of MiB                  from 1 to 65536; dequantizing 64 MiB at a time"
+                "LANTERN_CUDA_DEQUANTIZED_CHUNK_MIB={text:?} is not a whole number of MiB \
+                 from 1 to 65536; dequantizing 64 MiB at a time"
             );
             DEQUANTIZED_CHUNK
         }

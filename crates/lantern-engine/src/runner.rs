@@ -258,8 +258,7 @@ impl ModelRunner {
         let vocab = model.info().vocab_size;
         // A capture whose work stays on the device is recorded into the step's graph.
         if tap.as_ref().is_none_or(|t| t.device_only()) {
-            let capture = tap.as_ref().map(|t| t.probability_plan());
-            if let Some(key) = self.graph_key(model, plan, kv, &inputs, capture.as_deref()) {
+            if let Some(key) = self.graph_key(model, plan, kv, &inputs, tap.as_deref()) {
                 // A reborrow: the tap is the eager run's again should the graph fail.
                 let graph_tap = tap.as_mut().map(|t| &mut **t as &mut dyn AttentionTap);
                 match self.execute_graphed(model, plan, requests, kv, &inputs, key, graph_tap) {
@@ -369,16 +368,15 @@ impl ModelRunner {
     /// The graph a step replays, when the backend records graphs and the step is one
     /// they serve: decodes only (one token each, every one sampled), no chunked-local
     /// layers (their virtual batches change shape), at most the largest graph's requests.
-    /// `capture`: the step carries capturing requests whose work stays on the device,
-    /// asking for the probabilities of this many rows on each layer
-    /// ([`AttentionTap::probability_plan`]).
+    /// `tap`: the step's capturing requests, whose work stays on the device, asking for
+    /// probabilities as their plan says ([`AttentionTap::probability_plan`]).
     fn graph_key(
         &self,
         model: &dyn CausalLm,
         plan: &SchedulerOutput,
         kv: &KvCacheManager,
         inputs: &StepInputs,
-        capture: Option<&[usize]>,
+        tap: Option<&dyn AttentionTap>,
     ) -> Option<GraphKey> {
         let graphs = self.backend.step_graphs()?;
         let n = plan.scheduled.len();
@@ -411,6 +409,8 @@ impl ModelRunner {
             n => n.next_power_of_two().max(MIN_GRAPH_EDITS),
         };
         // Each asked row has room for every key of the table, on every layer it is asked.
+        let capture = tap.map(|t| t.probability_plan());
+        let capture = capture.as_deref();
         let keys = table_width * self.block_size;
         let probability_values: usize = (capture.unwrap_or_default().iter().enumerate())
             .map(|(l, &rows)| {
@@ -589,21 +589,18 @@ impl ModelRunner {
     }
 }
 
-/// A step's probability plan as a graph key's fingerprint (FNV-1a over the layers' row
-/// counts): 0 when no layer asks for any, never 0 otherwise. Two plans that collide
-/// share a key, and the second's launches differ from the recorded ones: the graph
-/// diverges and the key runs eagerly from then on.
+/// A step's probability plan as a graph key's fingerprint (the process's own hash of the
+/// layers' row counts): 0 when no layer asks for any, never 0 otherwise. Two plans that
+/// collide share a key, and the second's launches differ from the recorded ones: the
+/// graph diverges and the key runs eagerly from then on.
 fn plan_fingerprint(plan: &[usize]) -> u64 {
+    use std::hash::{Hash, Hasher};
     if plan.iter().all(|&rows| rows == 0) {
         return 0;
     }
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &rows in plan {
-        for b in (rows as u64).to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    h.max(1)
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    plan.hash(&mut h);
+    h.finish().max(1)
 }
 
 #[cfg(test)]

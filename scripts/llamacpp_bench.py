@@ -40,7 +40,7 @@ def build_lantern(workspace=True):
 
 
 def llamacpp_bindir(build):
-    """llama.cpp's binaries built by scripts/build-llamacpp (`native` or `avx2`; built
+    """llama.cpp's binaries built by scripts/build-llamacpp (`native`, `avx2` or `avx512`; built
     once, ~16 minutes on 2 cores)."""
     return Path(run([ROOT / "scripts" / "build-llamacpp", build]).strip().splitlines()[-1])
 
@@ -110,7 +110,7 @@ def cpu_line():
     flags = next((l.split(":", 1)[1].split() for l in info.splitlines()
                   if l.startswith("flags")), [])
     wanted = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
-              "avx512_vnni", "avx512_bf16")
+              "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
     return f"{name}, {os.cpu_count()} cores, flags: {' '.join(f for f in wanted if f in flags)}"
 
 

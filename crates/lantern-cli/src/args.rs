@@ -59,7 +59,9 @@ pub struct EngineArgs {
     pub f32_weights: bool,
     /// Hugging Face directories: quantize every weight matrix at load (q8_0, q4_0, q4_1,
     /// q5_0, q5_1, q4_k, q5_k, q6_k, f16, bf16, f32; a matrix whose rows are not whole
-    /// blocks of the type keeps its own). Default: each tensor as the safetensors store it.
+    /// blocks of a k-quant takes llama.cpp's fallback, q5_0, q5_1 or q8_0, and one whose
+    /// rows are not whole blocks of that either keeps its own). Default: each tensor as the
+    /// safetensors store it.
     #[arg(long, value_parser = parse_quantize)]
     pub quantize: Option<GgmlDType>,
     /// A Jinja chat template file that replaces the model's own.

@@ -84,10 +84,8 @@ impl HfDirectory {
         if shape.len() < 2 {
             return GgmlDType::F32;
         }
-        if let Some(q) = self.quantize {
-            if shape.last().is_some_and(|&cols| cols % q.block_size() == 0) {
-                return q;
-            }
+        if let Some(q) = self.quantize.and_then(|q| quantized_type_for(q, shape)) {
+            return q;
         }
         match dtype {
             DType::F16 => GgmlDType::F16,
@@ -125,6 +123,21 @@ impl HfDirectory {
         }
         Ok(t)
     }
+}
+
+/// The type `--quantize q` stores a matrix of `shape` in: `q` when its rows are whole blocks
+/// of it, else llama.cpp's fallback for a k-quant (rows not whole 256-element super-blocks:
+/// Gemma 3 270M's 640 columns, for one) when its rows are whole blocks of that, else none
+/// (the matrix keeps its own type).
+fn quantized_type_for(q: GgmlDType, shape: &[usize]) -> Option<GgmlDType> {
+    let fits = |t: GgmlDType| shape.last().is_some_and(|&cols| cols % t.block_size() == 0);
+    let fallback = match q {
+        GgmlDType::Q4K => Some(GgmlDType::Q5_0),
+        GgmlDType::Q5K => Some(GgmlDType::Q5_1),
+        GgmlDType::Q6K => Some(GgmlDType::Q8_0),
+        _ => None,
+    };
+    std::iter::once(q).chain(fallback).find(|&t| fits(t))
 }
 
 /// llama.cpp's `permute`: within each head, the rows of the two rotary halves interleaved,
@@ -197,6 +210,21 @@ impl WeightSource for HfDirectory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn k_quants_fall_back_as_llama_cpp_where_rows_are_not_whole_super_blocks() {
+        use GgmlDType::*;
+        let gemma_up = [2048, 640];
+        assert_eq!(quantized_type_for(Q4K, &gemma_up), Some(Q5_0));
+        assert_eq!(quantized_type_for(Q5K, &gemma_up), Some(Q5_1));
+        assert_eq!(quantized_type_for(Q6K, &gemma_up), Some(Q8_0));
+        assert_eq!(quantized_type_for(Q4K, &[640, 2048]), Some(Q4K));
+        assert_eq!(quantized_type_for(Q4_0, &gemma_up), Some(Q4_0));
+        // Rows of 48: whole blocks of neither a k-quant nor its fallback, nor of Q4_0.
+        assert_eq!(quantized_type_for(Q4K, &[8, 48]), None);
+        assert_eq!(quantized_type_for(Q4_0, &[8, 48]), None);
+        assert_eq!(quantized_type_for(F16, &[8, 48]), Some(F16));
+    }
 
     #[test]
     fn permute_matches_llama_cpp_on_one_head() {

@@ -72,8 +72,7 @@ pub(crate) const PREFETCH_BYTES: usize = 2048;
 /// panels (record `qbp` bytes) into L2 (`T1`); past a panel's end that is the next panel's
 /// start, which the next tile reads. Into L1 (`T0`) the same prefetches made batch-1
 /// decode 14-21% slower on Zen 4 (paired in one process, SmolLM2 Q4_1 and a 1B Q4_0, 1
-/// and 2 threads), slower than none at all: four panels' lines 2 KB ahead crowd the
-/// 32 KiB L1 the tile reads from.
+/// and 2 threads, decode tiles of 4 panels then), slower than none at all.
 #[inline(always)]
 pub(crate) fn prefetch_ahead(a: &TileArgs, panels: usize, b: usize, qbp: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};

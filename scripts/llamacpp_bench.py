@@ -7,7 +7,8 @@ model and thread count, and reading their figures into the same keys (tokens/s):
     decode_after_prompt_tokens_per_s   batch 1 after 512 tokens (-p 0 -n 128 -d 512)
     batched_decode_tokens_per_s        {"8": .., "32": ..}: aggregate (llama-batched-bench S_TG)
 
-Not a script: the scripts import it from this folder.
+and the table of lantern's own speedups paired within one process (`--thread-speedup`).
+Not a script: the scripts import it from this folder (scripts/device-cpu-bench too).
 """
 import json
 import os
@@ -130,3 +131,28 @@ def physical_cores():
         except OSError:
             return len(cpus)
     return len(cores) or len(cpus)
+
+
+PAIRED = [
+    ("machine: multiply-adds", lambda r: r["machine_multiply_adds"]),
+    ("machine: memory reads", lambda r: r["machine_memory_gb_per_s"]),
+    ("prefill 512", lambda r: r["prefill"]),
+    ("decode batch 1", lambda r: r["decode_batch_1"]),
+    ("decode batch 32", lambda r: r["decode_batched"].get("32")),
+]
+
+
+def speedup_cell(f):
+    """One paired figure of `lantern bench --thread-speedup` / `--kernel-speedup`: the
+    median speedup and its rounds' range, or a dash when absent."""
+    return f"{f['speedup']:.2f}x ({f['lowest']:.2f}-{f['highest']:.2f})" if f else "—"
+
+
+def paired_table(rows):
+    """Markdown table of lantern's paired speedups: rows are (threads, speedup JSON)."""
+    lines = ["| threads | " + " | ".join(name for name, _ in PAIRED) + " |",
+             "|---|" + "---|" * len(PAIRED)]
+    for threads, result in rows:
+        cells = [speedup_cell(get(result)) for _, get in PAIRED]
+        lines.append(f"| 1 → {threads} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -652,15 +652,16 @@ fn run_item(ctx: &Ctx<'_>, item: &WorkItem, scratch: &mut Scratch) -> Partial {
             let tile_end = ((bi + 1) * block_size).min(end);
             let block = req.table[bi] as usize;
             // The item's next block on its way from memory while this one is read (a
-            // decode over a long context reads the whole cache each step).
-            let next = (bi + 1) * block_size;
-            if next < item.keys.1 {
-                let rows = 0..(item.keys.1 - next).min(block_size);
-                let next_block = req.table[bi + 1] as usize;
-                for kv in [KEY, VALUE] {
-                    ctx.cache
-                        .prefetch_rows(kv, next_block, item.kv_head, rows.clone());
-                }
+            // decode over a long context reads the whole cache each step), and its first
+            // block asked for as it starts: a decode's items are pieces of 16 blocks, and
+            // each first block read without the hint cost a long context's decode about
+            // as much as the other fifteen (a block further ahead was slower; paired,
+            // SmolLM2 after 4,096 tokens, Zen 4).
+            if pos == item.keys.0 {
+                prefetch_block(ctx, item, &req, bi, block_size);
+            }
+            if (bi + 1) * block_size < item.keys.1 {
+                prefetch_block(ctx, item, &req, bi + 1, block_size);
             }
             let in_block = pos - bi * block_size..tile_end - bi * block_size;
             let rows = (pos - start) * d..(tile_end - start) * d;
@@ -1002,6 +1003,24 @@ fn softmax_step(
     }
     *sum = *sum * alpha + exp_shifted_sum(logits, new_max);
     *max = new_max;
+}
+
+/// Asks for the item's keys and values in its `bi`-th block of the request's table (its
+/// rows up to the item's last key) to be fetched into the caches.
+fn prefetch_block(
+    ctx: &Ctx<'_>,
+    item: &WorkItem,
+    req: &RequestView<'_>,
+    bi: usize,
+    block_size: usize,
+) {
+    let first = bi * block_size;
+    let rows = 0..(item.keys.1 - first).min(block_size);
+    let block = req.table[bi] as usize;
+    for kv in [KEY, VALUE] {
+        ctx.cache
+            .prefetch_rows(kv, block, item.kv_head, rows.clone());
+    }
 }
 
 /// Rows `in_block` of one head's K or V in `block`, as f32, into `dst`. Rows of step

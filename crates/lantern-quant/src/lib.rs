@@ -369,6 +369,18 @@ fn guided_chunks(
     (chunks, starts)
 }
 
+/// Panels in each chunk of a single-token product of `np` panels on `threads` threads:
+/// about four chunks a thread (at least 16), so that many threads all get some, each of
+/// whole register tiles (`granule` panels). A single token's quantized tiles are one
+/// panel wide, so SmolLM2's 576 x 576 matrix makes 18 chunks of 2 panels for 2 threads
+/// and 36 of 1 for 16 (9 of 4 at any count while the chunks were whole 4-panel tiles:
+/// 7 of 16 threads idle).
+fn single_token_chunk_panels(np: usize, granule: usize, threads: usize) -> usize {
+    let granule = granule.max(1);
+    let chunks = (4 * threads).max(16);
+    (np / chunks).clamp(granule, 64).next_multiple_of(granule)
+}
+
 /// Below this many multiply-adds a batched `matmul` runs on the calling thread. Measured
 /// with rayon's fork-join on a loaded 2-core machine: threshold 2^18 -> 6.5 ms per SmolLM2
 /// decode pass of matmuls, 3M -> 4.4 ms. With the helpers' cheaper entry, 2^17 measured
@@ -698,11 +710,7 @@ impl PackedMatrix {
         // Where each thread's share of the tasks starts, when not at even counts.
         let mut share_starts = Vec::new();
         let (chunks, tokens_per_task) = if shared {
-            // Chunks of whole register tiles (4 panels fit every level's m = 1 tile),
-            // about four per thread (at least 16) so that many threads all get some.
-            let chunks = (4 * threads).max(16);
-            let per = (self.np / chunks).clamp(4, 64).div_ceil(4) * 4;
-            (even_chunks(parts, per), 1)
+            (self.single_token_chunks(kernel, parts, threads), 1)
         } else {
             let split = self.split(kernel, m);
             let chunks = if split.tokens_per_task >= m {
@@ -735,6 +743,32 @@ impl PackedMatrix {
             unsafe { self.run_tile(kernel, act, panels, tokens, parts[part].dst) };
         });
         input.recycle();
+    }
+
+    /// A single-token product's chunks for `threads` threads (see
+    /// [`single_token_chunk_panels`]).
+    fn single_token_chunks(
+        &self,
+        kernel: Kernel,
+        parts: &[Part],
+        threads: usize,
+    ) -> Vec<PanelChunk> {
+        let granule = self.single_token_tile_panels(kernel);
+        even_chunks(parts, single_token_chunk_panels(self.np, granule, threads))
+    }
+
+    /// Panels of this matrix's register tile for a single token at `kernel`.
+    fn single_token_tile_panels(&self, kernel: Kernel) -> usize {
+        match kernel {
+            Kernel::Scalar => 1,
+            // Its tiles take two panels at a time.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AmxBf16 => 2,
+            #[cfg(target_arch = "x86_64")]
+            level => x86::single_token_tile_panels(level, self),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => 1,
+        }
     }
 
     /// The portable scalar path (same results as [`matmul`](Self::matmul), bit for bit).
@@ -950,9 +984,34 @@ pub fn split_columns(whole: &[f32], widths: &[usize]) -> Vec<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::{
-        guided_chunks, tile_tokens_per_task, tokens_per_task, MIN_TOKEN_RANGE, TILE_TOKEN_CHUNK,
-        TOKEN_CHUNK,
+        guided_chunks, single_token_chunk_panels, tile_tokens_per_task, tokens_per_task,
+        MIN_TOKEN_RANGE, TILE_TOKEN_CHUNK, TOKEN_CHUNK,
     };
+
+    /// A single-token product gives every thread a chunk wherever its whole tiles allow,
+    /// and each chunk is whole tiles of at most 64 panels.
+    #[test]
+    fn single_token_chunks_reach_every_thread_the_tiles_allow() {
+        // SmolLM2's 576 x 576 matrix (36 panels) on quantized one-panel tiles.
+        assert_eq!(single_token_chunk_panels(36, 1, 2), 2);
+        assert_eq!(single_token_chunk_panels(36, 1, 16), 1);
+        // A BF16 matrix's four-panel tiles (AVX-512) keep chunks of whole tiles.
+        assert_eq!(single_token_chunk_panels(36, 4, 16), 4);
+        for granule in [1, 2, 4] {
+            for threads in [1, 2, 3, 8, 16, 32, 64] {
+                for np in [1, 12, 32, 36, 96, 128, 512, 3072] {
+                    let per = single_token_chunk_panels(np, granule, threads);
+                    let case = format!("{np} panels, tiles of {granule}, {threads} threads");
+                    assert!(
+                        per.is_multiple_of(granule) && per <= 64.max(granule),
+                        "{case}"
+                    );
+                    let (chunks, tiles) = (np.div_ceil(per), np.div_ceil(granule));
+                    assert!(chunks >= threads.min(tiles), "{chunks} chunks: {case}");
+                }
+            }
+        }
+    }
 
     /// A decode batch's tokens are cut only where its panels make fewer than two tasks a
     /// thread, and never into ranges below `MIN_TOKEN_RANGE`.

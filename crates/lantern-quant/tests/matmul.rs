@@ -566,14 +566,14 @@ fn batch_invariance() {
 }
 
 /// Single-token products large enough to be shared between the caller and rayon helpers
-/// (called from outside any pool, and from inside pools of 2 and 3 threads) are bit-identical
-/// to the same product on one thread at the scalar level, at every level, with row counts
-/// that leave the last panel partial.
+/// (called from outside any pool, and from inside pools of 2, 3 and 16 threads, where the
+/// chunks are single panels) are bit-identical to the same product on one thread at the
+/// scalar level, at every level, with row counts that leave the last panel partial.
 #[test]
 fn shared_single_token_products_match_one_thread() {
     let levels = levels();
     let mut rng = StdRng::seed_from_u64(11);
-    let pools = thread_pools(&[1, 2, 3]);
+    let pools = thread_pools(&[1, 2, 3, 16]);
     for ty in QuantType::QUANTIZED {
         for (n, k) in [(1001, 512), (333, 768), (4099, 256)] {
             let bytes = random_gguf(&mut rng, ty, n, k);

@@ -220,6 +220,22 @@ macro_rules! dense_tiles {
     };
 }
 
+/// Register tile of a task of `tokens` tokens at `level` for dense type `ty`: (panels,
+/// most tokens). Decode takes more panels (independent chains); batches reuse each
+/// weight register over tokens, with enough accumulators to cover the fma latency (8
+/// chains were 10-40% slower than 12-16, quant_bench, Zen 5); BF16's pairs hold one
+/// more register of weights, so at AVX2 (16 registers) one token fewer.
+pub(crate) fn tile_shape(level: Kernel, ty: QuantType, tokens: usize) -> (usize, usize) {
+    match (level, tokens) {
+        (Kernel::Avx512Bf16, _) => bf16dot::SHAPE,
+        (Kernel::Avx512, 1) => (4, 1),
+        (Kernel::Avx512, _) => (4, 4),
+        (_, 1) => (2, 1),
+        (_, _) if ty == QuantType::BF16 => (1, 5),
+        (_, _) => (1, 6),
+    }
+}
+
 /// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level) from
 /// the activations at `x`, `ldx` bytes per token: f32, or at `Avx512Bf16` the bf16 pairs
 /// `bf16dot::round_pairs` made.
@@ -241,18 +257,7 @@ pub(crate) unsafe fn run_tile(
     dst: Dst,
 ) {
     let (ty, k) = (mat.ty, mat.k);
-    // Decode takes more panels (independent chains); batches reuse each weight register
-    // over tokens, with enough accumulators to cover the fma latency (8 chains were
-    // 10-40% slower than 12-16, quant_bench, Zen 5); BF16's pairs hold one more
-    // register of weights, so at AVX2 (16 registers) one token fewer.
-    let (pw, max_t) = match (level, t1 - t0) {
-        (Kernel::Avx512Bf16, _) => bf16dot::SHAPE,
-        (Kernel::Avx512, 1) => (4, 1),
-        (Kernel::Avx512, _) => (4, 4),
-        (_, 1) => (2, 1),
-        (_, _) if ty == QuantType::BF16 => (1, 5),
-        (_, _) => (1, 6),
-    };
+    let (pw, max_t) = tile_shape(level, ty, t1 - t0);
     let mut p = p0;
     while p < p1 {
         let pc = if p1 - p >= pw {

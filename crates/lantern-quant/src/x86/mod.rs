@@ -95,6 +95,18 @@ struct Shapes {
     max_tokens: usize,
 }
 
+/// Panels of `mat`'s register tile for a single token at `level` (a SIMD level): the
+/// fewest a single-token chunk holds so that its tiles are whole.
+pub(crate) fn single_token_tile_panels(level: Kernel, mat: &PackedMatrix) -> usize {
+    if mat.ty.is_dense() {
+        return dense::tile_shape(level, mat.ty, 1).0;
+    }
+    match level.vectors() {
+        Kernel::Avx512 => (avx512::SHAPES.panels)(1),
+        _ => (avx2::SHAPES.panels)(1),
+    }
+}
+
 /// Computes dst for panels `p0..p1` and tokens `t0..t1` at `level` (a SIMD level).
 ///
 /// # Safety

@@ -96,6 +96,9 @@ def test_thread_speedup_pairs_one_thread_with_all_in_one_process():
         assert f["lowest"] <= f["speedup"] <= f["highest"], f
         # Medians of per-round ratios: near the ratio of the medians, not equal to it.
         assert 0.2 < f["speedup"] / (f["all_threads"] / f["one_thread"]) < 5, f
+    # An empty shared pass: microseconds on either side, even with more threads than cores.
+    empty = result["empty_shared_pass_us"]
+    assert 0 < empty["one_thread"] < 1000 and 0 < empty["all_threads"] < 10000, empty
 
 
 def test_kernel_speedup_pairs_a_lower_level_with_the_default_in_one_process():
@@ -110,6 +113,7 @@ def test_kernel_speedup_pairs_a_lower_level_with_the_default_in_one_process():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["baseline_level"] == "scalar" and result["kernel_level"] != "scalar"
     assert "machine_multiply_adds" not in result  # the thread pairing's bounds only
+    assert "empty_shared_pass_us" not in result
     figures = [result["prefill"], result["decode_batch_1"],
                result["decode_batch_1_after_prompt"], result["decode_batched"]["2"]]
     for f in figures:

@@ -316,6 +316,37 @@ fn machine_rounds(repeat: usize) -> (Rounds, Rounds) {
     (compute, memory)
 }
 
+/// Empty passes timed per round of [`empty_pass_micros`].
+const EMPTY_PASSES: usize = 2000;
+
+/// Microseconds (median) of one shared pass that computes nothing, on one thread and on
+/// all: publishing it, the claims of its `4 x threads` empty chunks and the caller's
+/// wait for the helpers' (what each of a step's parallel passes pays beside its work:
+/// about 140 of them in a batch-1 SmolLM2 step, 480 at batch 32).
+fn empty_pass_micros(repeat: usize) -> [f64; 2] {
+    let (mut one, mut all) = (Vec::new(), Vec::new());
+    for round in 0..repeat.max(5) {
+        let first = round.is_multiple_of(2);
+        for baseline in [first, !first] {
+            let micros = Pair::Threads.with(baseline, || {
+                let chunks = 4 * share::threads();
+                let times = (0..EMPTY_PASSES)
+                    .map(|_| {
+                        let start = Instant::now();
+                        share::run(chunks, &|c| {
+                            std::hint::black_box(c);
+                        });
+                        start.elapsed().as_secs_f64() * 1e6
+                    })
+                    .collect();
+                median(times)
+            });
+            if baseline { &mut one } else { &mut all }.push(micros);
+        }
+    }
+    [median(one), median(all)]
+}
+
 pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
     let (pair, threads) = (args.pair, share::threads());
     let mut salt = 0u64;
@@ -353,6 +384,7 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     // The machine's own bounds concern threads only.
     let machine = matches!(pair, Pair::Threads).then(|| machine_rounds(args.repeat));
+    let empty_pass = matches!(pair, Pair::Threads).then(|| empty_pass_micros(args.repeat));
     if args.json {
         let batched_json: serde_json::Map<String, Value> = batched
             .iter()
@@ -373,6 +405,9 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
             out["machine_multiply_adds"] = compute.json(pair);
             out["machine_memory_gb_per_s"] = memory.json(pair);
         }
+        if let Some([one, all]) = empty_pass {
+            out["empty_shared_pass_us"] = json!({ "one_thread": one, "all_threads": all });
+        }
         if let Pair::Kernels { from } = pair {
             out["baseline_level"] = from.name().into();
         }
@@ -387,6 +422,13 @@ pub fn run(engine: &mut Engine, args: &ScalingArgs) -> Result<()> {
     if let Some((compute, memory)) = &machine {
         compute.print_with("machine: multiply-adds", pair, "rounds/s");
         memory.print_with("machine: reading memory", pair, "GB/s");
+    }
+    if let Some([one, all]) = empty_pass {
+        let label = "lantern: an empty pass";
+        println!(
+            "{label:<28} {one:8.2} -> {all:8.2} {:<8}  publish, claims, join",
+            "us"
+        );
     }
     prefill.print(&format!("prefill ({} tokens)", args.prompt_tokens), pair);
     batch_one.print("decode, batch 1", pair);

@@ -710,7 +710,9 @@ impl PackedMatrix {
         // Where each thread's share of the tasks starts, when not at even counts.
         let mut share_starts = Vec::new();
         let (chunks, tokens_per_task) = if shared {
-            (self.single_token_chunks(kernel, parts, threads), 1)
+            let granule = self.single_token_tile_panels(kernel);
+            let per = single_token_chunk_panels(self.np, granule, threads);
+            (even_chunks(parts, per), 1)
         } else {
             let split = self.split(kernel, m);
             let chunks = if split.tokens_per_task >= m {
@@ -743,18 +745,6 @@ impl PackedMatrix {
             unsafe { self.run_tile(kernel, act, panels, tokens, parts[part].dst) };
         });
         input.recycle();
-    }
-
-    /// A single-token product's chunks for `threads` threads (see
-    /// [`single_token_chunk_panels`]).
-    fn single_token_chunks(
-        &self,
-        kernel: Kernel,
-        parts: &[Part],
-        threads: usize,
-    ) -> Vec<PanelChunk> {
-        let granule = self.single_token_tile_panels(kernel);
-        even_chunks(parts, single_token_chunk_panels(self.np, granule, threads))
     }
 
     /// Panels of this matrix's register tile for a single token at `kernel`.

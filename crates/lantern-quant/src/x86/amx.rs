@@ -144,6 +144,7 @@ pub(crate) unsafe fn run_tile(
                 mat,
                 act,
                 p,
+                prefetch_next: p + 1 < p1,
                 unpacked: buf.as_mut_slice().as_mut_ptr(),
                 dst,
             };
@@ -158,6 +159,8 @@ struct PanelArgs<'a> {
     mat: &'a PackedMatrix,
     act: &'a QuantAct,
     p: usize,
+    /// Whether the task's next panel follows: its weights are fetched while this one runs.
+    prefetch_next: bool,
     /// `nb · UNPACKED_BLOCK` bytes, 64-byte aligned.
     unpacked: *mut u8,
     dst: Dst,
@@ -263,6 +266,7 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
     let nb = mat.nb;
     let split = ty == QuantType::Q6K;
     let sbp = ty.packed_scale_bytes();
+    let qbp = ty.packed_quant_bytes();
     let unit = ty.scale_unit();
     unpack::<F>(mat.quant_ptr(a.p), nb, a.unpacked);
     let sc = mat.scale_ptr(a.p);
@@ -314,6 +318,16 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
             } else {
                 (&*lo1, &*hi1)
             };
+            if a.prefetch_next && t == t0 {
+                // The next panel's block `b`, so that its unpacking finds it in L2 rather
+                // than waiting on memory at the panel's start: a decode step of 32 tokens
+                // or more streams every matrix from memory (BENCHMARKS.md).
+                let next_quants = mat.quant_ptr(a.p + 1).add(b * qbp);
+                prefetch_lines(next_quants, qbp);
+                if b % unit == 0 {
+                    prefetch_lines(mat.scale_ptr(a.p + 1).add(b / unit * sbp), sbp);
+                }
+            }
             let scales = block_scales(ty.scales(), sc.add(b / unit * sbp), b % unit);
             for i in 0..TOKENS {
                 let dot = _mm512_load_si512(l.0[i].as_ptr().cast());
@@ -331,6 +345,14 @@ unsafe fn panel<const F: u8>(a: &PanelArgs, t0: usize, t1: usize) {
         for i in 0..(t1 - t).min(TOKENS) {
             _mm512_mask_storeu_ps(a.dst.at(t + i, a.p * PANEL), mask, acc[i]);
         }
+    }
+}
+
+/// Asks for the 64-byte lines of `bytes` bytes at `at` to be brought into L2.
+#[inline(always)]
+unsafe fn prefetch_lines(at: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T1>(at.add(line).cast());
     }
 }
 

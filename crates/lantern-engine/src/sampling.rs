@@ -321,9 +321,7 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 /// `ln(sum(exp(logits)))`, against the row's maximum.
 fn log_sum_exp(logits: &[f32]) -> f32 {
     let max = vocab_row::max(logits);
-    let mut scratch = vec![0f32; logits.len()];
-    let sum = vocab_row::exp_scaled(logits, max, 1.0, &mut scratch);
-    max + sum.ln()
+    max + vocab_row::exp_sum(logits, max).ln()
 }
 
 /// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
@@ -367,7 +365,7 @@ pub fn prompt_token_logprob(logits: &[f32], token: u32, k: usize) -> Option<Prom
     let log_sum = log_sum_exp(logits);
     Some(PromptTokenLogprob {
         logprob: logit - log_sum,
-        rank: 1 + logits.iter().filter(|&&l| l > logit).count(),
+        rank: 1 + vocab_row::count_above(logits, logit),
         top: top_k_logprobs(logits, log_sum, k),
     })
 }

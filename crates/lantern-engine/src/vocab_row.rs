@@ -57,6 +57,42 @@ per_level! {
         }
         sum
     }
+
+    /// The sum [`exp_scaled`] returns for a `scale` of 1, in the same order, without
+    /// writing the values: a log-sum-exp needs only the sum.
+    pub fn exp_sum(row: &[f32], shift: f32) -> f32 {
+        let mut acc = [0f32; LANES];
+        let mut rows = row.chunks_exact(LANES);
+        for r in &mut rows {
+            for i in 0..LANES {
+                acc[i] += exp(r[i] - shift);
+            }
+        }
+        let mut sum = acc.iter().sum::<f32>();
+        for r in rows.remainder() {
+            sum += exp(r - shift);
+        }
+        sum
+    }
+
+    /// How many values are larger than `t` (a NaN never is).
+    pub fn count_above(row: &[f32], t: f32) -> usize {
+        // Counted in f32 lanes (which vectorize where integer lanes of bools do not),
+        // exact while a lane counts below 2^24: blocks of 2^20 chunks.
+        let mut count = 0;
+        for block in row.chunks(LANES << 20) {
+            let mut acc = [0f32; LANES];
+            let mut chunks = block.chunks_exact(LANES);
+            for c in &mut chunks {
+                for i in 0..LANES {
+                    acc[i] += if c[i] > t { 1.0 } else { 0.0 };
+                }
+            }
+            count += chunks.remainder().iter().filter(|&&v| v > t).count();
+            count += acc.iter().map(|&a| a as usize).sum::<usize>();
+        }
+        count
+    }
 }
 
 /// The index of the largest value; the lowest index wins a tie (0 for an all-NaN row).
@@ -102,6 +138,12 @@ mod tests {
                 assert_eq!(argmax(&row), expect_arg, "{level} n={n}");
                 let mut out = vec![0f32; n];
                 let sum = exp_scaled(&row, expect_max, 0.7, &mut out);
+                let mut unscaled = vec![0f32; n];
+                let unscaled_sum = exp_scaled(&row, expect_max, 1.0, &mut unscaled);
+                assert_eq!(exp_sum(&row, expect_max).to_bits(), unscaled_sum.to_bits());
+                let t = row[n / 2];
+                let above = row.iter().filter(|&&v| v > t).count();
+                assert_eq!(count_above(&row, t), above, "{level} n={n}");
                 force_kernel(None);
                 let mut expect_sum = 0f64;
                 for (o, &v) in out.iter().zip(&row) {
@@ -130,5 +172,6 @@ mod tests {
         assert_eq!(argmax(&row), 5);
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(position_of(&[], 1.0), None);
+        assert_eq!(count_above(&[f32::NAN, 1.0, 2.0, 0.5], 0.5), 2);
     }
 }

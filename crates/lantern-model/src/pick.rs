@@ -210,17 +210,48 @@ const FEW: usize = 32;
 /// fall below the k-th and cost one comparison, with no vocabulary-sized buffer.
 fn top_few(row: &[f32], k: usize) -> Vec<u32> {
     let mut best: Vec<u32> = Vec::with_capacity(k + 1);
-    for (i, &v) in row.iter().enumerate() {
-        let full = best.len() == k;
+    let offer = |best: &mut Vec<u32>, i: usize| {
+        let v = row[i];
         // A value equal to the k-th comes later in id order: it stays out (v is no NaN).
-        if v.is_nan() || full && v <= row[best[k - 1] as usize] {
-            continue;
+        if v.is_nan() || best.len() == k && v <= row[best[k - 1] as usize] {
+            return;
         }
         let at = best.partition_point(|&b| row[b as usize] >= v);
         best.insert(at, i as u32);
         best.truncate(k);
+    };
+    // Once `k` are held, a chunk with no value above the k-th can change nothing: one
+    // vector compare passes over it (almost every chunk of a vocabulary row).
+    const CHUNK: usize = 64;
+    let mut chunks = row.chunks_exact(CHUNK);
+    for (n, c) in (&mut chunks).enumerate() {
+        if best.len() == k {
+            let kth = row[best[k - 1] as usize];
+            if !above(c, kth) {
+                continue;
+            }
+        }
+        for i in n * CHUNK..(n + 1) * CHUNK {
+            offer(&mut best, i);
+        }
+    }
+    for i in row.len() - chunks.remainder().len()..row.len() {
+        offer(&mut best, i);
     }
     best
+}
+
+/// Whether any of `chunk`'s values (NaN never) is above `t`: the larger of each lane's
+/// values first, in lanes that vectorize.
+fn above(chunk: &[f32], t: f32) -> bool {
+    const LANES: usize = 16;
+    let mut top = [f32::NEG_INFINITY; LANES];
+    for c in chunk.chunks_exact(LANES) {
+        for i in 0..LANES {
+            top[i] = if c[i] > top[i] { c[i] } else { top[i] };
+        }
+    }
+    top.iter().fold(false, |any, &v| any | (v > t))
 }
 
 /// Sampling from the softmax of a row at a temperature, by inverse transform: weights
@@ -451,6 +482,38 @@ mod tests {
             assert_eq!(top_few(&row, k), sorted, "top {k}");
         }
         assert_eq!(top_few(&[0.0, -0.0, f32::NAN], 3), vec![0, 1]);
+        // Fresh random rows of every length around a chunk, with ties (values on a
+        // coarse grid), NaNs and -inf, rising so that later chunks keep displacing the
+        // held ones.
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for len in (1..70).chain([4099, 20_000]) {
+            let row: Vec<f32> = (0..len)
+                .map(|i| match next() % 23 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    r => (r % 7) as f32 + (i / 16) as f32 * 0.25,
+                })
+                .collect();
+            for k in [1, 3, 16, 32] {
+                let mut sorted: Vec<u32> = (0..len as u32)
+                    .filter(|&i| !row[i as usize].is_nan())
+                    .collect();
+                sorted.sort_by(|a, b| {
+                    row[*b as usize]
+                        .partial_cmp(&row[*a as usize])
+                        .unwrap()
+                        .then(a.cmp(b))
+                });
+                sorted.truncate(k);
+                assert_eq!(top_few(&row, k), sorted, "top {k} of {len}");
+            }
+        }
         assert_eq!(top_k(&[1.0, f32::NAN], 0), Vec::<u32>::new());
     }
 }

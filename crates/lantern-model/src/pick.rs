@@ -460,6 +460,20 @@ mod tests {
     /// NaN never, -0 equal to 0).
     #[test]
     fn top_few_is_the_sorted_top() {
+        // The ids by value, larger first, ties to the lower id, NaN left out.
+        let sorted_top = |row: &[f32], k: usize| {
+            let mut ids: Vec<u32> = (0..row.len() as u32)
+                .filter(|&i| !row[i as usize].is_nan())
+                .collect();
+            ids.sort_by(|a, b| {
+                row[*b as usize]
+                    .partial_cmp(&row[*a as usize])
+                    .unwrap()
+                    .then(a.cmp(b))
+            });
+            ids.truncate(k);
+            ids
+        };
         let mut row: Vec<f32> = (0..5000u32)
             .map(|i| ((i * 7919 % 1013) as f32 / 101.0).sin())
             .collect();
@@ -469,23 +483,17 @@ mod tests {
         row[3] = -0.0;
         row[4] = 0.0;
         for k in [1, 2, 5, 20, 32] {
-            let mut sorted: Vec<u32> = (0..row.len() as u32)
-                .filter(|&i| !row[i as usize].is_nan())
-                .collect();
-            sorted.sort_by(|a, b| {
-                row[*b as usize]
-                    .partial_cmp(&row[*a as usize])
-                    .unwrap()
-                    .then(a.cmp(b))
-            });
-            sorted.truncate(k);
-            assert_eq!(top_few(&row, k), sorted, "top {k}");
+            assert_eq!(top_few(&row, k), sorted_top(&row, k), "top {k}");
         }
         assert_eq!(top_few(&[0.0, -0.0, f32::NAN], 3), vec![0, 1]);
         // Fresh random rows of every length around a chunk, with ties (values on a
         // coarse grid), NaNs and -inf, rising so that later chunks keep displacing the
         // held ones.
-        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
+        let mut s = seed;
         let mut next = || {
             s ^= s << 13;
             s ^= s >> 7;
@@ -501,17 +509,8 @@ mod tests {
                 })
                 .collect();
             for k in [1, 3, 16, 32] {
-                let mut sorted: Vec<u32> = (0..len as u32)
-                    .filter(|&i| !row[i as usize].is_nan())
-                    .collect();
-                sorted.sort_by(|a, b| {
-                    row[*b as usize]
-                        .partial_cmp(&row[*a as usize])
-                        .unwrap()
-                        .then(a.cmp(b))
-                });
-                sorted.truncate(k);
-                assert_eq!(top_few(&row, k), sorted, "top {k} of {len}");
+                let want = sorted_top(&row, k);
+                assert_eq!(top_few(&row, k), want, "top {k} of {len}, seed {seed}");
             }
         }
         assert_eq!(top_k(&[1.0, f32::NAN], 0), Vec::<u32>::new());

@@ -37,6 +37,14 @@ pub struct StepLogits {
     pub vocab: usize,
 }
 
+/// A step's logits go back for the next step's product to fill (a large buffer's first
+/// touch costs page faults: `lantern_quant::spare`).
+impl Drop for StepLogits {
+    fn drop(&mut self) {
+        lantern_quant::spare::give_back(std::mem::take(&mut self.logits));
+    }
+}
+
 impl StepLogits {
     /// Rows `first..first + count` (none of them picked), or an error when the step
     /// computed fewer.

@@ -127,6 +127,7 @@ mod level;
 mod scalar;
 pub mod share;
 pub mod simd;
+pub mod spare;
 pub mod threads;
 pub mod topology;
 #[cfg(target_arch = "x86_64")]
@@ -629,7 +630,8 @@ impl PackedMatrix {
             self.matmul(x, m, &mut whole)?;
             return Ok(split_columns(&whole, widths));
         }
-        let mut outputs: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(m * w)).collect();
+        // A large output (a scoring step's logits) in the buffer the last one gave back.
+        let mut outputs: Vec<Vec<f32>> = widths.iter().map(|w| spare::take(m * w)).collect();
         let mut parts = Vec::with_capacity(widths.len());
         let mut row0 = 0;
         for (out, &w) in outputs.iter_mut().zip(widths) {

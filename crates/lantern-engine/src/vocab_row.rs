@@ -58,6 +58,23 @@ per_level! {
         sum
     }
 
+    /// Each lane's largest value above `-inf` and the first index it is at (`u32::MAX`
+    /// where none is): one pass for [`argmax`].
+    fn lane_maxima(row: &[f32]) -> ([f32; LANES], [u32; LANES]) {
+        let mut top = [f32::NEG_INFINITY; LANES];
+        let mut at = [u32::MAX; LANES];
+        for (n, c) in row.chunks_exact(LANES).enumerate() {
+            let base = (n * LANES) as u32;
+            for i in 0..LANES {
+                // NaN is never larger; the first of equal values stays.
+                let larger = c[i] > top[i];
+                top[i] = if larger { c[i] } else { top[i] };
+                at[i] = if larger { base + i as u32 } else { at[i] };
+            }
+        }
+        (top, at)
+    }
+
     /// The sum [`exp_scaled`] returns for a `scale` of 1, in the same order, without
     /// writing the values: a log-sum-exp needs only the sum.
     pub fn exp_sum(row: &[f32], shift: f32) -> f32 {
@@ -97,6 +114,27 @@ per_level! {
 
 /// The index of the largest value; the lowest index wins a tie (0 for an all-NaN row).
 pub fn argmax(row: &[f32]) -> usize {
+    let whole = row.len() - row.len() % LANES;
+    if u32::try_from(whole).is_ok() {
+        let (top, at) = lane_maxima(&row[..whole]);
+        // The lanes' and the tail's candidates: the largest value, then the lowest index.
+        let tail = (whole..row.len()).map(|i| (row[i], i));
+        let lanes = top.into_iter().zip(at).filter(|&(_, a)| a != u32::MAX);
+        let best = lanes
+            .map(|(v, a)| (v, a as usize))
+            .chain(tail.filter(|(v, _)| *v > f32::NEG_INFINITY))
+            .reduce(|b, c| {
+                if c.0 > b.0 || c.0 == b.0 && c.1 < b.1 {
+                    c
+                } else {
+                    b
+                }
+            });
+        if let Some((_, i)) = best {
+            return i;
+        }
+    }
+    // Nothing above -inf (or a row past u32 indices): the first -inf, else 0.
     position_of(row, max(row)).unwrap_or(0)
 }
 
@@ -173,5 +211,39 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(position_of(&[], 1.0), None);
         assert_eq!(count_above(&[f32::NAN, 1.0, 2.0, 0.5], 0.5), 2);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY]), 1);
+        assert_eq!(argmax(&[]), 0);
+    }
+
+    /// The one-pass argmax gives the index the two passes (the largest value, then its
+    /// first index) give, on fresh rows with ties, NaNs and -inf at every level.
+    #[test]
+    fn argmax_is_the_first_index_of_the_max() {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(7, |d| d.as_nanos() as u64);
+        for len in (0..80).chain([4099, 40_000]) {
+            let mut row = random(len, seed ^ len as u64);
+            for (i, v) in row.iter_mut().enumerate() {
+                // A coarse grid makes ties; some NaN and -inf.
+                *v = match i % 11 {
+                    3 => f32::NAN,
+                    7 => f32::NEG_INFINITY,
+                    _ => (*v / 8.0).round(),
+                };
+            }
+            if len % 5 == 0 {
+                row.iter_mut()
+                    .step_by(2)
+                    .for_each(|v| *v = f32::NEG_INFINITY);
+            }
+            let want = position_of(&row, max(&row)).unwrap_or(0);
+            for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                force_kernel(Some(level));
+                let got = argmax(&row);
+                force_kernel(None);
+                assert_eq!(got, want, "{level}, length {len}, seed {seed}");
+            }
+        }
     }
 }

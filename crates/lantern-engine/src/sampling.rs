@@ -433,25 +433,21 @@ impl Sampler {
 /// ([`cut_weight`]), walked in id order (the same distribution as walking them sorted;
 /// a device samples the same way: `lantern_model::pick::sample_row`).
 pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, draw: f32) -> u32 {
-    let max = vocab_row::max(logits);
-    let mut weights = vec![0f32; logits.len()];
-    let total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, &mut weights);
-    let (floor, total) = if params.truncates() {
-        let floor = cut_weight(&weights, total, params);
-        (floor, weights.iter().filter(|&&w| w >= floor).sum())
-    } else {
-        (0.0, total)
-    };
-    let mut threshold = draw * total;
-    for (id, &w) in weights.iter().enumerate() {
-        if w >= floor {
-            if threshold < w {
-                return id as u32;
-            }
-            threshold -= w;
-        }
+    thread_local! {
+        // A vocabulary's weights, kept between the rows this thread samples.
+        static WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    argmax(logits)
+    WEIGHTS.with_borrow_mut(|weights| {
+        weights.resize(logits.len(), 0.0);
+        let max = vocab_row::max(logits);
+        let total = vocab_row::exp_scaled(logits, max, 1.0 / params.temperature, weights);
+        let floor = if params.truncates() {
+            cut_weight(weights, total, params)
+        } else {
+            0.0
+        };
+        lantern_model::pick::walk_weights(weights, floor, draw).unwrap_or_else(|| argmax(logits))
+    })
 }
 
 /// The most likely token; the lowest id wins a tie, so greedy decoding is deterministic.

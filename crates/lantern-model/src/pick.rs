@@ -492,24 +492,29 @@ mod tests {
         }
     }
 
-    /// The one-pass top-k of a few gives the ids the sort gives (ties to the lower id,
-    /// NaN never, -0 equal to 0).
+    /// A seed from the clock (for a failing test to name) and an xorshift stream from it.
+    fn fresh_stream() -> (u64, impl FnMut() -> u64) {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
+        let mut s = seed;
+        let next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        (seed, next)
+    }
+
     /// The chunked walk picks the token whose span of the kept weights' running sum (in
     /// f64) holds the draw, on fresh weights of vocabularies small and large (where a
     /// running f32 subtraction drifts by whole tokens), with cuts, zeros and NaN.
     #[test]
     fn walked_weights_cover_the_draw() {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(3, |d| d.as_nanos() as u64)
-            | 1;
-        let mut s = seed;
-        let mut unit = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let (seed, mut next) = fresh_stream();
+        let mut unit = || (next() >> 40) as f32 / (1u64 << 24) as f32;
         for n in [1usize, 7, 255, 256, 257, 5000, 262_144] {
             let weights: Vec<f32> = (0..n)
                 .map(|i| match i % 97 {
@@ -545,6 +550,8 @@ mod tests {
         assert_eq!(walk_weights(&[0.0, f32::NAN], 0.0, 0.5), None);
     }
 
+    /// The one-pass top-k of a few gives the ids the sort gives (ties to the lower id,
+    /// NaN never, -0 equal to 0).
     #[test]
     fn top_few_is_the_sorted_top() {
         // The ids by value, larger first, ties to the lower id, NaN left out.
@@ -576,17 +583,7 @@ mod tests {
         // Fresh random rows of every length around a chunk, with ties (values on a
         // coarse grid), NaNs and -inf, rising so that later chunks keep displacing the
         // held ones.
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64)
-            | 1;
-        let mut s = seed;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let (seed, mut next) = fresh_stream();
         for len in (1..70).chain([4099, 20_000]) {
             let row: Vec<f32> = (0..len)
                 .map(|i| match next() % 23 {

@@ -458,66 +458,119 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// The smallest weight (`exp((logit - max) / temperature)`, the largest 1; `total`: their
 /// sum) a token keeps under top-k, top-p and min-p, cut by value as
 /// `lantern_model::pick::cut_weight` defines it (ties at a cut all kept), without sorting
-/// the whole vocabulary where the cut lies among the most likely tokens.
+/// (or even listing) the whole vocabulary where the cut lies among the most likely tokens.
 fn cut_weight(weights: &[f32], total: f32, params: &SamplingParams) -> f32 {
-    let mut probs: Vec<(u32, f32)> = weights
-        .iter()
-        .enumerate()
-        .filter(|(_, w)| !w.is_nan())
-        .map(|(i, &w)| (i as u32, w))
-        .collect();
-    let by_prob_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let mut floor = 0.0f32;
     let mut total = total;
-    if params.top_k > 0 && params.top_k < probs.len() {
-        probs.select_nth_unstable_by(params.top_k - 1, by_prob_desc);
-        floor = probs[params.top_k - 1].1;
+    // The tokens top-k keeps, when it cuts.
+    let mut kept = None;
+    let k = params.top_k;
+    if k > 0 && k < vocab_row::count_above(weights, f32::NEG_INFINITY) {
+        let (mut probs, _) = top_candidates(weights, k);
+        probs.select_nth_unstable_by(k - 1, by_prob_desc);
+        floor = probs[k - 1].1;
         probs.retain(|&(_, w)| w >= floor);
         total = probs.iter().map(|(_, w)| w).sum();
+        kept = Some(probs);
     }
     if params.top_p < 1.0 {
-        if let Some(&(_, y)) = nucleus(probs, total, params.top_p, by_prob_desc).last() {
+        let nucleus = match kept {
+            Some(probs) => nucleus(probs, total, params.top_p),
+            None => nucleus_of_row(weights, total, params.top_p),
+        };
+        if let Some(&(_, y)) = nucleus.last() {
             floor = floor.max(y);
         }
     }
     floor.max(params.min_p)
 }
 
+/// Most likely first, the lower id first among equals.
+fn by_prob_desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Every non-NaN `(id, weight)` of `weights` that can be among its `want` most likely
+/// ([`by_prob_desc`]), and some more; with `true` when that is all of them. The `want`-th
+/// largest of the chunks' maxima bounds the `want`-th largest weight from below (the
+/// chunks' maxima are `want` weights that reach it), so a pass over the row and a
+/// selection among its chunks' maxima leave a few thousand tokens of a 262,144-token row.
+fn top_candidates(weights: &[f32], want: usize) -> (Vec<(u32, f32)>, bool) {
+    // Chunks of 16 to 256 values, at least four times `want` of them.
+    let chunk = (weights.len() / want.max(1) / 4).clamp(16, 256);
+    let chunk = 1 << chunk.ilog2();
+    let mut maxima = vocab_row::chunk_maxima(weights, chunk);
+    if maxima.len() <= want {
+        let all = weights.iter().enumerate().filter(|(_, w)| !w.is_nan());
+        return (all.map(|(i, &w)| (i as u32, w)).collect(), true);
+    }
+    maxima.select_nth_unstable_by(want - 1, |a, b| b.total_cmp(a));
+    (vocab_row::at_least(weights, maxima[want - 1]), false)
+}
+
+/// How many of the most likely tokens [`nucleus`] sorts first, then next.
+const NUCLEUS_PASSES: [usize; 2] = [1024, 16384];
+
 /// The smallest most-likely-first prefix of `probs` whose mass (out of `total`) reaches
 /// `top_p`, sorted. Sorting a whole vocabulary costs milliseconds and the nucleus usually
 /// lies within the most likely few hundred tokens, so those are selected and sorted first,
 /// then (a flat row) the most likely sixteen thousand; the rest is sorted only when they
 /// fall short. Each pass's sorted prefix is the whole sort's, so the cut is the same.
-fn nucleus(
+fn nucleus(probs: Vec<(u32, f32)>, total: f32, top_p: f32) -> Vec<(u32, f32)> {
+    nucleus_after(probs, total, top_p, &NUCLEUS_PASSES)
+}
+
+/// [`nucleus`] with the given passes (those a caller has not tried already).
+fn nucleus_after(
     mut probs: Vec<(u32, f32)>,
     total: f32,
     top_p: f32,
-    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+    passes: &[usize],
 ) -> Vec<(u32, f32)> {
-    const PASSES: [usize; 2] = [1024, 16384];
-    let target = top_p * total;
-    let reaches = |sorted: &[(u32, f32)]| {
-        let mut cumulative = 0.0;
-        sorted.iter().position(|&(_, p)| {
-            cumulative += p;
-            cumulative >= target
-        })
-    };
-    for first in PASSES {
+    for &first in passes {
         if probs.len() <= first {
             break;
         }
-        probs.select_nth_unstable_by(first - 1, order);
-        probs[..first].sort_unstable_by(order);
-        if let Some(i) = reaches(&probs[..first]) {
+        probs.select_nth_unstable_by(first - 1, by_prob_desc);
+        probs[..first].sort_unstable_by(by_prob_desc);
+        if let Some(i) = reaches(&probs[..first], top_p * total) {
             probs.truncate(i + 1);
             return probs;
         }
     }
-    probs.sort_unstable_by(order);
-    let keep = reaches(&probs).map_or(probs.len(), |i| i + 1);
+    probs.sort_unstable_by(by_prob_desc);
+    let keep = reaches(&probs, top_p * total).map_or(probs.len(), |i| i + 1);
     probs.truncate(keep);
     probs
+}
+
+/// [`nucleus`] of a whole row's weights, each pass over only the tokens that can be in it
+/// ([`top_candidates`]).
+fn nucleus_of_row(weights: &[f32], total: f32, top_p: f32) -> Vec<(u32, f32)> {
+    for (pass, &first) in NUCLEUS_PASSES.iter().enumerate() {
+        let (mut probs, all) = top_candidates(weights, first);
+        if all {
+            return nucleus_after(probs, total, top_p, &NUCLEUS_PASSES[pass..]);
+        }
+        probs.select_nth_unstable_by(first - 1, by_prob_desc);
+        probs.truncate(first);
+        probs.sort_unstable_by(by_prob_desc);
+        if let Some(i) = reaches(&probs, top_p * total) {
+            probs.truncate(i + 1);
+            return probs;
+        }
+    }
+    let (all, _) = top_candidates(weights, weights.len());
+    nucleus_after(all, total, top_p, &[])
+}
+
+/// Where the running sum of `sorted`'s weights first reaches `target`.
+fn reaches(sorted: &[(u32, f32)], target: f32) -> Option<usize> {
+    let mut cumulative = 0.0;
+    sorted.iter().position(|&(_, p)| {
+        cumulative += p;
+        cumulative >= target
+    })
 }
 
 #[cfg(test)]
@@ -623,22 +676,39 @@ mod tests {
         }
     }
 
-    /// The nucleus found in passes (the most likely 1,024, then 16,384, then all) is the
-    /// one a sort of the whole row finds, token for token, whether it ends inside the
-    /// first pass, the second or beyond.
+    /// The nucleus found in passes (the most likely 1,024, then 16,384, then all), from a
+    /// list or from the row's candidates, is the one a sort of the whole row finds, token
+    /// for token, whether it ends inside the first pass, the second or beyond.
     #[test]
     fn the_nucleus_in_passes_is_the_whole_sorts() {
         use rand::Rng;
         let mut rng = StdRng::seed_from_u64(5);
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let order = by_prob_desc;
         let mut ends = std::collections::BTreeSet::new();
-        for spread in [0.5f32, 3.0, 8.0, 20.0] {
-            let probs: Vec<(u32, f32)> = (0..49_152u32)
-                .map(|i| (i, (rng.gen::<f32>() * spread - spread).exp()))
+        for (spread, vocab) in [
+            (0.5f32, 49_152u32),
+            (3.0, 49_152),
+            (8.0, 262_144),
+            (20.0, 49_152),
+        ] {
+            let probs: Vec<(u32, f32)> = (0..vocab)
+                // Values on a grid of 1/64: ties among the most likely.
+                .map(|i| {
+                    (
+                        i,
+                        ((rng.gen::<f32>() * 64.0).round() / 64.0 * spread - spread).exp(),
+                    )
+                })
                 .collect();
+            let weights: Vec<f32> = probs.iter().map(|p| p.1).collect();
             let total: f32 = probs.iter().map(|p| p.1).sum();
             for top_p in [0.3f32, 0.9, 0.99, 0.9999] {
-                let got = nucleus(probs.clone(), total, top_p, order);
+                let got = nucleus(probs.clone(), total, top_p);
+                // From the row itself, each pass over the tokens that can be in it.
+                assert!(
+                    nucleus_of_row(&weights, total, top_p) == got,
+                    "spread {spread}, top-p {top_p}: another nucleus from the row"
+                );
                 let mut want = probs.clone();
                 want.sort_unstable_by(order);
                 let mut cumulative = 0.0;
@@ -662,6 +732,41 @@ mod tests {
             }
         }
         assert_eq!(ends.len(), 3, "nuclei end in every pass: {ends:?}");
+    }
+
+    /// The candidates for the most likely `want` hold them all (ties at the last one
+    /// too), and are every token when they say so, on rows with ties and NaN.
+    #[test]
+    fn top_candidates_hold_the_most_likely() {
+        use rand::Rng;
+        let mut rng = StdRng::from_entropy();
+        for n in [10usize, 3000, 49_152, 262_144] {
+            let weights: Vec<f32> = (0..n)
+                .map(|i| match i % 101 {
+                    13 => f32::NAN,
+                    _ => (rng.gen::<f32>() * 32.0).round() / 32.0,
+                })
+                .collect();
+            let mut sorted: Vec<(u32, f32)> = (0..n as u32)
+                .map(|i| (i, weights[i as usize]))
+                .filter(|p| !p.1.is_nan())
+                .collect();
+            sorted.sort_unstable_by(by_prob_desc);
+            for want in [1usize, 5, 64, 1024, 16_384] {
+                let (got, all) = top_candidates(&weights, want);
+                if all {
+                    assert_eq!(got.len(), sorted.len(), "n {n}, want {want}");
+                }
+                let got: std::collections::HashSet<u32> = got.iter().map(|p| p.0).collect();
+                let last = sorted[want.min(sorted.len()) - 1].1;
+                let missing = sorted
+                    .iter()
+                    .take_while(|p| p.1 >= last)
+                    .filter(|p| !got.contains(&p.0))
+                    .count();
+                assert_eq!(missing, 0, "n {n}, want {want}");
+            }
+        }
     }
 
     #[test]

@@ -75,6 +75,45 @@ per_level! {
         (top, at)
     }
 
+    /// The largest value (NaN ignored) of each `chunk` values (a multiple of 16; the last
+    /// chunk may be shorter).
+    pub fn chunk_maxima(row: &[f32], chunk: usize) -> Vec<f32> {
+        row.chunks(chunk)
+            .map(|c| {
+                let mut top = [f32::NEG_INFINITY; LANES];
+                let mut lanes = c.chunks_exact(LANES);
+                for l in &mut lanes {
+                    for i in 0..LANES {
+                        top[i] = if l[i] > top[i] { l[i] } else { top[i] };
+                    }
+                }
+                let rest = lanes.remainder().iter().copied();
+                rest.chain(top).fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+            })
+            .collect()
+    }
+
+    /// Every `(index, value)` of `row` whose value is at least `t` (NaN never), in order.
+    pub fn at_least(row: &[f32], t: f32) -> Vec<(u32, f32)> {
+        let mut found = Vec::new();
+        let mut chunks = row.chunks_exact(LANES);
+        for (n, c) in (&mut chunks).enumerate() {
+            let mut any = false;
+            for v in c {
+                any |= *v >= t;
+            }
+            if any {
+                let base = n * LANES;
+                let hits = c.iter().enumerate().filter(|(_, v)| **v >= t);
+                found.extend(hits.map(|(i, &v)| ((base + i) as u32, v)));
+            }
+        }
+        let base = row.len() - chunks.remainder().len();
+        let hits = chunks.remainder().iter().enumerate().filter(|(_, v)| **v >= t);
+        found.extend(hits.map(|(i, &v)| ((base + i) as u32, v)));
+        found
+    }
+
     /// The sum [`exp_scaled`] returns for a `scale` of 1, in the same order, without
     /// writing the values: a log-sum-exp needs only the sum.
     pub fn exp_sum(row: &[f32], shift: f32) -> f32 {
@@ -213,6 +252,37 @@ mod tests {
         assert_eq!(count_above(&[f32::NAN, 1.0, 2.0, 0.5], 0.5), 2);
         assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY]), 1);
         assert_eq!(argmax(&[]), 0);
+    }
+
+    /// The chunks' maxima and the values at least a bound are the plain loops', with NaN
+    /// and ties, at every level.
+    #[test]
+    fn chunk_maxima_and_values_at_least() {
+        for n in [0usize, 5, 16, 33, 4099] {
+            let mut row = random(n, n as u64 + 99);
+            row.iter_mut().step_by(7).for_each(|v| *v = f32::NAN);
+            let t = row
+                .iter()
+                .copied()
+                .filter(|v| !v.is_nan())
+                .nth(n / 3)
+                .unwrap_or(0.0);
+            for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
+                force_kernel(Some(level));
+                let (maxima, found) = (chunk_maxima(&row, 32), at_least(&row, t));
+                force_kernel(None);
+                let want: Vec<f32> = row
+                    .chunks(32)
+                    .map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                    .collect();
+                assert_eq!(maxima, want, "{level} n={n}");
+                let want: Vec<(u32, f32)> = (0..n as u32)
+                    .map(|i| (i, row[i as usize]))
+                    .filter(|&(_, v)| v >= t)
+                    .collect();
+                assert_eq!(found, want, "{level} n={n}");
+            }
+        }
     }
 
     /// The one-pass argmax gives the index the two passes (the largest value, then its

@@ -501,11 +501,15 @@ fn top_candidates(weights: &[f32], want: usize) -> (Vec<(u32, f32)>, bool) {
     let chunk = 1 << chunk.ilog2();
     let mut maxima = vocab_row::chunk_maxima(weights, chunk);
     if maxima.len() <= want {
-        let all = weights.iter().enumerate().filter(|(_, w)| !w.is_nan());
-        return (all.map(|(i, &w)| (i as u32, w)).collect(), true);
+        return (every_token(weights), true);
     }
     maxima.select_nth_unstable_by(want - 1, |a, b| b.total_cmp(a));
     (vocab_row::at_least(weights, maxima[want - 1]), false)
+}
+
+/// Every `(id, weight)` but the NaN ones.
+fn every_token(weights: &[f32]) -> Vec<(u32, f32)> {
+    vocab_row::at_least(weights, f32::NEG_INFINITY)
 }
 
 /// How many of the most likely tokens [`nucleus`] sorts first, then next.
@@ -531,10 +535,7 @@ fn nucleus_after(
         if probs.len() <= first {
             break;
         }
-        probs.select_nth_unstable_by(first - 1, by_prob_desc);
-        probs[..first].sort_unstable_by(by_prob_desc);
-        if let Some(i) = reaches(&probs[..first], top_p * total) {
-            probs.truncate(i + 1);
+        if nucleus_in_prefix(&mut probs, first, top_p * total) {
             return probs;
         }
     }
@@ -552,16 +553,25 @@ fn nucleus_of_row(weights: &[f32], total: f32, top_p: f32) -> Vec<(u32, f32)> {
         if all {
             return nucleus_after(probs, total, top_p, &NUCLEUS_PASSES[pass..]);
         }
-        probs.select_nth_unstable_by(first - 1, by_prob_desc);
-        probs.truncate(first);
-        probs.sort_unstable_by(by_prob_desc);
-        if let Some(i) = reaches(&probs, top_p * total) {
-            probs.truncate(i + 1);
+        if nucleus_in_prefix(&mut probs, first, top_p * total) {
             return probs;
         }
     }
-    let (all, _) = top_candidates(weights, weights.len());
-    nucleus_after(all, total, top_p, &[])
+    nucleus_after(every_token(weights), total, top_p, &[])
+}
+
+/// Sorts the `first` most likely of `probs` (at least `first` of them) to the front; when
+/// their running sum reaches `target`, keeps the prefix that does and says so.
+fn nucleus_in_prefix(probs: &mut Vec<(u32, f32)>, first: usize, target: f32) -> bool {
+    probs.select_nth_unstable_by(first - 1, by_prob_desc);
+    probs[..first].sort_unstable_by(by_prob_desc);
+    match reaches(&probs[..first], target) {
+        Some(i) => {
+            probs.truncate(i + 1);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Where the running sum of `sorted`'s weights first reaches `target`.

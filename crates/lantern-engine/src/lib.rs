@@ -4,6 +4,7 @@
 //! the HTTP server and the Python module both drive.
 
 pub mod config;
+mod cut;
 pub mod device;
 pub mod engine;
 pub mod error;

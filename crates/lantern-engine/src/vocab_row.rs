@@ -93,24 +93,20 @@ per_level! {
             .collect()
     }
 
-    /// Every `(index, value)` of `row` whose value is at least `t` (NaN never), in order.
-    pub fn at_least(row: &[f32], t: f32) -> Vec<(u32, f32)> {
+    /// Every value `v` of `row` with `lo <= v < hi` (NaN never), in order.
+    pub fn values_in(row: &[f32], lo: f32, hi: f32) -> Vec<f32> {
         let mut found = Vec::new();
         let mut chunks = row.chunks_exact(LANES);
-        for (n, c) in (&mut chunks).enumerate() {
+        for c in &mut chunks {
             let mut any = false;
             for v in c {
-                any |= *v >= t;
+                any |= *v >= lo && *v < hi;
             }
             if any {
-                let base = n * LANES;
-                let hits = c.iter().enumerate().filter(|(_, v)| **v >= t);
-                found.extend(hits.map(|(i, &v)| ((base + i) as u32, v)));
+                found.extend(c.iter().filter(|v| **v >= lo && **v < hi));
             }
         }
-        let base = row.len() - chunks.remainder().len();
-        let hits = chunks.remainder().iter().enumerate().filter(|(_, v)| **v >= t);
-        found.extend(hits.map(|(i, &v)| ((base + i) as u32, v)));
+        found.extend(chunks.remainder().iter().filter(|v| **v >= lo && **v < hi));
         found
     }
 
@@ -254,33 +250,34 @@ mod tests {
         assert_eq!(argmax(&[]), 0);
     }
 
-    /// The chunks' maxima and the values at least a bound are the plain loops', with NaN
-    /// and ties, at every level.
+    /// The chunks' maxima and the values in a range are the plain loops', with NaN and
+    /// ties, at every level.
     #[test]
-    fn chunk_maxima_and_values_at_least() {
+    fn chunk_maxima_and_values_in_a_range() {
         for n in [0usize, 5, 16, 33, 4099] {
             let mut row = random(n, n as u64 + 99);
             row.iter_mut().step_by(7).for_each(|v| *v = f32::NAN);
-            let t = row
-                .iter()
-                .copied()
-                .filter(|v| !v.is_nan())
-                .nth(n / 3)
-                .unwrap_or(0.0);
+            let mut bounds = row.iter().copied().filter(|v| !v.is_nan());
+            let (lo, hi) = (
+                bounds.nth(n / 3).unwrap_or(0.0),
+                bounds.next().unwrap_or(1.0),
+            );
+            let (lo, hi) = (lo.min(hi), lo.max(hi));
             for level in Kernel::ALL.into_iter().filter(|k| k.available()) {
                 force_kernel(Some(level));
-                let (maxima, found) = (chunk_maxima(&row, 32), at_least(&row, t));
+                let maxima = chunk_maxima(&row, 32);
+                let found = values_in(&row, lo, hi);
+                let above = values_in(&row, lo, f32::INFINITY);
                 force_kernel(None);
                 let want: Vec<f32> = row
                     .chunks(32)
                     .map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max))
                     .collect();
                 assert_eq!(maxima, want, "{level} n={n}");
-                let want: Vec<(u32, f32)> = (0..n as u32)
-                    .map(|i| (i, row[i as usize]))
-                    .filter(|&(_, v)| v >= t)
-                    .collect();
+                let want: Vec<f32> = row.iter().copied().filter(|&v| lo <= v && v < hi).collect();
                 assert_eq!(found, want, "{level} n={n}");
+                let want: Vec<f32> = row.iter().copied().filter(|&v| v >= lo).collect();
+                assert_eq!(above, want, "{level} n={n}");
             }
         }
     }

@@ -306,11 +306,13 @@ pub fn cut_weight(weights: &[f32], d: &SampleDraw) -> f32 {
         sorted.retain(|&w| w >= floor);
     }
     if d.top_p < 1.0 {
-        let total: f32 = sorted.iter().sum();
-        let target = d.top_p * total;
-        let mut cumulative = 0.0f32;
+        // Summed in f64: over a large vocabulary an f32 running sum drifts by more than
+        // the smallest weights it adds.
+        let total: f64 = sorted.iter().map(|&w| f64::from(w)).sum();
+        let target = f64::from(d.top_p) * total;
+        let mut cumulative = 0.0f64;
         if let Some(&y) = sorted.iter().find(|&&w| {
-            cumulative += w;
+            cumulative += f64::from(w);
             cumulative >= target
         }) {
             floor = y;

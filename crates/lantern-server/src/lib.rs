@@ -6,7 +6,8 @@
 //! through the handle and turn the engine's events into OpenAI responses, whole or
 //! streamed as server-sent events.
 //!
-//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+//! (OpenAI's Responses API, run as a chat), `GET /v1/models`,
 //! `GET /v1/models/{model}`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
 //! `GET /version`,
 //! `GET /metrics` (OpenMetrics text, written by prometheus-client, under vLLM's metric
@@ -23,6 +24,7 @@ pub mod loading;
 pub mod metrics;
 mod openai;
 pub mod request_guards;
+mod responses;
 pub mod tool_stream;
 
 pub use capture::{CaptureSettings, CaptureStore};
@@ -144,6 +146,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(openai::tokenize))

@@ -70,13 +70,13 @@ fn response_id(kind: Kind) -> String {
 
 /// Aborts the requests of a response that is dropped before they finish (the client went
 /// away), so their KV blocks are freed at once.
-struct AbortGuard {
-    engine: EngineHandle,
-    pending: Vec<RequestId>,
+pub(crate) struct AbortGuard {
+    pub(crate) engine: EngineHandle,
+    pub(crate) pending: Vec<RequestId>,
 }
 
 impl AbortGuard {
-    fn finished(&mut self, id: RequestId) {
+    pub(crate) fn finished(&mut self, id: RequestId) {
         self.pending.retain(|&p| p != id);
     }
 }
@@ -87,7 +87,7 @@ impl Drop for AbortGuard {
     }
 }
 
-fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
         let status = rejection.status();
         let message = if status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
@@ -162,7 +162,7 @@ pub async fn detokenize(
 }
 
 /// How a response delivers its capture, when its request asked for one.
-struct CaptureDelivery {
+pub(crate) struct CaptureDelivery {
     request: CaptureRequest,
     /// On a server with API keys, the request's key: only it can read a stored
     /// capture. `None` without keys.
@@ -171,7 +171,7 @@ struct CaptureDelivery {
 }
 
 impl CaptureDelivery {
-    async fn fields(
+    pub(crate) async fn fields(
         &self,
         pending: Option<Result<PendingCapture, CaptureFailure>>,
     ) -> serde_json::Map<String, Value> {
@@ -192,7 +192,7 @@ impl CaptureDelivery {
 
 /// How the validated request's capture will be delivered, once the store and the capture
 /// worker have room for it.
-fn capture_delivery(
+pub(crate) fn capture_delivery(
     state: &AppState,
     headers: &HeaderMap,
     request: &GenerationRequest,
@@ -233,22 +233,9 @@ async fn generate(
         Kind::Completion => Endpoint::Completion,
     };
     let mut request = validate::generation_request(endpoint, &value, &context)?;
-    if !request.ignored_fields.is_empty() {
-        // As vLLM: one line naming what a client sent in vain.
-        tracing::warn!(
-            "The following fields were present in the request but ignored: {}",
-            request.ignored_fields.join(", ")
-        );
-    }
+    warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
-    if let Some(guide) = request.guide.take() {
-        let constraint =
-            lantern_engine::validate::structured::compile(&state.engine.meta().guided, guide)
-                .await?;
-        for item in &mut request.items {
-            item.constraint = Some(constraint.fork());
-        }
-    }
+    attach_guide(&state, &mut request).await?;
     let id = response_id(kind);
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = id.as_str().into();
@@ -280,6 +267,32 @@ async fn generate(
     } else {
         whole_response(response, request, events, guard, capture).await
     }
+}
+
+/// As vLLM: one line naming the fields a client sent in vain.
+pub(crate) fn warn_ignored(fields: &[String]) {
+    if !fields.is_empty() {
+        tracing::warn!(
+            "The following fields were present in the request but ignored: {}",
+            fields.join(", ")
+        );
+    }
+}
+
+/// Compiles the request's structured output, if it asked for one, onto its sequences.
+pub(crate) async fn attach_guide(
+    state: &AppState,
+    request: &mut GenerationRequest,
+) -> Result<(), ApiError> {
+    if let Some(guide) = request.guide.take() {
+        let constraint =
+            lantern_engine::validate::structured::compile(&state.engine.meta().guided, guide)
+                .await?;
+        for item in &mut request.items {
+            item.constraint = Some(constraint.fork());
+        }
+    }
+    Ok(())
 }
 
 /// What a response needs to know to write its chunks.
@@ -382,7 +395,7 @@ fn chat_message(
 }
 
 /// Chat's `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+pub(crate) fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
     let token = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
     let content: Vec<Value> = entries
         .iter()
@@ -666,7 +679,7 @@ impl ResponseBuilder {
     }
 }
 
-fn engine_failure(finish: &Finish) -> Option<ApiError> {
+pub(crate) fn engine_failure(finish: &Finish) -> Option<ApiError> {
     match &finish.reason {
         EndReason::Failed(EngineFailure::Fault { restarted }) => {
             Some(ApiError::engine_fault(*restarted))
@@ -681,7 +694,7 @@ fn engine_failure(finish: &Finish) -> Option<ApiError> {
 
 /// Checks that an event names one of the response's choices, so that indexing the
 /// per-choice state by it cannot fail.
-fn check_index(event: &ChoiceEvent, num_choices: usize) -> Result<(), ApiError> {
+pub(crate) fn check_index(event: &ChoiceEvent, num_choices: usize) -> Result<(), ApiError> {
     if event.index < num_choices {
         return Ok(());
     }

@@ -81,15 +81,19 @@ const COMPLETION_FIELD_NAMES: &[&str] = &["prompt", "logprobs", "echo", "suffix"
 /// (capture fields, `attn_capture*`, are known), at most [`MAX_IGNORED_FIELDS`] of them,
 /// each cut to [`MAX_IGNORED_FIELD_CHARS`] characters.
 fn ignored_fields(body: &Value, own: &[&str]) -> Vec<String> {
+    unknown_fields(body, |k| {
+        COMMON_FIELD_NAMES.contains(&k) || own.contains(&k)
+    })
+}
+
+/// The top-level fields of `body` that are not `known` nor capture fields, at most
+/// [`MAX_IGNORED_FIELDS`] of them, each cut to [`MAX_IGNORED_FIELD_CHARS`] characters.
+pub(super) fn unknown_fields(body: &Value, known: impl Fn(&str) -> bool) -> Vec<String> {
     let Some(obj) = body.as_object() else {
         return Vec::new();
     };
     obj.keys()
-        .filter(|k| {
-            !COMMON_FIELD_NAMES.contains(&k.as_str())
-                && !own.contains(&k.as_str())
-                && !k.starts_with("attn_capture")
-        })
+        .filter(|k| !known(k) && !k.starts_with("attn_capture"))
         .take(MAX_IGNORED_FIELDS)
         .map(|k| k.chars().take(MAX_IGNORED_FIELD_CHARS).collect())
         .collect()

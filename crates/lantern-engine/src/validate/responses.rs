@@ -1,0 +1,676 @@
+//! OpenAI's Responses API (`POST /v1/responses`) validated into the same typed request as
+//! a chat completion: `instructions` and `input` become the chat's messages,
+//! `max_output_tokens` its token limit, `text.format` its structured output, the flat
+//! `tools` chat's, and `include: ["message.output_text.logprobs"]` with `top_logprobs`
+//! its logprobs. Sampling fields (and vLLM's and lantern's own, capture included) are
+//! chat's. What the response repeats of the request is kept in [`ResponsesEcho`].
+//!
+//! Nothing is stored: `previous_response_id`, `conversation` and `background` are
+//! refused, `store` is accepted and reported as false.
+
+use super::body::{
+    generation_request, unknown_fields, Endpoint, GenerationRequest, RequestContext,
+};
+use super::InvalidRequest;
+use serde_json::{json, Map, Value};
+
+/// Most alternatives per token (`top_logprobs`), as on chat.
+const MAX_TOP_LOGPROBS: i64 = 20;
+/// The `include` value that asks for the output text's logprobs.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// Fields of the Responses API this endpoint reads or accepts.
+const RESPONSES_FIELD_NAMES: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "text",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "include",
+    "top_logprobs",
+    "stream",
+    "store",
+    "metadata",
+    "user",
+    "temperature",
+    "top_p",
+    "previous_response_id",
+    "conversation",
+    "background",
+    // Accepted, with nothing to do: no reasoning, no truncation, one service tier.
+    "reasoning",
+    "truncation",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// Chat fields a Responses body may carry as extensions (the `openai` client's
+/// `extra_body`), read as on chat.
+const CHAT_EXTENSION_NAMES: &[&str] = &[
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "chat_template_kwargs",
+];
+
+/// What a response object repeats of its request (OpenAI's response carries them).
+#[derive(Debug, Clone)]
+pub struct ResponsesEcho {
+    pub instructions: Value,
+    pub max_output_tokens: Value,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_logprobs: Value,
+    /// The tools as the request gave them (Responses' flat shape).
+    pub tools: Value,
+    pub tool_choice: Value,
+    pub parallel_tool_calls: bool,
+    /// `{"format": …}`, `{"format": {"type": "text"}}` when not given.
+    pub text: Value,
+    pub metadata: Value,
+    pub user: Value,
+}
+
+/// A validated Responses request: the chat request it runs as, and what its response
+/// repeats.
+#[derive(Debug, Clone)]
+pub struct ResponsesRequest {
+    pub generation: GenerationRequest,
+    pub echo: ResponsesEcho,
+}
+
+/// Validates a `POST /v1/responses` body.
+pub fn responses_request(
+    body: &Value,
+    context: &RequestContext,
+) -> Result<ResponsesRequest, InvalidRequest> {
+    let obj = body
+        .as_object()
+        .ok_or_else(|| InvalidRequest::Body("the body must be a JSON object".into()))?;
+    let present = |name: &str| obj.get(name).filter(|v| !v.is_null());
+    for field in ["previous_response_id", "conversation"] {
+        if present(field).is_some() {
+            return Err(InvalidRequest::invalid(
+                field,
+                format!(
+                    "{field}: responses are not stored here; send the whole conversation as input"
+                ),
+            ));
+        }
+    }
+    if present("background").and_then(Value::as_bool) == Some(true) {
+        return Err(InvalidRequest::unsupported(
+            "background",
+            "background responses",
+        ));
+    }
+    if let Some(n) = present("n") {
+        if n.as_i64() != Some(1) {
+            return Err(InvalidRequest::invalid(
+                "n",
+                "a response has one output: ask chat completions for several samples",
+            ));
+        }
+    }
+    let mut chat = Map::new();
+    for (name, value) in obj {
+        let extension = CHAT_EXTENSION_NAMES.contains(&name.as_str());
+        let shared = matches!(name.as_str(), "model" | "temperature" | "top_p" | "stream");
+        if extension || shared || name.starts_with("attn_capture") {
+            chat.insert(name.clone(), value.clone());
+        }
+    }
+    chat.insert("messages".into(), Value::Array(messages(obj)?));
+    if let Some(max) = present("max_output_tokens") {
+        chat.insert("max_completion_tokens".into(), max.clone());
+    }
+    if let Some(format) = text_format(present("text"))? {
+        chat.insert("response_format".into(), format);
+    }
+    if let Some(tools) = present("tools") {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = present("tool_choice") {
+        chat.insert("tool_choice".into(), chat_tool_choice(choice));
+    }
+    let top_logprobs = match present("top_logprobs") {
+        None => None,
+        Some(v) => match v.as_i64() {
+            Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => Some(n),
+            _ => {
+                return Err(InvalidRequest::out_of_range(
+                    "top_logprobs",
+                    format!("an integer in [0, {MAX_TOP_LOGPROBS}]"),
+                    v,
+                ))
+            }
+        },
+    };
+    if includes_logprobs(present("include"))? || top_logprobs.is_some_and(|n| n > 0) {
+        chat.insert("logprobs".into(), json!(true));
+        chat.insert("top_logprobs".into(), json!(top_logprobs.unwrap_or(0)));
+    }
+    let chat = Value::Object(chat);
+    let mut generation = generation_request(Endpoint::Chat, &chat, context).map_err(renamed)?;
+    for item in &mut generation.items {
+        item.prompt_field = "input";
+    }
+    generation.ignored_fields = unknown_fields(body, |k| {
+        RESPONSES_FIELD_NAMES.contains(&k) || CHAT_EXTENSION_NAMES.contains(&k) || k == "n"
+    });
+    let number = |name: &str| present(name).and_then(Value::as_f64).unwrap_or(1.0);
+    let echo = ResponsesEcho {
+        instructions: present("instructions").cloned().unwrap_or(Value::Null),
+        max_output_tokens: present("max_output_tokens").cloned().unwrap_or(Value::Null),
+        temperature: number("temperature"),
+        top_p: number("top_p"),
+        top_logprobs: top_logprobs.map_or(Value::Null, |n| json!(n)),
+        tools: present("tools").cloned().unwrap_or_else(|| json!([])),
+        tool_choice: present("tool_choice")
+            .cloned()
+            .unwrap_or_else(|| json!("auto")),
+        parallel_tool_calls: present("parallel_tool_calls")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        text: match present("text") {
+            Some(text) if text.get("format").is_some() => text.clone(),
+            _ => json!({"format": {"type": "text"}}),
+        },
+        metadata: present("metadata").cloned().unwrap_or_else(|| json!({})),
+        user: present("user").cloned().unwrap_or(Value::Null),
+    };
+    Ok(ResponsesRequest { generation, echo })
+}
+
+/// The Responses field a chat field was made from.
+fn responses_field(chat_field: &str) -> Option<&'static str> {
+    match chat_field {
+        "messages" => Some("input"),
+        "max_completion_tokens" | "max_tokens" => Some("max_output_tokens"),
+        "response_format" => Some("text"),
+        "logprobs" => Some("include"),
+        _ => None,
+    }
+}
+
+/// A chat field's error, naming the Responses field it came from.
+fn renamed(mut e: InvalidRequest) -> InvalidRequest {
+    match &mut e {
+        InvalidRequest::Missing(f)
+        | InvalidRequest::OutOfRange { field: f, .. }
+        | InvalidRequest::Conflict { field: f, .. }
+        | InvalidRequest::Invalid { field: f, .. }
+        | InvalidRequest::Unsupported { field: f, .. } => {
+            if let Some(name) = responses_field(f) {
+                *f = name;
+            }
+        }
+        InvalidRequest::WrongType {
+            field: Some(f),
+            message,
+        } => {
+            if let Some(name) = responses_field(f) {
+                *message = message.replacen(f.as_str(), name, 1);
+                *f = name.to_string();
+            }
+        }
+        _ => {}
+    }
+    e
+}
+
+/// Whether `include` asks for the output text's logprobs (other values are accepted and
+/// have nothing to add: no tool here searches or reasons).
+fn includes_logprobs(include: Option<&Value>) -> Result<bool, InvalidRequest> {
+    match include {
+        None => Ok(false),
+        Some(Value::Array(items)) => {
+            let mut logprobs = false;
+            for item in items {
+                let name = item.as_str().ok_or_else(|| {
+                    InvalidRequest::invalid("include", "include must be a list of strings")
+                })?;
+                logprobs |= name == INCLUDE_LOGPROBS;
+            }
+            Ok(logprobs)
+        }
+        Some(_) => Err(InvalidRequest::invalid(
+            "include",
+            "include must be a list of strings",
+        )),
+    }
+}
+
+/// `instructions` as a system message, then `input`: a string (one user message) or a
+/// list of messages, function calls and their outputs.
+fn messages(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest> {
+    let mut messages = Vec::new();
+    match obj.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+        Some(_) => {
+            return Err(InvalidRequest::invalid(
+                "instructions",
+                "instructions must be a string",
+            ))
+        }
+    }
+    match obj.get("input") {
+        None | Some(Value::Null) => return Err(InvalidRequest::Missing("input")),
+        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                input_item(i, item, &mut messages)?;
+            }
+        }
+        Some(_) => {
+            return Err(InvalidRequest::invalid(
+                "input",
+                "input must be a string or a non-empty list of input items",
+            ))
+        }
+    }
+    Ok(messages)
+}
+
+/// One input item as chat messages: a message (its text parts joined), a function call
+/// (joined to the assistant message of the calls just before it) or a call's output (a
+/// tool message).
+fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), InvalidRequest> {
+    let at = |what: String| InvalidRequest::invalid("input", format!("input[{i}]: {what}"));
+    let obj = item
+        .as_object()
+        .ok_or_else(|| at("an input item must be an object".into()))?;
+    let text_field = |name: &str| match obj.get(name) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        _ => Err(at(format!("`{name}` must be a string"))),
+    };
+    match obj.get("type").and_then(Value::as_str).unwrap_or("message") {
+        "message" => {
+            let role = text_field("role")?;
+            if !matches!(role.as_str(), "user" | "assistant" | "system" | "developer") {
+                return Err(at(format!(
+                    "unknown role `{role}` (expected user, assistant, system or developer)"
+                )));
+            }
+            let content = match obj.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => message_text(i, parts)?,
+                _ => {
+                    return Err(at(
+                        "`content` must be a string or a list of content parts".into()
+                    ))
+                }
+            };
+            messages.push(json!({"role": role, "content": content}));
+        }
+        "function_call" => {
+            let call = json!({
+                "id": text_field("call_id")?,
+                "type": "function",
+                "function": {"name": text_field("name")?, "arguments": text_field("arguments")?},
+            });
+            let joins = messages.last().is_some_and(|m| {
+                m["role"] == "assistant" && m["content"] == "" && m.get("tool_calls").is_some()
+            });
+            match messages.last_mut() {
+                Some(Value::Object(last)) if joins => {
+                    if let Some(Value::Array(calls)) = last.get_mut("tool_calls") {
+                        calls.push(call);
+                    }
+                }
+                _ => {
+                    messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]}))
+                }
+            }
+        }
+        "function_call_output" => {
+            let output = match obj.get("output") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => message_text(i, parts)?,
+                _ => {
+                    return Err(at(
+                        "`output` must be a string or a list of content parts".into()
+                    ))
+                }
+            };
+            messages.push(json!({
+                "role": "tool",
+                "tool_call_id": text_field("call_id")?,
+                "content": output,
+            }));
+        }
+        // Reasoning items a client sends back: none is produced here, and a model
+        // without reasoning has nothing to read from them.
+        "reasoning" => {}
+        other => {
+            return Err(InvalidRequest::unsupported(
+                "input",
+                format!("input[{i}]: input items of type `{other}`"),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// The text of a message's content parts (`input_text`, `output_text`).
+fn message_text(i: usize, parts: &[Value]) -> Result<String, InvalidRequest> {
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        match part.get("type").and_then(Value::as_str) {
+            Some("input_text" | "output_text" | "text") => match part.get("text") {
+                Some(Value::String(t)) => text.push_str(t),
+                _ => {
+                    return Err(InvalidRequest::invalid(
+                        "input",
+                        format!("input[{i}].content[{j}]: a text part needs a `text` string"),
+                    ))
+                }
+            },
+            Some(other) => {
+                return Err(InvalidRequest::unsupported(
+                    "input",
+                    format!("input[{i}].content[{j}]: content of type `{other}` (text only)"),
+                ))
+            }
+            None => {
+                return Err(InvalidRequest::invalid(
+                    "input",
+                    format!("input[{i}].content[{j}]: a content part needs a `type`"),
+                ))
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// `text.format` as chat's `response_format` (`None` for plain text).
+fn text_format(text: Option<&Value>) -> Result<Option<Value>, InvalidRequest> {
+    let Some(text) = text else {
+        return Ok(None);
+    };
+    let wrong = |what: &str| InvalidRequest::invalid("text", format!("text.format: {what}"));
+    let format = match text.get("format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(f)) => f,
+        Some(_) => return Err(wrong("must be an object")),
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut schema = Map::new();
+            for name in ["name", "schema", "strict", "description"] {
+                if let Some(v) = format.get(name) {
+                    schema.insert(name.into(), v.clone());
+                }
+            }
+            if !schema.contains_key("schema") {
+                return Err(wrong("a json_schema format needs `schema`"));
+            }
+            Ok(Some(
+                json!({"type": "json_schema", "json_schema": Value::Object(schema)}),
+            ))
+        }
+        _ => Err(wrong("`type` must be text, json_object or json_schema")),
+    }
+}
+
+/// Responses' flat function tools (`{"type": "function", "name", "parameters"}`) in
+/// chat's shape; other tool types (search, files, computers) are not offered here.
+fn chat_tools(tools: &Value) -> Result<Value, InvalidRequest> {
+    let Value::Array(tools) = tools else {
+        return Err(InvalidRequest::invalid("tools", "tools must be a list"));
+    };
+    tools
+        .iter()
+        .enumerate()
+        .map(|(i, tool)| match tool.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let mut function = Map::new();
+                for name in ["name", "description", "parameters", "strict"] {
+                    if let Some(v) = tool.get(name) {
+                        function.insert(name.into(), v.clone());
+                    }
+                }
+                Ok(json!({"type": "function", "function": Value::Object(function)}))
+            }
+            other => Err(InvalidRequest::unsupported(
+                "tools",
+                format!(
+                    "tools[{i}]: tools of type `{}` (function tools only)",
+                    other.unwrap_or("none")
+                ),
+            )),
+        })
+        .collect()
+}
+
+/// Responses' `tool_choice` (`{"type": "function", "name"}` for one function) in chat's
+/// shape; the strings are the same.
+fn chat_tool_choice(choice: &Value) -> Value {
+    match choice.get("name") {
+        Some(name) if choice.get("type").and_then(Value::as_str) == Some("function") => {
+            json!({"type": "function", "function": {"name": name}})
+        }
+        _ => choice.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::{CaptureSettings, ModelLimits, Seen};
+
+    fn validate(body: Value) -> Result<ResponsesRequest, Seen> {
+        let settings = CaptureSettings::default();
+        let context = RequestContext {
+            limits: ModelLimits {
+                served_name: "m",
+                aliases: &[],
+            },
+            capture: &settings,
+            num_layers: 2,
+            num_heads: 2,
+        };
+        responses_request(&body, &context).map_err(Seen::from)
+    }
+
+    fn chat_messages(r: &ResponsesRequest) -> Vec<(String, String)> {
+        match &*r.generation.items[0].prompt {
+            crate::serving::PromptInput::Chat(messages, _) => messages
+                .iter()
+                .map(|m| (m.role.clone(), m.content.clone()))
+                .collect(),
+            other => panic!("not a chat prompt: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn instructions_and_input_become_the_chats_messages() {
+        let r = validate(json!({"model": "m", "input": "Hi", "instructions": "Be brief"})).unwrap();
+        assert_eq!(
+            chat_messages(&r),
+            [
+                ("system".into(), "Be brief".into()),
+                ("user".into(), "Hi".into())
+            ]
+        );
+        assert_eq!(r.generation.n, 1);
+        assert_eq!(r.generation.items[0].max_tokens, None);
+        let r = validate(json!({
+            "input": [
+                {"role": "developer", "content": "Answer in French"},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": " there"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "reasoning", "summary": []},
+            ],
+            "max_output_tokens": 7,
+        }))
+        .unwrap();
+        let roles: Vec<String> = chat_messages(&r).into_iter().map(|m| m.0).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "assistant", "tool"]);
+        assert_eq!(chat_messages(&r)[1].1, "Hello there");
+        assert_eq!(r.generation.items[0].max_tokens, Some(7));
+        match &*r.generation.items[0].prompt {
+            crate::serving::PromptInput::Chat(messages, _) => {
+                let calls = messages[3].tool_calls.as_ref().expect("the calls joined");
+                assert_eq!(calls.len(), 2);
+                assert_eq!(messages[4].tool_call_id.as_deref(), Some("c1"));
+            }
+            other => panic!("not a chat prompt: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fields_map_onto_chats() {
+        let r = validate(json!({
+            "input": "Hi",
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 3,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}}],
+            "tool_choice": "auto",
+            "store": true,
+            "metadata": {"k": "v"},
+            "made_up": 1,
+        }))
+        .unwrap();
+        let params = &r.generation.items[0].params;
+        assert_eq!(
+            (params.temperature, params.top_p, params.top_k),
+            (0.5, 0.9, 5)
+        );
+        assert_eq!(params.logprobs, Some(3));
+        assert!(r.generation.logprobs);
+        assert_eq!(
+            r.generation.guide.as_ref().map(|g| g.field),
+            Some("response_format")
+        );
+        assert!(r.generation.tool_calls);
+        assert_eq!(r.generation.ignored_fields, ["made_up"]);
+        assert_eq!(r.echo.metadata, json!({"k": "v"}));
+        assert_eq!(r.echo.temperature, 0.5);
+        assert_eq!(r.echo.text["format"]["name"], "x");
+        let plain = validate(json!({"input": "Hi"})).unwrap();
+        assert!(!plain.generation.logprobs);
+        assert_eq!(plain.echo.text, json!({"format": {"type": "text"}}));
+        assert_eq!(plain.echo.tool_choice, "auto");
+        let named = validate(json!({
+            "input": "Hi",
+            "tools": [{"type": "function", "name": "get"}],
+            "tool_choice": {"type": "function", "name": "get"},
+        }))
+        .unwrap();
+        assert!(named.generation.guide.is_some(), "a named tool constrains");
+    }
+
+    #[test]
+    fn errors_name_the_responses_fields() {
+        let refused = |body: Value, param: &str, words: &str| {
+            let e = validate(body).expect_err(param);
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+            assert!(e.message.contains(words), "{param}: {}", e.message);
+        };
+        refused(json!({}), "input", "required");
+        refused(json!({"input": []}), "input", "non-empty");
+        refused(json!({"input": 3}), "input", "string or");
+        refused(
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+            "input",
+            "input_image",
+        );
+        refused(
+            json!({"input": [{"role": "robot", "content": "x"}]}),
+            "input",
+            "robot",
+        );
+        refused(
+            json!({"input": [{"type": "web_search_call"}]}),
+            "input",
+            "web_search_call",
+        );
+        refused(
+            json!({"input": [{"type": "function_call", "name": "f"}]}),
+            "input",
+            "call_id",
+        );
+        refused(
+            json!({"input": "x", "max_output_tokens": -1}),
+            "max_output_tokens",
+            "at least",
+        );
+        refused(
+            json!({"input": "x", "max_output_tokens": "many"}),
+            "max_output_tokens",
+            "max_output_tokens",
+        );
+        refused(
+            json!({"input": "x", "temperature": -1}),
+            "temperature",
+            ">= 0",
+        );
+        refused(
+            json!({"input": "x", "top_logprobs": 21}),
+            "top_logprobs",
+            "[0, 20]",
+        );
+        refused(json!({"input": "x", "include": "all"}), "include", "list");
+        refused(
+            json!({"input": "x", "text": {"format": {"type": "yaml"}}}),
+            "text",
+            "json_schema",
+        );
+        refused(
+            json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}),
+            "text",
+            "schema",
+        );
+        refused(
+            json!({"input": "x", "tools": [{"type": "web_search"}]}),
+            "tools",
+            "web_search",
+        );
+        refused(
+            json!({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}),
+            "tool_choice",
+            "`g`",
+        );
+        refused(
+            json!({"input": "x", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+            "not stored",
+        );
+        refused(
+            json!({"input": "x", "background": true}),
+            "background",
+            "background",
+        );
+        refused(json!({"input": "x", "n": 2}), "n", "one output");
+        refused(json!({"input": "x", "model": "other"}), "model", "other");
+        refused(
+            json!({"input": "x", "instructions": 1}),
+            "instructions",
+            "string",
+        );
+    }
+}

@@ -1,0 +1,612 @@
+//! OpenAI's Responses API: `POST /v1/responses`, whole or streamed as its typed events.
+//! A request runs as one chat sequence ([`validate::responses_request`]); its output
+//! becomes a `message` item with one `output_text` part, and, when tools were offered,
+//! `function_call` items for the calls in it. Nothing is stored.
+
+use crate::error::ApiError;
+use crate::openai::{
+    attach_guide, body_bytes, capture_delivery, chat_logprobs, check_index, engine_failure,
+    unix_now, warn_ignored, AbortGuard, CaptureDelivery,
+};
+use crate::tool_stream::{ToolCallStream, ToolDelta};
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
+use lantern_engine::serving::prompter::Prompter;
+use lantern_engine::serving::{EngineEvent, Finish, LogprobEntry};
+use lantern_engine::validate::tools::parse_tool_calls;
+use lantern_engine::validate::{self, ModelLimits, RequestContext, ResponsesEcho};
+use serde_json::{json, Map, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub async fn responses(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    respond(state, &headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn new_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!("{nanos:x}{:06x}", COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+async fn respond(
+    state: AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let value = validate::parse_body(&body_bytes(body)?)?;
+    let limits = ModelLimits {
+        served_name: &state.served_model_name,
+        aliases: &state.served_model_names,
+    };
+    let context = RequestContext::new(limits, &state.capture, state.engine.meta());
+    let validated = validate::responses_request(&value, &context)?;
+    let (mut request, echo) = (validated.generation, validated.echo);
+    warn_ignored(&request.ignored_fields);
+    let capture = capture_delivery(&state, headers, &request)?;
+    attach_guide(&state, &mut request).await?;
+    let id = new_id();
+    let mut items = std::mem::take(&mut request.items);
+    let log_id: std::sync::Arc<str> = format!("resp_{id}").into();
+    for item in &mut items {
+        item.request_id = Some(log_id.clone());
+    }
+    let (accepted, events) = state
+        .engine
+        .add(items)
+        .await
+        .map_err(|e| max_output_tokens_named(e.into()))?;
+    let guard = AbortGuard {
+        engine: state.engine.clone(),
+        pending: accepted.iter().map(|a| a.id).collect(),
+    };
+    let object = ResponseObject {
+        id,
+        created_at: unix_now(),
+        model: state.served_model_name.to_string(),
+        echo,
+        tools: request.tool_calls,
+    };
+    if request.stream {
+        Ok(stream_response(object, events, guard, capture))
+    } else {
+        whole_response(object, events, guard, capture).await
+    }
+}
+
+/// The engine settles `max_tokens` against the context; here the field is
+/// `max_output_tokens`.
+fn max_output_tokens_named(mut e: ApiError) -> ApiError {
+    if e.param.as_deref() == Some("max_tokens") {
+        e.param = Some("max_output_tokens".into());
+        e.message = e.message.replacen("max_tokens", "max_output_tokens", 1);
+    }
+    e
+}
+
+/// What a response object says besides its output.
+struct ResponseObject {
+    id: String,
+    created_at: u64,
+    model: String,
+    echo: ResponsesEcho,
+    /// Tools were offered: calls in the text become `function_call` items.
+    tools: bool,
+}
+
+impl ResponseObject {
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.id)
+    }
+
+    fn call_ids(&self, i: usize) -> (String, String) {
+        (
+            format!("fc_{}_{i}", self.id),
+            format!("call_{}_{i}", self.id),
+        )
+    }
+
+    /// The response object: `status` `in_progress`, `completed` or `incomplete`
+    /// (`finish` tells which), its output items and usage.
+    fn json(&self, output: Vec<Value>, finish: Option<&Finish>) -> Value {
+        let length = finish.is_some_and(|f| f.reason.as_str() == "length");
+        let status = match finish {
+            None => "in_progress",
+            Some(_) if length => "incomplete",
+            Some(_) => "completed",
+        };
+        let usage = finish.map_or(Value::Null, |f| {
+            json!({
+                "input_tokens": f.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                "output_tokens": f.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": f.prompt_tokens + f.completion_tokens,
+            })
+        });
+        let e = &self.echo;
+        json!({
+            "id": format!("resp_{}", self.id),
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": null,
+            "incomplete_details": if length { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+            "instructions": e.instructions,
+            "max_output_tokens": e.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": e.parallel_tool_calls,
+            "previous_response_id": null,
+            "reasoning": {"effort": null, "summary": null},
+            "store": false,
+            "temperature": e.temperature,
+            "text": e.text,
+            "tool_choice": e.tool_choice,
+            "tools": e.tools,
+            "top_logprobs": e.top_logprobs,
+            "top_p": e.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": e.user,
+            "metadata": e.metadata,
+        })
+    }
+
+    /// A `message` item holding one `output_text` part.
+    fn message(&self, text: &str, logprobs: Vec<Value>, status: &str) -> Value {
+        json!({
+            "type": "message",
+            "id": self.message_id(),
+            "status": status,
+            "role": "assistant",
+            "content": [output_text(text, logprobs)],
+        })
+    }
+
+    /// Call `i` as a `function_call` item.
+    fn function_call(&self, i: usize, name: &str, arguments: &str, status: &str) -> Value {
+        let (id, call_id) = self.call_ids(i);
+        json!({
+            "type": "function_call",
+            "id": id,
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        })
+    }
+
+    /// A finished output's items: the text as a message (none when tool calls are all
+    /// it holds), then its calls.
+    fn output(&self, text: &str, logprobs: &[LogprobEntry], finish: &Finish) -> Vec<Value> {
+        let status = item_status(finish);
+        let (calls, rest) = if self.tools {
+            parse_tool_calls(text)
+        } else {
+            (Vec::new(), text.to_string())
+        };
+        let mut output = Vec::new();
+        if calls.is_empty() {
+            output.push(self.message(text, logprob_entries(logprobs), status));
+        } else if !rest.is_empty() {
+            output.push(self.message(&rest, Vec::new(), status));
+        }
+        for (i, call) in calls.iter().enumerate() {
+            output.push(self.function_call(i, &call.name, &call.arguments, "completed"));
+        }
+        output
+    }
+}
+
+fn output_text(text: &str, logprobs: Vec<Value>) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
+}
+
+/// An output item's status once its sequence finished.
+fn item_status(finish: &Finish) -> &'static str {
+    if finish.reason.as_str() == "length" {
+        "incomplete"
+    } else {
+        "completed"
+    }
+}
+
+/// Tokens' logprobs as the Responses API lists them (chat's entries).
+fn logprob_entries(entries: &[LogprobEntry]) -> Vec<Value> {
+    match chat_logprobs(entries).get_mut("content").map(Value::take) {
+        Some(Value::Array(entries)) => entries,
+        _ => Vec::new(),
+    }
+}
+
+async fn whole_response(
+    object: ResponseObject,
+    mut events: UnboundedReceiver<EngineEvent>,
+    mut guard: AbortGuard,
+    capture: Option<CaptureDelivery>,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    let mut finish = loop {
+        let Some(event) = events.recv().await else {
+            return Err(ApiError::unavailable());
+        };
+        let event = guard.engine.prompter().resolve(event).await?;
+        check_index(&event, 1)?;
+        text.push_str(&event.text);
+        logprobs.extend(event.logprobs);
+        if let Some(finish) = event.finish {
+            if let Some(error) = engine_failure(&finish) {
+                return Err(error);
+            }
+            guard.pending.clear();
+            break finish;
+        }
+    };
+    let pending_capture = finish.capture.take();
+    let mut whole = object.json(object.output(&text, &logprobs, &finish), Some(&finish));
+    if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
+        obj.extend(capture.fields(pending_capture).await);
+    }
+    Ok(Json(whole).into_response())
+}
+
+/// The output item a stream is writing.
+enum OpenItem {
+    Message {
+        text: String,
+        logprobs: Vec<Value>,
+    },
+    Call {
+        index: usize,
+        name: String,
+        arguments: String,
+    },
+}
+
+/// The state of a streamed response.
+struct ResponseStream {
+    object: ResponseObject,
+    events: UnboundedReceiver<EngineEvent>,
+    prompter: Prompter,
+    guard: AbortGuard,
+    queue: VecDeque<Event>,
+    sequence_number: u64,
+    done: bool,
+    /// Finished output items.
+    output: Vec<Value>,
+    open: Option<OpenItem>,
+    calls: usize,
+    /// With tools: the output turned into content and call deltas as it arrives.
+    tool_stream: Option<ToolCallStream>,
+    capture: Option<CaptureDelivery>,
+    /// The sequence finished; its capture (when asked for) is still to be delivered.
+    finished: Option<(Finish, Option<Result<PendingCapture, CaptureFailure>>)>,
+}
+
+impl ResponseStream {
+    /// Queues one event: its `type` names the SSE event too, and every event carries
+    /// the next sequence number.
+    fn send(&mut self, kind: &str, mut fields: Map<String, Value>) {
+        fields.insert("type".into(), json!(kind));
+        fields.insert("sequence_number".into(), json!(self.sequence_number));
+        self.sequence_number += 1;
+        let event = Event::default()
+            .event(kind)
+            .data(Value::Object(fields).to_string());
+        self.queue.push_back(event);
+    }
+
+    fn send_json(&mut self, kind: &str, fields: Value) {
+        if let Value::Object(fields) = fields {
+            self.send(kind, fields);
+        }
+    }
+
+    fn start(&mut self) {
+        let response = self.object.json(Vec::new(), None);
+        self.send_json("response.created", json!({"response": response}));
+        let response = self.object.json(Vec::new(), None);
+        self.send_json("response.in_progress", json!({"response": response}));
+    }
+
+    /// Text of the message item, which opens first if it is not open.
+    fn text(&mut self, text: &str, logprobs: Vec<Value>) {
+        if !matches!(self.open, Some(OpenItem::Message { .. })) {
+            self.close(None);
+            let item = json!({
+                "type": "message",
+                "id": self.object.message_id(),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            });
+            let index = self.output.len();
+            self.send_json(
+                "response.output_item.added",
+                json!({"output_index": index, "item": item}),
+            );
+            self.send_json(
+                "response.content_part.added",
+                json!({
+                    "item_id": self.object.message_id(),
+                    "output_index": index,
+                    "content_index": 0,
+                    "part": output_text("", Vec::new()),
+                }),
+            );
+            self.open = Some(OpenItem::Message {
+                text: String::new(),
+                logprobs: Vec::new(),
+            });
+        }
+        if text.is_empty() && logprobs.is_empty() {
+            return;
+        }
+        let fields = json!({
+            "item_id": self.object.message_id(),
+            "output_index": self.output.len(),
+            "content_index": 0,
+            "delta": text,
+            "logprobs": logprobs,
+        });
+        if let Some(OpenItem::Message {
+            text: all,
+            logprobs: all_logprobs,
+        }) = &mut self.open
+        {
+            all.push_str(text);
+            all_logprobs.extend(logprobs);
+        }
+        self.send_json("response.output_text.delta", fields);
+    }
+
+    /// Ends the open item, if any: its `done` events, and it joins the output.
+    fn close(&mut self, finish: Option<&Finish>) {
+        let index = self.output.len();
+        let status = finish.map_or("completed", item_status);
+        let item = match self.open.take() {
+            None => return,
+            Some(OpenItem::Message { text, logprobs }) => {
+                let id = self.object.message_id();
+                self.send_json(
+                    "response.output_text.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs}),
+                );
+                self.send_json(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": output_text(&text, logprobs.clone())}),
+                );
+                self.object.message(&text, logprobs, status)
+            }
+            Some(OpenItem::Call {
+                index: call,
+                name,
+                arguments,
+            }) => {
+                let (id, _) = self.object.call_ids(call);
+                self.send_json(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": index, "arguments": arguments}),
+                );
+                self.object
+                    .function_call(call, &name, &arguments, "completed")
+            }
+        };
+        self.send_json(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item.clone()}),
+        );
+        self.output.push(item);
+    }
+
+    fn call_start(&mut self, name: String) {
+        self.close(None);
+        let index = self.calls;
+        self.calls += 1;
+        let item = self.object.function_call(index, &name, "", "in_progress");
+        self.send_json(
+            "response.output_item.added",
+            json!({"output_index": self.output.len(), "item": item}),
+        );
+        self.open = Some(OpenItem::Call {
+            index,
+            name,
+            arguments: String::new(),
+        });
+    }
+
+    fn call_arguments(&mut self, text: &str) {
+        let output_index = self.output.len();
+        let Some(OpenItem::Call {
+            index, arguments, ..
+        }) = &mut self.open
+        else {
+            return;
+        };
+        arguments.push_str(text);
+        let (id, _) = self.object.call_ids(*index);
+        self.send_json(
+            "response.function_call_arguments.delta",
+            json!({"item_id": id, "output_index": output_index, "delta": text}),
+        );
+    }
+
+    /// A streamed capture's live row, with the item the token it sampled went to.
+    fn capture_row(&mut self, row: Value) {
+        let output_index = self.output.len();
+        if let Some(OpenItem::Call { index, .. }) = &self.open {
+            let (id, _) = self.object.call_ids(*index);
+            self.send_json(
+                "response.function_call_arguments.delta",
+                json!({"item_id": id, "output_index": output_index, "delta": "", "attn_capture_row": row}),
+            );
+            return;
+        }
+        self.text("", Vec::new());
+        self.send_json(
+            "response.output_text.delta",
+            json!({
+                "item_id": self.object.message_id(),
+                "output_index": output_index,
+                "content_index": 0,
+                "delta": "",
+                "logprobs": [],
+                "attn_capture_row": row,
+            }),
+        );
+    }
+
+    fn on_event(&mut self, event: lantern_engine::serving::ChoiceEvent) {
+        if let Some(finish) = &event.finish {
+            if let Some(error) = engine_failure(finish) {
+                self.fail(&error);
+                return;
+            }
+        }
+        let logprobs = logprob_entries(&event.logprobs);
+        match &mut self.tool_stream {
+            None => {
+                if !event.text.is_empty() || !logprobs.is_empty() {
+                    self.text(&event.text, logprobs);
+                }
+            }
+            Some(stream) => {
+                let mut deltas = stream.push(&event.text);
+                if event.finish.is_some() {
+                    deltas.extend(stream.finish());
+                }
+                for delta in deltas {
+                    match delta {
+                        ToolDelta::Content(text) => self.text(&text, Vec::new()),
+                        ToolDelta::CallStart { name, .. } => self.call_start(name),
+                        ToolDelta::Arguments { text, .. } => self.call_arguments(&text),
+                    }
+                }
+            }
+        }
+        if let Some(row) = event.capture_row.as_ref() {
+            if let Ok(row) = serde_json::to_value(row) {
+                self.capture_row(row);
+            }
+        }
+        if let Some(mut finish) = event.finish {
+            self.guard.pending.clear();
+            if self.output.is_empty() && self.open.is_none() {
+                // Every response holds a message, empty or not, unless it called.
+                self.text("", Vec::new());
+            }
+            self.close(Some(&finish));
+            let capture = finish.capture.take();
+            self.finished = Some((finish, capture));
+        }
+    }
+
+    /// The last event: `response.completed` with the whole response, the capture's
+    /// fields in it when one was asked for.
+    fn complete(&mut self, finish: &Finish, capture_fields: Map<String, Value>) {
+        let mut response = self
+            .object
+            .json(std::mem::take(&mut self.output), Some(finish));
+        if let Value::Object(obj) = &mut response {
+            obj.extend(capture_fields);
+        }
+        // `response.completed` whatever the status (an `incomplete` response says so in
+        // it): the `openai` client's stream helpers end on that event only.
+        self.send_json("response.completed", json!({"response": response}));
+        self.done = true;
+    }
+
+    /// An error event (its `error` object as other endpoints send it), ending the stream.
+    fn fail(&mut self, error: &ApiError) {
+        let mut body = error.body();
+        if let Some(e) = body.get("error").cloned() {
+            for name in ["message", "code", "param"] {
+                body[name] = e[name].clone();
+            }
+        }
+        self.send_json("error", body);
+        self.done = true;
+    }
+}
+
+fn stream_response(
+    object: ResponseObject,
+    events: UnboundedReceiver<EngineEvent>,
+    guard: AbortGuard,
+    capture: Option<CaptureDelivery>,
+) -> Response {
+    let tools = object.tools;
+    let mut state = ResponseStream {
+        object,
+        events,
+        prompter: guard.engine.prompter().clone(),
+        guard,
+        queue: VecDeque::new(),
+        sequence_number: 0,
+        done: false,
+        output: Vec::new(),
+        open: None,
+        calls: 0,
+        tool_stream: tools.then(ToolCallStream::default),
+        capture,
+        finished: None,
+    };
+    state.start();
+    Sse::new(sse_events(state))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn sse_events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>> {
+    stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(event) = state.queue.pop_front() {
+                return Some((Ok(event), state));
+            }
+            if state.done {
+                return None;
+            }
+            if let Some((finish, pending)) = state.finished.take() {
+                let fields = match &state.capture {
+                    Some(capture) => capture.fields(pending).await,
+                    None => Map::new(),
+                };
+                state.complete(&finish, fields);
+                continue;
+            }
+            match state.events.recv().await {
+                Some(event) => match state
+                    .prompter
+                    .resolve(event)
+                    .await
+                    .map_err(ApiError::from)
+                    .and_then(|event| check_index(&event, 1).map(|()| event))
+                {
+                    Ok(event) => state.on_event(event),
+                    Err(error) => state.fail(&error),
+                },
+                None => state.fail(&ApiError::unavailable()),
+            }
+        }
+    })
+}

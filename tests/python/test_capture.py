@@ -72,6 +72,27 @@ def check_rows(cap: "lantern_attn.Capture", atol=1e-5):
             np.testing.assert_allclose(row.sum(axis=-1), 1.0, atol=atol)
 
 
+@pytest.mark.skipif(not hasattr(openai.OpenAI, "responses"), reason="no Responses API in this client")
+def test_a_response_captures_as_its_chat_does(cap_server, cap_client):
+    """The Responses API takes the capture fields in `extra_body` too: its maps are the
+    chat completion's of the same conversation, whole and at the end of a stream."""
+    body = {"attn_capture": True, "attn_capture_layers": [3], "ignore_eos": True}
+    ask = dict(model=cap_server.model, max_output_tokens=4, temperature=0, extra_body=body)
+    whole = cap_client.responses.create(input="Hi", **ask).model_dump()
+    chat = cap_client.chat.completions.create(
+        model=cap_server.model, messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4, temperature=0, extra_body=body,
+    )
+    events = list(cap_client.responses.create(input="Hi", stream=True, **ask))
+    streamed = events[-1].response.model_dump()
+    want = lantern_attn.from_response(chat)
+    for response in (whole, streamed):
+        got = lantern_attn.from_response(response)
+        assert got.total_len == want.total_len == response["usage"]["total_tokens"]
+        np.testing.assert_array_equal(got.dense(3), want.dense(3))
+    cap_server.wait_idle()
+
+
 def test_capture_is_refused_when_disabled(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(

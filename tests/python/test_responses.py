@@ -10,6 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import requests
 
 pytestmark = pytest.mark.skipif(
     not hasattr(openai.OpenAI, "responses"), reason="this openai client has no Responses API"
@@ -192,3 +193,24 @@ def test_bad_fields_are_400_naming_them(server, client, fields, param):
 def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="x")
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server):
+    before = server.metrics()
+    r = requests.post(
+        server.base_url + "/v1/responses",
+        json={"model": server.model, "input": "Tell me a very long story.", "max_output_tokens": 3000,
+              "stream": True, "ignore_eos": True},
+        headers=server.headers(), stream=True, timeout=60,
+    )
+    assert r.status_code == 200
+    deltas = 0
+    for line in r.iter_lines():
+        if line == b"event: response.output_text.delta":
+            deltas += 1
+            if deltas == 5:
+                break
+    r.close()
+    after = server.wait_idle(timeout_s=30)
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 5 <= generated < 3000, "the request ran on after its client left"

@@ -1,7 +1,9 @@
 """Serving basics: the port answers while the model loads (`/health` 503, then 200),
 `--max-model-len` caps requests with vLLM's 400, a log line per finished request and a
 periodic stats line, `lantern bench` reports the `--threads` pool it ran on and the kernels
-of a Hugging Face directory's weights, and a first run's model fetch is announced."""
+of a Hugging Face directory's weights, a first run's model fetch is announced, the model
+may be given as `vllm serve MODEL` takes it, and a model that cannot be read is named once
+with why."""
 
 import json
 import os
@@ -234,3 +236,41 @@ def test_first_run_fetch_is_announced(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
     )
     assert again.returncode == 0 and "fetching" not in again.stderr
+
+
+def test_model_errors_say_what_is_wrong_once(tmp_path):
+    """A model hub's id (as `vllm serve` takes one) names what lantern reads instead; a
+    file that is not a model is named once, with why, not the same cause repeated."""
+    hub = subprocess.run([str(_binary()), "serve", "Qwen/Qwen2.5-0.5B-Instruct", "--port", "0"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert hub.returncode == 1
+    assert "Qwen/Qwen2.5-0.5B-Instruct: no such file or directory" in hub.stderr, hub.stderr
+    assert "does not download from a model hub" in hub.stderr
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_text("not a model")
+    bad = subprocess.run([str(_binary()), "generate", "--model", str(not_a_model), "--prompt", "Hi"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 1
+    error = next(line for line in bad.stderr.splitlines() if line.startswith("error: "))
+    assert "is not a valid GGUF file" in error
+    assert error.count("not a valid GGUF file") == 1, error
+
+
+def test_the_model_may_be_given_as_vllm_serve_takes_it():
+    """`lantern serve MODEL`, as `vllm serve MODEL`: the model's path as an argument."""
+    if "--model" in os.environ.get("LANTERN_SERVE_ARGS", ""):
+        pytest.skip("LANTERN_SERVE_ARGS names a model")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    cache = os.environ.get("LANTERN_CACHE_DIR") or (
+        Path(xdg) / "lantern" if xdg else Path.home() / ".cache" / "lantern"
+    )
+    model = Path(cache) / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not model.exists():
+        pytest.skip("the default model is not in the cache")
+    srv = start_server(str(model), served_model_name=None)
+    try:
+        assert srv.model == str(model)
+        r = srv.client().completions.create(model=srv.model, prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    finally:
+        stop_server(srv)

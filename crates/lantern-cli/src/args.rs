@@ -106,6 +106,9 @@ impl EngineArgs {
 
     pub fn model_path(&self) -> Result<PathBuf> {
         match &self.model {
+            Some(path) if !path.exists() => Err(anyhow::anyhow!(
+                lantern_engine::options::missing_model(path, "--model")
+            )),
             Some(path) => Ok(path.clone()),
             None => lantern_model::default_model::ensure_default_model()
                 .context("no --model given and the default model is unavailable"),

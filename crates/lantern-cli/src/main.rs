@@ -71,9 +71,24 @@ fn main() {
         Command::Attn(args) => attn::run(args),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes, as `{:#}` writes them, without the causes whose text the
+/// message before them already holds (errors that write their source into their own
+/// message would otherwise say it twice).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
 }
 
 fn init_logging(verbose: bool) {

@@ -12,6 +12,9 @@ use std::sync::{Arc, OnceLock};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
+    /// The model, as `vllm serve MODEL` takes it: the same as --model.
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    pub model_arg: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Address to listen on.
@@ -121,7 +124,10 @@ fn served_model_names(args: &ServeArgs) -> Vec<String> {
     }
 }
 
-pub fn run(args: ServeArgs, verbose: bool) -> Result<()> {
+pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
+    if let Some(model) = args.model_arg.take() {
+        args.engine.model = Some(model);
+    }
     let mut api_keys: Vec<String> = args
         .api_key
         .iter()

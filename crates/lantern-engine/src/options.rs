@@ -75,6 +75,25 @@ pub struct ModelLoad {
     pub chat_template: Option<PathBuf>,
 }
 
+/// Why a model path (given as `field`) names nothing, with a hint when it looks like a
+/// model hub's id (`org/name`), which vLLM's users are used to giving.
+pub fn missing_model(path: &Path, field: &str) -> String {
+    let given = path.to_string_lossy();
+    let mut message = format!("{field} {given}: no such file or directory");
+    let parts: Vec<&str> = given.split('/').collect();
+    let hub_like = parts.len() == 2
+        && parts.iter().all(|p| !p.is_empty() && !p.starts_with('.'))
+        && !given.ends_with(".gguf");
+    if hub_like {
+        message.push_str(
+            "; lantern reads local models only and does not download from a model hub: \
+             give the path of a GGUF file or of a Hugging Face model directory (config.json, \
+             tokenizer.json and the .safetensors files), or none for the default model",
+        );
+    }
+    message
+}
+
 /// Why a model could not be loaded into an engine; each names the file at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadEngineError {
@@ -134,6 +153,29 @@ pub fn load_engine(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_model_that_looks_like_a_hub_id_gets_the_hint() {
+        let hint = "does not download from a model hub";
+        for hub in ["Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M-Instruct"] {
+            let m = missing_model(Path::new(hub), "--model");
+            assert!(
+                m.starts_with(&format!("--model {hub}: no such file")),
+                "{m}"
+            );
+            assert!(m.contains(hint), "{m}");
+        }
+        for path in [
+            "nope.gguf",
+            "./models/x",
+            "/abs/path",
+            "org/model.gguf",
+            "a/b/c",
+        ] {
+            let m = missing_model(Path::new(path), "model");
+            assert_eq!(m, format!("model {path}: no such file or directory"));
+        }
+    }
 
     #[test]
     fn byte_counts_take_binary_suffixes_and_refuse_the_rest() {

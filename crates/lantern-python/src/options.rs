@@ -188,6 +188,9 @@ impl EngineOptions {
     /// The model's path: as given, or the default model (fetched when missing).
     pub fn model_path(&self) -> Result<PathBuf, String> {
         match &self.model {
+            Some(path) if !path.exists() => {
+                Err(lantern_engine::options::missing_model(path, "model"))
+            }
             Some(path) => Ok(path.clone()),
             None => lantern_model::default_model::ensure_default_model()
                 .map_err(|e| format!("no model given and the default model is unavailable: {e}")),

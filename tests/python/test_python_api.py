@@ -390,3 +390,13 @@ def test_a_gpu_asked_for_where_none_answers_is_a_clear_error():
     # A GPU answered: the engine runs there.
     (out,) = llm.generate("Hello", lantern.SamplingParams(max_tokens=4, temperature=0))
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_missing_model_says_what_lantern_reads():
+    """A model hub's id, as vLLM's `LLM("org/name")` takes one, is not fetched: the error
+    names it and says what to give instead."""
+    with pytest.raises(lantern.EngineError) as e:
+        lantern.LLM("Qwen/Qwen2.5-0.5B-Instruct")
+    message = str(e.value)
+    assert "Qwen/Qwen2.5-0.5B-Instruct: no such file or directory" in message, message
+    assert "does not download from a model hub" in message, message

@@ -105,9 +105,13 @@ fn nucleus_floor(mut values: Vec<f32>, target: f64) -> Option<f32> {
     })
 }
 
-/// The nucleus's floor when it lies within the `first` largest of `values` (at least
-/// `first` of them, every weight of the row that can be among them).
+/// The nucleus's floor when it lies within the `first` largest of `values` (every weight
+/// of the row that can be among them; a row of NaNs may leave fewer).
 fn floor_in_largest(values: &mut [f32], first: usize, target: f64) -> Option<f32> {
+    let first = first.min(values.len());
+    if first == 0 {
+        return None;
+    }
     values.select_nth_unstable_by(first - 1, descending);
     let largest = &mut values[..first];
     largest.sort_unstable_by(descending);
@@ -310,6 +314,36 @@ mod tests {
             }
         }
         assert_eq!(sizes.len(), 2, "nuclei found both ways: {sizes:?}");
+    }
+
+    /// A row of NaNs but for a few weights (a model gone wrong) still gets a cut, at
+    /// every size of vocabulary, and never a panic.
+    #[test]
+    fn a_row_of_nans_gets_a_cut() {
+        for n in [40usize, 5000, 262_144] {
+            let mut weights = vec![f32::NAN; n];
+            for (i, w) in [1.0f32, 0.5, 0.25, 0.125].into_iter().enumerate() {
+                weights[i * n / 4] = w;
+            }
+            let total = 1.875;
+            for (top_k, top_p, want) in [
+                (0, 0.5, 1.0),
+                (0, 0.9, 0.25),
+                (2, 0.99, 0.5),
+                (0, 0.99, 0.125),
+            ] {
+                let params = SamplingParams {
+                    top_k,
+                    top_p,
+                    ..SamplingParams::default()
+                };
+                assert_eq!(
+                    cut_weight(&weights, total, &params),
+                    want,
+                    "n {n}, top-k {top_k}, top-p {top_p}"
+                );
+            }
+        }
     }
 
     /// The candidates for the largest `want` hold them all (ties at the last one too),

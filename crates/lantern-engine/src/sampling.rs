@@ -479,6 +479,47 @@ mod tests {
         }
     }
 
+    /// Rows with NaN, infinities or nothing finite, under any cut, give a token of the
+    /// row and never a panic.
+    #[test]
+    fn any_row_under_any_cut_gives_a_token() {
+        use rand::Rng;
+        let seed = rand::random::<u64>();
+        let mut rng = StdRng::seed_from_u64(seed);
+        for round in 0..300 {
+            let n = [1usize, 7, 300, 5000, 70_000][round % 5];
+            let odd = [
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::MAX,
+                -f32::MAX,
+            ];
+            let share = [0.0, 0.01, 0.5, 0.99, 1.0][rng.gen_range(0..5)];
+            let logits: Vec<f32> = (0..n)
+                .map(|_| {
+                    if rng.gen::<f64>() < share {
+                        odd[rng.gen_range(0..odd.len())]
+                    } else {
+                        rng.gen::<f32>() * 20.0 - 10.0
+                    }
+                })
+                .collect();
+            let params = SamplingParams {
+                temperature: [0.01, 0.7, 1.0, 5.0][rng.gen_range(0..4)],
+                top_k: [0, 1, 3, 2000][rng.gen_range(0..4)],
+                top_p: [1.0, 0.999, 0.5, 1e-6][rng.gen_range(0..4)],
+                min_p: [0.0, 0.1, 1.0][rng.gen_range(0..3)],
+                ..SamplingParams::default()
+            };
+            let token = sample_with_draw(&logits, &params, rng.gen());
+            assert!(
+                (token as usize) < n,
+                "seed {seed}, round {round}: token {token} of {n}"
+            );
+        }
+    }
+
     #[test]
     fn whole_row_sampling_follows_the_softmax() {
         let logits = [0.0f32, 1.0, 2.0, -50.0];

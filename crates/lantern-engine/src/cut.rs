@@ -38,26 +38,34 @@ fn descending(a: &f32, b: &f32) -> std::cmp::Ordering {
 }
 
 /// Every non-NaN weight of `weights` that can be among its `want` largest, and some more;
-/// with `true` when that is all of them. The `want`-th largest of the chunks' maxima bounds
-/// the `want`-th largest weight from below (the chunks' maxima are `want` weights that
-/// reach it), so a pass over the row and a selection among its chunks' maxima leave a few
-/// thousand weights of a 262,144-token row.
+/// with `true` when that is all of them ([`candidates_bound`]).
 fn top_candidates(weights: &[f32], want: usize) -> (Vec<f32>, bool) {
+    match candidates_bound(weights, want) {
+        None => (every_weight(weights), true),
+        Some(bound) => (vocab_row::values_in(weights, bound, f32::INFINITY), false),
+    }
+}
+
+/// A value every one of the `want` largest weights reaches, close below the `want`-th
+/// largest: the `want`-th largest of the chunks' maxima (they are `want` weights that
+/// reach it), so a pass over the row and a selection among its chunks' maxima leave a
+/// few thousand weights of a 262,144-token row. `None` when the row has too few chunks
+/// to tell (every weight is a candidate then).
+fn candidates_bound(weights: &[f32], want: usize) -> Option<f32> {
     // Chunks of 16 to 256 values, at least four times `want` of them.
     let chunk = (weights.len() / want.max(1) / 4).clamp(16, 256);
     let chunk = 1 << chunk.ilog2();
     let mut maxima = vocab_row::chunk_maxima(weights, chunk);
     if maxima.len() <= want {
-        return (
-            vocab_row::values_in(weights, f32::NEG_INFINITY, f32::INFINITY),
-            true,
-        );
+        return None;
     }
     maxima.select_nth_unstable_by(want - 1, descending);
-    (
-        vocab_row::values_in(weights, maxima[want - 1], f32::INFINITY),
-        false,
-    )
+    Some(maxima[want - 1])
+}
+
+/// Every non-NaN weight.
+fn every_weight(weights: &[f32]) -> Vec<f32> {
+    vocab_row::values_in(weights, f32::NEG_INFINITY, f32::INFINITY)
 }
 
 /// How many of the largest weights the nucleus is first looked for among: most rows'
@@ -70,16 +78,16 @@ const FIRST_PASS: usize = 1024;
 /// weights; a flat row's (thousands of tokens, up to most of the vocabulary) from the
 /// row's mass by value ([`floor_by_mass`]), never sorting more than one bin of it.
 fn nucleus_floor_of_row(weights: &[f32], target: f64) -> Option<f32> {
-    let (mut values, all) = top_candidates(weights, FIRST_PASS);
-    if all {
-        return nucleus_floor(values, target);
-    }
-    // All the candidates together falling short, the largest 1,024 need no sort.
-    let short = values.iter().map(|&w| f64::from(w)).sum::<f64>() < target;
-    let first = if short {
-        None
-    } else {
-        floor_in_largest(&mut values, FIRST_PASS, target)
+    let first = match candidates_bound(weights, FIRST_PASS) {
+        None => return nucleus_floor(every_weight(weights), target),
+        // All the candidates together falling short (a flat row), the largest 1,024
+        // are not listed: the mass by value finds the floor. (A sum in f32 lanes only
+        // chooses the way; each way finds the same floor.)
+        Some(bound) if f64::from(vocab_row::sum_at_least(weights, bound)) < target => None,
+        Some(bound) => {
+            let mut values = vocab_row::values_in(weights, bound, f32::INFINITY);
+            floor_in_largest(&mut values, FIRST_PASS, target)
+        }
     };
     first.or_else(|| {
         floor_by_mass(weights.iter().copied(), target, |lo, hi| {

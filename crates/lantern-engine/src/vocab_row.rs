@@ -110,6 +110,19 @@ per_level! {
         found
     }
 
+    /// The sum (in 16 f32 lanes) of the values at least `t` (NaN never).
+    pub fn sum_at_least(row: &[f32], t: f32) -> f32 {
+        let mut acc = [0f32; LANES];
+        let mut chunks = row.chunks_exact(LANES);
+        for c in &mut chunks {
+            for i in 0..LANES {
+                acc[i] += if c[i] >= t { c[i] } else { 0.0 };
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().filter(|v| **v >= t).sum();
+        acc.iter().sum::<f32>() + tail
+    }
+
     /// The sum [`exp_scaled`] returns for a `scale` of 1, in the same order, without
     /// writing the values: a log-sum-exp needs only the sum.
     pub fn exp_sum(row: &[f32], shift: f32) -> f32 {
@@ -268,7 +281,22 @@ mod tests {
                 let maxima = chunk_maxima(&row, 32);
                 let found = values_in(&row, lo, hi);
                 let above = values_in(&row, lo, f32::INFINITY);
+                let sum = sum_at_least(&row, lo);
                 force_kernel(None);
+                let want_sum: f64 = row
+                    .iter()
+                    .filter(|&&v| v >= lo)
+                    .map(|&v| f64::from(v))
+                    .sum();
+                let scale: f64 = row
+                    .iter()
+                    .filter(|v| !v.is_nan())
+                    .map(|&v| f64::from(v.abs()))
+                    .sum();
+                assert!(
+                    (f64::from(sum) - want_sum).abs() <= 1e-5 * scale.max(1.0),
+                    "{level} n={n}"
+                );
                 let want: Vec<f32> = row
                     .chunks(32)
                     .map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max))

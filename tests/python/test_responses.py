@@ -190,6 +190,14 @@ def test_bad_fields_are_400_naming_them(server, client, fields, param):
     server.wait_idle()
 
 
+def test_a_response_is_not_stored(server, client):
+    r = client.responses.create(model=server.model, input="Hi", max_output_tokens=2)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert "does not store responses" in e.value.message
+
+
 def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="x")

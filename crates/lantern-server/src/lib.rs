@@ -147,6 +147,10 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/responses", post(responses::responses))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::not_stored).delete(responses::not_stored),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(openai::tokenize))

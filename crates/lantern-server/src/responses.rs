@@ -39,6 +39,15 @@ pub async fn responses(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// `GET` and `DELETE /v1/responses/{id}`: this server keeps no response to read.
+pub async fn not_stored(axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    let id: String = id.chars().take(64).collect();
+    ApiError::not_found(format!(
+        "no response {id}: this server does not store responses (they are answered with store false); send the whole conversation as input"
+    ))
+    .into_response()
+}
+
 fn new_id() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()

@@ -430,8 +430,8 @@ impl Sampler {
 
 /// The token a uniform `draw` in [0, 1) picks from `logits` under `params` (a temperature
 /// above 0): from the whole softmax, or from the weights top-k, top-p and min-p keep
-/// ([`crate::cut::cut_weight`]), walked in id order (the same distribution as walking them sorted;
-/// a device samples the same way: `lantern_model::pick::sample_row`).
+/// ([`crate::cut::cut_weight`]), walked in id order (the same distribution as walking
+/// them sorted; a device samples the same way: `lantern_model::pick::sample_row`).
 pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, draw: f32) -> u32 {
     thread_local! {
         // A vocabulary's weights, kept between the rows this thread samples.

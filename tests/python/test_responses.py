@@ -2,8 +2,9 @@
 the chat completion of the same conversation (instructions as the system message, input
 items as messages, function calls and their outputs included), whole or streamed as
 typed events whose deltas add up to the final response; logprobs, structured output and
-function tools as on chat; fields it cannot honour are a 400 naming them, and every
-request gives its KV blocks back."""
+function tools as on chat; a kept response is continued by `previous_response_id` as
+the whole conversation would be, read back and deleted; fields it cannot honour are a 400
+naming them, and every request gives its KV blocks back."""
 
 import json
 
@@ -176,7 +177,7 @@ def test_function_tools_call_and_their_outputs_continue_the_conversation(server,
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input"),
-    ({"input": "x", "previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": "x", "conversation": "conv_123"}, "conversation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "max_output_tokens": 1_000_000}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),
@@ -190,12 +191,74 @@ def test_bad_fields_are_400_naming_them(server, client, fields, param):
     server.wait_idle()
 
 
-def test_a_response_is_not_stored(server, client):
-    r = client.responses.create(model=server.model, input="Hi", max_output_tokens=2)
-    assert r.store is False
+def test_a_follow_up_continues_a_kept_response(server, client):
+    """`previous_response_id` continues a kept response's conversation, as if it were
+    sent whole; the kept response reads back as it was answered, and goes when deleted."""
+    first = client.responses.create(
+        model=server.model, instructions="Answer briefly.", input="Name a fruit.", max_output_tokens=12, temperature=0,
+    )
+    assert first.store is True
+    follow = client.responses.create(
+        model=server.model, previous_response_id=first.id, input="Name another.", max_output_tokens=12, temperature=0,
+    )
+    assert follow.previous_response_id == first.id
+    # The same conversation sent whole (instructions are not inherited).
+    whole = client.responses.create(
+        model=server.model, max_output_tokens=12, temperature=0,
+        input=[
+            {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Name another."},
+        ],
+    )
+    assert follow.output_text == whole.output_text
+    assert follow.usage.input_tokens == whole.usage.input_tokens
+    # Streamed responses are kept too, and chains go on.
+    events = list(client.responses.create(
+        model=server.model, previous_response_id=follow.id, input="And a third?", max_output_tokens=8,
+        temperature=0, stream=True,
+    ))
+    third = events[-1].response
+    assert third.usage.input_tokens > follow.usage.input_tokens
+    kept = client.responses.retrieve(third.id)
+    assert kept.output_text == third.output_text and kept.id == third.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError) as e:
-        client.responses.retrieve(r.id)
-    assert "does not store responses" in e.value.message
+        client.responses.create(model=server.model, previous_response_id=first.id, input="x")
+    assert e.value.body["param"] == "previous_response_id"
+    unkept = client.responses.create(model=server.model, input="Hi", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_a_tool_call_continues_with_its_output(server, client):
+    """A kept response's function call, answered with `function_call_output` in a
+    follow-up, continues the conversation as the whole conversation would."""
+    r = client.responses.create(
+        model=server.model, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
+        max_output_tokens=80, temperature=0,
+    )
+    call = next(o for o in r.output if o.type == "function_call")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees"}
+    follow = client.responses.create(
+        model=server.model, previous_response_id=r.id, input=[output], tools=[WEATHER],
+        max_output_tokens=20, temperature=0,
+    )
+    whole = client.responses.create(
+        model=server.model, tools=[WEATHER], max_output_tokens=20, temperature=0,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            output,
+        ],
+    )
+    assert follow.usage.input_tokens == whole.usage.input_tokens
+    assert [o.type for o in follow.output] == [o.type for o in whole.output]
+    server.wait_idle()
 
 
 def test_unknown_model_is_404(server, client):

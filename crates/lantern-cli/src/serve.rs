@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// while they are full, such requests get a 503 with Retry-After.
     #[arg(long, default_value = "1G", value_parser = crate::args::parse_bytes)]
     pub max_stored_capture_bytes: usize,
+    /// Bytes the Responses API's kept responses may take together (`64M`), for
+    /// `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first.
+    #[arg(long, default_value = "64M", value_parser = crate::args::parse_bytes)]
+    pub max_stored_response_bytes: usize,
     /// Finished captures waiting for the capture worker from which new capturing
     /// requests get a 503 with Retry-After (captures admitted before are all finalized).
     #[arg(long, default_value_t = lantern_engine::lantern_capture::DEFAULT_MAX_QUEUED_CAPTURES)]
@@ -182,6 +186,7 @@ pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
             fault: faults.capture,
         },
         body_read_timeout,
+        max_stored_response_bytes: args.max_stored_response_bytes,
         allowed_origins: args.allowed_origins.clone(),
         connections: ConnectionLimits {
             header_read_timeout,

@@ -24,6 +24,7 @@ pub mod loading;
 pub mod metrics;
 mod openai;
 pub mod request_guards;
+pub mod response_store;
 mod responses;
 pub mod tool_stream;
 
@@ -71,6 +72,8 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// Header read timeout and connection limit (applied by [`serve_with_limits`]).
     pub connections: ConnectionLimits,
+    /// Bytes the Responses API's kept responses may take (the oldest go first).
+    pub max_stored_response_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -84,6 +87,7 @@ impl Default for ServerConfig {
             body_read_timeout: request_guards::DEFAULT_BODY_READ_TIMEOUT,
             allowed_origins: Vec::new(),
             connections: ConnectionLimits::default(),
+            max_stored_response_bytes: response_store::DEFAULT_RESPONSE_STORE_BYTES,
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct AppState {
     pub capture: Arc<CaptureSettings>,
     pub captures: Arc<CaptureStore>,
     pub capture_worker: Arc<lantern_engine::lantern_capture::CaptureWorker>,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: Arc<response_store::ResponseStore>,
 }
 
 /// The server's routes, on an engine already running. Fails only when the capture
@@ -138,6 +144,9 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             .collect(),
         capture: Arc::new(config.capture.clone()),
         captures: CaptureStore::start(&config.capture),
+        responses: Arc::new(response_store::ResponseStore::new(
+            config.max_stored_response_bytes,
+        )),
         capture_worker: Arc::new(lantern_engine::lantern_capture::CaptureWorker::start(
             busy,
             config.capture.max_queued,
@@ -149,7 +158,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .route("/v1/responses", post(responses::responses))
         .route(
             "/v1/responses/{id}",
-            get(responses::not_stored).delete(responses::not_stored),
+            get(responses::get_response).delete(responses::delete_response),
         )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*model}", get(get_model))

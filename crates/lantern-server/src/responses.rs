@@ -1,13 +1,16 @@
 //! OpenAI's Responses API: `POST /v1/responses`, whole or streamed as its typed events.
 //! A request runs as one chat sequence ([`validate::responses_request`]); its output
 //! becomes a `message` item with one `output_text` part, and, when tools were offered,
-//! `function_call` items for the calls in it. Nothing is stored.
+//! `function_call` items for the calls in it. Each response is kept (unless `store` is
+//! false) with its conversation, for a follow-up's `previous_response_id` and for
+//! `GET /v1/responses/{id}` ([`crate::response_store`]).
 
 use crate::error::ApiError;
 use crate::openai::{
     attach_guide, body_bytes, capture_delivery, chat_logprobs, check_index, engine_failure,
     unix_now, warn_ignored, AbortGuard, CaptureDelivery,
 };
+use crate::response_store::ResponseStore;
 use crate::tool_stream::{ToolCallStream, ToolDelta};
 use crate::AppState;
 use axum::body::Bytes;
@@ -27,6 +30,7 @@ use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 pub async fn responses(
@@ -39,13 +43,48 @@ pub async fn responses(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// `GET` and `DELETE /v1/responses/{id}`: this server keeps no response to read.
-pub async fn not_stored(axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+/// The API key a request came with, on a server with keys: it owns what it stores.
+fn owner(state: &AppState, headers: &HeaderMap) -> Option<String> {
+    if state.api_keys.is_empty() {
+        None
+    } else {
+        crate::bearer_token(headers)
+    }
+}
+
+fn not_kept(id: &str) -> ApiError {
     let id: String = id.chars().take(64).collect();
     ApiError::not_found(format!(
-        "no response {id}: this server does not store responses (they are answered with store false); send the whole conversation as input"
+        "no response {id} is kept here (responses are kept in memory, the oldest dropped past --max-stored-response-bytes, none across restarts, none asked with store false)"
     ))
-    .into_response()
+}
+
+/// `GET /v1/responses/{id}`: a kept response, as it was answered.
+pub async fn get_response(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match state.responses.get(&id, owner(&state, &headers).as_deref()) {
+        Some(stored) => Json(stored.response).into_response(),
+        None => not_kept(&id).into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub async fn delete_response(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if state
+        .responses
+        .delete(&id, owner(&state, &headers).as_deref())
+    {
+        Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+    } else {
+        not_kept(&id).into_response()
+    }
 }
 
 fn new_id() -> String {
@@ -67,8 +106,28 @@ async fn respond(
         aliases: &state.served_model_names,
     };
     let context = RequestContext::new(limits, &state.capture, state.engine.meta());
-    let validated = validate::responses_request(&value, &context)?;
+    let owner = owner(&state, headers);
+    let previous_id = validate::previous_response_id(&value)?;
+    let previous = match &previous_id {
+        None => None,
+        Some(id) => Some(
+            state
+                .responses
+                .get(id, owner.as_deref())
+                .ok_or_else(|| ApiError {
+                    param: Some("previous_response_id".into()),
+                    ..not_kept(id)
+                })?,
+        ),
+    };
+    let previous_conversation = previous.as_ref().map_or(&[][..], |p| &p.conversation[..]);
+    let validated = validate::responses_request(&value, &context, previous_conversation)?;
     let (mut request, echo) = (validated.generation, validated.echo);
+    let keep = echo.store.then(|| Keep {
+        store: state.responses.clone(),
+        conversation: validated.conversation,
+        owner,
+    });
     warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
     attach_guide(&state, &mut request).await?;
@@ -93,6 +152,8 @@ async fn respond(
         model: state.served_model_name.to_string(),
         echo,
         tools: request.tool_calls,
+        previous_response_id: previous_id,
+        keep,
     };
     if request.stream {
         Ok(stream_response(object, events, guard, capture))
@@ -119,6 +180,59 @@ struct ResponseObject {
     echo: ResponsesEcho,
     /// Tools were offered: calls in the text become `function_call` items.
     tools: bool,
+    previous_response_id: Option<String>,
+    /// Where the finished response is kept (`None`: `store` false).
+    keep: Option<Keep>,
+}
+
+/// A response to keep once it is finished, with the conversation it ends.
+struct Keep {
+    store: Arc<ResponseStore>,
+    /// The conversation before the output (chat messages).
+    conversation: Vec<Value>,
+    owner: Option<String>,
+}
+
+impl ResponseObject {
+    /// Keeps the finished response (before a capture's fields join it) with its
+    /// conversation: the input's, then the output as the assistant's message.
+    fn keep(&mut self, response: &Value, output: &[Value]) {
+        let Some(keep) = self.keep.take() else {
+            return;
+        };
+        let mut conversation = keep.conversation;
+        conversation.push(assistant_message(output));
+        let id = format!("resp_{}", self.id);
+        keep.store
+            .put(&id, response.clone(), conversation, keep.owner);
+    }
+}
+
+/// A response's output items as the chat message that continues its conversation: the
+/// text, and the calls it made.
+fn assistant_message(output: &[Value]) -> Value {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    for item in output {
+        match item["type"].as_str() {
+            Some("message") => {
+                for part in item["content"].as_array().into_iter().flatten() {
+                    text.push_str(part["text"].as_str().unwrap_or_default());
+                }
+            }
+            Some("function_call") => calls.push(json!({
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            })),
+            _ => {}
+        }
+    }
+    let mut message = json!({"role": "assistant", "content": text});
+    if !calls.is_empty() {
+        message["tool_calls"] = Value::Array(calls);
+    }
+    message
 }
 
 impl ResponseObject {
@@ -164,9 +278,9 @@ impl ResponseObject {
             "model": self.model,
             "output": output,
             "parallel_tool_calls": e.parallel_tool_calls,
-            "previous_response_id": null,
+            "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": null, "summary": null},
-            "store": false,
+            "store": self.echo.store,
             "temperature": e.temperature,
             "text": e.text,
             "tool_choice": e.tool_choice,
@@ -248,7 +362,7 @@ fn logprob_entries(entries: &[LogprobEntry]) -> Vec<Value> {
 }
 
 async fn whole_response(
-    object: ResponseObject,
+    mut object: ResponseObject,
     mut events: UnboundedReceiver<EngineEvent>,
     mut guard: AbortGuard,
     capture: Option<CaptureDelivery>,
@@ -272,7 +386,9 @@ async fn whole_response(
         }
     };
     let pending_capture = finish.capture.take();
-    let mut whole = object.json(object.output(&text, &logprobs, &finish), Some(&finish));
+    let output = object.output(&text, &logprobs, &finish);
+    let mut whole = object.json(output.clone(), Some(&finish));
+    object.keep(&whole, &output);
     if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
         obj.extend(capture.fields(pending_capture).await);
     }
@@ -533,9 +649,9 @@ impl ResponseStream {
     /// The last event: `response.completed` with the whole response, the capture's
     /// fields in it when one was asked for.
     fn complete(&mut self, finish: &Finish, capture_fields: Map<String, Value>) {
-        let mut response = self
-            .object
-            .json(std::mem::take(&mut self.output), Some(finish));
+        let output = std::mem::take(&mut self.output);
+        let mut response = self.object.json(output.clone(), Some(finish));
+        self.object.keep(&response, &output);
         if let Value::Object(obj) = &mut response {
             obj.extend(capture_fields);
         }

@@ -18,7 +18,7 @@ pub use body::{
 };
 pub use capture::{CaptureRequest, CaptureSettings, Delivery};
 pub use invalid::{model_not_found_message, InvalidRequest};
-pub use responses::{responses_request, ResponsesEcho, ResponsesRequest};
+pub use responses::{previous_response_id, responses_request, ResponsesEcho, ResponsesRequest};
 
 /// An [`InvalidRequest`] as a client sees it, for tests: the field it names, its message,
 /// and its kind as the status and code the server answers with.

@@ -5,8 +5,9 @@
 //! its logprobs. Sampling fields (and vLLM's and lantern's own, capture included) are
 //! chat's. What the response repeats of the request is kept in [`ResponsesEcho`].
 //!
-//! Nothing is stored: `previous_response_id`, `conversation` and `background` are
-//! refused, `store` is accepted and reported as false.
+//! A follow-up names the response it continues (`previous_response_id`): the server
+//! keeps each response's conversation and passes it here, before the new input.
+//! `conversation` (server-side conversations) and `background` are refused.
 
 use super::body::{
     generation_request, unknown_fields, Endpoint, GenerationRequest, RequestContext,
@@ -82,34 +83,50 @@ pub struct ResponsesEcho {
     pub text: Value,
     pub metadata: Value,
     pub user: Value,
+    /// Whether the response is to be kept (`store`, true unless the request says false).
+    pub store: bool,
 }
 
-/// A validated Responses request: the chat request it runs as, and what its response
-/// repeats.
+/// A validated Responses request: the chat request it runs as, what its response
+/// repeats, and its conversation for a follow-up to continue.
 #[derive(Debug, Clone)]
 pub struct ResponsesRequest {
     pub generation: GenerationRequest,
     pub echo: ResponsesEcho,
+    /// The conversation before the output: the continued response's, then this
+    /// request's input, as chat messages (no instructions: a follow-up gives its own).
+    pub conversation: Vec<Value>,
 }
 
-/// Validates a `POST /v1/responses` body.
+/// The response a body continues (`previous_response_id`), if it names one.
+pub fn previous_response_id(body: &Value) -> Result<Option<String>, InvalidRequest> {
+    match body.get("previous_response_id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(id)) => Ok(Some(id.clone())),
+        Some(_) => Err(InvalidRequest::invalid(
+            "previous_response_id",
+            "previous_response_id must be a string",
+        )),
+    }
+}
+
+/// Validates a `POST /v1/responses` body; `previous` is the conversation of the
+/// response it continues (chat messages, as [`ResponsesRequest::conversation`] gave
+/// them), empty when it continues none.
 pub fn responses_request(
     body: &Value,
     context: &RequestContext,
+    previous: &[Value],
 ) -> Result<ResponsesRequest, InvalidRequest> {
     let obj = body
         .as_object()
         .ok_or_else(|| InvalidRequest::Body("the body must be a JSON object".into()))?;
     let present = |name: &str| obj.get(name).filter(|v| !v.is_null());
-    for field in ["previous_response_id", "conversation"] {
-        if present(field).is_some() {
-            return Err(InvalidRequest::invalid(
-                field,
-                format!(
-                    "{field}: responses are not stored here; send the whole conversation as input"
-                ),
-            ));
-        }
+    if present("conversation").is_some() {
+        return Err(InvalidRequest::unsupported(
+            "conversation",
+            "conversation (continue one with previous_response_id, or send it whole as input)",
+        ));
     }
     if present("background").and_then(Value::as_bool) == Some(true) {
         return Err(InvalidRequest::unsupported(
@@ -133,7 +150,11 @@ pub fn responses_request(
             chat.insert(name.clone(), value.clone());
         }
     }
-    chat.insert("messages".into(), Value::Array(messages(obj)?));
+    let mut conversation = previous.to_vec();
+    conversation.extend(input_messages(obj)?);
+    let mut messages = instructions(obj)?;
+    messages.extend(conversation.iter().cloned());
+    chat.insert("messages".into(), Value::Array(messages));
     if let Some(max) = present("max_output_tokens") {
         chat.insert("max_completion_tokens".into(), max.clone());
     }
@@ -191,8 +212,13 @@ pub fn responses_request(
         },
         metadata: present("metadata").cloned().unwrap_or_else(|| json!({})),
         user: present("user").cloned().unwrap_or(Value::Null),
+        store: present("store").and_then(Value::as_bool).unwrap_or(true),
     };
-    Ok(ResponsesRequest { generation, echo })
+    Ok(ResponsesRequest {
+        generation,
+        echo,
+        conversation,
+    })
 }
 
 /// The Responses field a chat field was made from.
@@ -254,20 +280,22 @@ fn includes_logprobs(include: Option<&Value>) -> Result<bool, InvalidRequest> {
     }
 }
 
-/// `instructions` as a system message, then `input`: a string (one user message) or a
-/// list of messages, function calls and their outputs.
-fn messages(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest> {
-    let mut messages = Vec::new();
+/// `instructions` as a system message (none when not given).
+fn instructions(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest> {
     match obj.get("instructions") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
-        Some(_) => {
-            return Err(InvalidRequest::invalid(
-                "instructions",
-                "instructions must be a string",
-            ))
-        }
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![json!({"role": "system", "content": s})]),
+        Some(_) => Err(InvalidRequest::invalid(
+            "instructions",
+            "instructions must be a string",
+        )),
     }
+}
+
+/// `input` as chat messages: a string (one user message) or a list of messages,
+/// function calls and their outputs.
+fn input_messages(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest> {
+    let mut messages = Vec::new();
     match obj.get("input") {
         None | Some(Value::Null) => return Err(InvalidRequest::Missing("input")),
         Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
@@ -476,6 +504,11 @@ mod tests {
     use crate::validate::{CaptureSettings, ModelLimits, Seen};
 
     fn validate(body: Value) -> Result<ResponsesRequest, Seen> {
+        continuing(body, &[])
+    }
+
+    /// Validates `body` as a follow-up of a response whose conversation was `previous`.
+    fn continuing(body: Value, previous: &[Value]) -> Result<ResponsesRequest, Seen> {
         let settings = CaptureSettings::default();
         let context = RequestContext {
             limits: ModelLimits {
@@ -486,7 +519,7 @@ mod tests {
             num_layers: 2,
             num_heads: 2,
         };
-        responses_request(&body, &context).map_err(Seen::from)
+        responses_request(&body, &context, previous).map_err(Seen::from)
     }
 
     fn chat_messages(r: &ResponsesRequest) -> Vec<(String, String)> {
@@ -536,6 +569,31 @@ mod tests {
             }
             other => panic!("not a chat prompt: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_follow_up_continues_the_previous_conversation() {
+        let previous = [
+            json!({"role": "user", "content": "Hi"}),
+            json!({"role": "assistant", "content": "Hello"}),
+        ];
+        let body = json!({"input": "And now?", "instructions": "Be kind", "previous_response_id": "resp_1"});
+        assert_eq!(previous_response_id(&body), Ok(Some("resp_1".into())));
+        let r = continuing(body, &previous).unwrap();
+        let roles: Vec<String> = chat_messages(&r).into_iter().map(|m| m.0).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        // A follow-up of this one inherits the conversation, not the instructions.
+        let contents: Vec<&str> = r
+            .conversation
+            .iter()
+            .filter_map(|m| m["content"].as_str())
+            .collect();
+        assert_eq!(contents, ["Hi", "Hello", "And now?"]);
+        assert!(r.echo.store);
+        let e = previous_response_id(&json!({"previous_response_id": 3})).unwrap_err();
+        assert_eq!(e.field(), Some("previous_response_id"));
+        let unstored = validate(json!({"input": "x", "store": false})).unwrap();
+        assert!(!unstored.echo.store);
     }
 
     #[test]
@@ -656,9 +714,9 @@ mod tests {
             "`g`",
         );
         refused(
-            json!({"input": "x", "previous_response_id": "resp_1"}),
+            json!({"input": "x", "conversation": "conv_1"}),
+            "conversation",
             "previous_response_id",
-            "not stored",
         );
         refused(
             json!({"input": "x", "background": true}),

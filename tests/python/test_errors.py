@@ -100,6 +100,21 @@ def test_completion_bad_input(server, client):
     assert "vocabulary" in _message(e)
 
 
+def test_a_token_limit_past_the_context_names_the_field_that_set_it(server, client):
+    """The context check names the field the client sent: `max_tokens`,
+    `max_completion_tokens` or the Responses API's `max_output_tokens`."""
+    ask = [{"role": "user", "content": "Hi"}]
+    for field in ["max_tokens", "max_completion_tokens"]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=server.model, messages=ask, **{field: 10**9})
+        assert e.value.body["param"] == field, e.value.body
+        assert _message(e).startswith(f"{field} is {10**9}"), _message(e)
+    if hasattr(client, "responses"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=server.model, input="Hi", max_output_tokens=10**9)
+        assert e.value.body["param"] == "max_output_tokens", e.value.body
+
+
 def test_invalid_json_and_oversized_body(server):
     url = server.base_url + "/v1/chat/completions"
     headers = {**server.headers(), "Content-Type": "application/json"}

@@ -137,11 +137,7 @@ async fn respond(
     for item in &mut items {
         item.request_id = Some(log_id.clone());
     }
-    let (accepted, events) = state
-        .engine
-        .add(items)
-        .await
-        .map_err(|e| max_output_tokens_named(e.into()))?;
+    let (accepted, events) = state.engine.add(items).await?;
     let guard = AbortGuard {
         engine: state.engine.clone(),
         pending: accepted.iter().map(|a| a.id).collect(),
@@ -160,16 +156,6 @@ async fn respond(
     } else {
         whole_response(object, events, guard, capture).await
     }
-}
-
-/// The engine settles `max_tokens` against the context; here the field is
-/// `max_output_tokens`.
-fn max_output_tokens_named(mut e: ApiError) -> ApiError {
-    if e.param.as_deref() == Some("max_tokens") {
-        e.param = Some("max_output_tokens".into());
-        e.message = e.message.replacen("max_tokens", "max_output_tokens", 1);
-    }
-    e
 }
 
 /// What a response object says besides its output.

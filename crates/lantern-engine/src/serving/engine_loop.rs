@@ -409,14 +409,15 @@ impl EngineLoop {
         let room = context.saturating_sub(ids.len());
         let max_tokens = match item.max_tokens {
             Some(m) if m > room => {
+                let field = item.max_tokens_field;
                 return Err(InvalidRequest::conflict(
-                    "max_tokens",
+                    field,
                     format!(
-                        "max_tokens is {m}, but the prompt has {} tokens and this model's context is {context} tokens: at most {room} tokens can be generated",
+                        "{field} is {m}, but the prompt has {} tokens and this model's context is {context} tokens: at most {room} tokens can be generated",
                         ids.len()
                     ),
                 )
-                .into())
+                .into());
             }
             Some(m) => m,
             None => {

@@ -28,6 +28,9 @@ pub struct GenerationItem {
     pub params: SamplingParams,
     /// `None`: as many as the context (and the KV cache) allow.
     pub max_tokens: Option<usize>,
+    /// Which field set `max_tokens`, for error messages (`max_tokens`,
+    /// `max_completion_tokens` or `max_output_tokens`).
+    pub max_tokens_field: &'static str,
     /// Shared by every sample of the request.
     pub stop: Arc<[String]>,
     pub include_stop_str_in_output: bool,

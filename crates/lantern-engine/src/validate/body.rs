@@ -227,6 +227,8 @@ pub struct ModelLimits<'a> {
 struct Common {
     params: SamplingParams,
     max_tokens: Option<usize>,
+    /// The field that set `max_tokens` (`max_tokens` when neither did).
+    max_tokens_field: &'static str,
     stop: Arc<[String]>,
     include_stop: bool,
     n: usize,
@@ -393,6 +395,7 @@ fn common(
     Ok(Common {
         params,
         max_tokens,
+        max_tokens_field: max_field,
         stop: parse_stop(&fields.stop)?.into(),
         include_stop: fields.include_stop_str_in_output.unwrap_or(false),
         n: n as usize,
@@ -518,6 +521,7 @@ fn expand(
                 prompt: prompt.clone(),
                 params,
                 max_tokens: common.max_tokens,
+                max_tokens_field: common.max_tokens_field,
                 stop: common.stop.clone(),
                 include_stop_str_in_output: common.include_stop,
                 echo,

@@ -188,6 +188,7 @@ pub fn responses_request(
     let mut generation = generation_request(Endpoint::Chat, &chat, context).map_err(renamed)?;
     for item in &mut generation.items {
         item.prompt_field = "input";
+        item.max_tokens_field = "max_output_tokens";
     }
     generation.ignored_fields = unknown_fields(body, |k| {
         RESPONSES_FIELD_NAMES.contains(&k) || CHAT_EXTENSION_NAMES.contains(&k) || k == "n"

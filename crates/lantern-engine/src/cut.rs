@@ -13,7 +13,7 @@ pub(crate) fn cut_weight(weights: &[f32], total: f32, params: &SamplingParams) -
     let mut kept = None;
     let k = params.top_k;
     if k > 0 && k < vocab_row::count_above(weights, f32::NEG_INFINITY) {
-        let (mut values, _) = top_candidates(weights, k);
+        let mut values = top_candidates(weights, k);
         values.select_nth_unstable_by(k - 1, descending);
         floor = values[k - 1];
         values.retain(|&w| w >= floor);
@@ -37,12 +37,12 @@ fn descending(a: &f32, b: &f32) -> std::cmp::Ordering {
     b.total_cmp(a)
 }
 
-/// Every non-NaN weight of `weights` that can be among its `want` largest, and some more;
-/// with `true` when that is all of them ([`candidates_bound`]).
-fn top_candidates(weights: &[f32], want: usize) -> (Vec<f32>, bool) {
+/// Every non-NaN weight of `weights` that can be among its `want` largest, and some more
+/// ([`candidates_bound`]; all of them where it gives no bound).
+fn top_candidates(weights: &[f32], want: usize) -> Vec<f32> {
     match candidates_bound(weights, want) {
-        None => (every_weight(weights), true),
-        Some(bound) => (vocab_row::values_in(weights, bound, f32::INFINITY), false),
+        None => every_weight(weights),
+        Some(bound) => vocab_row::values_in(weights, bound, f32::INFINITY),
     }
 }
 
@@ -369,8 +369,8 @@ mod tests {
             let mut sorted: Vec<f32> = weights.iter().copied().filter(|w| !w.is_nan()).collect();
             sorted.sort_unstable_by(descending);
             for want in [1usize, 5, 64, 1024, 16_384] {
-                let (got, all) = top_candidates(&weights, want);
-                if all {
+                let got = top_candidates(&weights, want);
+                if candidates_bound(&weights, want).is_none() {
                     assert_eq!(got.len(), sorted.len(), "n {n}, want {want}");
                 }
                 let last = sorted[want.min(sorted.len()) - 1];

@@ -417,20 +417,12 @@ struct ResponseStream {
 impl ResponseStream {
     /// Queues one event: its `type` names the SSE event too, and every event carries
     /// the next sequence number.
-    fn send(&mut self, kind: &str, mut fields: Map<String, Value>) {
-        fields.insert("type".into(), json!(kind));
-        fields.insert("sequence_number".into(), json!(self.sequence_number));
+    fn send_json(&mut self, kind: &str, mut fields: Value) {
+        fields["type"] = json!(kind);
+        fields["sequence_number"] = json!(self.sequence_number);
         self.sequence_number += 1;
-        let event = Event::default()
-            .event(kind)
-            .data(Value::Object(fields).to_string());
+        let event = Event::default().event(kind).data(fields.to_string());
         self.queue.push_back(event);
-    }
-
-    fn send_json(&mut self, kind: &str, fields: Value) {
-        if let Value::Object(fields) = fields {
-            self.send(kind, fields);
-        }
     }
 
     fn start(&mut self) {

@@ -142,6 +142,104 @@ def test_version(server):
     assert out.stdout.split() == ["lantern", version]
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
+    kw = dict(model=server.model, max_tokens=6, temperature=0)
+    plain = client.completions.create(prompt="The capital of France is", logprobs=2, echo=True, **kw)
+    by_id = client.completions.create(
+        prompt="The capital of France is",
+        logprobs=2,
+        echo=True,
+        extra_body={"return_tokens_as_token_ids": True},
+        **kw,
+    )
+    ids = tokenize(server, prompt="The capital of France is")
+    a, b = plain.choices[0].logprobs, by_id.choices[0].logprobs
+    # The same text, logprobs and offsets; the tokens (echoed prompt, generated, and the
+    # alternatives) named by id, each naming the token whose text the plain response gave.
+    assert by_id.choices[0].text == plain.choices[0].text
+    assert b.token_logprobs == a.token_logprobs
+    assert b.text_offset == a.text_offset
+    named = [int(t.removeprefix("token_id:")) for t in b.tokens]
+    assert all(t.startswith("token_id:") for t in b.tokens)
+    assert named[: len(ids)] == ids
+    assert [detokenize(server, [t]) for t in named] == a.tokens
+    for top_a, top_b in zip(a.top_logprobs[1:], b.top_logprobs[1:]):
+        assert sorted(top_b.values()) == sorted(top_a.values())
+        texts = {detokenize(server, [int(k.removeprefix("token_id:"))]): v for k, v in top_b.items()}
+        assert texts == top_a
+    # Chat: `token` by id, `bytes` still the token's text.
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}],
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+        **kw,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        text = detokenize(server, [int(entry.token.removeprefix("token_id:"))])
+        assert bytes(entry.bytes) == text.encode()
+        assert all(alt.token.startswith("token_id:") for alt in entry.top_logprobs)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == chat.choices[0].message.content
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client):
+    for n in (1, 2):
+        chunks = list(
+            client.completions.create(
+                model=server.model,
+                prompt="Once upon a time",
+                max_tokens=8,
+                n=n,
+                temperature=1,
+                seed=3,
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+            )
+        )
+        prompt_tokens = len(tokenize(server, prompt="Once upon a time"))
+        choice_chunks = [c for c in chunks if c.choices]
+        assert choice_chunks and all(c.usage is not None for c in choice_chunks)
+        seen = {}
+        for c in choice_chunks:
+            i = c.choices[0].index
+            assert c.usage.prompt_tokens == prompt_tokens
+            assert c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens
+            # Each choice's count grows with its own tokens, never back.
+            assert c.usage.completion_tokens >= seen.get(i, 0)
+            seen[i] = c.usage.completion_tokens
+        assert seen == {i: 8 for i in range(n)}
+        # The final usage chunk is still the whole request's.
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.completion_tokens == 8 * n
+    # Chat, the role chunk first (nothing generated yet).
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts == sorted(counts)
+    assert counts[-1] == chunks[-1].usage.completion_tokens
+    # Without include_usage, continuous_usage_stats adds nothing (as vLLM).
+    plain = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"continuous_usage_stats": True},
+        )
+    )
+    assert all(c.usage is None for c in plain)
+
+
 TEMPLATE = (
     "{% if house_style %}<|im_start|>system\n{{ house_style }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -161,6 +161,8 @@ impl std::io::Write for BoundedOutput {
 /// A compiled chat template and the special tokens it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's text, as the model file or the operator gave it.
+    source: String,
     bos_token: String,
     eos_token: String,
     /// Why the model file's template cannot be used: every render fails with it.
@@ -193,6 +195,7 @@ impl ChatTemplate {
             .unwrap_or_default();
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             broken: None,
@@ -210,6 +213,7 @@ impl ChatTemplate {
     pub fn broken(reason: String) -> Self {
         Self {
             env: Environment::new(),
+            source: String::new(),
             bos_token: String::new(),
             eos_token: String::new(),
             broken: Some(reason),
@@ -220,6 +224,11 @@ impl ChatTemplate {
     /// Which parts of tool calling this template writes itself.
     pub fn tool_support(&self) -> ToolSupport {
         self.tool_support
+    }
+
+    /// The template's text; `None` for one that cannot be used.
+    pub fn source(&self) -> Option<&str> {
+        self.broken.is_none().then_some(self.source.as_str())
     }
 
     /// Why this template cannot render, if it cannot.

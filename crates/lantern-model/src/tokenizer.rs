@@ -33,6 +33,8 @@ pub struct ModelTokenizer {
     tokens: Vec<String>,
     bos: Option<(u32, String)>,
     eos: Option<(u32, String)>,
+    /// The padding token the model file names (reported, never used: lantern does not pad).
+    pad: Option<(u32, String)>,
     stop_ids: Vec<u32>,
     add_bos: bool,
     special: Vec<bool>,
@@ -113,6 +115,7 @@ impl ModelTokenizer {
         };
         tokenizer.bos = named(id_of("tokenizer.ggml.bos_token_id")?, &tokenizer.tokens);
         tokenizer.eos = named(id_of("tokenizer.ggml.eos_token_id")?, &tokenizer.tokens);
+        tokenizer.pad = named(id_of("tokenizer.ggml.padding_token_id")?, &tokenizer.tokens);
         tokenizer.add_bos = gguf
             .opt_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(false);
@@ -155,6 +158,7 @@ impl ModelTokenizer {
             tokens,
             bos: None,
             eos: None,
+            pad: None,
             stop_ids: Vec::new(),
             add_bos: false,
             control,
@@ -162,6 +166,12 @@ impl ModelTokenizer {
             special,
             pieces,
         })
+    }
+
+    /// The same tokenizer naming `pad` as its padding token.
+    pub(crate) fn with_pad(mut self, pad: Option<(u32, String)>) -> Self {
+        self.pad = pad;
+        self
     }
 
     /// A tokenizer built elsewhere (a Hugging Face directory's `tokenizer.json`).
@@ -186,6 +196,7 @@ impl ModelTokenizer {
             tokens,
             bos,
             eos,
+            pad: None,
             stop_ids,
             add_bos,
             special,
@@ -325,6 +336,23 @@ impl ModelTokenizer {
 
     pub fn eos_token(&self) -> Option<&str> {
         self.eos.as_ref().map(|(_, t)| t.as_str())
+    }
+
+    pub fn pad_token(&self) -> Option<&str> {
+        self.pad.as_ref().map(|(_, t)| t.as_str())
+    }
+
+    /// Whether encoding a prompt with special tokens puts BOS in front of it.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// The tokenizer's model: byte-level BPE (GPT-2's) or SentencePiece BPE.
+    pub fn kind(&self) -> &'static str {
+        match self.pieces {
+            PieceEncoding::ByteLevel => "byte-level BPE",
+            PieceEncoding::SentencePiece => "SentencePiece BPE",
+        }
     }
 
     /// Ids that end a generation (EOS, and EOT where the model has one).

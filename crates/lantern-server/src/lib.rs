@@ -164,6 +164,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
+        .route("/tokenizer_info", get(openai::tokenizer_info))
         .route("/v1/captures/{id}", get(get_capture).delete(delete_capture))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

@@ -23,6 +23,7 @@ use lantern_engine::validate::{
 };
 use lantern_kv::RequestId;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -161,6 +162,36 @@ pub async fn detokenize(
         .map_or_else(IntoResponse::into_response, IntoResponse::into_response)
 }
 
+/// `GET /tokenizer_info`: the tokenizer's special tokens and chat template, as vLLM's
+/// endpoint of that name gives them, so a client (lm-evaluation-harness's `remote`
+/// tokenizer) can work with the served model's tokenizer through `/tokenize` without a
+/// copy of its own.
+pub async fn tokenizer_info(State(state): State<AppState>) -> Response {
+    let prompter = state.engine.prompter();
+    let tokenizer = prompter.tokenizer();
+    let mut info = serde_json::Map::new();
+    info.insert("tokenizer_class".into(), json!(tokenizer.kind()));
+    for (key, token) in [
+        ("bos_token", tokenizer.bos_token()),
+        ("eos_token", tokenizer.eos_token()),
+        ("pad_token", tokenizer.pad_token()),
+    ] {
+        if let Some(token) = token {
+            info.insert(key.into(), json!(token));
+        }
+    }
+    info.insert("add_bos_token".into(), json!(tokenizer.adds_bos()));
+    info.insert(
+        "model_max_length".into(),
+        json!(state.engine.meta().context_length),
+    );
+    info.insert("vocab_size".into(), json!(tokenizer.vocab_size()));
+    if let Some(source) = prompter.template().and_then(|t| t.source()) {
+        info.insert("chat_template".into(), json!(source));
+    }
+    Json(Value::Object(info)).into_response()
+}
+
 /// How a response delivers its capture, when its request asked for one.
 pub(crate) struct CaptureDelivery {
     request: CaptureRequest,
@@ -261,6 +292,9 @@ async fn generate(
         prompt_logprobs: request.prompt_logprobs,
         text_offsets: vec![0; num_choices],
         tool_calls: request.tool_calls,
+        names: TokenNames {
+            by_id: request.tokens_as_ids,
+        },
     };
     if request.stream {
         Ok(stream_response(response, request, events, guard, capture))
@@ -315,6 +349,8 @@ struct ResponseBuilder {
     text_offsets: Vec<usize>,
     /// Chat with tools: calls in a choice's text become its `tool_calls`.
     tool_calls: bool,
+    /// How logprobs name tokens.
+    names: TokenNames,
 }
 
 /// The id of call `i` of a choice.
@@ -394,14 +430,33 @@ fn chat_message(
     (json!({"role": "assistant", "content": text}), finish_reason)
 }
 
+/// How logprobs name a token: by its text, or as `token_id:{id}` (vLLM's
+/// `return_tokens_as_token_ids`, for tokens whose text alone is not enough to tell them
+/// apart: byte pieces of one character, special tokens written as text).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TokenNames {
+    pub by_id: bool,
+}
+
+impl TokenNames {
+    fn name<'a>(self, id: u32, text: &'a str) -> Cow<'a, str> {
+        if self.by_id {
+            Cow::Owned(format!("token_id:{id}"))
+        } else {
+            Cow::Borrowed(text)
+        }
+    }
+}
+
 /// Chat's `logprobs` object: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-pub(crate) fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
-    let token = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+/// `bytes` are always the token's text's, whatever `names` calls it.
+pub(crate) fn chat_logprobs(entries: &[LogprobEntry], names: TokenNames) -> Value {
+    let token = |id: u32, t: &str, l: f32| json!({"token": names.name(id, t), "logprob": l, "bytes": t.as_bytes()});
     let content: Vec<Value> = entries
         .iter()
         .map(|e| {
-            let mut v = token(&e.token, e.logprob);
-            let top: Vec<Value> = e.top.iter().map(|(t, l)| token(t, *l)).collect();
+            let mut v = token(e.token_id, &e.token, e.logprob);
+            let top: Vec<Value> = e.top.iter().map(|(id, t, l)| token(*id, t, *l)).collect();
             v["top_logprobs"] = Value::Array(top);
             v
         })
@@ -425,6 +480,7 @@ struct EchoedPrompt<'a> {
 fn completion_logprobs(
     prompt: Option<EchoedPrompt>,
     entries: &[LogprobEntry],
+    names: TokenNames,
     offset: &mut usize,
 ) -> Value {
     let len = prompt.as_ref().map_or(0, |p| p.entries.len()) + entries.len();
@@ -432,29 +488,31 @@ fn completion_logprobs(
     let mut token_logprobs = Vec::with_capacity(len);
     let mut top_logprobs = Vec::with_capacity(len);
     let mut text_offset = Vec::with_capacity(len);
-    let mut push = |offset: &mut usize, token: &str, logprob: Option<f32>, top: Option<Value>| {
-        tokens.push(json!(token));
+    // The offsets count the tokens' text, whatever `names` calls them.
+    let mut push = |offset: &mut usize, id: u32, token: &str, logprob, top: Option<Value>| {
+        tokens.push(json!(names.name(id, token)));
         token_logprobs.push(json!(logprob));
         top_logprobs.push(top.unwrap_or(Value::Null));
         text_offset.push(*offset);
         *offset += token.chars().count();
     };
-    let map = |top: &mut dyn Iterator<Item = (&String, f32)>| {
-        Value::Object(top.map(|(t, l)| (t.clone(), json!(l))).collect())
+    let map = |top: &mut dyn Iterator<Item = &(u32, String, f32)>| {
+        Value::Object(
+            top.map(|(id, t, l)| (names.name(*id, t).into_owned(), json!(l)))
+                .collect(),
+        )
     };
     if let Some(prompt) = prompt {
         for e in prompt.entries {
-            let top = e
-                .logprob
-                .map(|_| map(&mut e.top.iter().take(prompt.top).map(|(_, t, l)| (t, *l))));
-            push(offset, &e.token, e.logprob, top);
+            let top = e.logprob.map(|_| map(&mut e.top.iter().take(prompt.top)));
+            push(offset, e.token_id, &e.token, e.logprob, top);
         }
         // The echoed text, not its tokens decoded one by one, is what generation follows.
         *offset = prompt.text_chars;
     }
     for e in entries {
-        let top = map(&mut e.top.iter().map(|(t, l)| (t, *l)));
-        push(offset, &e.token, Some(e.logprob), Some(top));
+        let top = map(&mut e.top.iter());
+        push(offset, e.token_id, &e.token, Some(e.logprob), Some(top));
     }
     json!({
         "tokens": tokens,
@@ -510,7 +568,7 @@ impl ResponseBuilder {
             return Value::Null;
         }
         match self.kind {
-            Kind::Chat => chat_logprobs(entries),
+            Kind::Chat => chat_logprobs(entries, self.names),
             Kind::Completion => {
                 let prompt = match (prompt, self.echo_logprobs) {
                     (Some(entries), Some(top)) => Some(EchoedPrompt {
@@ -523,7 +581,7 @@ impl ResponseBuilder {
                     }),
                     _ => None,
                 };
-                completion_logprobs(prompt, entries, &mut self.text_offsets[index])
+                completion_logprobs(prompt, entries, self.names, &mut self.text_offsets[index])
             }
         }
     }
@@ -759,6 +817,10 @@ struct StreamState {
     prompter: Prompter,
     guard: AbortGuard,
     include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: each choice chunk carries its choice's usage so far.
+    continuous_usage: bool,
+    /// Tokens each choice has generated so far.
+    completion_tokens: Vec<usize>,
     /// Events ready to send.
     queue: VecDeque<Event>,
     /// `[DONE]` was queued: the stream ends once the queue is empty.
@@ -807,7 +869,7 @@ impl StreamState {
                 Kind::Completion => None,
             };
             if let Some(chunk) = chunk {
-                self.queue.push_back(data(&chunk));
+                self.push_choice_chunk(i, chunk);
             }
         }
     }
@@ -820,6 +882,10 @@ impl StreamState {
                 return;
             }
         }
+        self.completion_tokens[event.index] = match &event.finish {
+            Some(finish) => finish.completion_tokens,
+            None => self.completion_tokens[event.index] + event.token_ids.len(),
+        };
         if self.response.tool_calls {
             self.on_tool_event(event);
             return;
@@ -864,7 +930,7 @@ impl StreamState {
                 fields.insert("attn_capture_row".into(), row);
             }
         }
-        self.queue.push_back(data(&chunk));
+        self.push_choice_chunk(event.index, chunk);
         self.after_chunk(event);
     }
 
@@ -885,7 +951,7 @@ impl StreamState {
             if let Some(choice) = chunk.pointer_mut("/choices/0") {
                 choice["delta"] = tool_delta_json(&delta, &self.response.id, index);
             }
-            self.queue.push_back(data(&chunk));
+            self.push_choice_chunk(index, chunk);
         }
         let Some(finish) = &event.finish else {
             return;
@@ -903,12 +969,27 @@ impl StreamState {
                 choice["finish_reason"] = json!("tool_calls");
             }
         }
-        self.queue.push_back(data(&chunk));
+        self.push_choice_chunk(index, chunk);
         let event = ChoiceEvent {
             text: String::new(),
             ..event
         };
         self.after_chunk(event);
+    }
+
+    /// Queues a chunk of choice `index`, with the choice's usage so far when the request
+    /// asked for it in every chunk (as vLLM counts it: the choice's prompt and its tokens).
+    fn push_choice_chunk(&mut self, index: usize, mut chunk: Value) {
+        if self.continuous_usage {
+            let prompt_tokens = self.response.accepted[index].prompt_tokens;
+            let completion_tokens = self.completion_tokens[index];
+            chunk["usage"] = json!({
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            });
+        }
+        self.queue.push_back(data(&chunk));
     }
 
     /// Book-keeping once a choice's chunk is queued: a finish ends the choice, and the
@@ -957,6 +1038,8 @@ fn stream_response(
         prompter: guard.engine.prompter().clone(),
         guard,
         include_usage: request.include_usage,
+        continuous_usage: request.continuous_usage,
+        completion_tokens: vec![0; num_choices],
         queue: VecDeque::new(),
         done: false,
         echo_due: vec![false; num_choices],

@@ -8,7 +8,7 @@
 use crate::error::ApiError;
 use crate::openai::{
     attach_guide, body_bytes, capture_delivery, chat_logprobs, check_index, engine_failure,
-    unix_now, warn_ignored, AbortGuard, CaptureDelivery,
+    unix_now, warn_ignored, AbortGuard, CaptureDelivery, TokenNames,
 };
 use crate::response_store::ResponseStore;
 use crate::tool_stream::{ToolCallStream, ToolDelta};
@@ -341,7 +341,10 @@ fn item_status(finish: &Finish) -> &'static str {
 
 /// Tokens' logprobs as the Responses API lists them (chat's entries).
 fn logprob_entries(entries: &[LogprobEntry]) -> Vec<Value> {
-    match chat_logprobs(entries).get_mut("content").map(Value::take) {
+    match chat_logprobs(entries, TokenNames::default())
+        .get_mut("content")
+        .map(Value::take)
+    {
         Some(Value::Array(entries)) => entries,
         _ => Vec::new(),
     }

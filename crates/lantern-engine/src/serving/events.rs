@@ -73,9 +73,12 @@ pub struct Finish {
 /// each token as text (the token decoded alone, special tokens included).
 #[derive(Debug, Clone)]
 pub struct LogprobEntry {
+    pub token_id: u32,
+    /// The token decoded alone (special tokens included).
     pub token: String,
     pub logprob: f32,
-    pub top: Vec<(String, f32)>,
+    /// The most likely tokens: id, text, logprob.
+    pub top: Vec<(u32, String, f32)>,
 }
 
 /// One prompt token with its log-probability given the tokens before it: the log-softmax

@@ -95,6 +95,11 @@ impl Prompter {
         &self.tokenizer
     }
 
+    /// The chat template chat requests are rendered with, if the model has one.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.template.as_deref()
+    }
+
     /// Most bytes of text that could still fit the context.
     fn max_prompt_bytes(&self) -> usize {
         self.context_length
@@ -406,9 +411,10 @@ impl Prompter {
     pub fn logprob_entry(&self, lp: &TokenLogprobs) -> LogprobEntry {
         let text = |t: u32| self.tokenizer.token_text(t);
         LogprobEntry {
+            token_id: lp.token_id,
             token: text(lp.token_id),
             logprob: lp.logprob,
-            top: lp.top.iter().map(|&(t, l)| (text(t), l)).collect(),
+            top: lp.top.iter().map(|&(t, l)| (t, text(t), l)).collect(),
         }
     }
 

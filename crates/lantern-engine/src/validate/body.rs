@@ -55,6 +55,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "prompt_logprobs",
     "min_tokens",
     "best_of",
+    "return_tokens_as_token_ids",
     // OpenAI's end-user id: accepted, with nothing to do.
     "user",
     "response_format",
@@ -135,6 +136,9 @@ fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, InvalidRequest> {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's: usage so far in every chunk (with `include_usage`).
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// Fields shared by completions and chat completions.
@@ -162,6 +166,7 @@ struct CommonFields {
     prompt_logprobs: Option<i64>,
     min_tokens: Option<i64>,
     best_of: Option<i64>,
+    return_tokens_as_token_ids: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -191,6 +196,11 @@ pub struct GenerationRequest {
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats`: every streamed chunk carries its
+    /// choice's usage so far (only with `include_usage`).
+    pub continuous_usage: bool,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens as `token_id:{id}`.
+    pub tokens_as_ids: bool,
     pub echo: bool,
     /// Whether the response carries logprobs (the number of alternatives is in the items).
     pub logprobs: bool,
@@ -234,6 +244,8 @@ struct Common {
     n: usize,
     stream: bool,
     include_usage: bool,
+    continuous_usage: bool,
+    tokens_as_ids: bool,
     /// vLLM's `prompt_logprobs`, validated (`None` when streaming: vLLM sends none then).
     prompt_logprobs: Option<usize>,
 }
@@ -392,6 +404,11 @@ fn common(
         logit_bias,
         ..SamplingParams::default()
     };
+    let stream_options = fields.stream_options;
+    let include_usage = stream
+        && stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
     Ok(Common {
         params,
         max_tokens,
@@ -401,11 +418,12 @@ fn common(
         n: n as usize,
         stream,
         prompt_logprobs,
-        include_usage: stream
-            && fields
-                .stream_options
-                .and_then(|o| o.include_usage)
+        include_usage,
+        continuous_usage: include_usage
+            && stream_options
+                .and_then(|o| o.continuous_usage_stats)
                 .unwrap_or(false),
+        tokens_as_ids: fields.return_tokens_as_token_ids.unwrap_or(false),
     })
 }
 
@@ -693,6 +711,8 @@ pub fn chat_request(
         n: common.n,
         stream: common.stream,
         include_usage: common.include_usage,
+        continuous_usage: common.continuous_usage,
+        tokens_as_ids: common.tokens_as_ids,
         echo: false,
         logprobs,
         echo_logprobs: None,
@@ -832,6 +852,8 @@ pub fn completion_request(
         n: common.n,
         stream: common.stream,
         include_usage: common.include_usage,
+        continuous_usage: common.continuous_usage,
+        tokens_as_ids: common.tokens_as_ids,
         echo,
         logprobs: logprobs.is_some(),
         echo_logprobs,
@@ -963,6 +985,32 @@ mod tests {
         let e = completion_request(&json!({"model": "other", "prompt": "x"}), &limits).unwrap_err();
         let e = Seen::from(e);
         assert_eq!(e.code, Some("model_not_found"));
+    }
+
+    #[test]
+    fn usage_in_every_chunk_needs_a_stream_and_include_usage() {
+        let usage = |stream: bool, options: Value| {
+            let body = json!({"prompt": "x", "stream": stream, "stream_options": options});
+            let r = completion_request(&body, &LIMITS).unwrap();
+            (r.include_usage, r.continuous_usage)
+        };
+        let both = json!({"include_usage": true, "continuous_usage_stats": true});
+        assert_eq!(usage(true, both.clone()), (true, true));
+        assert_eq!(usage(false, both), (false, false));
+        assert_eq!(
+            usage(true, json!({"continuous_usage_stats": true})),
+            (false, false)
+        );
+        assert_eq!(usage(true, json!({"include_usage": true})), (true, false));
+    }
+
+    #[test]
+    fn tokens_as_ids_is_a_known_field() {
+        let body = json!({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": true});
+        let r = completion_request(&body, &LIMITS).unwrap();
+        assert!(r.tokens_as_ids && r.ignored_fields.is_empty());
+        let body = json!({"messages": [{"role": "user", "content": "x"}]});
+        assert!(!chat_request(&body, &LIMITS).unwrap().tokens_as_ids);
     }
 
     fn chat_err(body: Value) -> Seen {

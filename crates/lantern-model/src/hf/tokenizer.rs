@@ -15,6 +15,7 @@ use tokenizers::Tokenizer;
 pub struct TokenizerConfig {
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    pub pad_token: Option<String>,
     pub add_bos_token: Option<bool>,
     pub chat_template: Option<String>,
 }
@@ -32,6 +33,7 @@ impl TokenizerConfig {
             Self {
                 bos_token: token("bos_token"),
                 eos_token: token("eos_token"),
+                pad_token: token("pad_token"),
                 add_bos_token: json.get("add_bos_token").and_then(Json::as_bool),
                 chat_template: chat_template(&path, json.get("chat_template"))?,
             }
@@ -136,6 +138,8 @@ pub fn load_tokenizer(
     };
     let bos = named(&config.bos_token)?;
     let eos = named(&config.eos_token)?;
+    // A padding token missing from the vocabulary only goes unnamed: nothing runs on it.
+    let pad = named(&config.pad_token).ok().flatten();
     let add_bos = match config.add_bos_token {
         Some(add) => add,
         None => post_processor_adds(&inner, bos.as_ref().map(|b| b.0))?,
@@ -149,7 +153,10 @@ pub fn load_tokenizer(
             stop_ids.push(id);
         }
     }
-    ModelTokenizer::from_parts(inner, tokens, special, bos, eos, stop_ids, add_bos)
+    Ok(
+        ModelTokenizer::from_parts(inner, tokens, special, bos, eos, stop_ids, add_bos)?
+            .with_pad(pad),
+    )
 }
 
 /// Whether tokenizer.json's post-processor puts BOS in front of a text.

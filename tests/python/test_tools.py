@@ -105,6 +105,23 @@ def test_streamed_calls(server, client):
     ]
 
 
+def test_streamed_calls_carry_every_tokens_logprobs(server, client):
+    kwargs = dict(
+        model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
+        temperature=0.0, logprobs=True, top_logprobs=2,
+    )
+    whole = client.chat.completions.create(**kwargs)
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    # Every generated token's logprob once, in order, as the whole response has them,
+    # though the tool parser held some of the text back.
+    assert len(streamed) == whole.usage.completion_tokens
+    key = lambda e: (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+    assert [key(e) for e in streamed] == [key(e) for e in whole.choices[0].logprobs.content]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_answers_with_text_or_a_valid_call(server, client, stream):
     kwargs = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=60, temperature=0.0)

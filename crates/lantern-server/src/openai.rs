@@ -833,6 +833,8 @@ struct StreamState {
     /// Chat with tools: each choice's output, turned into content and `tool_calls`
     /// deltas as it arrives.
     tool_streams: Vec<ToolCallStream>,
+    /// Chat with tools: each choice's logprobs not yet sent.
+    held_logprobs: Vec<Vec<LogprobEntry>>,
 }
 
 fn data(value: &Value) -> Event {
@@ -936,8 +938,11 @@ impl StreamState {
 
     /// Chat with tools: the event's text as content and `tool_calls` deltas, then a
     /// last chunk with the finish reason (`tool_calls` when the choice called).
-    fn on_tool_event(&mut self, event: ChoiceEvent) {
+    fn on_tool_event(&mut self, mut event: ChoiceEvent) {
         let index = event.index;
+        // The tokens' logprobs go out with the next chunk of their choice: the tool
+        // parser may hold text back over several events.
+        self.held_logprobs[index].append(&mut event.logprobs);
         let stream = &mut self.tool_streams[index];
         let mut deltas = stream.push(&event.text);
         if event.finish.is_some() {
@@ -945,9 +950,10 @@ impl StreamState {
         }
         let called = stream.called();
         for delta in deltas {
+            let logprobs = self.take_held_logprobs(index);
             let mut chunk =
                 self.response
-                    .chunk(index, None, false, None, Value::Null, self.include_usage);
+                    .chunk(index, None, false, None, logprobs, self.include_usage);
             if let Some(choice) = chunk.pointer_mut("/choices/0") {
                 choice["delta"] = tool_delta_json(&delta, &self.response.id, index);
             }
@@ -956,12 +962,13 @@ impl StreamState {
         let Some(finish) = &event.finish else {
             return;
         };
+        let logprobs = self.take_held_logprobs(index);
         let mut chunk = self.response.chunk(
             index,
             None,
             false,
             Some(finish),
-            Value::Null,
+            logprobs,
             self.include_usage,
         );
         if let Some(choice) = chunk.pointer_mut("/choices/0") {
@@ -975,6 +982,15 @@ impl StreamState {
             ..event
         };
         self.after_chunk(event);
+    }
+
+    /// The logprobs held for choice `index`'s next chunk (null when there are none).
+    fn take_held_logprobs(&mut self, index: usize) -> Value {
+        let held = std::mem::take(&mut self.held_logprobs[index]);
+        if held.is_empty() {
+            return Value::Null;
+        }
+        self.response.logprobs_json(index, None, &held)
     }
 
     /// Queues a chunk of choice `index`, with the choice's usage so far when the request
@@ -1048,6 +1064,7 @@ fn stream_response(
         tool_streams: (0..num_choices)
             .map(|_| ToolCallStream::default())
             .collect(),
+        held_logprobs: vec![Vec::new(); num_choices],
     };
     state.start(request.echo, request.chat_echo.as_deref());
     let events = sse_events(state);

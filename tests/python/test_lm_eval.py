@@ -35,12 +35,12 @@ def encode(server, text):
     return tokenize(server, prompt=text, add_special_tokens=False)
 
 
-def score(server, requests_):
-    """lm-eval's loglikelihood of each (context ids, continuation ids), batched in one
-    request as it batches them: [(sum of logprobs, greedy)]."""
+def echoed(server, prompts):
+    """The completion lm-eval asks for to score token-id `prompts`: each echoed with its
+    logprobs, one token generated."""
     body = {
         "model": server.model,
-        "prompt": [ctx + cont for ctx, cont in requests_],
+        "prompt": prompts,
         "temperature": 0,
         "max_tokens": 1,
         "logprobs": 1,
@@ -51,8 +51,15 @@ def score(server, requests_):
         server.base_url + "/v1/completions", json=body, headers=server.headers(), timeout=120
     )
     assert r.status_code == 200, r.text
+    return r.json()
+
+
+def score(server, requests_):
+    """lm-eval's loglikelihood of each (context ids, continuation ids), batched in one
+    request as it batches them: [(sum of logprobs, greedy)]."""
     out = []
-    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    response = echoed(server, [ctx + cont for ctx, cont in requests_])
+    choices = sorted(response["choices"], key=lambda c: c["index"])
     for choice, (ctx, cont) in zip(choices, requests_):
         logprobs = choice["logprobs"]
         # The echoed prompt, then the one generated token.
@@ -152,6 +159,32 @@ def test_loglikelihoods_batched_equal_one_at_a_time(server):
     # The right answer is the most likely: what an accuracy metric reads.
     lls = [ll for ll, _ in together]
     assert lls.index(max(lls)) == 2, lls
+
+
+def test_scoring_after_a_shared_context_takes_the_prefix_cache(server):
+    # A few-shot context long enough for several cache blocks, unique to this test.
+    shots = "".join(
+        f"Question: What is {a} plus {b}?\nAnswer: {a + b}\n\n" for a, b in [(2, 3), (7, 1), (4, 4), (9, 6)]
+    )
+    context = encode(server, shots + "Question: What is 5 plus 3?\nAnswer:")
+    choices = [encode(server, " " + c) for c in ("8", "7", "9", "53")]
+
+    def one(choice):
+        out = echoed(server, context + choice)
+        return out["choices"][0]["logprobs"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # One at a time, as lm-eval sends them by default.
+    first = [one(c) for c in choices]
+    assert first[0][1] == 0, "a context never seen before was cached"
+    # The later choices hit the context's blocks (16 tokens each), all but the last of
+    # them: its row scores the first token after the hit.
+    assert all(cached >= len(context) // 16 * 16 - 16 for _, cached in first[1:]), first
+    again, cached = one(choices[0])
+    assert cached > 0
+    # Rows from the cache are the rows computed: every logprob, alternative and token.
+    assert again == first[0][0]
+    lls = [sum(lp["token_logprobs"][len(context) : -1]) for lp, _ in first]
+    assert lls.index(max(lls)) == 0, lls
 
 
 def test_generation_stops_as_lm_eval_asks(server):

@@ -11,6 +11,7 @@ use crate::sampling::{
     PromptTokenLogprob, SamplingParams, TokenLogprobs,
 };
 use crate::scheduler::Scheduler;
+use crate::scored_prefix::{ScoredBlocks, DEFAULT_SCORED_PREFIX_BYTES};
 use lantern_attn::{backend_by_name, AttentionBackend, AttentionLayerSpec, AttentionTap};
 use lantern_capture::{
     keys_needed, map_on_backend, row_capture, row_capture_from_sums, snapshot_layer, CaptureError,
@@ -91,6 +92,8 @@ pub struct Engine {
     kv_config: KvCacheConfig,
     kv: KvCacheManager,
     scheduler: Scheduler,
+    /// Prompt logprobs of cached prefixes, so requests asking for them take hits.
+    scored: ScoredBlocks,
     runner: ModelRunner,
     requests: HashMap<RequestId, Request>,
     next_id: RequestId,
@@ -188,6 +191,7 @@ impl Engine {
         Ok(Self {
             kv: KvCacheManager::new(&kv_config, config.enable_prefix_caching),
             scheduler: Scheduler::new(config.max_num_batched_tokens, config.max_num_seqs),
+            scored: ScoredBlocks::new(config.block_size, DEFAULT_SCORED_PREFIX_BYTES),
             runner,
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
@@ -298,6 +302,7 @@ impl Engine {
         self.scheduler =
             Scheduler::new(self.config.max_num_batched_tokens, self.config.max_num_seqs);
         self.scheduler.num_preemptions = preemptions;
+        self.scored.clear();
     }
 
     /// Renders a conversation through the model's chat template, ready for the assistant.
@@ -658,7 +663,9 @@ impl Engine {
 
     /// Runs one step: one forward pass over every scheduled request.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
-        let plan = self.scheduler.schedule(&mut self.requests, &mut self.kv);
+        let plan = self
+            .scheduler
+            .schedule(&mut self.requests, &mut self.kv, &self.scored);
         self.last_step_tokens = plan.scheduled.iter().map(|s| s.num_tokens).sum();
         if plan.is_empty() {
             if self.has_unfinished() {
@@ -718,6 +725,9 @@ impl Engine {
                     .collect();
                 let entries = prompt_logprob_rows(&logits, rows.first_row, &tokens, k)?;
                 req.prompt_logprobs.extend(entries);
+                if req.scores_prompt_only() && self.kv.prefix_caching_enabled() {
+                    self.scored.record(req.prompt(), &req.prompt_logprobs, k);
+                }
             }
             if rows.samples && req.params.max_tokens == 0 {
                 outputs.push(self.finish_prompt_only(rows.id));

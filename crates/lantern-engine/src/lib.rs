@@ -15,6 +15,7 @@ pub mod request;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod scored_prefix;
 pub mod serving;
 pub mod validate;
 mod vocab_row;

@@ -191,6 +191,15 @@ impl Request {
         self.wants_prompt_rows() || self.capture.is_some()
     }
 
+    /// Whether the prompt positions it computes itself serve only its prompt logprobs
+    /// (no prompt logits, no capture): a prefix-cache hit can stand in for them when
+    /// the hit's prompt logprobs are kept ([`crate::scored_prefix`]).
+    pub fn scores_prompt_only(&self) -> bool {
+        self.params.prompt_logprobs.is_some()
+            && !self.params.prompt_logits
+            && self.capture.is_none()
+    }
+
     /// Whether the next logits row can be reduced where the model's logits are: its
     /// token read from the row alone (see [`Self::reads_row_alone`]), with at most
     /// [`MAX_REDUCED_TOP_LOGPROBS`] alternatives (penalties are edits there:

@@ -6,6 +6,7 @@
 //! running request is preempted: its blocks go back and it is recomputed later.
 
 use crate::request::{Request, RequestStatus};
+use crate::scored_prefix::ScoredBlocks;
 use lantern_kv::{KvCacheManager, RequestId};
 use std::collections::{HashMap, VecDeque};
 
@@ -78,6 +79,7 @@ impl Scheduler {
         &mut self,
         requests: &mut HashMap<RequestId, Request>,
         kv: &mut KvCacheManager,
+        scored: &ScoredBlocks,
     ) -> SchedulerOutput {
         let mut budget = self.max_num_batched_tokens;
         let mut out = SchedulerOutput::default();
@@ -125,12 +127,20 @@ impl Scheduler {
             // Prompt logits and attention capture need every position computed by this
             // request (a capture's query rows exist only for what it computes itself):
             // no prefix-cache lookup for them.
+            // Prompt logprobs can take a hit as far as their rows are kept.
+            let mut scored_hit = false;
             if req.num_computed_tokens == 0 && !req.computes_every_position() {
                 let cached = kv.get_computed_blocks(id, req.token_seq(), &[]);
                 req.num_computed_tokens = cached;
                 if req.status == RequestStatus::Waiting {
                     req.num_cached_prompt_tokens = cached;
                 }
+            } else if req.num_computed_tokens == 0
+                && req.scores_prompt_only()
+                && req.prompt_logprobs.is_empty()
+                && kv.prefix_caching_enabled()
+            {
+                scored_hit = take_scored_hit(id, req, kv, scored);
             }
             let num_tokens = req.num_tokens_next_step().min(budget);
             if kv
@@ -141,6 +151,9 @@ impl Scheduler {
                 // blocks held by waiting requests could starve the running ones.
                 kv.free(id);
                 req.num_computed_tokens = 0;
+                if scored_hit {
+                    req.prompt_logprobs.clear();
+                }
                 break;
             }
             self.waiting.remove(next);
@@ -180,6 +193,38 @@ impl Scheduler {
         self.num_preemptions += 1;
         self.waiting.push_front(id);
     }
+}
+
+/// Takes the prefix-cache hit of a request that wants prompt logprobs, as far as the
+/// records hold its prompt's rows: each cached token then has its row from them, and the
+/// first token computed is scored by the first row computed. Whether it took any.
+fn take_scored_hit(
+    id: RequestId,
+    req: &mut Request,
+    kv: &mut KvCacheManager,
+    scored: &ScoredBlocks,
+) -> bool {
+    let Some(top) = req.params.prompt_logprobs else {
+        return false;
+    };
+    let mut known = scored.known(req.prompt(), top);
+    if known.is_empty() {
+        return false;
+    }
+    // A hit of n tokens needs the rows of tokens 1..=n (token n is scored by the row of
+    // position n - 1, which the hit does not compute): at most `known.len()` tokens,
+    // which a lookup over one token more allows.
+    let cached = kv.get_computed_blocks(id, req.token_seq().prefix(known.len() + 1), &[]);
+    if cached == 0 {
+        return false;
+    }
+    known.truncate(cached);
+    req.prompt_logprobs = known;
+    req.num_computed_tokens = cached;
+    if req.status == RequestStatus::Waiting {
+        req.num_cached_prompt_tokens = cached;
+    }
+    true
 }
 
 /// Whether a waiting sibling should keep waiting for its leader: the leader is running

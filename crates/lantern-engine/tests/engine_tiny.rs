@@ -699,3 +699,90 @@ fn prompt_logprobs_row_by_row_equal_the_whole_table() {
         engine.kv_cache().num_blocks()
     );
 }
+
+/// Runs `prompts` one at a time (so each finds the earlier ones cached), each asking for
+/// `top` prompt logprobs: each request's rows and cached prompt tokens.
+fn scored_one_by_one(
+    engine: &mut Engine,
+    prompts: &[(Vec<u32>, usize)],
+) -> Vec<(Vec<lantern_engine::sampling::PromptTokenLogprob>, usize)> {
+    prompts
+        .iter()
+        .map(|(prompt, top)| {
+            let params = SamplingParams {
+                prompt_logprobs: Some(*top),
+                ignore_eos: true,
+                ..SamplingParams::greedy(3)
+            };
+            let id = engine.add_request(prompt.clone(), params).unwrap();
+            let mut rows = None;
+            while engine.has_unfinished() {
+                engine.step().unwrap();
+                if rows.is_none() {
+                    rows = engine.take_prompt_logprobs(id);
+                }
+            }
+            let done = engine.take_completion(id).unwrap();
+            let rows = rows.expect("prompt logprobs came with the first token");
+            assert_eq!(rows.len(), prompt.len() - 1);
+            (rows, done.num_cached_prompt_tokens)
+        })
+        .collect()
+}
+
+/// A request asking for prompt logprobs takes a prefix-cache hit as far as the rows of
+/// the cached prefix are kept, and its rows equal those computed without any cache:
+/// also in chunks (a 9-token budget) from a small pool, for another number of
+/// alternatives (computed anew), and after a reset (records forgotten).
+#[test]
+fn prompt_logprobs_take_prefix_hits_and_give_the_same_rows() {
+    let shared: Vec<u32> = (0..41).map(|j| (j * 5 % 250) as u32).collect();
+    let mut prompts: Vec<(Vec<u32>, usize)> = (0..5)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend((0..2 + i * 3).map(|j| (60 + i * 17 + j) as u32));
+            (p, 2)
+        })
+        .collect();
+    // The same prompt again, and one asking for another number of alternatives.
+    prompts.push(prompts[1].clone());
+    prompts.push((prompts[2].0.clone(), 3));
+    let (mut cold, _dir) = tiny_engine(EngineConfig {
+        enable_prefix_caching: false,
+        ..config(blocks(512))
+    });
+    let expected = scored_one_by_one(&mut cold, &prompts);
+    for small in [false, true] {
+        let engine_config = if small {
+            EngineConfig {
+                max_num_batched_tokens: 9,
+                ..config(blocks(24))
+            }
+        } else {
+            config(blocks(512))
+        };
+        let (mut engine, _dir) = tiny_engine(engine_config);
+        let got = scored_one_by_one(&mut engine, &prompts);
+        for (i, ((rows, cached), (want, _))) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(rows, want, "request {i} (small pool: {small})");
+            let hit = match i {
+                0 | 6 => 0,
+                // The shared 41 tokens hold 10 full blocks of 4; the last of them is
+                // computed again, as its row scores the first token after the hit.
+                _ => 36,
+            };
+            assert!(
+                *cached >= hit && (hit > 0 || *cached == 0),
+                "request {i}: {cached} cached tokens (small pool: {small})"
+            );
+        }
+        assert_eq!(
+            engine.kv_cache().num_free_blocks(),
+            engine.kv_cache().num_blocks()
+        );
+        engine.reset();
+        let again = scored_one_by_one(&mut engine, &prompts[1..2]);
+        assert_eq!(again[0].0, expected[1].0);
+        assert_eq!(again[0].1, 0, "records were forgotten at the reset");
+    }
+}

@@ -3,8 +3,9 @@
 use crate::sampling::{PromptTokenLogprob, Sampler, SamplingParams};
 use lantern_capture::{CaptureFailure, PendingCapture, QueryRowBuffer};
 use lantern_guided::{Constraint, TokenMask};
-use lantern_kv::{RequestId, TokenSeq};
+use lantern_kv::{BlockHash, RequestId, TokenSeq};
 use lantern_model::{IncrementalDecoder, MAX_REDUCED_TOP_LOGPROBS};
+use std::cell::OnceCell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -82,6 +83,8 @@ pub struct Request {
     /// prompt is in the cache, then takes its full blocks from the prefix cache, sharing
     /// them by reference count instead of computing the prompt again.
     pub prompt_leader: Option<RequestId>,
+    /// The prefix-cache keys of the prompt's full blocks, hashed once when first needed.
+    prompt_hashes: OnceCell<Vec<BlockHash>>,
     /// Query rows of a capturing request, filled while it runs.
     pub capture: Option<Box<QueryRowBuffer>>,
     /// A finished capturing request's capture, ready to finalize (or why it failed).
@@ -116,6 +119,7 @@ impl Request {
             prompt_logits_complete: false,
             prompt_logprobs: Vec::new(),
             prompt_leader: None,
+            prompt_hashes: OnceCell::new(),
             capture: None,
             pending_capture: None,
             constraint: None,
@@ -189,6 +193,13 @@ impl Request {
     /// or attention capture), so a prefix-cache hit cannot stand in for it.
     pub fn computes_every_position(&self) -> bool {
         self.wants_prompt_rows() || self.capture.is_some()
+    }
+
+    /// The prefix-cache keys of the prompt's full blocks of `block_size` tokens (no
+    /// extra keys, as the scheduler's lookups).
+    pub fn prompt_block_hashes(&self, block_size: usize) -> &[BlockHash] {
+        self.prompt_hashes
+            .get_or_init(|| lantern_kv::hash_request_blocks(&self.prompt, block_size, &[]))
     }
 
     /// Whether the prompt positions it computes itself serve only its prompt logprobs

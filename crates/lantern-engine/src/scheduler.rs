@@ -7,7 +7,7 @@
 
 use crate::request::{Request, RequestStatus};
 use crate::scored_prefix::ScoredBlocks;
-use lantern_kv::{KvCacheManager, RequestId};
+use lantern_kv::{BlockHash, KvCacheManager, RequestId};
 use std::collections::{HashMap, VecDeque};
 
 /// One request's share of a step.
@@ -110,6 +110,9 @@ impl Scheduler {
                 break;
             }
         }
+        // Prompts being computed, which waiting requests that share their first blocks
+        // wait for (see `InFlight`).
+        let mut in_flight = InFlight::of_running(&self.running, requests, kv);
         // Admit new requests only when nobody had to be preempted this step.
         let mut next = 0;
         while out.preempted.is_empty() && budget > 0 && self.running.len() < self.max_num_seqs {
@@ -124,6 +127,10 @@ impl Scheduler {
                 self.waiting.remove(next);
                 continue;
             };
+            if in_flight.computes_a_prefix_of(req) {
+                next += 1;
+                continue;
+            }
             // Prompt logits and attention capture need every position computed by this
             // request (a capture's query rows exist only for what it computes itself):
             // no prefix-cache lookup for them.
@@ -162,6 +169,7 @@ impl Scheduler {
                 req.times.first_scheduled = Some(std::time::Instant::now());
             }
             self.running.push(id);
+            in_flight.add(req, kv);
             out.scheduled.push(ScheduledRequest { id, num_tokens });
             budget -= num_tokens;
         }
@@ -192,6 +200,91 @@ impl Scheduler {
         req.num_preemptions += 1;
         self.num_preemptions += 1;
         self.waiting.push_front(id);
+    }
+}
+
+/// What a computing prompt leaves in the prefix cache, for a waiting request to take.
+struct PrefixSource {
+    /// The keys of the prompt's full blocks.
+    hashes: Vec<BlockHash>,
+    /// Tokens computed (and so cached) so far.
+    computed: usize,
+    /// The number of alternatives its prompt logprobs are kept with, when it keeps them.
+    scored: Option<usize>,
+}
+
+/// Prompts being computed by running requests. A waiting request whose prompt starts
+/// with full blocks that one of them has still to compute waits for it: admitted in the
+/// same step, both would compute those blocks; a step after they are computed, it takes
+/// them from the prefix cache. Requests that arrive together with a shared prefix (the
+/// choices of one question an evaluation harness scores, chats with one long system
+/// prompt) compute it once. Only where prefix caching is on.
+struct InFlight {
+    block_size: usize,
+    sources: Vec<PrefixSource>,
+}
+
+impl InFlight {
+    fn of_running(
+        running: &[RequestId],
+        requests: &HashMap<RequestId, Request>,
+        kv: &KvCacheManager,
+    ) -> Self {
+        let mut in_flight = Self {
+            block_size: kv.block_size(),
+            sources: Vec::new(),
+        };
+        for req in running.iter().filter_map(|id| requests.get(id)) {
+            in_flight.add(req, kv);
+        }
+        in_flight
+    }
+
+    /// Counts `req` in if it is computing its prompt's full blocks.
+    fn add(&mut self, req: &Request, kv: &KvCacheManager) {
+        let full = req.prompt_len() / self.block_size.max(1);
+        if !kv.prefix_caching_enabled() || req.num_computed_tokens >= full * self.block_size {
+            return;
+        }
+        self.sources.push(PrefixSource {
+            hashes: req.prompt_block_hashes(self.block_size).to_vec(),
+            computed: req.num_computed_tokens,
+            scored: req
+                .params
+                .prompt_logprobs
+                .filter(|_| req.scores_prompt_only()),
+        });
+    }
+
+    /// Whether `req`, not started yet, would take more of its prompt from the cache
+    /// once a running request has computed it.
+    fn computes_a_prefix_of(&self, req: &Request) -> bool {
+        if self.sources.is_empty() || req.num_computed_tokens > 0 {
+            return false;
+        }
+        // What a hit serves it: its KV (it computes no prompt rows), or its KV and
+        // prompt logprobs (then only a source keeping them with as many alternatives).
+        let wants_scores = if !req.computes_every_position() {
+            None
+        } else if req.scores_prompt_only() && req.prompt_logprobs.is_empty() {
+            req.params.prompt_logprobs
+        } else {
+            return false;
+        };
+        // A hit leaves at least the prompt's last token to compute.
+        let usable = req.prompt_len().saturating_sub(1) / self.block_size.max(1);
+        let mine = &req.prompt_block_hashes(self.block_size)[..usable];
+        self.sources.iter().any(|source| {
+            if wants_scores.is_some() && source.scored != wants_scores {
+                return false;
+            }
+            let shared = mine
+                .iter()
+                .zip(&source.hashes)
+                .take_while(|(a, b)| a == b)
+                .count();
+            shared > 0 && source.computed < shared * self.block_size
+        })
     }
 }
 

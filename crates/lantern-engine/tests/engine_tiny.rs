@@ -786,3 +786,66 @@ fn prompt_logprobs_take_prefix_hits_and_give_the_same_rows() {
         assert_eq!(again[0].1, 0, "records were forgotten at the reset");
     }
 }
+
+/// Requests added together whose prompts start with the same blocks compute them once:
+/// the first computes the shared prefix, the others wait a step and take it from the
+/// prefix cache (prompt logprobs too, when they ask for them with the same number of
+/// alternatives); their tokens and rows are those computed without a cache.
+#[test]
+fn requests_arriving_together_compute_a_shared_prefix_once() {
+    let shared: Vec<u32> = (0..41).map(|j| (j * 11 % 250) as u32).collect();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend((0..3 + i).map(|j| (70 + i * 13 + j) as u32));
+            p
+        })
+        .collect();
+    for scored in [None, Some(2)] {
+        let params = SamplingParams {
+            prompt_logprobs: scored,
+            ignore_eos: true,
+            ..SamplingParams::greedy(4)
+        };
+        let run = |prefix_caching: bool| {
+            let (mut engine, _dir) = tiny_engine(EngineConfig {
+                enable_prefix_caching: prefix_caching,
+                ..config(blocks(512))
+            });
+            let ids: Vec<_> = prompts
+                .iter()
+                .map(|p| engine.add_request(p.clone(), params.clone()).unwrap())
+                .collect();
+            let mut rows = vec![None; ids.len()];
+            while engine.has_unfinished() {
+                engine.step().unwrap();
+                for (i, &id) in ids.iter().enumerate() {
+                    if rows[i].is_none() {
+                        rows[i] = engine.take_prompt_logprobs(id);
+                    }
+                }
+            }
+            let done: Vec<_> = ids
+                .iter()
+                .map(|&id| engine.take_completion(id).unwrap())
+                .collect();
+            assert_eq!(
+                engine.kv_cache().num_free_blocks(),
+                engine.kv_cache().num_blocks()
+            );
+            (done, rows)
+        };
+        let (cold, cold_rows) = run(false);
+        let (warm, warm_rows) = run(true);
+        for (i, (a, b)) in cold.iter().zip(&warm).enumerate() {
+            assert_eq!(a.token_ids, b.token_ids, "request {i} ({scored:?})");
+            let cached = if i == 0 { 0 } else { 36 };
+            assert!(
+                b.num_cached_prompt_tokens >= cached && (i > 0 || b.num_cached_prompt_tokens == 0),
+                "request {i}: {} cached ({scored:?})",
+                b.num_cached_prompt_tokens
+            );
+        }
+        assert_eq!(cold_rows, warm_rows);
+    }
+}

@@ -93,7 +93,7 @@ def test_completion_bad_input(server, client):
         client.completions.create(model=server.model, prompt="Hi", n=0)
     assert "n must" in _message(e)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=server.model, prompt="Hi", logprobs=6)
+        client.completions.create(model=server.model, prompt="Hi", logprobs=21)
     assert "logprobs" in _message(e)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt=[10**9], max_tokens=1)

@@ -87,6 +87,26 @@ def test_completion_logprobs(server, client):
     assert offsets == lp.text_offset
 
 
+def test_completion_logprobs_up_to_twenty(server, client):
+    # vLLM's limit, not OpenAI's 5. Named by id, the 20 alternatives are 20 keys (by
+    # text, tokens that decode alike would share one), in falling order, the chosen
+    # greedy token first.
+    r = client.completions.create(
+        model=server.model,
+        prompt="The sky is",
+        max_tokens=3,
+        logprobs=20,
+        extra_body={"return_tokens_as_token_ids": True},
+        **GREEDY,
+    )
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 20
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)
+        assert next(iter(top)) == token and top[token] == logprob
+
+
 def test_penalties_are_accepted_and_change_repetition(server, client):
     prompt = "one one one one one one one one"
     base = client.completions.create(

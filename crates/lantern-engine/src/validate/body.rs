@@ -21,8 +21,9 @@ use std::sync::Arc;
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 256;
 /// Most alternatives per token: chat's `top_logprobs` (OpenAI's limit).
 const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
-/// Most alternatives per token: completions' `logprobs` (OpenAI's limit).
-const MAX_COMPLETION_LOGPROBS: i64 = 5;
+/// Most alternatives per token: completions' `logprobs` (vLLM's default `max_logprobs`;
+/// OpenAI's own limit is 5, and clients written for it never ask for more).
+const MAX_COMPLETION_LOGPROBS: i64 = 20;
 /// Largest `chat_template_kwargs`, as JSON: template variables, not documents.
 pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 /// Largest `logit_bias` (tokens).
@@ -1132,7 +1133,7 @@ mod tests {
             Some("prompt")
         );
         assert_eq!(
-            completion_err(json!({"prompt": "x", "logprobs": 6}))
+            completion_err(json!({"prompt": "x", "logprobs": 21}))
                 .param
                 .as_deref(),
             Some("logprobs")

@@ -263,7 +263,7 @@ impl InFlight {
             return false;
         }
         // What a hit serves it: its KV (it computes no prompt rows), or its KV and
-        // prompt logprobs (then only a source keeping them with as many alternatives).
+        // prompt logprobs (then only a source keeping them with as many alternatives or more).
         let wants_scores = if !req.computes_every_position() {
             None
         } else if req.scores_prompt_only() && req.prompt_logprobs.is_empty() {
@@ -275,7 +275,7 @@ impl InFlight {
         let usable = req.prompt_len().saturating_sub(1) / self.block_size.max(1);
         let mine = &req.prompt_block_hashes(self.block_size)[..usable];
         self.sources.iter().any(|source| {
-            if wants_scores.is_some() && source.scored != wants_scores {
+            if wants_scores.is_some_and(|k| source.scored.is_none_or(|kept| kept < k)) {
                 return false;
             }
             let shared = mine

@@ -10,9 +10,10 @@
 //! names the whole prefix: so a record is what computing that prefix again would give
 //! (the forward is batch and chunk invariant). The first block's first token has none.
 //!
-//! Records are kept for one number of alternatives each (a request asking for another
-//! number computes its prompt, and its records replace the old), oldest dropped first
-//! past a byte budget.
+//! A block is recorded with one number of alternatives: a request asking for as many or
+//! fewer takes the record (alternatives are ordered by logit, ties to the lower id, so
+//! the first `k` of them are the `k` computed), one asking for more computes its prompt
+//! and its records replace the old. Oldest dropped first past a byte budget.
 
 use crate::sampling::PromptTokenLogprob;
 use lantern_kv::{hash_request_blocks, BlockHash};
@@ -57,7 +58,7 @@ impl ScoredBlocks {
 
     /// The prompt logprobs with `top` alternatives the records hold for `prompt`'s
     /// leading full blocks: entry `i` for token `i + 1`, through the last block with a
-    /// record (empty when the first has none).
+    /// record of at least `top` alternatives (empty when the first has none).
     pub fn known(&self, prompt: &[u32], top: usize) -> Vec<PromptTokenLogprob> {
         if self.blocks.is_empty() || self.block_size == 0 {
             return Vec::new();
@@ -65,7 +66,13 @@ impl ScoredBlocks {
         let mut known = Vec::new();
         for hash in hash_request_blocks(prompt, self.block_size, &[]) {
             match self.blocks.get(&hash) {
-                Some(block) if block.top == top => known.extend(block.rows.iter().cloned()),
+                Some(block) if block.top >= top => {
+                    known.extend(block.rows.iter().map(|row| PromptTokenLogprob {
+                        logprob: row.logprob,
+                        rank: row.rank,
+                        top: row.top[..top.min(row.top.len())].to_vec(),
+                    }))
+                }
                 _ => break,
             }
         }
@@ -74,7 +81,7 @@ impl ScoredBlocks {
 
     /// Records the blocks of `prompt` whose tokens all have their logprob in `rows`
     /// (entry `i` for token `i + 1`, with `top` alternatives each) and are not recorded
-    /// with `top` yet.
+    /// with `top` or more yet.
     pub fn record(&mut self, prompt: &[u32], rows: &[PromptTokenLogprob], top: usize) {
         let bs = self.block_size;
         if bs == 0 || self.max_bytes == 0 {
@@ -87,7 +94,7 @@ impl ScoredBlocks {
         }
         let hashes = hash_request_blocks(&prompt[..full_blocks * bs], bs, &[]);
         for (b, hash) in hashes.into_iter().enumerate() {
-            if self.blocks.get(&hash).is_some_and(|s| s.top == top) {
+            if self.blocks.get(&hash).is_some_and(|s| s.top >= top) {
                 continue;
             }
             let rows: Arc<[PromptTokenLogprob]> = rows
@@ -158,9 +165,28 @@ mod tests {
         second.extend([50, 51, 52]);
         let known = scored.known(&second, 2);
         assert_eq!(known, rows(&first, 2)[..7].to_vec());
-        // Another number of alternatives, or another first block: nothing.
+        // Fewer alternatives: the first of them; more, or another first block: nothing.
+        assert_eq!(scored.known(&second, 1), rows(&first, 1)[..7].to_vec());
+        assert_eq!(scored.known(&second, 0), rows(&first, 0)[..7].to_vec());
         assert!(scored.known(&second, 3).is_empty());
         assert!(scored.known(&[9, 1, 2, 3, 4, 5, 6, 7], 2).is_empty());
+    }
+
+    #[test]
+    fn more_alternatives_replace_a_record_and_fewer_keep_it() {
+        let mut scored = ScoredBlocks::new(4, 1 << 20);
+        let prompt: Vec<u32> = (0..9).collect();
+        scored.record(&prompt, &rows(&prompt, 1), 1);
+        scored.record(&prompt, &rows(&prompt, 3), 3);
+        assert_eq!(scored.known(&prompt, 3), rows(&prompt, 3)[..7].to_vec());
+        let bytes = scored.bytes();
+        scored.record(&prompt, &rows(&prompt, 2), 2);
+        assert_eq!(
+            scored.bytes(),
+            bytes,
+            "a record of fewer alternatives is not kept"
+        );
+        assert_eq!(scored.known(&prompt, 2), rows(&prompt, 2)[..7].to_vec());
     }
 
     #[test]

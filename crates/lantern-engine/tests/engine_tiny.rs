@@ -732,8 +732,8 @@ fn scored_one_by_one(
 
 /// A request asking for prompt logprobs takes a prefix-cache hit as far as the rows of
 /// the cached prefix are kept, and its rows equal those computed without any cache:
-/// also in chunks (a 9-token budget) from a small pool, for another number of
-/// alternatives (computed anew), and after a reset (records forgotten).
+/// also in chunks (a 9-token budget) from a small pool, for more alternatives (computed
+/// anew) and fewer (the first of those kept), and after a reset (records forgotten).
 #[test]
 fn prompt_logprobs_take_prefix_hits_and_give_the_same_rows() {
     let shared: Vec<u32> = (0..41).map(|j| (j * 5 % 250) as u32).collect();
@@ -744,9 +744,12 @@ fn prompt_logprobs_take_prefix_hits_and_give_the_same_rows() {
             (p, 2)
         })
         .collect();
-    // The same prompt again, and one asking for another number of alternatives.
+    // The same prompt again, one asking for more alternatives (it computes its prompt,
+    // and its records replace those of 2), then fewer (served by the records of 3).
     prompts.push(prompts[1].clone());
     prompts.push((prompts[2].0.clone(), 3));
+    prompts.push((prompts[3].0.clone(), 1));
+    prompts.push((prompts[4].0.clone(), 0));
     let (mut cold, _dir) = tiny_engine(EngineConfig {
         enable_prefix_caching: false,
         ..config(blocks(512))
@@ -789,8 +792,9 @@ fn prompt_logprobs_take_prefix_hits_and_give_the_same_rows() {
 
 /// Requests added together whose prompts start with the same blocks compute them once:
 /// the first computes the shared prefix, the others wait a step and take it from the
-/// prefix cache (prompt logprobs too, when they ask for them with the same number of
-/// alternatives); their tokens and rows are those computed without a cache.
+/// prefix cache (prompt logprobs too, when they ask for them with as many alternatives
+/// as the first keeps, or fewer); their tokens and rows are those computed without a
+/// cache.
 #[test]
 fn requests_arriving_together_compute_a_shared_prefix_once() {
     let shared: Vec<u32> = (0..41).map(|j| (j * 11 % 250) as u32).collect();

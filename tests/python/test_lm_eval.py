@@ -187,6 +187,25 @@ def test_scoring_after_a_shared_context_takes_the_prefix_cache(server):
     assert lls.index(max(lls)) == 0, lls
 
 
+def test_choices_scored_in_one_batch_compute_their_context_once(server):
+    # lm-eval with batch_size > 1 sends a question's choices in one request; they start
+    # in the same step, and all but one take the shared context from the prefix cache
+    # once the first has computed it (instead of computing it each).
+    shots = "".join(
+        f"Question: Which is larger, {a} or {b}?\nAnswer: {max(a, b)}\n\n"
+        for a, b in [(31, 17), (5, 12), (88, 90), (41, 14)]
+    )
+    context = encode(server, shots + "Question: Which is larger, 23 or 32?\nAnswer:")
+    choices = [encode(server, " " + c) for c in ("32", "23", "55", "5")]
+    out = echoed(server, [context + c for c in choices])
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The context's full blocks of 16 tokens, less the last (its row scores the first
+    # token after the hit), for each choice after the first.
+    assert cached >= 3 * (len(context) // 16 * 16 - 16), (cached, len(context))
+    one_by_one = [echoed(server, [context + c])["choices"][0]["logprobs"] for c in choices]
+    assert [c["logprobs"] for c in sorted(out["choices"], key=lambda c: c["index"])] == one_by_one
+
+
 def test_generation_stops_as_lm_eval_asks(server):
     body = {
         "model": server.model,

@@ -333,7 +333,7 @@ fn bad_input_is_refused_with_4xx_naming_the_problem() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "Hi", "logprobs": 6}),
+            json!({"prompt": "Hi", "logprobs": 21}),
             "logprobs",
         ),
         (

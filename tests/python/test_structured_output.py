@@ -147,3 +147,26 @@ def test_bad_schema_and_grammar_are_400_naming_the_field(server, client):
             client.chat.completions.create(model=server.model, messages=messages, max_tokens=5, **kwargs)
         error = e.value.body.get("error", e.value.body)
         assert error["param"] == field, (kwargs, error)
+
+
+def test_a_grammar_that_fails_while_generating_is_a_400_naming_its_field(server, client):
+    # Every instance of this schema nests forever: the grammar engine gives up partway
+    # through the output. The client hears it as an error naming the field, not as a
+    # cut-off answer, streamed or not, and every KV block comes back.
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    kwargs = dict(
+        model=server.model,
+        messages=[{"role": "user", "content": USER}],
+        max_tokens=40,
+        response_format=_response_format(endless),
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs)
+    error = e.value.body.get("error", e.value.body)
+    assert error["param"] == "response_format" and error["code"] == "structured_output_failed", error
+    assert "structured output failed while generating" in error["message"]
+    with pytest.raises(openai.APIError) as e:
+        for _ in client.chat.completions.create(stream=True, **kwargs):
+            pass
+    assert "structured output failed while generating" in str(e.value)
+    server.wait_idle()

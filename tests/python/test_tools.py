@@ -159,6 +159,18 @@ def test_bad_tools_are_400(server, client):
     for kwargs, field in [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        # A call forced with nothing to call.
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        # A forced call's grammar is made of the tools' schemas: a bad one is theirs.
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=server.model, messages=ASK, max_tokens=5, **kwargs)

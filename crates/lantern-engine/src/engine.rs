@@ -50,6 +50,9 @@ pub struct RequestOutput {
     /// A streamed capture's live figures of the row that sampled the new token, when
     /// that row is captured ([`CaptureSpec::stream_rows`]).
     pub capture_row: Option<Box<RowCapture>>,
+    /// Why structured output ended the request (its grammar failed on the new token;
+    /// `finished` is then `Abort`).
+    pub guided_failure: Option<String>,
 }
 
 /// A finished request, all of it.
@@ -909,6 +912,7 @@ impl Engine {
             finished: Some(FinishReason::Length),
             logprobs: None,
             capture_row: None,
+            guided_failure: None,
         }
     }
 
@@ -1068,6 +1072,7 @@ impl Engine {
             finished,
             logprobs,
             capture_row: None,
+            guided_failure,
         })
     }
 

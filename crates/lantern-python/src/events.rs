@@ -56,9 +56,12 @@ pub fn unix_time() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+use lantern_engine::serving::guided_failure_message;
+
 fn failure_message(failure: &EngineFailure) -> String {
     match failure {
         EngineFailure::Step(message) => format!("the engine failed: {message}"),
+        EngineFailure::Guided(message) => guided_failure_message(message),
         EngineFailure::Fault { .. } => lantern_engine::serving::ENGINE_FAULT_MESSAGE
             .replace("see the server log", "see the log"),
     }

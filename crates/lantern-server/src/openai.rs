@@ -15,8 +15,8 @@ use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{
-    Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure, EngineHandle, Finish,
-    LogprobEntry, PromptLogprobEntry, StopReason,
+    guided_failure_message, Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure,
+    EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
 };
 use lantern_engine::validate::{
     self, CaptureRequest, Endpoint, GenerationRequest, ModelLimits, RequestContext,
@@ -266,7 +266,7 @@ async fn generate(
     let mut request = validate::generation_request(endpoint, &value, &context)?;
     warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
-    attach_guide(&state, &mut request).await?;
+    let guide_field = attach_guide(&state, &mut request).await?;
     let id = response_id(kind);
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = id.as_str().into();
@@ -295,6 +295,7 @@ async fn generate(
         names: TokenNames {
             by_id: request.tokens_as_ids,
         },
+        guide_field,
     };
     if request.stream {
         Ok(stream_response(response, request, events, guard, capture))
@@ -317,7 +318,8 @@ pub(crate) fn warn_ignored(fields: &[String]) {
 pub(crate) async fn attach_guide(
     state: &AppState,
     request: &mut GenerationRequest,
-) -> Result<(), ApiError> {
+) -> Result<Option<&'static str>, ApiError> {
+    let field = request.guide.as_ref().map(|guide| guide.field);
     if let Some(guide) = request.guide.take() {
         let constraint =
             lantern_engine::validate::structured::compile(&state.engine.meta().guided, guide)
@@ -326,12 +328,14 @@ pub(crate) async fn attach_guide(
             item.constraint = Some(constraint.fork());
         }
     }
-    Ok(())
+    Ok(field)
 }
 
 /// What a response needs to know to write its chunks.
 struct ResponseBuilder {
     kind: Kind,
+    /// The field whose grammar guides the output, named if it fails while generating.
+    guide_field: Option<&'static str>,
     id: String,
     created: u64,
     model: String,
@@ -737,11 +741,23 @@ impl ResponseBuilder {
     }
 }
 
-pub(crate) fn engine_failure(finish: &Finish) -> Option<ApiError> {
+/// The error a failed sequence gives its client (`guide_field`: the request field whose
+/// grammar guided it, named when that grammar failed).
+pub(crate) fn engine_failure(
+    finish: &Finish,
+    guide_field: Option<&'static str>,
+) -> Option<ApiError> {
     match &finish.reason {
         EndReason::Failed(EngineFailure::Fault { restarted }) => {
             Some(ApiError::engine_fault(*restarted))
         }
+        EndReason::Failed(EngineFailure::Guided(error)) => Some(ApiError {
+            code: Some("structured_output_failed"),
+            ..ApiError::invalid(
+                guide_field.map(str::to_string),
+                guided_failure_message(error),
+            )
+        }),
         EndReason::Failed(EngineFailure::Step(error)) => Some(ApiError {
             code: Some("engine_error"),
             ..ApiError::internal(format!("the engine failed while generating: {error}"))
@@ -795,7 +811,7 @@ async fn whole_response(
             prompts[event.index] = event.prompt_logprobs;
         }
         if let Some(mut finish) = event.finish {
-            if let Some(error) = engine_failure(&finish) {
+            if let Some(error) = engine_failure(&finish, response.guide_field) {
                 return Err(error);
             }
             guard.finished(response.accepted[event.index].id);
@@ -878,7 +894,7 @@ impl StreamState {
 
     fn on_event(&mut self, event: ChoiceEvent) {
         if let Some(finish) = &event.finish {
-            if let Some(error) = engine_failure(finish) {
+            if let Some(error) = engine_failure(finish, self.response.guide_field) {
                 self.queue.push_back(data(&error.body()));
                 self.finish_stream();
                 return;

@@ -130,7 +130,7 @@ async fn respond(
     });
     warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
-    attach_guide(&state, &mut request).await?;
+    let guide_field = attach_guide(&state, &mut request).await?;
     let id = new_id();
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = format!("resp_{id}").into();
@@ -150,6 +150,7 @@ async fn respond(
         tools: request.tool_calls,
         previous_response_id: previous_id,
         keep,
+        guide_field,
     };
     if request.stream {
         Ok(stream_response(object, events, guard, capture))
@@ -169,6 +170,8 @@ struct ResponseObject {
     previous_response_id: Option<String>,
     /// Where the finished response is kept (`None`: `store` false).
     keep: Option<Keep>,
+    /// The field whose grammar guides the output, named if it fails while generating.
+    guide_field: Option<&'static str>,
 }
 
 /// A response to keep once it is finished, with the conversation it ends.
@@ -367,7 +370,7 @@ async fn whole_response(
         text.push_str(&event.text);
         logprobs.extend(event.logprobs);
         if let Some(finish) = event.finish {
-            if let Some(error) = engine_failure(&finish) {
+            if let Some(error) = engine_failure(&finish, object.guide_field) {
                 return Err(error);
             }
             guard.pending.clear();
@@ -584,7 +587,7 @@ impl ResponseStream {
 
     fn on_event(&mut self, event: lantern_engine::serving::ChoiceEvent) {
         if let Some(finish) = &event.finish {
-            if let Some(error) = engine_failure(finish) {
+            if let Some(error) = engine_failure(finish, self.object.guide_field) {
                 self.fail(&error);
                 return;
             }

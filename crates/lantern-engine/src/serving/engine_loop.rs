@@ -474,7 +474,7 @@ impl EngineLoop {
     /// Sends each request's new output to its client.
     fn dispatch(&mut self, outputs: Vec<RequestOutput>) {
         let now = Instant::now();
-        for out in outputs {
+        for mut out in outputs {
             let Some(live) = self.live.get_mut(&out.id) else {
                 // Aborted while its step ran.
                 continue;
@@ -508,6 +508,8 @@ impl EngineLoop {
                 // The stop string ends it; the engine has not finished it yet.
                 self.engine.finish_early(out.id, FinishReason::Stop);
                 Some((EndReason::Stop, Some(StopReason::Text(stop))))
+            } else if let Some(error) = out.guided_failure.take() {
+                Some((EndReason::Failed(EngineFailure::Guided(error)), None))
             } else if let Some(reason) = out.finished {
                 if let Some(stop) = &mut live.stop {
                     text.push_str(&stop.flush());

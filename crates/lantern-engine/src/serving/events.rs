@@ -19,9 +19,10 @@ pub enum EndReason {
     Stop,
     /// `max_tokens` or the context.
     Length,
-    /// Its client went away, the server shut down, or structured output failed.
+    /// Its client went away or the server shut down.
     Abort,
-    /// The engine failed while running it: the client gets a 500.
+    /// The engine failed while running it (the client gets a 500), or its structured
+    /// output's grammar did (a 400).
     Failed(EngineFailure),
 }
 
@@ -30,9 +31,29 @@ pub enum EndReason {
 pub enum EngineFailure {
     /// A step returned this error.
     Step(String),
+    /// The request's grammar (a schema, pattern, choice list or forced tool call) failed
+    /// on a sampled token: llguidance's error, e.g. a schema whose every instance is
+    /// infinite outgrowing its limits.
+    Guided(String),
     /// A panic on the engine thread, contained ([`super::ENGINE_FAULT_MESSAGE`]); `restarted`
     /// is false when restarting the engine failed too (the thread then ended).
     Fault { restarted: bool },
+}
+
+/// What a client is told when its grammar failed while generating.
+pub fn guided_failure_message(error: &str) -> String {
+    // llguidance ends some errors with a marker line of its own.
+    let error = error
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && *line != "<non-verbose/>")
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "structured output failed while generating: {error} (the grammar cannot be \
+         followed: a schema whose instances are all infinite, or one past the grammar \
+         engine's limits; simplify the schema, pattern or tools)"
+    )
 }
 
 impl EndReason {

@@ -20,8 +20,8 @@ pub mod stop;
 
 pub use error::ServeError;
 pub use events::{
-    ChoiceEvent, EndReason, EngineEvent, EngineFailure, Finish, LogprobEntry, PromptLogprobEntry,
-    StopReason,
+    guided_failure_message, ChoiceEvent, EndReason, EngineEvent, EngineFailure, Finish,
+    LogprobEntry, PromptLogprobEntry, StopReason,
 };
 pub use generation::{Accepted, GenerationItem, ItemCapture, PromptInput};
 pub use handle::{EngineHandle, EngineThread, ModelMeta};

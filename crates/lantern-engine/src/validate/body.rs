@@ -683,9 +683,10 @@ pub fn chat_request(
                     ),
                 ));
             }
+            // The grammar is made of the tools' parameter schemas: a fault in it is theirs.
             guide = Some(FieldGuide {
                 guide: tool_guide,
-                field: "tool_choice",
+                field: "tools",
             });
         }
     }

@@ -233,14 +233,22 @@ fn responses_field(chat_field: &str) -> Option<&'static str> {
     }
 }
 
-/// A chat field's error, naming the Responses field it came from.
+/// A chat field's error, naming the Responses field it came from (in its message too:
+/// the client never sent the chat field).
 fn renamed(mut e: InvalidRequest) -> InvalidRequest {
     match &mut e {
-        InvalidRequest::Missing(f)
-        | InvalidRequest::OutOfRange { field: f, .. }
-        | InvalidRequest::Conflict { field: f, .. }
-        | InvalidRequest::Invalid { field: f, .. }
-        | InvalidRequest::Unsupported { field: f, .. } => {
+        InvalidRequest::Conflict { field: f, message }
+        | InvalidRequest::Invalid { field: f, message }
+        | InvalidRequest::Unsupported {
+            field: f,
+            what: message,
+        } => {
+            if let Some(name) = responses_field(f) {
+                *message = message.replace(*f, name);
+                *f = name;
+            }
+        }
+        InvalidRequest::Missing(f) | InvalidRequest::OutOfRange { field: f, .. } => {
             if let Some(name) = responses_field(f) {
                 *f = name;
             }
@@ -677,6 +685,16 @@ mod tests {
             json!({"input": "x", "max_output_tokens": -1}),
             "max_output_tokens",
             "at least",
+        );
+        refused(
+            json!({"input": "x", "max_output_tokens": 0}),
+            "max_output_tokens",
+            "max_output_tokens must be at least 1",
+        );
+        refused(
+            json!({"input": "x", "tool_choice": "required"}),
+            "tool_choice",
+            "needs `tools`",
         );
         refused(
             json!({"input": "x", "max_output_tokens": "many"}),

@@ -80,6 +80,13 @@ fn parse_function(i: usize, tool: &Value) -> Result<ToolFunction, InvalidRequest
     })
 }
 
+fn choice_needs_tools() -> InvalidRequest {
+    InvalidRequest::invalid(
+        "tool_choice",
+        "a `required` or named tool_choice needs `tools`, and none were given",
+    )
+}
+
 fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, InvalidRequest> {
     const CHOICE: &str = "tool_choice";
     let wrong = || {
@@ -116,12 +123,17 @@ fn parse_choice(value: Option<&Value>, names: &[&str]) -> Result<ToolChoice, Inv
 /// `none` (the request is then a plain chat).
 pub fn parse_tools(body: &Value) -> Result<Option<ChatTools>, InvalidRequest> {
     let tools = match body.get("tools") {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Array(t)) => t,
+        None | Some(Value::Null) => &[][..],
+        Some(Value::Array(t)) => &t[..],
         Some(_) => return Err(InvalidRequest::invalid(FIELD, "tools must be a list")),
     };
     if tools.is_empty() {
-        return Ok(None);
+        // A choice that forces a call cannot be met without tools (OpenAI refuses it too).
+        return match body.get("tool_choice") {
+            Some(Value::Object(_)) => Err(choice_needs_tools()),
+            Some(Value::String(s)) if s == "required" => Err(choice_needs_tools()),
+            other => parse_choice(other, &[]).map(|_| None),
+        };
     }
     let functions = tools
         .iter()
@@ -429,6 +441,11 @@ mod tests {
         assert!(parse_tools(&json!({"tools": tools, "tool_choice": "none"}))
             .unwrap()
             .is_none());
+        for choice in [json!("none"), json!("auto"), Value::Null] {
+            assert!(parse_tools(&json!({"tool_choice": choice}))
+                .unwrap()
+                .is_none());
+        }
         let t = parse_tools(&json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})).unwrap().unwrap();
         assert_eq!(t.choice, ToolChoice::Named("f".into()));
         assert!(matches!(t.guide(), Some(Guide::Lark(g)) if g.contains("\"const\":\"f\"")));
@@ -441,6 +458,17 @@ mod tests {
                 json!({"tools": tools, "tool_choice": "sometimes"}),
                 "tool_choice",
             ),
+            // Forcing a call with no tools to call.
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tools": [], "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (json!({"tool_choice": "sometimes"}), "tool_choice"),
             (json!({"tools": [{"type": "retrieval"}]}), "tools"),
             (
                 json!({"tools": [{"type": "function", "function": {}}]}),

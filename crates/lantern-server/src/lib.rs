@@ -181,6 +181,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(
@@ -395,6 +396,20 @@ async fn metrics(State(state): State<AppState>) -> Response {
             .into_response(),
         Err(e) => ApiError::from(e).into_response(),
     }
+}
+
+/// A route asked with a method it does not take: a 405 with an OpenAI-style body, as
+/// every other error.
+async fn method_not_allowed(request: Request) -> Response {
+    ApiError::with_status(
+        axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} does not take {} requests",
+            request.uri().path(),
+            request.method()
+        ),
+    )
+    .into_response()
 }
 
 async fn not_found(request: Request) -> Response {

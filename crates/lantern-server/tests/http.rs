@@ -156,6 +156,14 @@ fn health_and_models() {
     assert_error(missing, 404, "nope");
     let unknown_route = client().get(format!("{}/v2/else", s.open)).send().unwrap();
     assert_error(unknown_route, 404, "/v2/else");
+    // A known route with a method it does not take: a 405 with an error body, and the
+    // methods it takes.
+    let wrong_method = client()
+        .get(format!("{}/v1/completions", s.open))
+        .send()
+        .unwrap();
+    assert_eq!(wrong_method.headers()["allow"], "POST");
+    assert_error(wrong_method, 405, "GET");
 }
 
 #[test]

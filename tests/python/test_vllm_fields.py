@@ -114,6 +114,33 @@ def test_min_tokens_holds_off_eos_and_stop_token_ids(server, client):
     assert c.usage.completion_tokens == 6
 
 
+def test_a_stop_token_ids_text_is_left_out_unless_asked_for(server, client):
+    # As vLLM: the token that stops the sequence counts among its tokens, but its text
+    # joins the output only with include_stop_str_in_output (as a stop string would).
+    banana = one_token(server, " banana")
+    for stream in (False, True):
+        texts = {}
+        for include in (False, True):
+            kwargs = dict(
+                model=server.model, prompt="Fruit:", max_tokens=20, temperature=0,
+                extra_body={
+                    "logit_bias": {str(banana): 100},
+                    "stop_token_ids": [banana],
+                    "min_tokens": 3,
+                    "include_stop_str_in_output": include,
+                },
+            )
+            if stream:
+                chunks = list(client.completions.create(stream=True, **kwargs))
+                texts[include] = "".join(c.choices[0].text for c in chunks if c.choices)
+                assert chunks[-1].choices[0].finish_reason == "stop"
+            else:
+                c = client.completions.create(**kwargs)
+                assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 4
+                texts[include] = c.choices[0].text
+        assert texts[True] == texts[False] + " banana", (stream, texts)
+
+
 def test_min_tokens_holds_off_stop_strings(server, client):
     greedy = client.completions.create(model=server.model, prompt="The days of the week are", max_tokens=10, temperature=0)
     text = greedy.choices[0].text

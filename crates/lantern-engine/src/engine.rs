@@ -1059,7 +1059,12 @@ impl Engine {
         } else {
             None
         };
-        let new_text = req.decoder.step(tokenizer, &req.output)?;
+        // A stop token's text stays out of the text unless the request asks for it.
+        let new_text = if is_stop && !req.params.stop_token_text {
+            String::new()
+        } else {
+            req.decoder.step(tokenizer, &req.output)?
+        };
         req.text.push_str(&new_text);
         if let Some(reason) = finished {
             req.times.finished = Some(now);

@@ -56,6 +56,10 @@ pub struct SamplingParams {
     /// OpenAI's `logit_bias`: added to a token's logit before sampling (with the
     /// penalties), each in [-100, 100].
     pub logit_bias: Vec<(u32, f32)>,
+    /// Whether the text of the stop token (end-of-sequence or `stop_token_ids`) that
+    /// ends the sequence is part of its text; the token itself always is part of its
+    /// tokens. vLLM's `include_stop_str_in_output`: off, the text leaves it out.
+    pub stop_token_text: bool,
 }
 
 impl Default for SamplingParams {
@@ -77,6 +81,7 @@ impl Default for SamplingParams {
             logprobs: None,
             min_tokens: 0,
             logit_bias: Vec::new(),
+            stop_token_text: false,
         }
     }
 }

@@ -325,7 +325,9 @@ impl EngineLoop {
         // The first sample of the current prompt, and that prompt (items come as `n`
         // consecutive samples of each prompt).
         let mut leader: Option<(RequestId, Arc<[u32]>)> = None;
-        for (index, (item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
+        for (index, (mut item, prompt_ids, prompt_text)) in prepared.into_iter().enumerate() {
+            // As vLLM: a stop token's text, as a stop string, only when asked for.
+            item.params.stop_token_text = item.include_stop_str_in_output;
             let prompt_tokens = prompt_ids.len();
             let max_tokens = item.params.max_tokens;
             let min_tokens = item.params.min_tokens;

@@ -107,6 +107,30 @@ def test_completion_logprobs_up_to_twenty(server, client):
         assert next(iter(top)) == token and top[token] == logprob
 
 
+def test_completion_top_logprobs_always_hold_the_chosen_token(server, client):
+    # OpenAI's legacy logprobs: the k most likely tokens and the chosen one (k + 1 at
+    # most); with k = 0, the chosen token alone. Echoed prompt tokens, often not the most
+    # likely, show it best.
+    for k in (0, 1):
+        r = client.completions.create(
+            model=server.model, prompt="Purple elephants dance quietly on", max_tokens=3,
+            logprobs=k, echo=True, temperature=0,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
+        lp = r.choices[0].logprobs
+        extra = 0
+        for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert top[token] == logprob
+            if k == 0:
+                assert top == {token: logprob}
+            else:
+                assert len(top) in (1, 2)
+                extra += len(top) == 2
+                assert max(top.values()) == next(iter(top.values())) >= logprob
+        if k == 1:
+            assert extra > 0, "every echoed token was the most likely"
+
+
 def test_penalties_are_accepted_and_change_repetition(server, client):
     prompt = "one one one one one one one one"
     base = client.completions.create(
@@ -154,9 +178,10 @@ def _check_echoed(choice, lp, pieces, k):
     n_prompt = len(pieces)
     assert lp.tokens[:n_prompt] == pieces
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    for logprob, top in zip(lp.token_logprobs[1:n_prompt], lp.top_logprobs[1:n_prompt]):
+    for token, logprob, top in zip(pieces[1:], lp.token_logprobs[1:n_prompt], lp.top_logprobs[1:n_prompt]):
         assert math.isfinite(logprob) and logprob <= 0
-        assert 1 <= len(top) <= k
+        # The k most likely and the prompt's own token (k + 1 when it is not among them).
+        assert 1 <= len(top) <= k + 1 and top[token] == logprob
         assert all(math.isfinite(v) and v <= 0 for v in top.values())
         # The alternatives are the most likely tokens: none less likely than the prompt's.
         assert max(top.values()) >= logprob - 1e-6
@@ -280,9 +305,9 @@ def test_vllm_prompt_logprobs(server, client):
         assert ranks in ([1, 2, 3], [1, 2], [2, 3], [1, 3])
         best = max(entries.values(), key=lambda e: e["logprob"])
         assert best["rank"] == 1
-    # Echo's alternatives are the first `logprobs` of them.
+    # Echo's alternatives are the first `logprobs` of them (then the token itself).
     for i in range(1, len(ids)):
-        (token, logprob), = choice.logprobs.top_logprobs[i].items()
+        token, logprob = next(iter(choice.logprobs.top_logprobs[i].items()))
         best = max(plp[i].values(), key=lambda e: e["logprob"])
         assert token == best["decoded_token"]
         assert abs(logprob - best["logprob"]) < 1e-6

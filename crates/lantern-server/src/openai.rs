@@ -500,22 +500,31 @@ fn completion_logprobs(
         text_offset.push(*offset);
         *offset += token.chars().count();
     };
-    let map = |top: &mut dyn Iterator<Item = &(u32, String, f32)>| {
-        Value::Object(
-            top.map(|(id, t, l)| (names.name(*id, t).into_owned(), json!(l)))
-                .collect(),
-        )
+    // The most likely tokens, then the token itself when it is not among them: OpenAI's
+    // legacy logprobs always hold the chosen token (up to `logprobs` + 1 entries).
+    let map = |top: &[(u32, String, f32)], (id, token, logprob): (u32, &str, f32)| {
+        let mut map: serde_json::Map<String, Value> = top
+            .iter()
+            .map(|(id, t, l)| (names.name(*id, t).into_owned(), json!(l)))
+            .collect();
+        if !top.iter().any(|(top_id, _, _)| *top_id == id) {
+            map.insert(names.name(id, token).into_owned(), json!(logprob));
+        }
+        Value::Object(map)
     };
     if let Some(prompt) = prompt {
         for e in prompt.entries {
-            let top = e.logprob.map(|_| map(&mut e.top.iter().take(prompt.top)));
+            let top = e.logprob.map(|lp| {
+                let top = &e.top[..prompt.top.min(e.top.len())];
+                map(top, (e.token_id, &e.token, lp))
+            });
             push(offset, e.token_id, &e.token, e.logprob, top);
         }
         // The echoed text, not its tokens decoded one by one, is what generation follows.
         *offset = prompt.text_chars;
     }
     for e in entries {
-        let top = map(&mut e.top.iter());
+        let top = map(&e.top, (e.token_id, &e.token, e.logprob));
         push(offset, e.token_id, &e.token, Some(e.logprob), Some(top));
     }
     json!({

@@ -103,14 +103,46 @@ pub(super) fn unknown_fields(body: &Value, known: impl Fn(&str) -> bool) -> Vec<
 
 /// Parses a body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
-    let value: Value = serde_json::from_slice(bytes)
+    let mut value: Value = serde_json::from_slice(bytes)
         .map_err(|e| InvalidRequest::Body(format!("the body is not valid JSON: {e}")))?;
-    if !value.is_object() {
+    let Some(fields) = value.as_object_mut() else {
         return Err(InvalidRequest::Body(
             "the body must be a JSON object".to_string(),
         ));
+    };
+    for name in INTEGER_FIELDS {
+        if let Some(field) = fields.get_mut(*name) {
+            integral_float_as_integer(field);
+        }
     }
     Ok(value)
+}
+
+/// Integer fields a client may write as floats (Python's `json.dumps(16.0)` is `16.0`):
+/// taken as the integer when they have no fraction, as vLLM's validation does.
+const INTEGER_FIELDS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+    "n",
+    "best_of",
+    "top_k",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "attn_capture_top_k",
+];
+
+fn integral_float_as_integer(value: &mut Value) {
+    // Past 2^53 a float no longer holds every integer: left as sent (and refused).
+    const EXACT: f64 = (1u64 << 53) as f64;
+    if let Some(x) = value.as_f64().filter(|_| value.is_f64()) {
+        if x.fract() == 0.0 && x.abs() <= EXACT {
+            *value = Value::from(x as i64);
+        }
+    }
 }
 
 /// Deserializes `value` into `T`; a type error names the field's path.
@@ -987,6 +1019,20 @@ mod tests {
         let e = completion_request(&json!({"model": "other", "prompt": "x"}), &limits).unwrap_err();
         let e = Seen::from(e);
         assert_eq!(e.code, Some("model_not_found"));
+    }
+
+    #[test]
+    fn integer_fields_take_floats_without_a_fraction() {
+        let body = parse_body(
+            br#"{"prompt": "x", "max_tokens": 16.0, "n": 2.0, "top_k": -1.0, "seed": 7.0}"#,
+        )
+        .unwrap();
+        let r = completion_request(&body, &LIMITS).unwrap();
+        assert_eq!(r.n, 2);
+        assert_eq!(r.items[0].max_tokens, Some(16));
+        assert_eq!(r.items[0].params.seed, Some(7));
+        let body = parse_body(br#"{"prompt": "x", "max_tokens": 16.5}"#).unwrap();
+        assert_eq!(completion_err(body).param.as_deref(), Some("max_tokens"));
     }
 
     #[test]

@@ -141,6 +141,29 @@ def test_a_stop_token_ids_text_is_left_out_unless_asked_for(server, client):
         assert texts[True] == texts[False] + " banana", (stream, texts)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    text = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday"
+    ids = tokenize(server, prompt=text)
+    kept = ids[-5:]
+    r = client.completions.create(
+        model=server.model, prompt=text, max_tokens=3, temperature=0, echo=True,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert r.usage.prompt_tokens == 5
+    # The echo is the prompt that ran, and so is the continuation: as sending its end.
+    alone = client.completions.create(model=server.model, prompt=kept, max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text == alone.choices[0].text
+    assert r.choices[0].text.startswith(detokenize(server, kept))
+    # Chat too; a prompt shorter than the cut runs whole.
+    c = chat(client, server, QUESTION, max_tokens=1, truncate_prompt_tokens=4)
+    assert c.usage.prompt_tokens == 4
+    whole = chat(client, server, QUESTION, max_tokens=1, truncate_prompt_tokens=10_000)
+    assert whole.usage.prompt_tokens == len(tokenize(server, messages=QUESTION, add_generation_prompt=True))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_min_tokens_holds_off_stop_strings(server, client):
     greedy = client.completions.create(model=server.model, prompt="The days of the week are", max_tokens=10, temperature=0)
     text = greedy.choices[0].text

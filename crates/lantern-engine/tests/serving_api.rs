@@ -94,6 +94,40 @@ async fn a_validated_request_runs_as_on_the_engine_itself() {
     handle.shutdown();
 }
 
+/// vLLM's `truncate_prompt_tokens`: the request runs on its prompt's last tokens, as a
+/// request sending only those would; a capture (whose positions are the prompt's as
+/// sent) refuses it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_truncated_prompt_runs_as_its_last_tokens() {
+    let handle = start();
+    let text = "One, two, three, four, five, six, seven, eight, nine, ten";
+    let prompt = handle
+        .prompter()
+        .tokenize(
+            lantern_engine::serving::PromptInput::Text(text.into()),
+            true,
+            "prompt",
+        )
+        .await
+        .unwrap();
+    assert!(prompt.len() > 6);
+    let request = validate(
+        &handle,
+        json!({"prompt": text, "max_tokens": 5, "temperature": 0, "truncate_prompt_tokens": 6, "echo": true}),
+    );
+    let (accepted, events) = handle.add(request.items).await.unwrap();
+    assert_eq!(accepted[0].prompt_tokens, 6);
+    let kept = &prompt[prompt.len() - 6..];
+    let echoed = handle.prompter().detokenize(kept.to_vec()).await.unwrap();
+    assert_eq!(accepted[0].prompt_text.as_deref(), Some(echoed.as_str()));
+    let (tokens, _) = drain(events).await;
+    assert_eq!(tokens, direct_greedy(kept, 5));
+    let body = json!({"prompt": text, "truncate_prompt_tokens": 6, "attn_capture": true});
+    let e = check(&handle, true, &body).unwrap_err();
+    assert_eq!(e.field(), Some("truncate_prompt_tokens"));
+    handle.shutdown();
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn an_aborted_request_gives_every_kv_block_back() {
     let handle = start();

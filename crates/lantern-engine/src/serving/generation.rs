@@ -47,6 +47,29 @@ pub struct GenerationItem {
     pub constraint: Option<Constraint>,
     /// The response's id, for the request log.
     pub request_id: Option<Arc<str>>,
+    /// vLLM's `truncate_prompt_tokens`: only the end of the prompt is kept.
+    pub truncate_prompt: Option<PromptTruncation>,
+}
+
+/// How much of a prompt's end a request keeps (vLLM's `truncate_prompt_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptTruncation {
+    /// The last `n` tokens.
+    Last(usize),
+    /// As many of the last tokens as leave room in the context for `max_tokens` (for
+    /// one token when it is not given): vLLM's `-1`.
+    ToFit,
+}
+
+impl PromptTruncation {
+    /// The tokens of a prompt of `len` to drop from its start.
+    pub fn cut(self, len: usize, context: usize, max_tokens: Option<usize>) -> usize {
+        let keep = match self {
+            PromptTruncation::Last(n) => n,
+            PromptTruncation::ToFit => context.saturating_sub(max_tokens.unwrap_or(1).max(1)),
+        };
+        len.saturating_sub(keep.max(1))
+    }
 }
 
 /// What a sequence captures, and the most bytes it may take.

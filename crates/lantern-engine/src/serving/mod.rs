@@ -23,7 +23,7 @@ pub use events::{
     guided_failure_message, ChoiceEvent, EndReason, EngineEvent, EngineFailure, Finish,
     LogprobEntry, PromptLogprobEntry, StopReason,
 };
-pub use generation::{Accepted, GenerationItem, ItemCapture, PromptInput};
+pub use generation::{Accepted, GenerationItem, ItemCapture, PromptInput, PromptTruncation};
 pub use handle::{EngineHandle, EngineThread, ModelMeta};
 pub use health::{
     panic_message, EngineBuildPanicked, EngineFaults, EngineHealth, CLEAN_STEPS_TO_RECOVER,

@@ -199,14 +199,27 @@ impl Prompter {
                                 .iter()
                                 .any(|s| !matches!(s.at, SpanAt::Tokens(_)))
                         });
-                        let (ids, source) =
+                        let (mut ids, source) =
                             this.tokenize_sourced(&prompt, true, item.prompt_field, by_text)?;
+                        let cut = item.truncate_prompt.map_or(0, |t| {
+                            t.cut(ids.len(), this.context_length, item.max_tokens)
+                        });
+                        ids.drain(..cut);
                         this.check_prompt(&ids, item.prompt_field)?;
                         if let Some(spec) = spans {
                             this.resolve_spans(spec, &ids, source.as_ref())?;
                         }
+                        // A truncated prompt's text is that of the tokens kept.
                         let text: Option<Arc<str>> = match &*prompt {
-                            PromptInput::Text(text) => Some(text.as_str().into()),
+                            PromptInput::Text(text) if cut == 0 => Some(text.as_str().into()),
+                            PromptInput::Text(_) => Some(
+                                this.tokenizer
+                                    .decode(&ids, false)
+                                    .map_err(|e| {
+                                        InvalidRequest::invalid(item.prompt_field, e.to_string())
+                                    })?
+                                    .into(),
+                            ),
                             _ if item.echo => Some(
                                 this.tokenizer
                                     .decode(&ids, false)

@@ -8,7 +8,7 @@
 
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
-use crate::serving::{GenerationItem, ItemCapture, ModelMeta, PromptInput};
+use crate::serving::{GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation};
 use crate::validate::InvalidRequest;
 use crate::SamplingParams;
 use lantern_model::{ChatMessage, ChatRenderOptions};
@@ -57,6 +57,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "min_tokens",
     "best_of",
     "return_tokens_as_token_ids",
+    "truncate_prompt_tokens",
     // OpenAI's end-user id: accepted, with nothing to do.
     "user",
     "response_format",
@@ -132,6 +133,7 @@ const INTEGER_FIELDS: &[&str] = &[
     "logprobs",
     "top_logprobs",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
     "attn_capture_top_k",
 ];
 
@@ -197,6 +199,7 @@ struct CommonFields {
     repetition_penalty: Option<f64>,
     logit_bias: Option<serde_json::Map<String, Value>>,
     prompt_logprobs: Option<i64>,
+    truncate_prompt_tokens: Option<i64>,
     min_tokens: Option<i64>,
     best_of: Option<i64>,
     return_tokens_as_token_ids: Option<bool>,
@@ -281,6 +284,7 @@ struct Common {
     tokens_as_ids: bool,
     /// vLLM's `prompt_logprobs`, validated (`None` when streaming: vLLM sends none then).
     prompt_logprobs: Option<usize>,
+    truncate_prompt: Option<PromptTruncation>,
 }
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
@@ -457,6 +461,18 @@ fn common(
                 .and_then(|o| o.continuous_usage_stats)
                 .unwrap_or(false),
         tokens_as_ids: fields.return_tokens_as_token_ids.unwrap_or(false),
+        truncate_prompt: match fields.truncate_prompt_tokens {
+            None => None,
+            Some(-1) => Some(PromptTruncation::ToFit),
+            Some(n) if n >= 1 => Some(PromptTruncation::Last(n as usize)),
+            Some(n) => {
+                return Err(InvalidRequest::out_of_range(
+                    "truncate_prompt_tokens",
+                    "at least 1, or -1 (as much of the prompt's end as fits)",
+                    n,
+                ))
+            }
+        },
     })
 }
 
@@ -581,6 +597,7 @@ fn expand(
                 prompt_logprobs,
                 constraint: None,
                 request_id: None,
+                truncate_prompt: common.truncate_prompt,
             });
         }
     }
@@ -633,6 +650,13 @@ pub fn generation_request(
     request.capture =
         parse_capture_request(body, context.capture, context.num_layers, context.num_heads)?;
     if let Some(capture) = &request.capture {
+        // A capture's spans, rows and maps name positions of the prompt as sent.
+        if request.items.iter().any(|i| i.truncate_prompt.is_some()) {
+            return Err(InvalidRequest::conflict(
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens cannot be combined with attn_capture (the capture's positions are those of the prompt as sent)",
+            ));
+        }
         if request.items.len() != 1 {
             return Err(InvalidRequest::conflict(
                 "attn_capture",
@@ -1019,6 +1043,25 @@ mod tests {
         let e = completion_request(&json!({"model": "other", "prompt": "x"}), &limits).unwrap_err();
         let e = Seen::from(e);
         assert_eq!(e.code, Some("model_not_found"));
+    }
+
+    #[test]
+    fn truncate_prompt_tokens_keeps_the_prompts_end() {
+        let truncation = |value: Value| {
+            let body = json!({"prompt": "x", "truncate_prompt_tokens": value});
+            completion_request(&body, &LIMITS).map(|r| r.items[0].truncate_prompt)
+        };
+        assert_eq!(truncation(json!(5)), Ok(Some(PromptTruncation::Last(5))));
+        assert_eq!(truncation(json!(-1)), Ok(Some(PromptTruncation::ToFit)));
+        for bad in [json!(0), json!(-2)] {
+            let e = Seen::from(truncation(bad).unwrap_err());
+            assert_eq!(e.param.as_deref(), Some("truncate_prompt_tokens"));
+        }
+        // What a prompt of 10 tokens loses in a context of 8.
+        assert_eq!(PromptTruncation::Last(4).cut(10, 8, None), 6);
+        assert_eq!(PromptTruncation::Last(40).cut(10, 8, None), 0);
+        assert_eq!(PromptTruncation::ToFit.cut(10, 8, None), 3);
+        assert_eq!(PromptTruncation::ToFit.cut(10, 8, Some(5)), 7);
     }
 
     #[test]

@@ -47,6 +47,7 @@ _SERVER_FIELDS = (
     "prompt_logprobs",
     "include_stop_str_in_output",
     "logit_bias",
+    "truncate_prompt_tokens",
 )
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -57,10 +58,11 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``max_tokens=None`` generates until the context (or
     the KV cache) is full. ``logprobs=k`` returns each generated token's logprob with
-    the ``k`` most likely alternatives (up to 5 for ``generate``, 20 for ``chat``, as
-    the server's completions and chat endpoints allow); ``prompt_logprobs=k`` (0 to
-    20) the prompt's. ``structured_outputs`` takes a ``StructuredOutputsParams`` or
-    a dict with the same keys.
+    the ``k`` most likely alternatives (up to 20, as the server's completions and chat
+    endpoints allow); ``prompt_logprobs=k`` (0 to 20) the prompt's.
+    ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (``-1``: as many
+    as leave room for ``max_tokens``). ``structured_outputs`` takes a
+    ``StructuredOutputsParams`` or a dict with the same keys.
     """
 
     n: int = 1
@@ -80,6 +82,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None
     logit_bias: Optional[Dict[int, float]] = None
     structured_outputs: Optional[Union[StructuredOutputsParams, Dict[str, Any]]] = None
 

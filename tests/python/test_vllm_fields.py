@@ -159,6 +159,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
     assert c.usage.prompt_tokens == 4
     whole = chat(client, server, QUESTION, max_tokens=1, truncate_prompt_tokens=10_000)
     assert whole.usage.prompt_tokens == len(tokenize(server, messages=QUESTION, add_generation_prompt=True))
+    r = client.responses.create(
+        model=server.model, input="What is the capital of France?", max_output_tokens=1,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert r.usage.input_tokens == 3
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
     assert e.value.body["param"] == "truncate_prompt_tokens"

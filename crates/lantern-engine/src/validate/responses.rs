@@ -64,6 +64,7 @@ const CHAT_EXTENSION_NAMES: &[&str] = &[
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "truncate_prompt_tokens",
     "chat_template_kwargs",
 ];
 

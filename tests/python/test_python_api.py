@@ -112,6 +112,11 @@ def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
         assert top == pytest.approx(theirs, abs=1e-6)
     assert out.outputs[0].cumulative_logprob == pytest.approx(sum(served.logprobs.token_logprobs), abs=1e-5)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    # vLLM's truncate_prompt_tokens: the prompt's end runs, as if sent alone.
+    greedy = lantern.SamplingParams(temperature=0, max_tokens=4)
+    (cut,) = llm.generate([ids], lantern.SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3))
+    (end,) = llm.generate([ids[-3:]], greedy)
+    assert cut.prompt_token_ids == ids[-3:] and cut.outputs[0].text == end.outputs[0].text
 
 
 CAPTURES = {

@@ -114,11 +114,16 @@ pub async fn submit(
         .first()
         .ok_or_else(|| InvalidRequest::invalid("prompt", "the request has no prompt"))?;
     let field = first.prompt_field;
-    let ids: Arc<[u32]> = engine
+    let mut ids = engine
         .prompter()
         .tokenize((*first.prompt).clone(), true, field)
-        .await?
-        .into();
+        .await?;
+    // Cut as the prompter cuts (`truncate_prompt_tokens`; cutting again is a no-op).
+    if let Some(truncation) = first.truncate_prompt {
+        let context = engine.meta().context_length;
+        ids.drain(..truncation.cut(ids.len(), context, first.max_tokens));
+    }
+    let ids: Arc<[u32]> = ids.into();
     // Capture spans by characters or messages are resolved from the prompt's text: such
     // a prompt stays text, and the prompter tokenizes it again (the same code, so the
     // same ids).

@@ -113,6 +113,19 @@ def test_the_remote_tokenizer_round_trips_text(server):
     )
 
 
+def test_tokenize_returns_the_tokens_as_the_vocabulary_spells_them(server):
+    body = {"prompt": "Hello world\n", "add_special_tokens": False, "return_token_strs": True}
+    r = requests.post(server.base_url + "/tokenize", json=body, headers=server.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    # SmolLM2's byte-level BPE: a leading space is `Ġ`, a newline `Ċ`.
+    assert out["token_strs"] == ["Hello", "Ġworld", "Ċ"] and len(out["tokens"]) == 3
+    plain = requests.post(
+        server.base_url + "/tokenize", json={"prompt": "Hello"}, headers=server.headers(), timeout=30
+    ).json()
+    assert "token_strs" not in plain
+
+
 def test_loglikelihood_of_the_greedy_continuation_is_greedy_and_matches_generation(
     server,
 ):

@@ -321,6 +321,12 @@ impl ModelTokenizer {
             .map_err(|e| ModelError::Tokenizer(e.to_string()))
     }
 
+    /// A token as the vocabulary spells it (`Ġthe`, `▁the`, `<0x0A>`), as
+    /// transformers' `convert_ids_to_tokens` gives it; `None` outside the vocabulary.
+    pub fn token_piece(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
     /// The text of a single token as it would be printed (special tokens included).
     pub fn token_text(&self, id: u32) -> String {
         self.decode(&[id], false).unwrap_or_default()

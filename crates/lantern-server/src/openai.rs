@@ -130,13 +130,22 @@ pub async fn tokenize(
             served_name: &state.served_model_name,
             aliases: &state.served_model_names,
         };
-        let (prompt, add_special_tokens) = validate::tokenize_request(&value, &limits)?;
-        let tokens = state.engine.tokenize(prompt, add_special_tokens).await?;
-        Ok::<_, ApiError>(Json(json!({
+        let request = validate::tokenize_request(&value, &limits)?;
+        let tokens = state
+            .engine
+            .tokenize(request.prompt, request.add_special_tokens)
+            .await?;
+        let mut out = json!({
             "count": tokens.len(),
             "max_model_len": state.engine.meta().context_length,
             "tokens": tokens,
-        })))
+        });
+        if request.return_token_strs {
+            let tokenizer = state.engine.prompter().tokenizer();
+            let strs: Vec<_> = tokens.iter().map(|&t| tokenizer.token_piece(t)).collect();
+            out["token_strs"] = json!(strs);
+        }
+        Ok::<_, ApiError>(Json(out))
     };
     result
         .await

@@ -930,33 +930,46 @@ struct TokenizeFields {
     prompt: Option<String>,
     messages: Option<Value>,
     add_special_tokens: Option<bool>,
+    return_token_strs: Option<bool>,
+}
+
+/// A validated `POST /tokenize` body.
+#[derive(Debug)]
+pub struct TokenizeRequest {
+    pub prompt: PromptInput,
+    pub add_special_tokens: bool,
+    /// vLLM's `return_token_strs`: each token as the vocabulary spells it, too.
+    pub return_token_strs: bool,
 }
 
 /// Validates a `POST /tokenize` body (vLLM's): a `prompt` string or chat `messages`.
 pub fn tokenize_request(
     body: &Value,
     limits: &ModelLimits,
-) -> Result<(PromptInput, bool), InvalidRequest> {
+) -> Result<TokenizeRequest, InvalidRequest> {
     let fields: TokenizeFields = typed(body)?;
     check_model(&fields.model, limits)?;
-    let add_special_tokens = fields.add_special_tokens.unwrap_or(true);
-    match (&fields.prompt, &fields.messages) {
-        (Some(prompt), None) => Ok((PromptInput::Text(prompt.clone()), add_special_tokens)),
+    let prompt = match (&fields.prompt, &fields.messages) {
+        (Some(prompt), None) => PromptInput::Text(prompt.clone()),
         (None, Some(_)) => {
             // vLLM's rendering fields apply here too.
             let chat: ChatFields = typed(body)?;
             let mut options = chat_render_options(&chat)?;
             options.tools = super::tools::parse_tools(body)?.map(|t| t.offered());
-            Ok((
-                PromptInput::Chat(parse_messages(&fields.messages)?, options),
-                add_special_tokens,
+            PromptInput::Chat(parse_messages(&fields.messages)?, options)
+        }
+        _ => {
+            return Err(InvalidRequest::invalid(
+                "prompt",
+                "give either `prompt` (a string) or `messages`",
             ))
         }
-        _ => Err(InvalidRequest::invalid(
-            "prompt",
-            "give either `prompt` (a string) or `messages`",
-        )),
-    }
+    };
+    Ok(TokenizeRequest {
+        prompt,
+        add_special_tokens: fields.add_special_tokens.unwrap_or(true),
+        return_token_strs: fields.return_token_strs.unwrap_or(false),
+    })
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -192,6 +192,33 @@ def test_bad_fields_are_400_naming_them(server, client, fields, param):
     server.wait_idle()
 
 
+def test_a_kept_responses_input_items_are_listed(server, client):
+    r = client.responses.create(
+        model=server.model, max_output_tokens=2,
+        input=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
+        ],
+    )
+    # The openai client's own method: newest first, each item with an id and its text.
+    items = list(client.responses.input_items.list(r.id))
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "Name a color."), ("system", "Answer briefly.")]
+    assert all(i.type == "message" and i.id for i in items)
+    oldest_first = client.responses.input_items.list(r.id, order="asc", limit=1)
+    assert [i.role for i in oldest_first.data] == ["system"] and oldest_first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=oldest_first.data[0].id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    # A string input is one user message.
+    s = client.responses.create(model=server.model, input="Hi", max_output_tokens=1)
+    (only,) = client.responses.input_items.list(s.id)
+    assert (only.role, only.content[0].type, only.content[0].text) == ("user", "input_text", "Hi")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r.id, limit=0)
+    assert e.value.body["param"] == "limit"
+
+
 def test_a_follow_up_continues_a_kept_response(server, client):
     """`previous_response_id` continues a kept response's conversation, as if it were
     sent whole; the kept response reads back as it was answered, and goes when deleted."""

@@ -160,6 +160,10 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             "/v1/responses/{id}",
             get(responses::get_response).delete(responses::delete_response),
         )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::get_input_items),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*model}", get(get_model))
         .route("/tokenize", post(openai::tokenize))

@@ -17,6 +17,8 @@ pub struct StoredResponse {
     /// The conversation up to and including this response's output, as chat messages
     /// (without instructions, which a follow-up does not inherit).
     pub conversation: Arc<Vec<Value>>,
+    /// This response's own input as Responses items, each with an id.
+    pub input_items: Arc<Vec<Value>>,
     /// The API key that made it, on a server with keys.
     owner: Option<String>,
     bytes: usize,
@@ -57,12 +59,14 @@ impl ResponseStore {
         id: &str,
         response: Value,
         conversation: Vec<Value>,
+        input_items: Vec<Value>,
         owner: Option<String>,
     ) -> bool {
         let bytes = id.len()
             + response.to_string().len()
             + conversation
                 .iter()
+                .chain(&input_items)
                 .map(|m| m.to_string().len())
                 .sum::<usize>();
         if bytes > self.max_bytes {
@@ -80,6 +84,7 @@ impl ResponseStore {
         let stored = StoredResponse {
             response,
             conversation: Arc::new(conversation),
+            input_items: Arc::new(input_items),
             owner,
             bytes,
         };
@@ -138,12 +143,14 @@ mod tests {
             "a",
             json!({"id": "a"}),
             conversation(&"x".repeat(100)),
+            Vec::new(),
             None
         ));
         assert!(store.put(
             "b",
             json!({"id": "b"}),
             conversation(&"y".repeat(100)),
+            Vec::new(),
             Some("k1".into())
         ));
         assert!(store.get("a", None).is_some());
@@ -156,18 +163,25 @@ mod tests {
             "c",
             json!({"id": "c"}),
             conversation(&"z".repeat(150)),
+            Vec::new(),
             None
         ));
         assert!(store.get("a", None).is_none());
         assert!(store.get("c", None).is_some());
         assert!(store.bytes() <= 400);
         // Too large for the whole budget: not kept, nothing dropped for it.
-        assert!(!store.put("d", json!({}), conversation(&"w".repeat(500)), None));
+        assert!(!store.put(
+            "d",
+            json!({}),
+            conversation(&"w".repeat(500)),
+            Vec::new(),
+            None
+        ));
         assert!(store.get("c", None).is_some());
         assert!(!store.delete("b", Some("k2")));
         assert!(store.delete("b", Some("k1")));
         assert!(store.get("b", Some("k1")).is_none());
         let empty = ResponseStore::new(0);
-        assert!(!empty.put("e", json!({}), Vec::new(), None));
+        assert!(!empty.put("e", json!({}), Vec::new(), Vec::new(), None));
     }
 }

@@ -71,6 +71,76 @@ pub async fn get_response(
     }
 }
 
+/// `GET /v1/responses/{id}/input_items`'s query (OpenAI's: newest first by default).
+#[derive(Debug, serde::Deserialize)]
+pub struct InputItemsQuery {
+    limit: Option<usize>,
+    order: Option<String>,
+    after: Option<String>,
+}
+
+/// `GET /v1/responses/{id}/input_items`: the input a kept response was asked with, as
+/// Responses items (its own input; a continued response's input is listed by that one).
+pub async fn get_input_items(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    query: Result<axum::extract::Query<InputItemsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let query = match query {
+        Ok(axum::extract::Query(q)) => q,
+        Err(e) => return ApiError::invalid(None, e.body_text()).into_response(),
+    };
+    let limit = query.limit.unwrap_or(20);
+    if !(1..=100).contains(&limit) {
+        return ApiError::invalid(
+            Some("limit".into()),
+            format!("limit must be in [1, 100], got {limit}"),
+        )
+        .into_response();
+    }
+    let ascending = match query.order.as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(other) => {
+            return ApiError::invalid(
+                Some("order".into()),
+                format!("order must be `asc` or `desc`, got `{other}`"),
+            )
+            .into_response()
+        }
+    };
+    let Some(stored) = state.responses.get(&id, owner(&state, &headers).as_deref()) else {
+        return not_kept(&id).into_response();
+    };
+    let mut items: Vec<&Value> = stored.input_items.iter().collect();
+    if !ascending {
+        items.reverse();
+    }
+    if let Some(after) = &query.after {
+        match items.iter().position(|item| item["id"] == after.as_str()) {
+            Some(at) => items.drain(..=at),
+            None => {
+                return ApiError::invalid(
+                    Some("after".into()),
+                    format!("no input item `{after}` in response `{id}`"),
+                )
+                .into_response()
+            }
+        };
+    }
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    Json(json!({
+        "object": "list",
+        "data": items,
+        "first_id": items.first().map(|item| &item["id"]),
+        "last_id": items.last().map(|item| &item["id"]),
+        "has_more": has_more,
+    }))
+    .into_response()
+}
+
 /// `DELETE /v1/responses/{id}`.
 pub async fn delete_response(
     State(state): State<AppState>,
@@ -126,6 +196,7 @@ async fn respond(
     let keep = echo.store.then(|| Keep {
         store: state.responses.clone(),
         conversation: validated.conversation,
+        input_items: validated.input_items,
         owner,
     });
     warn_ignored(&request.ignored_fields);
@@ -179,6 +250,8 @@ struct Keep {
     store: Arc<ResponseStore>,
     /// The conversation before the output (chat messages).
     conversation: Vec<Value>,
+    /// The request's input as Responses items.
+    input_items: Vec<Value>,
     owner: Option<String>,
 }
 
@@ -192,8 +265,20 @@ impl ResponseObject {
         let mut conversation = keep.conversation;
         conversation.push(assistant_message(output));
         let id = format!("resp_{}", self.id);
+        // Items the client sent without an id get one, unique within the store.
+        let input_items = keep
+            .input_items
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut item)| {
+                if !item["id"].is_string() {
+                    item["id"] = json!(format!("in_{}_{i}", self.id));
+                }
+                item
+            })
+            .collect();
         keep.store
-            .put(&id, response.clone(), conversation, keep.owner);
+            .put(&id, response.clone(), conversation, input_items, keep.owner);
     }
 }
 

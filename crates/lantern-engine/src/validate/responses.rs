@@ -97,6 +97,9 @@ pub struct ResponsesRequest {
     /// The conversation before the output: the continued response's, then this
     /// request's input, as chat messages (no instructions: a follow-up gives its own).
     pub conversation: Vec<Value>,
+    /// This request's input as Responses items (a string as one user message; content
+    /// given as a string as one text part), for `GET /v1/responses/{id}/input_items`.
+    pub input_items: Vec<Value>,
 }
 
 /// The response a body continues (`previous_response_id`), if it names one.
@@ -220,6 +223,7 @@ pub fn responses_request(
         generation,
         echo,
         conversation,
+        input_items: input_as_items(obj.get("input")),
     })
 }
 
@@ -322,6 +326,35 @@ fn input_messages(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest
         }
     }
     Ok(messages)
+}
+
+/// Input (validated) as the Responses API lists it: items with their content as parts.
+fn input_as_items(input: Option<&Value>) -> Vec<Value> {
+    let message = |role: &Value, text: &Value| {
+        let kind = if role == "assistant" {
+            "output_text"
+        } else {
+            "input_text"
+        };
+        json!({"type": "message", "role": role, "content": [{"type": kind, "text": text}]})
+    };
+    match input {
+        Some(Value::String(_)) => vec![message(&json!("user"), input.unwrap_or(&Value::Null))],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| {
+                let mut item = item.clone();
+                if item.get("type").is_none() {
+                    item["type"] = json!("message");
+                }
+                if item["type"] == "message" && item["content"].is_string() {
+                    item = message(&item["role"], &item["content"]);
+                }
+                item
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// One input item as chat messages: a message (its text parts joined), a function call

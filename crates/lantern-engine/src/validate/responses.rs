@@ -106,10 +106,10 @@ pub struct ResponsesRequest {
 pub fn previous_response_id(body: &Value) -> Result<Option<String>, InvalidRequest> {
     match body.get("previous_response_id") {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(id)) => Ok(Some(id.clone())),
+        Some(Value::String(id)) if !id.is_empty() => Ok(Some(id.clone())),
         Some(_) => Err(InvalidRequest::invalid(
             "previous_response_id",
-            "previous_response_id must be a string",
+            "previous_response_id must be a response's id (a non-empty string)",
         )),
     }
 }
@@ -633,8 +633,10 @@ mod tests {
             .collect();
         assert_eq!(contents, ["Hi", "Hello", "And now?"]);
         assert!(r.echo.store);
-        let e = previous_response_id(&json!({"previous_response_id": 3})).unwrap_err();
-        assert_eq!(e.field(), Some("previous_response_id"));
+        for bad in [json!(3), json!("")] {
+            let e = previous_response_id(&json!({"previous_response_id": bad})).unwrap_err();
+            assert_eq!(e.field(), Some("previous_response_id"));
+        }
         let unstored = validate(json!({"input": "x", "store": false})).unwrap();
         assert!(!unstored.echo.store);
     }

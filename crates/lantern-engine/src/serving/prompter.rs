@@ -212,14 +212,6 @@ impl Prompter {
                         // A truncated prompt's text is that of the tokens kept.
                         let text: Option<Arc<str>> = match &*prompt {
                             PromptInput::Text(text) if cut == 0 => Some(text.as_str().into()),
-                            PromptInput::Text(_) => Some(
-                                this.tokenizer
-                                    .decode(&ids, false)
-                                    .map_err(|e| {
-                                        InvalidRequest::invalid(item.prompt_field, e.to_string())
-                                    })?
-                                    .into(),
-                            ),
                             _ if item.echo => Some(
                                 this.tokenizer
                                     .decode(&ids, false)

@@ -339,7 +339,7 @@ fn input_as_items(input: Option<&Value>) -> Vec<Value> {
         json!({"type": "message", "role": role, "content": [{"type": kind, "text": text}]})
     };
     match input {
-        Some(Value::String(_)) => vec![message(&json!("user"), input.unwrap_or(&Value::Null))],
+        Some(text @ Value::String(_)) => vec![message(&json!("user"), text)],
         Some(Value::Array(items)) => items
             .iter()
             .map(|item| {
@@ -348,7 +348,11 @@ fn input_as_items(input: Option<&Value>) -> Vec<Value> {
                     item["type"] = json!("message");
                 }
                 if item["type"] == "message" && item["content"].is_string() {
+                    let id = item.get("id").cloned();
                     item = message(&item["role"], &item["content"]);
+                    if let Some(id) = id {
+                        item["id"] = id;
+                    }
                 }
                 item
             })

@@ -177,6 +177,14 @@ impl Engine {
             )));
         }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
+        // The CUDA backends' names start so (`lantern_cuda::CUDA_BACKEND_NAMES`): their
+        // caches are sized from the card's memory.
+        if !backend.name().starts_with("cuda") {
+            crate::host_memory::check_kv_cache_fits(
+                kv_config.total_bytes(),
+                crate::host_memory::total_bytes(),
+            )?;
+        }
         let mut runner =
             ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
         runner.stop_ids = loaded.tokenizer.stop_ids().to_vec();

@@ -279,6 +279,9 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("logprobs", lambda: llm.chat(MESSAGES, lantern.SamplingParams(logprobs=50)))
     raises_naming("kv_cache_dtype", lambda: lantern.LLM(kv_cache_dtype="f8"))
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory="lots"))
+    # More than any test machine has: refused before anything is allocated (it aborted
+    # the interpreter).
+    raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory="1000G"))
     raises_naming("device", lambda: lantern.LLM(device="gpu"))
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))

@@ -41,9 +41,14 @@ mod tests {
         let total = mem_total(meminfo);
         assert_eq!(total, Some(16083160 * 1024));
         assert!(check_kv_cache_fits(1 << 30, total).is_ok());
-        let e = check_kv_cache_fits(64 << 30, total).unwrap_err().to_string();
+        let e = check_kv_cache_fits(64 << 30, total)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--kv-cache-memory") && e.contains("64"), "{e}");
-        assert!(check_kv_cache_fits(usize::MAX, None).is_ok(), "unknown: not refused");
+        assert!(
+            check_kv_cache_fits(usize::MAX, None).is_ok(),
+            "unknown: not refused"
+        );
         assert!(total_bytes().is_some_and(|t| t > 0) || !cfg!(target_os = "linux"));
     }
 }

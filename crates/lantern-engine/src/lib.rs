@@ -9,7 +9,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fault;
-mod host_memory;
+pub mod host_memory;
 pub mod host_threads;
 pub mod options;
 pub mod request;

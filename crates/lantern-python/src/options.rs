@@ -6,6 +6,7 @@
 //! `ValueError` naming its option.
 
 use lantern_engine::device::{parse_device, DeviceChoice};
+use lantern_engine::lantern_capture::human_bytes;
 use lantern_engine::options::{
     load_engine, parse_byte_count, parse_kv_dtype, parse_weight_type, ModelLoad,
 };
@@ -157,6 +158,21 @@ impl RawOptions {
             max_model_len: positive("max_model_len", self.max_model_len)?,
             enforce_eager: self.enforce_eager.unwrap_or(defaults.enforce_eager),
         };
+        // On the host the cache must fit the machine's memory (the engine refuses it too,
+        // naming the command line's flag).
+        if device == DeviceChoice::Cpu {
+            let total = lantern_engine::host_memory::total_bytes();
+            if let Some(total) = total.filter(|&t| config.kv_cache_memory as u64 > t) {
+                return Err(OptionError::new(
+                    "kv_cache_memory",
+                    format!(
+                        "{} is more than this machine's memory of {}",
+                        human_bytes(config.kv_cache_memory as u64),
+                        human_bytes(total)
+                    ),
+                ));
+            }
+        }
         let capture = CaptureSettings {
             // On by default here: the caller is the only client, and asks per request.
             enabled: self.enable_attention_capture.unwrap_or(true),

@@ -144,6 +144,17 @@ impl Engine {
         config: EngineConfig,
         backend: Box<dyn AttentionBackend>,
     ) -> Result<Self> {
+        for (flag, value) in [
+            ("--block-size", config.block_size),
+            ("--max-num-seqs", config.max_num_seqs),
+            ("--max-num-batched-tokens", config.max_num_batched_tokens),
+        ] {
+            if value == 0 {
+                return Err(EngineError::InvalidConfig(format!(
+                    "{flag} must be at least 1"
+                )));
+            }
+        }
         let mut info = loaded.model.info().clone();
         if let Some(max) = config.max_model_len {
             if max < 2 || max > info.context_length {
@@ -169,7 +180,7 @@ impl Engine {
             .attention
             .iter()
             .filter_map(|a| a.chunk_size)
-            .find(|c| config.block_size == 0 || c % config.block_size != 0)
+            .find(|c| c % config.block_size != 0)
         {
             return Err(EngineError::InvalidConfig(format!(
                 "the model's chunked-local attention uses chunks of {chunk} tokens, which is not a multiple of the KV cache block size {}; choose a --block-size that divides it",

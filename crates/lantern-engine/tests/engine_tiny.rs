@@ -853,3 +853,40 @@ fn requests_arriving_together_compute_a_shared_prefix_once() {
         assert_eq!(cold_rows, warm_rows);
     }
 }
+
+/// Sizes of zero would leave the scheduler unable to run anything: refused when the
+/// engine is built, naming the flag.
+#[test]
+fn zero_sizes_are_refused_naming_their_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    TinyLlama::default().write(&path).unwrap();
+    let cases = [
+        (
+            EngineConfig {
+                block_size: 0,
+                ..config(blocks(64))
+            },
+            "--block-size",
+        ),
+        (
+            EngineConfig {
+                max_num_seqs: 0,
+                ..config(blocks(64))
+            },
+            "--max-num-seqs",
+        ),
+        (
+            EngineConfig {
+                max_num_batched_tokens: 0,
+                ..config(blocks(64))
+            },
+            "--max-num-batched-tokens",
+        ),
+    ];
+    for (bad, flag) in cases {
+        let loaded = load_model(&path, &LoadOptions::default()).unwrap();
+        let error = Engine::new(loaded, bad).err().expect("refused").to_string();
+        assert!(error.contains(flag), "{error}");
+    }
+}

@@ -101,6 +101,24 @@ def test_attn_view_and_export_read_it(tmp_path):
     assert copy.read_bytes() == path.read_bytes()
 
 
+def test_attn_export_writes_statistics_and_span_masses_as_npy(tmp_path):
+    path = tmp_path / "stats.safetensors"
+    cli_capture(path, {"layers": "-1", "stats": "key_mass,block_mass"}, PROMPT)
+    npy = tmp_path / "npy"
+    lantern("attn", "export", path, "--format", "npy", "-o", npy)
+    meta = json.loads((npy / "meta.json").read_text())
+    layer = meta["layers"][0]
+    # Statistics alone: no maps, each statistic a [groups, keys] array; rows sum to 1, so
+    # each group's key masses add up to the number of rows.
+    assert not (npy / f"layer_{layer}.npy").exists()
+    mass = np.load(npy / f"layer_{layer}.key_mass.npy")
+    blocks = np.load(npy / f"layer_{layer}.block_mass.npy")
+    assert mass.dtype == np.float32 and mass.shape[0] == len(meta["stats_groups"][0])
+    rows = meta["total_len"] - 1
+    np.testing.assert_allclose(mass.sum(axis=1), rows, rtol=1e-4)
+    np.testing.assert_allclose(blocks.sum(axis=1), mass.sum(axis=1), rtol=1e-5)
+
+
 def test_several_prompts_write_one_numbered_file_each(tmp_path):
     other = "Once upon a time"
     lines = cli_capture(tmp_path / "cap.safetensors", {"layers": "-1"}, PROMPT, other)

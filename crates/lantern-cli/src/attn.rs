@@ -45,7 +45,9 @@ struct ExportArgs {
     #[arg(long, value_enum)]
     format: ExportFormat,
     /// safetensors: the file to write. npy: a directory, created if missing, that gets
-    /// layer_{L}.npy ([rows, heads, keys]), layer_{L}.indices.npy (top-k) and meta.json.
+    /// layer_{L}.npy ([rows, heads, keys]), layer_{L}.indices.npy (top-k),
+    /// layer_{L}.{key_mass,key_max,block_mass}.npy ([groups, keys]),
+    /// layer_{L}.span_mass.npy ([rows, groups, spans + 1]) and meta.json.
     #[arg(short, long)]
     output: PathBuf,
 }
@@ -129,6 +131,15 @@ fn export(args: ExportArgs) -> Result<()> {
             for layer in &result.layers {
                 write_layer_npy(dir, layer, dtype)?;
             }
+            // Statistics and span masses are float32 whatever the maps' dtype.
+            for stat in &result.stats {
+                let name = format!("layer_{}.{}.npy", stat.layer_idx, stat.stat.as_str());
+                write_npy(&dir.join(name), &stat.shape, stat.values.iter().copied())?;
+            }
+            for mass in &result.span_mass {
+                let name = format!("layer_{}.{}.npy", mass.layer_idx, wire::SPAN_MASS);
+                write_npy(&dir.join(name), &mass.shape, mass.values.iter().copied())?;
+            }
             let meta = serde_json::to_string_pretty(&result.meta)?;
             let path = dir.join("meta.json");
             fs::write(&path, meta).with_context(|| format!("cannot write {}", path.display()))?;
@@ -143,10 +154,10 @@ fn write_layer_npy(dir: &Path, layer: &LayerMap, dtype: CaptureDtype) -> Result<
     let name = format!("layer_{}", layer.layer_idx);
     let values = layer.values.iter().copied();
     match dtype {
-        CaptureDtype::Float32 => write_npy(&dir.join(format!("{name}.npy")), layer.shape, values)?,
+        CaptureDtype::Float32 => write_npy(&dir.join(format!("{name}.npy")), &layer.shape, values)?,
         CaptureDtype::Float16 => write_npy(
             &dir.join(format!("{name}.npy")),
-            layer.shape,
+            &layer.shape,
             values.map(f16::from_f32),
         )?,
     }
@@ -156,7 +167,7 @@ fn write_layer_npy(dir: &Path, layer: &LayerMap, dtype: CaptureDtype) -> Result<
             .map(|&i| i32::try_from(i).unwrap_or(i32::MAX));
         write_npy(
             &dir.join(format!("{name}.indices.npy")),
-            layer.shape,
+            &layer.shape,
             indices,
         )?;
     }
@@ -165,10 +176,10 @@ fn write_layer_npy(dir: &Path, layer: &LayerMap, dtype: CaptureDtype) -> Result<
 
 fn write_npy<T: npyz::Serialize + npyz::AutoSerialize>(
     path: &Path,
-    shape: [usize; 3],
+    shape: &[usize],
     items: impl Iterator<Item = T>,
 ) -> Result<()> {
-    let shape = shape.map(|d| d as u64);
+    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
     let mut bytes = Vec::new();
     let mut writer = npyz::WriteOptions::<T>::new()
         .default_dtype()

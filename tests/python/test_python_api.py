@@ -112,6 +112,14 @@ def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
         assert top == pytest.approx(theirs, abs=1e-6)
     assert out.outputs[0].cumulative_logprob == pytest.approx(sum(served.logprobs.token_logprobs), abs=1e-5)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    # Token ids as a numpy array (one prompt, or a batch as rows) run as the list would.
+    (arr,) = llm.generate(np.array(ids), lantern.SamplingParams(temperature=0, max_tokens=4))
+    assert arr.prompt_token_ids == ids and arr.outputs[0].text == served.text
+    rows = llm.generate(np.array([ids, ids]), lantern.SamplingParams(temperature=0, max_tokens=4))
+    assert [r.outputs[0].text for r in rows] == [served.text] * 2
+    for not_a_prompt in (b"bytes", None):
+        with pytest.raises(lantern.InvalidRequestError):
+            llm.generate(not_a_prompt)
     # vLLM's truncate_prompt_tokens: the prompt's end runs, as if sent alone.
     greedy = lantern.SamplingParams(temperature=0, max_tokens=4)
     (cut,) = llm.generate([ids], lantern.SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3))

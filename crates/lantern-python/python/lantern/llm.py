@@ -37,16 +37,34 @@ def _prompt_field(prompt: Prompt) -> Union[str, List[int]]:
     ``{"prompt": ...}`` and ``{"prompt_token_ids": ...}`` dicts too)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            return _token_ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
         raise _lantern.InvalidRequestError('a prompt dict needs "prompt" or "prompt_token_ids"')
-    return prompt
+    if isinstance(prompt, str):
+        return prompt
+    return _token_ids(prompt)
+
+
+def _token_ids(ids) -> List[int]:
+    """Token ids as plain ints: a list, or a numpy array or torch tensor (``tolist``)."""
+    if isinstance(ids, (bytes, bytearray)):
+        raise _lantern.InvalidRequestError("a prompt is text (str) or token ids, not bytes: decode it first")
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return list(ids)
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
+    if prompts is None:
+        raise _lantern.InvalidRequestError("no prompt given")
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise _lantern.InvalidRequestError("a prompt is text (str) or token ids, not bytes: decode it first")
+    if hasattr(prompts, "tolist"):
+        # A numpy array or tensor: one prompt of ids (1-D) or a batch of them (2-D).
+        prompts = prompts.tolist()
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # one prompt of token ids

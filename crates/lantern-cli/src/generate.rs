@@ -185,6 +185,8 @@ fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<Promp
     if let Some(path) = &args.file {
         let content = std::fs::read_to_string(path)
             .with_context(|| format!("reading prompts from {}", path.display()))?;
+        // A byte-order mark some editors write is not part of the first prompt.
+        let content = content.strip_prefix('\u{feff}').unwrap_or(&content);
         for (n, line) in content.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
@@ -203,18 +205,25 @@ fn parse_prompt_line(line: &str) -> Result<PromptInput> {
     if !trimmed.starts_with('{') && !trimmed.starts_with('"') {
         return Ok(PromptInput::Raw(line.to_string()));
     }
-    match serde_json::from_str::<serde_json::Value>(line)? {
-        serde_json::Value::String(s) => Ok(PromptInput::Raw(s)),
+    let input = match serde_json::from_str::<serde_json::Value>(line)? {
+        serde_json::Value::String(s) => PromptInput::Raw(s),
         serde_json::Value::Object(o) => {
-            if let Some(p) = o.get("prompt").and_then(|v| v.as_str()) {
-                Ok(PromptInput::Raw(p.to_string()))
-            } else if let Some(c) = o.get("chat").and_then(|v| v.as_str()) {
-                Ok(PromptInput::Chat(c.to_string()))
-            } else {
-                bail!("expected a \"prompt\" or \"chat\" string field")
+            // One prompt a line; generation options are the command's flags.
+            if let Some(other) = o.keys().find(|k| !matches!(k.as_str(), "prompt" | "chat")) {
+                bail!("unknown field {other:?}: a line holds a \"prompt\" or a \"chat\" (options such as --max-tokens are flags)")
+            }
+            match (o.get("prompt"), o.get("chat")) {
+                (Some(serde_json::Value::String(p)), None) => PromptInput::Raw(p.clone()),
+                (None, Some(serde_json::Value::String(c))) => PromptInput::Chat(c.clone()),
+                (Some(_), Some(_)) => bail!("give \"prompt\" or \"chat\", not both"),
+                _ => bail!("expected a \"prompt\" or \"chat\" string field"),
             }
         }
         _ => bail!("expected text, a JSON string or an object"),
+    };
+    match &input {
+        PromptInput::Raw(s) | PromptInput::Chat(s) if s.is_empty() => bail!("the prompt is empty"),
+        _ => Ok(input),
     }
 }
 
@@ -229,6 +238,15 @@ mod tests {
             matches!(parse_prompt_line(r#"{"chat": "hi\nthere"}"#), Ok(PromptInput::Chat(s)) if s == "hi\nthere")
         );
         assert!(matches!(parse_prompt_line(r#""a\tb""#), Ok(PromptInput::Raw(s)) if s == "a\tb"));
-        assert!(parse_prompt_line(r#"{"nope": 1}"#).is_err());
+        for bad in [
+            r#"{"nope": 1}"#,
+            r#"{"prompt": "a", "chat": "b"}"#,
+            r#"{"prompt": "a", "max_tokens": 1}"#,
+            r#"{"prompt": ""}"#,
+            r#"{"chat": 3}"#,
+            "\"\"",
+        ] {
+            assert!(parse_prompt_line(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -59,6 +59,9 @@ fn main() {
         Err(e) => e.exit(),
     };
     init_logging(cli.verbose);
+    if !matches!(cli.command, Command::Serve(_)) {
+        end_quietly_on_a_closed_pipe();
+    }
     let result = match cli.command {
         Command::Generate(args) => {
             let sub = matches
@@ -73,6 +76,16 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
+    }
+}
+
+/// A command whose output goes to a pipe its reader closed (`| head`) ends as other
+/// command-line tools do, by SIGPIPE, instead of panicking on the failed write (Rust
+/// ignores SIGPIPE). Not for `serve`, whose writes to closed sockets are errors it handles.
+fn end_quietly_on_a_closed_pipe() {
+    // SAFETY: setting a signal's disposition to the default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -145,3 +145,11 @@ def test_bad_options_are_refused_naming_them(tmp_path, flags, named):
     assert out.returncode == 1, out
     assert named in out.stderr, out.stderr
     assert not path.exists()
+
+
+def test_a_capture_path_that_cannot_be_written_is_refused_before_generating(tmp_path):
+    for path, why in [(tmp_path, "is a directory"), (tmp_path / "missing" / "cap.safetensors", "does not exist")]:
+        out = lantern("generate", "--prompt", PROMPT, "--max-tokens", 2, "--capture", path, check=False)
+        assert out.returncode == 1 and why in out.stderr, out.stderr
+        # Refused up front: nothing was generated.
+        assert out.stdout == "", out.stdout

@@ -156,6 +156,24 @@ impl CaptureArgs {
                 parent.display()
             );
         }
+        if path.is_dir() {
+            bail!(
+                "--capture {}: is a directory; give a file name",
+                path.display()
+            );
+        }
+        // Opened for writing as the capture will be (a file made for the test goes again;
+        // one already there is left as it is until the capture replaces it).
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .with_context(|| format!("--capture {}: cannot be written", path.display()))?;
+        if !existed {
+            let _ = std::fs::remove_file(path);
+        }
         Ok(())
     }
 

@@ -145,6 +145,13 @@ pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
                 .filter(|k| !k.is_empty()),
         );
     }
+    // As vLLM, an empty key means none; said aloud, since a deploy script whose key
+    // variable is unset would otherwise serve openly without a word.
+    if api_keys.is_empty() && !args.api_key.is_empty() {
+        eprintln!(
+            "lantern: warning: --api-key is empty, so the server takes requests without a key"
+        );
+    }
     if let Some(dir) = &args.capture_dir {
         anyhow::ensure!(
             dir.is_dir(),

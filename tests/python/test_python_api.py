@@ -290,6 +290,10 @@ def test_bad_requests_raise_naming_the_field(llm):
     # More than any test machine has: refused before anything is allocated (it aborted
     # the interpreter).
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory="1000G"))
+    raises_naming("threads", lambda: lantern.LLM(threads=-1))
+    raises_naming("max_num_seqs", lambda: lantern.LLM(max_num_seqs=2.5))
+    raises_naming("sampling_params", lambda: llm.generate("Hi", {"temperature": 0}))
+    raises_naming("sampling_params", lambda: llm.generate(["Hi", "Yo"], [greedy, "greedy"]))
     raises_naming("device", lambda: lantern.LLM(device="gpu"))
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from . import _lantern
 from ._requests import Request
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, _invalid
 
 Prompt = Union[str, List[int], Dict[str, Any]]
 Capture = Union[bool, Dict[str, Any], None]
@@ -76,12 +76,25 @@ def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], c
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if isinstance(params, dict):
+        raise _invalid(
+            "sampling_params",
+            "sampling_params must be a SamplingParams (or a list of them), not a dict: "
+            "lantern.SamplingParams(**params)",
+        )
     params = list(params)
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise _invalid("sampling_params", "sampling_params must be a SamplingParams or a list of them")
     if len(params) != count:
         raise _lantern.InvalidRequestError(
             f"sampling_params has {len(params)} entries for {count} prompts; give one, or one per prompt"
         )
     return params
+
+
+# Engine options that count something: whole numbers, checked before they reach Rust
+# (where a negative one would be an OverflowError naming nothing).
+_COUNT_OPTIONS = ("threads", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
 def _progress(total: int, enabled: bool):
@@ -113,6 +126,10 @@ class LLM:
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):
+        for name in _COUNT_OPTIONS:
+            value = engine_options.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise _invalid(name, f"{name} must be a whole number >= 0, got {value!r}")
         self._engine = _lantern.Engine(None if model is None else os.fspath(model), **engine_options)
         self._info = self._engine.info()
 

@@ -156,6 +156,13 @@ pub fn parse_guide(body: &Value) -> Result<Option<FieldGuide>, InvalidRequest> {
     }
     match found.len() {
         0 | 1 => Ok(found.pop()),
+        _ if found[0].field == found[1].field => Err(InvalidRequest::conflict(
+            found[0].field,
+            format!(
+                "{} asks for two kinds of structured output at once: keep one of json, regex, choice, grammar and json_object",
+                found[0].field
+            ),
+        )),
         _ => Err(InvalidRequest::conflict(
             found[1].field,
             format!(
@@ -257,10 +264,20 @@ mod tests {
                 json!({"guided_regex": "a", "guided_choice": ["b"]}),
                 "guided_choice",
             ),
+            (
+                json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+                "structured_outputs",
+            ),
         ] {
             let e = Seen::from(parse_guide(&body).unwrap_err());
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+            assert!(
+                !e.message
+                    .contains("structured_outputs and structured_outputs"),
+                "{}",
+                e.message
+            );
         }
     }
 }

@@ -257,6 +257,8 @@ def raises_naming(field, call):
         ("stop", lambda: lantern.SamplingParams(stop=[1, 2])),
         ("presence_penalty", lambda: lantern.SamplingParams(presence_penalty=float("nan"))),
         ("logprobs", lambda: lantern.SamplingParams(logprobs=-1)),
+        ("logit_bias", lambda: lantern.SamplingParams(logit_bias={5: float("inf")})),
+        ("truncate_prompt_tokens", lambda: lantern.SamplingParams(truncate_prompt_tokens=0)),
         ("structured_outputs", lambda: lantern.SamplingParams(structured_outputs={"xml": "a"})),
     ],
 )

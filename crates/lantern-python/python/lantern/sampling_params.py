@@ -91,6 +91,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
                 raise _invalid(name, f"{name} must be a finite number, got {value}")
+        if isinstance(self.logit_bias, dict):
+            for token, bias in self.logit_bias.items():
+                if isinstance(bias, (int, float)) and not isinstance(bias, bool) and not math.isfinite(bias):
+                    raise _invalid("logit_bias", f"logit_bias[{token!r}] must be a finite number, got {bias}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):

@@ -222,6 +222,15 @@ fn parse_kv_dtype(s: &str) -> Result<KvDtype> {
     lantern_engine::options::parse_kv_dtype(s).map_err(anyhow::Error::msg)
 }
 
+/// A count that must be at least 1 (a zero would do nothing, or divide by it).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

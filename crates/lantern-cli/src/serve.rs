@@ -33,8 +33,9 @@ pub struct ServeArgs {
     #[arg(long, num_args = 1.., value_name = "NAME")]
     pub served_model_name: Vec<String>,
     /// Most requests waiting to run; a request that would take more sequences than that
-    /// into the waiting queue is answered 429 with Retry-After.
-    #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS)]
+    /// into the waiting queue is answered 429 with Retry-After (at least 1: every request
+    /// waits, if only until the next step).
+    #[arg(long, default_value_t = lantern_engine::config::DEFAULT_MAX_WAITING_REQUESTS, value_parser = crate::args::at_least_one)]
     pub max_waiting_requests: usize,
     /// Let requests ask for their attention maps (`attn_capture`); off by default.
     #[arg(long)]

@@ -189,8 +189,10 @@ impl Engine {
         }
         let kv_config = KvCacheConfig::from_memory_budget(&specs, config.kv_cache_memory)?;
         // The CUDA backends' names start so (`lantern_cuda::CUDA_BACKEND_NAMES`): their
-        // caches are sized from the card's memory.
-        if !backend.name().starts_with("cuda") {
+        // caches are sized from the card's memory, and their forward leaves the host's
+        // cores idle.
+        let on_host = !backend.name().starts_with("cuda");
+        if on_host {
             crate::host_memory::check_kv_cache_fits(
                 kv_config.total_bytes(),
                 crate::host_memory::total_bytes(),
@@ -199,10 +201,7 @@ impl Engine {
         let mut runner =
             ModelRunner::new(&kv_config, info.num_layers, config.kv_cache_dtype, backend)?;
         runner.stop_ids = loaded.tokenizer.stop_ids().to_vec();
-        // The CUDA backends' names start so (`lantern_cuda::CUDA_BACKEND_NAMES`): their
-        // forward leaves the host's cores idle.
-        let finalize_threads =
-            host_threads::finalize_threads(!runner.backend_name().starts_with("cuda"));
+        let finalize_threads = host_threads::finalize_threads(on_host);
         tracing::info!(
             blocks = kv_config.num_blocks,
             block_size = config.block_size,

@@ -19,15 +19,21 @@ fn mem_total(meminfo: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// The machine's memory `total` when `bytes` is more than it (`None` when it fits, or
+/// the total is unknown).
+pub fn exceeded(bytes: usize, total: Option<u64>) -> Option<u64> {
+    total.filter(|&t| bytes as u64 > t)
+}
+
 /// Refuses a host KV cache of `kv_bytes` larger than the machine's memory `total`.
 pub fn check_kv_cache_fits(kv_bytes: usize, total: Option<u64>) -> Result<()> {
-    match total {
-        Some(total) if kv_bytes as u64 > total => Err(EngineError::InvalidConfig(format!(
+    match exceeded(kv_bytes, total) {
+        Some(total) => Err(EngineError::InvalidConfig(format!(
             "--kv-cache-memory: the KV cache would take {} ({kv_bytes} bytes), more than this machine's memory of {}; ask for less (the default is 1G)",
             human_bytes(kv_bytes as u64),
             human_bytes(total)
         ))),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 

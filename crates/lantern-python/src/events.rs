@@ -5,7 +5,7 @@
 use lantern_engine::lantern_capture::{CaptureFailure, CaptureResult, PendingCapture};
 use lantern_engine::serving::Prompter;
 use lantern_engine::serving::{
-    EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
+    guided_failure_message, EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -55,8 +55,6 @@ pub fn unix_time() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
-
-use lantern_engine::serving::guided_failure_message;
 
 fn failure_message(failure: &EngineFailure) -> String {
     match failure {

@@ -162,7 +162,9 @@ impl RawOptions {
         // naming the command line's flag).
         if device == DeviceChoice::Cpu {
             let total = lantern_engine::host_memory::total_bytes();
-            if let Some(total) = total.filter(|&t| config.kv_cache_memory as u64 > t) {
+            if let Some(total) =
+                lantern_engine::host_memory::exceeded(config.kv_cache_memory, total)
+            {
                 return Err(OptionError::new(
                     "kv_cache_memory",
                     format!(

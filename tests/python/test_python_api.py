@@ -100,6 +100,25 @@ def test_chat_and_n_equal_the_servers(llm, srv):
     assert both[1].outputs[0].text == alone[0].outputs[0].text
 
 
+def test_token_filters_equal_the_servers(llm, srv):
+    banned = dict(temperature=0, max_tokens=MAX_TOKENS, bad_words=["stairs", "the"])
+    allowed = dict(SEEDED, max_tokens=6, allowed_token_ids=llm.encode(" blue green red", False))
+    special = dict(temperature=0, max_tokens=2, allowed_token_ids=llm.encode("<|im_start|>", False),
+                   skip_special_tokens=False)
+    for fields in (banned, allowed, special):
+        (out,) = llm.generate(PROMPTS[:1], lantern.SamplingParams(**fields))
+        served = server_completions(srv, PROMPTS[0], **fields).choices[0]
+        assert out.outputs[0].text == served.text, fields
+    (out,) = llm.generate(PROMPTS[:1], lantern.SamplingParams(**special))
+    assert out.outputs[0].text == "<|im_start|>" * 2
+    (out,) = llm.generate(PROMPTS[:1], lantern.SamplingParams(**banned))
+    one_token_words = [llm.encode(w, False) for w in ("the", " the")]
+    assert all(len(w) == 1 for w in one_token_words)
+    assert not {w[0] for w in one_token_words} & set(out.outputs[0].token_ids)
+    (out,) = llm.generate(PROMPTS[:1], lantern.SamplingParams(**allowed))
+    assert set(out.outputs[0].token_ids) <= set(allowed["allowed_token_ids"])
+
+
 def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
     ids = llm.encode(PROMPTS[0])
     params = lantern.SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
@@ -259,6 +278,8 @@ def raises_naming(field, call):
         ("logprobs", lambda: lantern.SamplingParams(logprobs=-1)),
         ("logit_bias", lambda: lantern.SamplingParams(logit_bias={5: float("inf")})),
         ("truncate_prompt_tokens", lambda: lantern.SamplingParams(truncate_prompt_tokens=0)),
+        ("allowed_token_ids", lambda: lantern.SamplingParams(allowed_token_ids=[])),
+        ("bad_words", lambda: lantern.SamplingParams(bad_words="no")),
         ("structured_outputs", lambda: lantern.SamplingParams(structured_outputs={"xml": "a"})),
     ],
 )

@@ -50,9 +50,18 @@ pub struct RequestOutput {
     /// A streamed capture's live figures of the row that sampled the new token, when
     /// that row is captured ([`CaptureSpec::stream_rows`]).
     pub capture_row: Option<Box<RowCapture>>,
-    /// Why structured output ended the request (its grammar failed on the new token;
-    /// `finished` is then `Abort`).
-    pub guided_failure: Option<String>,
+    /// Why sampling ended the request (`finished` is then `Abort`).
+    pub sampling_failure: Option<SamplingFailure>,
+}
+
+/// Why a request could not sample its next token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SamplingFailure {
+    /// Structured output's grammar failed on the new token (llguidance's error).
+    Guided(String),
+    /// Its token filter (with its grammar, if any) left no token; names the request
+    /// field that did (`allowed_token_ids` or `bad_words`).
+    NoTokenLeft(&'static str),
 }
 
 /// A finished request, all of it.
@@ -930,7 +939,7 @@ impl Engine {
             finished: Some(FinishReason::Length),
             logprobs: None,
             capture_row: None,
-            guided_failure: None,
+            sampling_failure: None,
         }
     }
 
@@ -941,9 +950,19 @@ impl Engine {
             .ok_or(EngineError::LostRequest(id))?;
         let penalized = penalized_row(logits, &RowRequest::of(req), self.tokenizer.stop_ids());
         let logits = &penalized[..];
-        let mut guided_failure = None;
+        let mut failure = None;
+        let filter = &req.params.token_filter;
         let token = match req.constraint.as_mut() {
-            None => req.sampler.sample(logits, &req.params),
+            None if filter.is_empty() => req.sampler.sample(logits, &req.params),
+            None => {
+                let mut masked = logits.to_vec();
+                if filter.apply(&mut masked, &req.output) {
+                    req.sampler.sample(&masked, &req.params)
+                } else {
+                    failure = Some(SamplingFailure::NoTokenLeft(filter.field()));
+                    crate::sampling::argmax(logits)
+                }
+            }
             Some(constraint) => {
                 let mask = match req.mask.take() {
                     Some(mask) => mask,
@@ -953,14 +972,19 @@ impl Engine {
                     Ok(mask) => {
                         let mut masked = logits.to_vec();
                         apply_token_mask(&mut masked, mask.words());
-                        let token = req.sampler.sample(&masked, &req.params);
-                        if let Err(e) = constraint.consume(token) {
-                            guided_failure = Some(e.to_string());
+                        if filter.apply(&mut masked, &req.output) {
+                            let token = req.sampler.sample(&masked, &req.params);
+                            if let Err(e) = constraint.consume(token) {
+                                failure = Some(SamplingFailure::Guided(e.to_string()));
+                            }
+                            token
+                        } else {
+                            failure = Some(SamplingFailure::NoTokenLeft(filter.field()));
+                            crate::sampling::argmax(logits)
                         }
-                        token
                     }
                     Err(e) => {
-                        guided_failure = Some(e);
+                        failure = Some(SamplingFailure::Guided(e));
                         crate::sampling::argmax(logits)
                     }
                 }
@@ -971,7 +995,7 @@ impl Engine {
             .params
             .logprobs
             .map(|k| token_logprobs(logits, token, k));
-        self.push_token(id, token, logprobs, guided_failure)
+        self.push_token(id, token, logprobs, failure)
     }
 
     /// Per request of the step's logits: its next token, with the logprobs it asks for,
@@ -1049,7 +1073,7 @@ impl Engine {
         id: RequestId,
         token: u32,
         logprobs: Option<TokenLogprobs>,
-        guided_failure: Option<String>,
+        failure: Option<SamplingFailure>,
     ) -> Result<RequestOutput> {
         let context_length = self.info.context_length;
         let req = self
@@ -1063,10 +1087,20 @@ impl Engine {
         let is_stop = !req.params.ignore_eos && tokenizer.stop_ids().contains(&token)
             || req.params.stop_token_ids.contains(&token);
         let grammar_done = req.constraint.as_ref().is_some_and(|c| c.is_finished());
-        if let Some(error) = &guided_failure {
-            tracing::warn!(request = id, %error, "structured output failed; ending the request");
+        match &failure {
+            Some(SamplingFailure::Guided(error)) => {
+                tracing::warn!(request = id, %error, "structured output failed; ending the request")
+            }
+            Some(SamplingFailure::NoTokenLeft(field)) => {
+                tracing::info!(
+                    request = id,
+                    field,
+                    "no token left to sample; ending the request"
+                )
+            }
+            None => {}
         }
-        let finished = if guided_failure.is_some() {
+        let finished = if failure.is_some() {
             Some(FinishReason::Abort)
         } else if is_stop || grammar_done {
             Some(FinishReason::Stop)
@@ -1081,7 +1115,8 @@ impl Engine {
         let new_text = if is_stop && !req.params.stop_token_text {
             String::new()
         } else {
-            req.decoder.step(tokenizer, &req.output)?
+            req.decoder
+                .step(tokenizer, &req.output, req.params.skip_special_tokens)?
         };
         req.text.push_str(&new_text);
         if let Some(reason) = finished {
@@ -1095,7 +1130,7 @@ impl Engine {
             finished,
             logprobs,
             capture_row: None,
-            guided_failure,
+            sampling_failure: failure,
         })
     }
 

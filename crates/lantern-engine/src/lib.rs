@@ -18,6 +18,7 @@ pub mod sampling;
 pub mod scheduler;
 pub mod scored_prefix;
 pub mod serving;
+pub mod token_filter;
 pub mod validate;
 mod vocab_row;
 

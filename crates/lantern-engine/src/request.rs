@@ -225,11 +225,14 @@ impl Request {
 
     /// Whether its next token and logprobs come from the next logits row, its own tokens
     /// and its parameters alone (penalties included): no structured output (whose mask
-    /// the engine computes), no prompt logits (which keep the row). The step's threads
+    /// the engine computes) nor token filter (a mask too), no prompt logits (which keep
+    /// the row). The step's threads
     /// reduce such a row left on the host (`Engine::tokens_on_threads`), as
     /// `Engine::append_token` would.
     pub fn reads_row_alone(&self) -> bool {
-        self.constraint.is_none() && !self.params.prompt_logits
+        self.constraint.is_none()
+            && self.params.token_filter.is_empty()
+            && !self.params.prompt_logits
     }
 
     /// Whether its next token's row is still below `min_tokens` (its stop tokens are

@@ -60,6 +60,11 @@ pub struct SamplingParams {
     /// ends the sequence is part of its text; the token itself always is part of its
     /// tokens. vLLM's `include_stop_str_in_output`: off, the text leaves it out.
     pub stop_token_text: bool,
+    /// vLLM's `allowed_token_ids` and `bad_words`: tokens it may not sample, masked
+    /// after the penalties (its logprobs are those before the mask).
+    pub token_filter: crate::token_filter::TokenFilter,
+    /// vLLM's `skip_special_tokens`: special tokens (end of turn, ...) have no text.
+    pub skip_special_tokens: bool,
 }
 
 impl Default for SamplingParams {
@@ -82,6 +87,8 @@ impl Default for SamplingParams {
             min_tokens: 0,
             logit_bias: Vec::new(),
             stop_token_text: false,
+            token_filter: Default::default(),
+            skip_special_tokens: true,
         }
     }
 }

@@ -669,10 +669,18 @@ pub struct IncrementalDecoder {
 }
 
 impl IncrementalDecoder {
-    /// New text made printable by the last token of `ids`.
-    pub fn step(&mut self, tokenizer: &ModelTokenizer, ids: &[u32]) -> Result<String> {
-        let prefix = tokenizer.decode(&ids[self.prefix_offset..self.read_offset], true)?;
-        let full = tokenizer.decode(&ids[self.prefix_offset..], true)?;
+    /// New text made printable by the last token of `ids` (special tokens without text
+    /// when `skip_special_tokens`).
+    pub fn step(
+        &mut self,
+        tokenizer: &ModelTokenizer,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String> {
+        let window =
+            |range: std::ops::Range<usize>| tokenizer.decode(&ids[range], skip_special_tokens);
+        let prefix = window(self.prefix_offset..self.read_offset)?;
+        let full = window(self.prefix_offset..ids.len())?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
             let piece = match full.strip_prefix(prefix.as_str()) {
                 Some(rest) => rest.to_string(),

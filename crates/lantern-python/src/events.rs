@@ -5,7 +5,8 @@
 use lantern_engine::lantern_capture::{CaptureFailure, CaptureResult, PendingCapture};
 use lantern_engine::serving::Prompter;
 use lantern_engine::serving::{
-    guided_failure_message, EndReason, EngineEvent, EngineFailure, PromptLogprobEntry, StopReason,
+    guided_failure_message, no_token_left_message, EndReason, EngineEvent, EngineFailure,
+    PromptLogprobEntry, StopReason,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -60,6 +61,7 @@ fn failure_message(failure: &EngineFailure) -> String {
     match failure {
         EngineFailure::Step(message) => format!("the engine failed: {message}"),
         EngineFailure::Guided(message) => guided_failure_message(message),
+        EngineFailure::NoTokenLeft(field) => no_token_left_message(field),
         EngineFailure::Fault { .. } => lantern_engine::serving::ENGINE_FAULT_MESSAGE
             .replace("see the server log", "see the log"),
     }

@@ -15,8 +15,8 @@ use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{
-    guided_failure_message, Accepted, ChoiceEvent, EndReason, EngineEvent, EngineFailure,
-    EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
+    guided_failure_message, no_token_left_message, Accepted, ChoiceEvent, EndReason, EngineEvent,
+    EngineFailure, EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
 };
 use lantern_engine::validate::{
     self, CaptureRequest, Endpoint, GenerationRequest, ModelLimits, RequestContext,
@@ -775,6 +775,10 @@ pub(crate) fn engine_failure(
                 guide_field.map(str::to_string),
                 guided_failure_message(error),
             )
+        }),
+        EndReason::Failed(EngineFailure::NoTokenLeft(field)) => Some(ApiError {
+            code: Some("no_token_left"),
+            ..ApiError::invalid(Some(field.to_string()), no_token_left_message(field))
         }),
         EndReason::Failed(EngineFailure::Step(error)) => Some(ApiError {
             code: Some("engine_error"),

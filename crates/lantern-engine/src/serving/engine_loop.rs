@@ -26,6 +26,7 @@ use super::prompter::{PreparedItem, PromptLogprobRows};
 use super::request_log::{log_finished, EngineLogging, StatsLog};
 use super::stop::StopMatcher;
 use super::ServeError;
+use crate::engine::SamplingFailure;
 use crate::validate::InvalidRequest;
 use crate::{Completion, Engine, EngineError, FinishReason, RequestOutput};
 use lantern_kv::{KvDtype, RequestId};
@@ -510,8 +511,12 @@ impl EngineLoop {
                 // The stop string ends it; the engine has not finished it yet.
                 self.engine.finish_early(out.id, FinishReason::Stop);
                 Some((EndReason::Stop, Some(StopReason::Text(stop))))
-            } else if let Some(error) = out.guided_failure.take() {
-                Some((EndReason::Failed(EngineFailure::Guided(error)), None))
+            } else if let Some(failure) = out.sampling_failure.take() {
+                let failure = match failure {
+                    SamplingFailure::Guided(error) => EngineFailure::Guided(error),
+                    SamplingFailure::NoTokenLeft(field) => EngineFailure::NoTokenLeft(field),
+                };
+                Some((EndReason::Failed(failure), None))
             } else if let Some(reason) = out.finished {
                 if let Some(stop) = &mut live.stop {
                     text.push_str(&stop.flush());

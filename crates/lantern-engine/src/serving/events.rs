@@ -35,6 +35,9 @@ pub enum EngineFailure {
     /// on a sampled token: llguidance's error, e.g. a schema whose every instance is
     /// infinite outgrowing its limits.
     Guided(String),
+    /// vLLM's `allowed_token_ids` and `bad_words` (with the grammar, if any) left no
+    /// token to sample next; names the field.
+    NoTokenLeft(&'static str),
     /// A panic on the engine thread, contained ([`super::ENGINE_FAULT_MESSAGE`]); `restarted`
     /// is false when restarting the engine failed too (the thread then ended).
     Fault { restarted: bool },
@@ -53,6 +56,14 @@ pub fn guided_failure_message(error: &str) -> String {
         "structured output failed while generating: {error} (the grammar cannot be \
          followed: a schema whose instances are all infinite, or one past the grammar \
          engine's limits; simplify the schema, pattern or tools)"
+    )
+}
+
+/// What a client is told when its token filter left no token to sample.
+pub fn no_token_left_message(field: &str) -> String {
+    format!(
+        "{field} left no token to sample next: with allowed_token_ids, bad_words (and any \
+         structured output) together, every token was banned"
     )
 }
 

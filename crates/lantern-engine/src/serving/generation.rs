@@ -34,6 +34,8 @@ pub struct GenerationItem {
     /// Shared by every sample of the request.
     pub stop: Arc<[String]>,
     pub include_stop_str_in_output: bool,
+    /// vLLM's `bad_words`: tokenized with the prompt into `params.token_filter`.
+    pub bad_words: Arc<[String]>,
     /// Return the prompt's text (completions' `echo`).
     pub echo: bool,
     /// Which field holds the prompt, for error messages (`prompt` or `messages`).

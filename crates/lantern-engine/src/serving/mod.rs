@@ -20,8 +20,8 @@ pub mod stop;
 
 pub use error::ServeError;
 pub use events::{
-    guided_failure_message, ChoiceEvent, EndReason, EngineEvent, EngineFailure, Finish,
-    LogprobEntry, PromptLogprobEntry, StopReason,
+    guided_failure_message, no_token_left_message, ChoiceEvent, EndReason, EngineEvent,
+    EngineFailure, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
 };
 pub use generation::{Accepted, GenerationItem, ItemCapture, PromptInput, PromptTruncation};
 pub use handle::{EngineHandle, EngineThread, ModelMeta};

@@ -11,6 +11,7 @@ use crate::serving::ServeError;
 use crate::serving::{
     ChoiceEvent, EngineEvent, GenerationItem, LogprobEntry, PromptInput, PromptLogprobEntry,
 };
+use crate::token_filter::bad_word_sequences;
 use crate::validate::InvalidRequest;
 use crate::{PromptTokenLogprob, TokenLogprobs};
 use lantern_capture::{resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt};
@@ -181,6 +182,7 @@ impl Prompter {
             let mut last: Option<Done> = None;
             for mut item in items {
                 this.check_logit_bias(&item.params.logit_bias)?;
+                this.prepare_token_filter(&mut item)?;
                 let prompt = item.prompt.clone();
                 let spans = item
                     .capture
@@ -362,6 +364,40 @@ impl Prompter {
             )),
             None => Ok(()),
         }
+    }
+
+    /// `allowed_token_ids` names tokens of the vocabulary; `bad_words` are tokenized
+    /// into the filter (vLLM's way, [`bad_word_sequences`]); together they leave some
+    /// token to sample.
+    fn prepare_token_filter(&self, item: &mut GenerationItem) -> Result<(), InvalidRequest> {
+        let filter = &item.params.token_filter;
+        if let Some(t) = filter.allowed().find(|&t| t as usize >= self.vocab_size) {
+            return Err(InvalidRequest::invalid(
+                "allowed_token_ids",
+                format!(
+                    "allowed_token_ids names token {t}, outside the vocabulary of {} tokens",
+                    self.vocab_size
+                ),
+            ));
+        }
+        if item.bad_words.is_empty() {
+            return Ok(());
+        }
+        let encode = |word: &str| {
+            self.tokenizer
+                .encode(word, false)
+                .map_err(|e| format!("could not tokenize {word:?}: {e}"))
+        };
+        let words = bad_word_sequences(&item.bad_words, encode)
+            .map_err(|e| InvalidRequest::invalid("bad_words", e))?;
+        item.params.token_filter = filter.clone().with_bad_words(words);
+        if item.params.token_filter.bans_every_allowed_token() {
+            return Err(InvalidRequest::conflict(
+                "bad_words",
+                "bad_words ban every token of allowed_token_ids: nothing could be sampled",
+            ));
+        }
+        Ok(())
     }
 
     /// The checks every prompt passes before the engine sees it.

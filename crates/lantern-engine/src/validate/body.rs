@@ -9,6 +9,7 @@
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
 use crate::serving::{GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation};
+use crate::token_filter::TokenFilter;
 use crate::validate::InvalidRequest;
 use crate::SamplingParams;
 use lantern_model::{ChatMessage, ChatRenderOptions};
@@ -28,6 +29,8 @@ const MAX_COMPLETION_LOGPROBS: i64 = 20;
 pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 /// Largest `logit_bias` (tokens).
 const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+/// Most `bad_words` one request may give.
+const MAX_BAD_WORDS: usize = 1024;
 /// Most unknown field names a warning lists, and the most characters of each.
 const MAX_IGNORED_FIELDS: usize = 16;
 const MAX_IGNORED_FIELD_CHARS: usize = 64;
@@ -53,6 +56,9 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
     "prompt_logprobs",
     "min_tokens",
     "best_of",
@@ -198,6 +204,9 @@ struct CommonFields {
     frequency_penalty: Option<f64>,
     repetition_penalty: Option<f64>,
     logit_bias: Option<serde_json::Map<String, Value>>,
+    allowed_token_ids: Option<Vec<u32>>,
+    bad_words: Option<Vec<String>>,
+    skip_special_tokens: Option<bool>,
     prompt_logprobs: Option<i64>,
     truncate_prompt_tokens: Option<i64>,
     min_tokens: Option<i64>,
@@ -277,6 +286,8 @@ struct Common {
     max_tokens_field: &'static str,
     stop: Arc<[String]>,
     include_stop: bool,
+    /// vLLM's `bad_words`, tokenized with the prompt (see `Prompter`).
+    bad_words: Arc<[String]>,
     n: usize,
     stream: bool,
     include_usage: bool,
@@ -386,6 +397,26 @@ fn common(
         }
     }
     let logit_bias = parse_logit_bias(fields.logit_bias.as_ref())?;
+    let token_filter = match &fields.allowed_token_ids {
+        None => TokenFilter::default(),
+        Some(ids) if ids.is_empty() => {
+            return Err(InvalidRequest::invalid(
+                "allowed_token_ids",
+                "allowed_token_ids is empty: it must name at least one token (or be left out)",
+            ))
+        }
+        Some(ids) => TokenFilter::allowing(ids),
+    };
+    let bad_words: Arc<[String]> = fields.bad_words.clone().unwrap_or_default().into();
+    if bad_words.len() > MAX_BAD_WORDS {
+        return Err(InvalidRequest::invalid(
+            "bad_words",
+            format!(
+                "bad_words has {} words; at most {MAX_BAD_WORDS}",
+                bad_words.len()
+            ),
+        ));
+    }
     let min_tokens = match fields.min_tokens {
         None => 0,
         Some(m) if m < 0 => {
@@ -439,6 +470,8 @@ fn common(
         repetition_penalty: fields.repetition_penalty.unwrap_or(1.0) as f32,
         min_tokens,
         logit_bias,
+        token_filter,
+        skip_special_tokens: fields.skip_special_tokens.unwrap_or(true),
         ..SamplingParams::default()
     };
     let stream_options = fields.stream_options;
@@ -452,6 +485,7 @@ fn common(
         max_tokens_field: max_field,
         stop: parse_stop(&fields.stop)?.into(),
         include_stop: fields.include_stop_str_in_output.unwrap_or(false),
+        bad_words,
         n: n as usize,
         stream,
         prompt_logprobs,
@@ -591,6 +625,7 @@ fn expand(
                 max_tokens_field: common.max_tokens_field,
                 stop: common.stop.clone(),
                 include_stop_str_in_output: common.include_stop,
+                bad_words: common.bad_words.clone(),
                 echo,
                 prompt_field,
                 capture: None,
@@ -1417,5 +1452,43 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.ignored_fields, vec!["wat".to_string()]);
+    }
+
+    #[test]
+    fn token_filters_and_special_tokens_reach_the_items() {
+        let r = completion_request(
+            &json!({"prompt": "x", "n": 2, "allowed_token_ids": [9, 3, 9],
+                    "bad_words": ["no", " way"], "skip_special_tokens": false}),
+            &LIMITS,
+        )
+        .unwrap();
+        assert!(r.ignored_fields.is_empty(), "{:?}", r.ignored_fields);
+        for item in &r.items {
+            let filter = &item.params.token_filter;
+            assert_eq!(filter.allowed().collect::<Vec<_>>(), [3, 9]);
+            assert_eq!(&*item.bad_words, ["no".to_string(), " way".to_string()]);
+            assert!(!item.params.skip_special_tokens);
+        }
+        let p = &completion_request(&json!({"prompt": "x", "bad_words": null}), &LIMITS)
+            .unwrap()
+            .items[0];
+        assert!(p.params.token_filter.is_empty() && p.bad_words.is_empty());
+        assert!(p.params.skip_special_tokens);
+        let many: Vec<String> = (0..=MAX_BAD_WORDS).map(|i| i.to_string()).collect();
+        for body in [
+            json!({"prompt": "x", "allowed_token_ids": []}),
+            json!({"prompt": "x", "allowed_token_ids": [-1]}),
+            json!({"prompt": "x", "allowed_token_ids": "3"}),
+        ] {
+            let e = completion_err(body.clone());
+            assert_eq!(e.param.as_deref(), Some("allowed_token_ids"), "{body}");
+        }
+        for body in [
+            json!({"prompt": "x", "bad_words": "no"}),
+            json!({"prompt": "x", "bad_words": many}),
+        ] {
+            let e = completion_err(body.clone());
+            assert_eq!(e.param.as_deref(), Some("bad_words"), "{body}");
+        }
     }
 }

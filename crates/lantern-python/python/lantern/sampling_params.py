@@ -47,6 +47,9 @@ _SERVER_FIELDS = (
     "prompt_logprobs",
     "include_stop_str_in_output",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
     "truncate_prompt_tokens",
 )
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -61,7 +64,10 @@ class SamplingParams:
     the ``k`` most likely alternatives (up to 20, as the server's completions and chat
     endpoints allow); ``prompt_logprobs=k`` (0 to 20) the prompt's.
     ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (``-1``: as many
-    as leave room for ``max_tokens``). ``structured_outputs`` takes a
+    as leave room for ``max_tokens``). ``allowed_token_ids`` restricts sampling to
+    those tokens, ``bad_words`` keeps those words out of the output (vLLM's rules: each
+    word's last token is banned where the output ends with its others), and
+    ``skip_special_tokens=False`` gives special tokens their text. ``structured_outputs`` takes a
     ``StructuredOutputsParams`` or a dict with the same keys.
     """
 
@@ -84,6 +90,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Optional[int] = None
     logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    skip_special_tokens: bool = True
     structured_outputs: Optional[Union[StructuredOutputsParams, Dict[str, Any]]] = None
 
     def __post_init__(self) -> None:

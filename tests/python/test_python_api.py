@@ -320,6 +320,9 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("device", lambda: lantern.LLM(device="gpu"))
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
+    # Past the model's context: known once the model is read.
+    e = raises_naming("max_model_len", lambda: lantern.LLM(max_model_len=10**7))
+    assert "--" not in str(e) and "8192" in str(e)
     raises_naming("gpu_memory_utilization",
                   lambda: lantern.LLM(device="cuda", gpu_memory_utilization=1.5))
     with pytest.raises(TypeError):

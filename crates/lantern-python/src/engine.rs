@@ -2,7 +2,7 @@
 //! thread (the server's `EngineHandle`), so the GIL is never held while it steps.
 
 use crate::batch::Batch;
-use crate::errors::{engine_error, option_error, serve_error};
+use crate::errors::{build_error, engine_error, option_error, serve_error};
 use crate::options::{ByteCount, RawOptions};
 use lantern_engine::serving::{EngineBuildPanicked, EngineHandle, EngineThread};
 use lantern_engine::validate::CaptureSettings;
@@ -110,7 +110,7 @@ impl Engine {
             let path = options.model_path().map_err(BuildError)?;
             EngineHandle::start(move || options.build_engine(&path).map_err(BuildError))
         });
-        let (handle, thread) = started.map_err(|BuildError(e)| engine_error(e))?;
+        let (handle, thread) = started.map_err(|BuildError(e)| build_error(e))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("lantern-python")

@@ -123,6 +123,42 @@ pub fn option_error(e: OptionError) -> PyErr {
     )
 }
 
+/// The engine's flags and what `LLM` calls them, the first named in a message being the
+/// option at fault ("--gpu-memory-utilization applies to --device cuda only").
+const OPTION_FLAGS: [(&str, &str); 8] = [
+    ("--max-num-batched-tokens", "max_num_batched_tokens"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization"),
+    ("--kv-cache-memory", "kv_cache_memory"),
+    ("--max-model-len", "max_model_len"),
+    ("--max-num-seqs", "max_num_seqs"),
+    ("--block-size", "block_size"),
+    ("--device", "device"),
+    ("--attention-backend", "attention_backend"),
+];
+
+/// The engine could not be built: an invalid configuration, whose message names the
+/// server's flag, is an `InvalidRequestError` naming `LLM`'s option; anything else (a
+/// model that does not load) an `EngineError`.
+pub fn build_error(message: String) -> PyErr {
+    const INVALID: &str = "invalid engine configuration: ";
+    let Some(detail) = message.strip_prefix(INVALID) else {
+        return engine_error(message);
+    };
+    let at_fault = OPTION_FLAGS
+        .iter()
+        .filter_map(|&(flag, option)| detail.find(flag).map(|at| (at, option)))
+        .min_by_key(|&(at, _)| at)
+        .map(|(_, option)| option);
+    let mut python = detail.to_string();
+    for (flag, option) in OPTION_FLAGS {
+        python = python.replace(flag, option);
+    }
+    match at_fault {
+        Some(option) => raise(true, python, Some(option.to_string()), 400),
+        None => engine_error(message),
+    }
+}
+
 /// The engine could not start, or stopped.
 pub fn engine_error(message: impl Into<String>) -> PyErr {
     raise(false, message.into(), None, 500)

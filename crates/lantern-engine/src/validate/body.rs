@@ -475,6 +475,13 @@ fn common(
         ..SamplingParams::default()
     };
     let stream_options = fields.stream_options;
+    // As OpenAI and vLLM: options of a stream that will not be sent are a mistake.
+    if stream_options.is_some() && !stream {
+        return Err(InvalidRequest::conflict(
+            "stream_options",
+            "stream_options are only allowed when stream is true",
+        ));
+    }
     let include_usage = stream
         && stream_options
             .and_then(|o| o.include_usage)
@@ -1135,7 +1142,17 @@ mod tests {
         };
         let both = json!({"include_usage": true, "continuous_usage_stats": true});
         assert_eq!(usage(true, both.clone()), (true, true));
-        assert_eq!(usage(false, both), (false, false));
+        assert_eq!(usage(false, Value::Null), (false, false));
+        let body = json!({"prompt": "x", "stream": false, "stream_options": both});
+        assert_eq!(
+            completion_err(body).param.as_deref(),
+            Some("stream_options")
+        );
+        let body = json!({"prompt": "x", "stream_options": {}});
+        assert_eq!(
+            completion_err(body).param.as_deref(),
+            Some("stream_options")
+        );
         assert_eq!(
             usage(true, json!({"continuous_usage_stats": true})),
             (false, false)

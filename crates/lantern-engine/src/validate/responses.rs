@@ -272,17 +272,38 @@ fn renamed(mut e: InvalidRequest) -> InvalidRequest {
     e
 }
 
-/// Whether `include` asks for the output text's logprobs (other values are accepted and
-/// have nothing to add: no tool here searches or reasons).
+/// OpenAI's other `include` values: accepted, with nothing to add (no tool here
+/// searches, runs code or reasons). Any other value is a typo, refused.
+const INCLUDE_NOTHING_TO_ADD: &[&str] = &[
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+];
+
+/// Whether `include` asks for the output text's logprobs.
 fn includes_logprobs(include: Option<&Value>) -> Result<bool, InvalidRequest> {
     match include {
-        None => Ok(false),
+        None | Some(Value::Null) => Ok(false),
         Some(Value::Array(items)) => {
             let mut logprobs = false;
             for item in items {
                 let name = item.as_str().ok_or_else(|| {
                     InvalidRequest::invalid("include", "include must be a list of strings")
                 })?;
+                if name != INCLUDE_LOGPROBS && !INCLUDE_NOTHING_TO_ADD.contains(&name) {
+                    return Err(InvalidRequest::invalid(
+                        "include",
+                        format!(
+                            "include has an unknown value {name:?}; the values are \
+                             {INCLUDE_LOGPROBS:?} and OpenAI's {}",
+                            INCLUDE_NOTHING_TO_ADD.join(", ")
+                        ),
+                    ));
+                }
                 logprobs |= name == INCLUDE_LOGPROBS;
             }
             Ok(logprobs)
@@ -752,6 +773,13 @@ mod tests {
             "[0, 20]",
         );
         refused(json!({"input": "x", "include": "all"}), "include", "list");
+        refused(
+            json!({"input": "x", "include": ["message.output_text.logprob"]}),
+            "include",
+            "unknown value",
+        );
+        let known = json!({"input": "x", "include": ["reasoning.encrypted_content"]});
+        assert!(validate(known).is_ok());
         refused(
             json!({"input": "x", "text": {"format": {"type": "yaml"}}}),
             "text",

@@ -104,6 +104,27 @@ def test_max_model_len_caps_requests(capped):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_a_prompt_alone_may_fill_the_context(capped):
+    # Scoring (max_tokens 0: echo with logprobs, prompt_logprobs) needs no room to
+    # generate; anything that generates needs one token's.
+    client = capped.client()
+    ids = [1000 + i for i in range(96)]
+    r = client.completions.create(model=capped.model, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert r.usage.prompt_tokens == 96 and r.usage.completion_tokens == 0
+    assert len(r.choices[0].logprobs.token_logprobs) == 96
+    r = client.completions.create(model=capped.model, prompt=ids, max_tokens=0,
+                                  extra_body={"prompt_logprobs": 1})
+    assert len(r.choices[0].model_extra["prompt_logprobs"]) == 96
+    # truncate_prompt_tokens=-1 keeps the whole context for a prompt alone.
+    r = client.completions.create(model=capped.model, prompt=ids + [5, 6], max_tokens=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 96
+    for prompt, max_tokens in [(ids + [5], 0), (ids, 1)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=capped.model, prompt=prompt, max_tokens=max_tokens, echo=True)
+        assert e.value.body["param"] == "prompt"
+
+
 def test_max_model_len_over_the_model_is_refused():
     r = subprocess.run([str(_binary()), "serve", "--port", "0", "--max-model-len", "100000000"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -434,7 +434,12 @@ impl Engine {
             }
             .into());
         }
-        if prompt.len() >= info.context_length {
+        // A prompt that generates nothing (scoring) may fill the context.
+        let longest_prompt = match params.max_tokens {
+            0 => info.context_length,
+            _ => info.context_length - 1,
+        };
+        if prompt.len() > longest_prompt {
             return Err(RequestError::PromptTooLong {
                 tokens: prompt.len(),
                 context: info.context_length,

@@ -68,7 +68,8 @@ impl PromptTruncation {
     pub fn cut(self, len: usize, context: usize, max_tokens: Option<usize>) -> usize {
         let keep = match self {
             PromptTruncation::Last(n) => n,
-            PromptTruncation::ToFit => context.saturating_sub(max_tokens.unwrap_or(1).max(1)),
+            // Room for `max_tokens` (one when not given; none for a prompt alone).
+            PromptTruncation::ToFit => context.saturating_sub(max_tokens.unwrap_or(1)),
         };
         len.saturating_sub(keep.max(1))
     }

@@ -207,7 +207,7 @@ impl Prompter {
                             t.cut(ids.len(), this.context_length, item.max_tokens)
                         });
                         ids.drain(..cut);
-                        this.check_prompt(&ids, item.prompt_field)?;
+                        this.check_prompt(&ids, item.prompt_field, item.max_tokens)?;
                         if let Some(spec) = spans {
                             this.resolve_spans(spec, &ids, source.as_ref())?;
                         }
@@ -401,7 +401,13 @@ impl Prompter {
     }
 
     /// The checks every prompt passes before the engine sees it.
-    fn check_prompt(&self, ids: &[u32], field: &'static str) -> Result<(), InvalidRequest> {
+    /// A prompt that generates nothing (`max_tokens: 0`, scoring) may fill the context.
+    fn check_prompt(
+        &self,
+        ids: &[u32],
+        field: &'static str,
+        max_tokens: Option<usize>,
+    ) -> Result<(), InvalidRequest> {
         if ids.is_empty() {
             return Err(InvalidRequest::invalid(field, "the prompt is empty"));
         }
@@ -414,11 +420,15 @@ impl Prompter {
                 ),
             ));
         }
-        if ids.len() >= self.context_length {
+        let longest = match max_tokens {
+            Some(0) => self.context_length,
+            _ => self.context_length - 1,
+        };
+        if ids.len() > longest {
             return Err(InvalidRequest::invalid(
                 field,
                 format!(
-                    "the prompt has {} tokens; this model's context is {} tokens (the prompt must leave room for at least one generated token)",
+                    "the prompt has {} tokens; this model's context is {} tokens (the prompt must leave room for at least one generated token, unless max_tokens is 0)",
                     ids.len(),
                     self.context_length
                 ),

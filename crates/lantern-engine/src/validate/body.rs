@@ -722,10 +722,12 @@ pub fn generation_request(
 }
 
 /// `max_tokens: 0` runs the prompt only, which is only of use for what the prompt
-/// yields: a capture, or the prompt echoed (with its logprobs on completions, as vLLM).
+/// yields: a capture, the prompt echoed (with its logprobs on completions, as vLLM), or
+/// its `prompt_logprobs`.
 fn check_prompt_only(body: &Value, request: &GenerationRequest) -> Result<(), InvalidRequest> {
     if request.capture.is_some()
         || request.echo
+        || request.prompt_logprobs.is_some()
         || request.items.iter().all(|i| i.max_tokens != Some(0))
     {
         return Ok(());
@@ -736,7 +738,9 @@ fn check_prompt_only(body: &Value, request: &GenerationRequest) -> Result<(), In
     };
     Err(InvalidRequest::conflict(
         field,
-        format!("{field} must be at least 1; 0 (the prompt only) needs attn_capture or echo"),
+        format!(
+            "{field} must be at least 1; 0 (the prompt only) needs attn_capture, echo or prompt_logprobs"
+        ),
     ))
 }
 
@@ -1117,6 +1121,7 @@ mod tests {
         assert_eq!(PromptTruncation::Last(40).cut(10, 8, None), 0);
         assert_eq!(PromptTruncation::ToFit.cut(10, 8, None), 3);
         assert_eq!(PromptTruncation::ToFit.cut(10, 8, Some(5)), 7);
+        assert_eq!(PromptTruncation::ToFit.cut(10, 8, Some(0)), 2);
     }
 
     #[test]

@@ -119,6 +119,57 @@ def test_token_filters_equal_the_servers(llm, srv):
     assert set(out.outputs[0].token_ids) <= set(allowed["allowed_token_ids"])
 
 
+def test_vllm_style_calls_work_as_in_vllm(llm):
+    tok = llm.get_tokenizer()
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id in tok.stop_token_ids
+    assert len(tok) == llm.model_info["vocab_size"]
+    greedy = lantern.SamplingParams(temperature=0, max_tokens=2)
+    (chat,) = llm.chat(MESSAGES, greedy)
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True) == chat.prompt_token_ids
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert text == chat.prompt and text.endswith("<|im_start|>assistant\n")
+    assert tok("hi there")["input_ids"] == tok.encode("hi there")
+    assert tok.convert_ids_to_tokens(tok.encode(" sea", False)) == ["Ġsea"]
+    # A chat template given with the call; numpy ids; vLLM's prompt types.
+    (own,) = llm.chat(MESSAGES, greedy, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert own.prompt == MESSAGES[0]["content"]
+    ids = tok.encode(PROMPTS[0])
+    plain = llm.generate(ids, greedy)[0].outputs[0].text
+    assert llm.generate(list(np.array(ids)), greedy)[0].outputs[0].text == plain
+    from lantern.inputs import TokensPrompt
+    assert llm.generate(TokensPrompt(prompt_token_ids=ids), greedy)[0].outputs[0].text == plain
+    # vLLM's normal forms of SamplingParams.
+    p = lantern.SamplingParams(seed=-1, logprobs=True, stop="x")
+    assert (p.seed, p.logprobs, p.stop, p.stop_token_ids) == (None, 1, ["x"], [])
+    # vLLM's outputs' fields for what does not run here, and a progress bar factory.
+    (out,) = llm.generate(PROMPTS[:1], greedy, use_tqdm=False, lora_request=None)
+    assert out.encoder_prompt is None and out.kv_transfer_params is None and out.outputs[0].lora_request is None
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            bars.append(kwargs["total"])
+
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    llm.generate(PROMPTS, greedy, use_tqdm=Bar)
+    assert bars == [len(PROMPTS)]
+
+
+def test_an_llm_seed_repeats_sampling_run_after_run():
+    sampled = lantern.SamplingParams(temperature=1.0, max_tokens=8)
+    runs = []
+    for _ in range(2):
+        with lantern.LLM(kv_cache_memory="64M", seed=11, trust_remote_code=True, dtype="auto") as llm:
+            runs.append([o.outputs[0].text for o in llm.generate([PROMPTS[0]] * 2, sampled)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # each request its own draw
+
+
 def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
     ids = llm.encode(PROMPTS[0])
     params = lantern.SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
@@ -280,6 +331,8 @@ def raises_naming(field, call):
         ("truncate_prompt_tokens", lambda: lantern.SamplingParams(truncate_prompt_tokens=0)),
         ("allowed_token_ids", lambda: lantern.SamplingParams(allowed_token_ids=[])),
         ("bad_words", lambda: lantern.SamplingParams(bad_words="no")),
+        ("stop", lambda: lantern.SamplingParams(stop=[""])),
+        ("detokenize", lambda: lantern.SamplingParams(detokenize=False)),
         ("structured_outputs", lambda: lantern.SamplingParams(structured_outputs={"xml": "a"})),
     ],
 )
@@ -320,13 +373,21 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("device", lambda: lantern.LLM(device="gpu"))
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
+    raises_naming("no_such_option", lambda: lantern.LLM(no_such_option=1))
+    raises_naming("tensor_parallel_size", lambda: lantern.LLM(tensor_parallel_size=2))
+    raises_naming("prompt", lambda: llm.generate(["ok", None], greedy))
+    raises_naming("prompt", lambda: llm.generate(5, greedy))
+    raises_naming("token_ids", lambda: llm.decode([-1]))
+    raises_naming("lora_request", lambda: llm.generate("Hi", greedy, lora_request=object()))
+    raises_naming("chat_template", lambda: llm.chat(MESSAGES, greedy, chat_template="{% if %}"))
+    nan = lantern.SamplingParams(max_tokens=2)
+    nan.temperature = float("nan")
+    raises_naming("temperature", lambda: llm.generate("Hi", nan))
     # Past the model's context: known once the model is read.
     e = raises_naming("max_model_len", lambda: lantern.LLM(max_model_len=10**7))
     assert "--" not in str(e) and "8192" in str(e)
     raises_naming("gpu_memory_utilization",
                   lambda: lantern.LLM(device="cuda", gpu_memory_utilization=1.5))
-    with pytest.raises(TypeError):
-        lantern.LLM(no_such_option=1)
     with pytest.raises(TypeError):
         lantern.SamplingParams(no_such_field=1)
     # A refused prompt in a batch leaves nothing running.

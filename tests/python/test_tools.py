@@ -161,7 +161,6 @@ def test_bad_tools_are_400(server, client):
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
         # A call forced with nothing to call.
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
         # A forced call's grammar is made of the tools' schemas: a bad one is theirs.
         (

@@ -282,17 +282,24 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client):
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts[0] == 0 and counts == sorted(counts)
     assert counts[-1] == chunks[-1].usage.completion_tokens
-    # Without include_usage, continuous_usage_stats adds nothing (as vLLM).
-    plain = list(
-        client.chat.completions.create(
-            model=server.model,
-            messages=[{"role": "user", "content": "Say hello."}],
-            max_tokens=3,
-            stream=True,
-            stream_options={"continuous_usage_stats": True},
+    # Given options include the usage unless include_usage is false (vLLM's default).
+    def streamed(options):
+        return list(
+            client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "Say hello."}],
+                max_tokens=3, stream=True, stream_options=options,
+            )
         )
-    )
-    assert all(c.usage is None for c in plain)
+
+    assert all(c.usage is not None for c in streamed({"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in streamed({"include_usage": False, "continuous_usage_stats": True}))
+    # Options for a stream that is not asked for are a mistake (vLLM's 400).
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+            stream_options={"include_usage": True},
+        )
+    assert e.value.body["param"] == "stream_options"
 
 
 TEMPLATE = (
@@ -349,3 +356,64 @@ def test_unknown_fields_are_named_in_one_warning(templated):
     assert "WARN" in lines[0] and "guided_vibes" in lines[0] and "ignored" in lines[0]
     # Known fields are not named.
     assert "max_tokens" not in lines[0] and "temperature" not in lines[0]
+
+
+def test_a_requests_chat_template_replaces_the_models(server, client):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    ids = tokenize(server, messages=QUESTION, chat_template=template)
+    assert detokenize(server, ids) == "[user] What is the capital of France?\n"
+    r = chat(client, server, QUESTION, max_tokens=1, chat_template=template)
+    assert r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, server, QUESTION, chat_template="{% for m in messages %")
+    assert e.value.body["param"] == "chat_template"
+
+
+def test_content_parts_and_roles_as_vllm_reads_them(server):
+    # Text parts joined by newlines; the Responses API's part types and a refusal are text.
+    parts = [{"type": "text", "text": "Hello"}, {"type": "input_text", "text": "World"}]
+    messages = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+        {"role": "ipython", "content": "{}"},
+    ]
+    text = detokenize(server, tokenize(server, messages=messages, add_generation_prompt=False))
+    assert "user\nHello\nWorld<|im_end|>" in text
+    assert "assistant\nI cannot.<|im_end|>" in text
+    assert "<|im_start|>ipython\n{}" in text
+
+
+def test_fields_lantern_cannot_honour_are_400_not_ignored(server, client):
+    for fields, param in [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
+        ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
+        ({"stop": ["", "x"]}, "stop"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=server.model, prompt="x", max_tokens=1, extra_body=fields)
+        assert e.value.body["param"] == param, fields
+    # Asking for nothing is fine.
+    r = client.completions.create(
+        model=server.model, prompt="x", max_tokens=1,
+        extra_body={"use_beam_search": False, "logits_processors": [], "seed": -1},
+    )
+    assert r.usage.completion_tokens == 1
+
+
+def test_ping_load_and_invocations(server, client):
+    for method in (requests.get, requests.post):
+        r = method(server.base_url + "/ping", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = requests.get(server.base_url + "/load", timeout=10)
+    assert r.status_code == 200 and r.json()["server_load"] >= 0
+    post = lambda body: requests.post(server.base_url + "/invocations", json=body, headers=server.headers(), timeout=60)
+    c = post({"prompt": PREFIX, "max_tokens": 2, "temperature": 0}).json()
+    assert c["object"] == "text_completion"
+    assert c["choices"][0]["text"] == client.completions.create(
+        model=server.model, prompt=PREFIX, max_tokens=2, temperature=0
+    ).choices[0].text
+    c = post({"messages": QUESTION, "max_tokens": 2}).json()
+    assert c["object"] == "chat.completion"
+    r = post({"input": "x"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]

@@ -90,6 +90,9 @@ pub struct ChatRenderOptions {
     /// The functions offered, in OpenAI's shape (`{"type": "function", "function":
     /// {…}}`), for a template that describes tools itself (its `tools` variable).
     pub tools: Option<Vec<Json>>,
+    /// A template to render with instead of the model's (a request's `chat_template`),
+    /// compiled where the prompt is.
+    pub template: Option<std::sync::Arc<str>>,
 }
 
 impl Default for ChatRenderOptions {
@@ -99,6 +102,7 @@ impl Default for ChatRenderOptions {
             continue_final_message: false,
             kwargs: serde_json::Map::new(),
             tools: None,
+            template: None,
         }
     }
 }

@@ -175,6 +175,46 @@ impl Engine {
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
     }
 
+    /// Token ids of a `/tokenize` body as JSON: a `prompt`, or chat `messages` rendered
+    /// through the chat template with vLLM's rendering fields.
+    fn tokenize(&self, py: Python<'_>, body: &str) -> PyResult<Vec<u32>> {
+        let body: serde_json::Value = serde_json::from_str(body)
+            .map_err(|e| engine_error(format!("the request is not JSON: {e}")))?;
+        py.detach(|| {
+            self.runtime
+                .block_on(crate::request::tokenize(&self.handle, &body))
+        })
+        .map_err(serve_error)
+    }
+
+    /// The tokenizer's special tokens, whether it adds BOS, and the chat template's text.
+    fn tokenizer_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let prompter = self.handle.prompter();
+        let tokenizer = prompter.tokenizer();
+        let d = PyDict::new(py);
+        d.set_item("bos_token", tokenizer.bos_token())?;
+        d.set_item("eos_token", tokenizer.eos_token())?;
+        d.set_item("pad_token", tokenizer.pad_token())?;
+        d.set_item("add_bos_token", tokenizer.adds_bos())?;
+        d.set_item("vocab_size", tokenizer.vocab_size())?;
+        d.set_item("stop_token_ids", tokenizer.stop_ids().to_vec())?;
+        d.set_item(
+            "chat_template",
+            prompter.template().and_then(|t| t.source()),
+        )?;
+        Ok(d)
+    }
+
+    /// Each token as the vocabulary spells it (`None` for an id outside it).
+    fn token_pieces(&self, token_ids: Vec<u32>) -> Vec<Option<String>> {
+        let prompter = self.handle.prompter();
+        let tokenizer = prompter.tokenizer();
+        token_ids
+            .iter()
+            .map(|&t| tokenizer.token_piece(t).map(str::to_string))
+            .collect()
+    }
+
     /// The text of token ids (special tokens included).
     #[pyo3(signature = (token_ids, skip_special_tokens=false))]
     fn decode(&self, token_ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {

@@ -68,6 +68,15 @@ pub fn check_sampling(mut body: Map<String, Value>) -> Result<(), InvalidRequest
     Ok(())
 }
 
+/// Token ids of a `/tokenize` body (a `prompt`, or chat `messages` with the rendering
+/// fields), as the server's `/tokenize` gives them.
+pub async fn tokenize(engine: &EngineHandle, body: &Value) -> Result<Vec<u32>, ServeError> {
+    let request = validate::tokenize_request(body, &LIMITS)?;
+    engine
+        .tokenize(request.prompt, request.add_special_tokens)
+        .await
+}
+
 /// Validates `body` (plus the capture fields) as the server does and submits it.
 pub async fn submit(
     engine: &EngineHandle,

@@ -155,6 +155,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/invocations", post(openai::invocations))
         .route("/v1/responses", post(responses::responses))
         .route(
             "/v1/responses/{id}",
@@ -183,6 +184,9 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .merge(v1)
         .route("/v1/captures/{id}/view", get(view_capture))
         .route("/health", get(health))
+        // vLLM's health check for SageMaker, with either method.
+        .route("/ping", get(health).post(health))
+        .route("/load", get(load))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
         .method_not_allowed_fallback(method_not_allowed)
@@ -379,6 +383,17 @@ async fn health(State(state): State<AppState>, headers: axum::http::HeaderMap) -
             }
             (StatusCode::OK, Json(body)).into_response()
         }
+    }
+}
+
+/// `GET /load` (vLLM's): the requests the engine holds, running and waiting.
+async fn load(State(state): State<AppState>) -> Response {
+    match state.engine.stats().await {
+        Ok(stats) => Json(json!({
+            "server_load": stats.num_requests_running + stats.num_requests_waiting
+        }))
+        .into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

@@ -110,6 +110,34 @@ pub async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// `POST /invocations` (vLLM's, for SageMaker): a chat completion when the body has
+/// `messages`, a completion when it has `prompt`.
+pub async fn invocations(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let kind = match &body {
+        Ok(bytes) => match serde_json::from_slice::<Value>(bytes) {
+            Ok(Value::Object(obj)) if obj.contains_key("messages") => Kind::Chat,
+            Ok(Value::Object(obj)) if obj.contains_key("prompt") => Kind::Completion,
+            Ok(Value::Object(_)) => {
+                return ApiError::invalid(
+                    None,
+                    "an invocation is a chat completion (with `messages`) or a completion (with `prompt`)",
+                )
+                .into_response()
+            }
+            // Not a JSON object: the endpoint's own parsing says what is wrong.
+            _ => Kind::Completion,
+        },
+        Err(_) => Kind::Completion,
+    };
+    generate(state, &headers, body, kind)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
 pub async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,

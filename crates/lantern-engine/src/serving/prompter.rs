@@ -16,7 +16,7 @@ use crate::validate::InvalidRequest;
 use crate::{PromptTokenLogprob, TokenLogprobs};
 use lantern_capture::{resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt};
 use lantern_model::prompt::{locate_messages, tokenize_chat_rendered, ChatPromptError};
-use lantern_model::{ChatTemplate, ModelTokenizer};
+use lantern_model::{ChatRenderOptions, ChatTemplate, ModelTokenizer};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -325,7 +325,8 @@ impl Prompter {
             PromptInput::Tokens(ids) => Ok((ids.clone(), None)),
             PromptInput::Chat(messages, options) => {
                 let asked = messages.as_slice();
-                let template = self.template.as_deref();
+                let own_template = self.request_template(options)?;
+                let template = own_template.as_ref().or(self.template.as_deref());
                 let fitted = template.and_then(|t| {
                     crate::validate::tools::fit_template(t.tool_support(), messages, options)
                 });
@@ -350,6 +351,24 @@ impl Prompter {
                 Ok((ids, source))
             }
         }
+    }
+
+    /// A request's own `chat_template`, compiled (with the tokenizer's special tokens).
+    fn request_template(
+        &self,
+        options: &ChatRenderOptions,
+    ) -> Result<Option<ChatTemplate>, InvalidRequest> {
+        let Some(source) = &options.template else {
+            return Ok(None);
+        };
+        let bos = self.tokenizer.bos_token().unwrap_or("");
+        let eos = self.tokenizer.eos_token().unwrap_or("");
+        ChatTemplate::new(source, bos, eos).map(Some).map_err(|e| {
+            InvalidRequest::invalid(
+                "chat_template",
+                format!("the chat_template does not compile: {e}"),
+            )
+        })
     }
 
     /// `logit_bias` names tokens of the vocabulary.

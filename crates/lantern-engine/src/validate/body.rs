@@ -27,6 +27,9 @@ const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
 const MAX_COMPLETION_LOGPROBS: i64 = 20;
 /// Largest `chat_template_kwargs`, as JSON: template variables, not documents.
 pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
+/// Largest `chat_template` a request may bring (real ones are a few KiB; the longest,
+/// with tool-calling instructions, some tens).
+pub const MAX_CHAT_TEMPLATE_BYTES: usize = 256 << 10;
 /// Largest `logit_bias` (tokens).
 const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
 /// Most `bad_words` one request may give.
@@ -59,6 +62,8 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "allowed_token_ids",
     "bad_words",
     "skip_special_tokens",
+    // Only slow tokenizers' decoding reads it (vLLM's fast ones ignore it too).
+    "spaces_between_special_tokens",
     "prompt_logprobs",
     "min_tokens",
     "best_of",
@@ -72,6 +77,10 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    // vLLM's, refused when they ask for something (see `refuse_unsupported`).
+    "use_beam_search",
+    "structural_tag",
+    "logits_processors",
 ];
 const CHAT_FIELD_NAMES: &[&str] = &[
     "messages",
@@ -82,6 +91,7 @@ const CHAT_FIELD_NAMES: &[&str] = &[
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "chat_template",
     "echo",
 ];
 const COMPLETION_FIELD_NAMES: &[&str] = &["prompt", "logprobs", "echo", "suffix"];
@@ -175,6 +185,7 @@ fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, InvalidRequest> {
 
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 pub struct StreamOptions {
+    /// vLLM's default when `stream_options` is given: true.
     #[serde(default)]
     pub include_usage: Option<bool>,
     /// vLLM's: usage so far in every chunk (with `include_usage`).
@@ -212,6 +223,34 @@ struct CommonFields {
     min_tokens: Option<i64>,
     best_of: Option<i64>,
     return_tokens_as_token_ids: Option<bool>,
+    use_beam_search: Option<bool>,
+    structural_tag: Option<Value>,
+    logits_processors: Option<Value>,
+}
+
+/// vLLM's fields that would change the output in ways lantern does not offer: refused
+/// when they ask for anything, rather than ignored.
+fn refuse_unsupported(fields: &CommonFields) -> Result<(), InvalidRequest> {
+    if fields.use_beam_search == Some(true) {
+        return Err(InvalidRequest::unsupported(
+            "use_beam_search",
+            "beam search",
+        ));
+    }
+    if fields.structural_tag.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(InvalidRequest::unsupported(
+            "structural_tag",
+            "structural tags (use response_format json_schema, or structured_outputs)",
+        ));
+    }
+    let asks = |v: &Value| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty));
+    if fields.logits_processors.as_ref().is_some_and(asks) {
+        return Err(InvalidRequest::unsupported(
+            "logits_processors",
+            "logits processors loaded by name",
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -222,6 +261,7 @@ struct ChatFields {
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
     chat_template_kwargs: Option<Value>,
+    chat_template: Option<String>,
     echo: Option<bool>,
 }
 
@@ -309,21 +349,30 @@ fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), Inval
 
 fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, InvalidRequest> {
     let wrong = || InvalidRequest::invalid("stop", "stop must be a string or a list of strings");
-    match value {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
+    let stop: Vec<String> = match value {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => items
             .iter()
             .map(|v| v.as_str().map(str::to_string).ok_or_else(wrong))
-            .collect(),
-        Some(_) => Err(wrong()),
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(wrong()),
+    };
+    // As vLLM: an empty stop string would match everywhere.
+    if stop.iter().any(String::is_empty) {
+        return Err(InvalidRequest::invalid(
+            "stop",
+            "stop cannot contain an empty string",
+        ));
     }
+    Ok(stop)
 }
 
 fn common(
     fields: &CommonFields,
     default_max_tokens: Option<usize>,
 ) -> Result<Common, InvalidRequest> {
+    refuse_unsupported(fields)?;
     let (max_field, max_value) = match (fields.max_completion_tokens, fields.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -461,7 +510,8 @@ fn common(
         top_p: top_p as f32,
         top_k,
         min_p: min_p as f32,
-        seed: fields.seed.map(|s| s as u64),
+        // vLLM's -1 is no seed.
+        seed: fields.seed.filter(|&s| s != -1).map(|s| s as u64),
         max_tokens: max_tokens.unwrap_or(1),
         ignore_eos: fields.ignore_eos.unwrap_or(false),
         stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default().into(),
@@ -475,17 +525,17 @@ fn common(
         ..SamplingParams::default()
     };
     let stream_options = fields.stream_options;
-    // As OpenAI and vLLM: options of a stream that will not be sent are a mistake.
-    if stream_options.is_some() && !stream {
+    // As vLLM: options of a stream that will not be sent are a mistake (an empty
+    // object says nothing).
+    let says_something =
+        |o: &StreamOptions| o.include_usage.is_some() || o.continuous_usage_stats.is_some();
+    if stream_options.as_ref().is_some_and(says_something) && !stream {
         return Err(InvalidRequest::conflict(
             "stream_options",
             "stream_options are only allowed when stream is true",
         ));
     }
-    let include_usage = stream
-        && stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
+    let include_usage = stream && stream_options.is_some_and(|o| o.include_usage.unwrap_or(true));
     Ok(Common {
         params,
         max_tokens,
@@ -590,11 +640,24 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, InvalidRe
             ))
         }
     };
+    let template = match &chat.chat_template {
+        Some(t) if t.len() > MAX_CHAT_TEMPLATE_BYTES => {
+            return Err(InvalidRequest::invalid(
+                "chat_template",
+                format!(
+                    "chat_template has {} bytes; at most {MAX_CHAT_TEMPLATE_BYTES}",
+                    t.len()
+                ),
+            ))
+        }
+        t => t.as_deref().map(Arc::from),
+    };
     Ok(ChatRenderOptions {
         add_generation_prompt,
         continue_final_message,
         kwargs,
         tools: None,
+        template,
     })
 }
 
@@ -864,12 +927,14 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
         Some(_) => return Err(at("`role` must be a string")),
     };
     let role = match role {
-        "system" | "user" | "assistant" | "tool" => role,
+        // OpenAI's legacy function results and Llama 3's tool results (`ipython`) go to
+        // the template as they are, as vLLM passes them.
+        "system" | "user" | "assistant" | "tool" | "function" | "ipython" => role,
         // OpenAI's newer name for system instructions.
         "developer" => "system",
         other => {
             return Err(at(&format!(
-                "unknown role `{other}` (expected system, user, assistant or tool)"
+                "unknown role `{other}` (expected system, developer, user, assistant, tool, function or ipython)"
             )))
         }
     };
@@ -883,14 +948,22 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
             }
         }
         Some(Value::Array(parts)) => {
-            let mut text = String::new();
+            // Text parts joined by newlines, as vLLM joins them for a template that takes
+            // content as a string.
+            let mut texts: Vec<&str> = Vec::with_capacity(parts.len());
             for (j, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str);
-                match (kind, part.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
-                    (Some("text"), _) => {
+                // The Responses API's part types, and a refusal, are text too.
+                let key = match kind {
+                    Some("text" | "input_text" | "output_text") => "text",
+                    Some("refusal") => "refusal",
+                    _ => "",
+                };
+                match (kind, part.get(key)) {
+                    (Some(_), Some(Value::String(t))) if !key.is_empty() => texts.push(t),
+                    (Some(kind), _) if !key.is_empty() => {
                         return Err(at(&format!(
-                            "content[{j}]: a text part needs a `text` string"
+                            "content[{j}]: a {kind} part needs a `{key}` string"
                         )))
                     }
                     (Some(other), _) => {
@@ -906,7 +979,7 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
                     }
                 }
             }
-            text
+            texts.join("\n")
         }
         Some(_) => return Err(at("`content` must be a string or a list of content parts")),
     };
@@ -1153,15 +1226,20 @@ mod tests {
             completion_err(body).param.as_deref(),
             Some("stream_options")
         );
-        let body = json!({"prompt": "x", "stream_options": {}});
+        let body = json!({"prompt": "x", "stream_options": {"include_usage": false}});
         assert_eq!(
             completion_err(body).param.as_deref(),
             Some("stream_options")
         );
+        // As vLLM: given options include the usage unless they say not to.
         assert_eq!(
             usage(true, json!({"continuous_usage_stats": true})),
-            (false, false)
+            (true, true)
         );
+        assert_eq!(usage(true, json!({})), (true, false));
+        assert_eq!(usage(true, json!({"include_usage": false})), (false, false));
+        assert_eq!(usage(true, Value::Null), (false, false));
+        assert_eq!(usage(false, json!({})), (false, false));
         assert_eq!(usage(true, json!({"include_usage": true})), (true, false));
     }
 
@@ -1189,7 +1267,9 @@ mod tests {
                 "model": "m",
                 "messages": [
                     {"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "input_text", "text": "!"}]},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                    {"role": "ipython", "content": "{}"}
                 ],
                 "max_tokens": 5, "n": 2, "seed": 7, "stop": "\n", "attn_capture": true, "user": "u",
                 "frobnicate": 1
@@ -1205,7 +1285,10 @@ mod tests {
         assert_eq!(&*r.items[0].stop, ["\n".to_string()]);
         match &*r.items[0].prompt {
             PromptInput::Chat(m, options) => {
-                assert_eq!(m[1].content, "Hi!");
+                assert_eq!(m[2].content, "No.");
+                assert_eq!(m[3].role, "ipython");
+                // Joined by a newline, as vLLM joins text parts.
+                assert_eq!(m[1].content, "Hi\n!");
                 assert_eq!(*options, ChatRenderOptions::default());
             }
             other => panic!("{other:?}"),
@@ -1463,6 +1546,8 @@ mod tests {
                 "logit_bias",
             ),
             (json!({"prompt": "x", "logit_bias": [1]}), "logit_bias"),
+            (json!({"prompt": "x", "stop": ["a", ""]}), "stop"),
+            (json!({"prompt": "x", "stop": ""}), "stop"),
         ] {
             let e = completion_err(body.clone());
             assert_eq!(e.status, 400, "{body}");
@@ -1496,6 +1581,9 @@ mod tests {
             .items[0];
         assert!(p.params.token_filter.is_empty() && p.bad_words.is_empty());
         assert!(p.params.skip_special_tokens);
+        // vLLM's seed -1 is no seed.
+        let r = completion_request(&json!({"prompt": "x", "seed": -1}), &LIMITS).unwrap();
+        assert_eq!(r.items[0].params.seed, None);
         let many: Vec<String> = (0..=MAX_BAD_WORDS).map(|i| i.to_string()).collect();
         for body in [
             json!({"prompt": "x", "allowed_token_ids": []}),

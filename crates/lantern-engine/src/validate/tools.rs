@@ -128,10 +128,13 @@ pub fn parse_tools(body: &Value) -> Result<Option<ChatTools>, InvalidRequest> {
         Some(_) => return Err(InvalidRequest::invalid(FIELD, "tools must be a list")),
     };
     if tools.is_empty() {
-        // A choice that forces a call cannot be met without tools (OpenAI refuses it too).
+        // A choice that forces a call cannot be met without tools; `required` over an
+        // empty list is `none`, as vLLM takes it.
+        let empty_list = body.get("tools").is_some_and(Value::is_array);
         return match body.get("tool_choice") {
             Some(Value::Object(_)) => Err(choice_needs_tools()),
-            Some(Value::String(s)) if s == "required" => Err(choice_needs_tools()),
+            Some(Value::String(s)) if s == "required" && !empty_list => Err(choice_needs_tools()),
+            Some(Value::String(s)) if s == "required" => Ok(None),
             other => parse_choice(other, &[]).map(|_| None),
         };
     }
@@ -446,6 +449,12 @@ mod tests {
                 .unwrap()
                 .is_none());
         }
+        // `required` over an empty list is `none` (vLLM's reading).
+        assert!(
+            parse_tools(&json!({"tools": [], "tool_choice": "required"}))
+                .unwrap()
+                .is_none()
+        );
         let t = parse_tools(&json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})).unwrap().unwrap();
         assert_eq!(t.choice, ToolChoice::Named("f".into()));
         assert!(matches!(t.guide(), Some(Guide::Lark(g)) if g.contains("\"const\":\"f\"")));
@@ -460,10 +469,6 @@ mod tests {
             ),
             // Forcing a call with no tools to call.
             (json!({"tool_choice": "required"}), "tool_choice"),
-            (
-                json!({"tools": [], "tool_choice": "required"}),
-                "tool_choice",
-            ),
             (
                 json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
                 "tool_choice",

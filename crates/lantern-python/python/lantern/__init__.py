@@ -8,10 +8,13 @@ request's exact attention maps as numpy arrays.
 """
 
 from ._lantern import EngineError, InvalidRequestError, __version__
+from . import inputs
 from .attention import Attention
+from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, StructuredOutputsParams
+from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
@@ -22,6 +25,10 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "Attention",
+    "TextPrompt",
+    "TokensPrompt",
+    "Tokenizer",
+    "inputs",
     "InvalidRequestError",
     "EngineError",
     "__version__",

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import numbers
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from . import _lantern
 from ._requests import Request
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams, _invalid
+from .tokenizer import Tokenizer
 
 Prompt = Union[str, List[int], Dict[str, Any]]
 Capture = Union[bool, Dict[str, Any], None]
@@ -40,19 +43,31 @@ def _prompt_field(prompt: Prompt) -> Union[str, List[int]]:
             return _token_ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
-        raise _lantern.InvalidRequestError('a prompt dict needs "prompt" or "prompt_token_ids"')
+        raise _invalid("prompt", 'a prompt dict needs "prompt" or "prompt_token_ids"')
     if isinstance(prompt, str):
         return prompt
     return _token_ids(prompt)
 
 
+def _is_token_id(t: Any) -> bool:
+    """An int, numpy's included (``list(np_array)`` gives numpy ints), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def _token_ids(ids) -> List[int]:
     """Token ids as plain ints: a list, or a numpy array or torch tensor (``tolist``)."""
     if isinstance(ids, (bytes, bytearray)):
-        raise _lantern.InvalidRequestError("a prompt is text (str) or token ids, not bytes: decode it first")
+        raise _invalid("prompt", "a prompt is text (str) or token ids, not bytes: decode it first")
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
-    return list(ids)
+    if not isinstance(ids, (list, tuple)):
+        raise _invalid(
+            "prompt", f"a prompt is text (str), token ids or a prompt dict, not {type(ids).__name__}"
+        )
+    for i, t in enumerate(ids):
+        if not _is_token_id(t):
+            raise _invalid("prompt", f"token ids must be ints; item {i} is {t!r}")
+    return [int(t) for t in ids]
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
@@ -65,8 +80,12 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
     if hasattr(prompts, "tolist"):
         # A numpy array or tensor: one prompt of ids (1-D) or a batch of them (2-D).
         prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)):
+        raise _invalid(
+            "prompt", f"a prompt is text (str), token ids or a prompt dict, not {type(prompts).__name__}"
+        )
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(_is_token_id(t) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
 
@@ -97,15 +116,68 @@ def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], c
 _COUNT_OPTIONS = ("threads", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar over prompts when tqdm is installed and there is more than one."""
-    if not enabled or total < 2:
+def _progress(total: int, use_tqdm: Union[bool, Callable[..., Any]]):
+    """A tqdm bar over prompts when tqdm is installed and there is more than one
+    (``use_tqdm`` may be tqdm's class, or a function making a bar, as in vLLM)."""
+    if not use_tqdm or total < 2:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+    make = use_tqdm
+    if not callable(make):
+        try:
+            from tqdm.auto import tqdm as make
+        except ImportError:
+            return None
+    return make(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+
+
+def _no_lora_nor_priority(lora_request: Any, priority: Any) -> None:
+    """vLLM's ``lora_request`` and ``priority``: accepted when they ask for nothing."""
+    if lora_request is not None:
+        raise _invalid("lora_request", "LoRA adapters are not supported: lora_request must be None")
+    if priority is not None and any(p != 0 for p in (priority if isinstance(priority, list) else [priority])):
+        raise _invalid("priority", "priority scheduling is not supported: priority must be None or 0")
+
+
+# The engine's options (the CLI's flags).
+_ENGINE_OPTIONS = (
+    "kv_cache_memory", "kv_cache_dtype", "block_size", "attention_backend", "max_num_batched_tokens",
+    "max_num_seqs", "enable_prefix_caching", "f32_weights", "quantize", "chat_template", "max_model_len",
+    "threads", "enable_attention_capture", "max_capture_bytes", "device", "gpu_memory_utilization",
+    "enforce_eager",
+)
+# vLLM's options with nothing to do here when they ask for what lantern does anyway.
+_VLLM_OPTIONS_AT_DEFAULT = {
+    "trust_remote_code": (True, False),
+    "tensor_parallel_size": (1,),
+    "pipeline_parallel_size": (1,),
+    "dtype": ("auto",),
+    "disable_log_stats": (True, False),
+    "tokenizer": (None,),
+    "swap_space": None,  # any: lantern does not swap (it recomputes preempted requests)
+}
+
+
+def _engine_options(model: Any, options: Dict[str, Any]) -> Dict[str, Any]:
+    """``LLM``'s keywords as the engine's options: vLLM's that change nothing here are
+    taken (``kv_cache_memory_bytes`` is ``kv_cache_memory``); any other is refused,
+    naming it."""
+    options = dict(options)
+    if "kv_cache_memory_bytes" in options:
+        options.setdefault("kv_cache_memory", options.pop("kv_cache_memory_bytes"))
+    if options.get("tokenizer") is not None and model is not None and os.fspath(options["tokenizer"]) == os.fspath(model):
+        options["tokenizer"] = None
+    for name, allowed in _VLLM_OPTIONS_AT_DEFAULT.items():
+        if name in options and name not in _ENGINE_OPTIONS:
+            value = options.pop(name)
+            if allowed is not None and value not in allowed:
+                raise _invalid(name, f"{name}={value!r} is not supported (lantern runs with {allowed[0]!r})")
+    unknown = sorted(set(options) - set(_ENGINE_OPTIONS))
+    if unknown:
+        raise _invalid(
+            unknown[0],
+            f"LLM has no option {unknown[0]!r}; its options are {', '.join(_ENGINE_OPTIONS)}",
+        )
+    return options
 
 
 class LLM:
@@ -126,6 +198,17 @@ class LLM:
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):
+        # vLLM's seed: requests without their own get seeds drawn from it, in order, so
+        # that a script's sampling repeats run after run.
+        seed = engine_options.pop("seed", None)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise _invalid("seed", f"seed must be an int (or None), got {seed!r}")
+        self._seed = seed
+        self._seeds = itertools.count()
+        engine_options = _engine_options(model, engine_options)
+        if engine_options.get("device", "cpu") in ("cpu", None) and engine_options.get("gpu_memory_utilization") == 0.9:
+            # vLLM's default, passed along by code written for it: nothing to size on a CPU.
+            del engine_options["gpu_memory_utilization"]
         for name in _COUNT_OPTIONS:
             value = engine_options.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -139,14 +222,17 @@ class LLM:
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        capture: Capture = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: Any = None,
         *,
-        use_tqdm: bool = True,
+        capture: Capture = None,
+        priority: Optional[List[int]] = None,
     ) -> List[RequestOutput]:
         """Generates for one prompt or several (text, token ids, or vLLM's prompt
         dicts), all in one continuous batch; results in input order. ``capture``
         (``True``, or a dict like ``{"layers": [0, 7], "rows": "prompt"}``) captures
         each prompt's attention into its output's ``attention``."""
+        _no_lora_nor_priority(lora_request, priority)
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         bodies = [dict(p._fields("completion"), prompt=_prompt_field(x)) for x, p in zip(prompts, params)]
@@ -157,19 +243,27 @@ class LLM:
         self,
         messages: Union[List[Dict[str, Any]], Sequence[List[Dict[str, Any]]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        capture: Capture = None,
-        *,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: Any = None,
+        chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: Optional[Dict[str, Any]] = None,
         tools: Optional[List[Dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[Dict[str, Any]] = None,
+        *,
+        capture: Capture = None,
     ) -> List[RequestOutput]:
         """Generates replies to one conversation (a list of ``{"role", "content"}``
-        messages) or several, through the model's chat template."""
+        messages) or several, through the model's chat template (vLLM's arguments;
+        ``chat_template`` replaces it for these conversations)."""
+        _no_lora_nor_priority(lora_request, None)
+        _check_chat_extras(chat_template, chat_template_content_format, mm_processor_kwargs)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         params = _per_prompt(sampling_params, len(conversations))
-        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+                                chat_template)
         bodies = [dict(p._fields("chat"), messages=list(c), **options) for c, p in zip(conversations, params)]
         return self._run("chat", bodies, params, [None] * len(bodies), capture, use_tqdm)
 
@@ -177,6 +271,7 @@ class LLM:
         self,
         prompt: Prompt,
         sampling_params: Optional[SamplingParams] = None,
+        *,
         capture: Capture = None,
     ) -> Iterator[RequestOutput]:
         """Yields the prompt's ``RequestOutput`` as it grows (``deltas`` holds each
@@ -191,8 +286,9 @@ class LLM:
         self,
         messages: List[Dict[str, Any]],
         sampling_params: Optional[SamplingParams] = None,
-        capture: Capture = None,
         *,
+        capture: Capture = None,
+        chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[Dict[str, Any]] = None,
@@ -200,7 +296,8 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """``stream`` for one conversation."""
         params = sampling_params or SamplingParams()
-        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+                                chat_template)
         body = dict(params._fields("chat"), messages=list(messages), **options)
         return self._stream("chat", body, params, None, capture)
 
@@ -223,12 +320,18 @@ class LLM:
     def kv_cache_total_blocks(self) -> int:
         return self._engine.stats()["kv_cache_total_blocks"]
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer and chat template, with the Hugging Face methods code
+        written for vLLM calls (``encode``, ``decode``, ``apply_chat_template``,
+        ``eos_token_id``, ...)."""
+        return Tokenizer(self._engine)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of ``text``, as a prompt is tokenized."""
-        return self._engine.encode(text, add_special_tokens)
+        return self.get_tokenizer().encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._engine.decode(list(token_ids), skip_special_tokens)
+        return self.get_tokenizer().decode(token_ids, skip_special_tokens)
 
     def close(self) -> None:
         """Stops the engine (``with LLM() as llm:`` does it at the end)."""
@@ -245,6 +348,8 @@ class LLM:
     def _submit(self, batch, kind: str, body: Dict[str, Any], params: SamplingParams, text, capture_json,
                 stream: bool = False):
         arrival = time.time()
+        if self._seed is not None and body.get("seed") is None:
+            body = dict(body, seed=(self._seed * 1_000_003 + next(self._seeds)) % (1 << 63))
         ids = batch.submit(kind, json.dumps(body), capture_json, stream)
         if kind == "chat":
             text = self._engine.decode(ids)
@@ -303,11 +408,26 @@ def _stream_events(batch, request: Request) -> Iterator[RequestOutput]:
             batch.abort()
 
 
-def _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools) -> Dict[str, Any]:
+def _check_chat_extras(chat_template, content_format, mm_processor_kwargs) -> None:
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise _invalid("chat_template", "chat_template must be the template's text (a str)")
+    if content_format not in ("auto", "string", "openai"):
+        raise _invalid(
+            "chat_template_content_format",
+            f"chat_template_content_format must be auto, string or openai, got {content_format!r}",
+        )
+    if mm_processor_kwargs:
+        raise _invalid("mm_processor_kwargs", "lantern runs text models: mm_processor_kwargs must be None")
+
+
+def _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+                  chat_template=None) -> Dict[str, Any]:
     options: Dict[str, Any] = {
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final_message,
     }
+    if chat_template is not None:
+        options["chat_template"] = chat_template
     if chat_template_kwargs is not None:
         options["chat_template_kwargs"] = chat_template_kwargs
     if tools is not None:

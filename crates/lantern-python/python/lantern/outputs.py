@@ -31,6 +31,8 @@ class CompletionOutput:
     finish_reason: Optional[str] = None
     # The stop string or stop token id that ended the sequence.
     stop_reason: Union[int, str, None] = None
+    # vLLM's: no LoRA adapter runs here.
+    lora_request: None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -62,6 +64,12 @@ class RequestOutput:
     num_cached_tokens: Optional[int] = None
     attention: Optional[Attention] = None
     attention_error: Optional[str] = None
+    # vLLM's fields for encoder-decoder models, adapters and disaggregated serving:
+    # always None here (decoder-only models, one process).
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    lora_request: None = None
+    kv_transfer_params: None = None
     # Each sequence's new text in the last streamed update (streaming only).
     deltas: List[str] = field(default_factory=list, repr=False)
     # Streaming with a capture of spans or top-k: the live figures of the rows that

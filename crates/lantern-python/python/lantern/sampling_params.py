@@ -94,8 +94,42 @@ class SamplingParams:
     bad_words: Optional[List[str]] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[Union[StructuredOutputsParams, Dict[str, Any]]] = None
+    # vLLM's, accepted: fast tokenizers' decoding ignores the first (vLLM's too), the
+    # offline API returns whole outputs whatever the kind, and extra_args feed custom
+    # logits processors, which lantern does not load.
+    spaces_between_special_tokens: bool = True
+    output_kind: Any = None
+    extra_args: Optional[Dict[str, Any]] = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
+        # vLLM's normal forms: seed -1 is none, True logprobs are one alternative, stop
+        # strings and stop token ids are lists.
+        if self.seed == -1:
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.detokenize is not True:
+            raise _invalid("detokenize", "detokenize=False is not supported: outputs always carry their text")
+        self._check_finite()
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
+        ):
+            raise _invalid("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
+        # The server's own checks, on the same fields (a placeholder prompt).
+        _lantern.check_sampling(json.dumps(self._fields("completion", with_logprobs=False)))
+
+    def _check_finite(self) -> None:
+        """Non-finite numbers named here (JSON has none; they could be set after the
+        parameters were made)."""
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
@@ -104,12 +138,6 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if isinstance(bias, (int, float)) and not isinstance(bias, bool) and not math.isfinite(bias):
                     raise _invalid("logit_bias", f"logit_bias[{token!r}] must be a finite number, got {bias}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
-        ):
-            raise _invalid("logprobs", f"logprobs must be an int >= 0 (or None), got {self.logprobs!r}")
-        # The server's own checks, on the same fields (a placeholder prompt).
-        _lantern.check_sampling(json.dumps(self._fields("completion", with_logprobs=False)))
 
     def _structured(self) -> Optional[Dict[str, Any]]:
         s = self.structured_outputs
@@ -124,6 +152,7 @@ class SamplingParams:
     def _fields(self, kind: str, with_logprobs: bool = True) -> Dict[str, Any]:
         """The request fields these parameters are, for the "completion" or "chat"
         endpoint's body."""
+        self._check_finite()
         body: Dict[str, Any] = {}
         for name in _SERVER_FIELDS:
             value = getattr(self, name)

@@ -170,6 +170,12 @@ def test_an_llm_seed_repeats_sampling_run_after_run():
     assert runs[0][0] != runs[0][1]  # each request its own draw
 
 
+def test_a_chat_template_may_be_given_as_text():
+    with lantern.LLM(kv_cache_memory="64M", chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}") as llm:
+        (out,) = llm.chat(MESSAGES, lantern.SamplingParams(temperature=0, max_tokens=1))
+        assert out.prompt == f"<{MESSAGES[0]['content']}>"
+
+
 def test_token_prompts_and_logprobs_equal_the_servers(llm, srv):
     ids = llm.encode(PROMPTS[0])
     params = lantern.SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
@@ -374,6 +380,8 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
     raises_naming("no_such_option", lambda: lantern.LLM(no_such_option=1))
+    raises_naming("chat_template", lambda: lantern.LLM(chat_template="/no/such/template.jinja"))
+    raises_naming("chat_template", lambda: lantern.LLM(chat_template="{% for m %}"))
     raises_naming("tensor_parallel_size", lambda: lantern.LLM(tensor_parallel_size=2))
     raises_naming("prompt", lambda: llm.generate(["ok", None], greedy))
     raises_naming("prompt", lambda: llm.generate(5, greedy))

@@ -64,7 +64,8 @@ pub struct EngineArgs {
     /// safetensors store it.
     #[arg(long, value_parser = parse_quantize)]
     pub quantize: Option<GgmlDType>,
-    /// A Jinja chat template file that replaces the model's own.
+    /// A Jinja chat template that replaces the model's own: a file, or the template's
+    /// text itself (as vLLM takes it).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
     /// Most tokens a request may hold, prompt and generated together (default: the

@@ -114,6 +114,14 @@ pub enum LoadEngineError {
 }
 
 /// Loads the model at `path` as `load` says and starts an engine over it.
+/// A `--chat-template` that is the template's text rather than a file's path (vLLM
+/// takes both): no such file, and Jinja's braces or a line break in it.
+fn inline_template(given: &Path) -> Option<&str> {
+    let text = given.to_str()?;
+    let jinja = text.contains(['{', '}', '\n']);
+    (jinja && !given.exists()).then_some(text)
+}
+
 pub fn load_engine(
     path: &Path,
     load: &ModelLoad,
@@ -129,18 +137,25 @@ pub fn load_engine(
         })?;
     let loaded = &mut placed.loaded;
     if let Some(file) = &load.chat_template {
-        let source =
-            std::fs::read_to_string(file).map_err(|source| LoadEngineError::ReadChatTemplate {
-                path: file.clone(),
-                source,
-            })?;
+        let source = match inline_template(file) {
+            Some(text) => text.to_string(),
+            None => std::fs::read_to_string(file).map_err(|source| {
+                LoadEngineError::ReadChatTemplate {
+                    path: file.clone(),
+                    source,
+                }
+            })?,
+        };
         let template = ChatTemplate::new(
             &source,
             loaded.tokenizer.bos_token().unwrap_or_default(),
             loaded.tokenizer.eos_token().unwrap_or_default(),
         )
         .map_err(|e| LoadEngineError::ChatTemplate {
-            path: file.clone(),
+            path: match inline_template(file) {
+                Some(_) => PathBuf::from("(given as text)"),
+                None => file.clone(),
+            },
             message: e.to_string(),
         })?;
         loaded.chat_template = Some(template);

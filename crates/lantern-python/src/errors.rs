@@ -141,6 +141,14 @@ const OPTION_FLAGS: [(&str, &str); 8] = [
 /// model that does not load) an `EngineError`.
 pub fn build_error(message: String) -> PyErr {
     const INVALID: &str = "invalid engine configuration: ";
+    if message.starts_with("reading chat template ") || message.starts_with("chat template ") {
+        return raise(
+            true,
+            format!("chat_template: {message}"),
+            Some("chat_template".to_string()),
+            400,
+        );
+    }
     let Some(detail) = message.strip_prefix(INVALID) else {
         return engine_error(message);
     };

@@ -4,6 +4,7 @@ too small for all requests at once preempts and recomputes without changing resu
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from conftest import SMOLLM2_BLOCK_BYTES, start_server, stop_server
@@ -35,6 +36,30 @@ def test_prefix_cache_hit_gives_identical_tokens(server, client):
     hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     assert hits >= 2 * 256
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt(server, client):
+    prompt = "Tenant notes. " + LONG_PREFIX + "\nQuestion: what comes after 5?\nAnswer:"
+
+    def cached(**salt):
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body=salt)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+
+    unsalted, text = cached()
+    assert unsalted == 0  # a prompt not seen before
+    assert cached(cache_salt="tenant a") == (0, text)  # the unsalted blocks are not a's
+    hit, again = cached(cache_salt="tenant a")
+    assert hit >= 256 and again == text
+    assert cached(cache_salt="tenant b")[0] == 0
+    assert cached()[0] >= 256
+    # Prompt logprobs' kept rows are salted too.
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": "tenant c", "prompt_logprobs": 1})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"
 
 
 @pytest.fixture(scope="module")

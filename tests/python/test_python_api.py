@@ -138,6 +138,12 @@ def test_vllm_style_calls_work_as_in_vllm(llm):
     assert llm.generate(list(np.array(ids)), greedy)[0].outputs[0].text == plain
     from lantern.inputs import TokensPrompt
     assert llm.generate(TokensPrompt(prompt_token_ids=ids), greedy)[0].outputs[0].text == plain
+    # A salted prompt shares no blocks with unsalted ones (vLLM's cache_salt).
+    long_ids = tok.encode(" ".join(PROMPTS) * 6)
+    llm.generate(long_ids, greedy)
+    assert llm.generate(long_ids, greedy)[0].num_cached_tokens >= 32
+    (salted,) = llm.generate(TokensPrompt(prompt_token_ids=long_ids, cache_salt="tenant"), greedy)
+    assert salted.num_cached_tokens == 0
     # vLLM's normal forms of SamplingParams.
     p = lantern.SamplingParams(seed=-1, logprobs=True, stop="x")
     assert (p.seed, p.logprobs, p.stop, p.stop_token_ids) == (None, 1, ["x"], [])

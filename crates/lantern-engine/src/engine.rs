@@ -721,8 +721,8 @@ impl Engine {
                 .get_mut(&s.id)
                 .ok_or(EngineError::LostRequest(s.id))?;
             req.num_computed_tokens += s.num_tokens;
-            self.kv
-                .cache_blocks(s.id, req.token_seq().prefix(req.num_computed_tokens), &[])?;
+            let computed = req.token_seq().prefix(req.num_computed_tokens);
+            self.kv.cache_blocks(s.id, computed, req.cache_keys())?;
             // Sliding-window blocks no later query can see go back to the pool; a
             // capturing request keeps them, since its early rows read them at the end.
             if req.capture.is_none() {
@@ -761,7 +761,9 @@ impl Engine {
                 let entries = prompt_logprob_rows(&logits, rows.first_row, &tokens, k)?;
                 req.prompt_logprobs.extend(entries);
                 if req.scores_prompt_only() && self.kv.prefix_caching_enabled() {
-                    self.scored.record(req.prompt(), &req.prompt_logprobs, k);
+                    let salt = req.cache_keys();
+                    self.scored
+                        .record(req.prompt(), &req.prompt_logprobs, k, salt);
                 }
             }
             if rows.samples && req.params.max_tokens == 0 {

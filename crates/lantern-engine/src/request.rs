@@ -195,11 +195,17 @@ impl Request {
         self.wants_prompt_rows() || self.capture.is_some()
     }
 
-    /// The prefix-cache keys of the prompt's full blocks of `block_size` tokens (no
-    /// extra keys, as the scheduler's lookups).
+    /// The prefix-cache keys of the prompt's full blocks of `block_size` tokens, with
+    /// its [`Self::cache_keys`] as the scheduler's lookups.
     pub fn prompt_block_hashes(&self, block_size: usize) -> &[BlockHash] {
-        self.prompt_hashes
-            .get_or_init(|| lantern_kv::hash_request_blocks(&self.prompt, block_size, &[]))
+        self.prompt_hashes.get_or_init(|| {
+            lantern_kv::hash_request_blocks(&self.prompt, block_size, self.cache_keys())
+        })
+    }
+
+    /// The extra bytes of its blocks' prefix-cache keys: its cache salt (none without).
+    pub fn cache_keys(&self) -> &[u8] {
+        self.params.cache_salt.as_deref().map_or(&[], str::as_bytes)
     }
 
     /// Whether the prompt positions it computes itself serve only its prompt logprobs

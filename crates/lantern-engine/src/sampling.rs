@@ -65,6 +65,10 @@ pub struct SamplingParams {
     pub token_filter: crate::token_filter::TokenFilter,
     /// vLLM's `skip_special_tokens`: special tokens (end of turn, ...) have no text.
     pub skip_special_tokens: bool,
+    /// Not sampling but carried with it: vLLM's `cache_salt`, part of the prefix-cache
+    /// keys of the request's blocks, so that only requests with the same salt share
+    /// them (tenants cannot learn each other's prompts from cache hits).
+    pub cache_salt: Option<std::sync::Arc<str>>,
 }
 
 impl Default for SamplingParams {
@@ -89,6 +93,7 @@ impl Default for SamplingParams {
             stop_token_text: false,
             token_filter: Default::default(),
             skip_special_tokens: true,
+            cache_salt: None,
         }
     }
 }

@@ -137,7 +137,7 @@ impl Scheduler {
             // Prompt logprobs can take a hit as far as their rows are kept.
             let mut scored_hit = false;
             if req.num_computed_tokens == 0 && !req.computes_every_position() {
-                let cached = kv.get_computed_blocks(id, req.token_seq(), &[]);
+                let cached = kv.get_computed_blocks(id, req.token_seq(), req.cache_keys());
                 req.num_computed_tokens = cached;
                 if req.status == RequestStatus::Waiting {
                     req.num_cached_prompt_tokens = cached;
@@ -300,14 +300,15 @@ fn take_scored_hit(
     let Some(top) = req.params.prompt_logprobs else {
         return false;
     };
-    let mut known = scored.known(req.prompt(), top);
+    let mut known = scored.known(req.prompt(), top, req.cache_keys());
     if known.is_empty() {
         return false;
     }
     // A hit of n tokens needs the rows of tokens 1..=n (token n is scored by the row of
     // position n - 1, which the hit does not compute): at most `known.len()` tokens,
     // which a lookup over one token more allows.
-    let cached = kv.get_computed_blocks(id, req.token_seq().prefix(known.len() + 1), &[]);
+    let lookup = req.token_seq().prefix(known.len() + 1);
+    let cached = kv.get_computed_blocks(id, lookup, req.cache_keys());
     if cached == 0 {
         return false;
     }

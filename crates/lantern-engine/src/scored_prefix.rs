@@ -58,13 +58,14 @@ impl ScoredBlocks {
 
     /// The prompt logprobs with `top` alternatives the records hold for `prompt`'s
     /// leading full blocks: entry `i` for token `i + 1`, through the last block with a
-    /// record of at least `top` alternatives (empty when the first has none).
-    pub fn known(&self, prompt: &[u32], top: usize) -> Vec<PromptTokenLogprob> {
+    /// record of at least `top` alternatives (empty when the first has none). `salt`:
+    /// the request's cache keys ([`crate::request::Request::cache_keys`]).
+    pub fn known(&self, prompt: &[u32], top: usize, salt: &[u8]) -> Vec<PromptTokenLogprob> {
         if self.blocks.is_empty() || self.block_size == 0 {
             return Vec::new();
         }
         let mut known = Vec::new();
-        for hash in hash_request_blocks(prompt, self.block_size, &[]) {
+        for hash in hash_request_blocks(prompt, self.block_size, salt) {
             match self.blocks.get(&hash) {
                 Some(block) if block.top >= top => {
                     known.extend(block.rows.iter().map(|row| PromptTokenLogprob {
@@ -82,7 +83,7 @@ impl ScoredBlocks {
     /// Records the blocks of `prompt` whose tokens all have their logprob in `rows`
     /// (entry `i` for token `i + 1`, with `top` alternatives each) and are not recorded
     /// with `top` or more yet.
-    pub fn record(&mut self, prompt: &[u32], rows: &[PromptTokenLogprob], top: usize) {
+    pub fn record(&mut self, prompt: &[u32], rows: &[PromptTokenLogprob], top: usize, salt: &[u8]) {
         let bs = self.block_size;
         if bs == 0 || self.max_bytes == 0 {
             return;
@@ -92,7 +93,7 @@ impl ScoredBlocks {
         if full_blocks == 0 {
             return;
         }
-        let hashes = hash_request_blocks(&prompt[..full_blocks * bs], bs, &[]);
+        let hashes = hash_request_blocks(&prompt[..full_blocks * bs], bs, salt);
         for (b, hash) in hashes.into_iter().enumerate() {
             if self.blocks.get(&hash).is_some_and(|s| s.top >= top) {
                 continue;
@@ -159,34 +160,42 @@ mod tests {
     fn a_shared_prefix_gives_its_full_blocks_rows_back() {
         let mut scored = ScoredBlocks::new(4, 1 << 20);
         let first: Vec<u32> = (0..11).collect();
-        scored.record(&first, &rows(&first, 2), 2);
+        scored.record(&first, &rows(&first, 2), 2, b"");
         // Two full blocks of the first prompt recorded: rows for tokens 1..=7.
         let mut second = first[..9].to_vec();
         second.extend([50, 51, 52]);
-        let known = scored.known(&second, 2);
+        let known = scored.known(&second, 2, b"");
         assert_eq!(known, rows(&first, 2)[..7].to_vec());
         // Fewer alternatives: the first of them; more, or another first block: nothing.
-        assert_eq!(scored.known(&second, 1), rows(&first, 1)[..7].to_vec());
-        assert_eq!(scored.known(&second, 0), rows(&first, 0)[..7].to_vec());
-        assert!(scored.known(&second, 3).is_empty());
-        assert!(scored.known(&[9, 1, 2, 3, 4, 5, 6, 7], 2).is_empty());
+        assert_eq!(scored.known(&second, 1, b""), rows(&first, 1)[..7].to_vec());
+        assert_eq!(scored.known(&second, 0, b""), rows(&first, 0)[..7].to_vec());
+        assert!(scored.known(&second, 3, b"").is_empty());
+        assert!(scored.known(&[9, 1, 2, 3, 4, 5, 6, 7], 2, b"").is_empty());
+        // Under another cache salt: none of them.
+        assert!(scored.known(&second, 2, b"tenant b").is_empty());
     }
 
     #[test]
     fn more_alternatives_replace_a_record_and_fewer_keep_it() {
         let mut scored = ScoredBlocks::new(4, 1 << 20);
         let prompt: Vec<u32> = (0..9).collect();
-        scored.record(&prompt, &rows(&prompt, 1), 1);
-        scored.record(&prompt, &rows(&prompt, 3), 3);
-        assert_eq!(scored.known(&prompt, 3), rows(&prompt, 3)[..7].to_vec());
+        scored.record(&prompt, &rows(&prompt, 1), 1, b"");
+        scored.record(&prompt, &rows(&prompt, 3), 3, b"");
+        assert_eq!(
+            scored.known(&prompt, 3, b""),
+            rows(&prompt, 3)[..7].to_vec()
+        );
         let bytes = scored.bytes();
-        scored.record(&prompt, &rows(&prompt, 2), 2);
+        scored.record(&prompt, &rows(&prompt, 2), 2, b"");
         assert_eq!(
             scored.bytes(),
             bytes,
             "a record of fewer alternatives is not kept"
         );
-        assert_eq!(scored.known(&prompt, 2), rows(&prompt, 2)[..7].to_vec());
+        assert_eq!(
+            scored.known(&prompt, 2, b""),
+            rows(&prompt, 2)[..7].to_vec()
+        );
     }
 
     #[test]
@@ -195,10 +204,10 @@ mod tests {
         let prompt: Vec<u32> = (0..16).collect();
         let all = rows(&prompt, 1);
         // Rows for tokens 1..=6: only the first block (tokens 0..=3) is whole.
-        scored.record(&prompt, &all[..6], 1);
-        assert_eq!(scored.known(&prompt, 1), all[..3].to_vec());
-        scored.record(&prompt, &all, 1);
-        assert_eq!(scored.known(&prompt, 1), all[..15].to_vec());
+        scored.record(&prompt, &all[..6], 1, b"");
+        assert_eq!(scored.known(&prompt, 1, b""), all[..3].to_vec());
+        scored.record(&prompt, &all, 1, b"");
+        assert_eq!(scored.known(&prompt, 1, b""), all[..15].to_vec());
     }
 
     #[test]
@@ -207,15 +216,15 @@ mod tests {
         let mut scored = ScoredBlocks::new(4, 3 * one_block);
         for start in 0..6u32 {
             let prompt: Vec<u32> = (0..4).map(|j| 100 * start + j).collect();
-            scored.record(&prompt, &rows(&prompt, 1), 1);
+            scored.record(&prompt, &rows(&prompt, 1), 1, b"");
             assert!(scored.bytes() <= 3 * one_block);
         }
         let newest: Vec<u32> = (0..4).map(|j| 500 + j).collect();
         let oldest: Vec<u32> = (0..4).collect();
-        assert_eq!(scored.known(&newest, 1).len(), 3);
-        assert!(scored.known(&oldest, 1).is_empty());
+        assert_eq!(scored.known(&newest, 1, b"").len(), 3);
+        assert!(scored.known(&oldest, 1, b"").is_empty());
         scored.clear();
         assert_eq!(scored.bytes(), 0);
-        assert!(scored.known(&newest, 1).is_empty());
+        assert!(scored.known(&newest, 1, b"").is_empty());
     }
 }

@@ -32,6 +32,8 @@ pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 pub const MAX_CHAT_TEMPLATE_BYTES: usize = 256 << 10;
 /// Largest `logit_bias` (tokens).
 const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+/// Longest `cache_salt`: a tenant's key, not a document.
+const MAX_CACHE_SALT_BYTES: usize = 1024;
 /// Most `bad_words` one request may give.
 const MAX_BAD_WORDS: usize = 1024;
 /// Most unknown field names a warning lists, and the most characters of each.
@@ -62,6 +64,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "allowed_token_ids",
     "bad_words",
     "skip_special_tokens",
+    "cache_salt",
     // Only slow tokenizers' decoding reads it (vLLM's fast ones ignore it too).
     "spaces_between_special_tokens",
     "prompt_logprobs",
@@ -218,6 +221,7 @@ struct CommonFields {
     allowed_token_ids: Option<Vec<u32>>,
     bad_words: Option<Vec<String>>,
     skip_special_tokens: Option<bool>,
+    cache_salt: Option<String>,
     prompt_logprobs: Option<i64>,
     truncate_prompt_tokens: Option<i64>,
     min_tokens: Option<i64>,
@@ -456,6 +460,18 @@ fn common(
         }
         Some(ids) => TokenFilter::allowing(ids),
     };
+    let cache_salt = match &fields.cache_salt {
+        None => None,
+        Some(salt) if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES => {
+            return Err(InvalidRequest::invalid(
+                "cache_salt",
+                format!(
+                    "cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
+                ),
+            ))
+        }
+        Some(salt) => Some(Arc::from(salt.as_str())),
+    };
     let bad_words: Arc<[String]> = fields.bad_words.clone().unwrap_or_default().into();
     if bad_words.len() > MAX_BAD_WORDS {
         return Err(InvalidRequest::invalid(
@@ -522,6 +538,7 @@ fn common(
         logit_bias,
         token_filter,
         skip_special_tokens: fields.skip_special_tokens.unwrap_or(true),
+        cache_salt,
         ..SamplingParams::default()
     };
     let stream_options = fields.stream_options;

@@ -66,6 +66,11 @@ const CHAT_EXTENSION_NAMES: &[&str] = &[
     "min_tokens",
     "truncate_prompt_tokens",
     "chat_template_kwargs",
+    "chat_template",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
+    "cache_salt",
 ];
 
 /// What a response object repeats of its request (OpenAI's response carries them).

@@ -49,6 +49,13 @@ def _prompt_field(prompt: Prompt) -> Union[str, List[int]]:
     return _token_ids(prompt)
 
 
+def _prompt_extras(prompt: Prompt) -> Dict[str, Any]:
+    """A prompt dict's request fields beside its prompt: vLLM's ``cache_salt``."""
+    if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+        return {"cache_salt": prompt["cache_salt"]}
+    return {}
+
+
 def _is_token_id(t: Any) -> bool:
     """An int, numpy's included (``list(np_array)`` gives numpy ints), not a bool."""
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
@@ -235,7 +242,8 @@ class LLM:
         _no_lora_nor_priority(lora_request, priority)
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
-        bodies = [dict(p._fields("completion"), prompt=_prompt_field(x)) for x, p in zip(prompts, params)]
+        bodies = [dict(p._fields("completion"), prompt=_prompt_field(x), **_prompt_extras(x))
+                  for x, p in zip(prompts, params)]
         texts = [x if isinstance(x, str) else x.get("prompt") if isinstance(x, dict) else None for x in prompts]
         return self._run("completion", bodies, params, texts, capture, use_tqdm)
 
@@ -278,7 +286,7 @@ class LLM:
         sequence's new text); the last has ``finished`` set and the capture. Leaving
         the loop early aborts the request."""
         params = sampling_params or SamplingParams()
-        body = dict(params._fields("completion"), prompt=_prompt_field(prompt))
+        body = dict(params._fields("completion"), prompt=_prompt_field(prompt), **_prompt_extras(prompt))
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         return self._stream("completion", body, params, text, capture)
 

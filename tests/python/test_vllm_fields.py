@@ -417,3 +417,19 @@ def test_ping_load_and_invocations(server, client):
     assert c["object"] == "chat.completion"
     r = post({"input": "x"})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_a_clients_request_id_names_the_response(server, client):
+    r = client.completions.create(model=server.model, prompt="x", max_tokens=1,
+                                  extra_body={"request_id": "job-7"})
+    assert r.id == "cmpl-job-7"
+    # The X-Request-Id header wins over the body's field, as in vLLM.
+    c = client.chat.completions.create(
+        model=server.model, messages=QUESTION, max_tokens=1, extra_body={"request_id": "job-7"},
+        extra_headers={"X-Request-Id": "trace-42"},
+    )
+    assert c.id == "chatcmpl-trace-42"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="x", max_tokens=1,
+                                  extra_body={"request_id": "has space"})
+    assert e.value.body["param"] == "request_id"

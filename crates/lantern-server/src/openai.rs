@@ -60,6 +60,19 @@ pub(crate) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The response's id: the client's request id after the kind's prefix, as vLLM makes
+/// it (the `X-Request-Id` header, else the body's `request_id`), or a new one.
+fn client_response_id(kind: Kind, headers: &HeaderMap, body_id: Option<&str>) -> String {
+    let header = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(validate::checked_request_id);
+    match header.as_deref().or(body_id) {
+        Some(base) => format!("{}-{base}", kind.id_prefix()),
+        None => response_id(kind),
+    }
+}
+
 fn response_id(kind: Kind) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now()
@@ -304,7 +317,7 @@ async fn generate(
     warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
     let guide_field = attach_guide(&state, &mut request).await?;
-    let id = response_id(kind);
+    let id = client_response_id(kind, headers, request.request_id.as_deref());
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = id.as_str().into();
     for item in &mut items {

@@ -32,6 +32,17 @@ pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 pub const MAX_CHAT_TEMPLATE_BYTES: usize = 256 << 10;
 /// Largest `logit_bias` (tokens).
 const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+/// Longest `request_id` (and `X-Request-Id`): an id, not a document.
+pub const MAX_REQUEST_ID_CHARS: usize = 256;
+
+/// A client's request id as a response id's base: visible ASCII (it goes into ids,
+/// headers and log lines), not empty, not too long.
+pub fn checked_request_id(id: &str) -> Option<String> {
+    let ok =
+        (1..=MAX_REQUEST_ID_CHARS).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic());
+    ok.then(|| id.to_string())
+}
+
 /// Longest `cache_salt`: a tenant's key, not a document.
 const MAX_CACHE_SALT_BYTES: usize = 1024;
 /// Most `bad_words` one request may give.
@@ -65,6 +76,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "bad_words",
     "skip_special_tokens",
     "cache_salt",
+    "request_id",
     // Only slow tokenizers' decoding reads it (vLLM's fast ones ignore it too).
     "spaces_between_special_tokens",
     "prompt_logprobs",
@@ -222,6 +234,7 @@ struct CommonFields {
     bad_words: Option<Vec<String>>,
     skip_special_tokens: Option<bool>,
     cache_salt: Option<String>,
+    request_id: Option<String>,
     prompt_logprobs: Option<i64>,
     truncate_prompt_tokens: Option<i64>,
     min_tokens: Option<i64>,
@@ -311,6 +324,9 @@ pub struct GenerationRequest {
     /// The attention capture asked for (its spec is also on the one item) and how it is
     /// to be delivered.
     pub capture: Option<CaptureRequest>,
+    /// vLLM's `request_id`: the base of the response's id (the server's `X-Request-Id`
+    /// header wins over it).
+    pub request_id: Option<String>,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -340,6 +356,7 @@ struct Common {
     /// vLLM's `prompt_logprobs`, validated (`None` when streaming: vLLM sends none then).
     prompt_logprobs: Option<usize>,
     truncate_prompt: Option<PromptTruncation>,
+    request_id: Option<String>,
 }
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
@@ -569,6 +586,17 @@ fn common(
                 .and_then(|o| o.continuous_usage_stats)
                 .unwrap_or(false),
         tokens_as_ids: fields.return_tokens_as_token_ids.unwrap_or(false),
+        request_id: match &fields.request_id {
+            None => None,
+            Some(id) => Some(checked_request_id(id).ok_or_else(|| {
+                InvalidRequest::invalid(
+                    "request_id",
+                    format!(
+                        "request_id must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters"
+                    ),
+                )
+            })?),
+        },
         truncate_prompt: match fields.truncate_prompt_tokens {
             None => None,
             Some(-1) => Some(PromptTruncation::ToFit),
@@ -906,6 +934,7 @@ pub fn chat_request(
         chat_echo,
         ignored_fields: ignored_fields(body, CHAT_FIELD_NAMES),
         capture: None,
+        request_id: common.request_id,
     })
 }
 
@@ -1057,6 +1086,7 @@ pub fn completion_request(
         chat_echo: None,
         ignored_fields: ignored_fields(body, COMPLETION_FIELD_NAMES),
         capture: None,
+        request_id: common.request_id,
     })
 }
 

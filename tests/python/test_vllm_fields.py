@@ -433,3 +433,22 @@ def test_a_clients_request_id_names_the_response(server, client):
         client.completions.create(model=server.model, prompt="x", max_tokens=1,
                                   extra_body={"request_id": "has space"})
     assert e.value.body["param"] == "request_id"
+
+
+def test_add_special_tokens_false_leaves_out_the_bos(tmp_path):
+    # A tiny random-weight Gemma 3 (a Hugging Face directory) whose tokenizer adds BOS.
+    srv = start_server("--model", "tests/fixtures/archs/gemma3_text/hf")
+    try:
+        client = srv.client()
+        with_bos = tokenize(srv, prompt="Hello there")
+        without = tokenize(srv, prompt="Hello there", add_special_tokens=False)
+        assert with_bos[1:] == without and len(with_bos) == len(without) + 1
+        for add, expected in [(None, with_bos), (True, with_bos), (False, without)]:
+            extra = {} if add is None else {"add_special_tokens": add}
+            r = client.completions.create(model=srv.model, prompt="Hello there", max_tokens=1, echo=True,
+                                          logprobs=0, extra_body={**extra, "return_tokens_as_token_ids": True})
+            echoed = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+            assert echoed[: len(expected)] == expected, add
+            assert r.usage.prompt_tokens == len(expected)
+    finally:
+        stop_server(srv)

@@ -125,7 +125,7 @@ pub async fn submit(
     let field = first.prompt_field;
     let mut ids = engine
         .prompter()
-        .tokenize((*first.prompt).clone(), true, field)
+        .tokenize((*first.prompt).clone(), first.add_special_tokens, field)
         .await?;
     // Cut as the prompter cuts (`truncate_prompt_tokens`; cutting again is a no-op).
     if let Some(truncation) = first.truncate_prompt {

@@ -34,6 +34,9 @@ pub struct GenerationItem {
     /// Shared by every sample of the request.
     pub stop: Arc<[String]>,
     pub include_stop_str_in_output: bool,
+    /// vLLM's `add_special_tokens`: the tokenizer's BOS goes before a text prompt (a
+    /// chat's, unless its template writes it). True unless the request says false.
+    pub add_special_tokens: bool,
     /// vLLM's `bad_words`: tokenized with the prompt into `params.token_filter`.
     pub bad_words: Arc<[String]>,
     /// Return the prompt's text (completions' `echo`).

@@ -201,8 +201,12 @@ impl Prompter {
                                 .iter()
                                 .any(|s| !matches!(s.at, SpanAt::Tokens(_)))
                         });
-                        let (mut ids, source) =
-                            this.tokenize_sourced(&prompt, true, item.prompt_field, by_text)?;
+                        let (mut ids, source) = this.tokenize_sourced(
+                            &prompt,
+                            item.add_special_tokens,
+                            item.prompt_field,
+                            by_text,
+                        )?;
                         let cut = item.truncate_prompt.map_or(0, |t| {
                             t.cut(ids.len(), this.context_length, item.max_tokens)
                         });

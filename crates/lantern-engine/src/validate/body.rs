@@ -77,6 +77,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "skip_special_tokens",
     "cache_salt",
     "request_id",
+    "add_special_tokens",
     // Only slow tokenizers' decoding reads it (vLLM's fast ones ignore it too).
     "spaces_between_special_tokens",
     "prompt_logprobs",
@@ -235,6 +236,7 @@ struct CommonFields {
     skip_special_tokens: Option<bool>,
     cache_salt: Option<String>,
     request_id: Option<String>,
+    add_special_tokens: Option<bool>,
     prompt_logprobs: Option<i64>,
     truncate_prompt_tokens: Option<i64>,
     min_tokens: Option<i64>,
@@ -357,6 +359,7 @@ struct Common {
     prompt_logprobs: Option<usize>,
     truncate_prompt: Option<PromptTruncation>,
     request_id: Option<String>,
+    add_special_tokens: bool,
 }
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
@@ -586,6 +589,7 @@ fn common(
                 .and_then(|o| o.continuous_usage_stats)
                 .unwrap_or(false),
         tokens_as_ids: fields.return_tokens_as_token_ids.unwrap_or(false),
+        add_special_tokens: fields.add_special_tokens.unwrap_or(true),
         request_id: match &fields.request_id {
             None => None,
             Some(id) => Some(checked_request_id(id).ok_or_else(|| {
@@ -740,6 +744,7 @@ fn expand(
                 max_tokens_field: common.max_tokens_field,
                 stop: common.stop.clone(),
                 include_stop_str_in_output: common.include_stop,
+                add_special_tokens: common.add_special_tokens,
                 bad_words: common.bad_words.clone(),
                 echo,
                 prompt_field,

@@ -521,3 +521,21 @@ def test_a_missing_model_says_what_lantern_reads():
     message = str(e.value)
     assert "Qwen/Qwen2.5-0.5B-Instruct: no such file or directory" in message, message
     assert "does not download from a model hub" in message, message
+
+
+def test_the_models_generation_config_gives_the_default_sampling_params(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "hf"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "tests/fixtures/archs/llama/hf", model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(dict(config, temperature=0.9, top_k=1)))
+    with lantern.LLM(model, kv_cache_memory="64M") as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k) == (0.9, 1)
+        # Calls without parameters sample with them: top_k 1 is greedy.
+        greedy = llm.generate("Hello there", lantern.SamplingParams(temperature=0))[0].outputs[0].text
+        assert [llm.generate("Hello there")[0].outputs[0].text for _ in range(3)] == [greedy] * 3
+    with lantern.LLM(model, kv_cache_memory="64M", generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params().top_k == 0

@@ -452,3 +452,41 @@ def test_add_special_tokens_false_leaves_out_the_bos(tmp_path):
             assert r.usage.prompt_tokens == len(expected)
     finally:
         stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def recommending_model(tmp_path_factory):
+    """The tiny Llama directory with a generation_config.json that recommends top_k 1
+    (greedy whatever the temperature)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    model = tmp_path_factory.mktemp("recommending") / "hf"
+    shutil.copytree(root / "tests/fixtures/archs/llama/hf", model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.9, top_k=1)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    return str(model)
+
+
+def test_the_models_generation_config_gives_the_defaults(recommending_model):
+    def choices(srv, **fields):
+        r = srv.client().completions.create(model=srv.model, prompt="Hello there", max_tokens=8, n=3,
+                                            extra_body={"ignore_eos": True, **fields})
+        return [c.text for c in r.choices]
+
+    srv = start_server("--model", recommending_model)
+    try:
+        defaulted = choices(srv)
+        assert len(set(defaulted)) == 1  # top_k 1 from the model: one greedy text
+        assert defaulted == choices(srv, temperature=0)
+        assert len(set(choices(srv, top_k=0, seed=5))) > 1  # a request's own value wins
+    finally:
+        stop_server(srv)
+    srv = start_server("--model", recommending_model, "--generation-config", "vllm")
+    try:
+        assert len(set(choices(srv, seed=5))) > 1
+    finally:
+        stop_server(srv)

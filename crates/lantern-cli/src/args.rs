@@ -68,6 +68,11 @@ pub struct EngineArgs {
     /// text itself (as vLLM takes it).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// Where requests' sampling defaults come from: `auto`, the model's
+    /// generation_config.json (a Hugging Face directory's) for the fields a request
+    /// leaves out, as vLLM does; `vllm`, the API's own defaults only.
+    #[arg(long, value_name = "SOURCE", default_value = "auto", value_parser = ["auto", "vllm"])]
+    pub generation_config: String,
     /// Most tokens a request may hold, prompt and generated together (default: the
     /// model's context); `serve` refuses a request over it with a 400, as vLLM does.
     #[arg(long, value_name = "TOKENS")]
@@ -188,6 +193,7 @@ impl EngineArgs {
             device: self.device,
             gpu_memory_utilization: self.gpu_memory_utilization,
             chat_template: self.chat_template.clone(),
+            model_sampling_defaults: self.generation_config == "auto",
         };
         let engine = lantern_engine::options::load_engine(&path, &load, config)?;
         if verbose {

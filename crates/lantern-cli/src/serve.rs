@@ -319,6 +319,13 @@ async fn serve_while_loading(
             "--attention-capture-layers names layer {bad}, but the model has {layers} layers"
         );
     }
+    if !meta.sampling_defaults.is_empty() {
+        // As vLLM says it: the defaults change what a request without them samples.
+        println!(
+            "lantern: requests that leave them out sample with the model's generation_config.json defaults: {} (--generation-config vllm for none)",
+            meta.sampling_defaults
+        );
+    }
     let routes =
         lantern_server::router(engine.clone(), config).context("starting the capture worker")?;
     let _ = loaded.set((engine, engine_thread));

@@ -22,6 +22,7 @@ use lantern_guided::{Constraint, TokenMask};
 use lantern_kv::{
     AttentionKind, KvCacheConfig, KvCacheManager, KvCacheSpec, PrefixCacheStats, RequestId,
 };
+use lantern_model::hf::generation_config::SamplingDefaults;
 use lantern_model::{CausalLm, ChatMessage, ChatTemplate, LoadedModel, ModelInfo, ModelTokenizer};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -99,6 +100,8 @@ pub struct Engine {
     /// Shared with request tasks, which tokenize off the engine thread.
     tokenizer: Arc<ModelTokenizer>,
     chat_template: Option<Arc<ChatTemplate>>,
+    /// The model's recommended sampling defaults, for requests that leave them out.
+    sampling_defaults: SamplingDefaults,
     config: EngineConfig,
     /// Kept to start the KV cache over after a fault ([`Engine::reset`]).
     kv_config: KvCacheConfig,
@@ -226,6 +229,7 @@ impl Engine {
             model: loaded.model,
             tokenizer: Arc::new(loaded.tokenizer),
             chat_template: loaded.chat_template.map(Arc::new),
+            sampling_defaults: loaded.sampling_defaults,
             config,
             kv_config,
             requests: HashMap::new(),
@@ -253,6 +257,12 @@ impl Engine {
     /// The tokenizer, for use on other threads.
     pub fn shared_tokenizer(&self) -> Arc<ModelTokenizer> {
         self.tokenizer.clone()
+    }
+
+    /// The sampling defaults the model recommends (`generation_config.json`), which a
+    /// front end gives requests that leave those fields out.
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling_defaults
     }
 
     /// The chat template, for use on other threads.

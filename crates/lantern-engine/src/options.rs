@@ -73,6 +73,10 @@ pub struct ModelLoad {
     pub gpu_memory_utilization: Option<f32>,
     /// A Jinja chat template file that replaces the model's own.
     pub chat_template: Option<PathBuf>,
+    /// Whether requests get the model's recommended sampling defaults
+    /// (`generation_config.json`) for the fields they leave out: vLLM's
+    /// `--generation-config auto` (its default) against `vllm`.
+    pub model_sampling_defaults: bool,
 }
 
 /// Why a model path (given as `field`) names nothing, with a hint when it looks like a
@@ -136,6 +140,9 @@ pub fn load_engine(
             other => Box::new(other).into(),
         })?;
     let loaded = &mut placed.loaded;
+    if !load.model_sampling_defaults {
+        loaded.sampling_defaults = Default::default();
+    }
     if let Some(file) = &load.chat_template {
         let source = match inline_template(file) {
             Some(text) => text.to_string(),

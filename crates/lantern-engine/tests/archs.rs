@@ -245,6 +245,7 @@ fn with_extra_keys(
         model,
         tokenizer,
         chat_template: None,
+        sampling_defaults: Default::default(),
     })
 }
 

@@ -160,6 +160,9 @@ pub struct LoadedModel {
     pub model: Box<dyn CausalLm>,
     pub tokenizer: ModelTokenizer,
     pub chat_template: Option<ChatTemplate>,
+    /// The sampling defaults the model recommends (a Hugging Face directory's
+    /// `generation_config.json`; none for GGUF files).
+    pub sampling_defaults: hf::generation_config::SamplingDefaults,
 }
 
 /// A progress bar over the tensors being loaded (hidden when not wanted).
@@ -270,6 +273,7 @@ pub fn load_model_on(
         model,
         tokenizer,
         chat_template,
+        sampling_defaults: Default::default(),
     })
 }
 
@@ -296,12 +300,14 @@ fn load_hf_directory(
             tokenizer.eos_token().unwrap_or_default(),
         )
     });
+    let sampling_defaults = hf::generation_config::SamplingDefaults::read(dir)?;
     let spec = archs::describe(&source)?;
     let model = device.build(&mut source, spec, &progress, options)?;
     Ok(LoadedModel {
         model,
         tokenizer,
         chat_template,
+        sampling_defaults,
     })
 }
 

@@ -53,7 +53,7 @@ impl Engine {
         model=None, *, kv_cache_memory=None, kv_cache_dtype=None, block_size=None,
         attention_backend=None, max_num_batched_tokens=None, max_num_seqs=None,
         enable_prefix_caching=None, f32_weights=None, quantize=None, chat_template=None,
-        max_model_len=None, threads=None, enable_attention_capture=None,
+        generation_config=None, max_model_len=None, threads=None, enable_attention_capture=None,
         max_capture_bytes=None, device=None, gpu_memory_utilization=None, enforce_eager=None
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -70,6 +70,7 @@ impl Engine {
         f32_weights: Option<bool>,
         quantize: Option<String>,
         chat_template: Option<PathBuf>,
+        generation_config: Option<String>,
         max_model_len: Option<usize>,
         threads: Option<usize>,
         enable_attention_capture: Option<bool>,
@@ -90,6 +91,7 @@ impl Engine {
             f32_weights,
             quantize,
             chat_template,
+            generation_config,
             max_model_len,
             threads,
             enable_attention_capture,
@@ -147,6 +149,9 @@ impl Engine {
         d.set_item("num_heads", meta.num_heads)?;
         d.set_item("block_size", meta.block_size)?;
         d.set_item("capture_enabled", self.settings.enabled)?;
+        let defaults = serde_json::to_string(meta.sampling_defaults.fields())
+            .map_err(|e| engine_error(e.to_string()))?;
+        d.set_item("sampling_defaults", defaults)?;
         Ok(d)
     }
 

@@ -46,6 +46,7 @@ pub struct RawOptions {
     pub f32_weights: Option<bool>,
     pub quantize: Option<String>,
     pub chat_template: Option<PathBuf>,
+    pub generation_config: Option<String>,
     pub max_model_len: Option<usize>,
     pub threads: Option<usize>,
     pub enable_attention_capture: Option<bool>,
@@ -70,6 +71,8 @@ pub struct EngineOptions {
     pub f32_weights: bool,
     pub quantize: Option<GgmlDType>,
     pub chat_template: Option<PathBuf>,
+    /// The model's generation_config.json sampling defaults apply (vLLM's `auto`).
+    pub model_sampling_defaults: bool,
     pub threads: Option<usize>,
     pub capture: CaptureSettings,
     pub device: DeviceChoice,
@@ -194,6 +197,16 @@ impl RawOptions {
                 .map(|s| parse_weight_type(s).map_err(|e| OptionError::new("quantize", e)))
                 .transpose()?,
             chat_template: self.chat_template,
+            model_sampling_defaults: match self.generation_config.as_deref() {
+                None | Some("auto") => true,
+                Some("vllm") => false,
+                Some(other) => {
+                    return Err(OptionError::new(
+                        "generation_config",
+                        format!("generation_config is \"auto\" or \"vllm\", not {other:?}"),
+                    ))
+                }
+            },
             threads: positive("threads", self.threads)?,
             capture,
             device,
@@ -234,6 +247,7 @@ impl EngineOptions {
             device: self.device,
             gpu_memory_utilization: self.gpu_memory_utilization,
             chat_template: self.chat_template.clone(),
+            model_sampling_defaults: self.model_sampling_defaults,
         };
         load_engine(path, &load, self.config.clone()).map_err(|e| e.to_string())
     }

@@ -303,7 +303,9 @@ async fn generate(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(body)?;
-    let value = validate::parse_body(&bytes)?;
+    let mut value = validate::parse_body(&bytes)?;
+    // The model's recommended sampling defaults, for the fields the request leaves out.
+    state.engine.meta().sampling_defaults.fill(&mut value);
     let limits = ModelLimits {
         served_name: &state.served_model_name,
         aliases: &state.served_model_names,

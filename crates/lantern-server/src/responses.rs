@@ -170,7 +170,8 @@ async fn respond(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let value = validate::parse_body(&body_bytes(body)?)?;
+    let mut value = validate::parse_body(&body_bytes(body)?)?;
+    state.engine.meta().sampling_defaults.fill(&mut value);
     let limits = ModelLimits {
         served_name: &state.served_model_name,
         aliases: &state.served_model_names,

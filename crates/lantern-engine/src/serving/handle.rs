@@ -31,6 +31,9 @@ pub struct ModelMeta {
     /// Compiles structured-output grammars for this model's vocabulary (`Err`: why
     /// structured output is unavailable).
     pub guided: Result<GuidedVocab, String>,
+    /// The sampling defaults the model recommends: a request that leaves one of these
+    /// fields out gets it (vLLM's `--generation-config auto`).
+    pub sampling_defaults: lantern_model::hf::generation_config::SamplingDefaults,
 }
 
 type AddReply = oneshot::Sender<Result<Vec<Accepted>, ServeError>>;
@@ -132,6 +135,7 @@ impl EngineHandle {
                         .unwrap_or(0),
                     guided: GuidedVocab::new(engine.tokenizer(), info.vocab_size)
                         .map_err(|e| e.to_string()),
+                    sampling_defaults: engine.sampling_defaults().clone(),
                 };
                 let prompter = Prompter::new(
                     engine.shared_tokenizer(),

@@ -4,6 +4,7 @@
 //! `1 + w`, Llama 3 scaling as `rope_freqs.weight`, tied embeddings without `output.weight`.
 
 pub mod config;
+pub mod generation_config;
 pub mod names;
 mod rope_scaling;
 pub mod tokenizer;

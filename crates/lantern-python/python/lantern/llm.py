@@ -97,9 +97,10 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
     return prompts
 
 
-def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int) -> List[SamplingParams]:
+def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int,
+                default: SamplingParams) -> List[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if isinstance(params, dict):
@@ -148,7 +149,8 @@ def _no_lora_nor_priority(lora_request: Any, priority: Any) -> None:
 # The engine's options (the CLI's flags).
 _ENGINE_OPTIONS = (
     "kv_cache_memory", "kv_cache_dtype", "block_size", "attention_backend", "max_num_batched_tokens",
-    "max_num_seqs", "enable_prefix_caching", "f32_weights", "quantize", "chat_template", "max_model_len",
+    "max_num_seqs", "enable_prefix_caching", "f32_weights", "quantize", "chat_template", "generation_config",
+    "max_model_len",
     "threads", "enable_attention_capture", "max_capture_bytes", "device", "gpu_memory_utilization",
     "enforce_eager",
 )
@@ -222,6 +224,7 @@ class LLM:
                 raise _invalid(name, f"{name} must be a whole number >= 0, got {value!r}")
         self._engine = _lantern.Engine(None if model is None else os.fspath(model), **engine_options)
         self._info = self._engine.info()
+        self._info["sampling_defaults"] = json.loads(self._info["sampling_defaults"])
 
     # -- generation
 
@@ -241,7 +244,7 @@ class LLM:
         each prompt's attention into its output's ``attention``."""
         _no_lora_nor_priority(lora_request, priority)
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
         bodies = [dict(p._fields("completion"), prompt=_prompt_field(x), **_prompt_extras(x))
                   for x, p in zip(prompts, params)]
         texts = [x if isinstance(x, str) else x.get("prompt") if isinstance(x, dict) else None for x in prompts]
@@ -269,7 +272,7 @@ class LLM:
         _no_lora_nor_priority(lora_request, None)
         _check_chat_extras(chat_template, chat_template_content_format, mm_processor_kwargs)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
-        params = _per_prompt(sampling_params, len(conversations))
+        params = _per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
                                 chat_template)
         bodies = [dict(p._fields("chat"), messages=list(c), **options) for c, p in zip(conversations, params)]
@@ -285,7 +288,7 @@ class LLM:
         """Yields the prompt's ``RequestOutput`` as it grows (``deltas`` holds each
         sequence's new text); the last has ``finished`` set and the capture. Leaving
         the loop early aborts the request."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         body = dict(params._fields("completion"), prompt=_prompt_field(prompt), **_prompt_extras(prompt))
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         return self._stream("completion", body, params, text, capture)
@@ -303,7 +306,7 @@ class LLM:
         tools: Optional[List[Dict[str, Any]]] = None,
     ) -> Iterator[RequestOutput]:
         """``stream`` for one conversation."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         options = _chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
                                 chat_template)
         body = dict(params._fields("chat"), messages=list(messages), **options)
@@ -313,7 +316,8 @@ class LLM:
 
     @property
     def model_info(self) -> Dict[str, Any]:
-        """The model: name, context length, vocabulary, layers, heads, block size."""
+        """The model: name, context length, vocabulary, layers, heads, block size, and
+        the sampling defaults it recommends."""
         return dict(self._info)
 
     def stats(self) -> Dict[str, Any]:
@@ -327,6 +331,13 @@ class LLM:
     @property
     def kv_cache_total_blocks(self) -> int:
         return self._engine.stats()["kv_cache_total_blocks"]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters a call without ``sampling_params`` samples with: vLLM's
+        defaults, with the model's recommended ones (a Hugging Face directory's
+        generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty)
+        unless ``LLM(generation_config="vllm")``."""
+        return SamplingParams(**self._info["sampling_defaults"])
 
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer and chat template, with the Hugging Face methods code

@@ -144,6 +144,12 @@ def test_vllm_style_calls_work_as_in_vllm(llm):
     assert llm.generate(long_ids, greedy)[0].num_cached_tokens >= 32
     (salted,) = llm.generate(TokensPrompt(prompt_token_ids=long_ids, cache_salt="tenant"), greedy)
     assert salted.num_cached_tokens == 0
+    # Every sampled token is ranked, in the top alternatives or not.
+    (hot,) = llm.generate(PROMPTS[0], lantern.SamplingParams(temperature=1.5, seed=3, max_tokens=12, logprobs=1))
+    for token, entry in zip(hot.outputs[0].token_ids, hot.outputs[0].logprobs):
+        rank = entry[token].rank
+        top = max(entry.values(), key=lambda lp: lp.logprob)
+        assert rank >= 1 and (rank == 1) == (entry[token].logprob >= top.logprob)
     # vLLM's normal forms of SamplingParams.
     p = lantern.SamplingParams(seed=-1, logprobs=True, stop="x")
     assert (p.seed, p.logprobs, p.stop, p.stop_token_ids) == (None, 1, ["x"], [])

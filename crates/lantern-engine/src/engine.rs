@@ -787,6 +787,7 @@ impl Engine {
                         let logprobs = reduced.score.as_ref().map(|s| TokenLogprobs {
                             token_id: reduced.token,
                             logprob: s.logprob,
+                            rank: s.rank,
                             top: s.top.clone(),
                         });
                         self.append_picked(rows.id, reduced.token, logprobs)?

@@ -325,6 +325,8 @@ pub fn apply_token_mask(logits: &mut [f32], allowed: &[u32]) {
 pub struct TokenLogprobs {
     pub token_id: u32,
     pub logprob: f32,
+    /// 1 + how many tokens are more likely (have a larger logit), as vLLM ranks it.
+    pub rank: usize,
     /// The `k` most likely tokens, most likely first (the lowest id first on ties).
     pub top: Vec<(u32, f32)>,
 }
@@ -344,11 +346,11 @@ fn log_sum_exp(logits: &[f32]) -> f32 {
 /// The logprob of `token` and the top `k` of a row of logits (see [`log_softmax`]).
 pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
     let log_sum = log_sum_exp(logits);
+    let chosen = logits.get(token as usize).copied();
     TokenLogprobs {
         token_id: token,
-        logprob: logits
-            .get(token as usize)
-            .map_or(f32::NEG_INFINITY, |&l| l - log_sum),
+        logprob: chosen.map_or(f32::NEG_INFINITY, |l| l - log_sum),
+        rank: 1 + chosen.map_or(logits.len(), |c| logits.iter().filter(|&&l| l > c).count()),
         top: top_k_logprobs(logits, log_sum, k),
     }
 }
@@ -763,6 +765,9 @@ mod tests {
         assert_eq!(lp.top[0].0, 2);
         assert!((lp.top[0].1 - (2.0 - 2.407_606)).abs() < 1e-5);
         assert_eq!(lp.top[1].0, 1);
+        // Ranked below the two larger logits, whatever k; ties share the better rank.
+        assert_eq!(lp.rank, 3);
+        assert_eq!(token_logprobs(&[2.0, 1.0, 2.0], 2, 0).rank, 1);
         assert!(token_logprobs(&[0.0, 1.0], 1, 0).top.is_empty());
         assert_eq!(token_logprobs(&[0.0, 1.0], 1, 10).top.len(), 2);
     }

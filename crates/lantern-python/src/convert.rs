@@ -93,6 +93,7 @@ fn token_logprob<'py>(py: Python<'py>, lp: TokenLogprob) -> PyResult<Bound<'py, 
     d.set_item("token_id", lp.token_id)?;
     d.set_item("token", lp.token)?;
     d.set_item("logprob", lp.logprob)?;
+    d.set_item("rank", lp.rank)?;
     d.set_item("top", lp.top)?;
     Ok(d)
 }

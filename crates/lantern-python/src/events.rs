@@ -18,6 +18,7 @@ pub struct TokenLogprob {
     pub token_id: u32,
     pub token: String,
     pub logprob: f32,
+    pub rank: usize,
     pub top: Vec<(u32, String, f32)>,
 }
 
@@ -100,6 +101,7 @@ async fn ready(
             token_id: lp.token_id,
             token: text_of(lp.token_id),
             logprob: lp.logprob,
+            rank: lp.rank,
             top: lp.top.iter().map(|&(t, l)| (t, text_of(t), l)).collect(),
         }]
     });

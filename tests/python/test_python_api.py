@@ -183,7 +183,8 @@ def test_an_llm_seed_repeats_sampling_run_after_run():
 
 
 def test_a_chat_template_may_be_given_as_text():
-    with lantern.LLM(kv_cache_memory="64M", chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}") as llm:
+    # (A byte count as Python writes a large number, too.)
+    with lantern.LLM(kv_cache_memory=6.4e7, chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}") as llm:
         (out,) = llm.chat(MESSAGES, lantern.SamplingParams(temperature=0, max_tokens=1))
         assert out.prompt == f"<{MESSAGES[0]['content']}>"
 
@@ -392,6 +393,9 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
     raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
     raises_naming("no_such_option", lambda: lantern.LLM(no_such_option=1))
+    raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory=2.5))
+    raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory=[1]))
+    raises_naming("seed", lambda: lantern.SamplingParams(seed=2**70))
     raises_naming("chat_template", lambda: lantern.LLM(chat_template="/no/such/template.jinja"))
     raises_naming("chat_template", lambda: lantern.LLM(chat_template="{% for m %}"))
     raises_naming("tensor_parallel_size", lambda: lantern.LLM(tensor_parallel_size=2))

@@ -173,6 +173,15 @@ def _engine_options(model: Any, options: Dict[str, Any]) -> Dict[str, Any]:
     options = dict(options)
     if "kv_cache_memory_bytes" in options:
         options.setdefault("kv_cache_memory", options.pop("kv_cache_memory_bytes"))
+    for name in ("kv_cache_memory", "max_capture_bytes"):
+        value = options.get(name)
+        if isinstance(value, float):
+            # 2.5e8 bytes, as Python writes large numbers.
+            if not value.is_integer() or value < 0:
+                raise _invalid(name, f"{name} must be a whole number of bytes (or \"512M\"), got {value!r}")
+            options[name] = int(value)
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise _invalid(name, f"{name} must be a number of bytes or a size like \"512M\", got {value!r}")
     if options.get("tokenizer") is not None and model is not None and os.fspath(options["tokenizer"]) == os.fspath(model):
         options["tokenizer"] = None
     for name, allowed in _VLLM_OPTIONS_AT_DEFAULT.items():

@@ -107,6 +107,8 @@ class SamplingParams:
         # strings and stop token ids are lists.
         if self.seed == -1:
             self.seed = None
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool) and not -(2**63) <= self.seed < 2**64:
+            raise _invalid("seed", f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is True:
             self.logprobs = 1
         if self.prompt_logprobs is True:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 
 from conftest import ROOT, _binary, start_server, stop_server
 
@@ -52,6 +53,9 @@ def test_serve_warns_at_start_and_serves_completions(untemplated, tmp_path):
             client.chat.completions.create(model=srv.model, messages=USER, max_tokens=2)
         assert HINT in e.value.body["message"], e.value.body
         assert e.value.body["param"] == "messages"
+        # /tokenize names the same field.
+        r = requests.post(srv.base_url + "/tokenize", json={"messages": USER}, headers=srv.headers(), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     finally:
         stop_server(srv)
 
@@ -64,3 +68,17 @@ def test_generate_chat_names_the_option(untemplated):
     assert generate("--model", untemplated, "--prompt", "Hi").returncode == 0
     out = generate("--model", untemplated, "--chat-template", TEMPLATE, "--chat", "Hi")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_broken_template_in_a_directory_is_a_warning_at_load(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "tests/fixtures/archs/llama/hf", model)
+    config = model / "tokenizer_config.json"
+    fields = json.loads(config.read_text())
+    fields["chat_template"] = "{% for m in messages %}{{ m.content "
+    config.write_text(json.dumps(fields))
+    out = generate("--model", model, "--prompt", "Hi")
+    assert out.returncode == 0, out.stderr
+    assert "the chat template cannot be used" in out.stderr, out.stderr
+    out = generate("--model", model, "--chat", "Hi")
+    assert out.returncode == 1 and "chat template" in out.stderr

@@ -397,6 +397,7 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory=[1]))
     raises_naming("seed", lambda: lantern.SamplingParams(seed=2**70))
     raises_naming("chat_template", lambda: lantern.LLM(chat_template="/no/such/template.jinja"))
+    raises_naming("quantize", lambda: lantern.LLM(quantize="q8_0"))  # a GGUF file keeps its types
     raises_naming("chat_template", lambda: lantern.LLM(chat_template="{% for m %}"))
     raises_naming("tensor_parallel_size", lambda: lantern.LLM(tensor_parallel_size=2))
     raises_naming("prompt", lambda: llm.generate(["ok", None], greedy))

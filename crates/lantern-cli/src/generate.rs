@@ -119,7 +119,7 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
         .collect::<Result<_>>()?;
     for (i, c) in completions.iter().enumerate() {
         if args.json {
-            writeln!(stdout, "{}", completion_json(&engine, c))?;
+            writeln!(stdout, "{}", completion_json(&engine, i, c))?;
         } else if stream {
             writeln!(stdout)?;
         } else {
@@ -145,9 +145,11 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
     Ok(())
 }
 
-fn completion_json(engine: &Engine, c: &Completion) -> serde_json::Value {
+/// One `--json` line: `index` is the prompt's place in input order.
+fn completion_json(engine: &Engine, index: usize, c: &Completion) -> serde_json::Value {
     let decode_secs = (c.total_time - c.time_to_first_token).as_secs_f64();
     json!({
+        "index": index,
         "prompt_token_ids": &c.prompt_token_ids[..],
         "token_ids": c.token_ids,
         "text": c.text,
@@ -165,7 +167,8 @@ fn completion_json(engine: &Engine, c: &Completion) -> serde_json::Value {
     })
 }
 
-/// The prompts in the order they were given on the command line, then the file's.
+/// The prompts in the order they were given on the command line, the file's lines
+/// where `--file` stands.
 fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<PromptInput>> {
     let mut indexed: Vec<(usize, PromptInput)> = Vec::new();
     let positions = |name: &str| -> Vec<usize> {
@@ -180,9 +183,8 @@ fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<Promp
     for (pos, text) in positions("chat").into_iter().zip(&args.chat) {
         indexed.push((pos, PromptInput::Chat(text.clone())));
     }
-    indexed.sort_by_key(|(pos, _)| *pos);
-    let mut inputs: Vec<PromptInput> = indexed.into_iter().map(|(_, p)| p).collect();
     if let Some(path) = &args.file {
+        let at = positions("file").first().copied().unwrap_or(usize::MAX);
         let content = std::fs::read_to_string(path)
             .with_context(|| format!("reading prompts from {}", path.display()))?;
         // A byte-order mark some editors write is not part of the first prompt.
@@ -191,13 +193,14 @@ fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<Promp
             if line.trim().is_empty() {
                 continue;
             }
-            inputs.push(
-                parse_prompt_line(line)
-                    .with_context(|| format!("{}:{}: not a prompt", path.display(), n + 1))?,
-            );
+            let input = parse_prompt_line(line)
+                .with_context(|| format!("{}:{}: not a prompt", path.display(), n + 1))?;
+            indexed.push((at, input));
         }
     }
-    Ok(inputs)
+    // Stable: a file's lines keep their order at its place.
+    indexed.sort_by_key(|(pos, _)| *pos);
+    Ok(indexed.into_iter().map(|(_, p)| p).collect())
 }
 
 fn parse_prompt_line(line: &str) -> Result<PromptInput> {

@@ -131,6 +131,13 @@ pub fn load_engine(
     load: &ModelLoad,
     config: EngineConfig,
 ) -> Result<Engine, LoadEngineError> {
+    if load.weights.quantize.is_some() && !lantern_model::hf::is_hf_directory(path) {
+        return Err(Box::new(EngineError::InvalidConfig(format!(
+            "--quantize converts a Hugging Face directory's weights at load; {} is a GGUF file, whose weights keep the types it stores (convert it with llama.cpp's llama-quantize)",
+            path.display()
+        )))
+        .into());
+    }
     let mut placed =
         crate::device::load_on(load.device, path, &load.weights).map_err(|e| match e {
             EngineError::Model(source) => LoadEngineError::Model {

@@ -30,6 +30,8 @@ pub enum ModelError {
     WrongType { key: String, expected: &'static str },
     #[error("tensor `{name}` is missing from the model file")]
     MissingTensor { name: String },
+    #[error("tensor `{hf}` is missing from the checkpoint (lantern reads it as `{gguf}`)")]
+    MissingHfTensor { hf: String, gguf: String },
     #[error("tensor `{name}` has shape {actual:?}, expected {expected:?}")]
     BadShape {
         name: String,

@@ -300,6 +300,12 @@ fn load_hf_directory(
             tokenizer.eos_token().unwrap_or_default(),
         )
     });
+    if let Some(problem) = chat_template.as_ref().and_then(ChatTemplate::problem) {
+        tracing::warn!(
+            "{}: the chat template cannot be used, chat requests will fail: {problem}",
+            dir.display()
+        );
+    }
     let sampling_defaults = hf::generation_config::SamplingDefaults::read(dir)?;
     let spec = archs::describe(&source)?;
     let model = device.build(&mut source, spec, &progress, options)?;

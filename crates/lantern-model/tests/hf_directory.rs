@@ -295,6 +295,26 @@ fn broken_directories_give_errors_that_name_the_problem() {
 
     let empty = tempfile::tempdir().unwrap();
     assert!(open_error(empty.path()).contains("config.json"));
+
+    // A missing tensor is named as the checkpoint would hold it (renamed in the header,
+    // same length, so the file stays whole).
+    let tmp = scratch_copy("llama");
+    let dir = tmp.path();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let (from, to) = (
+        b"model.layers.0.self_attn.q_proj.weight",
+        b"model.layers.0.self_attn.q_prox.weight",
+    );
+    let at = bytes.windows(from.len()).position(|w| w == from).unwrap();
+    let mut renamed = bytes.clone();
+    renamed[at..at + to.len()].copy_from_slice(to);
+    std::fs::write(dir.join("model.safetensors"), renamed).unwrap();
+    let err = open_error(dir);
+    assert!(
+        err.contains("`model.layers.0.self_attn.q_proj.weight` is missing")
+            && err.contains("blk.0.attn_q.weight"),
+        "{err}"
+    );
 }
 
 #[test]

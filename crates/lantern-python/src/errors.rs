@@ -125,7 +125,7 @@ pub fn option_error(e: OptionError) -> PyErr {
 
 /// The engine's flags and what `LLM` calls them, the first named in a message being the
 /// option at fault ("--gpu-memory-utilization applies to --device cuda only").
-const OPTION_FLAGS: [(&str, &str); 8] = [
+const OPTION_FLAGS: [(&str, &str); 9] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens"),
     ("--gpu-memory-utilization", "gpu_memory_utilization"),
     ("--kv-cache-memory", "kv_cache_memory"),
@@ -134,6 +134,7 @@ const OPTION_FLAGS: [(&str, &str); 8] = [
     ("--block-size", "block_size"),
     ("--device", "device"),
     ("--attention-backend", "attention_backend"),
+    ("--quantize", "quantize"),
 ];
 
 /// The engine could not be built: an invalid configuration, whose message names the

@@ -253,8 +253,12 @@ impl EngineHandle {
         prompt: PromptInput,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, ServeError> {
+        let field = match prompt {
+            PromptInput::Chat(..) => "messages",
+            _ => "prompt",
+        };
         self.prompter
-            .tokenize(prompt, add_special_tokens, "prompt")
+            .tokenize(prompt, add_special_tokens, field)
             .await
     }
 

@@ -197,11 +197,19 @@ impl WeightSource for HfDirectory {
                 return QTensor::quantize(&t, GgmlDType::F32).map_err(wrap);
             }
         }
-        let (_, target) = self
-            .tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-            })?;
+        let (_, target) = self.tensor_info(name).ok_or_else(|| {
+            // Named as the checkpoint would hold it.
+            let held = names::hf_names(name, self.config.sandwich_norms());
+            match held.is_empty() {
+                true => ModelError::MissingTensor {
+                    name: name.to_string(),
+                },
+                false => ModelError::MissingHfTensor {
+                    hf: held.join("` or `"),
+                    gguf: name.to_string(),
+                },
+            }
+        })?;
         let hf = &self.by_gguf_name[name];
         let t = self.converted(name, hf).map_err(wrap)?;
         QTensor::quantize(&t, target).map_err(wrap)

@@ -40,9 +40,74 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}.{kind}"))
 }
 
+/// The layer modules [`gguf_name`] maps, for naming a missing tensor as the checkpoint
+/// would hold it.
+const LAYER_MODULES: [&str; 15] = [
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.qkv_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+];
+
+/// The Hugging Face names [`gguf_name`] maps to `gguf` (a fused and an unfused
+/// checkpoint may hold either of two): what to tell a user whose checkpoint lacks it.
+pub fn hf_names(gguf: &str, sandwich_norms: bool) -> Vec<String> {
+    let globals = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ];
+    let layer = gguf
+        .strip_prefix("blk.")
+        .and_then(|rest| rest.split_once('.'))
+        .map(|(l, _)| l);
+    let kinds = ["weight", "bias"];
+    let candidates = globals.iter().map(|g| g.to_string()).chain(
+        layer
+            .into_iter()
+            .flat_map(|l| {
+                LAYER_MODULES
+                    .iter()
+                    .map(move |m| format!("model.layers.{l}.{m}"))
+            })
+            .flat_map(|m| kinds.iter().map(move |k| format!("{m}.{k}"))),
+    );
+    candidates
+        .filter(|hf| gguf_name(hf, sandwich_norms).as_deref() == Some(gguf))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::gguf_name;
+    use super::{gguf_name, hf_names};
+
+    #[test]
+    fn a_gguf_name_goes_back_to_the_checkpoints() {
+        assert_eq!(
+            hf_names("blk.0.attn_q.weight", false),
+            ["model.layers.0.self_attn.q_proj.weight"]
+        );
+        assert_eq!(
+            hf_names("blk.2.ffn_up.weight", false),
+            [
+                "model.layers.2.mlp.up_proj.weight",
+                "model.layers.2.mlp.gate_up_proj.weight"
+            ]
+        );
+        assert_eq!(hf_names("output.weight", false), ["lm_head.weight"]);
+        assert!(hf_names("rope_freqs.weight", false).is_empty());
+    }
 
     #[test]
     fn maps_layers_and_globals() {

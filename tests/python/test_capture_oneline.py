@@ -191,6 +191,16 @@ def test_max_tokens_omitted_generates_within_the_cap():
         assert r.usage.completion_tokens == n - cap.prompt_len > 0
         # The admission figure of n rows, up to 16 MiB.
         assert admission_bytes(n) <= 16 << 20 < admission_bytes(n + 1)
+        # On completions the default of 16 tokens is a ceiling the cap lowers too.
+        prompt = " ".join(["word"] * (n - 4))
+        c = srv.client().completions.create(
+            model=srv.model, prompt=prompt, temperature=0, extra_body={"attn_capture": True, "ignore_eos": True}
+        )
+        assert 0 < c.usage.completion_tokens < 16
+        assert admission_bytes(c.usage.prompt_tokens + c.usage.completion_tokens) <= 16 << 20
+        short = srv.client().completions.create(model=srv.model, prompt="Hi", temperature=0,
+                                                extra_body={"attn_capture": True, "ignore_eos": True})
+        assert short.usage.completion_tokens == 16
         srv.wait_idle()
     finally:
         stop_server(srv)

@@ -371,6 +371,8 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming('capture["spans"]', lambda: llm.generate("Hi", greedy, capture={"spans": []}))
     raises_naming('capture["maps"]', lambda: llm.generate("Hi", greedy, capture={"maps": 3}))
     raises_naming("capture", lambda: llm.generate("Hi", greedy, capture={"delivery": "file"}))
+    e = raises_naming("capture", lambda: llm.generate("Hi", greedy, capture={"attn_capture_layers": 0}))
+    assert 'use "layers"' in str(e), str(e)
     raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(n=2), capture=True))
     e = raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=8000),
                                                       capture=True))
@@ -550,3 +552,11 @@ def test_the_models_generation_config_gives_the_default_sampling_params(tmp_path
         assert [llm.generate("Hello there")[0].outputs[0].text for _ in range(3)] == [greedy] * 3
     with lantern.LLM(model, kv_cache_memory="64M", generation_config="vllm") as llm:
         assert llm.get_default_sampling_params().top_k == 0
+
+
+def test_a_capture_without_maps_says_so_when_its_maps_are_asked_for(llm):
+    (out,) = llm.generate("Hello there", lantern.SamplingParams(temperature=0, max_tokens=2),
+                          capture={"stats": ["key_mass"], "layers": [0]})
+    assert out.attention.stats[0]["key_mass"].size > 0
+    with pytest.raises(KeyError, match="no maps"):
+        out.attention.to_hf()

@@ -242,6 +242,11 @@ class Capture:
         scattered to their key positions and every other entry is 0.
         """
         if layer_idx not in self.layers:
+            if self.meta.get("maps") is False:
+                raise KeyError(
+                    f"this capture has no maps (attn_capture_maps was false: statistics or spans "
+                    f"only), so layer {layer_idx} has no probabilities; see .stats and .span_mass"
+                )
             raise KeyError(f"layer {layer_idx} was not captured (captured: {list(self.layers)})")
         values = self.layers[layer_idx]
         if not self.meta.get("top_k"):

@@ -31,6 +31,18 @@ pub fn capture_fields(
         return Ok(fields);
     };
     for (key, value) in capture {
+        if let Some(short) = key
+            .strip_prefix("attn_capture_")
+            .filter(|short| capture_keys().any(|k| k == *short))
+        {
+            // Said without the HTTP name, which Python's messages rewrite.
+            return Err(InvalidRequest::invalid(
+                "capture",
+                format!(
+                    "capture's keys are the request fields without their prefix: use {short:?}"
+                ),
+            ));
+        }
         if !capture_keys().any(|k| k == key) {
             return Err(InvalidRequest::invalid(
                 "capture",

@@ -411,6 +411,7 @@ impl EngineLoop {
         let context = self.engine.model_info().context_length;
         let room = context.saturating_sub(ids.len());
         let max_tokens = match item.max_tokens {
+            Some(m) if item.max_tokens_defaulted => m.min(room).max(1),
             Some(m) if m > room => {
                 let field = item.max_tokens_field;
                 return Err(InvalidRequest::conflict(
@@ -446,8 +447,8 @@ impl EngineLoop {
                 );
                 // Unasked, generation stops where the capture would outgrow the cap.
                 let max_tokens = match item.max_tokens {
-                    Some(m) => m,
-                    None => crate::validate::capture::max_tokens_within(
+                    Some(m) if !item.max_tokens_defaulted => m,
+                    _ => crate::validate::capture::max_tokens_within(
                         capture,
                         ids.len(),
                         max_tokens,

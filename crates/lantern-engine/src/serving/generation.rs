@@ -28,6 +28,10 @@ pub struct GenerationItem {
     pub params: SamplingParams,
     /// `None`: as many as the context (and the KV cache) allow.
     pub max_tokens: Option<usize>,
+    /// Whether `max_tokens` is the endpoint's default (completions' 16) rather than the
+    /// request's: then it is a ceiling, lowered to what the context (and a capture's
+    /// cap) leave room for, rather than a figure to refuse.
+    pub max_tokens_defaulted: bool,
     /// Which field set `max_tokens`, for error messages (`max_tokens`,
     /// `max_completion_tokens` or `max_output_tokens`).
     pub max_tokens_field: &'static str,

@@ -344,6 +344,8 @@ pub struct ModelLimits<'a> {
 struct Common {
     params: SamplingParams,
     max_tokens: Option<usize>,
+    /// Whether `max_tokens` is the endpoint's default (the request gave none).
+    max_tokens_defaulted: bool,
     /// The field that set `max_tokens` (`max_tokens` when neither did).
     max_tokens_field: &'static str,
     stop: Arc<[String]>,
@@ -576,6 +578,7 @@ fn common(
     Ok(Common {
         params,
         max_tokens,
+        max_tokens_defaulted: max_value.is_none() && max_tokens.is_some(),
         max_tokens_field: max_field,
         stop: parse_stop(&fields.stop)?.into(),
         include_stop: fields.include_stop_str_in_output.unwrap_or(false),
@@ -741,6 +744,7 @@ fn expand(
                 prompt: prompt.clone(),
                 params,
                 max_tokens: common.max_tokens,
+                max_tokens_defaulted: common.max_tokens_defaulted,
                 max_tokens_field: common.max_tokens_field,
                 stop: common.stop.clone(),
                 include_stop_str_in_output: common.include_stop,

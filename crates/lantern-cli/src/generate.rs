@@ -20,8 +20,9 @@ pub struct GenerateArgs {
     /// A user message, rendered through the model's chat template (repeatable).
     #[arg(long, action = clap::ArgAction::Append)]
     pub chat: Vec<String>,
-    /// A file of prompts, one per line: plain text, or JSON `{"prompt": ...}` /
-    /// `{"chat": ...}` (JSON allows newlines inside a prompt).
+    /// A file of prompts, one per line: plain text, or JSON `{"prompt": "..."}`,
+    /// `{"chat": "a user message"}` or `{"chat": [{"role": ..., "content": ...}, ...]}`
+    /// (JSON allows newlines inside a prompt); its prompts run where the flag stands.
     #[arg(long)]
     pub file: Option<PathBuf>,
     /// Most tokens generated per prompt.
@@ -54,7 +55,8 @@ pub struct GenerateArgs {
 /// One input prompt, as given.
 enum PromptInput {
     Raw(String),
-    Chat(String),
+    /// A conversation, rendered with the chat template (`--chat`: one user message).
+    Chat(Vec<ChatMessage>),
 }
 
 pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()> {
@@ -81,9 +83,7 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
     for (i, input) in inputs.iter().enumerate() {
         let prompt = match input {
             PromptInput::Raw(text) => engine.tokenizer().encode(text, true)?,
-            PromptInput::Chat(text) => {
-                engine.tokenize_chat(&[ChatMessage::new("user", text)], true)?
-            }
+            PromptInput::Chat(messages) => engine.tokenize_chat(messages, true)?,
         };
         if let Some(spec) = &capture {
             // The most the engine may generate: up to the context's end.
@@ -181,7 +181,7 @@ fn collect_inputs(args: &GenerateArgs, matches: &ArgMatches) -> Result<Vec<Promp
         indexed.push((pos, PromptInput::Raw(text.clone())));
     }
     for (pos, text) in positions("chat").into_iter().zip(&args.chat) {
-        indexed.push((pos, PromptInput::Chat(text.clone())));
+        indexed.push((pos, PromptInput::Chat(vec![ChatMessage::new("user", text)])));
     }
     if let Some(path) = &args.file {
         let at = positions("file").first().copied().unwrap_or(usize::MAX);
@@ -217,15 +217,27 @@ fn parse_prompt_line(line: &str) -> Result<PromptInput> {
             }
             match (o.get("prompt"), o.get("chat")) {
                 (Some(serde_json::Value::String(p)), None) => PromptInput::Raw(p.clone()),
-                (None, Some(serde_json::Value::String(c))) => PromptInput::Chat(c.clone()),
+                (None, Some(serde_json::Value::String(c))) if c.is_empty() => {
+                    bail!("the prompt is empty")
+                }
+                (None, Some(serde_json::Value::String(c))) => {
+                    PromptInput::Chat(vec![ChatMessage::new("user", c)])
+                }
+                // A conversation, as a request's `messages`.
+                (None, Some(messages @ serde_json::Value::Array(_))) => PromptInput::Chat(
+                    lantern_engine::validate::chat_messages(messages)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?,
+                ),
                 (Some(_), Some(_)) => bail!("give \"prompt\" or \"chat\", not both"),
-                _ => bail!("expected a \"prompt\" or \"chat\" string field"),
+                _ => bail!(
+                    "expected a \"prompt\" string, or a \"chat\" string (a user message) or list of messages"
+                ),
             }
         }
         _ => bail!("expected text, a JSON string or an object"),
     };
     match &input {
-        PromptInput::Raw(s) | PromptInput::Chat(s) if s.is_empty() => bail!("the prompt is empty"),
+        PromptInput::Raw(s) if s.is_empty() => bail!("the prompt is empty"),
         _ => Ok(input),
     }
 }
@@ -238,7 +250,11 @@ mod tests {
     fn prompt_lines_parse() {
         assert!(matches!(parse_prompt_line("hello"), Ok(PromptInput::Raw(s)) if s == "hello"));
         assert!(
-            matches!(parse_prompt_line(r#"{"chat": "hi\nthere"}"#), Ok(PromptInput::Chat(s)) if s == "hi\nthere")
+            matches!(parse_prompt_line(r#"{"chat": "hi\nthere"}"#), Ok(PromptInput::Chat(m)) if m[0].content == "hi\nthere")
+        );
+        let conversation = r#"{"chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}"#;
+        assert!(
+            matches!(parse_prompt_line(conversation), Ok(PromptInput::Chat(m)) if m.len() == 2 && m[0].role == "system")
         );
         assert!(matches!(parse_prompt_line(r#""a\tb""#), Ok(PromptInput::Raw(s)) if s == "a\tb"));
         for bad in [
@@ -247,6 +263,9 @@ mod tests {
             r#"{"prompt": "a", "max_tokens": 1}"#,
             r#"{"prompt": ""}"#,
             r#"{"chat": 3}"#,
+            r#"{"chat": ""}"#,
+            r#"{"chat": []}"#,
+            r#"{"chat": [{"role": "wizard", "content": "x"}]}"#,
             "\"\"",
         ] {
             assert!(parse_prompt_line(bad).is_err(), "{bad}");

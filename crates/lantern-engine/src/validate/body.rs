@@ -947,6 +947,12 @@ pub fn chat_request(
     })
 }
 
+/// A chat's `messages` list, checked as a request's are (for front ends that read
+/// conversations from elsewhere, such as `lantern generate --file`).
+pub fn chat_messages(value: &Value) -> Result<Vec<ChatMessage>, InvalidRequest> {
+    parse_messages(&Some(value.clone()))
+}
+
 fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, InvalidRequest> {
     let items = match value {
         None | Some(Value::Null) => return Err(InvalidRequest::Missing("messages")),

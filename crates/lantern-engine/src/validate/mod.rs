@@ -12,9 +12,10 @@ pub mod structured;
 pub mod tools;
 
 pub use body::{
-    chat_request, checked_request_id, completion_request, detokenize_request, generation_request,
-    parse_body, tokenize_request, Endpoint, GenerationRequest, ModelLimits, RequestContext,
-    StreamOptions, TokenizeRequest, MAX_CHAT_TEMPLATE_KWARGS_BYTES, MAX_SEQUENCES_PER_REQUEST,
+    chat_messages, chat_request, checked_request_id, completion_request, detokenize_request,
+    generation_request, parse_body, tokenize_request, Endpoint, GenerationRequest, ModelLimits,
+    RequestContext, StreamOptions, TokenizeRequest, MAX_CHAT_TEMPLATE_KWARGS_BYTES,
+    MAX_SEQUENCES_PER_REQUEST,
 };
 pub use capture::{CaptureRequest, CaptureSettings, Delivery};
 pub use invalid::{model_not_found_message, InvalidRequest};

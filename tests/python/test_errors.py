@@ -127,6 +127,15 @@ def test_invalid_json_and_oversized_body(server):
     assert "too large" in r.json()["error"]["message"]
 
 
+def test_a_lone_surrogate_from_pythons_json_reads_as_a_replacement_character(server, client):
+    # Text cut inside an emoji: json.dumps writes the lone half as an escape.
+    cut = "Hello \U0001F600".encode("utf-16-le")[:-2].decode("utf-16-le", "surrogatepass")
+    r = requests.post(server.base_url + "/v1/completions", json={"prompt": cut, "max_tokens": 1, "echo": True},
+                      headers=server.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith("Hello \ufffd")
+
+
 def test_still_serving_after_errors(server, client):
     r = client.chat.completions.create(model=server.model, messages=USER, max_tokens=3)
     assert r.choices[0].message.content is not None

@@ -136,8 +136,21 @@ pub(super) fn unknown_fields(body: &Value, known: impl Fn(&str) -> bool) -> Vec<
 
 /// Parses a body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
-    let mut value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| InvalidRequest::Body(format!("the body is not valid JSON: {e}")))?;
+    let mut value: Value = match serde_json::from_slice(bytes) {
+        Ok(value) => value,
+        // Python's `json.dumps` writes a string's lone surrogates (text cut inside an
+        // emoji) as escapes JSON parsers refuse: read them as U+FFFD, as a decoder
+        // replaces bytes it cannot read.
+        Err(_) if has_lone_surrogate_escape(bytes) => {
+            serde_json::from_slice(&replace_lone_surrogate_escapes(bytes))
+                .map_err(|e| InvalidRequest::Body(format!("the body is not valid JSON: {e}")))?
+        }
+        Err(e) => {
+            return Err(InvalidRequest::Body(format!(
+                "the body is not valid JSON: {e}"
+            )))
+        }
+    };
     let Some(fields) = value.as_object_mut() else {
         return Err(InvalidRequest::Body(
             "the body must be a JSON object".to_string(),
@@ -149,6 +162,69 @@ pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
         }
     }
     Ok(value)
+}
+
+/// The `\uXXXX` escapes of `bytes` (a JSON text): (offset, value). A backslash escapes
+/// the byte after it, so `\\u` is no escape.
+fn unicode_escapes(bytes: &[u8]) -> impl Iterator<Item = (usize, u16)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while i + 1 < bytes.len() {
+            if bytes[i] != b'\\' {
+                i += 1;
+                continue;
+            }
+            let at = i;
+            i += 2;
+            if bytes[at + 1] == b'u' {
+                let hex = bytes.get(at + 2..at + 6)?;
+                let value = std::str::from_utf8(hex)
+                    .ok()
+                    .and_then(|h| u16::from_str_radix(h, 16).ok());
+                if let Some(value) = value {
+                    i = at + 6;
+                    return Some((at, value));
+                }
+            }
+        }
+        None
+    })
+}
+
+/// The offsets of the `\uXXXX` escapes that are surrogates without their pair.
+fn lone_surrogate_escapes(bytes: &[u8]) -> Vec<usize> {
+    let escapes: Vec<(usize, u16)> = unicode_escapes(bytes).collect();
+    let mut lone = Vec::new();
+    let mut k = 0;
+    while k < escapes.len() {
+        let (at, value) = escapes[k];
+        let paired = (0xD800..0xDC00).contains(&value)
+            && escapes
+                .get(k + 1)
+                .is_some_and(|&(next, low)| next == at + 6 && (0xDC00..0xE000).contains(&low));
+        if paired {
+            k += 2;
+            continue;
+        }
+        if (0xD800..0xE000).contains(&value) {
+            lone.push(at);
+        }
+        k += 1;
+    }
+    lone
+}
+
+fn has_lone_surrogate_escape(bytes: &[u8]) -> bool {
+    !lone_surrogate_escapes(bytes).is_empty()
+}
+
+/// `bytes` with each lone surrogate escape written as `\ufffd` (the same length).
+fn replace_lone_surrogate_escapes(bytes: &[u8]) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    for at in lone_surrogate_escapes(bytes) {
+        out[at..at + 6].copy_from_slice(b"\\ufffd");
+    }
+    out
 }
 
 /// Integer fields a client may write as floats (Python's `json.dumps(16.0)` is `16.0`):
@@ -1621,6 +1697,29 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.ignored_fields, vec!["wat".to_string()]);
+    }
+
+    #[test]
+    fn lone_surrogate_escapes_read_as_replacement_characters() {
+        let prompt =
+            |body: &[u8]| parse_body(body).map(|v| v["prompt"].as_str().unwrap().to_string());
+        assert_eq!(
+            prompt(br#"{"prompt": "a\ud83d b"}"#).unwrap(),
+            "a\u{FFFD} b"
+        );
+        assert_eq!(
+            prompt(br#"{"prompt": "\ude00\ud83d"}"#).unwrap(),
+            "\u{FFFD}\u{FFFD}"
+        );
+        // A pair is one character; an escaped backslash is no escape.
+        assert_eq!(
+            prompt(br#"{"prompt": "\ud83d\ude00 \ud800"}"#).unwrap(),
+            "\u{1F600} \u{FFFD}"
+        );
+        assert_eq!(prompt(br#"{"prompt": "\\ud800"}"#).unwrap(), "\\ud800");
+        // Other broken JSON stays broken.
+        assert!(parse_body(br#"{"prompt": "\ud800" "#).is_err());
+        assert!(parse_body(br#"{"prompt": \ud800}"#).is_err());
     }
 
     #[test]

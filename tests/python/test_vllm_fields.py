@@ -388,6 +388,7 @@ def test_fields_lantern_cannot_honour_are_400_not_ignored(server, client):
         ({"use_beam_search": True}, "use_beam_search"),
         ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
         ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
+        ({"priority": 5}, "priority"),
         ({"stop": ["", "x"]}, "stop"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
@@ -396,7 +397,7 @@ def test_fields_lantern_cannot_honour_are_400_not_ignored(server, client):
     # Asking for nothing is fine.
     r = client.completions.create(
         model=server.model, prompt="x", max_tokens=1,
-        extra_body={"use_beam_search": False, "logits_processors": [], "seed": -1},
+        extra_body={"use_beam_search": False, "logits_processors": [], "seed": -1, "priority": 0},
     )
     assert r.usage.completion_tokens == 1
 

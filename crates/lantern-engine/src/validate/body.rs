@@ -97,6 +97,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "use_beam_search",
     "structural_tag",
     "logits_processors",
+    "priority",
 ];
 const CHAT_FIELD_NAMES: &[&str] = &[
     "messages",
@@ -321,6 +322,7 @@ struct CommonFields {
     use_beam_search: Option<bool>,
     structural_tag: Option<Value>,
     logits_processors: Option<Value>,
+    priority: Option<i64>,
 }
 
 /// vLLM's fields that would change the output in ways lantern does not offer: refused
@@ -336,6 +338,13 @@ fn refuse_unsupported(fields: &CommonFields) -> Result<(), InvalidRequest> {
         return Err(InvalidRequest::unsupported(
             "structural_tag",
             "structural tags (use response_format json_schema, or structured_outputs)",
+        ));
+    }
+    // vLLM refuses a priority too unless its scheduler orders by them.
+    if fields.priority.is_some_and(|p| p != 0) {
+        return Err(InvalidRequest::unsupported(
+            "priority",
+            "priority scheduling (requests run first come, first served)",
         ));
     }
     let asks = |v: &Value| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty));

@@ -444,12 +444,7 @@ impl Engine {
             }
             .into());
         }
-        // A prompt that generates nothing (scoring) may fill the context.
-        let longest_prompt = match params.max_tokens {
-            0 => info.context_length,
-            _ => info.context_length - 1,
-        };
-        if prompt.len() > longest_prompt {
+        if prompt.len() > crate::request::longest_prompt(info.context_length, params.max_tokens) {
             return Err(RequestError::PromptTooLong {
                 tokens: prompt.len(),
                 context: info.context_length,
@@ -968,12 +963,28 @@ impl Engine {
             .ok_or(EngineError::LostRequest(id))?;
         let penalized = penalized_row(logits, &RowRequest::of(req), self.tokenizer.stop_ids());
         let logits = &penalized[..];
-        let mut failure = None;
+        // The grammar's mask and the token filter narrow one copy of the row.
+        let grammar_mask = match (req.constraint.as_mut(), req.mask.take()) {
+            (None, _) => Ok(None),
+            (Some(_), Some(mask)) => mask.map(Some),
+            (Some(constraint), None) => constraint
+                .compute_mask()
+                .map(Some)
+                .map_err(|e| e.to_string()),
+        };
         let filter = &req.params.token_filter;
-        let token = match req.constraint.as_mut() {
-            None if filter.is_empty() => req.sampler.sample(logits, &req.params),
-            None => {
+        let mut failure = None;
+        let token = match grammar_mask {
+            Err(e) => {
+                failure = Some(SamplingFailure::Guided(e));
+                crate::sampling::argmax(logits)
+            }
+            Ok(None) if filter.is_empty() => req.sampler.sample(logits, &req.params),
+            Ok(mask) => {
                 let mut masked = logits.to_vec();
+                if let Some(mask) = &mask {
+                    apply_token_mask(&mut masked, mask.words());
+                }
                 if filter.apply(&mut masked, &req.output) {
                     req.sampler.sample(&masked, &req.params)
                 } else {
@@ -981,33 +992,12 @@ impl Engine {
                     crate::sampling::argmax(logits)
                 }
             }
-            Some(constraint) => {
-                let mask = match req.mask.take() {
-                    Some(mask) => mask,
-                    None => constraint.compute_mask().map_err(|e| e.to_string()),
-                };
-                match mask {
-                    Ok(mask) => {
-                        let mut masked = logits.to_vec();
-                        apply_token_mask(&mut masked, mask.words());
-                        if filter.apply(&mut masked, &req.output) {
-                            let token = req.sampler.sample(&masked, &req.params);
-                            if let Err(e) = constraint.consume(token) {
-                                failure = Some(SamplingFailure::Guided(e.to_string()));
-                            }
-                            token
-                        } else {
-                            failure = Some(SamplingFailure::NoTokenLeft(filter.field()));
-                            crate::sampling::argmax(logits)
-                        }
-                    }
-                    Err(e) => {
-                        failure = Some(SamplingFailure::Guided(e));
-                        crate::sampling::argmax(logits)
-                    }
-                }
-            }
         };
+        if failure.is_none() {
+            if let Some(Err(e)) = req.constraint.as_mut().map(|c| c.consume(token)) {
+                failure = Some(SamplingFailure::Guided(e.to_string()));
+            }
+        }
         // Logprobs are those of the model's distribution, before any mask.
         let logprobs = req
             .params

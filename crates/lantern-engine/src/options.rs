@@ -117,7 +117,6 @@ pub enum LoadEngineError {
     Engine(#[from] Box<EngineError>),
 }
 
-/// Loads the model at `path` as `load` says and starts an engine over it.
 /// A `--chat-template` that is the template's text rather than a file's path (vLLM
 /// takes both): no such file, and Jinja's braces or a line break in it.
 fn inline_template(given: &Path) -> Option<&str> {
@@ -126,6 +125,7 @@ fn inline_template(given: &Path) -> Option<&str> {
     (jinja && !given.exists()).then_some(text)
 }
 
+/// Loads the model at `path` as `load` says and starts an engine over it.
 pub fn load_engine(
     path: &Path,
     load: &ModelLoad,
@@ -151,7 +151,8 @@ pub fn load_engine(
         loaded.sampling_defaults = Default::default();
     }
     if let Some(file) = &load.chat_template {
-        let source = match inline_template(file) {
+        let inline = inline_template(file);
+        let source = match inline {
             Some(text) => text.to_string(),
             None => std::fs::read_to_string(file).map_err(|source| {
                 LoadEngineError::ReadChatTemplate {
@@ -166,7 +167,7 @@ pub fn load_engine(
             loaded.tokenizer.eos_token().unwrap_or_default(),
         )
         .map_err(|e| LoadEngineError::ChatTemplate {
-            path: match inline_template(file) {
+            path: match inline {
                 Some(_) => PathBuf::from("(given as text)"),
                 None => file.clone(),
             },

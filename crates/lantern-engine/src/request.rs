@@ -24,6 +24,16 @@ pub enum FinishReason {
     Abort,
 }
 
+/// The longest prompt a context of `context_length` tokens takes: all of it when the
+/// request generates nothing (`max_tokens` 0, scoring), else one token less, for the
+/// first generated token.
+pub fn longest_prompt(context_length: usize, max_tokens: usize) -> usize {
+    match max_tokens {
+        0 => context_length,
+        _ => context_length.saturating_sub(1),
+    }
+}
+
 impl FinishReason {
     /// The name OpenAI's API uses.
     pub fn as_str(self) -> &'static str {

@@ -34,11 +34,8 @@ impl TokenFilter {
     }
 
     /// The same filter, also banning `bad_words` (see [`bad_word_sequences`]).
-    pub fn with_bad_words(self, bad_words: Vec<Arc<[u32]>>) -> Self {
-        Self {
-            bad_words: bad_words.into(),
-            ..self
-        }
+    pub fn with_bad_words(self, bad_words: Arc<[Arc<[u32]>]>) -> Self {
+        Self { bad_words, ..self }
     }
 
     /// Whether it bans nothing.

@@ -130,25 +130,21 @@ pub async fn invocations(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let kind = match &body {
-        Ok(bytes) => match serde_json::from_slice::<Value>(bytes) {
-            Ok(Value::Object(obj)) if obj.contains_key("messages") => Kind::Chat,
-            Ok(Value::Object(obj)) if obj.contains_key("prompt") => Kind::Completion,
-            Ok(Value::Object(_)) => {
-                return ApiError::invalid(
-                    None,
-                    "an invocation is a chat completion (with `messages`) or a completion (with `prompt`)",
-                )
-                .into_response()
-            }
-            // Not a JSON object: the endpoint's own parsing says what is wrong.
-            _ => Kind::Completion,
-        },
-        Err(_) => Kind::Completion,
+    let routed = async {
+        let value = validate::parse_body(&body_bytes(body)?)?;
+        let kind = if value.get("messages").is_some() {
+            Kind::Chat
+        } else if value.get("prompt").is_some() {
+            Kind::Completion
+        } else {
+            return Err(ApiError::invalid(
+                None,
+                "an invocation is a chat completion (with `messages`) or a completion (with `prompt`)",
+            ));
+        };
+        generate_parsed(state, &headers, value, kind).await
     };
-    generate(state, &headers, body, kind)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    routed.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn completions(
@@ -302,8 +298,17 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
-    let bytes = body_bytes(body)?;
-    let mut value = validate::parse_body(&bytes)?;
+    let value = validate::parse_body(&body_bytes(body)?)?;
+    generate_parsed(state, headers, value, kind).await
+}
+
+/// [`generate`] for a body already parsed.
+async fn generate_parsed(
+    state: AppState,
+    headers: &HeaderMap,
+    mut value: Value,
+    kind: Kind,
+) -> Result<Response, ApiError> {
     // The model's recommended sampling defaults, for the fields the request leaves out.
     state.engine.meta().sampling_defaults.fill(&mut value);
     let limits = ModelLimits {

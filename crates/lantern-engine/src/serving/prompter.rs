@@ -21,6 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
+/// A request's `bad_words` and their token sequences, tokenized once for its samples.
+type TokenizedWords = Option<(Arc<[String]>, Arc<[Arc<[u32]>]>)>;
+
 /// Default time a prompt may take to prepare (render and tokenize).
 pub const DEFAULT_PREPARE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -180,9 +183,10 @@ impl Prompter {
             let mut prepared: Vec<PreparedItem> = Vec::with_capacity(items.len());
             type Done = (Arc<PromptInput>, Arc<[u32]>, Option<Arc<str>>);
             let mut last: Option<Done> = None;
+            let mut bad_words = TokenizedWords::default();
             for mut item in items {
                 this.check_logit_bias(&item.params.logit_bias)?;
-                this.prepare_token_filter(&mut item)?;
+                this.prepare_token_filter(&mut item, &mut bad_words)?;
                 let prompt = item.prompt.clone();
                 let spans = item
                     .capture
@@ -390,9 +394,13 @@ impl Prompter {
     }
 
     /// `allowed_token_ids` names tokens of the vocabulary; `bad_words` are tokenized
-    /// into the filter (vLLM's way, [`bad_word_sequences`]); together they leave some
-    /// token to sample.
-    fn prepare_token_filter(&self, item: &mut GenerationItem) -> Result<(), InvalidRequest> {
+    /// into the filter (vLLM's way, [`bad_word_sequences`]; once for the samples that
+    /// share them, kept in `tokenized`); together they leave some token to sample.
+    fn prepare_token_filter(
+        &self,
+        item: &mut GenerationItem,
+        tokenized: &mut TokenizedWords,
+    ) -> Result<(), InvalidRequest> {
         let filter = &item.params.token_filter;
         if let Some(t) = filter.allowed().find(|&t| t as usize >= self.vocab_size) {
             return Err(InvalidRequest::invalid(
@@ -406,13 +414,21 @@ impl Prompter {
         if item.bad_words.is_empty() {
             return Ok(());
         }
-        let encode = |word: &str| {
-            self.tokenizer
-                .encode(word, false)
-                .map_err(|e| format!("could not tokenize {word:?}: {e}"))
+        let words = match tokenized {
+            Some((words, sequences)) if Arc::ptr_eq(words, &item.bad_words) => sequences.clone(),
+            _ => {
+                let encode = |word: &str| {
+                    self.tokenizer
+                        .encode(word, false)
+                        .map_err(|e| format!("could not tokenize {word:?}: {e}"))
+                };
+                let sequences: Arc<[Arc<[u32]>]> = bad_word_sequences(&item.bad_words, encode)
+                    .map_err(|e| InvalidRequest::invalid("bad_words", e))?
+                    .into();
+                *tokenized = Some((item.bad_words.clone(), sequences.clone()));
+                sequences
+            }
         };
-        let words = bad_word_sequences(&item.bad_words, encode)
-            .map_err(|e| InvalidRequest::invalid("bad_words", e))?;
         item.params.token_filter = filter.clone().with_bad_words(words);
         if item.params.token_filter.bans_every_allowed_token() {
             return Err(InvalidRequest::conflict(
@@ -443,10 +459,8 @@ impl Prompter {
                 ),
             ));
         }
-        let longest = match max_tokens {
-            Some(0) => self.context_length,
-            _ => self.context_length - 1,
-        };
+        // Unbounded (`None`) generates at least one token.
+        let longest = crate::request::longest_prompt(self.context_length, max_tokens.unwrap_or(1));
         if ids.len() > longest {
             return Err(InvalidRequest::invalid(
                 field,

@@ -142,14 +142,13 @@ pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
         // Python's `json.dumps` writes a string's lone surrogates (text cut inside an
         // emoji) as escapes JSON parsers refuse: read them as U+FFFD, as a decoder
         // replaces bytes it cannot read.
-        Err(_) if has_lone_surrogate_escape(bytes) => {
-            serde_json::from_slice(&replace_lone_surrogate_escapes(bytes))
-                .map_err(|e| InvalidRequest::Body(format!("the body is not valid JSON: {e}")))?
-        }
         Err(e) => {
-            return Err(InvalidRequest::Body(format!(
-                "the body is not valid JSON: {e}"
-            )))
+            let invalid = |e| InvalidRequest::Body(format!("the body is not valid JSON: {e}"));
+            let lone = lone_surrogate_escapes(bytes);
+            if lone.is_empty() {
+                return Err(invalid(e));
+            }
+            serde_json::from_slice(&replace_escapes(bytes, &lone)).map_err(invalid)?
         }
     };
     let Some(fields) = value.as_object_mut() else {
@@ -215,14 +214,11 @@ fn lone_surrogate_escapes(bytes: &[u8]) -> Vec<usize> {
     lone
 }
 
-fn has_lone_surrogate_escape(bytes: &[u8]) -> bool {
-    !lone_surrogate_escapes(bytes).is_empty()
-}
-
-/// `bytes` with each lone surrogate escape written as `\ufffd` (the same length).
-fn replace_lone_surrogate_escapes(bytes: &[u8]) -> Vec<u8> {
+/// `bytes` with the `\uXXXX` escapes at `offsets` written as `\ufffd` (the same
+/// length).
+fn replace_escapes(bytes: &[u8], offsets: &[usize]) -> Vec<u8> {
     let mut out = bytes.to_vec();
-    for at in lone_surrogate_escapes(bytes) {
+    for &at in offsets {
         out[at..at + 6].copy_from_slice(b"\\ufffd");
     }
     out
@@ -955,7 +951,7 @@ pub fn chat_request(
     let fields: CommonFields = typed(body)?;
     check_model(&fields.model, limits)?;
     let chat: ChatFields = typed(body)?;
-    let messages = parse_messages(&chat.messages)?;
+    let messages = parse_messages(chat.messages.as_ref())?;
     let logprobs = chat.logprobs.unwrap_or(false);
     let top_logprobs = match chat.top_logprobs {
         Some(n) if !(0..=MAX_CHAT_TOP_LOGPROBS).contains(&n) => {
@@ -1035,10 +1031,10 @@ pub fn chat_request(
 /// A chat's `messages` list, checked as a request's are (for front ends that read
 /// conversations from elsewhere, such as `lantern generate --file`).
 pub fn chat_messages(value: &Value) -> Result<Vec<ChatMessage>, InvalidRequest> {
-    parse_messages(&Some(value.clone()))
+    parse_messages(Some(value))
 }
 
-fn parse_messages(value: &Option<Value>) -> Result<Vec<ChatMessage>, InvalidRequest> {
+fn parse_messages(value: Option<&Value>) -> Result<Vec<ChatMessage>, InvalidRequest> {
     let items = match value {
         None | Some(Value::Null) => return Err(InvalidRequest::Missing("messages")),
         Some(Value::Array(items)) => items,
@@ -1098,21 +1094,14 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
             // content as a string.
             let mut texts: Vec<&str> = Vec::with_capacity(parts.len());
             for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str);
+                let Some(kind) = part.get("type").and_then(Value::as_str) else {
+                    return Err(at(&format!("content[{j}]: a content part needs a `type`")));
+                };
                 // The Responses API's part types, and a refusal, are text too.
                 let key = match kind {
-                    Some("text" | "input_text" | "output_text") => "text",
-                    Some("refusal") => "refusal",
-                    _ => "",
-                };
-                match (kind, part.get(key)) {
-                    (Some(_), Some(Value::String(t))) if !key.is_empty() => texts.push(t),
-                    (Some(kind), _) if !key.is_empty() => {
-                        return Err(at(&format!(
-                            "content[{j}]: a {kind} part needs a `{key}` string"
-                        )))
-                    }
-                    (Some(other), _) => {
+                    "text" | "input_text" | "output_text" => "text",
+                    "refusal" => "refusal",
+                    other => {
                         return Err(InvalidRequest::unsupported(
                             "messages",
                             format!(
@@ -1120,8 +1109,13 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
                             ),
                         ))
                     }
-                    (None, _) => {
-                        return Err(at(&format!("content[{j}]: a content part needs a `type`")))
+                };
+                match part.get(key) {
+                    Some(Value::String(t)) => texts.push(t),
+                    _ => {
+                        return Err(at(&format!(
+                            "content[{j}]: a {kind} part needs a `{key}` string"
+                        )))
                     }
                 }
             }
@@ -1222,7 +1216,7 @@ pub fn tokenize_request(
             let chat: ChatFields = typed(body)?;
             let mut options = chat_render_options(&chat)?;
             options.tools = super::tools::parse_tools(body)?.map(|t| t.offered());
-            PromptInput::Chat(parse_messages(&fields.messages)?, options)
+            PromptInput::Chat(parse_messages(fields.messages.as_ref())?, options)
         }
         _ => {
             return Err(InvalidRequest::invalid(

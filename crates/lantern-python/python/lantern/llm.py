@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import numbers
 import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -13,7 +12,7 @@ from . import _lantern
 from ._requests import Request
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams, _invalid
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, as_token_ids, is_token_id
 
 Prompt = Union[str, List[int], Dict[str, Any]]
 Capture = Union[bool, Dict[str, Any], None]
@@ -56,25 +55,11 @@ def _prompt_extras(prompt: Prompt) -> Dict[str, Any]:
     return {}
 
 
-def _is_token_id(t: Any) -> bool:
-    """An int, numpy's included (``list(np_array)`` gives numpy ints), not a bool."""
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
-
-
 def _token_ids(ids) -> List[int]:
     """Token ids as plain ints: a list, or a numpy array or torch tensor (``tolist``)."""
     if isinstance(ids, (bytes, bytearray)):
         raise _invalid("prompt", "a prompt is text (str) or token ids, not bytes: decode it first")
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if not isinstance(ids, (list, tuple)):
-        raise _invalid(
-            "prompt", f"a prompt is text (str), token ids or a prompt dict, not {type(ids).__name__}"
-        )
-    for i, t in enumerate(ids):
-        if not _is_token_id(t):
-            raise _invalid("prompt", f"token ids must be ints; item {i} is {t!r}")
-    return [int(t) for t in ids]
+    return as_token_ids(ids, "prompt")
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
@@ -92,7 +77,7 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
             "prompt", f"a prompt is text (str), token ids or a prompt dict, not {type(prompts).__name__}"
         )
     prompts = list(prompts)
-    if prompts and all(_is_token_id(t) for t in prompts):
+    if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
 
@@ -234,6 +219,7 @@ class LLM:
         self._engine = _lantern.Engine(None if model is None else os.fspath(model), **engine_options)
         self._info = self._engine.info()
         self._info["sampling_defaults"] = json.loads(self._info["sampling_defaults"])
+        self._tokenizer = Tokenizer(self._engine)
 
     # -- generation
 
@@ -352,14 +338,14 @@ class LLM:
         """The engine's tokenizer and chat template, with the Hugging Face methods code
         written for vLLM calls (``encode``, ``decode``, ``apply_chat_template``,
         ``eos_token_id``, ...)."""
-        return Tokenizer(self._engine)
+        return self._tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of ``text``, as a prompt is tokenized."""
-        return self.get_tokenizer().encode(text, add_special_tokens)
+        return self._tokenizer.encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.get_tokenizer().decode(token_ids, skip_special_tokens)
+        return self._tokenizer.decode(token_ids, skip_special_tokens)
 
     def close(self) -> None:
         """Stops the engine (``with LLM() as llm:`` does it at the end)."""

@@ -4,19 +4,28 @@ of a Hugging Face tokenizer's interface that code written for vLLM reaches for."
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from .sampling_params import _invalid
 
 
-def _ids(token_ids: Sequence[int], param: str) -> List[int]:
-    if hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    ids = list(token_ids)
+def is_token_id(t: Any) -> bool:
+    """An int >= 0, numpy's included (``list(np_array)`` gives numpy ints), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+
+
+def as_token_ids(ids: Any, param: str) -> List[int]:
+    """Token ids as plain ints from a list, a tuple, or a numpy array or torch tensor
+    (``tolist``); anything else is refused naming ``param``."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise _invalid(param, f"{param} must be a list of token ids, not {type(ids).__name__}")
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if not is_token_id(t):
             raise _invalid(param, f"{param}[{i}] must be a token id (an int >= 0), got {t!r}")
-    return ids
+    return [int(t) for t in ids]
 
 
 class Tokenizer:
@@ -52,7 +61,7 @@ class Tokenizer:
         return self._engine.encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._engine.decode(_ids(token_ids, "token_ids"), skip_special_tokens)
+        return self._engine.decode(as_token_ids(token_ids, "token_ids"), skip_special_tokens)
 
     def __call__(self, text: Union[str, List[str]], add_special_tokens: bool = True) -> Dict[str, Any]:
         """``{"input_ids": ids}`` for a text, or a list of id lists for a list of texts."""
@@ -64,8 +73,8 @@ class Tokenizer:
         """Each token as the vocabulary spells it (byte-level tokens as stored, ``Ġ``
         for a space)."""
         if isinstance(ids, int) and not isinstance(ids, bool):
-            return self._engine.token_pieces(_ids([ids], "ids"))[0]
-        return self._engine.token_pieces(_ids(ids, "ids"))
+            return self._engine.token_pieces(as_token_ids([ids], "ids"))[0]
+        return self._engine.token_pieces(as_token_ids(ids, "ids"))
 
     def apply_chat_template(
         self,

@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// clients on this host that memory-map large captures); enables delivery "file".
     #[arg(long)]
     pub capture_dir: Option<std::path::PathBuf>,
+    /// vLLM's reasoning parser for thinking models (`deepseek_r1`, `qwen3`): a chat
+    /// output's `<think>…</think>` becomes its message's `reasoning`, and structured
+    /// output applies to the answer after it.
+    #[arg(long, value_name = "NAME", value_parser = parse_reasoning_parser)]
+    pub reasoning_parser: Option<lantern_server::ReasoningParser>,
     /// Do not log a line per finished request (id, tokens, times, finish reason).
     #[arg(long)]
     pub disable_log_requests: bool,
@@ -94,6 +99,15 @@ pub struct ServeArgs {
     /// `panic-at-admission:N`, `panic-at-capture:N`, `panic-at-reset:N`).
     #[arg(long, hide = true)]
     pub inject_fault: Option<lantern_engine::fault::FaultPlan>,
+}
+
+fn parse_reasoning_parser(name: &str) -> anyhow::Result<lantern_server::ReasoningParser> {
+    lantern_server::ReasoningParser::from_name(name).ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown reasoning parser {name:?}; lantern knows {}",
+            lantern_server::ReasoningParser::NAMES.join(", ")
+        )
+    })
 }
 
 /// `all`, or a list of layer indices.
@@ -195,6 +209,7 @@ pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
         },
         body_read_timeout,
         max_stored_response_bytes: args.max_stored_response_bytes,
+        reasoning_parser: args.reasoning_parser,
         allowed_origins: args.allowed_origins.clone(),
         connections: ConnectionLimits {
             header_read_timeout,

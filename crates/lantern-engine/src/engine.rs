@@ -508,6 +508,19 @@ impl Engine {
         }
     }
 
+    /// As [`Engine::constrain`], from the token after the output first ends with
+    /// `thinking_end` (a reasoning model's end tag): its thinking is not constrained.
+    pub fn constrain_after(
+        &mut self,
+        id: RequestId,
+        constraint: Constraint,
+        thinking_end: Arc<[u32]>,
+    ) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.constraint_after = Some((Box::new(constraint), thinking_end));
+        }
+    }
+
     /// Cancels a request and gives its blocks back (a capture is dropped).
     pub fn abort(&mut self, id: RequestId) {
         self.finish(id, FinishReason::Abort);
@@ -1089,6 +1102,13 @@ impl Engine {
             .get_mut(&id)
             .ok_or(EngineError::LostRequest(id))?;
         req.push_output(token);
+        if req
+            .constraint_after
+            .as_ref()
+            .is_some_and(|(_, end)| req.output.ends_with(end))
+        {
+            req.constraint = req.constraint_after.take().map(|(c, _)| c);
+        }
         let now = Instant::now();
         req.times.first_token.get_or_insert(now);
         let tokenizer = &self.tokenizer;

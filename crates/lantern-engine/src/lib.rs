@@ -12,6 +12,7 @@ pub mod fault;
 pub mod host_memory;
 pub mod host_threads;
 pub mod options;
+pub mod reasoning;
 pub mod request;
 pub mod runner;
 pub mod sampling;

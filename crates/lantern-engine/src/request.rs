@@ -103,6 +103,9 @@ pub struct Request {
     pub constraint: Option<Box<Constraint>>,
     /// The constraint's mask for the token this step samples, computed beside the forward.
     pub mask: Option<std::result::Result<TokenMask, String>>,
+    /// Structured output that waits for a reasoning model's thinking to end: the grammar,
+    /// which becomes `constraint` once the output ends with these token ids (the end tag).
+    pub constraint_after: Option<(Box<Constraint>, Arc<[u32]>)>,
 }
 
 impl Request {
@@ -134,6 +137,7 @@ impl Request {
             pending_capture: None,
             constraint: None,
             mask: None,
+            constraint_after: None,
         }
     }
 

@@ -58,6 +58,15 @@ async fn drain(
     (tokens, None)
 }
 
+/// The token ids of a validated request's first prompt.
+async fn prompt_ids(handle: &EngineHandle, request: &GenerationRequest) -> Vec<u32> {
+    handle
+        .prompter()
+        .tokenize((*request.items[0].prompt).clone(), true, "prompt")
+        .await
+        .unwrap()
+}
+
 /// The same greedy request run on an engine directly, step by step.
 fn direct_greedy(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let mut engine = common::engine_with(EngineConfig::default());
@@ -81,11 +90,7 @@ async fn a_validated_request_runs_as_on_the_engine_itself() {
         json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
     );
     assert!(request.capture.is_none());
-    let prompt = handle
-        .prompter()
-        .tokenize((*request.items[0].prompt).clone(), true, "prompt")
-        .await
-        .unwrap();
+    let prompt = prompt_ids(&handle, &request).await;
     let (accepted, events) = handle.add(request.items).await.unwrap();
     assert_eq!(accepted[0].prompt_tokens, prompt.len());
     let (tokens, reason) = drain(events).await;
@@ -181,5 +186,63 @@ async fn refusals_name_their_field() {
         Err(other) => panic!("{other:?}"),
         Ok(_) => panic!("a prompt over the context was taken"),
     }
+    handle.shutdown();
+}
+
+/// A reasoning model's structured output waits for its thinking to end: the grammar
+/// applies from the token after the end tag, and an output whose prompt closed its
+/// thinking is constrained from its first token. The end "tag" here is the token the
+/// model writes first, so that the unconstrained thinking ends at once.
+#[tokio::test(flavor = "current_thread")]
+async fn structured_output_starts_after_thinking_ends() {
+    use lantern_engine::reasoning::{ReasoningParser, ThinkTags};
+    let handle = start();
+    let prompt_text = "The capital of France is";
+    let plain = validate(
+        &handle,
+        json!({"prompt": prompt_text, "max_tokens": 1, "temperature": 0}),
+    );
+    let prompt = prompt_ids(&handle, &plain).await;
+    let (_, events) = handle.add(plain.items).await.unwrap();
+    let first = drain(events).await.0[0];
+    // A start tag the prompt does not hold: with deepseek_r1 the output begins thinking.
+    let start_tag = (0..).find(|t| !prompt.contains(t)).unwrap();
+    let tags = ThinkTags::new(ReasoningParser::DeepseekR1, vec![start_tag], vec![first]);
+    // A request guided by the regex `xyz`, read with `tags`.
+    let run = |tags: ThinkTags| {
+        let handle = &handle;
+        async move {
+            let mut request = validate(
+                handle,
+                json!({"prompt": prompt_text, "max_tokens": 12, "temperature": 0, "guided_regex": "xyz"}),
+            );
+            let guide = request.guide.take().expect("a guide");
+            let constraint =
+                lantern_engine::validate::structured::compile(&handle.meta().guided, guide).await;
+            request.items[0].constraint = Some(constraint.unwrap());
+            request.items[0].reasoning = Some(std::sync::Arc::new(tags));
+            let (accepted, events) = handle.add(request.items).await.unwrap();
+            let (tokens, reason) = drain(events).await;
+            (accepted[0].thinking, tokens, reason)
+        }
+    };
+    let detokenize = |tokens: &[u32]| handle.prompter().detokenize(tokens.to_vec());
+
+    let (thinking, tokens, reason) = run(tags).await;
+    assert!(thinking);
+    assert_eq!(tokens[0], first, "thinking is not constrained");
+    assert_eq!(detokenize(&tokens[1..]).await.unwrap(), "xyz");
+    assert_eq!(reason, Some(EndReason::Stop));
+
+    // The same tags, the prompt closing thinking (its last tag the end tag): the grammar
+    // holds from the first token.
+    let closed = ThinkTags::new(
+        ReasoningParser::DeepseekR1,
+        vec![start_tag],
+        vec![prompt[1]],
+    );
+    let (thinking, tokens, _) = run(closed).await;
+    assert!(!thinking);
+    assert_eq!(detokenize(&tokens).await.unwrap(), "xyz");
     handle.shutdown();
 }

@@ -31,6 +31,8 @@ pub mod tool_stream;
 pub use capture::{CaptureSettings, CaptureStore};
 pub use connections::{serve_with_limits, ConnectionLimits};
 pub use error::ApiError;
+pub use lantern_engine::reasoning::ReasoningParser;
+use lantern_engine::reasoning::ThinkTags;
 pub use lantern_engine::serving::{
     EngineBuildPanicked, EngineHandle, EngineHealth, EngineLogging, EngineThread, GenerationItem,
     ModelMeta, PromptInput,
@@ -74,6 +76,9 @@ pub struct ServerConfig {
     pub connections: ConnectionLimits,
     /// Bytes the Responses API's kept responses may take (the oldest go first).
     pub max_stored_response_bytes: usize,
+    /// vLLM's `--reasoning-parser`: a chat output's thinking becomes its message's
+    /// `reasoning`, and structured output applies to the answer after it.
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 impl Default for ServerConfig {
@@ -88,6 +93,7 @@ impl Default for ServerConfig {
             allowed_origins: Vec::new(),
             connections: ConnectionLimits::default(),
             max_stored_response_bytes: response_store::DEFAULT_RESPONSE_STORE_BYTES,
+            reasoning_parser: None,
         }
     }
 }
@@ -107,11 +113,17 @@ pub struct AppState {
     pub capture_worker: Arc<lantern_engine::lantern_capture::CaptureWorker>,
     /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
     pub responses: Arc<response_store::ResponseStore>,
+    /// The reasoning parser's tags in the model's tokens, when the server has one.
+    pub reasoning: Option<Arc<ThinkTags>>,
 }
 
 /// The server's routes, on an engine already running. Fails only when the capture
-/// worker thread cannot be started.
+/// worker thread cannot be started or the reasoning parser's tags cannot be tokenized.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
+    let reasoning = config
+        .reasoning_parser
+        .map(|parser| think_tags(&engine, parser).map(Arc::new))
+        .transpose()?;
     let busy = engine.busy_flag();
     let mut names: Vec<String> = config
         .served_model_names
@@ -151,6 +163,7 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             busy,
             config.capture.max_queued,
         )?),
+        reasoning,
     };
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))
@@ -198,6 +211,27 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         ))
         .layer(middleware::from_fn_with_state(guards, request_guards::cors))
         .with_state(state))
+}
+
+/// `parser`'s tags as the model's tokenizer writes them.
+fn think_tags(engine: &EngineHandle, parser: ReasoningParser) -> std::io::Result<ThinkTags> {
+    let tokenizer = engine.prompter().tokenizer();
+    let encode = |tag: &str| {
+        tokenizer
+            .encode(tag, false)
+            .ok()
+            .filter(|ids| !ids.is_empty())
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "the model's tokenizer cannot write {tag:?}, the tag of --reasoning-parser {parser}"
+                ))
+            })
+    };
+    Ok(ThinkTags::new(
+        parser,
+        encode(parser.start_tag())?,
+        encode(parser.end_tag())?,
+    ))
 }
 
 /// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`

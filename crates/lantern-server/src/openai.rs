@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
+use lantern_engine::reasoning::{split_thinking, ReasoningParser, ThinkingPiece, ThinkingSplitter};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{
     guided_failure_message, no_token_left_message, Accepted, ChoiceEvent, EndReason, EngineEvent,
@@ -327,8 +328,11 @@ async fn generate_parsed(
     let id = client_response_id(kind, headers, request.request_id.as_deref());
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = id.as_str().into();
+    // A reasoning parser reads chat outputs (vLLM's: completions stay raw text).
+    let reasoning = state.reasoning.clone().filter(|_| kind == Kind::Chat);
     for item in &mut items {
         item.request_id = Some(log_id.clone());
+        item.reasoning = reasoning.clone();
     }
     let num_choices = items.len();
     let (accepted, events) = state.engine.add(items).await?;
@@ -349,6 +353,7 @@ async fn generate_parsed(
         prompt_logprobs: request.prompt_logprobs,
         text_offsets: vec![0; num_choices],
         tool_calls: request.tool_calls,
+        reasoning: reasoning.map(|tags| tags.parser),
         names: TokenNames {
             by_id: request.tokens_as_ids,
         },
@@ -410,6 +415,9 @@ struct ResponseBuilder {
     text_offsets: Vec<usize>,
     /// Chat with tools: calls in a choice's text become its `tool_calls`.
     tool_calls: bool,
+    /// Chat on a server with a reasoning parser: a choice's thinking becomes its
+    /// `reasoning`.
+    reasoning: Option<ReasoningParser>,
     /// How logprobs name tokens.
     names: TokenNames,
 }
@@ -459,9 +467,35 @@ fn tool_delta_json(delta: &ToolDelta, response_id: &str, choice: usize) -> Value
     }
 }
 
-/// A chat choice's message, and its finish reason: calls in the text become
-/// `tool_calls` (finish reason `tool_calls`) when the request offered tools.
+/// A chat choice's message, and its finish reason: with a reasoning parser
+/// (`reasoning`: the parser, and whether the output began thinking), its thinking becomes
+/// `reasoning` and what follows is the rest; calls in that become `tool_calls` (finish
+/// reason `tool_calls`) when the request offered tools.
 fn chat_message(
+    text: &str,
+    finish_reason: Value,
+    tools: bool,
+    reasoning: Option<(ReasoningParser, bool)>,
+    response_id: &str,
+    choice: usize,
+) -> (Value, Value) {
+    let Some((parser, thinking)) = reasoning else {
+        return answer_message(text, finish_reason, tools, response_id, choice);
+    };
+    let (thought, answer) = split_thinking(parser, thinking, text);
+    let (mut message, finish_reason) =
+        answer_message(&answer, finish_reason, tools, response_id, choice);
+    if thought.is_some() && answer.is_empty() {
+        message["content"] = Value::Null;
+    }
+    // vLLM's `reasoning`, and `reasoning_content`, the older name clients still read.
+    message["reasoning"] = json!(thought);
+    message["reasoning_content"] = json!(thought);
+    (message, finish_reason)
+}
+
+/// [`chat_message`] of an output's answer.
+fn answer_message(
     text: &str,
     finish_reason: Value,
     tools: bool,
@@ -769,8 +803,17 @@ impl ResponseBuilder {
                 let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
                 match self.kind {
                     Kind::Chat => {
-                        let (message, finish_reason) =
-                            chat_message(text, finish_reason, self.tool_calls, &self.id, i);
+                        let reasoning = self
+                            .reasoning
+                            .map(|parser| (parser, self.accepted[i].thinking));
+                        let (message, finish_reason) = chat_message(
+                            text,
+                            finish_reason,
+                            self.tool_calls,
+                            reasoning,
+                            &self.id,
+                            i,
+                        );
                         json!({
                             "index": i,
                             "message": message,
@@ -919,8 +962,21 @@ struct StreamState {
     /// Chat with tools: each choice's output, turned into content and `tool_calls`
     /// deltas as it arrives.
     tool_streams: Vec<ToolCallStream>,
-    /// Chat with tools: each choice's logprobs not yet sent.
+    /// Chat with a reasoning parser: each choice's output, split into reasoning and the
+    /// rest as it arrives (empty without one).
+    thinking: Vec<ThinkingSplitter>,
+    /// Chat with tools or reasoning: each choice's logprobs not yet sent.
     held_logprobs: Vec<Vec<LogprobEntry>>,
+}
+
+/// Puts a live capture row in a chunk, beside `choices` (as the finished capture's
+/// fields are).
+fn attach_capture_row<T: serde::Serialize>(chunk: &mut Value, row: Option<T>) {
+    if let (Some(row), Value::Object(fields)) = (row, chunk) {
+        if let Ok(row) = serde_json::to_value(row) {
+            fields.insert("attn_capture_row".into(), row);
+        }
+    }
 }
 
 fn data(value: &Value) -> Event {
@@ -962,7 +1018,7 @@ impl StreamState {
         }
     }
 
-    fn on_event(&mut self, event: ChoiceEvent) {
+    fn on_event(&mut self, mut event: ChoiceEvent) {
         if let Some(finish) = &event.finish {
             if let Some(error) = engine_failure(finish, self.response.guide_field) {
                 self.queue.push_back(data(&error.body()));
@@ -974,8 +1030,8 @@ impl StreamState {
             Some(finish) => finish.completion_tokens,
             None => self.completion_tokens[event.index] + event.token_ids.len(),
         };
-        if self.response.tool_calls {
-            self.on_tool_event(event);
+        if self.response.tool_calls || self.response.reasoning.is_some() {
+            self.on_parsed_event(event);
             return;
         }
         let prompt = event.prompt_logprobs.as_deref();
@@ -1012,40 +1068,80 @@ impl StreamState {
             logprobs,
             self.include_usage,
         );
-        if let (Some(row), Value::Object(fields)) = (&event.capture_row, &mut chunk) {
-            // Beside `choices`, as the finished capture's fields are.
-            if let Ok(row) = serde_json::to_value(row) {
-                fields.insert("attn_capture_row".into(), row);
-            }
-        }
+        attach_capture_row(&mut chunk, event.capture_row.take());
         self.push_choice_chunk(event.index, chunk);
         self.after_chunk(event);
     }
 
-    /// Chat with tools: the event's text as content and `tool_calls` deltas, then a
-    /// last chunk with the finish reason (`tool_calls` when the choice called).
-    fn on_tool_event(&mut self, mut event: ChoiceEvent) {
+    /// Chat with tools or a reasoning parser: the event's text as `reasoning`, content
+    /// and `tool_calls` deltas, then a last chunk with the finish reason (`tool_calls`
+    /// when the choice called).
+    fn on_parsed_event(&mut self, mut event: ChoiceEvent) {
         let index = event.index;
-        // The tokens' logprobs go out with the next chunk of their choice: the tool
-        // parser may hold text back over several events.
+        // The tokens' logprobs go out with the next chunk of their choice: the parsers
+        // may hold text back over several events.
         self.held_logprobs[index].append(&mut event.logprobs);
+        let finished = event.finish.is_some();
+        let pieces = match self.thinking.get_mut(index) {
+            Some(splitter) => {
+                let mut pieces = splitter.push(&event.text);
+                if finished {
+                    pieces.extend(splitter.finish());
+                }
+                pieces
+            }
+            None => vec![ThinkingPiece::Answer(std::mem::take(&mut event.text))],
+        };
+        let mut deltas = Vec::new();
+        let tools = self.response.tool_calls;
         let stream = &mut self.tool_streams[index];
-        let mut deltas = stream.push(&event.text);
-        if event.finish.is_some() {
-            deltas.extend(stream.finish());
+        for piece in pieces {
+            match piece {
+                ThinkingPiece::Reasoning(text) => {
+                    deltas.push(json!({"reasoning": text, "reasoning_content": text}))
+                }
+                ThinkingPiece::Answer(text) if tools => deltas.extend(
+                    stream
+                        .push(&text)
+                        .iter()
+                        .map(|d| tool_delta_json(d, &self.response.id, index)),
+                ),
+                ThinkingPiece::Answer(text) if !text.is_empty() => {
+                    deltas.push(json!({"content": text}))
+                }
+                ThinkingPiece::Answer(_) => {}
+            }
+        }
+        if finished && tools {
+            deltas.extend(
+                stream
+                    .finish()
+                    .iter()
+                    .map(|d| tool_delta_json(d, &self.response.id, index)),
+            );
         }
         let called = stream.called();
+        let mut capture_row = event.capture_row.take();
         for delta in deltas {
             let logprobs = self.take_held_logprobs(index);
             let mut chunk =
                 self.response
                     .chunk(index, None, false, None, logprobs, self.include_usage);
             if let Some(choice) = chunk.pointer_mut("/choices/0") {
-                choice["delta"] = tool_delta_json(&delta, &self.response.id, index);
+                choice["delta"] = delta;
             }
+            attach_capture_row(&mut chunk, capture_row.take());
             self.push_choice_chunk(index, chunk);
         }
         let Some(finish) = &event.finish else {
+            if capture_row.is_some() {
+                // A row whose text the parsers hold back goes out in a chunk of its own.
+                let mut chunk =
+                    self.response
+                        .chunk(index, None, false, None, Value::Null, self.include_usage);
+                attach_capture_row(&mut chunk, capture_row);
+                self.push_choice_chunk(index, chunk);
+            }
             return;
         };
         let logprobs = self.take_held_logprobs(index);
@@ -1062,6 +1158,7 @@ impl StreamState {
                 choice["finish_reason"] = json!("tool_calls");
             }
         }
+        attach_capture_row(&mut chunk, capture_row);
         self.push_choice_chunk(index, chunk);
         let event = ChoiceEvent {
             text: String::new(),
@@ -1134,6 +1231,14 @@ fn stream_response(
     capture: Option<CaptureDelivery>,
 ) -> Response {
     let num_choices = response.accepted.len();
+    let thinking = match response.reasoning {
+        Some(parser) => response
+            .accepted
+            .iter()
+            .map(|a| ThinkingSplitter::new(parser, a.thinking))
+            .collect(),
+        None => Vec::new(),
+    };
     let mut state = StreamState {
         response,
         events,
@@ -1150,6 +1255,7 @@ fn stream_response(
         tool_streams: (0..num_choices)
             .map(|_| ToolCallStream::default())
             .collect(),
+        thinking,
         held_logprobs: vec![Vec::new(); num_choices],
     };
     state.start(request.echo, request.chat_echo.as_deref());

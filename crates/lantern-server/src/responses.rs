@@ -22,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
+use lantern_engine::reasoning::{split_thinking, ReasoningParser, ThinkingPiece, ThinkingSplitter};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{EngineEvent, Finish, LogprobEntry};
 use lantern_engine::validate::tools::parse_tool_calls;
@@ -208,8 +209,14 @@ async fn respond(
     let log_id: std::sync::Arc<str> = format!("resp_{id}").into();
     for item in &mut items {
         item.request_id = Some(log_id.clone());
+        item.reasoning = state.reasoning.clone();
     }
     let (accepted, events) = state.engine.add(items).await?;
+    let reasoning = state
+        .reasoning
+        .as_ref()
+        .zip(accepted.first())
+        .map(|(tags, a)| (tags.parser, a.thinking));
     let guard = AbortGuard {
         engine: state.engine.clone(),
         pending: accepted.iter().map(|a| a.id).collect(),
@@ -223,6 +230,7 @@ async fn respond(
         previous_response_id: previous_id,
         keep,
         guide_field,
+        reasoning,
     };
     if request.stream {
         Ok(stream_response(object, events, guard, capture))
@@ -244,6 +252,9 @@ struct ResponseObject {
     keep: Option<Keep>,
     /// The field whose grammar guides the output, named if it fails while generating.
     guide_field: Option<&'static str>,
+    /// On a server with a reasoning parser: the parser, and whether the output begins
+    /// thinking. Its thinking becomes a `reasoning` item before the rest.
+    reasoning: Option<(ReasoningParser, bool)>,
 }
 
 /// A response to keep once it is finished, with the conversation it ends.
@@ -313,6 +324,21 @@ fn assistant_message(output: &[Value]) -> Value {
 impl ResponseObject {
     fn message_id(&self) -> String {
         format!("msg_{}", self.id)
+    }
+
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", self.id)
+    }
+
+    /// A `reasoning` item holding one `reasoning_text` part.
+    fn reasoning(&self, text: &str, status: &str) -> Value {
+        json!({
+            "type": "reasoning",
+            "id": self.reasoning_id(),
+            "status": status,
+            "summary": [],
+            "content": [reasoning_text(text)],
+        })
     }
 
     fn call_ids(&self, i: usize) -> (String, String) {
@@ -393,16 +419,31 @@ impl ResponseObject {
         })
     }
 
-    /// A finished output's items: the text as a message (none when tool calls are all
-    /// it holds), then its calls.
+    /// A finished output's items: its thinking as a reasoning item (with a reasoning
+    /// parser), the rest as a message (none when tool calls are all it holds), then its
+    /// calls. The tokens' logprobs go with a message that is the whole output.
     fn output(&self, text: &str, logprobs: &[LogprobEntry], finish: &Finish) -> Vec<Value> {
         let status = item_status(finish);
+        let mut output = Vec::new();
+        let (thought, answer) = match self.reasoning {
+            Some((parser, thinking)) => split_thinking(parser, thinking, text),
+            None => (None, text.to_string()),
+        };
+        let text = answer.as_str();
+        let logprobs = if thought.is_some() { &[] } else { logprobs };
+        if let Some(thought) = thought {
+            // Closed thinking is complete even when the answer was cut short.
+            let thinking_status = if text.is_empty() { status } else { "completed" };
+            output.push(self.reasoning(&thought, thinking_status));
+            if text.is_empty() {
+                return output;
+            }
+        }
         let (calls, rest) = if self.tools {
             parse_tool_calls(text)
         } else {
             (Vec::new(), text.to_string())
         };
-        let mut output = Vec::new();
         if calls.is_empty() {
             output.push(self.message(text, logprob_entries(logprobs), status));
         } else if !rest.is_empty() {
@@ -417,6 +458,10 @@ impl ResponseObject {
 
 fn output_text(text: &str, logprobs: Vec<Value>) -> Value {
     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
+}
+
+fn reasoning_text(text: &str) -> Value {
+    json!({"type": "reasoning_text", "text": text})
 }
 
 /// An output item's status once its sequence finished.
@@ -475,6 +520,9 @@ async fn whole_response(
 
 /// The output item a stream is writing.
 enum OpenItem {
+    Reasoning {
+        text: String,
+    },
     Message {
         text: String,
         logprobs: Vec<Value>,
@@ -501,6 +549,9 @@ struct ResponseStream {
     calls: usize,
     /// With tools: the output turned into content and call deltas as it arrives.
     tool_stream: Option<ToolCallStream>,
+    /// With a reasoning parser: the output split into thinking and the rest as it
+    /// arrives.
+    thinking: Option<ThinkingSplitter>,
     capture: Option<CaptureDelivery>,
     /// The sequence finished; its capture (when asked for) is still to be delivered.
     finished: Option<(Finish, Option<Result<PendingCapture, CaptureFailure>>)>,
@@ -535,20 +586,7 @@ impl ResponseStream {
                 "role": "assistant",
                 "content": [],
             });
-            let index = self.output.len();
-            self.send_json(
-                "response.output_item.added",
-                json!({"output_index": index, "item": item}),
-            );
-            self.send_json(
-                "response.content_part.added",
-                json!({
-                    "item_id": self.object.message_id(),
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": output_text("", Vec::new()),
-                }),
-            );
+            self.open_item(item, self.object.message_id(), output_text("", Vec::new()));
             self.open = Some(OpenItem::Message {
                 text: String::new(),
                 logprobs: Vec::new(),
@@ -575,12 +613,61 @@ impl ResponseStream {
         self.send_json("response.output_text.delta", fields);
     }
 
+    /// Announces a new output item (`item`, whose id is `item_id`) and its first content
+    /// part.
+    fn open_item(&mut self, item: Value, item_id: String, part: Value) {
+        let index = self.output.len();
+        self.send_json(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        );
+        self.send_json(
+            "response.content_part.added",
+            json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": part}),
+        );
+    }
+
+    /// Thinking text, in the reasoning item, which opens first if it is not open.
+    fn reasoning(&mut self, text: &str) {
+        if !matches!(self.open, Some(OpenItem::Reasoning { .. })) {
+            self.close(None);
+            let mut item = self.object.reasoning("", "in_progress");
+            item["content"] = json!([]);
+            self.open_item(item, self.object.reasoning_id(), reasoning_text(""));
+            self.open = Some(OpenItem::Reasoning {
+                text: String::new(),
+            });
+        }
+        let fields = json!({
+            "item_id": self.object.reasoning_id(),
+            "output_index": self.output.len(),
+            "content_index": 0,
+            "delta": text,
+        });
+        if let Some(OpenItem::Reasoning { text: all }) = &mut self.open {
+            all.push_str(text);
+        }
+        self.send_json("response.reasoning_text.delta", fields);
+    }
+
     /// Ends the open item, if any: its `done` events, and it joins the output.
     fn close(&mut self, finish: Option<&Finish>) {
         let index = self.output.len();
         let status = finish.map_or("completed", item_status);
         let item = match self.open.take() {
             None => return,
+            Some(OpenItem::Reasoning { text }) => {
+                let id = self.object.reasoning_id();
+                self.send_json(
+                    "response.reasoning_text.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                );
+                self.send_json(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": reasoning_text(&text)}),
+                );
+                self.object.reasoning(&text, status)
+            }
             Some(OpenItem::Message { text, logprobs }) => {
                 let id = self.object.message_id();
                 self.send_json(
@@ -649,6 +736,19 @@ impl ResponseStream {
     /// A streamed capture's live row, with the item the token it sampled went to.
     fn capture_row(&mut self, row: Value) {
         let output_index = self.output.len();
+        if let Some(OpenItem::Reasoning { .. }) = &self.open {
+            self.send_json(
+                "response.reasoning_text.delta",
+                json!({
+                    "item_id": self.object.reasoning_id(),
+                    "output_index": output_index,
+                    "content_index": 0,
+                    "delta": "",
+                    "attn_capture_row": row,
+                }),
+            );
+            return;
+        }
         if let Some(OpenItem::Call { index, .. }) = &self.open {
             let (id, _) = self.object.call_ids(*index);
             self.send_json(
@@ -678,25 +778,31 @@ impl ResponseStream {
                 return;
             }
         }
-        let logprobs = logprob_entries(&event.logprobs);
-        match &mut self.tool_stream {
-            None => {
-                if !event.text.is_empty() || !logprobs.is_empty() {
-                    self.text(&event.text, logprobs);
-                }
+        let finished = event.finish.is_some();
+        let pieces = self.thinking.as_mut().map(|splitter| {
+            let mut pieces = splitter.push(&event.text);
+            if finished {
+                pieces.extend(splitter.finish());
             }
-            Some(stream) => {
-                let mut deltas = stream.push(&event.text);
-                if event.finish.is_some() {
-                    deltas.extend(stream.finish());
-                }
-                for delta in deltas {
-                    match delta {
-                        ToolDelta::Content(text) => self.text(&text, Vec::new()),
-                        ToolDelta::CallStart { name, .. } => self.call_start(name),
-                        ToolDelta::Arguments { text, .. } => self.call_arguments(&text),
+            pieces
+        });
+        match pieces {
+            // Thinking splits the text: its tokens' logprobs are left out, as in the
+            // response that is not streamed.
+            Some(pieces) => {
+                for piece in pieces {
+                    match piece {
+                        ThinkingPiece::Reasoning(text) => self.reasoning(&text),
+                        ThinkingPiece::Answer(text) => self.answer(&text, Vec::new(), false),
                     }
                 }
+                if finished {
+                    self.answer("", Vec::new(), true);
+                }
+            }
+            None => {
+                let logprobs = logprob_entries(&event.logprobs);
+                self.answer(&event.text, logprobs, finished);
             }
         }
         if let Some(row) = event.capture_row.as_ref() {
@@ -713,6 +819,31 @@ impl ResponseStream {
             self.close(Some(&finish));
             let capture = finish.capture.take();
             self.finished = Some((finish, capture));
+        }
+    }
+
+    /// Text after any thinking: content and, with tools, calls (`finished`: the output's
+    /// last text, which ends the tool parser's).
+    fn answer(&mut self, text: &str, logprobs: Vec<Value>, finished: bool) {
+        match &mut self.tool_stream {
+            None => {
+                if !text.is_empty() || !logprobs.is_empty() {
+                    self.text(text, logprobs);
+                }
+            }
+            Some(stream) => {
+                let mut deltas = stream.push(text);
+                if finished {
+                    deltas.extend(stream.finish());
+                }
+                for delta in deltas {
+                    match delta {
+                        ToolDelta::Content(text) => self.text(&text, Vec::new()),
+                        ToolDelta::CallStart { name, .. } => self.call_start(name),
+                        ToolDelta::Arguments { text, .. } => self.call_arguments(&text),
+                    }
+                }
+            }
         }
     }
 
@@ -751,6 +882,9 @@ fn stream_response(
     capture: Option<CaptureDelivery>,
 ) -> Response {
     let tools = object.tools;
+    let thinking = object
+        .reasoning
+        .map(|(parser, thinking)| ThinkingSplitter::new(parser, thinking));
     let mut state = ResponseStream {
         object,
         events,
@@ -763,6 +897,7 @@ fn stream_response(
         open: None,
         calls: 0,
         tool_stream: tools.then(ToolCallStream::default),
+        thinking,
         capture,
         finished: None,
     };

@@ -336,6 +336,10 @@ impl EngineLoop {
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
             let constraint = item.constraint;
+            let thinking = item
+                .reasoning
+                .as_ref()
+                .is_some_and(|tags| tags.thinking_after(&prompt_ids));
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache. They also share the
             // leader's copy of the prompt ids.
@@ -355,8 +359,12 @@ impl EngineLoop {
             };
             match added {
                 Ok(id) => {
-                    if let Some(constraint) = constraint {
-                        self.engine.constrain(id, constraint);
+                    match (constraint, &item.reasoning) {
+                        (Some(c), Some(tags)) if thinking => {
+                            self.engine.constrain_after(id, c, tags.end.clone())
+                        }
+                        (Some(c), _) => self.engine.constrain(id, c),
+                        (None, _) => {}
                     }
                     if let Some(prompt) = new_leader_prompt {
                         leader = Some((id, prompt));
@@ -365,6 +373,7 @@ impl EngineLoop {
                         id,
                         prompt_tokens,
                         prompt_text,
+                        thinking,
                     });
                     new_live.push((
                         id,

@@ -1,6 +1,7 @@
 //! A validated generation request as the engine takes it: its prompt, its sampling,
 //! its stops, its capture and structured output, one item per sequence.
 
+use crate::reasoning::ThinkTags;
 use crate::SamplingParams;
 use lantern_capture::CaptureSpec;
 use lantern_guided::Constraint;
@@ -54,6 +55,9 @@ pub struct GenerationItem {
     pub prompt_logprobs: Option<usize>,
     /// Structured output: the compiled grammar the output follows.
     pub constraint: Option<Constraint>,
+    /// A reasoning model's tags (`--reasoning-parser`): structured output waits for its
+    /// thinking to end, and [`Accepted::thinking`] says whether the output begins in it.
+    pub reasoning: Option<Arc<ThinkTags>>,
     /// The response's id, for the request log.
     pub request_id: Option<Arc<str>>,
     /// vLLM's `truncate_prompt_tokens`: only the end of the prompt is kept.
@@ -109,4 +113,7 @@ pub struct Accepted {
     pub prompt_tokens: usize,
     /// The prompt's text, when the item asked for `echo` (shared by its samples).
     pub prompt_text: Option<Arc<str>>,
+    /// Whether the output begins inside a reasoning model's thinking (the item's
+    /// `reasoning` tags and its prompt say: [`ThinkTags::thinking_after`]).
+    pub thinking: bool,
 }

@@ -836,6 +836,7 @@ fn expand(
                 capture: None,
                 prompt_logprobs,
                 constraint: None,
+                reasoning: None,
                 request_id: None,
                 truncate_prompt: common.truncate_prompt,
             });

@@ -1,0 +1,393 @@
+//! Reasoning models' thinking, as vLLM's `--reasoning-parser` reads it: the text between
+//! `<think>` and `</think>` is the choice's reasoning, what follows its answer.
+//!
+//! One rule says where an output starts, for both the text split here and the
+//! structured output that waits for the answer ([`ThinkTags::thinking_after`]): an output
+//! begins inside thinking when its prompt left a `<think>` open (a template that opens
+//! it, or DeepSeek-R1's, whose outputs always begin thinking unless the prompt closed
+//! it); otherwise thinking begins only if the output itself begins with `<think>`.
+//! Thinking that never closes (an output cut by `max_tokens`) is all reasoning.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// The reasoning parsers lantern knows (`--reasoning-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningParser {
+    /// DeepSeek-R1 and its distills, QwQ: the template opens `<think>`, so an output is
+    /// reasoning until `</think>` even without the start tag.
+    DeepseekR1,
+    /// Qwen3: the model opens `<think>` itself (or the template closes it, with
+    /// `enable_thinking: false`).
+    Qwen3,
+}
+
+impl ReasoningParser {
+    pub const NAMES: [&'static str; 2] = ["deepseek_r1", "qwen3"];
+
+    /// The parser named `name` (vLLM's names).
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "deepseek_r1" => Some(Self::DeepseekR1),
+            "qwen3" => Some(Self::Qwen3),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DeepseekR1 => "deepseek_r1",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    pub fn start_tag(self) -> &'static str {
+        "<think>"
+    }
+
+    pub fn end_tag(self) -> &'static str {
+        "</think>"
+    }
+
+    /// Whether an output begins thinking when its prompt holds neither tag.
+    fn opens_itself(self) -> bool {
+        self == Self::DeepseekR1
+    }
+}
+
+impl fmt::Display for ReasoningParser {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A parser's tags as the model's tokenizer writes them, to tell from a prompt's token
+/// ids whether its output begins thinking, and from an output's when thinking ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThinkTags {
+    pub parser: ReasoningParser,
+    pub start: Arc<[u32]>,
+    pub end: Arc<[u32]>,
+}
+
+impl ThinkTags {
+    /// `start` and `end`: the token ids of the parser's tags (neither empty).
+    pub fn new(parser: ReasoningParser, start: Vec<u32>, end: Vec<u32>) -> Self {
+        assert!(
+            !start.is_empty() && !end.is_empty(),
+            "a reasoning tag has tokens"
+        );
+        Self {
+            parser,
+            start: start.into(),
+            end: end.into(),
+        }
+    }
+
+    /// Whether the output that follows `prompt` begins inside thinking: the prompt's
+    /// last tag is a start tag, or it has none and the parser's outputs open thinking.
+    pub fn thinking_after(&self, prompt: &[u32]) -> bool {
+        match (rfind(prompt, &self.start), rfind(prompt, &self.end)) {
+            (Some(start), Some(end)) => start > end,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => self.parser.opens_itself(),
+        }
+    }
+
+    /// Whether the output `so_far` has just closed its thinking (ends with the end tag).
+    pub fn ends_thinking(&self, so_far: &[u32]) -> bool {
+        so_far.ends_with(&self.end)
+    }
+}
+
+/// Where `needle` last occurs in `haystack`.
+fn rfind(haystack: &[u32], needle: &[u32]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
+/// A piece of an output, split as it arrives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ThinkingPiece {
+    Reasoning(String),
+    Answer(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The output's start: it may open thinking with the start tag.
+    MayOpen,
+    /// Leading whitespace after a tag is dropped.
+    ThinkingStart,
+    Thinking,
+    AnswerStart,
+    Answer,
+}
+
+/// Splits an output's text into reasoning and answer as it arrives: the tags and the
+/// whitespace right after each are dropped, and text that may be the start of a tag is
+/// held back until it is known. Pushing a text whole or in any pieces gives the same
+/// reasoning and answer.
+#[derive(Debug, Clone)]
+pub struct ThinkingSplitter {
+    parser: ReasoningParser,
+    phase: Phase,
+    held: String,
+    /// Whether the output entered thinking.
+    thought: bool,
+}
+
+impl ThinkingSplitter {
+    /// `thinking`: whether the output begins inside thinking ([`ThinkTags::thinking_after`]).
+    pub fn new(parser: ReasoningParser, thinking: bool) -> Self {
+        Self {
+            parser,
+            phase: if thinking {
+                Phase::ThinkingStart
+            } else {
+                Phase::MayOpen
+            },
+            held: String::new(),
+            thought: thinking,
+        }
+    }
+
+    /// Whether the output has entered thinking so far.
+    pub fn thought(&self) -> bool {
+        self.thought
+    }
+
+    /// The pieces `text` completes.
+    pub fn push(&mut self, text: &str) -> Vec<ThinkingPiece> {
+        self.held.push_str(text);
+        let mut pieces = Vec::new();
+        loop {
+            match self.phase {
+                Phase::MayOpen => {
+                    let tag = self.parser.start_tag();
+                    if let Some(rest) = self.held.strip_prefix(tag) {
+                        self.held = rest.to_string();
+                        self.phase = Phase::ThinkingStart;
+                        self.thought = true;
+                    } else if tag.starts_with(self.held.as_str()) {
+                        return pieces; // may still become the tag
+                    } else {
+                        self.phase = Phase::Answer;
+                    }
+                }
+                Phase::ThinkingStart | Phase::AnswerStart => {
+                    let trimmed = self.held.trim_start();
+                    if trimmed.is_empty() {
+                        self.held.clear();
+                        return pieces;
+                    }
+                    self.held = trimmed.to_string();
+                    self.phase = if self.phase == Phase::ThinkingStart {
+                        Phase::Thinking
+                    } else {
+                        Phase::Answer
+                    };
+                }
+                Phase::Thinking => {
+                    let tag = self.parser.end_tag();
+                    if let Some(at) = self.held.find(tag) {
+                        let rest = self.held.split_off(at);
+                        push_piece(&mut pieces, ThinkingPiece::Reasoning(self.take_held()));
+                        self.held = rest[tag.len()..].to_string();
+                        self.phase = Phase::AnswerStart;
+                    } else {
+                        let keep = partial_tag_len(&self.held, tag);
+                        let rest = self.held.split_off(self.held.len() - keep);
+                        push_piece(&mut pieces, ThinkingPiece::Reasoning(self.take_held()));
+                        self.held = rest;
+                        return pieces;
+                    }
+                }
+                Phase::Answer => {
+                    push_piece(&mut pieces, ThinkingPiece::Answer(self.take_held()));
+                    return pieces;
+                }
+            }
+        }
+    }
+
+    /// The pieces held at the output's end: text that could still have become a tag is
+    /// what it is.
+    pub fn finish(&mut self) -> Vec<ThinkingPiece> {
+        let held = self.take_held();
+        let piece = match self.phase {
+            Phase::MayOpen | Phase::Answer | Phase::AnswerStart => ThinkingPiece::Answer(held),
+            Phase::Thinking | Phase::ThinkingStart => ThinkingPiece::Reasoning(held),
+        };
+        let mut pieces = Vec::new();
+        push_piece(&mut pieces, piece);
+        pieces
+    }
+
+    fn take_held(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+fn push_piece(pieces: &mut Vec<ThinkingPiece>, piece: ThinkingPiece) {
+    let empty = match &piece {
+        ThinkingPiece::Reasoning(t) | ThinkingPiece::Answer(t) => t.is_empty(),
+    };
+    if !empty {
+        pieces.push(piece);
+    }
+}
+
+/// The length of the longest end of `text` that begins `tag` (a tag that may be
+/// completed by the next text).
+fn partial_tag_len(text: &str, tag: &str) -> usize {
+    (1..tag.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+/// A whole output's reasoning (`None` when it did not think, or thought nothing) and
+/// answer.
+pub fn split_thinking(
+    parser: ReasoningParser,
+    thinking: bool,
+    text: &str,
+) -> (Option<String>, String) {
+    split_texts(parser, thinking, [text])
+}
+
+/// [`split_thinking`] of the output that `texts` make one after the other.
+fn split_texts<'a>(
+    parser: ReasoningParser,
+    thinking: bool,
+    texts: impl IntoIterator<Item = &'a str>,
+) -> (Option<String>, String) {
+    let mut splitter = ThinkingSplitter::new(parser, thinking);
+    let mut pieces: Vec<ThinkingPiece> = texts.into_iter().flat_map(|t| splitter.push(t)).collect();
+    pieces.extend(splitter.finish());
+    let (mut reasoning, mut answer) = (String::new(), String::new());
+    for piece in pieces {
+        match piece {
+            ThinkingPiece::Reasoning(t) => reasoning.push_str(&t),
+            ThinkingPiece::Answer(t) => answer.push_str(&t),
+        }
+    }
+    let reasoning = (!reasoning.is_empty()).then_some(reasoning);
+    (reasoning, answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R1: ReasoningParser = ReasoningParser::DeepseekR1;
+    const QWEN3: ReasoningParser = ReasoningParser::Qwen3;
+
+    fn split(parser: ReasoningParser, thinking: bool, text: &str) -> (Option<String>, String) {
+        split_thinking(parser, thinking, text)
+    }
+
+    fn some(text: &str) -> Option<String> {
+        Some(text.to_string())
+    }
+
+    #[test]
+    fn a_whole_output_splits_at_its_tags() {
+        let text = "<think>\nLet me see.\n</think>\n\nThe answer is 4.";
+        assert_eq!(
+            split(QWEN3, false, text),
+            (some("Let me see.\n"), "The answer is 4.".into())
+        );
+        // Begun inside thinking: no start tag in the output.
+        assert_eq!(
+            split(R1, true, "Let me see.</think>4"),
+            (some("Let me see."), "4".into())
+        );
+        // Thinking never closed (cut by max_tokens): all reasoning.
+        assert_eq!(split(R1, true, "Let me"), (some("Let me"), String::new()));
+        assert_eq!(
+            split(QWEN3, false, "<think>Let me"),
+            (some("Let me"), String::new())
+        );
+        // No thinking: all answer, tags later in the text kept as they are.
+        assert_eq!(
+            split(QWEN3, false, "Plain <think>x</think>"),
+            (None, "Plain <think>x</think>".into())
+        );
+        assert_eq!(split(QWEN3, false, "<thin"), (None, "<thin".into()));
+        assert_eq!(split(QWEN3, false, ""), (None, String::new()));
+        // Empty thinking (Qwen3 with enable_thinking: false writes it in the prompt; a
+        // model may write it too).
+        assert_eq!(
+            split(QWEN3, false, "<think>\n\n</think>\n\nHi"),
+            (None, "Hi".into())
+        );
+    }
+
+    #[test]
+    fn pieces_in_any_cut_give_the_whole_split() {
+        let texts = [
+            "<think>\nabc </thi</think>\n\n done <think>",
+            "<think>é</think>ü",
+            "</think>x",
+            "<th",
+            "  <think>x</think>y",
+            "reason\u{2028}ing</think>\n",
+        ];
+        for parser in [R1, QWEN3] {
+            for thinking in [false, true] {
+                for text in texts {
+                    let whole = split_thinking(parser, thinking, text);
+                    let bounds: Vec<usize> = (0..=text.len())
+                        .filter(|&i| text.is_char_boundary(i))
+                        .collect();
+                    for &a in &bounds {
+                        for &b in bounds.iter().filter(|&&b| b >= a) {
+                            let cut = [&text[..a], &text[a..b], &text[b..]];
+                            let (r, t) = split_texts(parser, thinking, cut);
+                            assert_eq!((r, t), whole, "{text:?} cut at {a}, {b}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reasoning_goes_out_as_it_comes_but_a_possible_tag_waits() {
+        let mut s = ThinkingSplitter::new(R1, true);
+        assert_eq!(
+            s.push("abc</"),
+            vec![ThinkingPiece::Reasoning("abc".into())]
+        );
+        assert_eq!(s.push("think>"), vec![]);
+        assert_eq!(s.push("\n"), vec![]);
+        assert_eq!(s.push("x"), vec![ThinkingPiece::Answer("x".into())]);
+    }
+
+    #[test]
+    fn the_prompt_says_whether_an_output_begins_thinking() {
+        let tags = |p| ThinkTags::new(p, vec![7], vec![8, 9]);
+        for parser in [R1, QWEN3] {
+            let t = tags(parser);
+            assert!(t.thinking_after(&[1, 7, 2]), "{parser}: opened");
+            assert!(!t.thinking_after(&[1, 7, 2, 8, 9, 3]), "{parser}: closed");
+            assert!(t.thinking_after(&[7, 8, 9, 7]), "{parser}: opened again");
+            assert!(!t.thinking_after(&[8, 9]), "{parser}: only closed");
+            assert_eq!(
+                t.thinking_after(&[1, 8, 3]),
+                t.thinking_after(&[1, 3]),
+                "{parser}: part of a tag is not one"
+            );
+        }
+        assert!(tags(R1).thinking_after(&[1, 2]));
+        assert!(!tags(QWEN3).thinking_after(&[1, 2]));
+        assert!(tags(QWEN3).ends_thinking(&[5, 8, 9]));
+        assert!(!tags(QWEN3).ends_thinking(&[5, 8, 9, 1]));
+        assert_eq!(ReasoningParser::from_name("qwen3"), Some(QWEN3));
+        assert_eq!(ReasoningParser::from_name("granite"), None);
+    }
+}

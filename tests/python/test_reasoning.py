@@ -1,0 +1,148 @@
+"""`--reasoning-parser` with the openai client, on the default model (which does not
+think: its outputs are forced with a regex where a test needs tags): a chat output's
+`<think>…</think>` becomes `reasoning`, streamed as `reasoning` deltas; thinking that
+never closes is all reasoning; structured output waits for thinking to end, unless the
+prompt closed it; the Responses API gives a `reasoning` item; completions stay raw."""
+
+import pytest
+
+from conftest import start_server, stop_server
+
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+STORY = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+THINK_THEN_ANSWER = r"<think>\nI add two and two\.\n</think>\n\nFour\."
+# SmolLM2's template with a generation prompt whose thinking is closed, as Qwen3's
+# template writes it for `enable_thinking: false`.
+CLOSED_THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    srv = start_server("--reasoning-parser", "qwen3")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def r1():
+    srv = start_server("--reasoning-parser", "deepseek_r1")
+    yield srv
+    stop_server(srv)
+
+
+def _chat(server, stream=False, messages=ASK, **kwargs):
+    kwargs.setdefault("max_tokens", 40)
+    return server.client().chat.completions.create(
+        model=server.model, messages=messages, temperature=0, stream=stream, **kwargs
+    )
+
+
+def _streamed(stream):
+    """A streamed choice's reasoning and content, each joined, and its finish reason."""
+    reasoning, content, finish = [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        if getattr(delta, "reasoning", None) is not None:
+            assert delta.reasoning_content == delta.reasoning
+            reasoning.append(delta.reasoning)
+        if delta.content:
+            content.append(delta.content)
+        finish = choice.finish_reason or finish
+    return "".join(reasoning) or None, "".join(content) or None, finish
+
+
+def test_thinking_becomes_reasoning_and_the_rest_content(qwen3):
+    r = _chat(qwen3, extra_body={"guided_regex": THINK_THEN_ANSWER})
+    message = r.choices[0].message
+    assert message.reasoning == "I add two and two.\n"
+    assert message.reasoning_content == message.reasoning
+    assert message.content == "Four."
+    assert r.choices[0].finish_reason == "stop"
+    streamed = _streamed(_chat(qwen3, stream=True, extra_body={"guided_regex": THINK_THEN_ANSWER}))
+    assert streamed == ("I add two and two.\n", "Four.", "stop")
+
+
+def test_an_output_without_thinking_is_all_content(qwen3, server):
+    plain = _chat(server).choices[0].message.content
+    message = _chat(qwen3).choices[0].message
+    assert message.content == plain and plain
+    assert message.reasoning is None and message.reasoning_content is None
+    assert _streamed(_chat(qwen3, stream=True))[:2] == (None, plain)
+    # Completions stay raw text.
+    choice = qwen3.client().completions.create(
+        model=qwen3.model,
+        prompt="2 + 2 =",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_regex": THINK_THEN_ANSWER},
+    ).choices[0]
+    assert choice.text == "<think>\nI add two and two.\n</think>\n\nFour."
+    assert "reasoning" not in choice.model_dump()
+
+
+def test_thinking_that_never_closes_is_all_reasoning(r1, server):
+    plain = _chat(server, messages=STORY, max_tokens=12).choices[0].message.content
+    r = _chat(r1, messages=STORY, max_tokens=12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content is None
+    assert r.choices[0].message.reasoning == plain.lstrip()
+    streamed = _streamed(_chat(r1, stream=True, messages=STORY, max_tokens=12))
+    assert streamed == (plain.lstrip(), None, "length")
+
+
+def test_structured_output_waits_for_thinking_to_end(r1, server):
+    # R1's outputs begin thinking: the grammar waits for `</think>`, which this model
+    # never writes, so the output is the unconstrained one, all reasoning.
+    plain = _chat(server, messages=STORY, max_tokens=12).choices[0].message.content
+    r = _chat(r1, messages=STORY, max_tokens=12, extra_body={"guided_regex": r"Four\."})
+    assert r.choices[0].message.reasoning == plain.lstrip()
+    assert r.choices[0].message.content is None
+    # A prompt that closed its thinking is constrained from its first token.
+    r = _chat(
+        r1,
+        max_tokens=12,
+        extra_body={"guided_regex": r"Four\.", "chat_template": CLOSED_THINKING_TEMPLATE},
+    )
+    assert r.choices[0].message.content == "Four."
+    assert r.choices[0].message.reasoning is None
+
+
+def test_a_reasoning_message_goes_back_into_the_conversation(qwen3):
+    first = _chat(qwen3, extra_body={"guided_regex": THINK_THEN_ANSWER}).choices[0].message
+    turns = ASK + [first.model_dump(exclude_none=True), {"role": "user", "content": "And 3 + 3?"}]
+    r = qwen3.client().chat.completions.create(
+        model=qwen3.model, messages=turns, max_tokens=8, temperature=0
+    )
+    assert r.choices[0].message.content
+
+
+def test_responses_give_a_reasoning_item(r1, qwen3):
+    kwargs = dict(input=STORY[0]["content"], max_output_tokens=12, temperature=0)
+    r = r1.client().responses.create(model=r1.model, **kwargs)
+    chat = _chat(r1, messages=STORY, max_tokens=12).choices[0].message.reasoning
+    assert [item.type for item in r.output] == ["reasoning"]
+    assert r.output[0].content[0].type == "reasoning_text"
+    assert r.output[0].content[0].text == chat
+    assert r.status == "incomplete" and r.output[0].status == "incomplete"
+    events = list(r1.client().responses.create(model=r1.model, stream=True, **kwargs))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == chat
+    done = [e for e in events if e.type == "response.completed"][0].response
+    assert [item.type for item in done.output] == ["reasoning"]
+    assert done.output[0].content[0].text == chat
+    # No thinking: the message alone, with its logprobs.
+    r = qwen3.client().responses.create(model=qwen3.model, **kwargs)
+    assert [item.type for item in r.output] == ["message"]
+
+
+def test_an_unknown_parser_is_refused_at_startup(tmp_path):
+    log = tmp_path / "stderr"
+    with open(log, "w") as f, pytest.raises(RuntimeError, match="exited early"):
+        start_server("--reasoning-parser", "granite", stderr=f)
+    assert 'unknown reasoning parser "granite"; lantern knows deepseek_r1, qwen3' in log.read_text()

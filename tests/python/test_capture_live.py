@@ -75,3 +75,28 @@ def test_no_live_rows_without_spans_or_top_k_or_without_streaming(srv):
         model=srv.model, prompt=PROMPT, max_tokens=3, temperature=0,
         extra_body={"attn_capture": True, "attn_capture_top_k": 2, "attn_capture_layers": [0]})
     assert "attn_capture_row" not in r.model_dump()
+
+
+@pytest.mark.parametrize("parsed", ["tools", "reasoning"])
+def test_chats_whose_text_is_parsed_stream_every_live_row(srv, parsed):
+    # Tools and a reasoning parser hold text back over several tokens; each token's row
+    # still goes out, in order, with whichever chunk comes next.
+    server = srv
+    extra = {}
+    if parsed == "tools":
+        extra["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    else:
+        server = start_server("--enable-attention-capture", "--reasoning-parser", "deepseek_r1")
+    try:
+        chunks = list(server.client().chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS,
+            temperature=0, stream=True, **extra,
+            extra_body={"attn_capture": True, "ignore_eos": True, "attn_capture_layers": [0],
+                        "attn_capture_top_k": 2},
+        ))
+    finally:
+        if server is not srv:
+            stop_server(server)
+    rows = [c.model_dump()["attn_capture_row"] for c in chunks if c.model_dump().get("attn_capture_row")]
+    cap = lantern_attn.from_response(chunks)
+    assert [r["position"] for r in rows] == list(range(cap.prompt_len - 1, cap.prompt_len - 1 + MAX_TOKENS))

@@ -9,6 +9,7 @@ mod generate;
 mod generate_capture;
 mod kernels;
 mod serve;
+mod vllm_flags;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 

@@ -17,6 +17,12 @@ pub struct ServeArgs {
     pub model_arg: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub vllm: Box<crate::vllm_flags::VllmServeFlags>,
+    /// Requests that give no `seed` get one from this seed's sequence, in the order they
+    /// arrive, as vLLM's `--seed` does: a script's sampling repeats against a fresh server.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -147,6 +153,9 @@ pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
     if let Some(model) = args.model_arg.take() {
         args.engine.model = Some(model);
     }
+    for note in args.vllm.apply(&mut args.engine)? {
+        eprintln!("lantern: {note}");
+    }
     let mut api_keys: Vec<String> = args
         .api_key
         .iter()
@@ -210,6 +219,7 @@ pub fn run(mut args: ServeArgs, verbose: bool) -> Result<()> {
         body_read_timeout,
         max_stored_response_bytes: args.max_stored_response_bytes,
         reasoning_parser: args.reasoning_parser,
+        seed: args.seed,
         allowed_origins: args.allowed_origins.clone(),
         connections: ConnectionLimits {
             header_read_timeout,

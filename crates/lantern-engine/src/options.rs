@@ -28,7 +28,8 @@ pub fn parse_byte_count(text: &str) -> Result<usize, String> {
 pub fn parse_kv_dtype(text: &str) -> Result<KvDtype, String> {
     Ok(match text {
         "f32" | "float32" => KvDtype::F32,
-        "f16" | "float16" => KvDtype::F16,
+        // vLLM's default: lantern's.
+        "f16" | "float16" | "auto" => KvDtype::F16,
         "bf16" | "bfloat16" => KvDtype::BF16,
         other => {
             return Err(format!(

@@ -79,6 +79,8 @@ pub struct ServerConfig {
     /// vLLM's `--reasoning-parser`: a chat output's thinking becomes its message's
     /// `reasoning`, and structured output applies to the answer after it.
     pub reasoning_parser: Option<ReasoningParser>,
+    /// vLLM's `--seed`: requests that give no seed get one from this seed's sequence.
+    pub seed: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +96,7 @@ impl Default for ServerConfig {
             connections: ConnectionLimits::default(),
             max_stored_response_bytes: response_store::DEFAULT_RESPONSE_STORE_BYTES,
             reasoning_parser: None,
+            seed: None,
         }
     }
 }
@@ -115,6 +118,42 @@ pub struct AppState {
     pub responses: Arc<response_store::ResponseStore>,
     /// The reasoning parser's tags in the model's tokens, when the server has one.
     pub reasoning: Option<Arc<ThinkTags>>,
+    /// Seeds for requests that give none (`--seed`).
+    seeds: Option<Arc<RequestSeeds>>,
+}
+
+/// `--seed`'s sequence: one seed per request that gives none, in the order they come.
+struct RequestSeeds {
+    base: u64,
+    taken: std::sync::atomic::AtomicU64,
+}
+
+impl RequestSeeds {
+    fn next(&self) -> u64 {
+        let n = self
+            .taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        splitmix64(self.base ^ splitmix64(n))
+    }
+}
+
+/// SplitMix64's finalizer: nearby inputs give unrelated seeds.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl AppState {
+    /// Gives the items that have no seed one from `--seed`'s sequence (none without it).
+    pub(crate) fn seed_items(&self, items: &mut [GenerationItem]) {
+        if let Some(seeds) = &self.seeds {
+            for item in items.iter_mut().filter(|i| i.params.seed.is_none()) {
+                item.params.seed = Some(seeds.next());
+            }
+        }
+    }
 }
 
 /// The server's routes, on an engine already running. Fails only when the capture
@@ -164,6 +203,12 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
             config.capture.max_queued,
         )?),
         reasoning,
+        seeds: config.seed.map(|base| {
+            Arc::new(RequestSeeds {
+                base,
+                taken: Default::default(),
+            })
+        }),
     };
     let v1 = Router::new()
         .route("/v1/completions", post(openai::completions))

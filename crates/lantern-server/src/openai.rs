@@ -334,6 +334,7 @@ async fn generate_parsed(
         item.request_id = Some(log_id.clone());
         item.reasoning = reasoning.clone();
     }
+    state.seed_items(&mut items);
     let num_choices = items.len();
     let (accepted, events) = state.engine.add(items).await?;
     let guard = AbortGuard {

@@ -211,6 +211,7 @@ async fn respond(
         item.request_id = Some(log_id.clone());
         item.reasoning = state.reasoning.clone();
     }
+    state.seed_items(&mut items);
     let (accepted, events) = state.engine.add(items).await?;
     let reasoning = state
         .reasoning

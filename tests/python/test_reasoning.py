@@ -86,6 +86,19 @@ def test_an_output_without_thinking_is_all_content(qwen3, server):
     assert "reasoning" not in choice.model_dump()
 
 
+def test_a_tag_inside_the_prompt_is_not_the_outputs(qwen3, server):
+    # A user's text, or an earlier turn, that holds `<think>` leaves the output's start
+    # alone: only how the prompt ends counts.
+    for messages in (
+        [{"role": "user", "content": "<think> is an HTML-like tag. Reply with one word: hello"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\n"},
+         {"role": "user", "content": "Say hello."}],
+    ):
+        plain = _chat(server, messages=messages, max_tokens=8).choices[0].message.content
+        message = _chat(qwen3, messages=messages, max_tokens=8).choices[0].message
+        assert (message.reasoning, message.content) == (None, plain)
+
+
 def test_thinking_that_never_closes_is_all_reasoning(r1, server):
     plain = _chat(server, messages=STORY, max_tokens=12).choices[0].message.content
     r = _chat(r1, messages=STORY, max_tokens=12)
@@ -130,15 +143,20 @@ def test_responses_give_a_reasoning_item(r1, qwen3):
     assert r.output[0].content[0].type == "reasoning_text"
     assert r.output[0].content[0].text == chat
     assert r.status == "incomplete" and r.output[0].status == "incomplete"
+    # Every token was thinking.
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12
+    assert r.usage.input_tokens_details.cache_write_tokens == 0
     events = list(r1.client().responses.create(model=r1.model, stream=True, **kwargs))
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == chat
     done = [e for e in events if e.type == "response.completed"][0].response
     assert [item.type for item in done.output] == ["reasoning"]
     assert done.output[0].content[0].text == chat
+    assert done.usage.output_tokens_details.reasoning_tokens == 12
     # No thinking: the message alone, with its logprobs.
     r = qwen3.client().responses.create(model=qwen3.model, **kwargs)
     assert [item.type for item in r.output] == ["message"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_an_unknown_parser_is_refused_at_startup(tmp_path):

@@ -250,6 +250,10 @@ def test_a_follow_up_continues_a_kept_response(server, client):
     assert third.usage.input_tokens > follow.usage.input_tokens
     kept = client.responses.retrieve(third.id)
     assert kept.output_text == third.output_text and kept.id == third.id
+    # Its events are not kept: replaying them is a 400 naming `stream`, not an empty stream.
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(third.id, stream=True))
+    assert e.value.body["param"] == "stream"
     assert client.responses.retrieve(first.id).output_text == first.output_text
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -98,11 +98,15 @@ def test_streamed_calls(server, client):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
         # The arguments go out as they are generated, not in one piece at the end.
         assert call["fragments"] > 1, call
-    # The same calls as the response that is not streamed.
+    # The same calls as the response that is not streamed, to the byte: the grammar
+    # writes compact JSON, as the parsed call is written.
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == [
-        (c["name"], json.loads(c["arguments"])) for c in calls.values()
+    assert [(c.function.name, c.function.arguments) for c in whole] == [
+        (c["name"], c["arguments"]) for c in calls.values()
     ]
+    for c in whole:
+        compact = json.dumps(json.loads(c.function.arguments), separators=(",", ":"), ensure_ascii=False)
+        assert c.function.arguments == compact
 
 
 def test_streamed_calls_carry_every_tokens_logprobs(server, client):

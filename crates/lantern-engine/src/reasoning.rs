@@ -2,11 +2,12 @@
 //! `<think>` and `</think>` is the choice's reasoning, what follows its answer.
 //!
 //! One rule says where an output starts, for both the text split here and the
-//! structured output that waits for the answer ([`ThinkTags::thinking_after`]): an output
-//! begins inside thinking when its prompt left a `<think>` open (a template that opens
-//! it, or DeepSeek-R1's, whose outputs always begin thinking unless the prompt closed
-//! it); otherwise thinking begins only if the output itself begins with `<think>`.
-//! Thinking that never closes (an output cut by `max_tokens`) is all reasoning.
+//! structured output that waits for the answer ([`ReasoningParser::thinking_after`]): an
+//! output begins inside thinking when its prompt ends with `<think>` (a template that
+//! opens it), or ends with neither tag and the parser's outputs open thinking without
+//! writing the tag (DeepSeek-R1's); otherwise thinking begins only if the output itself
+//! begins with `<think>`. Tags earlier in the prompt (a user's text, earlier turns) do
+//! not count. Thinking that never closes (an output cut by `max_tokens`) is all reasoning.
 
 use std::fmt;
 use std::sync::Arc;
@@ -49,9 +50,23 @@ impl ReasoningParser {
         "</think>"
     }
 
-    /// Whether an output begins thinking when its prompt holds neither tag.
+    /// Whether an output begins thinking when its prompt ends with neither tag.
     fn opens_itself(self) -> bool {
         self == Self::DeepseekR1
+    }
+
+    /// Whether the output that follows a prompt ending with `prompt_end` (its last
+    /// tokens' text) begins inside thinking: the prompt ends with the start tag (and
+    /// whitespace), or with neither tag and the parser's outputs open thinking.
+    pub fn thinking_after(self, prompt_end: &str) -> bool {
+        let end = prompt_end.trim_end();
+        if end.ends_with(self.start_tag()) {
+            true
+        } else if end.ends_with(self.end_tag()) {
+            false
+        } else {
+            self.opens_itself()
+        }
     }
 }
 
@@ -61,49 +76,23 @@ impl fmt::Display for ReasoningParser {
     }
 }
 
-/// A parser's tags as the model's tokenizer writes them, to tell from a prompt's token
-/// ids whether its output begins thinking, and from an output's when thinking ended.
+/// A parser and its end tag as the model's tokenizer writes it, to tell from an
+/// output's token ids when its thinking ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThinkTags {
     pub parser: ReasoningParser,
-    pub start: Arc<[u32]>,
     pub end: Arc<[u32]>,
 }
 
 impl ThinkTags {
-    /// `start` and `end`: the token ids of the parser's tags (neither empty).
-    pub fn new(parser: ReasoningParser, start: Vec<u32>, end: Vec<u32>) -> Self {
-        assert!(
-            !start.is_empty() && !end.is_empty(),
-            "a reasoning tag has tokens"
-        );
+    /// `end`: the token ids of the parser's end tag (not empty).
+    pub fn new(parser: ReasoningParser, end: Vec<u32>) -> Self {
+        assert!(!end.is_empty(), "the end tag has tokens");
         Self {
             parser,
-            start: start.into(),
             end: end.into(),
         }
     }
-
-    /// Whether the output that follows `prompt` begins inside thinking: the prompt's
-    /// last tag is a start tag, or it has none and the parser's outputs open thinking.
-    pub fn thinking_after(&self, prompt: &[u32]) -> bool {
-        match (rfind(prompt, &self.start), rfind(prompt, &self.end)) {
-            (Some(start), Some(end)) => start > end,
-            (Some(_), None) => true,
-            (None, Some(_)) => false,
-            (None, None) => self.parser.opens_itself(),
-        }
-    }
-
-    /// Whether the output `so_far` has just closed its thinking (ends with the end tag).
-    pub fn ends_thinking(&self, so_far: &[u32]) -> bool {
-        so_far.ends_with(&self.end)
-    }
-}
-
-/// Where `needle` last occurs in `haystack`.
-fn rfind(haystack: &[u32], needle: &[u32]) -> Option<usize> {
-    haystack.windows(needle.len()).rposition(|w| w == needle)
 }
 
 /// A piece of an output, split as it arrives.
@@ -138,7 +127,8 @@ pub struct ThinkingSplitter {
 }
 
 impl ThinkingSplitter {
-    /// `thinking`: whether the output begins inside thinking ([`ThinkTags::thinking_after`]).
+    /// `thinking`: whether the output begins inside thinking
+    /// ([`ReasoningParser::thinking_after`]).
     pub fn new(parser: ReasoningParser, thinking: bool) -> Self {
         Self {
             parser,
@@ -155,6 +145,27 @@ impl ThinkingSplitter {
     /// Whether the output has entered thinking so far.
     pub fn thought(&self) -> bool {
         self.thought
+    }
+
+    /// Whether the output is inside its thinking now.
+    pub fn thinking(&self) -> bool {
+        matches!(self.phase, Phase::ThinkingStart | Phase::Thinking)
+    }
+
+    /// [`Self::push`] of `tokens` tokens' `text`, counting them in `reasoning_tokens`
+    /// when they are thinking (the tags' own tokens included).
+    pub fn push_counted(
+        &mut self,
+        text: &str,
+        tokens: usize,
+        reasoning_tokens: &mut usize,
+    ) -> Vec<ThinkingPiece> {
+        let before = self.thinking();
+        let pieces = self.push(text);
+        if before || self.thinking() {
+            *reasoning_tokens += tokens;
+        }
+        pieces
     }
 
     /// The pieces `text` completes.
@@ -357,6 +368,19 @@ mod tests {
     }
 
     #[test]
+    fn thinking_tokens_are_counted_with_their_tags() {
+        let mut s = ThinkingSplitter::new(QWEN3, false);
+        let mut n = 0;
+        for token in ["<think>", "\n", "Let", " me", "</think>", "\n\n", "Hi", "."] {
+            s.push_counted(token, 1, &mut n);
+        }
+        assert_eq!(n, 5);
+        let mut n = 0;
+        ThinkingSplitter::new(QWEN3, false).push_counted("Hi <think>", 2, &mut n);
+        assert_eq!(n, 0);
+    }
+
+    #[test]
     fn reasoning_goes_out_as_it_comes_but_a_possible_tag_waits() {
         let mut s = ThinkingSplitter::new(R1, true);
         assert_eq!(
@@ -369,24 +393,25 @@ mod tests {
     }
 
     #[test]
-    fn the_prompt_says_whether_an_output_begins_thinking() {
-        let tags = |p| ThinkTags::new(p, vec![7], vec![8, 9]);
+    fn the_prompt_end_says_whether_an_output_begins_thinking() {
         for parser in [R1, QWEN3] {
-            let t = tags(parser);
-            assert!(t.thinking_after(&[1, 7, 2]), "{parser}: opened");
-            assert!(!t.thinking_after(&[1, 7, 2, 8, 9, 3]), "{parser}: closed");
-            assert!(t.thinking_after(&[7, 8, 9, 7]), "{parser}: opened again");
-            assert!(!t.thinking_after(&[8, 9]), "{parser}: only closed");
+            assert!(
+                parser.thinking_after("<|im_start|>assistant\n<think>\n"),
+                "{parser}: opened"
+            );
+            assert!(
+                !parser.thinking_after("assistant\n<think>\n\n</think>\n\n"),
+                "{parser}: closed"
+            );
+            // A tag in a user's text or an earlier turn is not the output's.
             assert_eq!(
-                t.thinking_after(&[1, 8, 3]),
-                t.thinking_after(&[1, 3]),
-                "{parser}: part of a tag is not one"
+                parser.thinking_after("user: what is <think>?\nassistant:"),
+                parser.thinking_after("assistant:"),
+                "{parser}: a tag inside the prompt"
             );
         }
-        assert!(tags(R1).thinking_after(&[1, 2]));
-        assert!(!tags(QWEN3).thinking_after(&[1, 2]));
-        assert!(tags(QWEN3).ends_thinking(&[5, 8, 9]));
-        assert!(!tags(QWEN3).ends_thinking(&[5, 8, 9, 1]));
+        assert!(R1.thinking_after("<｜Assistant｜>"));
+        assert!(!QWEN3.thinking_after("<|im_start|>assistant\n"));
         assert_eq!(ReasoningParser::from_name("qwen3"), Some(QWEN3));
         assert_eq!(ReasoningParser::from_name("granite"), None);
     }

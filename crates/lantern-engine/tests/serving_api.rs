@@ -202,19 +202,17 @@ async fn structured_output_starts_after_thinking_ends() {
         &handle,
         json!({"prompt": prompt_text, "max_tokens": 1, "temperature": 0}),
     );
-    let prompt = prompt_ids(&handle, &plain).await;
     let (_, events) = handle.add(plain.items).await.unwrap();
     let first = drain(events).await.0[0];
-    // A start tag the prompt does not hold: with deepseek_r1 the output begins thinking.
-    let start_tag = (0..).find(|t| !prompt.contains(t)).unwrap();
-    let tags = ThinkTags::new(ReasoningParser::DeepseekR1, vec![start_tag], vec![first]);
-    // A request guided by the regex `xyz`, read with `tags`.
-    let run = |tags: ThinkTags| {
+    // A prompt that ends with neither tag: with deepseek_r1 the output begins thinking.
+    let tags = ThinkTags::new(ReasoningParser::DeepseekR1, vec![first]);
+    // A request for `prompt` guided by the regex `xyz`, read with `tags`.
+    let run = |prompt: &'static str, tags: ThinkTags| {
         let handle = &handle;
         async move {
             let mut request = validate(
                 handle,
-                json!({"prompt": prompt_text, "max_tokens": 12, "temperature": 0, "guided_regex": "xyz"}),
+                json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "guided_regex": "xyz"}),
             );
             let guide = request.guide.take().expect("a guide");
             let constraint =
@@ -228,20 +226,14 @@ async fn structured_output_starts_after_thinking_ends() {
     };
     let detokenize = |tokens: &[u32]| handle.prompter().detokenize(tokens.to_vec());
 
-    let (thinking, tokens, reason) = run(tags).await;
+    let (thinking, tokens, reason) = run(prompt_text, tags.clone()).await;
     assert!(thinking);
     assert_eq!(tokens[0], first, "thinking is not constrained");
     assert_eq!(detokenize(&tokens[1..]).await.unwrap(), "xyz");
     assert_eq!(reason, Some(EndReason::Stop));
 
-    // The same tags, the prompt closing thinking (its last tag the end tag): the grammar
-    // holds from the first token.
-    let closed = ThinkTags::new(
-        ReasoningParser::DeepseekR1,
-        vec![start_tag],
-        vec![prompt[1]],
-    );
-    let (thinking, tokens, _) = run(closed).await;
+    // A prompt that ends by closing thinking: the grammar holds from the first token.
+    let (thinking, tokens, _) = run("The capital of France is</think>\n", tags).await;
     assert!(!thinking);
     assert_eq!(detokenize(&tokens).await.unwrap(), "xyz");
     handle.shutdown();

@@ -19,8 +19,8 @@ pub enum Guide {
 }
 
 /// JSON is written compactly (`{"a":1,"b":[2,3]}`): flexible whitespace lets a small
-/// model spend its whole budget on newlines.
-fn compact_json_options() -> Value {
+/// model spend its whole budget on newlines. A schema's `x-guidance` options.
+pub fn compact_json_options() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":"})
 }
 

@@ -14,5 +14,5 @@ mod vocab;
 
 pub use constraint::{Constraint, TokenMask};
 pub use error::GuidedError;
-pub use guide::Guide;
+pub use guide::{compact_json_options, Guide};
 pub use vocab::GuidedVocab;

@@ -116,7 +116,7 @@ pub struct AppState {
     pub capture_worker: Arc<lantern_engine::lantern_capture::CaptureWorker>,
     /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
     pub responses: Arc<response_store::ResponseStore>,
-    /// The reasoning parser's tags in the model's tokens, when the server has one.
+    /// The reasoning parser and its end tag in the model's tokens, when the server has one.
     pub reasoning: Option<Arc<ThinkTags>>,
     /// Seeds for requests that give none (`--seed`).
     seeds: Option<Arc<RequestSeeds>>,
@@ -157,7 +157,7 @@ impl AppState {
 }
 
 /// The server's routes, on an engine already running. Fails only when the capture
-/// worker thread cannot be started or the reasoning parser's tags cannot be tokenized.
+/// worker thread cannot be started or the reasoning parser's end tag cannot be tokenized.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
     let reasoning = config
         .reasoning_parser
@@ -258,25 +258,21 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         .with_state(state))
 }
 
-/// `parser`'s tags as the model's tokenizer writes them.
+/// `parser`'s end tag as the model's tokenizer writes it.
 fn think_tags(engine: &EngineHandle, parser: ReasoningParser) -> std::io::Result<ThinkTags> {
-    let tokenizer = engine.prompter().tokenizer();
-    let encode = |tag: &str| {
-        tokenizer
-            .encode(tag, false)
-            .ok()
-            .filter(|ids| !ids.is_empty())
-            .ok_or_else(|| {
-                std::io::Error::other(format!(
-                    "the model's tokenizer cannot write {tag:?}, the tag of --reasoning-parser {parser}"
-                ))
-            })
-    };
-    Ok(ThinkTags::new(
-        parser,
-        encode(parser.start_tag())?,
-        encode(parser.end_tag())?,
-    ))
+    let tag = parser.end_tag();
+    let end = engine
+        .prompter()
+        .tokenizer()
+        .encode(tag, false)
+        .ok()
+        .filter(|ids| !ids.is_empty())
+        .ok_or_else(|| {
+            std::io::Error::other(format!(
+                "the model's tokenizer cannot write {tag:?}, the end tag of --reasoning-parser {parser}"
+            ))
+        })?;
+    Ok(ThinkTags::new(parser, end))
 }
 
 /// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`

@@ -60,12 +60,26 @@ fn not_kept(id: &str) -> ApiError {
     ))
 }
 
-/// `GET /v1/responses/{id}`: a kept response, as it was answered.
+/// `GET /v1/responses/{id}`: a kept response, as it was answered (whole: its events
+/// are not kept to replay, so `stream=true` is refused rather than answered as JSON a
+/// client's stream reader would find empty).
 pub async fn get_response(
     State(state): State<AppState>,
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
 ) -> Response {
+    let asks_stream = query.as_deref().unwrap_or_default().split('&').any(|pair| {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        name == "stream" && value != "false"
+    });
+    if asks_stream {
+        return ApiError::invalid(
+            "stream".to_string(),
+            "a kept response is returned whole: its events are not kept to stream again (leave out stream)",
+        )
+        .into_response();
+    }
     match state.responses.get(&id, owner(&state, &headers).as_deref()) {
         Some(stored) => Json(stored.response).into_response(),
         None => not_kept(&id).into_response(),
@@ -232,6 +246,7 @@ async fn respond(
         keep,
         guide_field,
         reasoning,
+        reasoning_tokens: 0,
     };
     if request.stream {
         Ok(stream_response(object, events, guard, capture))
@@ -256,6 +271,8 @@ struct ResponseObject {
     /// On a server with a reasoning parser: the parser, and whether the output begins
     /// thinking. Its thinking becomes a `reasoning` item before the rest.
     reasoning: Option<(ReasoningParser, bool)>,
+    /// Output tokens spent thinking (with a reasoning parser), counted as they come.
+    reasoning_tokens: usize,
 }
 
 /// A response to keep once it is finished, with the conversation it ends.
@@ -361,9 +378,10 @@ impl ResponseObject {
         let usage = finish.map_or(Value::Null, |f| {
             json!({
                 "input_tokens": f.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                // Every computed token goes through the KV cache; none is billed.
+                "input_tokens_details": {"cached_tokens": f.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": f.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": f.prompt_tokens + f.completion_tokens,
             })
         });
@@ -493,12 +511,20 @@ async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    // Splits as the stream does, to count the thinking tokens as they come.
+    let mut thinking = object
+        .reasoning
+        .map(|(parser, thinking)| ThinkingSplitter::new(parser, thinking));
     let mut finish = loop {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         let event = guard.engine.prompter().resolve(event).await?;
         check_index(&event, 1)?;
+        if let Some(splitter) = &mut thinking {
+            let tokens = event.token_ids.len();
+            splitter.push_counted(&event.text, tokens, &mut object.reasoning_tokens);
+        }
         text.push_str(&event.text);
         logprobs.extend(event.logprobs);
         if let Some(finish) = event.finish {
@@ -780,8 +806,10 @@ impl ResponseStream {
             }
         }
         let finished = event.finish.is_some();
+        let tokens = event.token_ids.len();
+        let reasoning_tokens = &mut self.object.reasoning_tokens;
         let pieces = self.thinking.as_mut().map(|splitter| {
-            let mut pieces = splitter.push(&event.text);
+            let mut pieces = splitter.push_counted(&event.text, tokens, reasoning_tokens);
             if finished {
                 pieces.extend(splitter.finish());
             }

@@ -336,10 +336,7 @@ impl EngineLoop {
             let prompt_logprobs = item.prompt_logprobs.map(|k| (k, prompt_ids.clone()));
             let capture = item.capture.map(|c| c.spec);
             let constraint = item.constraint;
-            let thinking = item
-                .reasoning
-                .as_ref()
-                .is_some_and(|tags| tags.thinking_after(&prompt_ids));
+            let thinking = item.reasoning.is_some() && item.begins_thinking;
             // Samples of one prompt (n > 1) share its blocks: the first computes it,
             // the others follow it through the prefix cache. They also share the
             // leader's copy of the prompt ids.

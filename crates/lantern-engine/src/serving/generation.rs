@@ -55,9 +55,15 @@ pub struct GenerationItem {
     pub prompt_logprobs: Option<usize>,
     /// Structured output: the compiled grammar the output follows.
     pub constraint: Option<Constraint>,
-    /// A reasoning model's tags (`--reasoning-parser`): structured output waits for its
-    /// thinking to end, and [`Accepted::thinking`] says whether the output begins in it.
+    /// A reasoning model's parser and end tag (`--reasoning-parser`): structured output
+    /// waits for its thinking to end, and [`Accepted::thinking`] says whether the
+    /// output begins in it.
     pub reasoning: Option<Arc<ThinkTags>>,
+    /// Whether the output begins inside the reasoning model's thinking: set when the
+    /// prompt is prepared, from its end ([`ReasoningParser::thinking_after`]).
+    ///
+    /// [`ReasoningParser::thinking_after`]: crate::reasoning::ReasoningParser::thinking_after
+    pub begins_thinking: bool,
     /// The response's id, for the request log.
     pub request_id: Option<Arc<str>>,
     /// vLLM's `truncate_prompt_tokens`: only the end of the prompt is kept.
@@ -113,7 +119,7 @@ pub struct Accepted {
     pub prompt_tokens: usize,
     /// The prompt's text, when the item asked for `echo` (shared by its samples).
     pub prompt_text: Option<Arc<str>>,
-    /// Whether the output begins inside a reasoning model's thinking (the item's
-    /// `reasoning` tags and its prompt say: [`ThinkTags::thinking_after`]).
+    /// Whether the output begins inside a reasoning model's thinking
+    /// ([`GenerationItem::begins_thinking`]).
     pub thinking: bool,
 }

@@ -237,6 +237,9 @@ impl Prompter {
                         (ids, text)
                     }
                 };
+                if let Some(tags) = &item.reasoning {
+                    item.begins_thinking = tags.parser.thinking_after(&this.prompt_end(&ids));
+                }
                 prepared.push(PreparedItem {
                     echo_text: text.filter(|_| item.echo),
                     item,
@@ -246,6 +249,14 @@ impl Prompter {
             Ok(prepared)
         })
         .await
+    }
+
+    /// The text of a prompt's last tokens (special tokens written out): enough to see
+    /// how a chat template ended it.
+    fn prompt_end(&self, ids: &[u32]) -> String {
+        const TAIL_TOKENS: usize = 16;
+        let tail = &ids[ids.len().saturating_sub(TAIL_TOKENS)..];
+        self.tokenizer.decode(tail, false).unwrap_or_default()
     }
 
     fn tokenize_now(

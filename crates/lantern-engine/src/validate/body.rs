@@ -837,6 +837,7 @@ fn expand(
                 prompt_logprobs,
                 constraint: None,
                 reasoning: None,
+                begins_thinking: false,
                 request_id: None,
                 truncate_prompt: common.truncate_prompt,
             });

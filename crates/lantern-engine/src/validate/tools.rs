@@ -192,7 +192,9 @@ impl ChatTools {
                 })
             })
             .collect();
-        let schema = json!({"anyOf": calls});
+        // Compact, as structured output's JSON: streamed arguments are then the same
+        // text as the parsed call's.
+        let schema = json!({"anyOf": calls, "x-guidance": lantern_guided::compact_json_options()});
         Some(Guide::Lark(format!(
             "start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {schema}"
         )))

@@ -40,6 +40,9 @@ def test_a_response_is_the_chat_completion_of_its_conversation(server, client):
         {"role": "user", "content": "Name a colour."},
     ], max_tokens=24)
     assert r.object == "response" and r.id.startswith("resp_")
+    assert r.created_at <= r.completed_at and r.service_tier == "default"
+    # The client's own types hold the whole response (usage details included).
+    type(r).model_validate(r.model_dump())
     assert r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
@@ -184,6 +187,8 @@ def test_function_tools_call_and_their_outputs_continue_the_conversation(server,
     ({"input": "x", "temperature": -1}, "temperature"),
     ({"input": "x", "top_logprobs": 50}, "top_logprobs"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text"),
+    # A schema that does not compile: named as the client sent it, not as chat's field.
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nope"}}}}, "text"),
 ])
 def test_bad_fields_are_400_naming_them(server, client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -217,7 +217,21 @@ async fn respond(
     });
     warn_ignored(&request.ignored_fields);
     let capture = capture_delivery(&state, headers, &request)?;
-    let guide_field = attach_guide(&state, &mut request).await?;
+    // Structured output comes from `text.format`: its errors name `text`, the field the
+    // client sent, as validation's do.
+    let guide_field = attach_guide(&state, &mut request)
+        .await
+        .map_err(|mut e| {
+            if e.param.as_deref() == Some("response_format") {
+                e.param = Some("text".into());
+                e.message = e.message.replace("response_format", "text.format");
+            }
+            e
+        })?
+        .map(|field| match field {
+            "response_format" => "text",
+            other => other,
+        });
     let id = new_id();
     let mut items = std::mem::take(&mut request.items);
     let log_id: std::sync::Arc<str> = format!("resp_{id}").into();
@@ -399,6 +413,8 @@ impl ResponseObject {
             "output": output,
             "parallel_tool_calls": e.parallel_tool_calls,
             "previous_response_id": self.previous_response_id,
+            "completed_at": finish.map(|_| unix_now()),
+            "service_tier": "default",
             "reasoning": {"effort": null, "summary": null},
             "store": self.echo.store,
             "temperature": e.temperature,

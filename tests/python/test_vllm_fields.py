@@ -430,6 +430,12 @@ def test_a_clients_request_id_names_the_response(server, client):
         extra_headers={"X-Request-Id": "trace-42"},
     )
     assert c.id == "chatcmpl-trace-42"
+    # And it comes back as the x-request-id header, which the client reads.
+    assert c._request_id == "chatcmpl-trace-42"
+    raw = client.responses.with_raw_response.create(model=server.model, input="x", max_output_tokens=1)
+    assert raw.headers["x-request-id"] == raw.parse().id
+    stream = client.chat.completions.create(model=server.model, messages=QUESTION, max_tokens=1, stream=True)
+    assert stream.response.headers["x-request-id"].startswith("chatcmpl-")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt="x", max_tokens=1,
                                   extra_body={"request_id": "has space"})

@@ -360,11 +360,22 @@ async fn generate_parsed(
         },
         guide_field,
     };
-    if request.stream {
+    let request_id = response.id.clone();
+    let answer = if request.stream {
         Ok(stream_response(response, request, events, guard, capture))
     } else {
         whole_response(response, request, events, guard, capture).await
+    };
+    answer.map(|answer| with_request_id(answer, &request_id))
+}
+
+/// The response's id as the `x-request-id` header too, as OpenAI's API sends it (the
+/// `openai` client's `_request_id`).
+pub(crate) fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(value) = axum::http::HeaderValue::from_str(id) {
+        response.headers_mut().insert("x-request-id", value);
     }
+    response
 }
 
 /// As vLLM: one line naming the fields a client sent in vain.

@@ -8,7 +8,7 @@
 use crate::error::ApiError;
 use crate::openai::{
     attach_guide, body_bytes, capture_delivery, chat_logprobs, check_index, engine_failure,
-    unix_now, warn_ignored, AbortGuard, CaptureDelivery, TokenNames,
+    unix_now, warn_ignored, with_request_id, AbortGuard, CaptureDelivery, TokenNames,
 };
 use crate::response_store::ResponseStore;
 use crate::tool_stream::{ToolCallStream, ToolDelta};
@@ -262,11 +262,13 @@ async fn respond(
         reasoning,
         reasoning_tokens: 0,
     };
-    if request.stream {
+    let request_id = format!("resp_{}", object.id);
+    let answer = if request.stream {
         Ok(stream_response(object, events, guard, capture))
     } else {
         whole_response(object, events, guard, capture).await
-    }
+    };
+    answer.map(|answer| with_request_id(answer, &request_id))
 }
 
 /// What a response object says besides its output.

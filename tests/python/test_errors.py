@@ -85,6 +85,43 @@ def test_prompt_longer_than_context(server, client):
     assert "context" in _message(e)
 
 
+# Found by fuzzing: each names the field at fault (it was another field, or a 200).
+NAMED_CASES = [
+    ("chat", {"messages": USER, "chat_template": "{{ raise_exception('boom') }}"}, "chat_template", "request's chat_template failed"),
+    ("chat", {"messages": USER, "chat_template": ""}, "chat_template", "empty prompt"),
+    ("completions", {"prompt": "Hi", "stop_token_ids": [10**8]}, "stop_token_ids", "outside the vocabulary"),
+    ("completions", {"prompt": "Hi", "guided_regex": "\\"}, "guided_regex", "not a valid regular expression"),
+    ("responses", {"input": "Hi", "store": "x"}, "store", "boolean"),
+    ("responses", {"input": "Hi", "text": "x"}, "text", "object"),
+    ("responses", {"input": "Hi", "metadata": "x"}, "metadata", "object of strings"),
+    ("responses", {"input": "Hi", "truncation": "x"}, "truncation", "auto"),
+    ("responses", {"input": "Hi", "min_tokens": 8, "max_output_tokens": 4}, "min_tokens", "max_output_tokens (4)"),
+    ("responses", {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input", "call_id `nope`"),
+]
+
+
+@pytest.mark.parametrize("endpoint,fields,param,needle", NAMED_CASES)
+def test_bad_fields_name_themselves(server, endpoint, fields, param, needle):
+    path = {"chat": "chat/completions"}.get(endpoint, endpoint)
+    body = fields if endpoint == "responses" else {"max_tokens": 2, **fields}
+    r = requests.post(f"{server.base_url}/v1/{path}", json=body, headers=server.headers(), timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_odd_paths_and_deep_bodies_get_json_errors(server):
+    for path in ["/v1/responses/%ff%fe", "/v1/models/%ff", "/v1/captures/%ff"]:
+        r = requests.get(server.base_url + path, headers=server.headers(), timeout=30)
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", (path, r.text)
+    r = requests.get(server.base_url + "/v1/responses/x/input_items?limit=x", headers=server.headers(), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    deep = "[" * 200 + "]" * 200
+    r = requests.post(server.base_url + "/v1/completions", data='{"prompt": "x", "x": ' + deep + "}",
+                      headers={**server.headers(), "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "128 levels" in r.json()["error"]["message"]
+
+
 def test_completion_bad_input(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt="Hi", max_tokens=0)

@@ -39,7 +39,14 @@ impl Guide {
             Guide::JsonObject => TopLevelGrammar::from_json_schema(
                 json!({"type": "object", "x-guidance": compact_json_options()}),
             ),
-            Guide::Regex(regex) => TopLevelGrammar::from_regex(regex),
+            Guide::Regex(regex) => {
+                // llguidance writes the regex into a Lark `/…/` literal, where a trailing
+                // backslash would escape the delimiter rather than fail: parse it first.
+                regex_syntax::Parser::new()
+                    .parse(regex)
+                    .map_err(|e| format!("not a valid regular expression: {e}"))?;
+                TopLevelGrammar::from_regex(regex)
+            }
             Guide::Choice(choices) => {
                 if choices.is_empty() {
                     return Err("the list of choices is empty".to_string());

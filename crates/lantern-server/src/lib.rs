@@ -285,6 +285,27 @@ pub async fn serve(
     serve_with_limits(listener, router, ConnectionLimits::default(), shutdown).await
 }
 
+/// A route's `{id}` (or model name): a path that is not valid UTF-8 is a JSON 400, as
+/// every other error is, not axum's plain-text rejection.
+pub(crate) struct PathId(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PathId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => Ok(PathId(id)),
+            Err(e) => Err(ApiError::invalid(
+                None,
+                format!("the request's path is not valid: {}", e.body_text()),
+            )),
+        }
+    }
+}
+
 /// Compares without stopping at the first difference.
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -306,7 +327,7 @@ pub(crate) fn bearer_token(headers: &axum::http::HeaderMap) -> Option<String> {
 async fn get_capture(
     State(state): State<AppState>,
     headers: axum::http::HeaderMap,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Response {
     match state.captures.get(&id, &bearer_token(&headers)) {
         Ok(bytes) => (
@@ -328,7 +349,7 @@ async fn get_capture(
 /// `GET /v1/captures/{id}`. A browser opening a page sends no bearer token, so this
 /// route asks for none: the page holds no capture data, and its fetch is checked as
 /// usual (the key goes after `#key=` in the page's address, which no server sees).
-async fn view_capture(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+async fn view_capture(State(state): State<AppState>, PathId(id): PathId) -> Response {
     if !state.captures.contains(&id) {
         return CaptureStore::not_found(&id).into_response();
     }
@@ -340,7 +361,7 @@ async fn view_capture(State(state): State<AppState>, Path(id): Path<String>) -> 
 async fn delete_capture(
     State(state): State<AppState>,
     headers: axum::http::HeaderMap,
-    Path(id): Path<String>,
+    PathId(id): PathId,
 ) -> Response {
     match state.captures.remove(&id, &bearer_token(&headers)) {
         Ok(()) => Json(json!({"id": id, "object": "capture", "deleted": true})).into_response(),
@@ -425,7 +446,7 @@ async fn list_models(State(state): State<AppState>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+async fn get_model(State(state): State<AppState>, PathId(model): PathId) -> Response {
     match state.served_model_names.iter().position(|n| *n == model) {
         Some(index) => Json(model_card(&state, index)).into_response(),
         None => ApiError::model_not_found(&model).into_response(),

@@ -66,7 +66,7 @@ fn not_kept(id: &str) -> ApiError {
 pub async fn get_response(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    crate::PathId(id): crate::PathId,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
 ) -> Response {
     let asks_stream = query.as_deref().unwrap_or_default().split('&').any(|pair| {
@@ -99,12 +99,19 @@ pub struct InputItemsQuery {
 pub async fn get_input_items(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    crate::PathId(id): crate::PathId,
     query: Result<axum::extract::Query<InputItemsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
     let query = match query {
         Ok(axum::extract::Query(q)) => q,
-        Err(e) => return ApiError::invalid(None, e.body_text()).into_response(),
+        Err(e) => {
+            let text = e.body_text();
+            // serde names the parameter it could not read.
+            let param = ["limit", "order", "after"].into_iter().find(|name| {
+                text.contains(&format!("{name}:")) || text.contains(&format!("`{name}`"))
+            });
+            return ApiError::invalid(param.map(str::to_string), text).into_response();
+        }
     };
     let limit = query.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
@@ -160,7 +167,7 @@ pub async fn get_input_items(
 pub async fn delete_response(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    crate::PathId(id): crate::PathId,
 ) -> Response {
     if state
         .responses

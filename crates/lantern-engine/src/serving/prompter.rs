@@ -13,7 +13,7 @@ use crate::serving::{
 };
 use crate::token_filter::bad_word_sequences;
 use crate::validate::InvalidRequest;
-use crate::{PromptTokenLogprob, TokenLogprobs};
+use crate::{PromptTokenLogprob, SamplingParams, TokenLogprobs};
 use lantern_capture::{resolve_spans, CaptureError, CaptureSpec, PromptText, SpanAt};
 use lantern_model::prompt::{locate_messages, tokenize_chat_rendered, ChatPromptError};
 use lantern_model::{ChatRenderOptions, ChatTemplate, ModelTokenizer};
@@ -185,7 +185,7 @@ impl Prompter {
             let mut last: Option<Done> = None;
             let mut bad_words = TokenizedWords::default();
             for mut item in items {
-                this.check_logit_bias(&item.params.logit_bias)?;
+                this.check_token_ids(&item.params)?;
                 this.prepare_token_filter(&mut item, &mut bad_words)?;
                 let prompt = item.prompt.clone();
                 let spans = item
@@ -361,7 +361,16 @@ impl Prompter {
                     add_special_tokens,
                     limit,
                 )
-                .map_err(|e| chat_error(field, e, self.context_length))?;
+                .map_err(|e| {
+                    let own = own_template.is_some();
+                    chat_error(field, e, self.context_length, own)
+                })?;
+                if ids.is_empty() && own_template.is_some() {
+                    return Err(InvalidRequest::invalid(
+                        "chat_template",
+                        "the request's chat_template rendered an empty prompt",
+                    ));
+                }
                 // Messages as the request numbered them (before any rewriting for tools).
                 let source = with_source.then(|| PromptSource {
                     messages: Some(locate_messages(&rendered, asked)),
@@ -390,18 +399,22 @@ impl Prompter {
         })
     }
 
-    /// `logit_bias` names tokens of the vocabulary.
-    fn check_logit_bias(&self, bias: &[(u32, f32)]) -> Result<(), InvalidRequest> {
-        match bias.iter().find(|(t, _)| *t as usize >= self.vocab_size) {
-            Some((t, _)) => Err(InvalidRequest::invalid(
-                "logit_bias",
-                format!(
-                    "logit_bias names token {t}, outside the vocabulary of {} tokens",
-                    self.vocab_size
-                ),
-            )),
-            None => Ok(()),
+    /// `logit_bias` and `stop_token_ids` name tokens of the vocabulary.
+    fn check_token_ids(&self, params: &SamplingParams) -> Result<(), InvalidRequest> {
+        let outside = |t: &u32| *t as usize >= self.vocab_size;
+        let named = |field: &'static str, t: u32| {
+            let size = self.vocab_size;
+            let message =
+                format!("{field} names token {t}, outside the vocabulary of {size} tokens");
+            Err(InvalidRequest::invalid(field, message))
+        };
+        if let Some((t, _)) = params.logit_bias.iter().find(|(t, _)| outside(t)) {
+            return named("logit_bias", *t);
         }
+        if let Some(t) = params.stop_token_ids.iter().find(|t| outside(t)) {
+            return named("stop_token_ids", *t);
+        }
+        Ok(())
     }
 
     /// `allowed_token_ids` names tokens of the vocabulary; `bad_words` are tokenized
@@ -535,8 +548,29 @@ impl Prompter {
     }
 }
 
-fn chat_error(field: &'static str, e: ChatPromptError, context_length: usize) -> InvalidRequest {
+/// A chat prompt's failure as the request's error: on `field` (the messages), or on
+/// `chat_template` when the request's own template (`own_template`) failed.
+fn chat_error(
+    field: &'static str,
+    e: ChatPromptError,
+    context_length: usize,
+    own_template: bool,
+) -> InvalidRequest {
     use lantern_model::chat::TemplateError;
+    if own_template {
+        if let ChatPromptError::Template(
+            TemplateError::Broken(_)
+            | TemplateError::Failed(_)
+            | TemplateError::OutOfFuel
+            | TemplateError::OutputTooLarge(_),
+        ) = &e
+        {
+            let message = e
+                .to_string()
+                .replace("the model's chat template", "the request's chat_template");
+            return InvalidRequest::invalid("chat_template", message);
+        }
+    }
     let message = match &e {
         ChatPromptError::Template(TemplateError::OutputTooLarge(limit)) => format!(
             "the prompt rendered by the model's chat template passed {limit} bytes, more than this model's context of {context_length} tokens can hold"

@@ -143,7 +143,13 @@ pub fn parse_body(bytes: &[u8]) -> Result<Value, InvalidRequest> {
         // emoji) as escapes JSON parsers refuse: read them as U+FFFD, as a decoder
         // replaces bytes it cannot read.
         Err(e) => {
-            let invalid = |e| InvalidRequest::Body(format!("the body is not valid JSON: {e}"));
+            let invalid = |e: serde_json::Error| {
+                InvalidRequest::Body(if e.to_string().starts_with("recursion limit exceeded") {
+                    format!("the body nests arrays and objects more than 128 levels deep, more than this server reads ({e})")
+                } else {
+                    format!("the body is not valid JSON: {e}")
+                })
+            };
             let lone = lone_surrogate_escapes(bytes);
             if lone.is_empty() {
                 return Err(invalid(e));

@@ -130,6 +130,7 @@ pub fn responses_request(
     let obj = body
         .as_object()
         .ok_or_else(|| InvalidRequest::Body("the body must be a JSON object".into()))?;
+    check_types(obj)?;
     let present = |name: &str| obj.get(name).filter(|v| !v.is_null());
     if present("conversation").is_some() {
         return Err(InvalidRequest::unsupported(
@@ -161,6 +162,7 @@ pub fn responses_request(
     }
     let mut conversation = previous.to_vec();
     conversation.extend(input_messages(obj)?);
+    check_call_outputs(&conversation)?;
     let mut messages = instructions(obj)?;
     messages.extend(conversation.iter().cloned());
     chat.insert("messages".into(), Value::Array(messages));
@@ -232,6 +234,46 @@ pub fn responses_request(
     })
 }
 
+/// A field's name, what it must be (for the message), and the check that it is.
+type FieldType = (&'static str, &'static str, fn(&Value) -> bool);
+
+/// Responses fields this endpoint echoes or takes as they are, and the type each must
+/// have (OpenAI's), so that a wrong one is a 400 rather than read as its default.
+const FIELD_TYPES: &[FieldType] = &[
+    ("store", "a boolean", Value::is_boolean),
+    ("parallel_tool_calls", "a boolean", Value::is_boolean),
+    ("background", "a boolean", Value::is_boolean),
+    ("text", "an object ({\"format\": …})", Value::is_object),
+    ("reasoning", "an object", Value::is_object),
+    ("metadata", "an object of strings", |v| {
+        v.as_object()
+            .is_some_and(|m| m.values().all(Value::is_string))
+    }),
+    ("truncation", "\"auto\" or \"disabled\"", |v| {
+        matches!(v.as_str(), Some("auto" | "disabled"))
+    }),
+    ("user", "a string", Value::is_string),
+    ("service_tier", "a string", Value::is_string),
+    ("prompt_cache_key", "a string", Value::is_string),
+    ("safety_identifier", "a string", Value::is_string),
+];
+
+/// Refuses a field of [`FIELD_TYPES`] of the wrong type, naming it (null is absent).
+fn check_types(obj: &Map<String, Value>) -> Result<(), InvalidRequest> {
+    for &(name, what, holds) in FIELD_TYPES {
+        match obj.get(name) {
+            Some(value) if !value.is_null() && !holds(value) => {
+                return Err(InvalidRequest::invalid(
+                    name,
+                    format!("{name} must be {what}"),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// The Responses field a chat field was made from.
 fn responses_field(chat_field: &str) -> Option<&'static str> {
     match chat_field {
@@ -244,8 +286,16 @@ fn responses_field(chat_field: &str) -> Option<&'static str> {
 }
 
 /// A chat field's error, naming the Responses field it came from (in its message too:
-/// the client never sent the chat field).
+/// the client never sent the chat field), and the Responses names of other chat fields
+/// its message mentions.
 fn renamed(mut e: InvalidRequest) -> InvalidRequest {
+    let mention = |message: &mut String| {
+        for chat in ["max_completion_tokens", "response_format"] {
+            if let Some(name) = responses_field(chat) {
+                *message = message.replace(chat, name);
+            }
+        }
+    };
     match &mut e {
         InvalidRequest::Conflict { field: f, message }
         | InvalidRequest::Invalid { field: f, message }
@@ -257,6 +307,7 @@ fn renamed(mut e: InvalidRequest) -> InvalidRequest {
                 *message = message.replace(*f, name);
                 *f = name;
             }
+            mention(message);
         }
         InvalidRequest::Missing(f) | InvalidRequest::OutOfRange { field: f, .. } => {
             if let Some(name) = responses_field(f) {
@@ -271,6 +322,7 @@ fn renamed(mut e: InvalidRequest) -> InvalidRequest {
                 *message = message.replacen(f.as_str(), name, 1);
                 *f = name.to_string();
             }
+            mention(message);
         }
         _ => {}
     }
@@ -352,6 +404,28 @@ fn input_messages(obj: &Map<String, Value>) -> Result<Vec<Value>, InvalidRequest
         }
     }
     Ok(messages)
+}
+
+/// Every function call output answers a call made before it in the conversation (its
+/// input, or the response it continues), as OpenAI's API requires: an unknown `call_id`
+/// is a mistake to name, not a result to show the model.
+fn check_call_outputs(conversation: &[Value]) -> Result<(), InvalidRequest> {
+    let mut calls = std::collections::HashSet::new();
+    for message in conversation {
+        for call in message["tool_calls"].as_array().into_iter().flatten() {
+            calls.insert(call["id"].as_str().unwrap_or_default());
+        }
+        if message["role"] == "tool" {
+            let id = message["tool_call_id"].as_str().unwrap_or_default();
+            if !calls.contains(id) {
+                return Err(InvalidRequest::invalid(
+                    "input",
+                    format!("no function call with call_id `{id}` comes before its function_call_output (give the call in input, or continue its response with previous_response_id)"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Input (validated) as the Responses API lists it: items with their content as parts.

@@ -89,6 +89,8 @@ def test_prompt_longer_than_context(server, client):
 NAMED_CASES = [
     ("chat", {"messages": USER, "chat_template": "{{ raise_exception('boom') }}"}, "chat_template", "request's chat_template failed"),
     ("chat", {"messages": USER, "chat_template": ""}, "chat_template", "empty prompt"),
+    ("chat", {"messages": [{"role": "user", "content": ""}], "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message", "nothing to continue"),
     ("completions", {"prompt": "Hi", "stop_token_ids": [10**8]}, "stop_token_ids", "outside the vocabulary"),
     ("completions", {"prompt": "Hi", "guided_regex": "\\"}, "guided_regex", "not a valid regular expression"),
     ("responses", {"input": "Hi", "store": "x"}, "store", "boolean"),

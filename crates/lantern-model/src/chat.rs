@@ -138,6 +138,9 @@ pub enum TemplateError {
     /// message's content as it was sent.
     #[error("continue_final_message is set, but the final message's content does not appear in the prompt the chat template rendered (the template changes it)")]
     FinalMessageNotFound,
+    /// `continue_final_message`, but the final message has no content to continue.
+    #[error("continue_final_message is set, but the final message is empty: there is nothing to continue (leave continue_final_message out to begin a new assistant message)")]
+    FinalMessageEmpty,
 }
 
 /// Collects a rendering's output, failing past `limit` bytes.
@@ -576,6 +579,9 @@ fn continue_final(
     rendered: RenderedChat,
     last: &ChatMessage,
 ) -> std::result::Result<RenderedChat, TemplateError> {
+    if last.content.trim().is_empty() {
+        return Err(TemplateError::FinalMessageEmpty);
+    }
     if let Some(mut segments) = rendered.segments {
         let end = segments
             .iter()
@@ -598,9 +604,6 @@ fn continue_final(
         });
     }
     let content = last.content.trim();
-    if content.is_empty() {
-        return Err(TemplateError::FinalMessageNotFound);
-    }
     let at = rendered
         .text
         .rfind(content)

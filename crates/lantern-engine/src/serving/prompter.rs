@@ -575,7 +575,9 @@ fn chat_error(
         ChatPromptError::Template(TemplateError::OutputTooLarge(limit)) => format!(
             "the prompt rendered by the model's chat template passed {limit} bytes, more than this model's context of {context_length} tokens can hold"
         ),
-        ChatPromptError::Template(TemplateError::FinalMessageNotFound) => {
+        ChatPromptError::Template(
+            TemplateError::FinalMessageNotFound | TemplateError::FinalMessageEmpty,
+        ) => {
             return InvalidRequest::invalid("continue_final_message", e.to_string())
         }
         ChatPromptError::ControlTextInTools => {

@@ -68,6 +68,18 @@ def test_thinking_becomes_reasoning_and_the_rest_content(qwen3):
     assert streamed == ("I add two and two.\n", "Four.", "stop")
 
 
+def test_several_choices_stream_their_own_reasoning_with_every_tokens_logprobs(qwen3):
+    kwargs = dict(n=2, logprobs=True, extra_body={"guided_regex": THINK_THEN_ANSWER})
+    whole = _chat(qwen3, **kwargs)
+    chunks = list(_chat(qwen3, stream=True, stream_options={"include_usage": True}, **kwargs))
+    for i in range(2):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        assert _streamed(mine) == ("I add two and two.\n", "Four.", "stop")
+        streamed_logprobs = [e for c in mine if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.token for e in streamed_logprobs] == [e.token for e in whole.choices[i].logprobs.content]
+    assert len(whole.choices[0].logprobs.content) * 2 == whole.usage.completion_tokens
+
+
 def test_an_output_without_thinking_is_all_content(qwen3, server):
     plain = _chat(server).choices[0].message.content
     message = _chat(qwen3).choices[0].message

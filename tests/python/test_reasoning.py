@@ -171,8 +171,12 @@ def test_responses_give_a_reasoning_item(r1, qwen3):
     assert r.usage.output_tokens_details.reasoning_tokens == 0
 
 
-def test_an_unknown_parser_is_refused_at_startup(tmp_path):
+def test_startup_refuses_an_unknown_parser_and_warns_of_a_model_without_tags(tmp_path):
     log = tmp_path / "stderr"
     with open(log, "w") as f, pytest.raises(RuntimeError, match="exited early"):
         start_server("--reasoning-parser", "granite", stderr=f)
     assert 'unknown reasoning parser "granite"; lantern knows deepseek_r1, qwen3' in log.read_text()
+    # A model whose tokenizer has no tag tokens is likely no thinking model: said once.
+    with open(log, "w") as f:
+        stop_server(start_server("--reasoning-parser", "qwen3", stderr=f))
+    assert "writes </think> as 3 tokens" in log.read_text()

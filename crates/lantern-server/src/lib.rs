@@ -272,6 +272,12 @@ fn think_tags(engine: &EngineHandle, parser: ReasoningParser) -> std::io::Result
                 "the model's tokenizer cannot write {tag:?}, the end tag of --reasoning-parser {parser}"
             ))
         })?;
+    if end.len() > 1 {
+        tracing::warn!(
+            "--reasoning-parser {parser}: this model's tokenizer writes {tag} as {} tokens, not as one of its own: it is likely not a thinking model",
+            end.len()
+        );
+    }
     Ok(ThinkTags::new(parser, end))
 }
 

@@ -122,8 +122,6 @@ pub struct ThinkingSplitter {
     parser: ReasoningParser,
     phase: Phase,
     held: String,
-    /// Whether the output entered thinking.
-    thought: bool,
 }
 
 impl ThinkingSplitter {
@@ -138,13 +136,7 @@ impl ThinkingSplitter {
                 Phase::MayOpen
             },
             held: String::new(),
-            thought: thinking,
         }
-    }
-
-    /// Whether the output has entered thinking so far.
-    pub fn thought(&self) -> bool {
-        self.thought
     }
 
     /// Whether the output is inside its thinking now.
@@ -179,7 +171,6 @@ impl ThinkingSplitter {
                     if let Some(rest) = self.held.strip_prefix(tag) {
                         self.held = rest.to_string();
                         self.phase = Phase::ThinkingStart;
-                        self.thought = true;
                     } else if tag.starts_with(self.held.as_str()) {
                         return pieces; // may still become the tag
                     } else {

@@ -55,12 +55,26 @@ pub struct VllmServeFlags {
     pub enable_log_requests: bool,
     #[arg(long, hide = true, value_name = "N")]
     pub max_log_len: Option<usize>,
+    /// vLLM's flags for what lantern does not do, refused with what to do instead.
+    #[arg(long, hide = true)]
+    pub enable_lora: bool,
+    #[arg(long, hide = true, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+    #[arg(long, hide = true, value_name = "METHOD")]
+    pub quantization: Option<String>,
+    #[arg(long, hide = true, value_name = "REVISION")]
+    pub revision: Option<String>,
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub download_dir: Option<String>,
+    #[arg(long, hide = true, value_name = "CONFIG")]
+    pub speculative_config: Option<String>,
 }
 
 impl VllmServeFlags {
     /// Checks the flags, applies those with a lantern meaning to `engine`, and says in
     /// one line each what the others change (nothing).
     pub fn apply(&self, engine: &mut EngineArgs) -> Result<Vec<String>> {
+        self.refuse_what_lantern_does_not_do()?;
         let mut notes = Vec::new();
         let mut nothing_to_do = |flag: &str, why: &str| {
             notes.push(format!("--{flag}: nothing to change ({why})"));
@@ -152,6 +166,34 @@ impl VllmServeFlags {
     }
 }
 
+impl VllmServeFlags {
+    fn refuse_what_lantern_does_not_do(&self) -> Result<()> {
+        if self.enable_lora || !self.lora_modules.is_empty() {
+            bail!(
+                "LoRA adapters are not served: merge the adapter into its base model (peft's \
+                 merge_and_unload, saved with save_pretrained) and serve that directory"
+            );
+        }
+        if let Some(method) = &self.quantization {
+            bail!(
+                "--quantization {method}: lantern serves GGUF files in the types they store, \
+                 and quantizes a Hugging Face directory's weights with --quantize \
+                 (q8_0, q4_0, q4_k, ...)"
+            );
+        }
+        if self.revision.is_some() || self.download_dir.is_some() {
+            bail!(
+                "--revision and --download-dir name a model hub's files: lantern serves a \
+                 local GGUF file or Hugging Face directory (download it first)"
+            );
+        }
+        if self.speculative_config.is_some() {
+            bail!("--speculative-config: lantern does not decode speculatively");
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,6 +254,12 @@ mod tests {
             (&["--tensor-parallel-size", "2"][..], "one lantern process"),
             (&["--dtype", "bfloat16"], "as the model stores them"),
             (&["--tool-call-parser", "mistral"], "hermes and llama3_json"),
+            (
+                &["--enable-lora", "--lora-modules", "a=b"],
+                "merge the adapter",
+            ),
+            (&["--quantization", "awq"], "--quantize"),
+            (&["--revision", "main"], "local GGUF file"),
             (
                 &["--model", "a.gguf", "--tokenizer", "b"],
                 "model's own tokenizer",

@@ -41,6 +41,7 @@ def test_a_response_is_the_chat_completion_of_its_conversation(server, client):
     ], max_tokens=24)
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.created_at <= r.completed_at and r.service_tier == "default"
+    assert r.reasoning.effort is None
     # The client's own types hold the whole response (usage details included).
     type(r).model_validate(r.model_dump())
     assert r.output_text == chat.choices[0].message.content

@@ -424,7 +424,7 @@ impl ResponseObject {
             "previous_response_id": self.previous_response_id,
             "completed_at": finish.map(|_| unix_now()),
             "service_tier": "default",
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": e.reasoning,
             "store": self.echo.store,
             "temperature": e.temperature,
             "text": e.text,

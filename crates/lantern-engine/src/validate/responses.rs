@@ -91,6 +91,9 @@ pub struct ResponsesEcho {
     pub user: Value,
     /// Whether the response is to be kept (`store`, true unless the request says false).
     pub store: bool,
+    /// `reasoning` as the request gave it (`{"effort": null, "summary": null}` when not):
+    /// lantern has no effort to set, and echoes it as OpenAI's API does.
+    pub reasoning: Value,
 }
 
 /// A validated Responses request: the chat request it runs as, what its response
@@ -225,6 +228,9 @@ pub fn responses_request(
         metadata: present("metadata").cloned().unwrap_or_else(|| json!({})),
         user: present("user").cloned().unwrap_or(Value::Null),
         store: present("store").and_then(Value::as_bool).unwrap_or(true),
+        reasoning: present("reasoning")
+            .cloned()
+            .unwrap_or_else(|| json!({"effort": null, "summary": null})),
     };
     Ok(ResponsesRequest {
         generation,

@@ -560,3 +560,23 @@ def test_a_capture_without_maps_says_so_when_its_maps_are_asked_for(llm):
     assert out.attention.stats[0]["key_mass"].size > 0
     with pytest.raises(KeyError, match="no maps"):
         out.attention.to_hf()
+
+
+def test_a_reasoning_parser_makes_structured_output_wait_for_thinking(llm):
+    # vLLM's LLM(reasoning_parser=...): a DeepSeek-R1 output begins thinking (this
+    # prompt ends with neither tag), so the grammar waits for `</think>`, which this
+    # model never writes: the output is the unconstrained one. Text stays raw.
+    params = lantern.SamplingParams(temperature=0, max_tokens=10, structured_outputs={"regex": r"Four\."})
+    plain = llm.generate("Once upon a time", lantern.SamplingParams(temperature=0, max_tokens=10))[0]
+    assert llm.generate("Once upon a time", params)[0].outputs[0].text == "Four."
+    thinking = lantern.LLM(kv_cache_memory="64M", reasoning_parser="deepseek_r1")
+    try:
+        out = thinking.generate("Once upon a time", params)[0].outputs[0]
+        assert out.text == plain.outputs[0].text
+        # A prompt that closed its thinking is constrained from its first token.
+        closed = thinking.generate("Once upon a time</think>\n", params)[0].outputs[0]
+        assert closed.text == "Four."
+    finally:
+        thinking.close()
+    with pytest.raises(lantern.InvalidRequestError, match="reasoning_parser"):
+        lantern.LLM(kv_cache_memory="64M", reasoning_parser="granite")

@@ -93,6 +93,29 @@ impl ThinkTags {
             end: end.into(),
         }
     }
+
+    /// `parser`'s end tag as `tokenizer` writes it. A tag of several tokens (no token of
+    /// its own) is warned of: such a model is likely not a thinking model.
+    pub fn for_tokenizer(
+        parser: ReasoningParser,
+        tokenizer: &lantern_model::tokenizer::ModelTokenizer,
+    ) -> Result<Self, String> {
+        let tag = parser.end_tag();
+        let end = tokenizer
+            .encode(tag, false)
+            .ok()
+            .filter(|ids| !ids.is_empty())
+            .ok_or_else(|| {
+                format!("the model's tokenizer cannot write {tag:?}, the end tag of the reasoning parser {parser}")
+            })?;
+        if end.len() > 1 {
+            tracing::warn!(
+                "reasoning parser {parser}: this model's tokenizer writes {tag} as {} tokens, not as one of its own: it is likely not a thinking model",
+                end.len()
+            );
+        }
+        Ok(Self::new(parser, end))
+    }
 }
 
 /// A piece of an output, split as it arrives.

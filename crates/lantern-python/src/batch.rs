@@ -5,6 +5,7 @@
 use crate::errors::{invalid_request, serve_error};
 use crate::events::{forward, Ready};
 use crate::request::{capture_fields, submit};
+use lantern_engine::reasoning::ThinkTags;
 use lantern_engine::serving::EngineHandle;
 use lantern_engine::validate::CaptureSettings;
 use lantern_engine::validate::Endpoint;
@@ -23,6 +24,7 @@ pub struct Batch {
     engine: EngineHandle,
     runtime: Arc<Runtime>,
     settings: Arc<CaptureSettings>,
+    reasoning: Option<Arc<ThinkTags>>,
     /// Dropped at the first poll: the channel then closes once every prompt is done.
     tx: Mutex<Option<UnboundedSender<Ready>>>,
     rx: Mutex<UnboundedReceiver<Ready>>,
@@ -36,12 +38,14 @@ impl Batch {
         engine: EngineHandle,
         runtime: Arc<Runtime>,
         settings: Arc<CaptureSettings>,
+        reasoning: Option<Arc<ThinkTags>>,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             engine,
             runtime,
             settings,
+            reasoning,
             tx: Mutex::new(Some(tx)),
             rx: Mutex::new(rx),
             ids: Mutex::new(Vec::new()),
@@ -96,6 +100,7 @@ impl Batch {
                 self.runtime.block_on(submit(
                     &self.engine,
                     &self.settings,
+                    self.reasoning.as_ref(),
                     kind,
                     body,
                     fields,

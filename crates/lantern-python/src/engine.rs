@@ -4,6 +4,7 @@
 use crate::batch::Batch;
 use crate::errors::{build_error, engine_error, option_error, serve_error};
 use crate::options::{ByteCount, RawOptions};
+use lantern_engine::reasoning::ThinkTags;
 use lantern_engine::serving::{EngineBuildPanicked, EngineHandle, EngineThread};
 use lantern_engine::validate::CaptureSettings;
 use pyo3::prelude::*;
@@ -42,6 +43,8 @@ pub struct Engine {
     thread: Mutex<Option<EngineThread>>,
     runtime: Arc<Runtime>,
     settings: Arc<CaptureSettings>,
+    /// `reasoning_parser`'s end tag in the model's tokens, when one was given.
+    reasoning: Option<Arc<ThinkTags>>,
     /// The model as given, or the default model's file name.
     model: String,
 }
@@ -54,7 +57,8 @@ impl Engine {
         attention_backend=None, max_num_batched_tokens=None, max_num_seqs=None,
         enable_prefix_caching=None, f32_weights=None, quantize=None, chat_template=None,
         generation_config=None, max_model_len=None, threads=None, enable_attention_capture=None,
-        max_capture_bytes=None, device=None, gpu_memory_utilization=None, enforce_eager=None
+        max_capture_bytes=None, device=None, gpu_memory_utilization=None, enforce_eager=None,
+        reasoning_parser=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -78,6 +82,7 @@ impl Engine {
         device: Option<String>,
         gpu_memory_utilization: Option<f32>,
         enforce_eager: Option<bool>,
+        reasoning_parser: Option<String>,
     ) -> PyResult<Self> {
         let options = RawOptions {
             model,
@@ -99,6 +104,7 @@ impl Engine {
             device,
             gpu_memory_utilization,
             enforce_eager,
+            reasoning_parser,
         }
         .resolve()
         .map_err(option_error)?;
@@ -108,11 +114,16 @@ impl Engine {
             None => lantern_model::default_model::DEFAULT_MODEL_FILE.to_string(),
         };
         let settings = Arc::new(options.capture.clone());
+        let parser = options.reasoning_parser;
         let started = py.detach(move || {
             let path = options.model_path().map_err(BuildError)?;
             EngineHandle::start(move || options.build_engine(&path).map_err(BuildError))
         });
         let (handle, thread) = started.map_err(|BuildError(e)| build_error(e))?;
+        let reasoning = parser
+            .map(|p| ThinkTags::for_tokenizer(p, handle.prompter().tokenizer()).map(Arc::new))
+            .transpose()
+            .map_err(build_error)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("lantern-python")
@@ -124,6 +135,7 @@ impl Engine {
             thread: Mutex::new(Some(thread)),
             runtime: Arc::new(runtime),
             settings,
+            reasoning,
             model,
         })
     }
@@ -134,6 +146,7 @@ impl Engine {
             self.handle.clone(),
             self.runtime.clone(),
             self.settings.clone(),
+            self.reasoning.clone(),
         )
     }
 

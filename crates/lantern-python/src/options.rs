@@ -10,6 +10,7 @@ use lantern_engine::lantern_capture::human_bytes;
 use lantern_engine::options::{
     load_engine, parse_byte_count, parse_kv_dtype, parse_weight_type, ModelLoad,
 };
+use lantern_engine::reasoning::ReasoningParser;
 use lantern_engine::validate::capture::DEFAULT_MAX_CAPTURE_BYTES;
 use lantern_engine::validate::CaptureSettings;
 use lantern_engine::{Engine, EngineConfig};
@@ -54,6 +55,7 @@ pub struct RawOptions {
     pub device: Option<String>,
     pub gpu_memory_utilization: Option<f32>,
     pub enforce_eager: Option<bool>,
+    pub reasoning_parser: Option<String>,
 }
 
 /// A byte count as an int (`1073741824`) or as the CLI writes it (`"512M"`, `"1G"`).
@@ -77,6 +79,8 @@ pub struct EngineOptions {
     pub capture: CaptureSettings,
     pub device: DeviceChoice,
     pub gpu_memory_utilization: Option<f32>,
+    /// vLLM's `reasoning_parser`: structured output waits for the model's thinking.
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 /// An int, or a byte count as the CLI writes it (`"512M"`, `"1G"`).
@@ -211,6 +215,19 @@ impl RawOptions {
             capture,
             device,
             gpu_memory_utilization: self.gpu_memory_utilization,
+            reasoning_parser: self
+                .reasoning_parser
+                .as_deref()
+                .map(|name| {
+                    ReasoningParser::from_name(name).ok_or_else(|| {
+                        let known = ReasoningParser::NAMES.join(", ");
+                        OptionError::new(
+                            "reasoning_parser",
+                            format!("{name:?} is not a reasoning parser lantern knows ({known})"),
+                        )
+                    })
+                })
+                .transpose()?,
         })
     }
 }

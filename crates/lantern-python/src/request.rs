@@ -3,6 +3,7 @@
 //! too), so that a call means what the same HTTP request means and fails with the same
 //! field named.
 
+use lantern_engine::reasoning::ThinkTags;
 use lantern_engine::serving::{EngineEvent, EngineHandle, PromptInput, ServeError};
 use lantern_engine::validate::capture::CAPTURE_FIELDS;
 use lantern_engine::validate::{
@@ -93,6 +94,7 @@ pub async fn tokenize(engine: &EngineHandle, body: &Value) -> Result<Vec<u32>, S
 pub async fn submit(
     engine: &EngineHandle,
     settings: &CaptureSettings,
+    reasoning: Option<&Arc<ThinkTags>>,
     endpoint: Endpoint,
     mut body: Map<String, Value>,
     capture: Map<String, Value>,
@@ -114,6 +116,8 @@ pub async fn submit(
         if unbounded {
             item.max_tokens = None;
         }
+        // As vLLM's engine: structured output waits for a reasoning model's thinking.
+        item.reasoning = reasoning.cloned();
         if let Some(capture) = &mut item.capture {
             // Streamed, a capture's rows go out with their tokens, as over HTTP.
             capture.stream_rows(stream);

@@ -161,7 +161,11 @@ impl AppState {
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
     let reasoning = config
         .reasoning_parser
-        .map(|parser| think_tags(&engine, parser).map(Arc::new))
+        .map(|parser| {
+            ThinkTags::for_tokenizer(parser, engine.prompter().tokenizer())
+                .map(Arc::new)
+                .map_err(std::io::Error::other)
+        })
         .transpose()?;
     let busy = engine.busy_flag();
     let mut names: Vec<String> = config
@@ -256,29 +260,6 @@ pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Ro
         ))
         .layer(middleware::from_fn_with_state(guards, request_guards::cors))
         .with_state(state))
-}
-
-/// `parser`'s end tag as the model's tokenizer writes it.
-fn think_tags(engine: &EngineHandle, parser: ReasoningParser) -> std::io::Result<ThinkTags> {
-    let tag = parser.end_tag();
-    let end = engine
-        .prompter()
-        .tokenizer()
-        .encode(tag, false)
-        .ok()
-        .filter(|ids| !ids.is_empty())
-        .ok_or_else(|| {
-            std::io::Error::other(format!(
-                "the model's tokenizer cannot write {tag:?}, the end tag of --reasoning-parser {parser}"
-            ))
-        })?;
-    if end.len() > 1 {
-        tracing::warn!(
-            "--reasoning-parser {parser}: this model's tokenizer writes {tag} as {} tokens, not as one of its own: it is likely not a thinking model",
-            end.len()
-        );
-    }
-    Ok(ThinkTags::new(parser, end))
 }
 
 /// Serves `router` on `listener` with the default [`ConnectionLimits`] until `shutdown`

@@ -137,7 +137,7 @@ _ENGINE_OPTIONS = (
     "max_num_seqs", "enable_prefix_caching", "f32_weights", "quantize", "chat_template", "generation_config",
     "max_model_len",
     "threads", "enable_attention_capture", "max_capture_bytes", "device", "gpu_memory_utilization",
-    "enforce_eager",
+    "enforce_eager", "reasoning_parser",
 )
 # vLLM's options with nothing to do here when they ask for what lantern does anyway.
 _VLLM_OPTIONS_AT_DEFAULT = {
@@ -197,7 +197,9 @@ class LLM:
     (``"cpu"``, ``"cuda"``, ``"cuda:N"``: an NVIDIA GPU, with the NVRTC and cuBLAS 13
     libraries), ``gpu_memory_utilization`` (GPU only: the share of the card's memory
     lantern may use, the KV cache sized from what the weights leave) and
-    ``enforce_eager`` (GPU only: no decode steps replayed from CUDA graphs).
+    ``enforce_eager`` (GPU only: no decode steps replayed from CUDA graphs) and
+    ``reasoning_parser`` (vLLM's ``"deepseek_r1"`` or ``"qwen3"``: structured output
+    waits for a thinking model's ``</think>``; outputs stay raw text, as vLLM's).
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):

@@ -66,6 +66,12 @@ def test_thinking_becomes_reasoning_and_the_rest_content(qwen3):
     assert r.choices[0].finish_reason == "stop"
     streamed = _streamed(_chat(qwen3, stream=True, extra_body={"guided_regex": THINK_THEN_ANSWER}))
     assert streamed == ("I add two and two.\n", "Four.", "stop")
+    # Usage counts the thinking tokens (the tags' own included), streamed or not.
+    thinking = r.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < thinking < r.usage.completion_tokens
+    chunks = list(_chat(qwen3, stream=True, stream_options={"include_usage": True},
+                        extra_body={"guided_regex": THINK_THEN_ANSWER}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
 
 
 def test_several_choices_stream_their_own_reasoning_with_every_tokens_logprobs(qwen3):
@@ -81,8 +87,12 @@ def test_several_choices_stream_their_own_reasoning_with_every_tokens_logprobs(q
 
 
 def test_an_output_without_thinking_is_all_content(qwen3, server):
-    plain = _chat(server).choices[0].message.content
-    message = _chat(qwen3).choices[0].message
+    plain_response = _chat(server)
+    assert plain_response.usage.completion_tokens_details is None  # no parser, no details
+    plain = plain_response.choices[0].message.content
+    r = _chat(qwen3)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    message = r.choices[0].message
     assert message.content == plain and plain
     assert message.reasoning is None and message.reasoning_content is None
     assert _streamed(_chat(qwen3, stream=True))[:2] == (None, plain)
@@ -114,6 +124,7 @@ def test_a_tag_inside_the_prompt_is_not_the_outputs(qwen3, server):
 def test_thinking_that_never_closes_is_all_reasoning(r1, server):
     plain = _chat(server, messages=STORY, max_tokens=12).choices[0].message.content
     r = _chat(r1, messages=STORY, max_tokens=12)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 12
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.content is None
     assert r.choices[0].message.reasoning == plain.lstrip()

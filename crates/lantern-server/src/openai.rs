@@ -355,6 +355,7 @@ async fn generate_parsed(
         text_offsets: vec![0; num_choices],
         tool_calls: request.tool_calls,
         reasoning: reasoning.map(|tags| tags.parser),
+        reasoning_tokens: vec![0; num_choices],
         names: TokenNames {
             by_id: request.tokens_as_ids,
         },
@@ -430,6 +431,8 @@ struct ResponseBuilder {
     /// Chat on a server with a reasoning parser: a choice's thinking becomes its
     /// `reasoning`.
     reasoning: Option<ReasoningParser>,
+    /// With a reasoning parser: each choice's tokens spent thinking, counted as they come.
+    reasoning_tokens: Vec<usize>,
     /// How logprobs name tokens.
     names: TokenNames,
 }
@@ -702,6 +705,18 @@ impl ResponseBuilder {
         }
     }
 
+    /// A splitter per choice with a reasoning parser (none without one).
+    fn thinking_splitters(&self) -> Vec<ThinkingSplitter> {
+        match self.reasoning {
+            Some(parser) => self
+                .accepted
+                .iter()
+                .map(|a| ThinkingSplitter::new(parser, a.thinking))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
     fn all_finished(&self) -> bool {
         self.finishes.iter().all(Option::is_some)
     }
@@ -722,12 +737,17 @@ impl ResponseBuilder {
                 cached_tokens += cached;
             }
         }
-        json!({
+        let mut usage = json!({
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        })
+        });
+        if self.reasoning.is_some() {
+            let thinking: usize = self.reasoning_tokens.iter().sum();
+            usage["completion_tokens_details"] = json!({"reasoning_tokens": thinking});
+        }
+        usage
     }
 
     fn envelope(&self, stream: bool, choices: Vec<Value>) -> serde_json::Map<String, Value> {
@@ -924,12 +944,18 @@ async fn whole_response(
         .collect();
     let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); texts.len()];
     let mut prompts: Vec<Option<Vec<PromptLogprobEntry>>> = vec![None; texts.len()];
+    // Split as a stream is, to count each choice's thinking tokens as they come.
+    let mut thinking = response.thinking_splitters();
     while !response.all_finished() {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         let event = guard.engine.prompter().resolve(event).await?;
         check_index(&event, texts.len())?;
+        if let Some(splitter) = thinking.get_mut(event.index) {
+            let counted = &mut response.reasoning_tokens[event.index];
+            splitter.push_counted(&event.text, event.token_ids.len(), counted);
+        }
         texts[event.index].push_str(&event.text);
         logprobs[event.index].extend(event.logprobs);
         if event.prompt_logprobs.is_some() {
@@ -1096,7 +1122,8 @@ impl StreamState {
         let finished = event.finish.is_some();
         let pieces = match self.thinking.get_mut(index) {
             Some(splitter) => {
-                let mut pieces = splitter.push(&event.text);
+                let counted = &mut self.response.reasoning_tokens[index];
+                let mut pieces = splitter.push_counted(&event.text, event.token_ids.len(), counted);
                 if finished {
                     pieces.extend(splitter.finish());
                 }
@@ -1243,14 +1270,7 @@ fn stream_response(
     capture: Option<CaptureDelivery>,
 ) -> Response {
     let num_choices = response.accepted.len();
-    let thinking = match response.reasoning {
-        Some(parser) => response
-            .accepted
-            .iter()
-            .map(|a| ThinkingSplitter::new(parser, a.thinking))
-            .collect(),
-        None => Vec::new(),
-    };
+    let thinking = response.thinking_splitters();
     let mut state = StreamState {
         response,
         events,

@@ -164,9 +164,7 @@ impl VllmServeFlags {
         }
         Ok(notes)
     }
-}
 
-impl VllmServeFlags {
     fn refuse_what_lantern_does_not_do(&self) -> Result<()> {
         if self.enable_lora || !self.lora_modules.is_empty() {
             bail!(

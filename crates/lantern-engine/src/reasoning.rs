@@ -24,18 +24,15 @@ pub enum ReasoningParser {
 }
 
 impl ReasoningParser {
-    pub const NAMES: [&'static str; 2] = ["deepseek_r1", "qwen3"];
+    const ALL: [Self; 2] = [Self::DeepseekR1, Self::Qwen3];
+    pub const NAMES: [&'static str; 2] = [Self::ALL[0].name(), Self::ALL[1].name()];
 
     /// The parser named `name` (vLLM's names).
     pub fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "deepseek_r1" => Some(Self::DeepseekR1),
-            "qwen3" => Some(Self::Qwen3),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|p| p.name() == name)
     }
 
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Self::DeepseekR1 => "deepseek_r1",
             Self::Qwen3 => "qwen3",
@@ -274,34 +271,57 @@ fn partial_tag_len(text: &str, tag: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// A whole output's reasoning (`None` when it did not think, or thought nothing) and
-/// answer.
-pub fn split_thinking(
-    parser: ReasoningParser,
-    thinking: bool,
-    text: &str,
-) -> (Option<String>, String) {
-    split_texts(parser, thinking, [text])
+/// An output's reasoning and answer gathered as its text arrives (for a response that
+/// is not streamed), its thinking tokens counted as a stream counts them.
+#[derive(Debug, Clone)]
+pub struct ThinkingOutput {
+    splitter: ThinkingSplitter,
+    reasoning: String,
+    answer: String,
+    reasoning_tokens: usize,
 }
 
-/// [`split_thinking`] of the output that `texts` make one after the other.
-fn split_texts<'a>(
-    parser: ReasoningParser,
-    thinking: bool,
-    texts: impl IntoIterator<Item = &'a str>,
-) -> (Option<String>, String) {
-    let mut splitter = ThinkingSplitter::new(parser, thinking);
-    let mut pieces: Vec<ThinkingPiece> = texts.into_iter().flat_map(|t| splitter.push(t)).collect();
-    pieces.extend(splitter.finish());
-    let (mut reasoning, mut answer) = (String::new(), String::new());
-    for piece in pieces {
-        match piece {
-            ThinkingPiece::Reasoning(t) => reasoning.push_str(&t),
-            ThinkingPiece::Answer(t) => answer.push_str(&t),
+impl ThinkingOutput {
+    /// `thinking`: whether the output begins inside thinking.
+    pub fn new(parser: ReasoningParser, thinking: bool) -> Self {
+        Self {
+            splitter: ThinkingSplitter::new(parser, thinking),
+            reasoning: String::new(),
+            answer: String::new(),
+            reasoning_tokens: 0,
         }
     }
-    let reasoning = (!reasoning.is_empty()).then_some(reasoning);
-    (reasoning, answer)
+
+    /// The output's next `tokens` tokens' `text`.
+    pub fn push(&mut self, text: &str, tokens: usize) {
+        let pieces = self
+            .splitter
+            .push_counted(text, tokens, &mut self.reasoning_tokens);
+        self.gather(pieces);
+    }
+
+    /// Tokens spent thinking so far (the tags' own included).
+    pub fn reasoning_tokens(&self) -> usize {
+        self.reasoning_tokens
+    }
+
+    /// The whole output's reasoning (`None` when it did not think, or thought nothing)
+    /// and answer.
+    pub fn finish(mut self) -> (Option<String>, String) {
+        let held = self.splitter.finish();
+        self.gather(held);
+        let reasoning = (!self.reasoning.is_empty()).then_some(self.reasoning);
+        (reasoning, self.answer)
+    }
+
+    fn gather(&mut self, pieces: Vec<ThinkingPiece>) {
+        for piece in pieces {
+            match piece {
+                ThinkingPiece::Reasoning(t) => self.reasoning.push_str(&t),
+                ThinkingPiece::Answer(t) => self.answer.push_str(&t),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -311,8 +331,21 @@ mod tests {
     const R1: ReasoningParser = ReasoningParser::DeepseekR1;
     const QWEN3: ReasoningParser = ReasoningParser::Qwen3;
 
+    /// The reasoning and answer of the output that `texts` make one after the other.
+    fn split_texts<'a>(
+        parser: ReasoningParser,
+        thinking: bool,
+        texts: impl IntoIterator<Item = &'a str>,
+    ) -> (Option<String>, String) {
+        let mut output = ThinkingOutput::new(parser, thinking);
+        for text in texts {
+            output.push(text, 0);
+        }
+        output.finish()
+    }
+
     fn split(parser: ReasoningParser, thinking: bool, text: &str) -> (Option<String>, String) {
-        split_thinking(parser, thinking, text)
+        split_texts(parser, thinking, [text])
     }
 
     fn some(text: &str) -> Option<String> {
@@ -365,7 +398,7 @@ mod tests {
         for parser in [R1, QWEN3] {
             for thinking in [false, true] {
                 for text in texts {
-                    let whole = split_thinking(parser, thinking, text);
+                    let whole = split(parser, thinking, text);
                     let bounds: Vec<usize> = (0..=text.len())
                         .filter(|&i| text.is_char_boundary(i))
                         .collect();

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
-use lantern_engine::reasoning::{split_thinking, ReasoningParser, ThinkingPiece, ThinkingSplitter};
+use lantern_engine::reasoning::{ReasoningParser, ThinkingOutput, ThinkingPiece, ThinkingSplitter};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{
     guided_failure_message, no_token_left_message, Accepted, ChoiceEvent, EndReason, EngineEvent,
@@ -483,33 +483,31 @@ fn tool_delta_json(delta: &ToolDelta, response_id: &str, choice: usize) -> Value
 }
 
 /// A chat choice's message, and its finish reason: with a reasoning parser
-/// (`reasoning`: the parser, and whether the output began thinking), its thinking becomes
-/// `reasoning` and what follows is the rest; calls in that become `tool_calls` (finish
-/// reason `tool_calls`) when the request offered tools.
+/// (`reasoning`: the output's thinking, `text` what follows it), the thinking becomes
+/// `reasoning`; calls in the text become `tool_calls` (finish reason `tool_calls`) when
+/// the request offered tools.
 fn chat_message(
     text: &str,
+    reasoning: Option<Option<&str>>,
     finish_reason: Value,
     tools: bool,
-    reasoning: Option<(ReasoningParser, bool)>,
     response_id: &str,
     choice: usize,
 ) -> (Value, Value) {
-    let Some((parser, thinking)) = reasoning else {
-        return answer_message(text, finish_reason, tools, response_id, choice);
-    };
-    let (thought, answer) = split_thinking(parser, thinking, text);
     let (mut message, finish_reason) =
-        answer_message(&answer, finish_reason, tools, response_id, choice);
-    if thought.is_some() && answer.is_empty() {
-        message["content"] = Value::Null;
+        answer_message(text, finish_reason, tools, response_id, choice);
+    if let Some(thought) = reasoning {
+        if thought.is_some() && text.is_empty() {
+            message["content"] = Value::Null;
+        }
+        // vLLM's `reasoning`, and `reasoning_content`, the older name clients still read.
+        message["reasoning"] = json!(thought);
+        message["reasoning_content"] = json!(thought);
     }
-    // vLLM's `reasoning`, and `reasoning_content`, the older name clients still read.
-    message["reasoning"] = json!(thought);
-    message["reasoning_content"] = json!(thought);
     (message, finish_reason)
 }
 
-/// [`chat_message`] of an output's answer.
+/// [`chat_message`]'s content and calls.
 fn answer_message(
     text: &str,
     finish_reason: Value,
@@ -707,11 +705,17 @@ impl ResponseBuilder {
 
     /// A splitter per choice with a reasoning parser (none without one).
     fn thinking_splitters(&self) -> Vec<ThinkingSplitter> {
+        self.per_choice(ThinkingSplitter::new)
+    }
+
+    /// `make(parser, whether the output begins thinking)` per choice with a reasoning
+    /// parser (none without one).
+    fn per_choice<T>(&self, make: impl Fn(ReasoningParser, bool) -> T) -> Vec<T> {
         match self.reasoning {
             Some(parser) => self
                 .accepted
                 .iter()
-                .map(|a| ThinkingSplitter::new(parser, a.thinking))
+                .map(|a| make(parser, a.thinking))
                 .collect(),
             None => Vec::new(),
         }
@@ -813,10 +817,12 @@ impl ResponseBuilder {
         Value::Object(obj)
     }
 
-    /// The whole, non-streamed response.
+    /// The whole, non-streamed response (`thoughts`: with a reasoning parser, each
+    /// choice's thinking, `texts` then holding what follows it).
     fn whole(
         &mut self,
         texts: &[String],
+        thoughts: &[Option<String>],
         logprobs: &[Vec<LogprobEntry>],
         prompts: &[Option<Vec<PromptLogprobEntry>>],
     ) -> Value {
@@ -837,12 +843,12 @@ impl ResponseBuilder {
                     Kind::Chat => {
                         let reasoning = self
                             .reasoning
-                            .map(|parser| (parser, self.accepted[i].thinking));
+                            .map(|_| thoughts.get(i).and_then(Option::as_deref));
                         let (message, finish_reason) = chat_message(
                             text,
+                            reasoning,
                             finish_reason,
                             self.tool_calls,
-                            reasoning,
                             &self.id,
                             i,
                         );
@@ -944,19 +950,22 @@ async fn whole_response(
         .collect();
     let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); texts.len()];
     let mut prompts: Vec<Option<Vec<PromptLogprobEntry>>> = vec![None; texts.len()];
-    // Split as a stream is, to count each choice's thinking tokens as they come.
-    let mut thinking = response.thinking_splitters();
+    // With a reasoning parser: each choice split as it arrives (after any echo, as the
+    // whole text is read), its thinking tokens counted as a stream counts them.
+    let mut thinking = response.per_choice(ThinkingOutput::new);
+    for (output, echo) in thinking.iter_mut().zip(&mut texts) {
+        output.push(&std::mem::take(echo), 0);
+    }
     while !response.all_finished() {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         let event = guard.engine.prompter().resolve(event).await?;
         check_index(&event, texts.len())?;
-        if let Some(splitter) = thinking.get_mut(event.index) {
-            let counted = &mut response.reasoning_tokens[event.index];
-            splitter.push_counted(&event.text, event.token_ids.len(), counted);
+        match thinking.get_mut(event.index) {
+            Some(output) => output.push(&event.text, event.token_ids.len()),
+            None => texts[event.index].push_str(&event.text),
         }
-        texts[event.index].push_str(&event.text);
         logprobs[event.index].extend(event.logprobs);
         if event.prompt_logprobs.is_some() {
             prompts[event.index] = event.prompt_logprobs;
@@ -970,7 +979,14 @@ async fn whole_response(
             response.finishes[event.index] = Some(finish);
         }
     }
-    let mut whole = response.whole(&texts, &logprobs, &prompts);
+    let mut thoughts = Vec::with_capacity(thinking.len());
+    for (i, output) in thinking.into_iter().enumerate() {
+        response.reasoning_tokens[i] = output.reasoning_tokens();
+        let (thought, answer) = output.finish();
+        thoughts.push(thought);
+        texts[i] = answer;
+    }
+    let mut whole = response.whole(&texts, &thoughts, &logprobs, &prompts);
     if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
         obj.extend(capture.fields(pending_capture).await);
     }

@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
-use lantern_engine::reasoning::{split_thinking, ReasoningParser, ThinkingPiece, ThinkingSplitter};
+use lantern_engine::reasoning::{ReasoningParser, ThinkingOutput, ThinkingPiece, ThinkingSplitter};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{EngineEvent, Finish, LogprobEntry};
 use lantern_engine::validate::tools::parse_tool_calls;
@@ -463,17 +463,19 @@ impl ResponseObject {
         })
     }
 
-    /// A finished output's items: its thinking as a reasoning item (with a reasoning
-    /// parser), the rest as a message (none when tool calls are all it holds), then its
-    /// calls. The tokens' logprobs go with a message that is the whole output.
-    fn output(&self, text: &str, logprobs: &[LogprobEntry], finish: &Finish) -> Vec<Value> {
+    /// A finished output's items: its thinking (`thought`, with a reasoning parser) as
+    /// a reasoning item, the `text` after it as a message (none when tool calls are all
+    /// it holds), then its calls. The tokens' logprobs go with a message that is the
+    /// whole output.
+    fn output(
+        &self,
+        thought: Option<String>,
+        text: &str,
+        logprobs: &[LogprobEntry],
+        finish: &Finish,
+    ) -> Vec<Value> {
         let status = item_status(finish);
         let mut output = Vec::new();
-        let (thought, answer) = match self.reasoning {
-            Some((parser, thinking)) => split_thinking(parser, thinking, text),
-            None => (None, text.to_string()),
-        };
-        let text = answer.as_str();
         let logprobs = if thought.is_some() { &[] } else { logprobs };
         if let Some(thought) = thought {
             // Closed thinking is complete even when the answer was cut short.
@@ -536,21 +538,21 @@ async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
-    // Splits as the stream does, to count the thinking tokens as they come.
+    // With a reasoning parser: split as it arrives, the thinking tokens counted as a
+    // stream counts them.
     let mut thinking = object
         .reasoning
-        .map(|(parser, thinking)| ThinkingSplitter::new(parser, thinking));
+        .map(|(parser, thinking)| ThinkingOutput::new(parser, thinking));
     let mut finish = loop {
         let Some(event) = events.recv().await else {
             return Err(ApiError::unavailable());
         };
         let event = guard.engine.prompter().resolve(event).await?;
         check_index(&event, 1)?;
-        if let Some(splitter) = &mut thinking {
-            let tokens = event.token_ids.len();
-            splitter.push_counted(&event.text, tokens, &mut object.reasoning_tokens);
+        match &mut thinking {
+            Some(output) => output.push(&event.text, event.token_ids.len()),
+            None => text.push_str(&event.text),
         }
-        text.push_str(&event.text);
         logprobs.extend(event.logprobs);
         if let Some(finish) = event.finish {
             if let Some(error) = engine_failure(&finish, object.guide_field) {
@@ -561,7 +563,16 @@ async fn whole_response(
         }
     };
     let pending_capture = finish.capture.take();
-    let output = object.output(&text, &logprobs, &finish);
+    let thought = match thinking {
+        Some(output) => {
+            object.reasoning_tokens = output.reasoning_tokens();
+            let (thought, answer) = output.finish();
+            text = answer;
+            thought
+        }
+        None => None,
+    };
+    let output = object.output(thought, &text, &logprobs, &finish);
     let mut whole = object.json(output.clone(), Some(&finish));
     object.keep(&whole, &output);
     if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {

@@ -405,6 +405,21 @@ impl KvCacheManager {
         needed <= self.pool.num_blocks()
     }
 
+    /// The most tokens one request could ever hold, up to `limit` (see
+    /// [`Self::can_fit_ever`]).
+    pub fn longest_sequence(&self, limit: usize) -> usize {
+        let (mut lo, mut hi) = (0usize, limit);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.can_fit_ever(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
     pub fn num_free_blocks(&self) -> usize {
         self.pool.num_free_blocks()
     }
@@ -610,6 +625,8 @@ mod tests {
         assert!(m.can_fit_ever(12)); // 3 blocks x 2 groups
         assert!(!m.can_fit_ever(13));
         assert!(m.can_fit_ever(0));
+        assert_eq!(m.longest_sequence(100), 12);
+        assert_eq!(m.longest_sequence(5), 5);
     }
 
     #[test]

@@ -336,7 +336,10 @@ async fn generate_parsed(
     }
     state.seed_items(&mut items);
     let num_choices = items.len();
-    let (accepted, events) = state.engine.add(items).await?;
+    let (accepted, events) = match request.beam_search {
+        Some(search) => state.engine.beam_search(items, search).await?,
+        None => state.engine.add(items).await?,
+    };
     let guard = AbortGuard {
         engine: state.engine.clone(),
         pending: accepted.iter().map(|a| a.id).collect(),

@@ -50,6 +50,7 @@ struct Live {
     /// Stop strings are not matched in the text of the first `min_tokens` tokens.
     min_tokens: usize,
     request_id: Option<Arc<str>>,
+    logged: bool,
     arrival: Instant,
     last_token: Option<Instant>,
     /// Alternatives per token and the prompt, while its prompt logprobs are still due.
@@ -384,6 +385,7 @@ impl EngineLoop {
                             max_tokens,
                             min_tokens,
                             request_id: item.request_id.clone(),
+                            logged: item.logged,
                             arrival: now,
                             last_token: None,
                             prompt_logprobs,
@@ -415,36 +417,8 @@ impl EngineLoop {
             echo_text,
         } = prepared;
         let context = self.engine.model_info().context_length;
-        let room = context.saturating_sub(ids.len());
-        let max_tokens = match item.max_tokens {
-            Some(m) if item.max_tokens_defaulted => m.min(room).max(1),
-            Some(m) if m > room => {
-                let field = item.max_tokens_field;
-                return Err(InvalidRequest::conflict(
-                    field,
-                    format!(
-                        "{field} is {m}, but the prompt has {} tokens and this model's context is {context} tokens: at most {room} tokens can be generated",
-                        ids.len()
-                    ),
-                )
-                .into());
-            }
-            Some(m) => m,
-            None => {
-                // As many as the context allows and the KV cache could ever hold.
-                let kv = self.engine.kv_cache();
-                let (mut lo, mut hi) = (0usize, room);
-                while lo < hi {
-                    let mid = lo + (hi - lo).div_ceil(2);
-                    if kv.can_fit_ever(ids.len() + mid) {
-                        lo = mid;
-                    } else {
-                        hi = mid - 1;
-                    }
-                }
-                lo.max(1)
-            }
-        };
+        let longest = self.engine.kv_cache().longest_sequence(context);
+        let max_tokens = item.settled_max_tokens(ids.len(), context, longest)?;
         let max_tokens = match &item.capture {
             Some(capture) => {
                 let geometry = lantern_capture::CaptureGeometry::of_layers(
@@ -642,7 +616,7 @@ impl EngineLoop {
             },
         };
         self.metrics.observe_finished(&finished);
-        if self.log_requests {
+        if self.log_requests && live.logged {
             let cached = completion.map_or(0, |c| c.num_cached_prompt_tokens);
             log_finished(live.request_id.as_deref(), live.index, &finished, cached);
         }

@@ -2,6 +2,7 @@
 //! its stops, its capture and structured output, one item per sequence.
 
 use crate::reasoning::ThinkTags;
+use crate::validate::InvalidRequest;
 use crate::SamplingParams;
 use lantern_capture::CaptureSpec;
 use lantern_guided::Constraint;
@@ -66,8 +67,40 @@ pub struct GenerationItem {
     pub begins_thinking: bool,
     /// The response's id, for the request log.
     pub request_id: Option<Arc<str>>,
+    /// Whether the request log has a line for it when it ends (a beam search's steps
+    /// have none: the search logs itself).
+    pub logged: bool,
     /// vLLM's `truncate_prompt_tokens`: only the end of the prompt is kept.
     pub truncate_prompt: Option<PromptTruncation>,
+}
+
+impl GenerationItem {
+    /// `max_tokens` for a prompt of `prompt_len`: the endpoint's default lowered to the
+    /// room the context leaves, the request's own refused past it, and none at all as
+    /// many as the context and the KV cache allow (`longest`: the longest sequence the
+    /// cache could ever hold, at most `context`).
+    pub fn settled_max_tokens(
+        &self,
+        prompt_len: usize,
+        context: usize,
+        longest: usize,
+    ) -> Result<usize, InvalidRequest> {
+        let room = context.saturating_sub(prompt_len);
+        match self.max_tokens {
+            Some(m) if self.max_tokens_defaulted => Ok(m.min(room).max(1)),
+            Some(m) if m > room => {
+                let field = self.max_tokens_field;
+                Err(InvalidRequest::conflict(
+                    field,
+                    format!(
+                        "{field} is {m}, but the prompt has {prompt_len} tokens and this model's context is {context} tokens: at most {room} tokens can be generated"
+                    ),
+                ))
+            }
+            Some(m) => Ok(m),
+            None => Ok(longest.saturating_sub(prompt_len).max(1)),
+        }
+    }
 }
 
 /// How much of a prompt's end a request keeps (vLLM's `truncate_prompt_tokens`).

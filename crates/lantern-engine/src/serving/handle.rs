@@ -25,6 +25,9 @@ pub struct ModelMeta {
     pub vocab_size: usize,
     pub num_blocks: usize,
     pub block_size: usize,
+    /// The most tokens (prompt and output) the KV cache could ever hold for one
+    /// sequence, at most the context.
+    pub longest_sequence: usize,
     pub num_layers: usize,
     /// Query heads per layer (the smallest, if layers differ).
     pub num_heads: usize,
@@ -60,6 +63,8 @@ pub struct EngineHandle {
     alive: Arc<AtomicBool>,
     busy: Arc<AtomicBool>,
     faults: Arc<EngineFaults>,
+    /// Whether finished requests are logged (`EngineLogging::requests`).
+    log_requests: bool,
 }
 
 /// The engine thread itself: join it after [`EngineHandle::shutdown`].
@@ -98,6 +103,7 @@ impl EngineHandle {
         F: FnOnce() -> Result<Engine, E> + Send + 'static,
         E: From<EngineBuildPanicked> + Send + 'static,
     {
+        let log_requests = logging.requests;
         let (tx, rx) = mpsc::channel::<Command>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(ModelMeta, Prompter), E>>();
         let alive = Arc::new(AtomicBool::new(true));
@@ -126,6 +132,7 @@ impl EngineHandle {
                     vocab_size: info.vocab_size,
                     num_blocks: engine.kv_cache().num_blocks(),
                     block_size: engine.config().block_size,
+                    longest_sequence: engine.kv_cache().longest_sequence(info.context_length),
                     num_layers: info.num_layers,
                     num_heads: info
                         .attention
@@ -158,6 +165,7 @@ impl EngineHandle {
                     alive,
                     busy,
                     faults,
+                    log_requests,
                 },
                 thread,
             )),
@@ -190,6 +198,11 @@ impl EngineHandle {
     /// Whether the engine thread is still running.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Whether finished requests are logged.
+    pub(super) fn logs_requests(&self) -> bool {
+        self.log_requests
     }
 
     /// Panics the engine thread contained (each one restarted the engine's state).

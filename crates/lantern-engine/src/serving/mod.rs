@@ -7,6 +7,7 @@
 //! rendering and turning logprobs into text run on the caller's tasks ([`Prompter`]),
 //! never on the engine thread.
 
+pub mod beam;
 mod engine_loop;
 pub mod error;
 pub mod events;
@@ -18,6 +19,7 @@ pub mod prompter;
 pub mod request_log;
 pub mod stop;
 
+pub use beam::BeamSearch;
 pub use error::ServeError;
 pub use events::{
     guided_failure_message, no_token_left_message, ChoiceEvent, EndReason, EngineEvent,

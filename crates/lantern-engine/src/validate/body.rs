@@ -8,7 +8,7 @@
 
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
-use crate::serving::{GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation};
+use crate::serving::{BeamSearch, GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation};
 use crate::token_filter::TokenFilter;
 use crate::validate::InvalidRequest;
 use crate::SamplingParams;
@@ -93,8 +93,10 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    // vLLM's, refused when they ask for something (see `refuse_unsupported`).
+    // vLLM's beam search: `n` beams (see `beam_search`).
     "use_beam_search",
+    "length_penalty",
+    // vLLM's, refused when they ask for something (see `refuse_unsupported`).
     "structural_tag",
     "logits_processors",
     "priority",
@@ -322,6 +324,7 @@ struct CommonFields {
     best_of: Option<i64>,
     return_tokens_as_token_ids: Option<bool>,
     use_beam_search: Option<bool>,
+    length_penalty: Option<f64>,
     structural_tag: Option<Value>,
     logits_processors: Option<Value>,
     priority: Option<i64>,
@@ -330,12 +333,6 @@ struct CommonFields {
 /// vLLM's fields that would change the output in ways lantern does not offer: refused
 /// when they ask for anything, rather than ignored.
 fn refuse_unsupported(fields: &CommonFields) -> Result<(), InvalidRequest> {
-    if fields.use_beam_search == Some(true) {
-        return Err(InvalidRequest::unsupported(
-            "use_beam_search",
-            "beam search",
-        ));
-    }
     if fields.structural_tag.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(InvalidRequest::unsupported(
             "structural_tag",
@@ -416,6 +413,8 @@ pub struct GenerationRequest {
     /// vLLM's `request_id`: the base of the response's id (the server's `X-Request-Id`
     /// header wins over it).
     pub request_id: Option<String>,
+    /// vLLM's `use_beam_search`: each prompt's `n` choices are the `n` best beams.
+    pub beam_search: Option<BeamSearch>,
 }
 
 /// The served model's name and limits, as validation needs them.
@@ -449,6 +448,7 @@ struct Common {
     truncate_prompt: Option<PromptTruncation>,
     request_id: Option<String>,
     add_special_tokens: bool,
+    beam_search: Option<BeamSearch>,
 }
 
 fn check_model(model: &Option<String>, limits: &ModelLimits) -> Result<(), InvalidRequest> {
@@ -479,6 +479,60 @@ fn parse_stop(value: &Option<Value>) -> Result<Vec<String>, InvalidRequest> {
         ));
     }
     Ok(stop)
+}
+
+/// vLLM's `use_beam_search`: `n` beams, scored with `length_penalty`. Refused with what
+/// it cannot honour: a beam's tokens are each step's prompt, so penalties on generated
+/// tokens would not apply, and token masks act after the logprobs the beams are
+/// ranked by.
+fn beam_search(
+    fields: &CommonFields,
+    n: usize,
+    max_tokens: Option<usize>,
+    max_field: &'static str,
+) -> Result<Option<BeamSearch>, InvalidRequest> {
+    let length_penalty = fields.length_penalty.unwrap_or(1.0);
+    if !(length_penalty as f32).is_finite() {
+        return Err(InvalidRequest::out_of_range(
+            "length_penalty",
+            "a finite number",
+            length_penalty,
+        ));
+    }
+    if fields.use_beam_search != Some(true) {
+        return Ok(None);
+    }
+    let asked = [
+        (
+            "presence_penalty",
+            fields.presence_penalty.is_some_and(|p| p != 0.0),
+        ),
+        (
+            "frequency_penalty",
+            fields.frequency_penalty.is_some_and(|p| p != 0.0),
+        ),
+        (
+            "bad_words",
+            fields.bad_words.as_ref().is_some_and(|w| !w.is_empty()),
+        ),
+        ("allowed_token_ids", fields.allowed_token_ids.is_some()),
+    ];
+    if let Some((field, _)) = asked.iter().find(|(_, asked)| *asked) {
+        return Err(InvalidRequest::conflict(
+            field,
+            format!("{field} cannot be combined with use_beam_search"),
+        ));
+    }
+    if max_tokens == Some(0) {
+        return Err(InvalidRequest::conflict(
+            max_field,
+            format!("{max_field} must be at least 1 with use_beam_search"),
+        ));
+    }
+    Ok(Some(BeamSearch {
+        width: n,
+        length_penalty: length_penalty as f32,
+    }))
 }
 
 fn common(
@@ -679,6 +733,7 @@ fn common(
                 .and_then(|o| o.continuous_usage_stats)
                 .unwrap_or(false),
         tokens_as_ids: fields.return_tokens_as_token_ids.unwrap_or(false),
+        beam_search: beam_search(fields, n as usize, max_tokens, max_field)?,
         add_special_tokens: fields.add_special_tokens.unwrap_or(true),
         request_id: match &fields.request_id {
             None => None,
@@ -828,6 +883,7 @@ fn expand(
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
             params.prompt_logprobs = prompt_logprobs;
             items.push(GenerationItem {
+                logged: true,
                 prompt: prompt.clone(),
                 params,
                 max_tokens: common.max_tokens,
@@ -897,6 +953,20 @@ pub fn generation_request(
     };
     request.capture =
         parse_capture_request(body, context.capture, context.num_layers, context.num_heads)?;
+    if request.beam_search.is_some() {
+        if request.capture.is_some() {
+            return Err(InvalidRequest::conflict(
+                "attn_capture",
+                "attn_capture cannot be combined with use_beam_search: send the chosen beam's tokens back as the prompt, with max_tokens 0 and attn_capture, to capture its attention",
+            ));
+        }
+        if let Some(guide) = &request.guide {
+            return Err(InvalidRequest::conflict(
+                guide.field,
+                format!("{} cannot be combined with use_beam_search", guide.field),
+            ));
+        }
+    }
     if let Some(capture) = &request.capture {
         // A capture's spans, rows and maps name positions of the prompt as sent.
         if request.items.iter().any(|i| i.truncate_prompt.is_some()) {
@@ -1033,6 +1103,7 @@ pub fn chat_request(
         ignored_fields: ignored_fields(body, CHAT_FIELD_NAMES),
         capture: None,
         request_id: common.request_id,
+        beam_search: common.beam_search,
     })
 }
 
@@ -1189,6 +1260,7 @@ pub fn completion_request(
         ignored_fields: ignored_fields(body, COMPLETION_FIELD_NAMES),
         capture: None,
         request_id: common.request_id,
+        beam_search: common.beam_search,
     })
 }
 

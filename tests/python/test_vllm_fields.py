@@ -385,7 +385,6 @@ def test_content_parts_and_roles_as_vllm_reads_them(server):
 
 def test_fields_lantern_cannot_honour_are_400_not_ignored(server, client):
     for fields, param in [
-        ({"use_beam_search": True}, "use_beam_search"),
         ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
         ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
         ({"priority": 5}, "priority"),

@@ -11,7 +11,7 @@ use lantern_engine::serving::{
 use lantern_engine::validate::{
     generation_request, CaptureSettings, Endpoint, GenerationRequest, ModelLimits, RequestContext,
 };
-use lantern_engine::{Engine, EngineConfig};
+use lantern_engine::Engine;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -169,9 +169,7 @@ async fn one_beam_is_greedy_decoding() {
 async fn prompts_search_apart_and_stop_strings_cut_the_text() {
     let handle = start();
     let prompts = ["The capital of France is", "My favourite colour is"];
-    let body = |prompt: Value| {
-        json!({"prompt": prompt, "max_tokens": 8, "n": 2, "use_beam_search": true, "stop": ["."]})
-    };
+    let body = |prompt: Value| json!({"prompt": prompt, "max_tokens": 8, "n": 2, "use_beam_search": true, "stop": ["."]});
     let (_, together) = run(&handle, body(json!(prompts))).await;
     assert_eq!(together.len(), 4);
     for (p, prompt) in prompts.iter().enumerate() {

@@ -162,7 +162,10 @@ pub async fn submit(
             item.prompt = tokens.clone();
         }
     }
-    let (accepted, events) = engine.add(request.items).await?;
+    let (accepted, events) = match request.beam_search {
+        Some(search) => engine.beam_search(request.items, search).await?,
+        None => engine.add(request.items).await?,
+    };
     Ok(Submitted {
         ids: accepted.iter().map(|a| a.id).collect(),
         prompt_token_ids: ids,

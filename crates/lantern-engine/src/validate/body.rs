@@ -8,7 +8,9 @@
 
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
-use crate::serving::{BeamSearch, GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation};
+use crate::serving::{
+    BeamSearch, GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation,
+};
 use crate::token_filter::TokenFilter;
 use crate::validate::InvalidRequest;
 use crate::SamplingParams;

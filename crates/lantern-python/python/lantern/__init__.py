@@ -12,14 +12,24 @@ from . import inputs
 from .attention import Attention
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

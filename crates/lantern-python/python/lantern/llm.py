@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 from . import _lantern
 from ._requests import Request
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams, _invalid
+from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams, _invalid
 from .tokenizer import Tokenizer, as_token_ids, is_token_id
 
 Prompt = Union[str, List[int], Dict[str, Any]]
@@ -246,6 +246,49 @@ class LLM:
                   for x, p in zip(prompts, params)]
         texts = [x if isinstance(x, str) else x.get("prompt") if isinstance(x, dict) else None for x in prompts]
         return self._run("completion", bodies, params, texts, capture, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = False,
+        concurrency_limit: Optional[int] = None,
+    ) -> List[BeamSearchOutput]:
+        """vLLM's beam search: for each prompt (text, token ids, or a prompt dict),
+        its ``params.beam_width`` best sequences, best first. ``concurrency_limit``
+        prompts at most search at once (all of them by default)."""
+        _no_lora_nor_priority(lora_request, None)
+        if not isinstance(params, BeamSearchParams):
+            raise _invalid("params", "params must be a BeamSearchParams")
+        if concurrency_limit is not None and (
+            isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1
+        ):
+            raise _invalid("concurrency_limit", f"concurrency_limit must be an int >= 1, got {concurrency_limit!r}")
+        prompts = _as_prompt_list(prompts)
+        fields = params._fields()
+        # What the outputs are assembled by: n sequences with their logprobs.
+        shape = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, logprobs=fields["logprobs"])
+        chunk = concurrency_limit or max(len(prompts), 1)
+        results: List[BeamSearchOutput] = []
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start:start + chunk]
+            bodies = [dict(fields, prompt=_prompt_field(x), **_prompt_extras(x)) for x in part]
+            texts = [None] * len(part)
+            for out in self._run("completion", bodies, [shape] * len(part), texts, None, use_tqdm):
+                sequences = []
+                for c in out.outputs:
+                    tokens = list(out.prompt_token_ids) + list(c.token_ids)
+                    sequences.append(BeamSearchSequence(
+                        tokens=tokens,
+                        logprobs=list(c.logprobs or []),
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=self._engine.decode(tokens),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    ))
+                results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def chat(
         self,

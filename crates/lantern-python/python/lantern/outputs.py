@@ -75,3 +75,26 @@ class RequestOutput:
     # Streaming with a capture of spans or top-k: the live figures of the rows that
     # sampled this update's tokens, as the HTTP chunks' `attn_capture_row`.
     attention_rows: List[Dict[str, Any]] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One sequence of a beam search, as vLLM's: ``tokens`` are the prompt's and the
+    generated ones, ``text`` their text (special tokens written out), ``logprobs``
+    each generated token's with its most likely alternatives, and ``cum_logprob``
+    their sum."""
+
+    tokens: List[int]
+    logprobs: List[Dict[int, Logprob]]
+    lora_request: None = None
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's beam search: its ``beam_width`` best sequences, best first."""
+
+    sequences: List[BeamSearchSequence]

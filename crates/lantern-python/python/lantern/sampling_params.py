@@ -177,6 +177,44 @@ class SamplingParams:
         return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search settings for ``LLM.beam_search``: ``beam_width`` beams,
+    scored by ``cumulative logprob / length ** length_penalty`` (the length counting
+    the prompt, as vLLM's). ``temperature`` is accepted and, as in vLLM, does not
+    change the beams: they are ranked by the model's own logprobs."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _invalid(name, f"{name} must be an int >= 1, got {value!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise _invalid(name, f"{name} must be a finite number, got {value!r}")
+
+    def _fields(self) -> Dict[str, Any]:
+        """The completions body fields of this search (with up to 20 alternatives per
+        token in its logprobs, the server's limit)."""
+        return {
+            "use_beam_search": True,
+            "n": self.beam_width,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "length_penalty": self.length_penalty,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logprobs": min(2 * self.beam_width, 20),
+        }
+
+
 def _invalid(param: str, message: str) -> Exception:
     e = _lantern.InvalidRequestError(message)
     e.param = param

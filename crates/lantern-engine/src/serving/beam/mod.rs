@@ -194,7 +194,7 @@ impl EngineHandle {
         items: Vec<GenerationItem>,
         search: BeamSearch,
     ) -> Result<(Vec<Accepted>, UnboundedReceiver<EngineEvent>), ServeError> {
-        if search.width == 0 || items.is_empty() || items.len() % search.width != 0 {
+        if search.width == 0 || items.is_empty() || !items.len().is_multiple_of(search.width) {
             return Err(ServeError::Internal(format!(
                 "a beam search of width {} was given {} sequences",
                 search.width,

@@ -298,7 +298,10 @@ impl BeamGroup {
             Some((EndReason::Stop, Some(StopReason::Text(stop))))
         } else if ends_by_token {
             let named = rules.stop_token_ids.contains(&ext.token);
-            Some((EndReason::Stop, named.then_some(StopReason::Token(ext.token))))
+            Some((
+                EndReason::Stop,
+                named.then_some(StopReason::Token(ext.token)),
+            ))
         } else if generated >= rules.max_tokens {
             Some((EndReason::Length, None))
         } else {
@@ -351,7 +354,12 @@ mod tests {
     struct Letters;
 
     impl StepText for Letters {
-        fn piece(&self, _: &mut IncrementalDecoder, ids: &[u32], _: bool) -> Result<String, String> {
+        fn piece(
+            &self,
+            _: &mut IncrementalDecoder,
+            ids: &[u32],
+            _: bool,
+        ) -> Result<String, String> {
             let t = *ids.last().unwrap();
             Ok(char::from(b'a' + t as u8).to_string())
         }
@@ -366,7 +374,8 @@ mod tests {
         }
         let logits: Vec<f32> = (0..vocab)
             .map(|t| {
-                let x = (h ^ u64::from(t) * 0x9e3779b97f4a7c15).wrapping_mul(0xff51afd7ed558ccd);
+                let x = (h ^ u64::from(t).wrapping_mul(0x9e3779b97f4a7c15))
+                    .wrapping_mul(0xff51afd7ed558ccd);
                 ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0
             })
             .collect();
@@ -487,11 +496,18 @@ mod tests {
                     length_penalty: penalty,
                 };
                 let eos = 0;
-                let (got, steps) =
-                    run_counted(search, rules(prompt.len(), max_tokens, vec![eos]), &prompt, vocab);
+                let (got, steps) = run_counted(
+                    search,
+                    rules(prompt.len(), max_tokens, vec![eos]),
+                    &prompt,
+                    vocab,
+                );
                 let want = reference(search, &prompt, max_tokens, eos, vocab);
                 cut_short += usize::from(steps < max_tokens);
-                stopped += got.iter().filter(|b| b.end.as_ref().unwrap().0 == EndReason::Stop).count();
+                stopped += got
+                    .iter()
+                    .filter(|b| b.end.as_ref().unwrap().0 == EndReason::Stop)
+                    .count();
                 let got: Vec<(Vec<u32>, f32)> = got
                     .iter()
                     .map(|b| (b.ids.clone(), b.cumulative_logprob))
@@ -503,7 +519,10 @@ mod tests {
                 }
             }
         }
-        assert!(stopped > 10 && cut_short > 3, "{stopped} stopped, {cut_short} cut short");
+        assert!(
+            stopped > 10 && cut_short > 3,
+            "{stopped} stopped, {cut_short} cut short"
+        );
     }
 
     #[test]
@@ -539,7 +558,11 @@ mod tests {
         let beams = run(search, r.clone(), &[5, 6], 4);
         for beam in &beams {
             let text: String = beam.tokens.iter().map(|t| &*t.text).collect();
-            let letters: String = beam.ids.iter().map(|&t| char::from(b'a' + t as u8)).collect();
+            let letters: String = beam
+                .ids
+                .iter()
+                .map(|&t| char::from(b'a' + t as u8))
+                .collect();
             match &beam.end {
                 Some((EndReason::Stop, Some(StopReason::Text(s)))) => {
                     assert_eq!(s, "bc");
@@ -597,7 +620,10 @@ mod tests {
                 let row = model(&seq, 6);
                 assert_eq!(lp.top, row[..2]);
                 let at = row.iter().position(|&(id, _)| id == t.id).unwrap();
-                assert_eq!((lp.token_id, lp.logprob, lp.rank), (t.id, row[at].1, at + 1));
+                assert_eq!(
+                    (lp.token_id, lp.logprob, lp.rank),
+                    (t.id, row[at].1, at + 1)
+                );
                 sum += lp.logprob;
                 seq.push(t.id);
             }

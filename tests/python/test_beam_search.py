@@ -104,6 +104,64 @@ def capture_server():
     stop_server(srv)
 
 
+def test_early_stopping_ends_an_unbounded_chat_search(server, client):
+    messages = [{"role": "user", "content": "Say hi."}]
+    # Without max_tokens a chat may run to the context's end: `early_stopping` ends the
+    # search once n beams have finished (true), or none outranks them as it stands (false).
+    for early in (True, False):
+        r = client.chat.completions.create(
+            model=server.model, messages=messages, n=2, timeout=120,
+            extra_body={"use_beam_search": True, "early_stopping": early},
+        )
+        assert len(r.choices) == 2
+        assert any(c.finish_reason == "stop" for c in r.choices), r.choices
+    bounded = dict(model=server.model, messages=messages, n=2, max_tokens=10)
+    exact = client.chat.completions.create(**bounded, extra_body={"use_beam_search": True})
+    never = client.chat.completions.create(**bounded, extra_body={"use_beam_search": True, "early_stopping": "never"})
+    assert [c.message.content for c in exact.choices] == [c.message.content for c in never.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**bounded, extra_body={"use_beam_search": True, "early_stopping": "soon"})
+    assert e.value.body["param"] == "early_stopping"
+
+
+def test_forced_tool_calls_name_tool_choice(server, client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2,
+                tools=tools, tool_choice=choice, extra_body={"use_beam_search": True},
+            )
+        assert e.value.body["param"] == "tool_choice"
+
+
+def test_a_full_waiting_queue_refuses_a_search_before_it_starts():
+    """A search counts for its n beams when it is taken; once taken, its steps are
+    never refused for the queue's length (which would throw its work away)."""
+    srv = start_server("--max-waiting-requests", "2")
+    try:
+        client = srv.client(max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=srv.model, prompt="Hi there", max_tokens=5, n=4,
+                                      extra_body={"use_beam_search": True})
+
+        def search(i):
+            try:
+                r = client.completions.create(model=srv.model, prompt=f"Story {i}: Once", max_tokens=20, n=2,
+                                              extra_body={"use_beam_search": True})
+                return len(r.choices)
+            except openai.RateLimitError:
+                return 429
+
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(search, range(6)))
+        assert all(o in (2, 429) for o in outcomes), outcomes
+        assert 2 in outcomes
+    finally:
+        stop_server(srv)
+
+
 def test_capture_with_beam_search_names_the_way_to_capture_a_beam(capture_server):
     client = capture_server.client()
     with pytest.raises(openai.BadRequestError) as e:

@@ -316,7 +316,7 @@ impl EngineLoop {
         if self.shutting_down {
             return Err(ServeError::Unavailable);
         }
-        self.check_waiting_room(items.len())?;
+        self.check_waiting_room(items.iter().map(|i| i.item.origin.waiting_weight()).sum())?;
         let mut prepared = Vec::with_capacity(items.len());
         for item in items {
             prepared.push(self.prepare(item)?);
@@ -385,7 +385,7 @@ impl EngineLoop {
                             max_tokens,
                             min_tokens,
                             request_id: item.request_id.clone(),
-                            logged: item.logged,
+                            logged: item.origin.logged(),
                             arrival: now,
                             last_token: None,
                             prompt_logprobs,

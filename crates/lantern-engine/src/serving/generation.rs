@@ -67,11 +67,42 @@ pub struct GenerationItem {
     pub begins_thinking: bool,
     /// The response's id, for the request log.
     pub request_id: Option<Arc<str>>,
-    /// Whether the request log has a line for it when it ends (a beam search's steps
-    /// have none: the search logs itself).
-    pub logged: bool,
+    /// A client's request, or a step of a beam search.
+    pub origin: Origin,
     /// vLLM's `truncate_prompt_tokens`: only the end of the prompt is kept.
     pub truncate_prompt: Option<PromptTruncation>,
+}
+
+/// How a sequence came to the engine: a client's request, or a step of a beam search
+/// ([`super::beam`]), which counts otherwise against the waiting queue's limit and has
+/// no request-log line of its own (the search logs itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Request,
+    /// A beam search's first step, one per prompt: it counts for the `width` sequences
+    /// the search will queue at once.
+    BeamStart {
+        width: usize,
+    },
+    /// A later step: part of a search already admitted, never refused for the queue's
+    /// length (that would throw its work away).
+    BeamStep,
+}
+
+impl Origin {
+    /// The sequences it counts for against `--max-waiting-requests`.
+    pub fn waiting_weight(self) -> usize {
+        match self {
+            Origin::Request => 1,
+            Origin::BeamStart { width } => width,
+            Origin::BeamStep => 0,
+        }
+    }
+
+    /// Whether the request log has a line for it when it ends.
+    pub fn logged(self) -> bool {
+        self == Origin::Request
+    }
 }
 
 impl GenerationItem {

@@ -19,13 +19,15 @@ pub mod prompter;
 pub mod request_log;
 pub mod stop;
 
-pub use beam::BeamSearch;
+pub use beam::{BeamSearch, EarlyStopping};
 pub use error::ServeError;
 pub use events::{
     guided_failure_message, no_token_left_message, ChoiceEvent, EndReason, EngineEvent,
     EngineFailure, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
 };
-pub use generation::{Accepted, GenerationItem, ItemCapture, PromptInput, PromptTruncation};
+pub use generation::{
+    Accepted, GenerationItem, ItemCapture, Origin, PromptInput, PromptTruncation,
+};
 pub use handle::{EngineHandle, EngineThread, ModelMeta};
 pub use health::{
     panic_message, EngineBuildPanicked, EngineFaults, EngineHealth, CLEAN_STEPS_TO_RECOVER,

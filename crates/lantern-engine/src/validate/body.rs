@@ -9,7 +9,8 @@
 use super::capture::{parse_capture_request, CaptureRequest, CaptureSettings, Delivery};
 use super::structured::{parse_guide, FieldGuide};
 use crate::serving::{
-    BeamSearch, GenerationItem, ItemCapture, ModelMeta, PromptInput, PromptTruncation,
+    BeamSearch, EarlyStopping, GenerationItem, ItemCapture, ModelMeta, Origin, PromptInput,
+    PromptTruncation,
 };
 use crate::token_filter::TokenFilter;
 use crate::validate::InvalidRequest;
@@ -98,6 +99,7 @@ const COMMON_FIELD_NAMES: &[&str] = &[
     // vLLM's beam search: `n` beams (see `beam_search`).
     "use_beam_search",
     "length_penalty",
+    "early_stopping",
     // vLLM's, refused when they ask for something (see `refuse_unsupported`).
     "structural_tag",
     "logits_processors",
@@ -327,6 +329,7 @@ struct CommonFields {
     return_tokens_as_token_ids: Option<bool>,
     use_beam_search: Option<bool>,
     length_penalty: Option<f64>,
+    early_stopping: Option<Value>,
     structural_tag: Option<Value>,
     logits_processors: Option<Value>,
     priority: Option<i64>,
@@ -501,6 +504,18 @@ fn beam_search(
             length_penalty,
         ));
     }
+    let early_stopping = match &fields.early_stopping {
+        None | Some(Value::Null) => EarlyStopping::Exact,
+        Some(Value::String(s)) if s == "never" => EarlyStopping::Exact,
+        Some(Value::Bool(false)) => EarlyStopping::Heuristic,
+        Some(Value::Bool(true)) => EarlyStopping::Finished,
+        Some(_) => {
+            return Err(InvalidRequest::invalid(
+                "early_stopping",
+                "early_stopping must be true, false or \"never\"",
+            ))
+        }
+    };
     if fields.use_beam_search != Some(true) {
         return Ok(None);
     }
@@ -534,6 +549,7 @@ fn beam_search(
     Ok(Some(BeamSearch {
         width: n,
         length_penalty: length_penalty as f32,
+        early_stopping,
     }))
 }
 
@@ -885,7 +901,7 @@ fn expand(
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
             params.prompt_logprobs = prompt_logprobs;
             items.push(GenerationItem {
-                logged: true,
+                origin: Origin::Request,
                 prompt: prompt.clone(),
                 params,
                 max_tokens: common.max_tokens,
@@ -963,9 +979,14 @@ pub fn generation_request(
             ));
         }
         if let Some(guide) = &request.guide {
+            // Tools' grammar is a required or named tool_choice's.
+            let field = match guide.field {
+                "tools" => "tool_choice",
+                field => field,
+            };
             return Err(InvalidRequest::conflict(
-                guide.field,
-                format!("{} cannot be combined with use_beam_search", guide.field),
+                field,
+                format!("structured output ({field}) cannot be combined with use_beam_search"),
             ));
         }
     }

@@ -7,10 +7,10 @@
 
 mod search;
 
-pub use search::{Beam, BeamGroup, BeamRules, BeamSearch, BeamToken, StepText};
+pub use search::{Beam, BeamGroup, BeamRules, BeamSearch, BeamToken, EarlyStopping, StepText};
 
 use super::events::{EndReason, EngineEvent, EngineFailure, Finish};
-use super::generation::{Accepted, GenerationItem, PromptInput};
+use super::generation::{Accepted, GenerationItem, Origin, PromptInput};
 use super::handle::EngineHandle;
 use super::prompter::PromptLogprobRows;
 use super::ServeError;
@@ -36,6 +36,8 @@ struct Group {
     started: Instant,
     /// Steps taken so far.
     steps: usize,
+    /// Whether the request log has a line for it.
+    log: bool,
 }
 
 impl Group {
@@ -81,7 +83,13 @@ impl Group {
             reasoning: None,
             begins_thinking: false,
             request_id: t.request_id.clone(),
-            logged: false,
+            origin: if first {
+                Origin::BeamStart {
+                    width: self.beams.search.width,
+                }
+            } else {
+                Origin::BeamStep
+            },
             truncate_prompt: None,
         }
     }
@@ -98,11 +106,11 @@ impl Group {
     }
 
     /// Sends the search's answer: choice `r` is the `r`-th best sequence.
-    fn send(&mut self, events: &UnboundedSender<EngineEvent>, log: bool) {
+    fn send(&mut self, events: &UnboundedSender<EngineEvent>) {
         let width = self.beams.search.width;
         let beams = self.beams.finish();
         self.sent = true;
-        if log {
+        if self.log {
             tracing::info!(
                 target: "lantern::requests",
                 "finished beam search {} choices {}..{}: {width} beams, {} steps, prompt {} tokens ({} cached), best generated {} tokens, total {:.3} s",
@@ -151,6 +159,19 @@ impl Group {
     /// Ends every choice of the group with `reason` and no output.
     fn fail(&mut self, reason: EndReason, events: &UnboundedSender<EngineEvent>) {
         self.sent = true;
+        if self.log {
+            tracing::info!(
+                target: "lantern::requests",
+                "finished beam search {} choices {}..{}: {} after {} steps ({reason:?}), prompt {} tokens, total {:.3} s",
+                self.template.request_id.as_deref().unwrap_or("-"),
+                self.first_choice,
+                self.first_choice + self.beams.search.width,
+                reason.as_str(),
+                self.steps,
+                self.prompt.len(),
+                self.started.elapsed().as_secs_f64(),
+            );
+        }
         for r in 0..self.beams.search.width {
             let _ = events.send(EngineEvent {
                 index: self.first_choice + r,
@@ -256,6 +277,7 @@ impl EngineHandle {
                 sent: false,
                 started: Instant::now(),
                 steps: 0,
+                log: self.logs_requests(),
             });
         }
         let step = self.next_step(&groups, true).await?;
@@ -323,7 +345,7 @@ impl EngineHandle {
                 }
                 group.steps += 1;
                 if group.beams.is_done() {
-                    group.send(&events, self.logs_requests());
+                    group.send(&events);
                 }
             }
             first = false;

@@ -19,16 +19,42 @@ use crate::TokenLogprobs;
 use lantern_model::{IncrementalDecoder, ModelTokenizer};
 use std::sync::Arc;
 
-/// A request's beam search: how many beams, and how their scores weigh length.
+/// A request's beam search: how many beams, how their scores weigh length, and when
+/// the search may end before `max_tokens`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BeamSearch {
     /// Beams kept per step, and sequences returned (the request's `n`).
     pub width: usize,
     /// vLLM's `length_penalty`: a score is divided by `length^length_penalty`.
     pub length_penalty: f32,
+    pub early_stopping: EarlyStopping,
+}
+
+/// When a search ends before `max_tokens` (transformers' and vLLM 0.x's
+/// `early_stopping`); every way ends it once no beam is live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EarlyStopping {
+    /// Once no live beam could outrank the `width` best finished ones whatever it
+    /// generates: the answer of running every step (`"never"`, the default).
+    #[default]
+    Exact,
+    /// Once no live beam outranks the `width` best finished ones as it stands
+    /// (`false`: transformers' heuristic; a longer beam could still have won).
+    Heuristic,
+    /// As soon as `width` beams have finished (`true`).
+    Finished,
 }
 
 impl BeamSearch {
+    /// A search that ends early only when that cannot change its answer.
+    pub fn new(width: usize, length_penalty: f32) -> Self {
+        Self {
+            width,
+            length_penalty,
+            early_stopping: EarlyStopping::Exact,
+        }
+    }
+
     /// Next-token alternatives each beam offers per step (vLLM's `2 × beam_width`).
     pub fn alternatives_per_beam(&self) -> usize {
         2 * self.width
@@ -183,8 +209,8 @@ impl BeamGroup {
         &self.live
     }
 
-    /// Whether the search is over: no live beam left, or none that could outrank the
-    /// `width` best finished hypotheses.
+    /// Whether the search is over: no live beam left, or (as `early_stopping` says)
+    /// none that could outrank the `width` best finished hypotheses.
     pub fn is_done(&self) -> bool {
         if self.live.is_empty() {
             return true;
@@ -196,9 +222,14 @@ impl BeamGroup {
         let max_length = self.rules.prompt_tokens + self.rules.max_tokens;
         self.live.iter().all(|beam| {
             let length = self.rules.prompt_tokens + beam.ids.len();
-            self.search
-                .best_reachable(beam.cumulative_logprob, length, max_length)
-                < worst_kept
+            let cumulative = beam.cumulative_logprob;
+            match self.search.early_stopping {
+                EarlyStopping::Exact => {
+                    self.search.best_reachable(cumulative, length, max_length) < worst_kept
+                }
+                EarlyStopping::Heuristic => self.search.score(cumulative, length) <= worst_kept,
+                EarlyStopping::Finished => true,
+            }
         })
     }
 
@@ -491,10 +522,7 @@ mod tests {
         ] {
             for prompt_seed in 0..6u32 {
                 let prompt: Vec<u32> = (0..3).map(|i| (prompt_seed * 7 + i * 3) % vocab).collect();
-                let search = BeamSearch {
-                    width,
-                    length_penalty: penalty,
-                };
+                let search = BeamSearch::new(width, penalty);
                 let eos = 0;
                 let (got, steps) = run_counted(
                     search,
@@ -526,17 +554,36 @@ mod tests {
     }
 
     #[test]
+    fn earlier_stops_take_fewer_steps() {
+        let (mut heuristic_saves, mut finished_saves) = (0, 0);
+        for prompt_seed in 0..12u32 {
+            let prompt: Vec<u32> = (0..3).map(|i| (prompt_seed * 5 + i) % 7).collect();
+            let steps = |early_stopping| {
+                let search = BeamSearch {
+                    early_stopping,
+                    ..BeamSearch::new(3, 1.0)
+                };
+                let (beams, steps) = run_counted(search, rules(3, 30, vec![0]), &prompt, 7);
+                assert_eq!(beams.len(), 3);
+                steps
+            };
+            let exact = steps(EarlyStopping::Exact);
+            let heuristic = steps(EarlyStopping::Heuristic);
+            let finished = steps(EarlyStopping::Finished);
+            assert!(
+                finished <= heuristic && heuristic <= exact,
+                "{finished} {heuristic} {exact}"
+            );
+            heuristic_saves += usize::from(heuristic < exact);
+            finished_saves += usize::from(finished < heuristic);
+        }
+        assert!(heuristic_saves > 0 && finished_saves > 0);
+    }
+
+    #[test]
     fn width_one_is_greedy() {
         let prompt = [3, 1, 4];
-        let beams = run(
-            BeamSearch {
-                width: 1,
-                length_penalty: 1.0,
-            },
-            rules(3, 10, vec![]),
-            &prompt,
-            9,
-        );
+        let beams = run(BeamSearch::new(1, 1.0), rules(3, 10, vec![]), &prompt, 9);
         let mut seq = prompt.to_vec();
         for _ in 0..10 {
             let next = model(&seq, 9)[0].0;
@@ -551,10 +598,7 @@ mod tests {
         let mut r = rules(2, 12, vec![]);
         // Letters: token 1 reads "b", 2 "c".
         r.stop = Arc::from(["bc".to_string()]);
-        let search = BeamSearch {
-            width: 3,
-            length_penalty: 1.0,
-        };
+        let search = BeamSearch::new(3, 1.0);
         let beams = run(search, r.clone(), &[5, 6], 4);
         for beam in &beams {
             let text: String = beam.tokens.iter().map(|t| &*t.text).collect();
@@ -582,15 +626,7 @@ mod tests {
     fn min_tokens_keeps_stop_tokens_out_of_short_beams() {
         let mut r = rules(2, 6, vec![0, 1]);
         r.min_tokens = 4;
-        let beams = run(
-            BeamSearch {
-                width: 3,
-                length_penalty: 1.0,
-            },
-            r,
-            &[2, 3],
-            4,
-        );
+        let beams = run(BeamSearch::new(3, 1.0), r, &[2, 3], 4);
         for beam in &beams {
             assert!(beam.ids.len() >= 4, "{:?}", beam.ids);
             let stops_early = beam.ids[..3].iter().any(|t| *t < 2);
@@ -603,15 +639,7 @@ mod tests {
         let mut r = rules(1, 5, vec![]);
         r.logprobs = Some(2);
         let prompt = [1];
-        let beams = run(
-            BeamSearch {
-                width: 2,
-                length_penalty: 1.0,
-            },
-            r,
-            &prompt,
-            6,
-        );
+        let beams = run(BeamSearch::new(2, 1.0), r, &prompt, 6);
         for beam in &beams {
             let mut seq = prompt.to_vec();
             let mut sum = 0.0;

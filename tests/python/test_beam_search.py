@@ -202,3 +202,28 @@ def test_python_beam_search_gives_the_servers_beams(server, client, llm):
     # One prompt at a time gives the same beams.
     one_by_one = llm.beam_search([PROMPT], params, concurrency_limit=1)
     assert [s.tokens for s in one_by_one[0].sequences] == [s.tokens for s in out[0].sequences]
+
+
+def test_cli_beam_search_gives_the_servers_beams(server, client):
+    import json
+    import subprocess
+
+    from conftest import _binary
+
+    out = subprocess.run(
+        [str(_binary()), "generate", "--json", "--beam-width", "3", "--max-tokens", "10",
+         "--length-penalty", "0.5", "--prompt", PROMPT],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    line = json.loads(out.stdout)
+    served = beams(client, server, n=3, max_tokens=10, logprobs=0, extra_body={"length_penalty": 0.5})
+    assert [b["text"] for b in line["beams"]] == [c.text for c in served.choices]
+    assert [b["finish_reason"] for b in line["beams"]] == [c.finish_reason for c in served.choices]
+    for b, c in zip(line["beams"], served.choices):
+        assert math.isclose(b["cumulative_logprob"], sum(c.logprobs.token_logprobs), rel_tol=1e-4, abs_tol=1e-4)
+    assert line["text"] == line["beams"][0]["text"]
+    refused = subprocess.run(
+        [str(_binary()), "generate", "--beam-width", "2", "--capture", "/tmp/never.safetensors", "--prompt", "x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode != 0 and "--beam-width" in refused.stderr

@@ -1,6 +1,7 @@
 //! `lantern generate`: prompts in, text out, all prompts in one batch.
 
 use crate::args::EngineArgs;
+use crate::generate_beam::{BeamOptions, BeamPrompt};
 use crate::generate_capture::CaptureArgs;
 use anyhow::{bail, Context, Result};
 use clap::{ArgMatches, Args};
@@ -48,6 +49,14 @@ pub struct GenerateArgs {
     /// One JSON object per prompt, one per line, in input order.
     #[arg(long)]
     pub json: bool,
+    /// Beam search with this many beams instead of sampling, as the server's
+    /// `use_beam_search` (each prompt's beams best first; `--json` puts them in `beams`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub beam_width: Option<u16>,
+    /// With --beam-width: a beam's score is its logprob over `length^PENALTY` (the
+    /// length counting the prompt, as vLLM's).
+    #[arg(long, default_value_t = 1.0, requires = "beam_width")]
+    pub length_penalty: f32,
     #[command(flatten)]
     pub capture: CaptureArgs,
 }
@@ -63,6 +72,26 @@ pub fn run(args: GenerateArgs, matches: &ArgMatches, verbose: bool) -> Result<()
     let inputs = collect_inputs(&args, matches)?;
     if inputs.is_empty() {
         bail!("nothing to generate: give --prompt, --chat or --file");
+    }
+    if let Some(width) = args.beam_width {
+        if args.capture.capture.is_some() {
+            bail!("--capture cannot be combined with --beam-width: capture a chosen beam by giving its text as the prompt with --max-tokens 0");
+        }
+        let prompts = inputs
+            .into_iter()
+            .map(|input| match input {
+                PromptInput::Raw(text) => BeamPrompt::Text(text),
+                PromptInput::Chat(messages) => BeamPrompt::Chat(messages),
+            })
+            .collect();
+        let options = BeamOptions {
+            width: usize::from(width),
+            length_penalty: args.length_penalty,
+            max_tokens: args.max_tokens,
+            ignore_eos: args.ignore_eos,
+            json: args.json,
+        };
+        return crate::generate_beam::run(&args.engine, verbose, prompts, &options);
     }
     args.capture.check_path()?;
     let mut engine = args.engine.build_engine(verbose)?;

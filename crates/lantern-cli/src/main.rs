@@ -6,6 +6,7 @@ mod bench;
 mod bench_capture;
 mod bench_scaling;
 mod generate;
+mod generate_beam;
 mod generate_capture;
 mod kernels;
 mod serve;

@@ -576,7 +576,17 @@ impl Engine {
         if reason != FinishReason::Abort {
             self.take_capture(id);
         }
-        self.kv.free(id);
+        match self.requests.get(&id) {
+            Some(req) if req.params.keep_tail && reason != FinishReason::Abort => {
+                self.kv.free_keeping_tail(
+                    id,
+                    req.token_seq(),
+                    req.num_computed_tokens,
+                    req.cache_keys(),
+                )
+            }
+            _ => self.kv.free(id),
+        }
         self.finished.push(id);
     }
 

@@ -69,6 +69,11 @@ pub struct SamplingParams {
     /// keys of the request's blocks, so that only requests with the same salt share
     /// them (tenants cannot learn each other's prompts from cache hits).
     pub cache_salt: Option<std::sync::Arc<str>>,
+    /// Not sampling but carried with it: when the request finishes, its partial last
+    /// block is kept for one request that continues its tokens (a beam search's next
+    /// step), which then computes only its new tokens
+    /// ([`lantern_kv::KvCacheManager::free_keeping_tail`]).
+    pub keep_tail: bool,
 }
 
 impl Default for SamplingParams {
@@ -94,6 +99,7 @@ impl Default for SamplingParams {
             token_filter: Default::default(),
             skip_special_tokens: true,
             cache_salt: None,
+            keep_tail: false,
         }
     }
 }

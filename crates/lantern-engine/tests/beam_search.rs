@@ -213,3 +213,24 @@ async fn a_search_its_client_leaves_gives_every_block_back() {
     }
     panic!("the search went on after its client left");
 }
+
+/// Each step's beams take their parent step's partial last block whole: after the
+/// first step, a beam computes only its new token.
+#[tokio::test(flavor = "current_thread")]
+async fn each_step_computes_only_the_new_tokens() {
+    let handle = start();
+    let prompt = "A quiet morning in the mountains, the air still cold,";
+    let before = handle.stats().await.unwrap();
+    let (prompt_len, beams) = run(
+        &handle,
+        json!({"prompt": prompt, "max_tokens": 20, "use_beam_search": true, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(beams[0].tokens.len(), 20);
+    let after = handle.stats().await.unwrap();
+    let queried = after.prefix_cache_queries - before.prefix_cache_queries;
+    let hit = after.prefix_cache_hits - before.prefix_cache_hits;
+    // The prompt once (a fresh cache), then one token per step after the first.
+    assert_eq!(queried - hit, (prompt_len + 19) as u64);
+    handle.shutdown();
+}

@@ -14,11 +14,17 @@
 //! that no future query of the request can see, leaving [`NULL_BLOCK`] in their place,
 //! so a long request's sliding-window memory stays bounded by the window plus a block.
 //!
+//! [`KvCacheManager::free_keeping_tail`] keeps a finished request's partial last block
+//! for one later request that continues its tokens (a beam search's next step, whose
+//! prompt is the last step's plus one token): [`KvCacheManager::get_computed_blocks`]
+//! hands it over whole after the full blocks it follows, so the continuation computes
+//! only its new tokens. Kept tails count as free and go first when blocks run short.
+//!
 //! Do not combine prefix caching with sliding-window padding in the slot mapping
 //! ([`crate::slot::compute_slot_mapping`] with a window): a padded position is never
 //! written, so its block's content would not match the key it is cached under.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::block_pool::{BlockPool, KvCacheEvent, PrefixCacheStats};
 use crate::config::KvCacheConfig;
@@ -69,6 +75,25 @@ impl RequestBlocks {
     }
 }
 
+/// A finished request's partial last block, kept for one request that continues its
+/// tokens.
+#[derive(Debug, Clone)]
+struct Tail {
+    /// Key of the full block it follows (`None`: it is the first block).
+    after: Option<BlockHash>,
+    /// The finished request's extra keys (its cache salt): only a request with the
+    /// same ones may take it.
+    extra_keys: Vec<u8>,
+    /// The tokens whose K/V it holds.
+    tokens: Vec<u32>,
+    /// Its block in each group.
+    blocks: Vec<BlockId>,
+}
+
+/// Most tails kept at once (the oldest go first): enough for the beams of many
+/// searches, few enough that they cannot crowd out the prefix cache.
+const MAX_TAILS: usize = 256;
+
 /// Block tables of all running requests, over one shared block pool.
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
@@ -80,6 +105,8 @@ pub struct KvCacheManager {
     block_size: usize,
     prefix_caching: bool,
     requests: HashMap<RequestId, RequestBlocks>,
+    /// Kept partial blocks, oldest first (see [`Self::free_keeping_tail`]).
+    tails: VecDeque<Tail>,
 }
 
 impl KvCacheManager {
@@ -99,6 +126,7 @@ impl KvCacheManager {
             block_size,
             prefix_caching: enable_prefix_caching && uniform,
             requests: HashMap::new(),
+            tails: VecDeque::new(),
         }
     }
 
@@ -122,9 +150,12 @@ impl KvCacheManager {
             })
             .collect();
         let needed = missing.iter().fold(0usize, |a, &m| a.saturating_add(m));
-        let free = self.pool.num_free_blocks();
+        let free = self.num_free_blocks();
         if needed > free {
             return Err(KvError::OutOfBlocks { needed, free });
+        }
+        while self.pool.num_free_blocks() < needed {
+            self.drop_oldest_tail();
         }
         let mut fresh = self.pool.allocate(needed)?.into_iter();
         let num_groups = self.specs.len();
@@ -179,6 +210,102 @@ impl KvCacheManager {
             freed.is_ok(),
             "KV manager freed blocks it did not hold: {freed:?}"
         );
+    }
+
+    /// [`Self::free`], keeping `req`'s partial last block (when prefix caching is on and
+    /// its `num_computed` computed tokens end inside a block) for one later request
+    /// whose prompt continues `token_ids` (see [`Self::get_computed_blocks`]).
+    /// `token_ids` must start with the request's computed tokens, `extra_keys` be those
+    /// of [`Self::cache_blocks`].
+    pub fn free_keeping_tail<'a>(
+        &mut self,
+        req: RequestId,
+        token_ids: impl Into<TokenSeq<'a>>,
+        num_computed: usize,
+        extra_keys: &[u8],
+    ) {
+        let token_ids = token_ids.into();
+        let bs = self.block_size;
+        let at = num_computed.checked_div(bs).unwrap_or(0);
+        let tokens = token_ids.range(at * bs..num_computed);
+        let r = self.requests.get_mut(&req);
+        let (Some(r), Some(tokens)) = (r, tokens) else {
+            return self.free(req);
+        };
+        if !self.prefix_caching
+            || num_computed.is_multiple_of(bs)
+            || r.tables.iter().any(|t| t.len() <= at)
+        {
+            return self.free(req);
+        }
+        let computed = token_ids.prefix(num_computed);
+        extend_block_hashes(&mut r.hashes, computed, bs, extra_keys);
+        let after = match at {
+            0 => None,
+            n => match r.hashes.get(n - 1) {
+                Some(&h) => Some(h),
+                None => return self.free(req),
+            },
+        };
+        // The tail leaves the tables, so that freeing the rest leaves it held.
+        let blocks: Vec<BlockId> = r
+            .tables
+            .iter_mut()
+            .map(|t| std::mem::replace(&mut t[at], NULL_BLOCK))
+            .collect();
+        self.free(req);
+        if blocks.contains(&NULL_BLOCK) {
+            // Unreachable (the last block is always within reach): give them back.
+            let held: Vec<BlockId> = blocks.into_iter().filter(|&b| b != NULL_BLOCK).collect();
+            let freed = self.pool.free(&held);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+            return;
+        }
+        if self.tails.len() == MAX_TAILS {
+            self.drop_oldest_tail();
+        }
+        self.tails.push_back(Tail {
+            after,
+            extra_keys: extra_keys.to_vec(),
+            tokens: tokens.into_owned(),
+            blocks,
+        });
+    }
+
+    /// Gives the oldest kept tail's blocks back to the pool.
+    fn drop_oldest_tail(&mut self) {
+        if let Some(tail) = self.tails.pop_front() {
+            let freed = self.pool.free(&tail.blocks);
+            debug_assert!(freed.is_ok(), "a tail's blocks were not held: {freed:?}");
+        }
+    }
+
+    /// Takes the kept tail that continues `token_ids` after its first `hit_blocks` full
+    /// blocks (keyed `hashes`), if one does and leaves at least the last token to
+    /// compute: its tokens and its blocks, one per group.
+    fn take_tail(
+        &mut self,
+        token_ids: TokenSeq<'_>,
+        hashes: &[BlockHash],
+        hit_blocks: usize,
+        extra_keys: &[u8],
+    ) -> Option<(usize, Vec<BlockId>)> {
+        let after = match hit_blocks {
+            0 => None,
+            n => Some(*hashes.get(n - 1)?),
+        };
+        let start = hit_blocks * self.block_size;
+        let room = token_ids.len().saturating_sub(1).saturating_sub(start);
+        let at = self.tails.iter().position(|t| {
+            t.after == after
+                && t.extra_keys == extra_keys
+                && t.tokens.len() <= room
+                && token_ids
+                    .range(start..start + t.tokens.len())
+                    .is_some_and(|ids| *ids == t.tokens[..])
+        })?;
+        let tail = self.tails.remove(at)?;
+        Some((tail.tokens.len(), tail.blocks))
     }
 
     /// Gives back the leading blocks of `req`'s sliding-window and chunked-local groups
@@ -295,7 +422,19 @@ impl KvCacheManager {
             // Unreachable: the map only names blocks of this pool. Serve nothing.
             return 0;
         }
-        let hit_tokens = hit_blocks * bs;
+        let mut hit_tables = hit_tables;
+        let mut hit_tokens = hit_blocks * bs;
+        // Only a hit of every full block a tail follows reaches it.
+        if hit_blocks == max_hit_blocks.min(hashes.len()) {
+            if let Some((tokens, blocks)) =
+                self.take_tail(token_ids, &hashes, hit_blocks, extra_keys)
+            {
+                for (table, block) in hit_tables.iter_mut().zip(blocks) {
+                    table.push(block);
+                }
+                hit_tokens += tokens;
+            }
+        }
         self.pool.record_prefix_query(token_ids.len(), hit_tokens);
 
         let entry = self
@@ -420,17 +559,26 @@ impl KvCacheManager {
         lo
     }
 
+    /// Blocks free to allocate: the pool's, and the kept tails' (given back first when
+    /// blocks run short).
     pub fn num_free_blocks(&self) -> usize {
-        self.pool.num_free_blocks()
+        self.pool.num_free_blocks() + self.tail_blocks()
+    }
+
+    fn tail_blocks(&self) -> usize {
+        self.tails.iter().map(|t| t.blocks.len()).sum()
     }
 
     pub fn num_blocks(&self) -> usize {
         self.pool.num_blocks()
     }
 
-    /// Fraction of the pool held by requests.
+    /// Fraction of blocks held by requests, in `[0, 1]` (kept tails count as free).
     pub fn usage(&self) -> f64 {
-        self.pool.usage()
+        match self.pool.num_blocks() {
+            0 => 0.0,
+            total => (total - self.num_free_blocks()) as f64 / total as f64,
+        }
     }
 
     /// Requests that hold (or held, since their last free) blocks here.
@@ -485,6 +633,9 @@ impl KvCacheManager {
 
     /// Drops every cached key if no request holds blocks; returns whether it did.
     pub fn reset_prefix_cache(&mut self) -> bool {
+        while !self.tails.is_empty() {
+            self.drop_oldest_tail();
+        }
         self.pool.reset_prefix_cache()
     }
 
@@ -510,6 +661,14 @@ impl KvCacheManager {
                         Some(h) => *h += 1,
                         None => return fail(format!("request {req} holds unknown block {b}")),
                     }
+                }
+            }
+        }
+        for tail in &self.tails {
+            for &b in &tail.blocks {
+                match holders.get_mut(b as usize) {
+                    Some(h) => *h += 1,
+                    None => return fail(format!("a tail holds unknown block {b}")),
                 }
             }
         }
@@ -654,6 +813,92 @@ mod tests {
         assert_eq!(stats.queries, 10 + 10 + 8 + 10);
         assert_eq!(stats.hits, 8 + 4);
         m.check_invariants().unwrap();
+    }
+
+    /// A request that ran `prompt` (all of it computed) and finished, keeping its tail.
+    fn run_and_keep_tail(m: &mut KvCacheManager, req: RequestId, prompt: &[u32], salt: &[u8]) {
+        let hit = m.get_computed_blocks(req, prompt, salt);
+        assert!(hit < prompt.len());
+        m.allocate_slots(req, prompt.len()).unwrap();
+        m.cache_blocks(req, prompt, salt).unwrap();
+        m.free_keeping_tail(req, prompt, prompt.len(), salt);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_kept_tail_goes_whole_to_one_continuation() {
+        let mut m = manager(8, true);
+        let prompt: Vec<u32> = (0..10).collect();
+        run_and_keep_tail(&mut m, 1, &prompt, b"");
+        // Two full blocks cached, the partial third kept: all of them count as free.
+        assert_eq!(m.num_free_blocks(), 8);
+        assert_eq!(m.usage(), 0.0);
+        let mut next = prompt.clone();
+        next.push(42);
+        // Another salt, or other tokens in the tail, find only the full blocks.
+        assert_eq!(m.get_computed_blocks(2, &next, b"salt"), 0);
+        let mut other = prompt.clone();
+        other[9] = 7;
+        other.push(42);
+        assert_eq!(m.get_computed_blocks(3, &other, b""), 8);
+        // The continuation gets the tail: only its new token is left to compute.
+        assert_eq!(m.get_computed_blocks(4, &next, b""), 10);
+        m.allocate_slots(4, next.len()).unwrap();
+        assert_eq!(m.block_table(4, 0).len(), 3);
+        // Taken once: a second continuation computes the tail's tokens again.
+        assert_eq!(m.get_computed_blocks(5, &next, b""), 8);
+        // The prompt itself cannot take it (its last token must be computed).
+        for id in [2, 3, 4, 5] {
+            m.free(id);
+        }
+        run_and_keep_tail(&mut m, 6, &prompt, b"");
+        assert_eq!(m.get_computed_blocks(7, &prompt, b""), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn kept_tails_go_first_when_blocks_run_short() {
+        let mut m = manager(4, true);
+        let a: Vec<u32> = (0..5).collect();
+        run_and_keep_tail(&mut m, 1, &a, b"");
+        let b: Vec<u32> = (50..53).collect();
+        run_and_keep_tail(&mut m, 2, &b, b"");
+        assert_eq!(m.num_free_blocks(), 4);
+        // Four blocks for a new request: both tails are given back.
+        m.get_computed_blocks(3, &(100..116).collect::<Vec<u32>>(), b"");
+        m.allocate_slots(3, 16).unwrap();
+        m.check_invariants().unwrap();
+        m.free(3);
+        let mut b_next = b.clone();
+        b_next.push(1);
+        assert_eq!(m.get_computed_blocks(4, &b_next, b""), 0);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn every_group_keeps_its_tail() {
+        let mut m = hybrid(16);
+        let prompt: Vec<u32> = (0..13).collect();
+        run_and_keep_tail(&mut m, 1, &prompt, b"");
+        let mut next = prompt.clone();
+        next.push(99);
+        assert_eq!(m.get_computed_blocks(2, &next, b""), 13);
+        assert_eq!(m.num_groups(), 2);
+        for g in 0..m.num_groups() {
+            assert_eq!(
+                m.block_table(2, g).len(),
+                4,
+                "group {g}: {:?}",
+                m.block_tables(2)
+            );
+        }
+        m.allocate_slots(2, 14).unwrap();
+        m.check_invariants().unwrap();
+        // Without prefix caching nothing is kept.
+        let mut off = manager(4, false);
+        off.allocate_slots(1, 5).unwrap();
+        off.free_keeping_tail(1, &prompt[..5], 5, b"");
+        assert_eq!(off.pool().num_free_blocks(), 4);
     }
 
     #[test]

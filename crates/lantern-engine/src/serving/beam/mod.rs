@@ -60,6 +60,8 @@ impl Group {
             repetition_penalty: t.params.repetition_penalty,
             skip_special_tokens: t.params.skip_special_tokens,
             cache_salt: t.params.cache_salt.clone(),
+            // The next step's beams continue this one's tokens.
+            keep_tail: true,
             ..crate::SamplingParams::greedy(1)
         };
         let mut prompt = Vec::with_capacity(self.prompt.len() + beam_ids.len());

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -377,7 +378,6 @@ def test_bad_requests_raise_naming_the_field(llm):
     e = raises_naming("capture", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=8000),
                                                       capture=True))
     assert "max_capture_bytes" in str(e)
-    raises_naming("max_tokens", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=10**6)))
     raises_naming("max_tokens", lambda: llm.generate("Hi", lantern.SamplingParams(max_tokens=0)))
     raises_naming("prompt", lambda: llm.generate([[10**6]], greedy))
     raises_naming("messages", lambda: llm.chat([{"role": "wizard", "content": "x"}], greedy))
@@ -393,7 +393,15 @@ def test_bad_requests_raise_naming_the_field(llm):
     raises_naming("sampling_params", lambda: llm.generate(["Hi", "Yo"], [greedy, "greedy"]))
     raises_naming("device", lambda: lantern.LLM(device="gpu"))
     raises_naming("attention_backend", lambda: lantern.LLM(attention_backend="cuda"))
-    raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=0.5))
+    raises_naming("gpu_memory_utilization", lambda: lantern.LLM(gpu_memory_utilization=1.5))
+    raises_naming("tokenizer", lambda: lantern.LLM(tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct"))
+    raises_naming("dtype", lambda: lantern.LLM(dtype="int3"))
+    raises_naming("structured_outputs", lambda: lantern.StructuredOutputsParams())
+    raises_naming("best_of", lambda: lantern.SamplingParams(n=1, best_of=3))
+    raises_naming("multi_modal_data", lambda: llm.generate({"prompt": "Hi", "multi_modal_data": {"image": 1}}))
+    # A refused prompt of several names its place.
+    e = raises_naming("prompt", lambda: llm.generate(["ok", [10**6]], greedy))
+    assert str(e).startswith("prompt 1: "), str(e)
     raises_naming("no_such_option", lambda: lantern.LLM(no_such_option=1))
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory=2.5))
     raises_naming("kv_cache_memory", lambda: lantern.LLM(kv_cache_memory=[1]))
@@ -580,3 +588,49 @@ def test_a_reasoning_parser_makes_structured_output_wait_for_thinking(llm):
         thinking.close()
     with pytest.raises(lantern.InvalidRequestError, match="reasoning_parser"):
         lantern.LLM(kv_cache_memory="64M", reasoning_parser="granite")
+
+
+def test_vllm_scripts_options_and_names_work():
+    """What vLLM offline scripts pass and call: engine options that change nothing here,
+    vLLM 0.10's guided_decoding, the tokenizer's Hugging Face methods, prompts from a
+    generator, and sequences that stop at the context's end rather than fail."""
+    with pytest.warns(UserWarning, match="dtype"):
+        llm = lantern.LLM(
+            kv_cache_memory="64M", max_model_len=64, dtype="bfloat16", gpu_memory_utilization=0.85,
+            enable_chunked_prefill=True, max_logprobs=20, download_dir=None, enable_lora=False,
+            tokenizer_mode="auto", quantization=None,
+        )
+    with llm:
+        params = lantern.SamplingParams(
+            max_tokens=8, guided_decoding=lantern.GuidedDecodingParams(choice=["yes", "no"]), best_of=1
+        )
+        (out,) = llm.generate("Is the sky blue? Answer:", params)
+        assert out.outputs[0].text in ("yes", "no")
+        tok = llm.get_tokenizer()
+        assert tok("Hello world").input_ids == tok.encode("Hello world")
+        eot = tok.convert_tokens_to_ids("<|im_end|>")
+        assert eot in tok.all_special_ids and tok.decode(eot) == "<|im_end|>"
+        assert tok.convert_tokens_to_ids(tok.tokenize(" the sea")) == tok.encode(" the sea", add_special_tokens=False)
+        assert tok.batch_decode([[eot], tok.encode("Hi")]) == ["<|im_end|>", "Hi"]
+        assert tok.get_vocab()["<|im_end|>"] == eot
+        convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]]
+        assert tok.apply_chat_template(convs, tokenize=False) == [tok.apply_chat_template(c, tokenize=False) for c in convs]
+        outs = llm.generate((p for p in ["One", "Two"]), lantern.SamplingParams(max_tokens=2, temperature=0))
+        assert len(outs) == 2
+        # A prompt of 60 tokens in a context of 64: 4 tokens, then `length`.
+        (long,) = llm.generate([[tok.encode(" the")[0]] * 60], lantern.SamplingParams(max_tokens=16, ignore_eos=True))
+        assert len(long.outputs[0].token_ids) == 4 and long.outputs[0].finish_reason == "length"
+        assert llm.kv_cache_free_blocks == llm.kv_cache_total_blocks
+
+
+def test_an_llm_samples_the_same_by_default_run_after_run():
+    """vLLM V1's default seed is 0: an unseeded script samples the same in every run."""
+    code = (
+        "import lantern\n"
+        "with lantern.LLM(kv_cache_memory='64M') as llm:\n"
+        "    p = lantern.SamplingParams(temperature=1.0, max_tokens=6)\n"
+        "    print([o.outputs[0].text for o in llm.generate(['Once upon a time', 'The sea'], p)])\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0].strip()

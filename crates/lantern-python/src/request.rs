@@ -116,6 +116,11 @@ pub async fn submit(
         if unbounded {
             item.max_tokens = None;
         }
+        // As vLLM's offline API: a sequence stops at the context's end (`length`)
+        // rather than the request failing, unless a capture's size depends on it.
+        if item.capture.is_none() {
+            item.max_tokens_defaulted = true;
+        }
         // As vLLM's engine: structured output waits for a reasoning model's thinking.
         item.reasoning = reasoning.cloned();
         if let Some(capture) = &mut item.capture {

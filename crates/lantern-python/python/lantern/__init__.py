@@ -20,13 +20,21 @@ from .outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from .sampling_params import (
+    BeamSearchParams,
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "RequestOutputKind",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

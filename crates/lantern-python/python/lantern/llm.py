@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import json
 import os
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from . import _lantern
@@ -50,6 +52,8 @@ def _prompt_field(prompt: Prompt) -> Union[str, List[int]]:
 
 def _prompt_extras(prompt: Prompt) -> Dict[str, Any]:
     """A prompt dict's request fields beside its prompt: vLLM's ``cache_salt``."""
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        raise _invalid("multi_modal_data", "lantern runs text-only models: a prompt's multi_modal_data is not supported")
     if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
         return {"cache_salt": prompt["cache_salt"]}
     return {}
@@ -72,6 +76,8 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
     if hasattr(prompts, "tolist"):
         # A numpy array or tensor: one prompt of ids (1-D) or a batch of them (2-D).
         prompts = prompts.tolist()
+    if isinstance(prompts, collections.abc.Iterable) and not isinstance(prompts, (list, tuple)):
+        prompts = list(prompts)  # a generator of prompts, as vLLM takes any sequence
     if not isinstance(prompts, (list, tuple)):
         raise _invalid(
             "prompt", f"a prompt is text (str), token ids or a prompt dict, not {type(prompts).__name__}"
@@ -125,6 +131,8 @@ def _progress(total: int, use_tqdm: Union[bool, Callable[..., Any]]):
 
 def _no_lora_nor_priority(lora_request: Any, priority: Any) -> None:
     """vLLM's ``lora_request`` and ``priority``: accepted when they ask for nothing."""
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        lora_request = None
     if lora_request is not None:
         raise _invalid("lora_request", "LoRA adapters are not supported: lora_request must be None")
     if priority is not None and any(p != 0 for p in (priority if isinstance(priority, list) else [priority])):
@@ -139,16 +147,38 @@ _ENGINE_OPTIONS = (
     "threads", "enable_attention_capture", "max_capture_bytes", "device", "gpu_memory_utilization",
     "enforce_eager", "reasoning_parser",
 )
-# vLLM's options with nothing to do here when they ask for what lantern does anyway.
+# vLLM's options with nothing to do here when they ask for what lantern does anyway
+# (`None`: any value).
 _VLLM_OPTIONS_AT_DEFAULT = {
     "trust_remote_code": (True, False),
     "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
-    "dtype": ("auto",),
+    "data_parallel_size": (1,),
     "disable_log_stats": (True, False),
     "tokenizer": (None,),
-    "swap_space": None,  # any: lantern does not swap (it recomputes preempted requests)
+    "tokenizer_mode": ("auto",),
+    "swap_space": None,  # lantern does not swap (it recomputes preempted requests)
+    "cpu_offload_gb": (0,),
+    "enable_chunked_prefill": None,  # lantern splits long prompts over steps anyway
+    "max_logprobs": None,  # lantern's limit is 20 alternatives, as the server's
+    "max_seq_len_to_capture": None,  # CUDA graphs' sizes: lantern chooses its own
+    "compilation_config": None,
+    "disable_custom_all_reduce": None,
+    "guided_decoding_backend": None,  # structured output is llguidance's
+    "structured_outputs_config": None,
+    "enable_lora": (False, None),
+    "quantization": (None,),
+    "load_format": ("auto", "gguf", "safetensors"),
+    "download_dir": (None,),
+    "revision": (None,),
+    "tokenizer_revision": (None,),
+    "code_revision": (None,),
+    "hf_token": (None, False),
+    "limit_mm_per_prompt": (None, {}),
 }
+# vLLM's `dtype`: lantern computes in the types the model's file stores (GGUF types,
+# or a directory's bf16/f16/f32), with float32 activations.
+_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
 def _engine_options(model: Any, options: Dict[str, Any]) -> Dict[str, Any]:
@@ -169,6 +199,21 @@ def _engine_options(model: Any, options: Dict[str, Any]) -> Dict[str, Any]:
             raise _invalid(name, f"{name} must be a number of bytes or a size like \"512M\", got {value!r}")
     if options.get("tokenizer") is not None and model is not None and os.fspath(options["tokenizer"]) == os.fspath(model):
         options["tokenizer"] = None
+    if options.get("tokenizer") is not None:
+        raise _invalid(
+            "tokenizer",
+            f"tokenizer={options['tokenizer']!r}: lantern tokenizes with the model's own tokenizer (a GGUF "
+            "file's, or the directory's tokenizer.json): leave tokenizer out, or name the model itself",
+        )
+    if "dtype" in options:
+        dtype = str(options.pop("dtype")).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise _invalid("dtype", f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+        if dtype != "auto":
+            warnings.warn(
+                f"dtype={dtype!r} changes nothing: lantern computes in the types the model's file stores",
+                stacklevel=3,
+            )
     for name, allowed in _VLLM_OPTIONS_AT_DEFAULT.items():
         if name in options and name not in _ENGINE_OPTIONS:
             value = options.pop(name)
@@ -203,16 +248,20 @@ class LLM:
     """
 
     def __init__(self, model: Union[str, "os.PathLike[str]", None] = None, **engine_options: Any):
-        # vLLM's seed: requests without their own get seeds drawn from it, in order, so
-        # that a script's sampling repeats run after run.
-        seed = engine_options.pop("seed", None)
+        # vLLM's seed (0 unless given, as vLLM V1's): requests without their own get
+        # seeds drawn from it, in order, so that a script's sampling repeats run after
+        # run; None draws fresh randomness.
+        seed = engine_options.pop("seed", 0)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise _invalid("seed", f"seed must be an int (or None), got {seed!r}")
         self._seed = seed
         self._seeds = itertools.count()
         engine_options = _engine_options(model, engine_options)
-        if engine_options.get("device", "cpu") in ("cpu", None) and engine_options.get("gpu_memory_utilization") == 0.9:
-            # vLLM's default, passed along by code written for it: nothing to size on a CPU.
+        share = engine_options.get("gpu_memory_utilization")
+        if engine_options.get("device", "cpu") in ("cpu", None) and share is not None:
+            # Passed along by code written for vLLM: nothing to size on a CPU.
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                raise _invalid("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {share!r}")
             del engine_options["gpu_memory_utilization"]
         for name in _COUNT_OPTIONS:
             value = engine_options.get(name)
@@ -221,7 +270,7 @@ class LLM:
         self._engine = _lantern.Engine(None if model is None else os.fspath(model), **engine_options)
         self._info = self._engine.info()
         self._info["sampling_defaults"] = json.loads(self._info["sampling_defaults"])
-        self._tokenizer = Tokenizer(self._engine)
+        self._tokenizer = Tokenizer(self._engine, None if model is None else os.fspath(model))
 
     # -- generation
 
@@ -420,8 +469,14 @@ class LLM:
         requests: List[Request] = []
         bar = None
         try:
-            for body, p, text in zip(bodies, params, texts):
-                requests.append(self._submit(batch, kind, body, p, text, capture_json))
+            for i, (body, p, text) in enumerate(zip(bodies, params, texts)):
+                try:
+                    requests.append(self._submit(batch, kind, body, p, text, capture_json))
+                except _lantern.InvalidRequestError as e:
+                    if len(bodies) == 1:
+                        raise
+                    # Which of the prompts, with the parameter it names.
+                    raise _invalid(getattr(e, "param", None), f"prompt {i}: {e}") from e
             bar = _progress(len(requests), use_tqdm)
             while True:
                 events = batch.poll(_POLL_S)

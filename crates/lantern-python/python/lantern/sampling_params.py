@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import enum
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional, Union
 
@@ -16,16 +17,47 @@ from . import _lantern
 class StructuredOutputsParams:
     """vLLM's structured output: give one of ``json`` (a JSON schema, as a dict or
     text), ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark) or
-    ``json_object=True``."""
+    ``json_object=True``. vLLM's options for its grammar backends (``backend``,
+    ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
+    ``whitespace_pattern``) are taken and change nothing (lantern's grammars are
+    llguidance's)."""
 
     json: Optional[Union[str, Dict[str, Any]]] = None
     regex: Optional[str] = None
     choice: Optional[List[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    backend: Optional[str] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if not kinds:
+            raise _invalid(
+                "structured_outputs",
+                "structured_outputs need one constraint (json, regex, choice, grammar or json_object); none is given",
+            )
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+
+
+# vLLM 0.10's name for it (`SamplingParams(guided_decoding=GuidedDecodingParams(...))`).
+GuidedDecodingParams = StructuredOutputsParams
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each streamed output holds. The offline API returns whole outputs
+    whatever the kind (``LLM.stream``'s updates carry each sequence's new text in
+    ``deltas``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 # The fields sent to the engine as the server's request fields of the same name.
@@ -101,8 +133,17 @@ class SamplingParams:
     output_kind: Any = None
     extra_args: Optional[Dict[str, Any]] = None
     detokenize: bool = True
+    # vLLM 0.10's name for structured_outputs, and its best_of (only equal to n).
+    guided_decoding: Optional[Union[StructuredOutputsParams, Dict[str, Any]]] = None
+    best_of: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise _invalid("guided_decoding", "give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.best_of is not None and self.best_of != self.n:
+            raise _invalid("best_of", f"best_of other than n is not supported (best_of={self.best_of!r}, n={self.n!r})")
         # vLLM's normal forms: seed -1 is none, True logprobs are one alternative, stop
         # strings and stop token ids are lists.
         if self.seed == -1:

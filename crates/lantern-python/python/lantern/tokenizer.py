@@ -28,11 +28,24 @@ def as_token_ids(ids: Any, param: str) -> List[int]:
     return [int(t) for t in ids]
 
 
+class BatchEncoding(dict):
+    """Hugging Face's result of calling a tokenizer: a dict whose keys also read as
+    attributes (``enc.input_ids``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     """The tokenizer the engine tokenizes prompts with (the same ids a prompt gets)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, name_or_path: Optional[str] = None):
         self._engine = engine
+        self.name_or_path = name_or_path
+        self._vocab: Optional[Dict[str, int]] = None
         info = engine.tokenizer_info()
         self.bos_token: Optional[str] = info["bos_token"]
         self.eos_token: Optional[str] = info["eos_token"]
@@ -60,14 +73,50 @@ class Tokenizer:
             raise _invalid("text", f"text must be a str, got {type(text).__name__}")
         return self._engine.encode(text, add_special_tokens)
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: Union[int, Sequence[int]], skip_special_tokens: bool = False) -> str:
+        if is_token_id(token_ids):
+            token_ids = [token_ids]
         return self._engine.decode(as_token_ids(token_ids, "token_ids"), skip_special_tokens)
 
-    def __call__(self, text: Union[str, List[str]], add_special_tokens: bool = True) -> Dict[str, Any]:
-        """``{"input_ids": ids}`` for a text, or a list of id lists for a list of texts."""
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> List[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def __call__(self, text: Union[str, List[str]], add_special_tokens: bool = True) -> BatchEncoding:
+        """``input_ids`` (a key and an attribute) for a text, or a list of id lists for
+        a list of texts."""
         if isinstance(text, str):
-            return {"input_ids": self.encode(text, add_special_tokens)}
-        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+            return BatchEncoding(input_ids=self.encode(text, add_special_tokens))
+        return BatchEncoding(input_ids=[self.encode(t, add_special_tokens) for t in text])
+
+    def tokenize(self, text: str) -> List[Optional[str]]:
+        """The text's tokens as the vocabulary spells them (no special tokens added)."""
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens=False))
+
+    def get_vocab(self) -> Dict[str, int]:
+        """Every token as the vocabulary spells it, with its id."""
+        if self._vocab is None:
+            pieces = self._engine.token_pieces(list(range(self.vocab_size)))
+            self._vocab = {p: i for i, p in enumerate(pieces) if p is not None}
+        return dict(self._vocab)
+
+    def convert_tokens_to_ids(self, tokens: Union[str, Sequence[str]]) -> Union[Optional[int], List[Optional[int]]]:
+        """Each token's id (``None`` for a token the vocabulary does not have)."""
+        if self._vocab is None:
+            self.get_vocab()
+        if isinstance(tokens, str):
+            return self._vocab.get(tokens)
+        return [self._vocab.get(t) for t in tokens]
+
+    @property
+    def all_special_ids(self) -> List[int]:
+        """The ids of the BOS, EOS and pad tokens and of every token that ends a
+        sequence."""
+        ids = [self.bos_token_id, self.eos_token_id, self.pad_token_id, *self.stop_token_ids]
+        return sorted({i for i in ids if i is not None})
+
+    @property
+    def all_special_tokens(self) -> List[str]:
+        return [t for t in self.convert_ids_to_tokens(self.all_special_ids) if t is not None]
 
     def convert_ids_to_tokens(self, ids: Union[int, Sequence[int]]) -> Union[Optional[str], List[Optional[str]]]:
         """Each token as the vocabulary spells it (byte-level tokens as stored, ``Ġ``
@@ -84,10 +133,17 @@ class Tokenizer:
         continue_final_message: bool = False,
         tokenize: bool = True,
         **chat_template_kwargs: Any,
-    ) -> Union[str, List[int]]:
+    ) -> Union[str, List[int], List[str], List[List[int]]]:
         """The conversation through the model's chat template, as ``LLM.chat`` renders
         it: token ids, or with ``tokenize=False`` their text (Hugging Face's defaults:
-        no generation prompt unless asked)."""
+        no generation prompt unless asked). A list of conversations gives a list."""
+        if conversation and all(isinstance(c, (list, tuple)) for c in conversation):
+            return [
+                self.apply_chat_template(
+                    list(c), tools, add_generation_prompt, continue_final_message, tokenize, **chat_template_kwargs
+                )
+                for c in conversation
+            ]
         body: Dict[str, Any] = {
             "messages": list(conversation),
             "add_generation_prompt": add_generation_prompt,

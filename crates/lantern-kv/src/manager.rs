@@ -91,7 +91,8 @@ struct Tail {
 }
 
 /// Most tails kept at once (the oldest go first): enough for the beams of many
-/// searches, few enough that they cannot crowd out the prefix cache.
+/// searches, few enough that they cannot crowd out the prefix cache (and never more
+/// than a quarter of the pool).
 const MAX_TAILS: usize = 256;
 
 /// Block tables of all running requests, over one shared block pool.
@@ -154,7 +155,7 @@ impl KvCacheManager {
         if needed > free {
             return Err(KvError::OutOfBlocks { needed, free });
         }
-        while self.pool.num_free_blocks() < needed {
+        while self.pool.num_free_blocks() < needed && !self.tails.is_empty() {
             self.drop_oldest_tail();
         }
         let mut fresh = self.pool.allocate(needed)?.into_iter();
@@ -261,7 +262,8 @@ impl KvCacheManager {
             debug_assert!(freed.is_ok(), "{freed:?}");
             return;
         }
-        if self.tails.len() == MAX_TAILS {
+        let most = (self.pool.num_blocks() / 4).clamp(2, MAX_TAILS);
+        while self.tails.len() >= most {
             self.drop_oldest_tail();
         }
         self.tails.push_back(Tail {
@@ -872,6 +874,19 @@ mod tests {
         let mut b_next = b.clone();
         b_next.push(1);
         assert_eq!(m.get_computed_blocks(4, &b_next, b""), 0);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn at_most_a_quarter_of_the_pool_is_kept_in_tails() {
+        let mut m = manager(8, true);
+        for (req, first) in [(1, 0u32), (2, 10), (3, 20)] {
+            run_and_keep_tail(&mut m, req, &[first, first + 1], b"");
+        }
+        // Two tails of one block each: the oldest went.
+        assert_eq!(m.pool().num_free_blocks(), 6);
+        assert_eq!(m.get_computed_blocks(4, &[0, 1, 2], b""), 0);
+        assert_eq!(m.get_computed_blocks(5, &[20, 21, 22], b""), 2);
         m.check_invariants().unwrap();
     }
 

@@ -227,3 +227,10 @@ def test_cli_beam_search_gives_the_servers_beams(server, client):
         capture_output=True, text=True, timeout=60,
     )
     assert refused.returncode != 0 and "--beam-width" in refused.stderr
+
+
+def test_the_responses_api_refuses_beam_search(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, input="Hi", max_output_tokens=4,
+                                extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"

@@ -147,6 +147,12 @@ pub fn responses_request(
             "background responses",
         ));
     }
+    if present("use_beam_search").and_then(Value::as_bool) == Some(true) {
+        return Err(InvalidRequest::unsupported(
+            "use_beam_search",
+            "beam search in the Responses API (ask chat completions for it)",
+        ));
+    }
     if let Some(n) = present("n") {
         if n.as_i64() != Some(1) {
             return Err(InvalidRequest::invalid(

@@ -11,7 +11,7 @@ use lantern_engine::serving::{
 use lantern_engine::validate::{
     generation_request, CaptureSettings, Endpoint, GenerationRequest, ModelLimits, RequestContext,
 };
-use lantern_engine::Engine;
+use lantern_engine::{Engine, EngineConfig};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -233,4 +233,44 @@ async fn each_step_computes_only_the_new_tokens() {
     // The prompt once (a fresh cache), then one token per step after the first.
     assert_eq!(queried - hit, (prompt_len + 19) as u64);
     handle.shutdown();
+}
+
+/// On a model with a sliding-window group (a tiny Gemma 3, window 8, blocks of 4), the
+/// kept tails give the same beams as computing every step's prompt again.
+#[tokio::test(flavor = "current_thread")]
+async fn kept_tails_give_the_beams_of_recomputing_on_a_sliding_window_model() {
+    let beams_with = |prefix_caching: bool| async move {
+        let (handle, _thread) =
+            EngineHandle::start(move || -> Result<Engine, EngineBuildPanicked> {
+                let config = EngineConfig {
+                    block_size: 4,
+                    enable_prefix_caching: prefix_caching,
+                    ..common::f32_kv()
+                };
+                let (engine, dir) =
+                    common::tiny_gemma3(2, candle_core::quantized::GgmlDType::F32, config);
+                // The model is read: its file may go.
+                drop(dir);
+                Ok(engine)
+            })
+            .expect("the engine starts");
+        let prompt: Vec<u32> = (0..11).map(|i| 40 + 7 * i).collect();
+        let (_, beams) = run(
+            &handle,
+            json!({"prompt": prompt, "max_tokens": 24, "n": 3, "use_beam_search": true,
+                   "ignore_eos": true, "logprobs": 0}),
+        )
+        .await;
+        let stats = handle.stats().await.unwrap();
+        assert_eq!(stats.kv_cache_free_blocks, stats.kv_cache_total_blocks);
+        handle.shutdown();
+        beams
+    };
+    let kept = beams_with(true).await;
+    let recomputed = beams_with(false).await;
+    for (a, b) in kept.iter().zip(&recomputed) {
+        assert_eq!(a.tokens, b.tokens);
+        let (sa, sb): (f32, f32) = (a.logprobs.iter().sum(), b.logprobs.iter().sum());
+        assert!((sa - sb).abs() <= 1e-5 * sb.abs().max(1.0), "{sa} vs {sb}");
+    }
 }

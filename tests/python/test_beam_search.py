@@ -234,3 +234,29 @@ def test_the_responses_api_refuses_beam_search(server, client):
         client.responses.create(model=server.model, input="Hi", max_output_tokens=4,
                                 extra_body={"use_beam_search": True})
     assert e.value.body["param"] == "use_beam_search"
+
+
+def test_metrics_count_a_running_search(server, client):
+    """Between two of its steps a search has no request in the engine: its own gauge
+    says it runs."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def search():
+        try:
+            beams(client, server, n=2, max_tokens=150, extra_body={"ignore_eos": True})
+        finally:
+            done.set()
+
+    threading.Thread(target=search, daemon=True).start()
+    seen = 0.0
+    deadline = time.monotonic() + 60
+    while not done.is_set() and time.monotonic() < deadline and seen < 1:
+        seen = server.metrics().get("lantern:beam_searches_running", 0.0)
+        time.sleep(0.05)
+    assert seen == 1.0
+    done.wait(120)
+    time.sleep(0.2)
+    assert server.metrics()["lantern:beam_searches_running"] == 0.0

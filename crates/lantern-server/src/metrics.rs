@@ -287,6 +287,11 @@ fn register_engine(x: &mut Metrics, stats: &EngineStats) {
         "KV cache blocks in the pool.",
         stats.kv_cache_total_blocks as i64,
     );
+    x.gauge(
+        "lantern:beam_searches_running",
+        "Beam searches in progress (each step's requests count as running only while the step runs).",
+        stats.beam_searches_running as i64,
+    );
     x.counter(
         "lantern:engine_faults_total",
         "Panics on the engine thread, contained: each failed the requests in flight and restarted the engine.",
@@ -358,6 +363,7 @@ mod tests {
             prefix_cache_queries: 100,
             prefix_cache_hits: 64,
             engine_faults: 2,
+            beam_searches_running: 1,
             cache_config: CacheConfigInfo {
                 block_size: 16,
                 num_gpu_blocks: 40,
@@ -396,6 +402,7 @@ mod tests {
         assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 3\n"));
         assert!(text.contains("# TYPE vllm:e2e_request_latency_seconds histogram\n"));
         assert!(text.contains("lantern:kv_cache_total_blocks{model_name=\"m\\\"x\"} 40\n"));
+        assert!(text.contains("lantern:beam_searches_running{model_name=\"m\\\"x\"} 1\n"));
         // OpenMetrics names a counter's family without `_total`; its series keep it.
         assert!(text.contains("# TYPE lantern:engine_faults counter\n"));
         assert!(text.contains("lantern:engine_faults_total{model_name=\"m\\\"x\"} 2\n"));
@@ -508,6 +515,9 @@ mod tests {
         "vllm:time_to_first_token_seconds_sum",
     ];
 
+    /// Series added after the exposition moved to prometheus-client.
+    const NAMES_ADDED: &[&str] = &["lantern:beam_searches_running"];
+
     #[test]
     fn every_name_of_the_old_exposition_is_still_exposed() {
         let text = render(&stats(), "m");
@@ -516,8 +526,10 @@ mod tests {
             .filter(|l| !l.starts_with('#'))
             .map(|l| l.split(['{', ' ']).next().unwrap())
             .collect();
-        let before: std::collections::BTreeSet<&str> = NAMES_BEFORE.iter().copied().collect();
-        assert_eq!(names, before);
+        // ... and the series added since.
+        let expected: std::collections::BTreeSet<&str> =
+            NAMES_BEFORE.iter().chain(NAMES_ADDED).copied().collect();
+        assert_eq!(names, expected);
         // Each series carries the model's name, `request_success_total` every reason.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             assert!(line.contains("{model_name=\"m\""), "{line}");

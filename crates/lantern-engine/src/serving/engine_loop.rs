@@ -278,6 +278,8 @@ impl EngineLoop {
             prefix_cache_queries: prefix.queries,
             prefix_cache_hits: prefix.hits,
             engine_faults: self.faults.count(),
+            // The handle counts them.
+            beam_searches_running: 0,
             cache_config: CacheConfigInfo {
                 block_size: self.engine.config().block_size,
                 num_gpu_blocks: kv.num_blocks(),

@@ -12,7 +12,7 @@ use super::ServeError;
 use crate::Engine;
 use lantern_guided::GuidedVocab;
 use lantern_kv::RequestId;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -65,6 +65,17 @@ pub struct EngineHandle {
     faults: Arc<EngineFaults>,
     /// Whether finished requests are logged (`EngineLogging::requests`).
     log_requests: bool,
+    /// Beam searches in progress ([`Self::beam_search`]).
+    beam_searches: Arc<AtomicUsize>,
+}
+
+/// A beam search counted as running while it lives.
+pub(super) struct RunningSearch(Arc<AtomicUsize>);
+
+impl Drop for RunningSearch {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The engine thread itself: join it after [`EngineHandle::shutdown`].
@@ -166,6 +177,7 @@ impl EngineHandle {
                     busy,
                     faults,
                     log_requests,
+                    beam_searches: Arc::default(),
                 },
                 thread,
             )),
@@ -203,6 +215,12 @@ impl EngineHandle {
     /// Whether finished requests are logged.
     pub(super) fn logs_requests(&self) -> bool {
         self.log_requests
+    }
+
+    /// Counts a beam search as running until the returned guard is dropped.
+    pub(super) fn beam_search_running(&self) -> RunningSearch {
+        self.beam_searches.fetch_add(1, Ordering::SeqCst);
+        RunningSearch(self.beam_searches.clone())
     }
 
     /// Panics the engine thread contained (each one restarted the engine's state).
@@ -257,7 +275,9 @@ impl EngineHandle {
         self.tx
             .send(Command::Stats(reply))
             .map_err(|_| self.gone())?;
-        rx.await.map_err(|_| self.gone())
+        let mut stats = rx.await.map_err(|_| self.gone())?;
+        stats.beam_searches_running = self.beam_searches.load(Ordering::SeqCst);
+        Ok(stats)
     }
 
     /// The token ids of a prompt, as a generation request would see them.

@@ -232,6 +232,9 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     /// Panics the engine thread contained.
     pub engine_faults: u64,
+    /// Beam searches in progress (between two of its steps, a search has no request
+    /// running).
+    pub beam_searches_running: usize,
     pub cache_config: CacheConfigInfo,
     pub metrics: EngineMetrics,
 }

@@ -288,7 +288,11 @@ impl EngineHandle {
         }
         let (events, rx) = unbounded_channel();
         let handle = self.clone();
-        tokio::spawn(async move { handle.drive(groups, step, events).await });
+        let running = self.beam_search_running();
+        tokio::spawn(async move {
+            handle.drive(groups, step, events).await;
+            drop(running);
+        });
         Ok((accepted, rx))
     }
 

@@ -1,9 +1,11 @@
 //! Beam search on the engine, the way vLLM runs it: each step is one request per live
 //! beam, its prompt the beam's tokens, generating one token and returning the beam's
 //! `2 × width` most likely next tokens as logprobs. The prefix cache gives each step its
-//! beam's blocks back, all but the last partial one, so a step costs about one block of
-//! prefill per beam. The search runs on a task of its own; its sequences reach the front
-//! end as ordinary [`EngineEvent`]s once a prompt's search is over.
+//! beam's full blocks back, and a step's requests keep their partial last block for the
+//! next step's beam that continues them (`SamplingParams::keep_tail`), so a beam computes
+//! only its new token (a second child of one parent computes the partial block again).
+//! The search runs on a task of its own; its sequences reach the front end as ordinary
+//! [`EngineEvent`]s once a prompt's search is over.
 
 mod search;
 
@@ -60,8 +62,8 @@ impl Group {
             repetition_penalty: t.params.repetition_penalty,
             skip_special_tokens: t.params.skip_special_tokens,
             cache_salt: t.params.cache_salt.clone(),
-            // The next step's beams continue this one's tokens.
-            keep_tail: true,
+            // The next step's beams continue this one's tokens (none follow the last).
+            keep_tail: beam_ids.len() + 1 < self.beams.rules.max_tokens,
             ..crate::SamplingParams::greedy(1)
         };
         let mut prompt = Vec::with_capacity(self.prompt.len() + beam_ids.len());

@@ -6,6 +6,7 @@ naming its field."""
 
 import math
 
+import numpy as np
 import openai
 import pytest
 
@@ -260,3 +261,19 @@ def test_metrics_count_a_running_search(server, client):
     done.wait(120)
     time.sleep(0.2)
     assert server.metrics()["lantern:beam_searches_running"] == 0.0
+
+
+def test_python_beam_search_captures_each_sequence(llm):
+    params = lantern.BeamSearchParams(beam_width=2, max_tokens=6)
+    (out,) = llm.beam_search("The capital of France is", params, capture={"layers": [0, -1]})
+    for seq in out.sequences:
+        maps = seq.attention.maps
+        n = len(seq.tokens)
+        assert maps[0].shape[0] == n and maps[0].shape[2] == n
+        # Rows are probabilities over the keys before them.
+        np.testing.assert_allclose(maps[0].sum(axis=-1), 1.0, rtol=1e-4)
+        assert np.all(np.triu(maps[0][:, 0, :], k=1) == 0)
+        # The same map as capturing the sequence sent as a prompt.
+        (alone,) = llm.generate([{"prompt_token_ids": seq.tokens}], lantern.SamplingParams(max_tokens=0),
+                                capture={"layers": [0]})
+        np.testing.assert_array_equal(alone.attention.maps[0], maps[0])

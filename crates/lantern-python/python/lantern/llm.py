@@ -303,10 +303,14 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: Union[bool, Callable[..., Any]] = False,
         concurrency_limit: Optional[int] = None,
+        *,
+        capture: Capture = None,
     ) -> List[BeamSearchOutput]:
         """vLLM's beam search: for each prompt (text, token ids, or a prompt dict),
         its ``params.beam_width`` best sequences, best first. ``concurrency_limit``
-        prompts at most search at once (all of them by default)."""
+        prompts at most search at once (all of them by default). ``capture`` (as
+        ``generate``'s) gives each sequence its attention: its tokens, prompt and beam,
+        run as one prompt once the search is over."""
         _no_lora_nor_priority(lora_request, None)
         if not isinstance(params, BeamSearchParams):
             raise _invalid("params", "params must be a BeamSearchParams")
@@ -337,7 +341,17 @@ class LLM:
                         stop_reason=c.stop_reason,
                     ))
                 results.append(BeamSearchOutput(sequences=sequences))
+        if capture is not None and capture is not False:
+            self._capture_beams([s for r in results for s in r.sequences], capture)
         return results
+
+    def _capture_beams(self, sequences: List[BeamSearchSequence], capture: Capture) -> None:
+        """Each sequence's attention, its tokens run as one prompt."""
+        prompts = [{"prompt_token_ids": s.tokens} for s in sequences]
+        outs = self.generate(prompts, SamplingParams(max_tokens=0), use_tqdm=False, capture=capture)
+        for sequence, out in zip(sequences, outs):
+            sequence.attention = out.attention
+            sequence.attention_error = out.attention_error
 
     def chat(
         self,

@@ -91,6 +91,10 @@ class BeamSearchSequence:
     text: Optional[str] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    # With `LLM.beam_search(..., capture=...)`: the sequence's attention (its tokens run
+    # as one prompt), or why it could not be taken.
+    attention: Optional[Attention] = None
+    attention_error: Optional[str] = None
 
 
 @dataclass

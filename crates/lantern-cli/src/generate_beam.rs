@@ -5,7 +5,7 @@
 
 use crate::args::EngineArgs;
 use anyhow::{anyhow, Context, Result};
-use lantern_engine::serving::{EngineEvent, EngineHandle, EngineLogging};
+use lantern_engine::serving::{EngineEvent, EngineHandle, EngineLogging, PromptInput};
 use lantern_engine::validate::{
     generation_request, CaptureSettings, Endpoint, ModelLimits, RequestContext,
 };
@@ -123,6 +123,7 @@ async fn search_all(
         let search = request
             .beam_search
             .context("a beam search request without its search")?;
+        // Tokenized once: the items run on these ids (they already hold any BOS).
         let prompt_ids = handle
             .prompter()
             .tokenize(
@@ -132,8 +133,13 @@ async fn search_all(
             )
             .await
             .map_err(|e| anyhow!("prompt {}: {e}", i + 1))?;
+        let tokens = std::sync::Arc::new(PromptInput::Tokens(prompt_ids.clone()));
+        let mut items = request.items;
+        for item in &mut items {
+            item.prompt = tokens.clone();
+        }
         let (_, events) = handle
-            .beam_search(request.items, search)
+            .beam_search(items, search)
             .await
             .map_err(|e| anyhow!("prompt {}: {e}", i + 1))?;
         searches.push((prompt_ids, events));

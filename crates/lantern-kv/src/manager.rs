@@ -233,10 +233,9 @@ impl KvCacheManager {
         let (Some(r), Some(tokens)) = (r, tokens) else {
             return self.free(req);
         };
-        if !self.prefix_caching
-            || num_computed.is_multiple_of(bs)
-            || r.tables.iter().any(|t| t.len() <= at)
-        {
+        // A released block cannot be kept (the last one never is: it is within reach).
+        let missing = |t: &Vec<BlockId>| t.get(at).is_none_or(|&b| b == NULL_BLOCK);
+        if !self.prefix_caching || num_computed.is_multiple_of(bs) || r.tables.iter().any(missing) {
             return self.free(req);
         }
         let computed = token_ids.prefix(num_computed);
@@ -255,13 +254,6 @@ impl KvCacheManager {
             .map(|t| std::mem::replace(&mut t[at], NULL_BLOCK))
             .collect();
         self.free(req);
-        if blocks.contains(&NULL_BLOCK) {
-            // Unreachable (the last block is always within reach): give them back.
-            let held: Vec<BlockId> = blocks.into_iter().filter(|&b| b != NULL_BLOCK).collect();
-            let freed = self.pool.free(&held);
-            debug_assert!(freed.is_ok(), "{freed:?}");
-            return;
-        }
         let most = (self.pool.num_blocks() / 4).clamp(2, MAX_TAILS);
         while self.tails.len() >= most {
             self.drop_oldest_tail();

@@ -113,29 +113,19 @@ impl Group {
     fn send(&mut self, events: &UnboundedSender<EngineEvent>) {
         let width = self.beams.search.width;
         let beams = self.beams.finish();
+        let Some(best) = beams.first() else {
+            return self.fail(EndReason::Length, events);
+        };
         self.sent = true;
-        if self.log {
-            tracing::info!(
-                target: "lantern::requests",
-                "finished beam search {} choices {}..{}: {width} beams, {} steps, prompt {} tokens ({} cached), best generated {} tokens, total {:.3} s",
-                self.template.request_id.as_deref().unwrap_or("-"),
-                self.first_choice,
-                self.first_choice + width,
-                self.steps,
-                self.prompt.len(),
-                self.cached_tokens,
-                beams.first().map_or(0, |b| b.tokens.len()),
-                self.started.elapsed().as_secs_f64(),
-            );
-        }
+        self.log_end(&format!(
+            "{width} beams, best generated {} tokens",
+            best.tokens.len()
+        ));
         for r in 0..width {
             let index = self.first_choice + r;
             // Fewer sequences than beams only when the vocabulary had fewer tokens to
             // offer: the last choices repeat the last one found.
-            let Some(beam) = beams.get(r).or(beams.last()) else {
-                self.fail(EndReason::Length, events);
-                return;
-            };
+            let beam = beams.get(r).unwrap_or(&beams[beams.len() - 1]);
             let (reason, stop_reason) = beam.end.clone().unwrap_or((EndReason::Length, None));
             let count = beam.tokens.len();
             for (j, token) in beam.tokens.iter().enumerate() {
@@ -160,22 +150,28 @@ impl Group {
         }
     }
 
+    /// The request log's line for the search's end (`outcome`: how it ended).
+    fn log_end(&self, outcome: &str) {
+        if !self.log {
+            return;
+        }
+        tracing::info!(
+            target: "lantern::requests",
+            "finished beam search {} choices {}..{}: {outcome}, {} steps, prompt {} tokens ({} cached), total {:.3} s",
+            self.template.request_id.as_deref().unwrap_or("-"),
+            self.first_choice,
+            self.first_choice + self.beams.search.width,
+            self.steps,
+            self.prompt.len(),
+            self.cached_tokens,
+            self.started.elapsed().as_secs_f64(),
+        );
+    }
+
     /// Ends every choice of the group with `reason` and no output.
     fn fail(&mut self, reason: EndReason, events: &UnboundedSender<EngineEvent>) {
         self.sent = true;
-        if self.log {
-            tracing::info!(
-                target: "lantern::requests",
-                "finished beam search {} choices {}..{}: {} after {} steps ({reason:?}), prompt {} tokens, total {:.3} s",
-                self.template.request_id.as_deref().unwrap_or("-"),
-                self.first_choice,
-                self.first_choice + self.beams.search.width,
-                reason.as_str(),
-                self.steps,
-                self.prompt.len(),
-                self.started.elapsed().as_secs_f64(),
-            );
-        }
+        self.log_end(&format!("{} ({reason:?})", reason.as_str()));
         for r in 0..self.beams.search.width {
             let _ = events.send(EngineEvent {
                 index: self.first_choice + r,

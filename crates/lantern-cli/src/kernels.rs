@@ -11,7 +11,8 @@ use std::path::Path;
 pub struct WeightKernels {
     /// GGUF type name (`Q4_1`, `Q6_K`, `F16`, ...).
     pub dtype: String,
-    /// Matrices (2-D tensors) of this type in the file.
+    /// Matrices (2-D tensors, and each expert's of a stacked 3-D one) of this type in
+    /// the file.
     pub matrices: usize,
     /// lantern's level for this type (a [`lantern_quant::Kernel::name`]), `candle`, or
     /// `candle-f32` when the weights are dequantized to f32 at load; on a GPU
@@ -36,9 +37,13 @@ pub fn weight_kernels(
     let mut counts = BTreeMap::new();
     for name in source.tensor_names() {
         if let Some((dims, dtype)) = source.tensor_info(&name) {
-            if dims.len() == 2 {
-                counts.entry(type_name(dtype)).or_insert((0, dtype)).0 += 1;
-            }
+            // A 3-D tensor is a mixture of experts' matrices, stacked.
+            let matrices = match dims.len() {
+                2 => 1,
+                3 => dims[0],
+                _ => continue,
+            };
+            counts.entry(type_name(dtype)).or_insert((0, dtype)).0 += matrices;
         }
     }
     Ok(counts

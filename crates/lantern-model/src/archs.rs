@@ -1,7 +1,8 @@
 //! Each supported architecture as a description over the shared blocks: which blocks,
 //! which defaults where the metadata is silent. Tensor names and keys are llama.cpp's
-//! (see [`crate::source`]); q/k/v biases and fused q/k/v or gate/up are found by the
-//! tensors present, so they need no mention here.
+//! (see [`crate::source`]); q/k/v biases, fused q/k/v or gate/up, and a layer's experts
+//! (its router, `ffn_gate_inp`) are found by the tensors present, so they need no
+//! mention here.
 
 use crate::blocks::Activation;
 use crate::decoder::{DecoderSpec, LayerPlan};
@@ -12,19 +13,22 @@ use crate::source::WeightSource;
 use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
-pub const SUPPORTED: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
+pub const SUPPORTED: &[&str] = &[
+    "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
+];
 
 /// The decoder `source` describes.
 pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
     refuse_unsupported_rope(source)?;
     let params = HParams::read(source)?;
     match params.architecture.as_str() {
-        // Llama 2/3, SmolLM, Mistral (GGUF writes it as llama): q/k rows permuted so that
-        // rotary pairs are adjacent.
+        // Llama 2/3, SmolLM, Mistral, Mixtral (GGUF writes them as llama; Mixtral's
+        // layers have experts): q/k rows permuted so that rotary pairs are adjacent.
         "llama" => Ok(DecoderSpec::plain(params, RopePairs::Adjacent)),
         // Qwen 2 (q/k/v biases) and Phi-3 (fused qkv and gate_up, partial rotary).
         "qwen2" | "phi3" => Ok(DecoderSpec::plain(params, RopePairs::Halves)),
-        "qwen3" => Ok(DecoderSpec {
+        // Qwen3-MoE: Qwen 3 whose layers have experts (or not: `mlp_only_layers`).
+        "qwen3" | "qwen3moe" => Ok(DecoderSpec {
             qk_norm: true,
             ..DecoderSpec::plain(params, RopePairs::Halves)
         }),

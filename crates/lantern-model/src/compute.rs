@@ -180,6 +180,25 @@ pub trait Compute: Send + Sync + Sized + 'static {
     /// The rows `rows` of `x` (rows of `width` values).
     fn select_rows(&self, x: &Self::Act, rows: &[usize], width: usize) -> Result<Self::Act>;
 
+    /// Whether [`Compute::zeros`] and [`Compute::add_rows_scaled`], which
+    /// mixture-of-experts layers need, are implemented.
+    const RUNS_EXPERTS: bool = false;
+    /// `rows` rows of `width` zeros.
+    fn zeros(&self, _rows: usize, _width: usize) -> Result<Self::Act> {
+        Err(no_experts())
+    }
+    /// `acc[rows[i]] += weights[i] · x[i]` for every row `i` of `x`, in order.
+    fn add_rows_scaled(
+        &self,
+        _acc: &mut Self::Act,
+        _x: &Self::Act,
+        _rows: &[usize],
+        _weights: &[f32],
+        _width: usize,
+    ) -> Result<()> {
+        Err(no_experts())
+    }
+
     /// Attention over rotated `q` and this step's `k`/`v` (`[tokens, heads, head_dim]`):
     /// writes K/V into the cache, hands the tap what it asks for, returns the output.
     fn attention(
@@ -237,6 +256,10 @@ pub trait Compute: Send + Sync + Sized + 'static {
 /// and any [`AttentionBackend`] for attention.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu;
+
+fn no_experts() -> ModelError {
+    ModelError::Compute("mixture-of-experts layers do not run on this device".into())
+}
 
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
     if a == b {
@@ -394,6 +417,40 @@ impl Compute for Cpu {
             .iter()
             .flat_map(|&r| x[r * width..(r + 1) * width].iter().copied())
             .collect())
+    }
+
+    const RUNS_EXPERTS: bool = true;
+
+    fn zeros(&self, rows: usize, width: usize) -> Result<Vec<f32>> {
+        let len = rows
+            .checked_mul(width)
+            .ok_or_else(|| ModelError::Compute(format!("{rows} rows of {width} overflow")))?;
+        Ok(vec![0.0; len])
+    }
+
+    fn add_rows_scaled(
+        &self,
+        acc: &mut Vec<f32>,
+        x: &Vec<f32>,
+        rows: &[usize],
+        weights: &[f32],
+        width: usize,
+    ) -> Result<()> {
+        whole_rows("add_rows_scaled", acc.len(), width)?;
+        same_len("add_rows_scaled (rows)", x.len(), rows.len() * width)?;
+        same_len("add_rows_scaled (weights)", rows.len(), weights.len())?;
+        let available = acc.len() / width;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= available) {
+            return Err(ModelError::Compute(format!(
+                "row {bad} of {available} added to"
+            )));
+        }
+        for ((&r, &w), src) in rows.iter().zip(weights).zip(x.chunks_exact(width)) {
+            for (a, &v) in acc[r * width..(r + 1) * width].iter_mut().zip(src) {
+                *a += w * v;
+            }
+        }
+        Ok(())
     }
 
     fn attention(

@@ -3,7 +3,7 @@
 //! norm and the LM head with an optional final soft-cap. An architecture is a
 //! [`DecoderSpec`] (see [`crate::archs`]).
 
-use crate::blocks::{Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, RmsNorm};
+use crate::blocks::{Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, Moe, RmsNorm};
 use crate::compute::{AttentionCall, Compute};
 use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
@@ -31,6 +31,10 @@ pub struct DecoderSpec {
     pub embed_scale: Option<f32>,
     /// Multiplies `q . k`.
     pub attention_scale: f32,
+    /// Mixture-of-experts layers (those with a router, `ffn_gate_inp`) divide the chosen
+    /// experts' probabilities by their sum, unless the file says otherwise
+    /// (`expert_weights_norm`).
+    pub normalize_expert_weights: bool,
     /// Per layer: its window and RoPE.
     pub layers: Vec<LayerPlan>,
 }
@@ -69,6 +73,7 @@ impl DecoderSpec {
             sandwich_norms: false,
             embed_scale: None,
             attention_scale: scalar.powf(-0.5),
+            normalize_expert_weights: true,
             layers,
             params,
         }
@@ -97,8 +102,52 @@ struct Layer<C: Compute> {
     attention: Attention<C>,
     post_attention_norm: Option<RmsNorm<C>>,
     ffn_norm: RmsNorm<C>,
-    mlp: Mlp<C>,
+    ffn: Ffn<C>,
     post_ffn_norm: Option<RmsNorm<C>>,
+}
+
+/// A layer's feed-forward block.
+enum Ffn<C: Compute> {
+    Dense(Mlp<C>),
+    Experts(Moe<C>),
+}
+
+impl<C: Compute> Ffn<C> {
+    /// Layer `l`'s block: a mixture of experts where the layer has a router
+    /// (`ffn_gate_inp`), else the dense MLP (models may mix them: Qwen3-MoE's
+    /// `mlp_only_layers`).
+    fn load(c: &C, loader: &mut Loader, spec: &DecoderSpec, l: usize) -> Result<Self> {
+        let p = &spec.params;
+        let h = p.hidden_size;
+        if !loader.has(&format!("blk.{l}.ffn_gate_inp.weight")) {
+            let mlp = Mlp::load(c, loader, l, h, p.intermediate_size, spec.activation)?;
+            return Ok(Self::Dense(mlp));
+        }
+        let Some(experts) = p.experts else {
+            return Err(ModelError::InvalidConfig(format!(
+                "layer {l} has an expert router (`blk.{l}.ffn_gate_inp.weight`) but \
+                 `{}.expert_count` is not given",
+                p.architecture
+            )));
+        };
+        if !C::RUNS_EXPERTS {
+            return Err(ModelError::InvalidConfig(
+                "mixture-of-experts models run on the CPU only for now".into(),
+            ));
+        }
+        let normalize = experts
+            .normalize_weights
+            .unwrap_or(spec.normalize_expert_weights);
+        let moe = Moe::load(c, loader, l, h, experts, normalize, spec.activation)?;
+        Ok(Self::Experts(moe))
+    }
+
+    fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(c, x, tokens),
+            Self::Experts(moe) => moe.forward(c, x, tokens),
+        }
+    }
 }
 
 /// A decoder whose blocks run on `C` (the host CPU unless a device crate says otherwise).
@@ -151,7 +200,7 @@ impl<C: Compute> Decoder<C> {
                 attention: Attention::load(c, &mut loader, l, shape, qk_norm_eps)?,
                 post_attention_norm: sandwich(&mut loader, "post_attention_norm")?,
                 ffn_norm: RmsNorm::load(c, &mut loader, &name("ffn_norm"), h, eps)?,
-                mlp: Mlp::load(c, &mut loader, l, h, p.intermediate_size, spec.activation)?,
+                ffn: Ffn::load(c, &mut loader, &spec, l)?,
                 post_ffn_norm: sandwich(&mut loader, "post_ffw_norm")?,
             });
         }
@@ -253,7 +302,12 @@ impl<C: Compute> Decoder<C> {
                 tap: tap.as_deref_mut(),
             };
             let rope = &tables[self.layer_rope[l]];
-            if folds && layer.post_attention_norm.is_none() && layer.post_ffn_norm.is_none() {
+            let dense = match &layer.ffn {
+                Ffn::Dense(mlp) => Some(mlp),
+                Ffn::Experts(_) => None,
+            };
+            let plain = layer.post_attention_norm.is_none() && layer.post_ffn_norm.is_none();
+            if let (true, true, Some(mlp)) = (folds, plain, dense) {
                 // The device normalizes as the blocks' first products read the residual
                 // stream, and their last products add into it: no launch of their own.
                 if let Some(delta) = pending.take() {
@@ -263,8 +317,8 @@ impl<C: Compute> Decoder<C> {
                 let o = layer.attention.attend(c, &input, rope, call)?;
                 layer.attention.add_output(c, &o, tokens, &mut x)?;
                 let input = BlockInput::Residual(&x, &layer.ffn_norm);
-                let m = layer.mlp.hidden(c, &input, tokens)?;
-                layer.mlp.add_down(c, &m, tokens, &mut x)?;
+                let m = mlp.hidden(c, &input, tokens)?;
+                mlp.add_down(c, &m, tokens, &mut x)?;
                 continue;
             }
             let h = match pending.take() {
@@ -277,7 +331,7 @@ impl<C: Compute> Decoder<C> {
                 None => o,
             };
             let h = layer.ffn_norm.add_forward(c, &mut x, &o)?;
-            let m = layer.mlp.forward(c, &h, tokens)?;
+            let m = layer.ffn.forward(c, &h, tokens)?;
             pending = Some(match &layer.post_ffn_norm {
                 Some(norm) => norm.forward(c, &m)?,
                 None => m,

@@ -34,6 +34,67 @@ pub struct HParams {
     pub query_pre_attn_scalar: Option<f32>,
     pub attn_logit_softcap: Option<f32>,
     pub final_logit_softcap: Option<f32>,
+    /// The mixture-of-experts layers' shape, when the model has experts.
+    pub experts: Option<ExpertParams>,
+}
+
+/// A mixture-of-experts MLP: `count` experts, `used` of them per token, each a gated MLP
+/// of `ffn` hidden units (`{arch}.expert_feed_forward_length`, else the dense
+/// `feed_forward_length`, as Mixtral's files give it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertParams {
+    pub count: usize,
+    pub used: usize,
+    pub ffn: usize,
+    /// The chosen experts' router probabilities divided by their sum
+    /// (`{arch}.expert_weights_norm`; absent, the architecture says).
+    pub normalize_weights: Option<bool>,
+}
+
+/// Far above any released model (DeepSeek V3: 256, Qwen3-Next: 512): a bound on what
+/// per-expert tables a file can make lantern allocate.
+const MAX_EXPERTS: usize = 1 << 16;
+
+impl ExpertParams {
+    /// `None` when `{arch}.expert_count` is absent or 0.
+    fn read(src: &dyn WeightSource, arch: &str, dense_ffn: usize) -> Result<Option<Self>> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let count = match src.opt_usize(&key("expert_count"))? {
+            None | Some(0) => return Ok(None),
+            Some(n) if n <= MAX_EXPERTS => n,
+            Some(n) => {
+                return Err(ModelError::InvalidConfig(format!(
+                    "`{}` is {n}, more than the {MAX_EXPERTS} lantern reads",
+                    key("expert_count")
+                )))
+            }
+        };
+        let used = src.get_usize(&key("expert_used_count"))?;
+        if used == 0 || used > count {
+            return Err(ModelError::InvalidConfig(format!(
+                "`{}` is {used}, expected 1 to `{}` ({count})",
+                key("expert_used_count"),
+                key("expert_count")
+            )));
+        }
+        // Only softmax routers are implemented (llama.cpp: 1 softmax, 2 sigmoid).
+        if let Some(gating) = src.opt_usize(&key("expert_gating_func"))? {
+            if gating != 1 {
+                return Err(ModelError::InvalidConfig(format!(
+                    "`{}` is {gating}: only softmax routers (1) are supported",
+                    key("expert_gating_func")
+                )));
+            }
+        }
+        Ok(Some(Self {
+            count,
+            used,
+            ffn: src
+                .opt_usize(&key("expert_feed_forward_length"))?
+                .unwrap_or(dense_ffn),
+            normalize_weights: src.opt_bool(&key("expert_weights_norm"))?,
+        }))
+    }
 }
 
 impl HParams {
@@ -85,6 +146,8 @@ impl HParams {
             other => Ok(other),
         };
         let num_layers = src.get_usize(&key("block_count"))?;
+        let intermediate_size = src.get_usize(&key("feed_forward_length"))?;
+        let experts = ExpertParams::read(src, &arch, intermediate_size)?;
         let sliding_layers = src.opt_bool_array(keys::SLIDING_LAYERS)?;
         if let Some(layers) = &sliding_layers {
             if layers.len() != num_layers {
@@ -98,7 +161,8 @@ impl HParams {
         let params = Self {
             name: src.opt_string("general.name")?.unwrap_or(&arch).to_string(),
             num_layers,
-            intermediate_size: src.get_usize(&key("feed_forward_length"))?,
+            intermediate_size,
+            experts,
             context_length: src.opt_usize(&key("context_length"))?.unwrap_or(2048),
             rms_norm_eps: src.opt_f32(&key("attention.layer_norm_rms_epsilon"))?,
             rope_theta: src.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
@@ -188,7 +252,13 @@ impl HParams {
                 self.intermediate_size.checked_mul(h),
             ),
         ];
-        for (what, elements) in matrices {
+        let expert = self.experts.map(|e| {
+            (
+                "expert_feed_forward_length x embedding_length",
+                e.ffn.checked_mul(h),
+            )
+        });
+        for (what, elements) in matrices.into_iter().chain(expert) {
             if elements.is_none_or(|n| n > largest) {
                 return Err(ModelError::InvalidConfig(format!(
                     "{what} from the metadata exceeds the largest tensor in the file ({largest} elements)"

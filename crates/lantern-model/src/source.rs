@@ -8,7 +8,8 @@
 //! A source presents the model **the way llama.cpp's `convert_hf_to_gguf.py` writes it**:
 //!
 //! * **Metadata** under llama.cpp's GGUF keys: `general.architecture` (`llama` also for
-//!   Mistral, `qwen2`, `qwen3`, `gemma2`, `gemma3`, `phi3`), `general.name`, and
+//!   Mistral and Mixtral, `qwen2`, `qwen3`, `qwen3moe`, `gemma2`, `gemma3`, `phi3`),
+//!   `general.name`, and
 //!   `{arch}.block_count`, `.embedding_length`, `.feed_forward_length`,
 //!   `.context_length`, `.attention.head_count`, `.attention.head_count_kv`,
 //!   `.attention.key_length` (when head_dim != hidden / heads), `.attention.value_length`,
@@ -28,6 +29,11 @@
 //!   attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm, ffn_gate, ffn_up, ffn_down,
 //!   post_ffw_norm}.weight` and `blk.N.attn_{q,k,v}.bias`. Phi-3's fused `gate_up_proj`
 //!   is `blk.N.ffn_up.weight` with `2 * ffn` rows, gate first (no `ffn_gate`).
+//!   A mixture-of-experts layer has a router `blk.N.ffn_gate_inp.weight` (`[experts,
+//!   hidden]`) and its experts either stacked, `blk.N.ffn_{gate,up,down}_exps.weight`
+//!   (`[experts, rows, cols]`), or one tensor each, `blk.N.ffn_{gate,up,down}.E.weight`;
+//!   keys `{arch}.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`
+//!   (else `.feed_forward_length`), `.expert_weights_norm` (bool).
 //!   Any tensor may have any type candle reads (F32/F16/BF16 or quantized), independently
 //!   of its neighbours.
 //! * **Conventions of the stored numbers**: for `general.architecture = llama` the rows of

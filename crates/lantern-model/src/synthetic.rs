@@ -25,6 +25,14 @@ pub struct TinyLlama {
     pub omit_keys: Vec<String>,
     /// Extra f32 vectors of `head_dim / 2` ones (e.g. `rope_factors_long.weight`).
     pub extra_vectors: Vec<String>,
+    /// A mixture of `experts` experts (each an MLP of `ffn` units), `experts_used` per
+    /// token, in every layer instead of the dense MLP; 0 for none.
+    pub experts: usize,
+    pub experts_used: usize,
+    /// The experts' matrices stacked into `ffn_{gate,up,down}_exps` (llama.cpp's layout)
+    /// rather than one tensor each (`ffn_gate.E`, older Mixtral files). The same values
+    /// either way.
+    pub stacked_experts: bool,
     pub seed: u64,
 }
 
@@ -41,6 +49,9 @@ impl Default for TinyLlama {
             omit_tensors: Vec::new(),
             omit_keys: Vec::new(),
             extra_vectors: Vec::new(),
+            experts: 0,
+            experts_used: 0,
+            stacked_experts: true,
             seed: 1,
         }
     }
@@ -130,6 +141,13 @@ impl TinyLlama {
             ));
             metadata.push((key("attention.key_length"), Value::U32(head_dim as u32)));
         }
+        if self.experts > 0 {
+            metadata.push((key("expert_count"), Value::U32(self.experts as u32)));
+            metadata.push((
+                key("expert_used_count"),
+                Value::U32(self.experts_used as u32),
+            ));
+        }
         metadata.retain(|(k, _)| !self.omit_keys.contains(k));
 
         let mut seed = self.seed;
@@ -181,25 +199,50 @@ impl TinyLlama {
                 matrix_dtype,
             )
             .map_err(err)?;
-            add(
-                n("ffn_gate"),
-                random(self.ffn, h, s).map_err(err)?,
-                matrix_dtype,
-            )
-            .map_err(err)?;
-            add(
-                n("ffn_up"),
-                random(self.ffn, h, s).map_err(err)?,
-                matrix_dtype,
-            )
-            .map_err(err)?;
             let s2 = 1.0 / (self.ffn as f32).sqrt();
-            add(
-                n("ffn_down"),
-                random(h, self.ffn, s2).map_err(err)?,
-                matrix_dtype,
-            )
-            .map_err(err)?;
+            if self.experts == 0 {
+                add(
+                    n("ffn_gate"),
+                    random(self.ffn, h, s).map_err(err)?,
+                    matrix_dtype,
+                )
+                .map_err(err)?;
+                add(
+                    n("ffn_up"),
+                    random(self.ffn, h, s).map_err(err)?,
+                    matrix_dtype,
+                )
+                .map_err(err)?;
+                add(
+                    n("ffn_down"),
+                    random(h, self.ffn, s2).map_err(err)?,
+                    matrix_dtype,
+                )
+                .map_err(err)?;
+                continue;
+            }
+            // A router scaled up so that tokens choose clearly different experts.
+            let router = random(self.experts, h, 4.0 * s).map_err(err)?;
+            add(n("ffn_gate_inp"), router, GgmlDType::F32).map_err(err)?;
+            for (part, rows, cols, scale) in [
+                ("ffn_gate", self.ffn, h, s),
+                ("ffn_up", self.ffn, h, s),
+                ("ffn_down", h, self.ffn, s2),
+            ] {
+                let experts = (0..self.experts)
+                    .map(|_| random(rows, cols, scale))
+                    .collect::<candle_core::Result<Vec<_>>>()
+                    .map_err(err)?;
+                if self.stacked_experts {
+                    let stacked = Tensor::stack(&experts, 0).map_err(err)?;
+                    add(format!("blk.{l}.{part}_exps.weight"), stacked, matrix_dtype)
+                        .map_err(err)?;
+                } else {
+                    for (e, t) in experts.into_iter().enumerate() {
+                        add(format!("blk.{l}.{part}.{e}.weight"), t, matrix_dtype).map_err(err)?;
+                    }
+                }
+            }
         }
         let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).map_err(err)?;
         add("output_norm.weight".into(), ones, GgmlDType::F32).map_err(err)?;

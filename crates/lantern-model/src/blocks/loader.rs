@@ -5,7 +5,9 @@ use crate::error::{ModelError, Result};
 use crate::linear::tensor_to_vec;
 use crate::source::WeightSource;
 use crate::{LoadOptions, LoadProgress};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{QStorage, QTensor};
+use candle_core::Device;
+use std::borrow::Cow;
 
 /// The source, the progress bar and the load options, for the blocks' `load` functions.
 pub struct Loader<'a> {
@@ -37,6 +39,57 @@ impl<'a> Loader<'a> {
         let t = self.source.tensor_with_shape(name, shape);
         self.progress.advance();
         t
+    }
+
+    /// The `count` experts' `[rows, cols]` matrices of `base` (`blk.N.ffn_gate`, named
+    /// `{base}.{e}` in errors), read from the stacked `{base}_exps.weight`
+    /// (`[count, rows, cols]`, llama.cpp's layout) or, where there is none, from one
+    /// tensor per expert, `{base}.{e}.weight` (older Mixtral files; Hugging Face
+    /// checkpoints as [`crate::hf`] names them).
+    pub fn experts(
+        &mut self,
+        base: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<(String, QTensor)>> {
+        let stacked = format!("{base}_exps.weight");
+        if !self.has(&stacked) {
+            return (0..count)
+                .map(|e| {
+                    let name = format!("{base}.{e}.weight");
+                    match self.tensor(&name, &[rows, cols]) {
+                        Ok(t) => Ok((name, t)),
+                        // Neither layout: name both (a checkpoint's own names stay).
+                        Err(ModelError::MissingTensor { .. }) if e == 0 => {
+                            Err(ModelError::MissingTensor {
+                                name: format!("{stacked}` or `{name}"),
+                            })
+                        }
+                        Err(other) => Err(other),
+                    }
+                })
+                .collect();
+        }
+        let all = self.tensor(&stacked, &[count, rows, cols])?;
+        let wrap = |source| ModelError::Tensor {
+            name: stacked.clone(),
+            source,
+        };
+        let dtype = all.dtype();
+        let bytes = all.data().map_err(wrap)?;
+        // Each expert's rows are whole blocks of the type (checked when the file was
+        // read), so the experts are equal byte ranges.
+        let per_expert = bytes.len() / count;
+        (0..count)
+            .map(|e| {
+                let part = bytes[e * per_expert..(e + 1) * per_expert].to_vec();
+                let storage =
+                    QStorage::from_data(Cow::Owned(part), &Device::Cpu, dtype).map_err(wrap)?;
+                let tensor = QTensor::new(storage, (rows, cols)).map_err(wrap)?;
+                Ok((format!("{base}.{e}"), tensor))
+            })
+            .collect()
     }
 
     /// A weight matrix `[out, in]` as a product on `c`.

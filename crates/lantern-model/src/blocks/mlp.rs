@@ -5,6 +5,8 @@ use crate::compute::Compute;
 use crate::error::{ModelError, Result};
 #[cfg(test)]
 use crate::ops;
+use crate::LoadOptions;
+use candle_core::quantized::QTensor;
 
 /// The gate's activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +62,23 @@ impl<C: Compute> Mlp<C> {
         Ok(Self {
             gate_up,
             down: loader.linear(c, &name("ffn_down"), hidden, ffn)?,
+            activation,
+        })
+    }
+
+    /// An MLP of separate gate, up and down matrices (`(name, tensor)` each), as a
+    /// mixture-of-experts layer's experts are.
+    pub fn from_parts(
+        c: &C,
+        options: &LoadOptions,
+        gate: (String, QTensor),
+        up: (String, QTensor),
+        (down_name, down): (String, QTensor),
+        activation: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: Projections::separate(c, options, vec![gate, up])?,
+            down: c.matrix(options, &down_name, down)?,
             activation,
         })
     }

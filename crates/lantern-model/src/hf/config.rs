@@ -16,6 +16,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "mistral",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
+    "mixtral",
     "gemma2",
     "gemma3_text",
     "phi3",
@@ -68,9 +70,10 @@ impl HfConfig {
         let c = Keys { path, json };
         let model_type = c.req_str("model_type")?.to_string();
         let gguf_arch: &'static str = match model_type.as_str() {
-            "llama" | "mistral" => "llama",
+            "llama" | "mistral" | "mixtral" => "llama",
             "qwen2" => "qwen2",
             "qwen3" => "qwen3",
+            "qwen3_moe" => "qwen3moe",
             "gemma2" => "gemma2",
             "gemma3_text" | "gemma3" => "gemma3",
             "phi3" => "phi3",
@@ -158,6 +161,7 @@ impl HfConfig {
             m.insert(keys::QUERY_PRE_ATTN_SCALAR.into(), Value::F32(s as f32));
         }
         sliding_window(&c, a, num_layers, &mut m)?;
+        experts(&c, &model_type, a, &mut m)?;
         if gguf_arch == "gemma3" {
             let local = c.opt_f64("rope_local_base_freq")?.unwrap_or(1e4);
             m.insert(k("rope.freq_base_swa"), Value::F32(local as f32));
@@ -177,6 +181,33 @@ impl HfConfig {
             metadata: m,
         })
     }
+}
+
+/// The mixture-of-experts keys (`expert_count`, `expert_used_count`,
+/// `expert_feed_forward_length`, `expert_weights_norm`) of Mixtral (`num_local_experts`)
+/// and Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `norm_topk_prob`).
+fn experts(c: &Keys, model_type: &str, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
+    let (count_key, normalize) = match model_type {
+        "mixtral" => ("num_local_experts", Some(true)),
+        // transformers' default for a config that does not say is false.
+        "qwen3_moe" => (
+            "num_experts",
+            Some(c.opt_bool("norm_topk_prob")?.unwrap_or(false)),
+        ),
+        _ => return Ok(()),
+    };
+    let count = c.req_usize(count_key)?;
+    let used = c.req_usize("num_experts_per_tok")?;
+    let u = |v: usize| Value::U32(v as u32);
+    m.insert(format!("{a}.expert_count"), u(count));
+    m.insert(format!("{a}.expert_used_count"), u(used));
+    if let Some(ffn) = c.opt_usize("moe_intermediate_size")? {
+        m.insert(format!("{a}.expert_feed_forward_length"), u(ffn));
+    }
+    if let Some(normalize) = normalize {
+        m.insert(format!("{a}.expert_weights_norm"), Value::Bool(normalize));
+    }
+    Ok(())
 }
 
 /// The window and which layers use it, from `sliding_window`, `use_sliding_window`,
@@ -222,7 +253,7 @@ fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Valu
         } else {
             None
         };
-    if a == "llama" || a == "qwen2" || a == "qwen3" || a == "phi3" {
+    if matches!(a, "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3") {
         m.insert(keys::SLIDING_WINDOW.into(), Value::U32(window as u32));
     } else {
         m.insert(

@@ -81,11 +81,16 @@ impl HfDirectory {
         &self.dir
     }
 
-    fn stored_type(&self, dtype: DType, shape: &[usize]) -> GgmlDType {
+    fn stored_type(&self, gguf: &str, dtype: DType, shape: &[usize]) -> GgmlDType {
         if shape.len() < 2 {
             return GgmlDType::F32;
         }
-        if let Some(q) = self.quantize.and_then(|q| quantized_type_for(q, shape)) {
+        // As llama.cpp's quantizer: an expert router stays as it is (its few rows choose
+        // the experts; rounding there changes which run).
+        let quantize = self
+            .quantize
+            .filter(|_| !gguf.ends_with("ffn_gate_inp.weight"));
+        if let Some(q) = quantize.and_then(|q| quantized_type_for(q, shape)) {
             return q;
         }
         match dtype {
@@ -174,7 +179,7 @@ impl WeightSource for HfDirectory {
         let stored = self.weights.get(self.by_gguf_name.get(name)?)?;
         Some((
             stored.shape.clone(),
-            self.stored_type(stored.dtype, &stored.shape),
+            self.stored_type(name, stored.dtype, &stored.shape),
         ))
     }
 

@@ -18,6 +18,9 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     if kind != "weight" && kind != "bias" {
         return None;
     }
+    if let Some(expert) = expert_name(module) {
+        return Some(format!("blk.{layer}.{expert}.{kind}"));
+    }
     let gguf = match module {
         "input_layernorm" => "attn_norm",
         "self_attn.q_proj" => "attn_q",
@@ -35,14 +38,34 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "mlp.up_proj" => "ffn_up",
         "mlp.gate_up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // A mixture of experts' router: Qwen3-MoE, Mixtral.
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf}.{kind}"))
 }
 
+/// Expert `e`'s matrices, one tensor each as released checkpoints store them:
+/// `mlp.experts.{e}.{gate,up,down}_proj` (Qwen3-MoE) and
+/// `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral) are `ffn_{gate,up,down}.{e}`.
+fn expert_name(module: &str) -> Option<String> {
+    let rest = module
+        .strip_prefix("mlp.experts.")
+        .or_else(|| module.strip_prefix("block_sparse_moe.experts."))?;
+    let (expert, matrix) = rest.split_once('.')?;
+    let expert: usize = expert.parse().ok()?;
+    let gguf = match matrix {
+        "gate_proj" | "w1" => "ffn_gate",
+        "up_proj" | "w3" => "ffn_up",
+        "down_proj" | "w2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("{gguf}.{expert}"))
+}
+
 /// The layer modules [`gguf_name`] maps, for naming a missing tensor as the checkpoint
 /// would hold it.
-const LAYER_MODULES: [&str; 15] = [
+const LAYER_MODULES: [&str; 17] = [
     "input_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -58,6 +81,8 @@ const LAYER_MODULES: [&str; 15] = [
     "mlp.up_proj",
     "mlp.gate_up_proj",
     "mlp.down_proj",
+    "mlp.gate",
+    "block_sparse_moe.gate",
 ];
 
 /// The Hugging Face names [`gguf_name`] maps to `gguf` (a fused and an unfused
@@ -73,14 +98,23 @@ pub fn hf_names(gguf: &str, sandwich_norms: bool) -> Vec<String> {
         .and_then(|rest| rest.split_once('.'))
         .map(|(l, _)| l);
     let kinds = ["weight", "bias"];
+    // An expert's index, for its candidates (`blk.N.ffn_gate.E.weight`).
+    let expert = gguf.split('.').nth(3).and_then(|e| e.parse::<usize>().ok());
+    let expert_modules = expert.into_iter().flat_map(|e| {
+        ["gate_proj", "up_proj", "down_proj"]
+            .map(|m| format!("mlp.experts.{e}.{m}"))
+            .into_iter()
+            .chain(["w1", "w2", "w3"].map(|m| format!("block_sparse_moe.experts.{e}.{m}")))
+    });
+    let modules: Vec<String> = LAYER_MODULES
+        .iter()
+        .map(|m| m.to_string())
+        .chain(expert_modules)
+        .collect();
     let candidates = globals.iter().map(|g| g.to_string()).chain(
         layer
             .into_iter()
-            .flat_map(|l| {
-                LAYER_MODULES
-                    .iter()
-                    .map(move |m| format!("model.layers.{l}.{m}"))
-            })
+            .flat_map(|l| modules.iter().map(move |m| format!("model.layers.{l}.{m}")))
             .flat_map(|m| kinds.iter().map(move |k| format!("{m}.{k}"))),
     );
     candidates
@@ -107,6 +141,43 @@ mod tests {
         );
         assert_eq!(hf_names("output.weight", false), ["lm_head.weight"]);
         assert!(hf_names("rope_freqs.weight", false).is_empty());
+        assert_eq!(
+            hf_names("blk.1.ffn_down.5.weight", false),
+            [
+                "model.layers.1.mlp.experts.5.down_proj.weight",
+                "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+            ]
+        );
+        assert_eq!(
+            hf_names("blk.0.ffn_gate_inp.weight", false),
+            [
+                "model.layers.0.mlp.gate.weight",
+                "model.layers.0.block_sparse_moe.gate.weight"
+            ]
+        );
+    }
+
+    #[test]
+    fn maps_experts_and_routers() {
+        let n = |s| gguf_name(s, false);
+        assert_eq!(
+            n("model.layers.2.mlp.experts.7.gate_proj.weight").unwrap(),
+            "blk.2.ffn_gate.7.weight"
+        );
+        assert_eq!(
+            n("model.layers.0.block_sparse_moe.experts.3.w3.weight").unwrap(),
+            "blk.0.ffn_up.3.weight"
+        );
+        assert_eq!(
+            n("model.layers.0.block_sparse_moe.experts.3.w2.weight").unwrap(),
+            "blk.0.ffn_down.3.weight"
+        );
+        assert_eq!(
+            n("model.layers.4.mlp.gate.weight").unwrap(),
+            "blk.4.ffn_gate_inp.weight"
+        );
+        assert_eq!(n("model.layers.0.mlp.experts.x.gate_proj.weight"), None);
+        assert_eq!(n("model.layers.0.mlp.experts.1.act.weight"), None);
     }
 
     #[test]

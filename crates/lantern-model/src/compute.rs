@@ -413,10 +413,11 @@ impl Compute for Cpu {
                 "row {bad} of {available} selected"
             )));
         }
-        Ok(rows
-            .iter()
-            .flat_map(|&r| x[r * width..(r + 1) * width].iter().copied())
-            .collect())
+        let mut out = Vec::with_capacity(rows.len() * width);
+        for &r in rows {
+            out.extend_from_slice(&x[r * width..(r + 1) * width]);
+        }
+        Ok(out)
     }
 
     const RUNS_EXPERTS: bool = true;

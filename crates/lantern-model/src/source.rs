@@ -31,7 +31,8 @@
 //!   is `blk.N.ffn_up.weight` with `2 * ffn` rows, gate first (no `ffn_gate`).
 //!   A mixture-of-experts layer has a router `blk.N.ffn_gate_inp.weight` (`[experts,
 //!   hidden]`) and its experts either stacked, `blk.N.ffn_{gate,up,down}_exps.weight`
-//!   (`[experts, rows, cols]`), or one tensor each, `blk.N.ffn_{gate,up,down}.E.weight`;
+//!   (`[experts, rows, cols]`; gate and up may be one `ffn_gate_up_exps`, gate first),
+//!   or one tensor each, `blk.N.ffn_{gate,up,down}.E.weight`;
 //!   keys `{arch}.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`
 //!   (else `.feed_forward_length`), `.expert_weights_norm` (bool).
 //!   Any tensor may have any type candle reads (F32/F16/BF16 or quantized), independently

@@ -66,6 +66,22 @@ impl<C: Compute> Mlp<C> {
         })
     }
 
+    /// An MLP whose gate and up are one `[2 * ffn, hidden]` matrix, gate first.
+    pub fn from_fused(
+        c: &C,
+        options: &LoadOptions,
+        (gate_up_name, gate_up): (String, QTensor),
+        ffn: usize,
+        (down_name, down): (String, QTensor),
+        activation: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: Projections::fused(c, options, &gate_up_name, gate_up, vec![ffn, ffn])?,
+            down: c.matrix(options, &down_name, down)?,
+            activation,
+        })
+    }
+
     /// An MLP of separate gate, up and down matrices (`(name, tensor)` each), as a
     /// mixture-of-experts layer's experts are.
     pub fn from_parts(

@@ -38,17 +38,30 @@ impl<C: Compute> Moe<C> {
         let name = |t: &str| format!("blk.{l}.{t}");
         let count = params.count;
         let router = loader.linear(c, &name("ffn_gate_inp.weight"), count, hidden)?;
-        let gates = loader.experts(&name("ffn_gate"), count, params.ffn, hidden)?;
-        let ups = loader.experts(&name("ffn_up"), count, params.ffn, hidden)?;
-        let downs = loader.experts(&name("ffn_down"), count, hidden, params.ffn)?;
-        let experts = gates
-            .into_iter()
-            .zip(ups)
-            .zip(downs)
-            .map(|((gate, up), down)| {
-                Mlp::from_parts(c, loader.options, gate, up, down, activation)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let ffn = params.ffn;
+        let downs = loader.experts(&name("ffn_down"), count, hidden, ffn)?;
+        let experts = if loader.has(&name("ffn_gate_up_exps.weight")) {
+            // Gate and up of each expert in one matrix, gate first.
+            let gate_ups = loader.experts(&name("ffn_gate_up"), count, 2 * ffn, hidden)?;
+            gate_ups
+                .into_iter()
+                .zip(downs)
+                .map(|(gate_up, down)| {
+                    Mlp::from_fused(c, loader.options, gate_up, ffn, down, activation)
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            let gates = loader.experts(&name("ffn_gate"), count, ffn, hidden)?;
+            let ups = loader.experts(&name("ffn_up"), count, ffn, hidden)?;
+            gates
+                .into_iter()
+                .zip(ups)
+                .zip(downs)
+                .map(|((gate, up), down)| {
+                    Mlp::from_parts(c, loader.options, gate, up, down, activation)
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
         Ok(Self {
             router,
             experts,

@@ -14,6 +14,13 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    // transformers 5's own layout (`save_original_format=False`): every expert's gate
+    // and up in one tensor, gate first, and the downs in another.
+    match rest {
+        "mlp.experts.gate_up_proj" => return Some(format!("blk.{layer}.ffn_gate_up_exps.weight")),
+        "mlp.experts.down_proj" => return Some(format!("blk.{layer}.ffn_down_exps.weight")),
+        _ => {}
+    }
     let (module, kind) = rest.rsplit_once('.')?;
     if kind != "weight" && kind != "bias" {
         return None;
@@ -175,6 +182,14 @@ mod tests {
         assert_eq!(
             n("model.layers.4.mlp.gate.weight").unwrap(),
             "blk.4.ffn_gate_inp.weight"
+        );
+        assert_eq!(
+            n("model.layers.3.mlp.experts.gate_up_proj").unwrap(),
+            "blk.3.ffn_gate_up_exps.weight"
+        );
+        assert_eq!(
+            n("model.layers.3.mlp.experts.down_proj").unwrap(),
+            "blk.3.ffn_down_exps.weight"
         );
         assert_eq!(n("model.layers.0.mlp.experts.x.gate_proj.weight"), None);
         assert_eq!(n("model.layers.0.mlp.experts.1.act.weight"), None);

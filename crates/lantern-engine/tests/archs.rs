@@ -93,6 +93,9 @@ const CASES: &[Case] = &[
     case("qwen2", "gguf/qwen2.q8_0.gguf", ".q8_0", Quantized),
     case("qwen3", "gguf/qwen3.f32.gguf", "", Exact),
     case("qwen3", "gguf/qwen3.q8_0.gguf", ".q8_0", Quantized),
+    // Qwen3-MoE's GGUF (every layer with experts: llama.cpp's converter cannot write
+    // the dense layer of the Hugging Face model below) against its own reference.
+    case("qwen3_moe", "gguf/qwen3_moe.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.f32.gguf", "", Exact),
@@ -124,6 +127,8 @@ const CASES: &[Case] = &[
     case("mistral", "hf", "", Exact),
     case("qwen2", "hf", "", Exact),
     case("qwen3", "hf", "", Exact),
+    // Experts one tensor each, layer 1 dense (`mlp_only_layers`), `norm_topk_prob`.
+    case("qwen3_moe", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

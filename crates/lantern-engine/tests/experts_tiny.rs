@@ -120,3 +120,110 @@ fn broken_expert_files_are_named() {
     });
     assert!(err.contains("llama.expert_count"), "{err}");
 }
+
+/// The fixture checkpoint `arch/hf` (one tensor per expert) rewritten in transformers 5's
+/// own layout (`save_original_format=False`): each layer's experts' gate and up stacked
+/// into `mlp.experts.gate_up_proj` (gate first), the downs into `mlp.experts.down_proj`,
+/// the router as `mlp.gate.weight`. The same bytes, moved.
+fn fused_checkpoint(arch: &str, out: &std::path::Path) {
+    use safetensors::tensor::TensorView;
+    use safetensors::SafeTensors;
+    use std::collections::BTreeMap;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/archs")
+        .join(arch)
+        .join("hf");
+    for file in std::fs::read_dir(&dir).unwrap() {
+        let path = file.unwrap().path();
+        if path.extension().is_some_and(|e| e != "safetensors") {
+            std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    // (layer, expert) -> gate, up, down views.
+    let mut experts: BTreeMap<(usize, usize), [Option<TensorView>; 3]> = BTreeMap::new();
+    let mut kept: Vec<(String, TensorView)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let parts: Vec<&str> = name.split('.').collect();
+        let expert = match parts.as_slice() {
+            ["model", "layers", l, "mlp" | "block_sparse_moe", "experts", e, m, "weight"] => {
+                let slot = match *m {
+                    "gate_proj" | "w1" => 0,
+                    "up_proj" | "w3" => 1,
+                    "down_proj" | "w2" => 2,
+                    other => panic!("unknown expert matrix {other}"),
+                };
+                Some((l.parse().unwrap(), e.parse().unwrap(), slot))
+            }
+            _ => None,
+        };
+        match expert {
+            Some((l, e, slot)) => experts.entry((l, e)).or_default()[slot] = Some(view),
+            None => kept.push((name.replace(".block_sparse_moe.gate.", ".mlp.gate."), view)),
+        }
+    }
+    assert!(!experts.is_empty(), "{arch}: no experts in the fixture");
+    let mut fused: BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for ((l, _), [gate, up, down]) in &experts {
+        let (gate, up, down) = (
+            gate.as_ref().unwrap(),
+            up.as_ref().unwrap(),
+            down.as_ref().unwrap(),
+        );
+        let mut push = |name: String, rows: usize, cols: usize, data: &[&[u8]]| {
+            let entry = fused
+                .entry(name)
+                .or_insert_with(|| (gate.dtype(), vec![0, rows, cols], Vec::new()));
+            entry.1[0] += 1;
+            for d in data {
+                entry.2.extend_from_slice(d);
+            }
+        };
+        let (ffn, hidden) = (gate.shape()[0], gate.shape()[1]);
+        push(
+            format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+            2 * ffn,
+            hidden,
+            &[gate.data(), up.data()],
+        );
+        push(
+            format!("model.layers.{l}.mlp.experts.down_proj"),
+            hidden,
+            ffn,
+            &[down.data()],
+        );
+    }
+    let fused_views: Vec<(String, TensorView)> = fused
+        .iter()
+        .map(|(n, (dtype, shape, data))| {
+            (
+                n.clone(),
+                TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    kept.extend(fused_views);
+    safetensors::serialize_to_file(kept, None, &out.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn transformers_5_fused_experts_read_as_released_checkpoints() {
+    for arch in ["qwen3_moe", "mixtral"] {
+        let dir = tempfile::tempdir().unwrap();
+        fused_checkpoint(arch, dir.path());
+        let released = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/archs")
+            .join(arch)
+            .join("hf");
+        let logits = |path: &std::path::Path| {
+            let loaded = load_model(path, &LoadOptions::default()).unwrap();
+            let mut engine = Engine::new(loaded, EngineConfig::default()).unwrap();
+            run(&mut engine, &prompts())
+        };
+        for (x, y) in logits(&released).iter().zip(&logits(dir.path())) {
+            assert_eq!(x.prompt_logits, y.prompt_logits, "{arch}");
+            assert_eq!(x.token_ids, y.token_ids, "{arch}");
+        }
+    }
+}

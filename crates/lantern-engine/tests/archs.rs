@@ -84,7 +84,6 @@ use Weights::{Exact, Quantized};
 /// GGUF files mean what llama.cpp does with them: Mistral's has no window and Gemma 2's
 /// no `query_pre_attn_scalar`, so those compare with the `.gguf` references.
 const CASES: &[Case] = &[
-    case("llama", "gguf/llama.f32.gguf", "", Exact),
     case("llama", "gguf/llama.q8_0.gguf", ".q8_0", Quantized),
     case("llama", "gguf/llama.Q4_K_M.gguf", ".Q4_K_M", Quantized),
     case("mistral", "gguf/mistral.f32.gguf", ".gguf", Exact),
@@ -96,6 +95,8 @@ const CASES: &[Case] = &[
     // Qwen3-MoE's GGUF (every layer with experts: llama.cpp's converter cannot write
     // the dense layer of the Hugging Face model below) against its own reference.
     case("qwen3_moe", "gguf/qwen3_moe.q8_0.gguf", ".q8_0", Quantized),
+    // Mixtral's GGUF: arch `llama` with stacked experts.
+    case("mixtral", "gguf/mixtral.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.f32.gguf", "", Exact),
@@ -129,6 +130,8 @@ const CASES: &[Case] = &[
     case("qwen3", "hf", "", Exact),
     // Experts one tensor each, layer 1 dense (`mlp_only_layers`), `norm_topk_prob`.
     case("qwen3_moe", "hf", "", Exact),
+    // `block_sparse_moe.experts.E.{w1,w2,w3}`, `num_local_experts`, f32.
+    case("mixtral", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

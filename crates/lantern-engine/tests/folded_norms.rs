@@ -4,7 +4,8 @@
 //! path, when the folded operations are the trait's defaults (a norm, then the product;
 //! the product, then an add) over the CPU's kernels: the decoder hands every block the
 //! same arithmetic either way. Architectures with one q/k/v product, biases, fused q/k/v
-//! and gate/up, and norms after the blocks (which never fold).
+//! and gate/up, norms after the blocks (which never fold), and expert layers beside
+//! dense ones.
 
 use candle_core::quantized::QTensor;
 use lantern_engine::{Engine, EngineConfig, SamplingParams};
@@ -107,6 +108,20 @@ impl Compute for Folding {
     fn select_rows(&self, x: &Self::Act, rows: &[usize], width: usize) -> Result<Self::Act> {
         Cpu.select_rows(x, rows, width)
     }
+    const RUNS_EXPERTS: bool = true;
+    fn zeros(&self, rows: usize, width: usize) -> Result<Self::Act> {
+        Cpu.zeros(rows, width)
+    }
+    fn add_rows_scaled(
+        &self,
+        acc: &mut Self::Act,
+        x: &Self::Act,
+        rows: &[usize],
+        weights: &[f32],
+        width: usize,
+    ) -> Result<()> {
+        Cpu.add_rows_scaled(acc, x, rows, weights, width)
+    }
     fn attention(
         &self,
         call: AttentionCall<'_, '_>,
@@ -190,7 +205,8 @@ fn run(arch: &str, device: Option<Folding>) -> Vec<(Vec<u32>, Vec<u32>)> {
 
 #[test]
 fn the_folded_path_gives_the_usual_bits() {
-    for arch in ["llama", "qwen2", "phi3", "gemma2"] {
+    // qwen3_moe: expert layers (which never fold) around a dense one (which does).
+    for arch in ["llama", "qwen2", "phi3", "gemma2", "qwen3_moe"] {
         let usual = run(arch, None);
         let folded = run(arch, Some(Folding));
         assert!(

@@ -110,7 +110,7 @@ pub fn route(
     used: usize,
     normalize: bool,
 ) -> Result<Vec<ExpertRows>> {
-    if experts == 0 || used == 0 || used > experts || logits.len() % experts != 0 {
+    if experts == 0 || used == 0 || used > experts || !logits.len().is_multiple_of(experts) {
         return Err(ModelError::Compute(format!(
             "{} router logits cannot choose {used} of {experts} experts per token",
             logits.len()

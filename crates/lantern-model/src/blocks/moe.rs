@@ -130,8 +130,8 @@ pub fn route(
         }
         order.clear();
         order.extend(0..experts);
-        // Stable: equal probabilities keep the lower index first. NaN (a broken
-        // model) sorts last instead of panicking.
+        // Stable: equal probabilities keep the lower index first. A total order, so
+        // NaN (a broken model) gives some choice rather than a panic.
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
         let chosen = &order[..used];
         let total: f32 = chosen.iter().map(|&e| probs[e]).sum();

@@ -117,6 +117,26 @@ fn greedy(max_tokens: usize) -> SamplingParams {
 /// Prompt logits (teacher-forced over the reference continuation) and the greedy
 /// continuation, alone and with every prompt of the fixture batched together (mixed
 /// prefills and decodes in one step), in both layouts.
+/// Experts do not run on the GPU yet: a mixture-of-experts model is refused when it
+/// loads, saying so, not in its first step.
+#[test]
+fn mixtures_of_experts_are_refused_on_the_gpu_with_a_message() {
+    if !gpu_present("mixtures_of_experts_are_refused_on_the_gpu_with_a_message") {
+        return;
+    }
+    for arch in ["mixtral", "qwen3_moe"] {
+        let err = load_on(
+            DeviceChoice::Cuda(0),
+            &fixture(arch).join("hf"),
+            &LoadOptions::default(),
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{arch} loaded on the GPU"))
+        .to_string();
+        assert!(err.contains("run on the CPU only"), "{arch}: {err}");
+    }
+}
+
 #[test]
 fn every_architecture_matches_transformers_on_the_gpu() {
     if !gpu_present("every_architecture_matches_transformers_on_the_gpu") {

@@ -97,6 +97,7 @@ const CASES: &[Case] = &[
     case("qwen3_moe", "gguf/qwen3_moe.q8_0.gguf", ".q8_0", Quantized),
     // Mixtral's GGUF: arch `llama` with stacked experts.
     case("mixtral", "gguf/mixtral.q8_0.gguf", ".q8_0", Quantized),
+    case("olmoe", "gguf/olmoe.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.f32.gguf", "", Exact),
@@ -132,6 +133,8 @@ const CASES: &[Case] = &[
     case("qwen3_moe", "hf", "", Exact),
     // `block_sparse_moe.experts.E.{w1,w2,w3}`, `num_local_experts`, f32.
     case("mixtral", "hf", "", Exact),
+    // q/k normed over the whole projection, expert weights not renormalized.
+    case("olmoe", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),
@@ -520,7 +523,8 @@ fn quantized_kernels_stay_near_the_reference() {
                 case.name(),
                 p.id
             );
-            // Measured 19-24 of 24 on AVX-512; a broken product agrees by chance only.
+            // Measured 18-24 of 24 on AVX-512 (the expert models at 18-23: rounding the
+            // activations moves some routing); a broken product agrees by chance only.
             assert!(
                 agree * 3 >= p.gen_ids.len() * 2,
                 "{} {}: teacher-forced top-1 agrees at {agree} steps",

@@ -209,7 +209,7 @@ fn fused_checkpoint(arch: &str, out: &std::path::Path) {
 
 #[test]
 fn transformers_5_fused_experts_read_as_released_checkpoints() {
-    for arch in ["qwen3_moe", "mixtral"] {
+    for arch in ["qwen3_moe", "mixtral", "olmoe"] {
         let dir = tempfile::tempdir().unwrap();
         fused_checkpoint(arch, dir.path());
         let released = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

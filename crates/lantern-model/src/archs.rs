@@ -14,7 +14,7 @@ use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
 pub const SUPPORTED: &[&str] = &[
-    "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
+    "llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "phi3", "gemma2", "gemma3",
 ];
 
 /// The decoder `source` describes.
@@ -30,6 +30,13 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         // Qwen3-MoE: Qwen 3 whose layers have experts (or not: `mlp_only_layers`).
         "qwen3" | "qwen3moe" => Ok(DecoderSpec {
             qk_norm: true,
+            ..DecoderSpec::plain(params, RopePairs::Halves)
+        }),
+        // OLMoE: q/k normed over the whole projection (the norms' width says so), the
+        // chosen experts' probabilities used as they are.
+        "olmoe" => Ok(DecoderSpec {
+            qk_norm: true,
+            normalize_expert_weights: false,
             ..DecoderSpec::plain(params, RopePairs::Halves)
         }),
         "gemma2" => gemma2(params),

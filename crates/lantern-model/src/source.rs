@@ -8,7 +8,7 @@
 //! A source presents the model **the way llama.cpp's `convert_hf_to_gguf.py` writes it**:
 //!
 //! * **Metadata** under llama.cpp's GGUF keys: `general.architecture` (`llama` also for
-//!   Mistral and Mixtral, `qwen2`, `qwen3`, `qwen3moe`, `gemma2`, `gemma3`, `phi3`),
+//!   Mistral and Mixtral, `qwen2`, `qwen3`, `qwen3moe`, `olmoe`, `gemma2`, `gemma3`, `phi3`),
 //!   `general.name`, and
 //!   `{arch}.block_count`, `.embedding_length`, `.feed_forward_length`,
 //!   `.context_length`, `.attention.head_count`, `.attention.head_count_kv`,
@@ -29,6 +29,8 @@
 //!   attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm, ffn_gate, ffn_up, ffn_down,
 //!   post_ffw_norm}.weight` and `blk.N.attn_{q,k,v}.bias`. Phi-3's fused `gate_up_proj`
 //!   is `blk.N.ffn_up.weight` with `2 * ffn` rows, gate first (no `ffn_gate`).
+//!   `attn_q_norm`/`attn_k_norm` are `head_dim` wide (per head) or as wide as the
+//!   projection (OLMoE: over all of a token's heads).
 //!   A mixture-of-experts layer has a router `blk.N.ffn_gate_inp.weight` (`[experts,
 //!   hidden]`) and its experts either stacked, `blk.N.ffn_{gate,up,down}_exps.weight`
 //!   (`[experts, rows, cols]`; gate and up may be one `ffn_gate_up_exps`, gate first),

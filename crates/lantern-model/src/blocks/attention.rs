@@ -28,7 +28,8 @@ pub struct Attention<C: Compute> {
     shape: AttentionShape,
     /// q, k, v.
     qkv: Projections<C>,
-    /// Per-head RMSNorm of q and k, before RoPE (Qwen 3, Gemma 3).
+    /// RMSNorm of q and k before RoPE, per head (Qwen 3, Gemma 3) or over the whole
+    /// projection (OLMoE).
     qk_norm: Option<(RmsNorm<C>, RmsNorm<C>)>,
     output: C::Matrix,
 }
@@ -76,11 +77,21 @@ impl<C: Compute> Attention<C> {
                 qkv.set_bias(c, i, &bias(t), b)?;
             }
         }
+        // Per head (a weight of `head_dim`), or over all of a token's heads at once
+        // (OLMoE: a weight as wide as the projection); the norm's width says which.
+        let norm_width = |loader: &Loader, t: &str, whole: usize| match loader.shape(&name(t)) {
+            Some(dims) if dims == [whole] => whole,
+            _ => shape.head_dim,
+        };
         let qk_norm = match qk_norm_eps {
-            Some(eps) => Some((
-                RmsNorm::load(c, loader, &name("attn_q_norm"), shape.head_dim, eps)?,
-                RmsNorm::load(c, loader, &name("attn_k_norm"), shape.head_dim, eps)?,
-            )),
+            Some(eps) => {
+                let q = norm_width(loader, "attn_q_norm", q_dim);
+                let k = norm_width(loader, "attn_k_norm", kv_dim);
+                Some((
+                    RmsNorm::load(c, loader, &name("attn_q_norm"), q, eps)?,
+                    RmsNorm::load(c, loader, &name("attn_k_norm"), k, eps)?,
+                ))
+            }
             None => None,
         };
         Ok(Self {

@@ -34,6 +34,11 @@ impl<'a> Loader<'a> {
         self.source.has_tensor(name)
     }
 
+    /// A tensor's row-major shape, if the source has it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.source.tensor_info(name).map(|(dims, _)| dims)
+    }
+
     /// A tensor of the given row-major shape.
     pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<QTensor> {
         let t = self.source.tensor_with_shape(name, shape);

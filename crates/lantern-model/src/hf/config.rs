@@ -18,6 +18,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3",
     "qwen3_moe",
     "mixtral",
+    "olmoe",
     "gemma2",
     "gemma3_text",
     "phi3",
@@ -74,6 +75,7 @@ impl HfConfig {
             "qwen2" => "qwen2",
             "qwen3" => "qwen3",
             "qwen3_moe" => "qwen3moe",
+            "olmoe" => "olmoe",
             "gemma2" => "gemma2",
             "gemma3_text" | "gemma3" => "gemma3",
             "phi3" => "phi3",
@@ -160,6 +162,12 @@ impl HfConfig {
         if let Some(s) = c.opt_f64("query_pre_attn_scalar")? {
             m.insert(keys::QUERY_PRE_ATTN_SCALAR.into(), Value::F32(s as f32));
         }
+        if c.json.get("clip_qkv").is_some_and(|v| !v.is_null()) {
+            return Err(invalid(
+                path,
+                "`clip_qkv` (OLMo's clipping of q/k/v) is not supported".into(),
+            ));
+        }
         sliding_window(&c, a, num_layers, &mut m)?;
         experts(&c, &model_type, a, &mut m)?;
         if gguf_arch == "gemma3" {
@@ -190,7 +198,7 @@ fn experts(c: &Keys, model_type: &str, a: &str, m: &mut HashMap<String, Value>) 
     let (count_key, normalize) = match model_type {
         "mixtral" => ("num_local_experts", Some(true)),
         // transformers' default for a config that does not say is false.
-        "qwen3_moe" => (
+        "qwen3_moe" | "olmoe" => (
             "num_experts",
             Some(c.opt_bool("norm_topk_prob")?.unwrap_or(false)),
         ),
@@ -253,7 +261,10 @@ fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Valu
         } else {
             None
         };
-    if matches!(a, "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3") {
+    if matches!(
+        a,
+        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "olmoe" | "phi3"
+    ) {
         m.insert(keys::SLIDING_WINDOW.into(), Value::U32(window as u32));
     } else {
         m.insert(

@@ -11,7 +11,7 @@ fn fixture_tokenizer(arch: &str) -> ModelTokenizer {
     let path = root
         .join(arch)
         .join("gguf")
-        .join(format!("{arch}.f32.gguf"));
+        .join(format!("{arch}.q8_0.gguf"));
     let gguf = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     ModelTokenizer::from_gguf(&gguf).unwrap()
 }

@@ -47,23 +47,21 @@ impl<C: Compute> Mlp<C> {
         activation: Activation,
     ) -> Result<Self> {
         let name = |t: &str| format!("blk.{l}.{t}.weight");
-        let gate_up = if loader.has(&name("ffn_gate")) {
-            let gate = loader.tensor(&name("ffn_gate"), &[ffn, hidden])?;
-            let up = loader.tensor(&name("ffn_up"), &[ffn, hidden])?;
-            Projections::separate(
-                c,
-                loader.options,
-                vec![(name("ffn_gate"), gate), (name("ffn_up"), up)],
-            )?
-        } else {
-            let fused = loader.tensor(&name("ffn_up"), &[2 * ffn, hidden])?;
-            Projections::fused(c, loader.options, &name("ffn_up"), fused, vec![ffn, ffn])?
+        let read = |loader: &mut Loader, t: &str, shape: [usize; 2]| {
+            loader
+                .tensor(&name(t), &shape)
+                .map(|tensor| (name(t), tensor))
         };
-        Ok(Self {
-            gate_up,
-            down: loader.linear(c, &name("ffn_down"), hidden, ffn)?,
-            activation,
-        })
+        if loader.has(&name("ffn_gate")) {
+            let gate = read(loader, "ffn_gate", [ffn, hidden])?;
+            let up = read(loader, "ffn_up", [ffn, hidden])?;
+            let down = read(loader, "ffn_down", [hidden, ffn])?;
+            Self::from_parts(c, loader.options, gate, up, down, activation)
+        } else {
+            let gate_up = read(loader, "ffn_up", [2 * ffn, hidden])?;
+            let down = read(loader, "ffn_down", [hidden, ffn])?;
+            Self::from_fused(c, loader.options, gate_up, ffn, down, activation)
+        }
     }
 
     /// An MLP whose gate and up are one `[2 * ffn, hidden]` matrix, gate first.

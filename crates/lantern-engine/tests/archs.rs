@@ -98,6 +98,13 @@ const CASES: &[Case] = &[
     // Mixtral's GGUF: arch `llama` with stacked experts.
     case("mixtral", "gguf/mixtral.q8_0.gguf", ".q8_0", Quantized),
     case("olmoe", "gguf/olmoe.q8_0.gguf", ".q8_0", Quantized),
+    // OLMo 2: norms after each block only; OLMo 3 (arch `olmo2` with a sliding pattern).
+    case("olmo2", "gguf/olmo2.q8_0.gguf", ".q8_0", Quantized),
+    case("olmo3", "gguf/olmo3.q8_0.gguf", ".q8_0", Quantized),
+    // LayerNorm with biases, un-gated MLPs: GPT-NeoX (parallel residual, partial RoPE,
+    // exact GELU) and GPT-2 (learned positions).
+    case("gpt_neox", "gguf/gpt_neox.q8_0.gguf", ".q8_0", Quantized),
+    case("gpt2", "gguf/gpt2.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.f32.gguf", "", Exact),
@@ -135,6 +142,13 @@ const CASES: &[Case] = &[
     case("mixtral", "hf", "", Exact),
     // q/k normed over the whole projection, expert weights not renormalized.
     case("olmoe", "hf", "", Exact),
+    case("olmo2", "hf", "", Exact),
+    // `layer_types`: a sliding layer (window 8) before a full one.
+    case("olmo3", "hf", "", Exact),
+    // `gpt_neox.layers.N.attention.query_key_value` grouped by head, `rotary_pct`.
+    case("gpt_neox", "hf", "", Exact),
+    // `Conv1D` weights stored `[in, out]`, tied head, `wpe` positions.
+    case("gpt2", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

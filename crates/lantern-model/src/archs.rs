@@ -4,8 +4,8 @@
 //! (its router, `ffn_gate_inp`) are found by the tensors present, so they need no
 //! mention here.
 
-use crate::blocks::Activation;
-use crate::decoder::{DecoderSpec, LayerPlan};
+use crate::blocks::{Activation, NormKind};
+use crate::decoder::{DecoderSpec, LayerPlan, NormPlacement};
 use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
 use crate::rope::RopePairs;
@@ -14,7 +14,8 @@ use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
 pub const SUPPORTED: &[&str] = &[
-    "llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "phi3", "gemma2", "gemma3",
+    "llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma2", "gemma3", "gptneox",
+    "gpt2",
 ];
 
 /// The decoder `source` describes.
@@ -39,8 +40,11 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             normalize_expert_weights: false,
             ..DecoderSpec::plain(params, RopePairs::Halves)
         }),
+        "olmo2" => olmo2(source, params),
         "gemma2" => gemma2(params),
         "gemma3" => gemma3(source, params),
+        "gptneox" => gptneox(source, params),
+        "gpt2" => gpt2(params),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
 }
@@ -78,9 +82,9 @@ fn gemma(params: HParams, special_layers: usize) -> Result<DecoderSpec> {
         None => params.head_dim as f32,
     };
     Ok(DecoderSpec {
-        rms_norm_eps: params.rms_norm_eps.unwrap_or(1e-6),
+        norm_eps: params.rms_norm_eps.unwrap_or(1e-6),
         activation: Activation::GeluTanh,
-        sandwich_norms: true,
+        norm_placement: NormPlacement::Sandwich,
         embed_scale: Some((params.hidden_size as f32).sqrt()),
         attention_scale: scalar.powf(-0.5),
         ..DecoderSpec::plain(params, RopePairs::Halves)
@@ -100,8 +104,38 @@ fn gemma2(params: HParams) -> Result<DecoderSpec> {
 /// Gemma 3: sliding layers with their own RoPE base (never scaled), every 6th layer
 /// global unless the file gives the pattern; per-head QK-norm.
 fn gemma3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
-    const GLOBAL_EVERY: usize = 6;
-    const LOCAL_ROPE_BASE: f32 = 10_000.0;
+    let local_base = params.rope_theta_swa.unwrap_or(10_000.0);
+    let layers = sliding_and_global_layers(source, &params, 6, local_base)?;
+    Ok(DecoderSpec {
+        qk_norm: true,
+        layers,
+        ..gemma(params, 62)?
+    })
+}
+
+/// OLMo 2 and 3: RMSNorm after each block only, q/k normed over the whole projection.
+/// OLMo 3's sliding layers (every 4th layer global unless the file gives the pattern) use
+/// RoPE unscaled, as llama.cpp does.
+fn olmo2(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    let local_base = params.rope_theta_swa.unwrap_or(params.rope_theta);
+    let layers = sliding_and_global_layers(source, &params, 4, local_base)?;
+    Ok(DecoderSpec {
+        qk_norm: true,
+        norm_placement: NormPlacement::Post,
+        layers,
+        ..DecoderSpec::plain(params, RopePairs::Halves)
+    })
+}
+
+/// Sliding layers (the source's list or `{arch}.attention.sliding_window_pattern`, else
+/// all but every `global_every`-th) with their RoPE base `local_base`, unscaled; global
+/// layers with the model's base and its scaling. No window: every layer global.
+fn sliding_and_global_layers(
+    source: &dyn WeightSource,
+    params: &HParams,
+    global_every: usize,
+    local_base: f32,
+) -> Result<Vec<LayerPlan>> {
     let pattern = sliding_pattern(
         source,
         &format!("{}.attention.sliding_window_pattern", params.architecture),
@@ -110,15 +144,10 @@ fn gemma3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
     let sliding = params.sliding(|l| match &pattern {
         Some(Pattern::Layers(layers)) => layers[l],
         Some(Pattern::Period(n)) => (l + 1) % n != 0,
-        None => (l + 1) % GLOBAL_EVERY != 0,
+        None => (l + 1) % global_every != 0,
     });
-    let local_base = params.rope_theta_swa.unwrap_or(LOCAL_ROPE_BASE);
-    let mut spec = DecoderSpec {
-        qk_norm: true,
-        ..gemma(params, 62)?
-    };
-    let window = spec.params.window();
-    spec.layers = sliding
+    let window = params.window();
+    Ok(sliding
         .into_iter()
         .map(|s| match window.filter(|_| s) {
             Some(w) => LayerPlan {
@@ -128,12 +157,44 @@ fn gemma3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
             },
             None => LayerPlan {
                 sliding_window: None,
-                rope_base: spec.params.rope_theta,
+                rope_base: params.rope_theta,
                 rope_scaled: true,
             },
         })
-        .collect();
-    Ok(spec)
+        .collect())
+}
+
+/// LayerNorm with biases (eps `{arch}.attention.layer_norm_epsilon`, default 1e-5) and
+/// an un-gated MLP: GPT-2 and GPT-NeoX.
+fn layer_norm_decoder(params: HParams, rope_pairs: RopePairs, act: Activation) -> DecoderSpec {
+    DecoderSpec {
+        norm: NormKind::Layer,
+        norm_eps: params.layer_norm_eps.unwrap_or(1e-5),
+        activation: act,
+        gated_mlp: false,
+        ..DecoderSpec::plain(params, rope_pairs)
+    }
+}
+
+/// GPT-NeoX (Pythia): fused q/k/v with biases, partial NeoX-style RoPE, exact GELU, and
+/// (`{arch}.use_parallel_residual`, default true) attention and MLP side by side.
+fn gptneox(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    let key = format!("{}.use_parallel_residual", params.architecture);
+    let parallel = source.opt_bool(&key)?.unwrap_or(true);
+    Ok(DecoderSpec {
+        parallel_residual: parallel,
+        ..layer_norm_decoder(params, RopePairs::Halves, Activation::GeluErf)
+    })
+}
+
+/// GPT-2: learned absolute positions (`position_embd`) instead of RoPE, tanh GELU.
+fn gpt2(mut params: HParams) -> Result<DecoderSpec> {
+    params.rope_dim = 0;
+    Ok(layer_norm_decoder(
+        params,
+        RopePairs::Halves,
+        Activation::GeluTanh,
+    ))
 }
 
 enum Pattern {

@@ -180,6 +180,25 @@ pub trait Compute: Send + Sync + Sized + 'static {
     /// The rows `rows` of `x` (rows of `width` values).
     fn select_rows(&self, x: &Self::Act, rows: &[usize], width: usize) -> Result<Self::Act>;
 
+    /// Whether [`Compute::layer_norm`] and [`Compute::activate`], which GPT-2 and
+    /// GPT-NeoX style layers need (LayerNorm, un-gated MLPs), are implemented.
+    const RUNS_LAYER_NORM_MODELS: bool = false;
+    /// LayerNorm of every row (rows of the weight's length): `(x − mean) / sqrt(var +
+    /// eps) · weight + bias`.
+    fn layer_norm(
+        &self,
+        _x: &Self::Act,
+        _weight: &Self::Vector,
+        _bias: &Self::Vector,
+        _eps: f32,
+    ) -> Result<Self::Act> {
+        Err(no_layer_norm())
+    }
+    /// `x = act(x)`, element-wise (an un-gated MLP's activation).
+    fn activate(&self, _act: Activation, _x: &mut Self::Act) -> Result<()> {
+        Err(no_layer_norm())
+    }
+
     /// Whether [`Compute::zeros`] and [`Compute::add_rows_scaled`], which
     /// mixture-of-experts layers need, are implemented.
     const RUNS_EXPERTS: bool = false;
@@ -256,6 +275,10 @@ pub trait Compute: Send + Sync + Sized + 'static {
 /// and any [`AttentionBackend`] for attention.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu;
+
+fn no_layer_norm() -> ModelError {
+    ModelError::Compute("LayerNorm models (GPT-2, GPT-NeoX) do not run on this device".into())
+}
 
 fn no_experts() -> ModelError {
     ModelError::Compute("mixture-of-experts layers do not run on this device".into())
@@ -366,6 +389,10 @@ impl Compute for Cpu {
         match act {
             Activation::Silu => ops::silu_mul(gate, up),
             Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+            Activation::GeluErf => {
+                ops::gelu_erf(gate);
+                ops::mul_in_place(gate, up);
+            }
         }
         Ok(())
     }
@@ -421,6 +448,28 @@ impl Compute for Cpu {
     }
 
     const RUNS_EXPERTS: bool = true;
+    const RUNS_LAYER_NORM_MODELS: bool = true;
+
+    fn layer_norm(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        eps: f32,
+    ) -> Result<Vec<f32>> {
+        whole_rows("layer_norm", x.len(), weight.len())?;
+        same_len("layer_norm (bias)", bias.len(), weight.len())?;
+        Ok(ops::layer_norm(x, weight, bias, eps))
+    }
+
+    fn activate(&self, act: Activation, x: &mut Vec<f32>) -> Result<()> {
+        match act {
+            Activation::Silu => ops::silu(x),
+            Activation::GeluTanh => ops::gelu_tanh(x),
+            Activation::GeluErf => ops::gelu_erf(x),
+        }
+        Ok(())
+    }
 
     fn zeros(&self, rows: usize, width: usize) -> Result<Vec<f32>> {
         let len = rows

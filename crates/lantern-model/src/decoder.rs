@@ -1,9 +1,13 @@
-//! The decoder every architecture is: embeddings (optionally scaled), layers of
-//! norm → attention → (post-norm) → residual, norm → MLP → (post-norm) → residual, a final
-//! norm and the LM head with an optional final soft-cap. An architecture is a
-//! [`DecoderSpec`] (see [`crate::archs`]).
+//! The decoder every architecture is: embeddings (optionally scaled, plus learned
+//! positions where the model has them), layers of (norm) → attention → (post-norm) →
+//! residual, (norm) → MLP → (post-norm) → residual (or both blocks beside each other on
+//! one residual, GPT-NeoX), a final norm and the LM head with an optional final soft-cap.
+//! An architecture is a [`DecoderSpec`] (see [`crate::archs`]).
 
-use crate::blocks::{Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, Moe, RmsNorm};
+use crate::blocks::{
+    Activation, Attention, AttentionShape, BlockInput, Loader, Mlp, Moe, Norm, NormKind, PlainMlp,
+    RmsNorm,
+};
 use crate::compute::{AttentionCall, Compute};
 use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
@@ -19,14 +23,22 @@ use lantern_attn::{AttentionBackend, AttentionLayerSpec, AttentionTap, LayerKvCa
 #[derive(Debug, Clone)]
 pub struct DecoderSpec {
     pub params: HParams,
-    pub rms_norm_eps: f32,
+    /// RMSNorm, or LayerNorm with biases (GPT-2, GPT-NeoX).
+    pub norm: NormKind,
+    pub norm_eps: f32,
+    /// Where the norms sit around each block.
+    pub norm_placement: NormPlacement,
+    /// Attention and MLP both read the layer's input and add to one residual
+    /// (`x + attn(norm(x)) + mlp(norm'(x))`, GPT-NeoX's `use_parallel_residual`).
+    pub parallel_residual: bool,
     /// How q/k rows store each head's rotary pairs.
     pub rope_pairs: RopePairs,
     pub activation: Activation,
+    /// A gated MLP (`down(act(gate) * up)`); else `down(act(up))` with biases (GPT-2,
+    /// GPT-NeoX).
+    pub gated_mlp: bool,
     /// Per-head RMSNorm of q and k before RoPE.
     pub qk_norm: bool,
-    /// RMSNorm after attention and after the MLP, before the residual add (Gemma 2/3).
-    pub sandwich_norms: bool,
     /// Embeddings are multiplied by this (Gemma: `sqrt(hidden)`).
     pub embed_scale: Option<f32>,
     /// Multiplies `q . k`.
@@ -37,6 +49,27 @@ pub struct DecoderSpec {
     pub normalize_expert_weights: bool,
     /// Per layer: its window and RoPE.
     pub layers: Vec<LayerPlan>,
+}
+
+/// Where a layer's norms sit around its attention and feed-forward blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// Before each block (Llama): `x + f(norm(x))`.
+    Pre,
+    /// Before and after each block (Gemma 2/3): `x + norm'(f(norm(x)))`.
+    Sandwich,
+    /// After each block only (OLMo 2): `x + norm(f(x))`.
+    Post,
+}
+
+impl NormPlacement {
+    fn before(self) -> bool {
+        self != Self::Post
+    }
+
+    fn after(self) -> bool {
+        self != Self::Pre
+    }
 }
 
 /// How one layer differs from its neighbours.
@@ -66,11 +99,14 @@ impl DecoderSpec {
             .query_pre_attn_scalar
             .unwrap_or(params.head_dim as f32);
         Self {
-            rms_norm_eps: params.rms_norm_eps.unwrap_or(1e-5),
+            norm: NormKind::Rms,
+            norm_eps: params.rms_norm_eps.unwrap_or(1e-5),
+            norm_placement: NormPlacement::Pre,
+            parallel_residual: false,
             rope_pairs,
             activation: Activation::Silu,
+            gated_mlp: true,
             qk_norm: false,
-            sandwich_norms: false,
             embed_scale: None,
             attention_scale: scalar.powf(-0.5),
             normalize_expert_weights: true,
@@ -98,17 +134,18 @@ impl DecoderSpec {
 }
 
 struct Layer<C: Compute> {
-    attn_norm: RmsNorm<C>,
+    attn_norm: Option<Norm<C>>,
     attention: Attention<C>,
-    post_attention_norm: Option<RmsNorm<C>>,
-    ffn_norm: RmsNorm<C>,
+    post_attention_norm: Option<Norm<C>>,
+    ffn_norm: Option<Norm<C>>,
     ffn: Ffn<C>,
-    post_ffn_norm: Option<RmsNorm<C>>,
+    post_ffn_norm: Option<Norm<C>>,
 }
 
 /// A layer's feed-forward block.
 enum Ffn<C: Compute> {
     Dense(Mlp<C>),
+    Plain(PlainMlp<C>),
     Experts(Moe<C>),
 }
 
@@ -118,10 +155,12 @@ impl<C: Compute> Ffn<C> {
     /// `mlp_only_layers`).
     fn load(c: &C, loader: &mut Loader, spec: &DecoderSpec, l: usize) -> Result<Self> {
         let p = &spec.params;
-        let h = p.hidden_size;
+        let (h, ffn, act) = (p.hidden_size, p.intermediate_size, spec.activation);
         if !loader.has(&format!("blk.{l}.ffn_gate_inp.weight")) {
-            let mlp = Mlp::load(c, loader, l, h, p.intermediate_size, spec.activation)?;
-            return Ok(Self::Dense(mlp));
+            return Ok(match spec.gated_mlp {
+                true => Self::Dense(Mlp::load(c, loader, l, h, ffn, act)?),
+                false => Self::Plain(PlainMlp::load(c, loader, l, h, ffn, act)?),
+            });
         }
         let Some(experts) = p.experts else {
             return Err(ModelError::InvalidConfig(format!(
@@ -145,6 +184,7 @@ impl<C: Compute> Ffn<C> {
     fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
         match self {
             Self::Dense(mlp) => mlp.forward(c, x, tokens),
+            Self::Plain(mlp) => mlp.forward(c, x, tokens),
             Self::Experts(moe) => moe.forward(c, x, tokens),
         }
     }
@@ -156,8 +196,11 @@ pub struct Decoder<C: Compute> {
     info: ModelInfo,
     token_embd: C::Matrix,
     embed_scale: Option<f32>,
+    /// Learned absolute position embeddings (GPT-2), added to the tokens'.
+    position_embd: Option<C::Matrix>,
+    parallel_residual: bool,
     layers: Vec<Layer<C>>,
-    output_norm: RmsNorm<C>,
+    output_norm: Norm<C>,
     /// `None` when the output projection is tied to the token embeddings.
     output: Option<C::Matrix>,
     final_soft_cap: Option<f32>,
@@ -176,10 +219,29 @@ impl<C: Compute> Decoder<C> {
         options: &LoadOptions,
     ) -> Result<Self> {
         let p = &spec.params;
-        let (h, eps) = (p.hidden_size, spec.rms_norm_eps);
+        let (h, eps) = (p.hidden_size, spec.norm_eps);
         let c = &compute;
+        if spec.norm == NormKind::Layer && !C::RUNS_LAYER_NORM_MODELS {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} models (LayerNorm, un-gated MLPs) run on the CPU only for now",
+                p.architecture
+            )));
+        }
         let mut loader = Loader::new(source, progress, options);
         let token_embd = loader.linear(c, "token_embd.weight", p.vocab_size, h)?;
+        let position_embd = match loader.shape("position_embd.weight") {
+            Some(dims) => {
+                let rows = dims.first().copied().unwrap_or(0);
+                if rows < p.context_length {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "`position_embd.weight` has {rows} positions for a context of {}",
+                        p.context_length
+                    )));
+                }
+                Some(loader.linear(c, "position_embd.weight", rows, h)?)
+            }
+            None => None,
+        };
         let shape = AttentionShape {
             hidden: h,
             num_heads: p.num_heads,
@@ -188,23 +250,24 @@ impl<C: Compute> Decoder<C> {
         };
         let mut layers = Vec::with_capacity(p.num_layers);
         for l in 0..p.num_layers {
-            let name = |t: &str| format!("blk.{l}.{t}.weight");
-            let sandwich = |loader: &mut Loader, t: &str| {
-                spec.sandwich_norms
-                    .then(|| RmsNorm::load(c, loader, &name(t), h, eps))
+            let norm = |loader: &mut Loader, t: &str, present: bool| {
+                let base = format!("blk.{l}.{t}");
+                present
+                    .then(|| Norm::load(c, loader, (&base, spec.norm), h, eps))
                     .transpose()
             };
+            let (before, after) = (spec.norm_placement.before(), spec.norm_placement.after());
             let qk_norm_eps = spec.qk_norm.then_some(eps);
             layers.push(Layer {
-                attn_norm: RmsNorm::load(c, &mut loader, &name("attn_norm"), h, eps)?,
+                attn_norm: norm(&mut loader, "attn_norm", before)?,
                 attention: Attention::load(c, &mut loader, l, shape, qk_norm_eps)?,
-                post_attention_norm: sandwich(&mut loader, "post_attention_norm")?,
-                ffn_norm: RmsNorm::load(c, &mut loader, &name("ffn_norm"), h, eps)?,
+                post_attention_norm: norm(&mut loader, "post_attention_norm", after)?,
+                ffn_norm: norm(&mut loader, "ffn_norm", before)?,
                 ffn: Ffn::load(c, &mut loader, &spec, l)?,
-                post_ffn_norm: sandwich(&mut loader, "post_ffw_norm")?,
+                post_ffn_norm: norm(&mut loader, "post_ffw_norm", after)?,
             });
         }
-        let output_norm = RmsNorm::load(c, &mut loader, "output_norm.weight", h, eps)?;
+        let output_norm = Norm::load(c, &mut loader, ("output_norm", spec.norm), h, eps)?;
         let output = loader.opt_linear(c, "output.weight", p.vocab_size, h)?;
         let freq_factors = if loader.has("rope_freqs.weight") {
             let t = loader.tensor("rope_freqs.weight", &[p.rope_dim / 2])?;
@@ -256,6 +319,8 @@ impl<C: Compute> Decoder<C> {
             info,
             token_embd,
             embed_scale: spec.embed_scale,
+            position_embd,
+            parallel_residual: spec.parallel_residual,
             layers,
             output_norm,
             output,
@@ -263,6 +328,22 @@ impl<C: Compute> Decoder<C> {
             ropes,
             layer_rope,
         })
+    }
+}
+
+impl<C: Compute> Layer<C> {
+    /// The pre-norms (RMSNorm) and dense gated MLP of a Llama-shaped layer, whose norms a
+    /// device can fold into the blocks' products; `None` for any other layer.
+    fn foldable(&self) -> Option<(&RmsNorm<C>, &RmsNorm<C>, &Mlp<C>)> {
+        if self.post_attention_norm.is_some() || self.post_ffn_norm.is_some() {
+            return None;
+        }
+        let attn_norm = self.attn_norm.as_ref()?.as_rms()?;
+        let ffn_norm = self.ffn_norm.as_ref()?.as_rms()?;
+        match &self.ffn {
+            Ffn::Dense(mlp) => Some((attn_norm, ffn_norm, mlp)),
+            _ => None,
+        }
     }
 }
 
@@ -286,11 +367,20 @@ impl<C: Compute> Decoder<C> {
             .map(|r| c.rope_table(r, batch.positions))
             .collect::<Result<Vec<_>>>()?;
         let mut x = c.embed(&self.token_embd, batch.token_ids, self.embed_scale)?;
+        if let Some(table) = &self.position_embd {
+            let positions = batch
+                .positions
+                .iter()
+                .map(|&p| u32::try_from(p))
+                .collect::<std::result::Result<Vec<u32>, _>>()
+                .map_err(|_| ModelError::Compute("a position past u32".into()))?;
+            c.add(&mut x, &c.embed(table, &positions, None)?)?;
+        }
         // Each block's output waits to be added to `x` by the next norm, which adds and
         // normalizes in one pass where the device fuses them; where it folds norms into
         // products (a decode step on a GPU), the products read and add to `x` instead.
         let mut pending: Option<C::Act> = None;
-        let folds = c.folds_norms(tokens);
+        let folds = c.folds_norms(tokens) && !self.parallel_residual;
         for (l, layer) in self.layers.iter().enumerate() {
             let call = AttentionCall {
                 layer: l,
@@ -302,36 +392,67 @@ impl<C: Compute> Decoder<C> {
                 tap: tap.as_deref_mut(),
             };
             let rope = &tables[self.layer_rope[l]];
-            let dense = match &layer.ffn {
-                Ffn::Dense(mlp) => Some(mlp),
-                Ffn::Experts(_) => None,
-            };
-            let plain = layer.post_attention_norm.is_none() && layer.post_ffn_norm.is_none();
-            if let (true, true, Some(mlp)) = (folds, plain, dense) {
+            if let (true, Some((attn_norm, ffn_norm, mlp))) = (folds, layer.foldable()) {
                 // The device normalizes as the blocks' first products read the residual
                 // stream, and their last products add into it: no launch of their own.
                 if let Some(delta) = pending.take() {
                     c.add(&mut x, &delta)?;
                 }
-                let input = BlockInput::Residual(&x, &layer.attn_norm);
+                let input = BlockInput::Residual(&x, attn_norm);
                 let o = layer.attention.attend(c, &input, rope, call)?;
                 layer.attention.add_output(c, &o, tokens, &mut x)?;
-                let input = BlockInput::Residual(&x, &layer.ffn_norm);
+                let input = BlockInput::Residual(&x, ffn_norm);
                 let m = mlp.hidden(c, &input, tokens)?;
                 mlp.add_down(c, &m, tokens, &mut x)?;
                 continue;
             }
-            let h = match pending.take() {
-                Some(delta) => layer.attn_norm.add_forward(c, &mut x, &delta)?,
-                None => layer.attn_norm.forward(c, &x)?,
+            let normed;
+            let h = match (&layer.attn_norm, pending.take()) {
+                (Some(norm), Some(delta)) => {
+                    normed = norm.add_forward(c, &mut x, &delta)?;
+                    &normed
+                }
+                (Some(norm), None) => {
+                    normed = norm.forward(c, &x)?;
+                    &normed
+                }
+                (None, delta) => {
+                    if let Some(delta) = delta {
+                        c.add(&mut x, &delta)?;
+                    }
+                    &x
+                }
             };
-            let o = layer.attention.forward(c, &h, rope, call)?;
-            let o = match &layer.post_attention_norm {
+            let o = layer.attention.forward(c, h, rope, call)?;
+            let mut o = match &layer.post_attention_norm {
                 Some(norm) => norm.forward(c, &o)?,
                 None => o,
             };
-            let h = layer.ffn_norm.add_forward(c, &mut x, &o)?;
-            let m = layer.ffn.forward(c, &h, tokens)?;
+            let m = if self.parallel_residual {
+                // The MLP reads the layer's input too; both outputs join the residual.
+                let h = match &layer.ffn_norm {
+                    Some(norm) => norm.forward(c, &x)?,
+                    None => {
+                        return Err(ModelError::Compute("a parallel layer without norms".into()))
+                    }
+                };
+                let m = layer.ffn.forward(c, &h, tokens)?;
+                c.add(&mut o, &m)?;
+                o
+            } else {
+                let normed;
+                let h = match &layer.ffn_norm {
+                    Some(norm) => {
+                        normed = norm.add_forward(c, &mut x, &o)?;
+                        &normed
+                    }
+                    None => {
+                        c.add(&mut x, &o)?;
+                        &x
+                    }
+                };
+                layer.ffn.forward(c, h, tokens)?
+            };
             pending = Some(match &layer.post_ffn_norm {
                 Some(norm) => norm.forward(c, &m)?,
                 None => m,
@@ -348,9 +469,10 @@ impl<C: Compute> Decoder<C> {
         };
         let output = self.output.as_ref().unwrap_or(&self.token_embd);
         let rows = batch.logits_rows.len();
-        let mut logits = if c.folds_norms(rows) {
+        let folded_norm = self.output_norm.as_rms().filter(|_| c.folds_norms(rows));
+        let mut logits = if let Some(norm) = folded_norm {
             let widths = [c.out_features(output)];
-            let input = (&selected, self.output_norm.parts());
+            let input = (&selected, norm.parts());
             let mut logits = c.normed_matmul_parts(output, input, rows, &widths)?;
             logits
                 .pop()

@@ -15,6 +15,16 @@ pub enum ModelError {
         path: PathBuf,
         problem: crate::gguf_header::GgufProblem,
     },
+    #[error(
+        "{path}: tensor `{tensor}` is of type {type_name}, which lantern does not read yet \
+         (it reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K: a Q4_K_M, \
+         Q5_K_M, Q6_K or Q8_0 file of the same model works)"
+    )]
+    UnreadGgufType {
+        path: PathBuf,
+        tensor: String,
+        type_name: &'static str,
+    },
     #[error("{path} is truncated: tensor `{tensor}` needs bytes up to {needed}, the file has {file_len}")]
     Truncated {
         path: PathBuf,
@@ -40,7 +50,10 @@ pub enum ModelError {
     },
     #[error("tensor `{name}` has type {dtype}, which lantern does not support here")]
     UnsupportedTensorType { name: String, dtype: String },
-    #[error("unsupported model architecture `{0}` (supported: llama, mistral (as llama), qwen2, qwen3, phi3, gemma2, gemma3)")]
+    #[error(
+        "unsupported model architecture `{0}` (supported: {supported})",
+        supported = crate::archs::SUPPORTED.join(", ")
+    )]
     UnsupportedArchitecture(String),
     #[error("invalid model configuration: {0}")]
     InvalidConfig(String),

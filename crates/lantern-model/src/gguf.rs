@@ -3,7 +3,7 @@
 //! problem.
 
 use crate::error::{ModelError, Result};
-use crate::gguf_header::{read_header, HeaderError, TensorPastEnd};
+use crate::gguf_header::{read_header, GgufProblem, HeaderError, TensorPastEnd};
 use crate::source::WeightSource;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -31,6 +31,13 @@ impl GgufFile {
         let file_len = file.metadata().map_err(open_err)?.len();
         let mut reader = BufReader::new(file);
         let content = read_header(&mut reader, file_len).map_err(|e| match e {
+            HeaderError::Invalid(GgufProblem::UnreadType { tensor, type_name }) => {
+                ModelError::UnreadGgufType {
+                    path: path.to_path_buf(),
+                    tensor,
+                    type_name,
+                }
+            }
             HeaderError::Invalid(problem) => ModelError::InvalidGguf {
                 path: path.to_path_buf(),
                 problem,

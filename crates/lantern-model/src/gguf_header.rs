@@ -70,6 +70,12 @@ pub enum GgufProblem {
     TooManyElements { tensor: String, dims: Vec<u64> },
     #[error("tensor `{tensor}` has unknown type {ggml_type}")]
     UnknownTensorType { tensor: String, ggml_type: u32 },
+    /// A type ggml has and lantern does not read: the file is fine, lantern is not.
+    #[error("tensor `{tensor}` is of type {type_name}, which lantern does not read yet")]
+    UnreadType {
+        tensor: String,
+        type_name: &'static str,
+    },
     #[error("tensor `{tensor}` has rows of {row} elements, not whole blocks of {block} of its type {dtype:?}")]
     PartialBlock {
         tensor: String,
@@ -275,6 +281,31 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
     })
 }
 
+/// The names of ggml's other tensor types (ggml.h), which a valid file may hold but
+/// lantern does not read yet (the i-quants, ternary and MXFP4 types).
+fn ggml_type_name(id: u32) -> Option<&'static str> {
+    Some(match id {
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return None,
+    })
+}
+
 /// A reader that knows its position and what is left, and names what it was reading
 /// when the file ends.
 struct Reader<R> {
@@ -473,9 +504,15 @@ impl<R: Read> Reader<R> {
             dims.push(self.length(wide, &what)?);
         }
         let type_id = self.u32(&what)?;
-        let dtype = ggml_dtype(type_id).ok_or_else(|| GgufProblem::UnknownTensorType {
-            tensor: name.to_string(),
-            ggml_type: type_id,
+        let dtype = ggml_dtype(type_id).ok_or_else(|| match ggml_type_name(type_id) {
+            Some(type_name) => GgufProblem::UnreadType {
+                tensor: name.to_string(),
+                type_name,
+            },
+            None => GgufProblem::UnknownTensorType {
+                tensor: name.to_string(),
+                ggml_type: type_id,
+            },
         })?;
         // The element count and the byte size must both fit in `i64`, as ggml requires.
         let max = i64::MAX as u64;

@@ -22,6 +22,8 @@ pub struct HParams {
     pub context_length: usize,
     /// `None` when the file does not say (architectures differ in their default).
     pub rms_norm_eps: Option<f32>,
+    /// LayerNorm's eps (GPT-2, GPT-NeoX), when the file says.
+    pub layer_norm_eps: Option<f32>,
     pub rope_theta: f32,
     /// RoPE base of sliding-window layers when it differs (Gemma 3).
     pub rope_theta_swa: Option<f32>,
@@ -165,6 +167,7 @@ impl HParams {
             experts,
             context_length: src.opt_usize(&key("context_length"))?.unwrap_or(2048),
             rms_norm_eps: src.opt_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            layer_norm_eps: src.opt_f32(&key("attention.layer_norm_epsilon"))?,
             rope_theta: src.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
             rope_theta_swa: src.opt_f32(&key("rope.freq_base_swa"))?,
             rope_scaling: RopeScaling::read(src, &arch)?,

@@ -69,6 +69,46 @@ per_level! {
         }
     }
 
+    /// LayerNorm of every row of `x` into `out`: `(v − mean) / sqrt(var + eps) · w + b`,
+    /// the variance biased (over the row's length), as PyTorch's `layer_norm`.
+    fn layer_norm_rows(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
+        let dim = weight.len();
+        for (row, out_row) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let mean = row.iter().sum::<f32>() / dim as f32;
+            for (o, &v) in out_row.iter_mut().zip(row) {
+                *o = v - mean;
+            }
+            let inv = 1.0 / (sum_squares(out_row) / dim as f32 + eps).sqrt();
+            for ((o, &w), &b) in out_row.iter_mut().zip(weight).zip(bias) {
+                *o = fma(*o * inv, w, b);
+            }
+        }
+    }
+
+    /// `x[i] = gelu_tanh(x[i])` (GPT-2's `gelu_new`).
+    fn gelu_tanh_values(x: &mut [f32]) {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for g in x.iter_mut() {
+            let v = *g;
+            let inner = SQRT_2_OVER_PI * fma(0.044_715 * v, v * v, v);
+            *g = 0.5 * v * (1.0 + tanh(inner));
+        }
+    }
+
+    /// `acc *= x`, element-wise.
+    fn mul_values(acc: &mut [f32], x: &[f32]) {
+        for (a, &b) in acc.iter_mut().zip(x) {
+            *a *= b;
+        }
+    }
+
+    /// `x[i] = silu(x[i])`.
+    fn silu_values(x: &mut [f32]) {
+        for g in x.iter_mut() {
+            *g = *g / (1.0 + exp(-*g));
+        }
+    }
+
     /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).
     fn soft_cap_values(x: &mut [f32], cap: f32) {
         for v in x.iter_mut() {
@@ -128,6 +168,43 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// `gelu(approximate="tanh")`).
 pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
     zip_chunks(gate, up, gelu_tanh_mul_values);
+}
+
+/// LayerNorm of every row of `x` (rows of the weight's length), scaled by `weight` and
+/// shifted by `bias`.
+pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32) -> Vec<f32> {
+    let chunk = share::chunk_len(x.len(), weight.len());
+    share::fresh_chunks(x.len(), chunk, &|c, out| {
+        layer_norm_rows(&x[c * chunk..][..out.len()], weight, bias, eps, out)
+    })
+}
+
+/// `acc[i] *= x[i]`.
+pub fn mul_in_place(acc: &mut [f32], x: &[f32]) {
+    zip_chunks(acc, x, mul_values);
+}
+
+/// `x[i] = gelu_tanh(x[i])`.
+pub fn gelu_tanh(x: &mut [f32]) {
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| gelu_tanh_values(x));
+}
+
+/// `x[i] = gelu(x[i])` with the error function (PyTorch's default `gelu`, GPT-NeoX's).
+/// `libm`'s `erff`, the same correctly rounded-or-nearly function C libraries give.
+pub fn gelu_erf(x: &mut [f32]) {
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| {
+        for v in x.iter_mut() {
+            *v = 0.5 * *v * (1.0 + libm::erff(*v * std::f32::consts::FRAC_1_SQRT_2));
+        }
+    });
+}
+
+/// `x[i] = silu(x[i])`.
+pub fn silu(x: &mut [f32]) {
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| silu_values(x));
 }
 
 /// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's logit soft-capping).

@@ -648,7 +648,7 @@ impl Compute for CudaCompute {
 
     fn act_mul(&self, act: ModelActivation, gate: &mut GpuAct, up: &GpuAct) -> Result<()> {
         self.gpu
-            .act_mul(&mut **gate, &**up, activation(act))
+            .act_mul(&mut **gate, &**up, activation(act)?)
             .map_err(model_error)
     }
 
@@ -879,10 +879,14 @@ impl CudaCompute {
     }
 }
 
-fn activation(act: ModelActivation) -> Activation {
+/// The device's gated activation; exact GELU (GPT-NeoX, un-gated) has no kernel here.
+fn activation(act: ModelActivation) -> Result<Activation> {
     match act {
-        ModelActivation::Silu => Activation::Silu,
-        ModelActivation::GeluTanh => Activation::GeluTanh,
+        ModelActivation::Silu => Ok(Activation::Silu),
+        ModelActivation::GeluTanh => Ok(Activation::GeluTanh),
+        ModelActivation::GeluErf => Err(ModelError::Compute(
+            "exact GELU (GPT-NeoX) has no CUDA kernel yet".into(),
+        )),
     }
 }
 

@@ -1,5 +1,6 @@
 //! The attention layer: q/k/v projections (separate or fused, optional biases), optional
-//! per-head QK-norm, RoPE, the backend call, the capture tap, the output projection.
+//! per-head QK-norm, RoPE, the backend call, the capture tap, the output projection (and
+//! its optional bias).
 
 use super::{BlockInput, Loader, Projections, RmsNorm};
 use crate::compute::{AttentionCall, Compute};
@@ -32,6 +33,8 @@ pub struct Attention<C: Compute> {
     /// projection (OLMoE).
     qk_norm: Option<(RmsNorm<C>, RmsNorm<C>)>,
     output: C::Matrix,
+    /// The output projection's bias (GPT-2, GPT-NeoX).
+    output_bias: Option<C::Vector>,
 }
 
 impl<C: Compute> Attention<C> {
@@ -94,11 +97,16 @@ impl<C: Compute> Attention<C> {
             }
             None => None,
         };
+        let output_bias = loader
+            .opt_vector(&bias("attn_output"), h)?
+            .map(|b| c.vector(b))
+            .transpose()?;
         Ok(Self {
             shape,
             qkv,
             qk_norm,
             output: loader.linear(c, &name("attn_output"), h, q_dim)?,
+            output_bias,
         })
     }
 
@@ -114,7 +122,11 @@ impl<C: Compute> Attention<C> {
     ) -> Result<C::Act> {
         let tokens = call.tokens;
         let out = self.attend(c, &BlockInput::Normed(x), rope, call)?;
-        c.matmul(&self.output, &out, tokens)
+        let mut projected = c.matmul(&self.output, &out, tokens)?;
+        if let Some(b) = &self.output_bias {
+            c.add_bias(&mut projected, b)?;
+        }
+        Ok(projected)
     }
 
     /// `residual += out · Woᵀ`: the output projection of [`Self::attend`]'s `out` added
@@ -126,7 +138,11 @@ impl<C: Compute> Attention<C> {
         tokens: usize,
         residual: &mut C::Act,
     ) -> Result<()> {
-        c.matmul_add(&self.output, out, tokens, residual)
+        c.matmul_add(&self.output, out, tokens, residual)?;
+        match &self.output_bias {
+            Some(b) => c.add_bias(residual, b),
+            None => Ok(()),
+        }
     }
 
     /// The attention output before its projection (`[tokens, heads * head_dim]`), from

@@ -1,4 +1,5 @@
-//! The gated MLP: `down(act(gate(x)) * up(x))`, gate and up separate or fused.
+//! The gated MLP, `down(act(gate(x)) * up(x))` with gate and up separate or fused, and
+//! the plain one of GPT-2 and GPT-NeoX, `down(act(up(x) + b)) + b'`.
 
 use super::{BlockInput, Loader, Projections};
 use crate::compute::Compute;
@@ -13,8 +14,10 @@ use candle_core::quantized::QTensor;
 pub enum Activation {
     /// SwiGLU: `silu(gate) * up`.
     Silu,
-    /// GeGLU with PyTorch's `gelu(approximate="tanh")` (Gemma).
+    /// PyTorch's `gelu(approximate="tanh")`: GeGLU (Gemma), GPT-2's `gelu_new`.
     GeluTanh,
+    /// PyTorch's exact `gelu` (with the error function): GPT-NeoX.
+    GeluErf,
 }
 
 impl Activation {
@@ -24,6 +27,10 @@ impl Activation {
         match self {
             Self::Silu => ops::silu_mul(&mut out, up),
             Self::GeluTanh => ops::gelu_tanh_mul(&mut out, up),
+            Self::GeluErf => {
+                ops::gelu_erf(&mut out);
+                ops::mul_in_place(&mut out, up);
+            }
         }
         out
     }
@@ -138,6 +145,57 @@ impl<C: Compute> Mlp<C> {
     }
 }
 
+/// The un-gated MLP of GPT-2 and GPT-NeoX: `down(act(up(x) + b_up)) + b_down`, the
+/// biases where the source has them (`ffn_up.bias`, `ffn_down.bias`).
+pub struct PlainMlp<C: Compute> {
+    up: C::Matrix,
+    up_bias: Option<C::Vector>,
+    down: C::Matrix,
+    down_bias: Option<C::Vector>,
+    activation: Activation,
+}
+
+impl<C: Compute> PlainMlp<C> {
+    pub fn load(
+        c: &C,
+        loader: &mut Loader,
+        l: usize,
+        hidden: usize,
+        ffn: usize,
+        activation: Activation,
+    ) -> Result<Self> {
+        let name = |t: &str, kind: &str| format!("blk.{l}.{t}.{kind}");
+        let mut bias = |t: &str, len: usize| {
+            loader
+                .opt_vector(&name(t, "bias"), len)?
+                .map(|b| c.vector(b))
+                .transpose()
+        };
+        let up_bias = bias("ffn_up", ffn)?;
+        let down_bias = bias("ffn_down", hidden)?;
+        Ok(Self {
+            up: loader.linear(c, &name("ffn_up", "weight"), ffn, hidden)?,
+            up_bias,
+            down: loader.linear(c, &name("ffn_down", "weight"), hidden, ffn)?,
+            down_bias,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        let mut hidden = c.matmul(&self.up, x, tokens)?;
+        if let Some(b) = &self.up_bias {
+            c.add_bias(&mut hidden, b)?;
+        }
+        c.activate(self.activation, &mut hidden)?;
+        let mut out = c.matmul(&self.down, &hidden, tokens)?;
+        if let Some(b) = &self.down_bias {
+            c.add_bias(&mut out, b)?;
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +207,15 @@ mod tests {
         assert!((out[0] - 0.841_192).abs() < 1e-5, "{}", out[0]);
         assert!((out[1] - 2.0 * -0.045_402_3).abs() < 1e-5, "{}", out[1]);
         assert_eq!(out[2], 0.0);
+    }
+
+    #[test]
+    fn gelu_erf_matches_known_values() {
+        // PyTorch: gelu(x) at 1.0, -2.0 and 0.5 (exact, with erf).
+        let out = Activation::GeluErf.apply(&[1.0, -2.0, 0.5], &[1.0, 2.0, 1.0]);
+        assert!((out[0] - 0.841_344_7).abs() < 1e-6, "{}", out[0]);
+        assert!((out[1] - 2.0 * -0.045_500_26).abs() < 1e-6, "{}", out[1]);
+        assert!((out[2] - 0.345_731_1).abs() < 1e-6, "{}", out[2]);
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod projections;
 
 pub use attention::{Attention, AttentionShape};
 pub use loader::Loader;
-pub use mlp::{Activation, Mlp};
+pub use mlp::{Activation, Mlp, PlainMlp};
 pub use moe::Moe;
-pub use norm::{BlockInput, RmsNorm};
+pub use norm::{BlockInput, Norm, NormKind, RmsNorm};
 pub use projections::Projections;

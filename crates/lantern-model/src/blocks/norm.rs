@@ -1,5 +1,5 @@
 //! RMSNorm with a stored multiplier (Gemma's `1 + w` is stored as the sum, see
-//! [`crate::source`]).
+//! [`crate::source`]), and LayerNorm with a bias.
 
 use super::Loader;
 use crate::compute::Compute;
@@ -31,6 +31,70 @@ impl<C: Compute> RmsNorm<C> {
     /// The weight and eps, for a product that normalizes its input as it reads it.
     pub fn parts(&self) -> (&C::Vector, f32) {
         (&self.weight, self.eps)
+    }
+}
+
+/// A norm of either kind: RMSNorm (most decoders) or LayerNorm with a bias (GPT-2,
+/// GPT-NeoX), read as `{base}.weight` (and `{base}.bias`).
+pub enum Norm<C: Compute> {
+    Rms(RmsNorm<C>),
+    Layer {
+        weight: C::Vector,
+        bias: C::Vector,
+        eps: f32,
+    },
+}
+
+/// Which norm a decoder's layers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    Rms,
+    Layer,
+}
+
+impl<C: Compute> Norm<C> {
+    pub fn load(
+        c: &C,
+        loader: &mut Loader,
+        (base, kind): (&str, NormKind),
+        len: usize,
+        eps: f32,
+    ) -> Result<Self> {
+        let weight = format!("{base}.weight");
+        Ok(match kind {
+            NormKind::Rms => Self::Rms(RmsNorm::load(c, loader, &weight, len, eps)?),
+            NormKind::Layer => Self::Layer {
+                weight: c.vector(loader.vector(&weight, len)?)?,
+                bias: c.vector(loader.vector(&format!("{base}.bias"), len)?)?,
+                eps,
+            },
+        })
+    }
+
+    pub fn forward(&self, c: &C, x: &C::Act) -> Result<C::Act> {
+        match self {
+            Self::Rms(norm) => norm.forward(c, x),
+            Self::Layer { weight, bias, eps } => c.layer_norm(x, weight, bias, *eps),
+        }
+    }
+
+    /// `x += delta`, then [`Self::forward`] of `x`.
+    pub fn add_forward(&self, c: &C, x: &mut C::Act, delta: &C::Act) -> Result<C::Act> {
+        match self {
+            Self::Rms(norm) => norm.add_forward(c, x, delta),
+            Self::Layer { .. } => {
+                c.add(x, delta)?;
+                self.forward(c, x)
+            }
+        }
+    }
+
+    /// The RMSNorm, for a product that normalizes as it reads (only RMSNorm folds).
+    pub fn as_rms(&self) -> Option<&RmsNorm<C>> {
+        match self {
+            Self::Rms(norm) => Some(norm),
+            Self::Layer { .. } => None,
+        }
     }
 }
 

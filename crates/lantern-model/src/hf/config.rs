@@ -2,7 +2,7 @@
 //! `convert_hf_to_gguf.py` would write for it (plus the `lantern.*` keys of
 //! [`crate::source`] for what GGUF cannot say).
 
-use super::rope_scaling::rope_scaling;
+use super::rope_scaling::{lift_rope_parameters, rope_scaling};
 use crate::error::{ModelError, Result};
 use crate::source::keys;
 use candle_core::quantized::gguf_file::Value;
@@ -19,9 +19,13 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "olmo2",
+    "olmo3",
     "gemma2",
     "gemma3_text",
     "phi3",
+    "gpt_neox",
+    "gpt2",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -53,9 +57,30 @@ impl HfConfig {
         matches!(self.gguf_arch, "gemma2" | "gemma3")
     }
 
-    /// Post-attention norm is a sandwich norm (Gemma), not the pre-FFN norm.
+    /// `post_attention_layernorm` is a norm of the attention's output (Gemma's sandwich,
+    /// OLMo 2's post-norms), not the pre-FFN norm.
     pub fn sandwich_norms(&self) -> bool {
-        self.norms_plus_one()
+        self.norms_plus_one() || self.gguf_arch == "olmo2"
+    }
+
+    /// GPT-2's `Conv1D` weights are stored `[in, out]`: transposed when read.
+    pub fn transposes(&self, hf: &str) -> bool {
+        self.gguf_arch == "gpt2"
+            && hf.ends_with(".weight")
+            && [
+                ".attn.c_attn.",
+                ".attn.c_proj.",
+                ".mlp.c_fc.",
+                ".mlp.c_proj.",
+            ]
+            .iter()
+            .any(|m| hf.contains(m))
+    }
+
+    /// GPT-NeoX's fused q/k/v rows are grouped by head (`[heads, 3, head_dim]`): regrouped
+    /// into q, k, v (as llama.cpp's converter does) when read.
+    pub fn regroups_qkv(&self, hf: &str) -> bool {
+        self.gguf_arch == "gptneox" && hf.contains(".attention.query_key_value.")
     }
 
     pub fn read(path: &Path) -> Result<Self> {
@@ -68,6 +93,7 @@ impl HfConfig {
     }
 
     pub fn from_json(path: &Path, json: &Json) -> Result<Self> {
+        let json = &lift_rope_parameters(path, json)?;
         let c = Keys { path, json };
         let model_type = c.req_str("model_type")?.to_string();
         let gguf_arch: &'static str = match model_type.as_str() {
@@ -76,6 +102,9 @@ impl HfConfig {
             "qwen3" => "qwen3",
             "qwen3_moe" => "qwen3moe",
             "olmoe" => "olmoe",
+            "olmo2" | "olmo3" => "olmo2",
+            "gpt_neox" => "gptneox",
+            "gpt2" => "gpt2",
             "gemma2" => "gemma2",
             "gemma3_text" | "gemma3" => "gemma3",
             "phi3" => "phi3",
@@ -89,9 +118,15 @@ impl HfConfig {
                 ))
             }
         };
-        let hidden = c.req_usize("hidden_size")?;
-        let num_layers = c.req_usize("num_hidden_layers")?;
-        let num_heads = c.req_usize("num_attention_heads")?;
+        // GPT-2's config has its own names.
+        let gpt2 = gguf_arch == "gpt2";
+        let key_of = |usual: &'static str, gpt2_name: &'static str| match gpt2 {
+            true => gpt2_name,
+            false => usual,
+        };
+        let hidden = c.req_usize(key_of("hidden_size", "n_embd"))?;
+        let num_layers = c.req_usize(key_of("num_hidden_layers", "n_layer"))?;
+        let num_heads = c.req_usize(key_of("num_attention_heads", "n_head"))?;
         let num_kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_layers == 0 || hidden == 0 {
             return Err(invalid(
@@ -101,7 +136,10 @@ impl HfConfig {
         }
         let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads);
         let is_gemma = gguf_arch.starts_with("gemma");
-        let tie_word_embeddings = c.opt_bool("tie_word_embeddings")?.unwrap_or(is_gemma);
+        // transformers' defaults: tied for Gemma and GPT-2, untied for the others.
+        let tie_word_embeddings = c
+            .opt_bool("tie_word_embeddings")?
+            .unwrap_or(is_gemma || gpt2);
 
         let mut m = HashMap::new();
         let a = gguf_arch;
@@ -121,11 +159,14 @@ impl HfConfig {
         m.insert("general.name".into(), Value::String(name));
         m.insert(k("block_count"), u(num_layers));
         m.insert(k("embedding_length"), u(hidden));
-        m.insert(
-            k("feed_forward_length"),
-            u(c.req_usize("intermediate_size")?),
-        );
-        let context = c.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+        let ffn = match gpt2 {
+            true => c.opt_usize("n_inner")?.unwrap_or(4 * hidden),
+            false => c.req_usize("intermediate_size")?,
+        };
+        m.insert(k("feed_forward_length"), u(ffn));
+        let context = c
+            .opt_usize(key_of("max_position_embeddings", "n_positions"))?
+            .unwrap_or(2048);
         m.insert(k("context_length"), u(context));
         m.insert(k("attention.head_count"), u(num_heads));
         m.insert(k("attention.head_count_kv"), u(num_kv_heads));
@@ -138,11 +179,19 @@ impl HfConfig {
             k("attention.layer_norm_rms_epsilon"),
             Value::F32(eps as f32),
         );
-        let rope_theta = c
-            .opt_f64("rope_theta")?
-            .unwrap_or(if gguf_arch == "gemma3" { 1e6 } else { 1e4 });
+        layer_norm_keys(&c, a, &mut m)?;
+        let rope_theta = match c.opt_f64("rope_theta")? {
+            Some(theta) => theta,
+            None => c
+                .opt_f64("rotary_emb_base")?
+                .unwrap_or(if gguf_arch == "gemma3" { 1e6 } else { 1e4 }),
+        };
         m.insert(k("rope.freq_base"), Value::F32(rope_theta as f32));
-        let rotary = match c.opt_f64("partial_rotary_factor")? {
+        let partial = match c.opt_f64("partial_rotary_factor")? {
+            Some(f) => Some(f),
+            None => c.opt_f64("rotary_pct")?,
+        };
+        let rotary = match partial {
             Some(f) if f > 0.0 && f <= 1.0 => (head_dim as f64 * f) as usize,
             Some(f) => {
                 return Err(invalid(
@@ -170,9 +219,17 @@ impl HfConfig {
         }
         sliding_window(&c, a, num_layers, &mut m)?;
         experts(&c, &model_type, a, &mut m)?;
-        if gguf_arch == "gemma3" {
-            let local = c.opt_f64("rope_local_base_freq")?.unwrap_or(1e4);
-            m.insert(k("rope.freq_base_swa"), Value::F32(local as f32));
+        // The sliding layers' own RoPE base (Gemma 3's default 10000; OLMo 3's the global one).
+        let local = c.opt_f64("rope_local_base_freq")?;
+        match (gguf_arch, local) {
+            ("gemma3", local) => {
+                let local = local.unwrap_or(1e4);
+                m.insert(k("rope.freq_base_swa"), Value::F32(local as f32));
+            }
+            ("olmo2", Some(local)) => {
+                m.insert(k("rope.freq_base_swa"), Value::F32(local as f32));
+            }
+            _ => {}
         }
 
         Ok(Self {
@@ -189,6 +246,49 @@ impl HfConfig {
             metadata: m,
         })
     }
+}
+
+/// GPT-2's and GPT-NeoX's LayerNorm eps and what else of their blocks the config says:
+/// the activation (only the one each was released with is implemented), GPT-NeoX's
+/// parallel residual; GPT-2 options lantern does not implement are refused.
+fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
+    let (eps_key, act_key, acts): (_, _, &[&str]) = match a {
+        "gptneox" => ("layer_norm_eps", "hidden_act", &["gelu"]),
+        "gpt2" => (
+            "layer_norm_epsilon",
+            "activation_function",
+            &["gelu_new", "gelu_pytorch_tanh"],
+        ),
+        _ => return Ok(()),
+    };
+    let eps = c.opt_f64(eps_key)?.unwrap_or(1e-5);
+    m.insert(
+        format!("{a}.attention.layer_norm_epsilon"),
+        Value::F32(eps as f32),
+    );
+    let act = c.opt_str(act_key)?.unwrap_or(acts[0]);
+    if !acts.contains(&act) {
+        return Err(invalid(
+            c.path,
+            format!("`{act_key}` `{act}` is not supported for {a} (supported: {acts:?})"),
+        ));
+    }
+    if a == "gptneox" {
+        let parallel = c.opt_bool("use_parallel_residual")?.unwrap_or(true);
+        m.insert(format!("{a}.use_parallel_residual"), Value::Bool(parallel));
+    }
+    for key in ["scale_attn_by_inverse_layer_idx"] {
+        if c.opt_bool(key)? == Some(true) {
+            return Err(invalid(c.path, format!("`{key}` is not supported")));
+        }
+    }
+    if c.opt_bool("scale_attn_weights")? == Some(false) {
+        return Err(invalid(
+            c.path,
+            "`scale_attn_weights` false is not supported".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The mixture-of-experts keys (`expert_count`, `expert_used_count`,

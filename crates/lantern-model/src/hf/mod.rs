@@ -1,7 +1,8 @@
 //! Hugging Face checkpoint directories (`config.json`, safetensors, `tokenizer.json`),
 //! presented through [`WeightSource`] the way llama.cpp's `convert_hf_to_gguf.py` would
 //! write them: GGUF tensor names, q/k rows permuted for GGUF arch `llama`, Gemma norms as
-//! `1 + w`, Llama 3 scaling as `rope_freqs.weight`, tied embeddings without `output.weight`.
+//! `1 + w`, Llama 3 scaling as `rope_freqs.weight`, tied embeddings without `output.weight`,
+//! GPT-2's `Conv1D` weights transposed, GPT-NeoX's q/k/v rows grouped q, k, v.
 
 pub mod config;
 pub mod generation_config;
@@ -52,6 +53,16 @@ impl HfDirectory {
         }
         let config = HfConfig::read(&config_path)?;
         let weights = SafetensorsWeights::open(dir)?;
+        // A tensor the model uses must be of a type lantern reads; other buffers are
+        // left alone.
+        for (hf, dtype) in weights.unreadable() {
+            if names::gguf_name(hf, config.sandwich_norms()).is_some() {
+                return Err(ModelError::UnsupportedTensorType {
+                    name: hf.clone(),
+                    dtype: dtype.clone(),
+                });
+            }
+        }
         let mut by_gguf_name = HashMap::new();
         for hf in weights.names() {
             let Some(gguf) = names::gguf_name(hf, config.sandwich_norms()) else {
@@ -121,6 +132,12 @@ impl HfDirectory {
         if let Some(heads) = permute_heads {
             t = permute_rotary_pairs(&t, heads)?;
         }
+        if self.config.transposes(hf) {
+            t = t.t()?.contiguous()?;
+        }
+        if self.config.regroups_qkv(hf) {
+            t = group_qkv(&t, self.config.num_heads)?;
+        }
         if t.rank() < 2 {
             t = t.to_dtype(DType::F32)?;
             if self.config.norms_plus_one() && gguf.ends_with("norm.weight") {
@@ -144,6 +161,23 @@ fn quantized_type_for(q: GgmlDType, shape: &[usize]) -> Option<GgmlDType> {
         _ => None,
     };
     std::iter::once(q).chain(fallback).find(|&t| fits(t))
+}
+
+/// GPT-NeoX's fused rows (weight or bias), `[heads, 3, head_dim, ...]`, as
+/// `[3, heads, head_dim, ...]`: every head's q rows, then k, then v.
+fn group_qkv(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let Some(&rows) = dims.first() else {
+        candle_core::bail!("a scalar has no q/k/v rows");
+    };
+    if heads == 0 || !rows.is_multiple_of(heads * 3) {
+        candle_core::bail!("{rows} rows cannot be split into {heads} heads of q, k and v");
+    }
+    let rest: usize = dims[1..].iter().product();
+    t.reshape((heads, 3, rows / heads / 3, rest))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape(dims)
 }
 
 /// llama.cpp's `permute`: within each head, the rows of the two rotary halves interleaved,
@@ -176,11 +210,14 @@ impl WeightSource for HfDirectory {
                 .as_ref()
                 .map(|f| (vec![f.len()], GgmlDType::F32));
         }
-        let stored = self.weights.get(self.by_gguf_name.get(name)?)?;
-        Some((
-            stored.shape.clone(),
-            self.stored_type(name, stored.dtype, &stored.shape),
-        ))
+        let hf = self.by_gguf_name.get(name)?;
+        let stored = self.weights.get(hf)?;
+        let mut shape = stored.shape.clone();
+        if self.config.transposes(hf) {
+            shape.reverse();
+        }
+        let dtype = self.stored_type(name, stored.dtype, &shape);
+        Some((shape, dtype))
     }
 
     fn tensor_names(&self) -> Vec<String> {
@@ -204,7 +241,7 @@ impl WeightSource for HfDirectory {
         }
         let (_, target) = self.tensor_info(name).ok_or_else(|| {
             // Named as the checkpoint would hold it.
-            let held = names::hf_names(name, self.config.sandwich_norms());
+            let held = names::hf_names(name, self.config.gguf_arch, self.config.sandwich_norms());
             match held.is_empty() {
                 true => ModelError::MissingTensor {
                     name: name.to_string(),

@@ -5,6 +5,9 @@
 /// the norm after attention, not the one before the MLP.
 pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     let hf = hf.strip_prefix("language_model.").unwrap_or(hf);
+    if let Some(name) = gpt2_name(hf).or_else(|| gpt_neox_name(hf)) {
+        return Some(name);
+    }
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
@@ -52,6 +55,62 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}.{kind}"))
 }
 
+/// GPT-2's names (`transformer.` prefixed as transformers saves them, or bare as the
+/// original checkpoints hold them).
+fn gpt2_name(hf: &str) -> Option<String> {
+    let hf = hf.strip_prefix("transformer.").unwrap_or(hf);
+    match hf {
+        "wte.weight" => return Some("token_embd.weight".into()),
+        "wpe.weight" => return Some("position_embd.weight".into()),
+        "ln_f.weight" => return Some("output_norm.weight".into()),
+        "ln_f.bias" => return Some("output_norm.bias".into()),
+        _ => {}
+    }
+    let (layer, rest) = hf.strip_prefix("h.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let gguf = match module {
+        "ln_1" => "attn_norm",
+        "attn.c_attn" => "attn_qkv",
+        "attn.c_proj" => "attn_output",
+        "ln_2" => "ffn_norm",
+        "mlp.c_fc" => "ffn_up",
+        "mlp.c_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf}.{kind}"))
+}
+
+/// GPT-NeoX's names (Pythia).
+fn gpt_neox_name(hf: &str) -> Option<String> {
+    match hf {
+        "gpt_neox.embed_in.weight" => return Some("token_embd.weight".into()),
+        "gpt_neox.final_layer_norm.weight" => return Some("output_norm.weight".into()),
+        "gpt_neox.final_layer_norm.bias" => return Some("output_norm.bias".into()),
+        "embed_out.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let (layer, rest) = hf.strip_prefix("gpt_neox.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let gguf = match module {
+        "input_layernorm" => "attn_norm",
+        "attention.query_key_value" => "attn_qkv",
+        "attention.dense" => "attn_output",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.dense_h_to_4h" => "ffn_up",
+        "mlp.dense_4h_to_h" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf}.{kind}"))
+}
+
 /// Expert `e`'s matrices, one tensor each as released checkpoints store them:
 /// `mlp.experts.{e}.{gate,up,down}_proj` (Qwen3-MoE) and
 /// `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral) are `ffn_{gate,up,down}.{e}`.
@@ -92,38 +151,86 @@ const LAYER_MODULES: [&str; 17] = [
     "block_sparse_moe.gate",
 ];
 
+const GPT2_MODULES: [&str; 6] = [
+    "ln_1",
+    "attn.c_attn",
+    "attn.c_proj",
+    "ln_2",
+    "mlp.c_fc",
+    "mlp.c_proj",
+];
+
+const GPT_NEOX_MODULES: [&str; 6] = [
+    "input_layernorm",
+    "attention.query_key_value",
+    "attention.dense",
+    "post_attention_layernorm",
+    "mlp.dense_h_to_4h",
+    "mlp.dense_4h_to_h",
+];
+
 /// The Hugging Face names [`gguf_name`] maps to `gguf` (a fused and an unfused
-/// checkpoint may hold either of two): what to tell a user whose checkpoint lacks it.
-pub fn hf_names(gguf: &str, sandwich_norms: bool) -> Vec<String> {
-    let globals = [
-        "model.embed_tokens.weight",
-        "model.norm.weight",
-        "lm_head.weight",
-    ];
+/// checkpoint may hold either of two) in a checkpoint of GGUF architecture `arch`: what to
+/// tell a user whose checkpoint lacks it.
+pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
     let layer = gguf
         .strip_prefix("blk.")
         .and_then(|rest| rest.split_once('.'))
         .map(|(l, _)| l);
-    let kinds = ["weight", "bias"];
-    // An expert's index, for its candidates (`blk.N.ffn_gate.E.weight`).
-    let expert = gguf.split('.').nth(3).and_then(|e| e.parse::<usize>().ok());
-    let expert_modules = expert.into_iter().flat_map(|e| {
-        ["gate_proj", "up_proj", "down_proj"]
-            .map(|m| format!("mlp.experts.{e}.{m}"))
-            .into_iter()
-            .chain(["w1", "w2", "w3"].map(|m| format!("block_sparse_moe.experts.{e}.{m}")))
+    let (globals, layer_prefix, modules): (&[&str], &str, Vec<String>) = match arch {
+        "gpt2" => (
+            &[
+                "transformer.wte.weight",
+                "transformer.wpe.weight",
+                "transformer.ln_f.weight",
+                "transformer.ln_f.bias",
+            ],
+            "transformer.h",
+            GPT2_MODULES.map(String::from).to_vec(),
+        ),
+        "gptneox" => (
+            &[
+                "gpt_neox.embed_in.weight",
+                "gpt_neox.final_layer_norm.weight",
+                "gpt_neox.final_layer_norm.bias",
+                "embed_out.weight",
+            ],
+            "gpt_neox.layers",
+            GPT_NEOX_MODULES.map(String::from).to_vec(),
+        ),
+        _ => {
+            // An expert's index, for its candidates (`blk.N.ffn_gate.E.weight`).
+            let expert = gguf.split('.').nth(3).and_then(|e| e.parse::<usize>().ok());
+            let expert_modules = expert.into_iter().flat_map(|e| {
+                ["gate_proj", "up_proj", "down_proj"]
+                    .map(|m| format!("mlp.experts.{e}.{m}"))
+                    .into_iter()
+                    .chain(["w1", "w2", "w3"].map(|m| format!("block_sparse_moe.experts.{e}.{m}")))
+            });
+            (
+                &[
+                    "model.embed_tokens.weight",
+                    "model.norm.weight",
+                    "lm_head.weight",
+                ],
+                "model.layers",
+                LAYER_MODULES
+                    .iter()
+                    .map(|m| m.to_string())
+                    .chain(expert_modules)
+                    .collect(),
+            )
+        }
+    };
+    let layer_modules = layer.into_iter().flat_map(|l| {
+        modules
+            .iter()
+            .map(move |m| format!("{layer_prefix}.{l}.{m}"))
     });
-    let modules: Vec<String> = LAYER_MODULES
+    let candidates = globals
         .iter()
-        .map(|m| m.to_string())
-        .chain(expert_modules)
-        .collect();
-    let candidates = globals.iter().map(|g| g.to_string()).chain(
-        layer
-            .into_iter()
-            .flat_map(|l| modules.iter().map(move |m| format!("model.layers.{l}.{m}")))
-            .flat_map(|m| kinds.iter().map(move |k| format!("{m}.{k}"))),
-    );
+        .map(|g| g.to_string())
+        .chain(layer_modules.flat_map(|m| ["weight", "bias"].map(|k| format!("{m}.{k}"))));
     candidates
         .filter(|hf| gguf_name(hf, sandwich_norms).as_deref() == Some(gguf))
         .collect()
@@ -136,31 +243,71 @@ mod tests {
     #[test]
     fn a_gguf_name_goes_back_to_the_checkpoints() {
         assert_eq!(
-            hf_names("blk.0.attn_q.weight", false),
+            hf_names("blk.0.attn_q.weight", "llama", false),
             ["model.layers.0.self_attn.q_proj.weight"]
         );
         assert_eq!(
-            hf_names("blk.2.ffn_up.weight", false),
+            hf_names("blk.2.ffn_up.weight", "llama", false),
             [
                 "model.layers.2.mlp.up_proj.weight",
                 "model.layers.2.mlp.gate_up_proj.weight"
             ]
         );
-        assert_eq!(hf_names("output.weight", false), ["lm_head.weight"]);
-        assert!(hf_names("rope_freqs.weight", false).is_empty());
         assert_eq!(
-            hf_names("blk.1.ffn_down.5.weight", false),
+            hf_names("output.weight", "llama", false),
+            ["lm_head.weight"]
+        );
+        assert!(hf_names("rope_freqs.weight", "llama", false).is_empty());
+        assert_eq!(
+            hf_names("blk.1.ffn_down.5.weight", "qwen3moe", false),
             [
                 "model.layers.1.mlp.experts.5.down_proj.weight",
                 "model.layers.1.block_sparse_moe.experts.5.w2.weight"
             ]
         );
         assert_eq!(
-            hf_names("blk.0.ffn_gate_inp.weight", false),
+            hf_names("blk.0.ffn_gate_inp.weight", "qwen3moe", false),
             [
                 "model.layers.0.mlp.gate.weight",
                 "model.layers.0.block_sparse_moe.gate.weight"
             ]
+        );
+    }
+
+    #[test]
+    fn maps_gpt2_and_gpt_neox_names() {
+        let n = |s| gguf_name(s, false);
+        // GPT-2 as transformers saves it and as the original checkpoints hold it.
+        for prefix in ["transformer.", ""] {
+            let name = |rest: &str| gguf_name(&format!("{prefix}{rest}"), false);
+            assert_eq!(name("wpe.weight").unwrap(), "position_embd.weight");
+            assert_eq!(name("h.1.attn.c_attn.bias").unwrap(), "blk.1.attn_qkv.bias");
+            assert_eq!(
+                name("h.0.mlp.c_proj.weight").unwrap(),
+                "blk.0.ffn_down.weight"
+            );
+            assert_eq!(name("ln_f.bias").unwrap(), "output_norm.bias");
+            // The causal-mask buffers of older checkpoints are not weights.
+            assert_eq!(name("h.0.attn.bias"), None);
+            assert_eq!(name("h.0.attn.masked_bias"), None);
+        }
+        assert_eq!(
+            n("gpt_neox.layers.3.attention.query_key_value.weight").unwrap(),
+            "blk.3.attn_qkv.weight"
+        );
+        assert_eq!(n("embed_out.weight").unwrap(), "output.weight");
+        assert_eq!(
+            n("gpt_neox.layers.0.post_attention_layernorm.bias").unwrap(),
+            "blk.0.ffn_norm.bias"
+        );
+        assert_eq!(n("gpt_neox.layers.0.attention.rotary_emb.inv_freq"), None);
+        assert_eq!(
+            hf_names("blk.2.ffn_up.bias", "gptneox", false),
+            ["gpt_neox.layers.2.mlp.dense_h_to_4h.bias"]
+        );
+        assert_eq!(
+            hf_names("position_embd.weight", "gpt2", false),
+            ["transformer.wpe.weight"]
         );
     }
 

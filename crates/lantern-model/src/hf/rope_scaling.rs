@@ -6,7 +6,60 @@ use super::config::{invalid, Keys};
 use crate::error::Result;
 use crate::source::keys;
 use candle_core::quantized::gguf_file::Value;
+use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
+use std::path::Path;
+
+/// transformers 5 saves RoPE as `rope_parameters` (`rope_theta`, `rope_type` and the
+/// scaling's own keys, `partial_rotary_factor`), or one such object per layer type
+/// (`full_attention`, `sliding_attention`: Gemma 3, OLMo 3), instead of the top-level
+/// `rope_theta`, `rope_scaling` and `partial_rotary_factor` of earlier versions. This is
+/// `config` with those top-level keys filled in from it where absent: the global layers'
+/// parameters, and the sliding layers' base as `rope_local_base_freq` (Gemma 3's older
+/// key). Sliding layers with a scaling of their own are refused (lantern never scales
+/// them).
+pub(super) fn lift_rope_parameters(path: &Path, config: &Json) -> Result<Json> {
+    let Some(params) = config.get("rope_parameters").filter(|v| !v.is_null()) else {
+        return Ok(config.clone());
+    };
+    let not_object = || invalid(path, "`rope_parameters` is not an object".into());
+    let params = params.as_object().ok_or_else(not_object)?;
+    let (global, sliding) = match params.get("full_attention") {
+        Some(full) => (
+            full.as_object().ok_or_else(not_object)?,
+            params.get("sliding_attention").and_then(Json::as_object),
+        ),
+        None => (params, None),
+    };
+    let mut lifted: Map<String, Json> = config.as_object().cloned().unwrap_or_default();
+    let mut fill = |key: &str, value: Option<&Json>| {
+        if let Some(v) = value.filter(|v| !v.is_null()) {
+            lifted.entry(key).or_insert_with(|| v.clone());
+        }
+    };
+    fill("rope_theta", global.get("rope_theta"));
+    fill("partial_rotary_factor", global.get("partial_rotary_factor"));
+    let scaled = |p: &Map<String, Json>| {
+        p.get("rope_type")
+            .and_then(Json::as_str)
+            .is_some_and(|t| t != "default")
+    };
+    if scaled(global) {
+        fill("rope_scaling", Some(&Json::Object(global.clone())));
+    }
+    if let Some(sliding) = sliding {
+        if scaled(sliding) {
+            return Err(invalid(
+                path,
+                "`rope_parameters.sliding_attention` scales RoPE, which lantern does not do \
+                 on sliding layers"
+                    .into(),
+            ));
+        }
+        fill("rope_local_base_freq", sliding.get("rope_theta"));
+    }
+    Ok(Json::Object(lifted))
+}
 
 /// `llama3` becomes `rope_freqs.weight` (written by the tensor reader, as llama.cpp does);
 /// `linear` and `yarn` become `rope.scaling.*` keys.
@@ -186,6 +239,48 @@ mod tests {
             Value::U32(u) => *u as f64,
             other => panic!("{key}: {other:?}"),
         })
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_mean_what_the_old_keys_did() {
+        // As transformers 5.25's save_pretrained writes them (Qwen2, Llama 3, Phi-3).
+        let m = metadata(json!({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}))
+            .unwrap();
+        assert_eq!(number(&m, "qwen2.rope.freq_base"), Some(1e6));
+        let m = metadata(json!({"rope_parameters": {
+            "rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}}))
+        .unwrap();
+        assert_eq!(number(&m, "qwen2.rope.scaling.factor"), Some(4.0));
+        assert_eq!(number(&m, "qwen2.rope.dimension_count"), Some(16.0));
+        // The old top-level keys win where both are present.
+        let m = metadata(json!({"rope_theta": 5e5,
+            "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}))
+        .unwrap();
+        assert_eq!(number(&m, "qwen2.rope.freq_base"), Some(5e5));
+    }
+
+    #[test]
+    fn per_layer_type_rope_parameters_give_the_global_and_local_bases() {
+        let config = json!({
+            "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "intermediate_size": 128, "head_dim": 32,
+            "rope_parameters": {
+                "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
+                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
+        });
+        let m = HfConfig::from_json(Path::new("config.json"), &config)
+            .unwrap()
+            .metadata;
+        assert_eq!(number(&m, "gemma3.rope.freq_base"), Some(1e6));
+        assert_eq!(number(&m, "gemma3.rope.freq_base_swa"), Some(1e4));
+        assert_eq!(number(&m, "gemma3.rope.scaling.factor"), Some(8.0));
+        let mut scaled_sliding = config.clone();
+        scaled_sliding["rope_parameters"]["sliding_attention"]["rope_type"] = json!("linear");
+        let err = HfConfig::from_json(Path::new("config.json"), &scaled_sliding)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sliding_attention"), "{err}");
     }
 
     #[test]

@@ -24,6 +24,10 @@ pub struct StoredTensor {
 pub struct SafetensorsWeights {
     shards: Vec<(PathBuf, Mmap)>,
     tensors: HashMap<String, StoredTensor>,
+    /// Tensors of a type lantern does not read (bool masks and other buffers older
+    /// GPT-2 and Pythia checkpoints keep), by name, with their type: an error only
+    /// where the model needs one.
+    unreadable: HashMap<String, String>,
 }
 
 impl SafetensorsWeights {
@@ -45,6 +49,7 @@ impl SafetensorsWeights {
         let mut weights = Self {
             shards: Vec::new(),
             tensors: HashMap::new(),
+            unreadable: HashMap::new(),
         };
         for path in files {
             weights.add_shard(path)?;
@@ -77,10 +82,8 @@ impl SafetensorsWeights {
                 Dtype::F16 => DType::F16,
                 Dtype::BF16 => DType::BF16,
                 other => {
-                    return Err(ModelError::UnsupportedTensorType {
-                        name,
-                        dtype: format!("{other:?}"),
-                    })
+                    self.unreadable.insert(name, format!("{other:?}"));
+                    continue;
                 }
             };
             let (begin, end) = info.data_offsets;
@@ -121,6 +124,11 @@ impl SafetensorsWeights {
 
     pub fn names(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
+    }
+
+    /// The tensors of types lantern does not read, with their types.
+    pub fn unreadable(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.unreadable.iter()
     }
 
     /// The tensor as it is stored (its own dtype), on the CPU.

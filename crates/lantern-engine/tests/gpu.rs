@@ -25,6 +25,8 @@ const ARCHS: &[&str] = &[
     "gemma2",
     "phi3",
     "gemma3_text",
+    "olmo2",
+    "olmo3",
 ];
 const BACKENDS: &[&str] = &[lantern_cuda::CUDA, lantern_cuda::CUDA_FLASHINFER];
 
@@ -117,14 +119,14 @@ fn greedy(max_tokens: usize) -> SamplingParams {
 /// Prompt logits (teacher-forced over the reference continuation) and the greedy
 /// continuation, alone and with every prompt of the fixture batched together (mixed
 /// prefills and decodes in one step), in both layouts.
-/// Experts do not run on the GPU yet: a mixture-of-experts model is refused when it
-/// loads, saying so, not in its first step.
+/// Experts and LayerNorm models (GPT-2, GPT-NeoX) do not run on the GPU yet: such a
+/// model is refused when it loads, saying so, not in its first step.
 #[test]
-fn mixtures_of_experts_are_refused_on_the_gpu_with_a_message() {
-    if !gpu_present("mixtures_of_experts_are_refused_on_the_gpu_with_a_message") {
+fn models_the_gpu_cannot_run_yet_are_refused_with_a_message() {
+    if !gpu_present("models_the_gpu_cannot_run_yet_are_refused_with_a_message") {
         return;
     }
-    for arch in ["mixtral", "qwen3_moe"] {
+    for arch in ["mixtral", "qwen3_moe", "gpt2", "gpt_neox"] {
         let err = load_on(
             DeviceChoice::Cuda(0),
             &fixture(arch).join("hf"),

@@ -74,9 +74,13 @@ impl HfDirectory {
             by_gguf_name.insert(gguf, hf.clone());
         }
         if !by_gguf_name.contains_key("token_embd.weight") {
+            let held = names::hf_names("token_embd.weight", config.gguf_arch, false);
             return Err(ModelError::InvalidHf {
                 path: dir.to_path_buf(),
-                reason: "tensor `model.embed_tokens.weight` is missing from the safetensors".into(),
+                reason: format!(
+                    "tensor `{}` is missing from the safetensors",
+                    held.join("` or `")
+                ),
             });
         }
         Ok(Self {

@@ -217,9 +217,13 @@ impl Gpu {
         half: usize,
         adjacent: bool,
     ) -> Result<()> {
-        ensure(half > 0 && 2 * half <= head_dim, || {
+        ensure(2 * half <= head_dim, || {
             format!("rope_qk: half {half} does not fit head_dim {head_dim}")
         })?;
+        if half == 0 {
+            // No rotary dimensions (GPT-2's learned positions): nothing to turn.
+            return Ok(());
+        }
         ensure(q_heads > 0 && k_heads > 0, || "rope_qk: no heads".into())?;
         let tokens = q.len() / (q_heads * head_dim);
         ensure(

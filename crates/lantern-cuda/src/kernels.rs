@@ -37,6 +37,7 @@ pub const SOURCES: &[KernelSource] = &[
             "add_in_place",
             "add_bias",
             "act_mul",
+            "activate",
             "scale_f32",
             "soft_cap_f32",
             "embed_bf16",
@@ -49,7 +50,13 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rows.cu",
         source: include_str!("kernels/rows.cu"),
-        functions: &["rms_norm", "reduce_rows", "edit_logits", "rope"],
+        functions: &[
+            "rms_norm",
+            "layer_norm",
+            "reduce_rows",
+            "edit_logits",
+            "rope",
+        ],
     },
     KernelSource {
         name: "fused.cu",
@@ -161,6 +168,8 @@ pub enum Activation {
     Silu,
     /// gelu(gate) * up, PyTorch's tanh approximation.
     GeluTanh,
+    /// gelu(gate) * up with the error function (PyTorch's default gelu).
+    GeluErf,
 }
 
 impl Activation {
@@ -169,6 +178,7 @@ impl Activation {
         match self {
             Self::Silu => 0,
             Self::GeluTanh => 1,
+            Self::GeluErf => 2,
         }
     }
 }
@@ -396,6 +406,69 @@ impl Gpu {
         self.rms_norm_raw(xp, x.len(), weight, op, eps)
     }
 
+    /// out = (x − mean) / sqrt(var + eps) * weight + bias over rows of `weight.len()` values.
+    pub fn layer_norm(
+        &self,
+        x: &impl DevicePtr<f32>,
+        (weight, bias): (&impl DevicePtr<f32>, &impl DevicePtr<f32>),
+        out: &mut impl DevicePtrMut<f32>,
+        eps: f32,
+    ) -> Result<()> {
+        let (n, width) = (x.len(), weight.len());
+        ensure(out.len() == n && bias.len() == width, || {
+            format!(
+                "layer_norm: x has {n} values, out {}, weight {width}, bias {}",
+                out.len(),
+                bias.len()
+            )
+        })?;
+        ensure(width > 0 && n.is_multiple_of(width), || {
+            format!("layer_norm: {n} values are not rows of {width}")
+        })?;
+        let rows = n / width;
+        if rows == 0 {
+            return Ok(());
+        }
+        u32_of("rows", rows)?;
+        let width32 = u32_of("width", width)?;
+        let f = self.function("layer_norm")?;
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (wp, _gw) = weight.device_ptr(&self.stream);
+        let (bp, _gb) = bias.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
+        b.arg(&xp)
+            .arg(&wp)
+            .arg(&bp)
+            .arg(&op)
+            .arg(&width32)
+            .arg(&eps);
+        // SAFETY: x and out hold rows * width values, weight and bias width: checked above.
+        unsafe { b.launch(row_cfg(rows, width)) }?;
+        Ok(())
+    }
+
+    /// x = act(x), element-wise.
+    pub fn activate(&self, x: &mut impl DevicePtrMut<f32>, act: Activation) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("activate")?;
+        let (xp, _gx) = x.device_ptr_mut(&self.stream);
+        let n64 = n as u64;
+        let code: u32 = act.code();
+        let Some(mut b) = self.launcher(f)? else {
+            return Ok(());
+        };
+        b.arg(&xp).arg(&n64).arg(&code);
+        // SAFETY: x holds n values; the kernel touches those only.
+        unsafe { b.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
     /// x = x / sqrt(mean(x²) + eps) * weight in place, over rows of `weight.len()` values.
     pub fn rms_norm_in_place(
         &self,
@@ -560,9 +633,13 @@ impl Gpu {
         half: usize,
         adjacent: bool,
     ) -> Result<()> {
-        ensure(half > 0 && 2 * half <= head_dim, || {
+        ensure(2 * half <= head_dim, || {
             format!("rope: half {half} does not fit head_dim {head_dim}")
         })?;
+        if half == 0 {
+            // No rotary dimensions (GPT-2's learned positions): nothing to turn.
+            return Ok(());
+        }
         let row = heads * head_dim;
         ensure(row > 0 && x.len().is_multiple_of(row), || {
             format!(
@@ -855,7 +932,8 @@ impl Gpu {
         ensure(kvh > 0 && q_heads.is_multiple_of(kvh), || {
             format!("rope_kv_write: {q_heads} query heads for {kvh} kv heads")
         })?;
-        ensure(half > 0 && 2 * half <= d, || {
+        // half = 0 (no rotary dimensions: GPT-2) writes K and V as they are.
+        ensure(2 * half <= d, || {
             format!("rope_kv_write: half {half} does not fit head_dim {d}")
         })?;
         ensure(

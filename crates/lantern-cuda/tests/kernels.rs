@@ -124,6 +124,84 @@ mod gpu_tests {
         ));
     }
 
+    /// An MLP activation in f64, as PyTorch defines it.
+    fn activation_ref(act: Activation, a: f64) -> f64 {
+        match act {
+            Activation::Silu => a / (1.0 + (-a).exp()),
+            Activation::GeluTanh => {
+                let k = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
+            }
+            Activation::GeluErf => 0.5 * a * (1.0 + libm::erf(a / std::f64::consts::SQRT_2)),
+        }
+    }
+
+    #[test]
+    fn layer_norm_and_activate_match_reference() {
+        let Some((g, _t)) = gpu() else { return };
+        let mut r = rng(31);
+        for (rows, width) in [(3usize, 64usize), (5, 768), (2, 5000)] {
+            // Rows far from zero mean: the variance is of the centred values.
+            let x: Vec<f32> = rand_vec(&mut r, rows * width, 3.0)
+                .into_iter()
+                .map(|v| v + 7.0)
+                .collect();
+            let w = rand_vec(&mut r, width, 1.0);
+            let b = rand_vec(&mut r, width, 1.0);
+            let eps = 1e-5f32;
+            let want: Vec<f64> = x
+                .chunks(width)
+                .flat_map(|row| {
+                    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+                    let var =
+                        row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+                    let inv = 1.0 / (var + eps as f64).sqrt();
+                    row.iter()
+                        .zip(w.iter().zip(&b))
+                        .map(move |(&v, (&wi, &bi))| {
+                            (v as f64 - mean) * inv * wi as f64 + bi as f64
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let (dx, dw, db) = (
+                g.upload(&x).unwrap(),
+                g.upload(&w).unwrap(),
+                g.upload(&b).unwrap(),
+            );
+            let mut out = g.zeros::<f32>(x.len()).unwrap();
+            g.layer_norm(&dx, (&dw, &db), &mut out, eps).unwrap();
+            assert_close(
+                &g.download(&out).unwrap(),
+                &want,
+                1e-5,
+                &format!("layer_norm {rows}x{width}"),
+            );
+        }
+        let (dx, dw) = (
+            g.upload(&[1.0f32; 10]).unwrap(),
+            g.upload(&[1.0f32; 4]).unwrap(),
+        );
+        let mut out = g.zeros::<f32>(10).unwrap();
+        assert!(matches!(
+            g.layer_norm(&dx, (&dw, &dw), &mut out, 1e-5),
+            Err(CudaError::Shape(_))
+        ));
+
+        let x = rand_vec(&mut r, 3000, 4.0);
+        for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+            let mut dx = g.upload(&x).unwrap();
+            g.activate(&mut dx, act).unwrap();
+            let want: Vec<f64> = x.iter().map(|&a| activation_ref(act, a as f64)).collect();
+            assert_close(
+                &g.download(&dx).unwrap(),
+                &want,
+                1e-5,
+                &format!("activate {act:?}"),
+            );
+        }
+    }
+
     #[test]
     fn elementwise_kernels_match_reference() {
         let Some((g, _t)) = gpu() else { return };
@@ -155,23 +233,13 @@ mod gpu_tests {
             .collect();
         assert_close(&g.download(&dx).unwrap(), &want, 1e-6, "add_bias");
 
-        for act in [Activation::Silu, Activation::GeluTanh] {
+        for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
             let mut dg = g.upload(&x).unwrap();
             g.act_mul(&mut dg, &dy, act).unwrap();
             let want: Vec<f64> = x
                 .iter()
                 .zip(&y)
-                .map(|(&a, &b)| {
-                    let a = a as f64;
-                    let act = match act {
-                        Activation::Silu => a / (1.0 + (-a).exp()),
-                        Activation::GeluTanh => {
-                            let k = (2.0 / std::f64::consts::PI).sqrt();
-                            0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
-                        }
-                    };
-                    act * b as f64
-                })
+                .map(|(&a, &b)| activation_ref(act, a as f64) * b as f64)
                 .collect();
             assert_close(
                 &g.download(&dg).unwrap(),
@@ -1322,20 +1390,13 @@ mod gpu_tests {
         let mut r = rng(22);
         for (rows, width) in [(1usize, 1536usize), (6, 300)] {
             let gu = rand_vec(&mut r, rows * 2 * width, 4.0);
-            for act in [Activation::Silu, Activation::GeluTanh] {
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
                 let want: Vec<f64> = (0..rows * width)
                     .map(|i| {
                         let (row, c) = (i / width, i % width);
                         let a = gu[row * 2 * width + c] as f64;
                         let u = gu[row * 2 * width + width + c] as f64;
-                        let act = match act {
-                            Activation::Silu => a / (1.0 + (-a).exp()),
-                            Activation::GeluTanh => {
-                                let k = (2.0 / std::f64::consts::PI).sqrt();
-                                0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
-                            }
-                        };
-                        act * u
+                        activation_ref(act, a) * u
                     })
                     .collect();
                 let dgu = g.upload(&gu).unwrap();
@@ -1562,20 +1623,13 @@ mod gpu_tests {
             let x = rand_vec(&mut r, m * k, 2.0);
             let (w, wf) = bf16_matrix(&mut r, 2 * width * k);
             let both = product_reference(&x, &wf, m, 2 * width, k);
-            for act in [Activation::Silu, Activation::GeluTanh] {
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
                 let want: Vec<f64> = (0..m * width)
                     .map(|i| {
                         let (row, j) = (i / width, i % width);
                         let (gate, up) =
                             (both[row * 2 * width + j], both[row * 2 * width + width + j]);
-                        let a = match act {
-                            Activation::Silu => gate / (1.0 + (-gate).exp()),
-                            Activation::GeluTanh => {
-                                let c = (2.0 / std::f64::consts::PI).sqrt();
-                                0.5 * gate * (1.0 + (c * (gate + 0.044715 * gate.powi(3))).tanh())
-                            }
-                        };
-                        a * up
+                        activation_ref(act, gate) * up
                     })
                     .collect();
                 let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());

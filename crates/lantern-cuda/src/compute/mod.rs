@@ -646,9 +646,31 @@ impl Compute for CudaCompute {
         self.gpu.add_bias(&mut **x, bias).map_err(model_error)
     }
 
+    const RUNS_LAYER_NORM_MODELS: bool = true;
+
+    fn layer_norm(
+        &self,
+        x: &GpuAct,
+        weight: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<GpuAct> {
+        let mut out = self.act(x.len())?;
+        self.gpu
+            .layer_norm(&**x, (weight, bias), &mut *out, eps)
+            .map_err(model_error)?;
+        Ok(out)
+    }
+
+    fn activate(&self, act: ModelActivation, x: &mut GpuAct) -> Result<()> {
+        self.gpu
+            .activate(&mut **x, activation(act))
+            .map_err(model_error)
+    }
+
     fn act_mul(&self, act: ModelActivation, gate: &mut GpuAct, up: &GpuAct) -> Result<()> {
         self.gpu
-            .act_mul(&mut **gate, &**up, activation(act)?)
+            .act_mul(&mut **gate, &**up, activation(act))
             .map_err(model_error)
     }
 
@@ -879,14 +901,11 @@ impl CudaCompute {
     }
 }
 
-/// The device's gated activation; exact GELU (GPT-NeoX, un-gated) has no kernel here.
-fn activation(act: ModelActivation) -> Result<Activation> {
+fn activation(act: ModelActivation) -> Activation {
     match act {
-        ModelActivation::Silu => Ok(Activation::Silu),
-        ModelActivation::GeluTanh => Ok(Activation::GeluTanh),
-        ModelActivation::GeluErf => Err(ModelError::Compute(
-            "exact GELU (GPT-NeoX) has no CUDA kernel yet".into(),
-        )),
+        ModelActivation::Silu => Activation::Silu,
+        ModelActivation::GeluTanh => Activation::GeluTanh,
+        ModelActivation::GeluErf => Activation::GeluErf,
     }
 }
 

@@ -25,6 +25,13 @@ extern "C" __global__ void act_mul(float* __restrict__ gate, const float* __rest
         gate[i] = lt_activation(gate[i], act) * up[i];
 }
 
+// x = act(x) (an un-gated MLP's activation).
+extern "C" __global__ void activate(float* __restrict__ x, u64 n, u32 act) {
+    lt_grid_dependency();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = lt_activation(x[i], act);
+}
+
 extern "C" __global__ void scale_f32(float* __restrict__ x, u64 n, float s) {
     lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

@@ -15,6 +15,26 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ we
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i] * inv * weight[i];
 }
 
+// LayerNorm of one row per block: (x - mean) / sqrt(var + eps) * weight + bias, the
+// variance biased (PyTorch's layer_norm); two passes over the row for the mean, then the
+// variance of the centred values.
+extern "C" __global__ void layer_norm(const float* x, const float* __restrict__ weight,
+                                      const float* __restrict__ bias, float* out, u32 width, float eps) {
+    lt_grid_dependency();
+    const float* src = x + (u64)blockIdx.x * width;
+    float* dst = out + (u64)blockIdx.x * width;
+    float s = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) s += src[i];
+    const float mean = block_sum(s) / (float)width;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const float d = src[i] - mean;
+        ss += d * d;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) dst[i] = (src[i] - mean) * inv * weight[i] + bias[i];
+}
+
 // The first maximum of src[0..n) (NaN never wins), in every thread of the block: its
 // value (-inf for a row without a number) and index (0 then).
 __device__ void lt_row_argmax(const float* __restrict__ src, u32 n, float* value, u32* index) {

@@ -639,10 +639,13 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
     Ok(match pre {
-        "gpt2" | "default" => byte_level(true).into(),
+        // GPT-2's own split, as llama.cpp names it for GPT-2 (`gpt-2`), Pythia and OLMo 1
+        // (`olmo`: the GPT-NeoX-20B tokenizer), MPT and Phi-2.
+        "gpt2" | "default" | "gpt-2" | "olmo" | "mpt" | "phi-2" => byte_level(true).into(),
         // SmolLM: every digit on its own, then GPT-2's byte-level split.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
-        "llama3" | "llama-bpe" | "smaug-bpe" | "qwen2" => {
+        // `dbrx`: OLMo 2's (cl100k) tokenizer, split as Llama 3's.
+        "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "qwen2" => {
             let pattern = if pre == "qwen2" { QWEN2 } else { LLAMA3 };
             let split = Split::new(
                 SplitPattern::Regex(pattern.to_string()),
@@ -654,7 +657,8 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         }
         other => {
             return Err(ModelError::Tokenizer(format!(
-                "pre-tokenizer `{other}` is not supported (supported: gpt2, smollm, llama3/llama-bpe, qwen2)"
+                "pre-tokenizer `{other}` is not supported (supported: gpt2/gpt-2/olmo/mpt/phi-2, smollm, \
+                 llama3/llama-bpe/smaug-bpe/dbrx, qwen2)"
             )))
         }
     })
@@ -725,6 +729,15 @@ mod tests {
             pieces("qwen2", "Hello, world's"),
             ["Hello", ",", "Ġworld", "'s"]
         );
+    }
+
+    #[test]
+    fn gpt2_style_names_split_as_gpt2_and_dbrx_as_llama3() {
+        for pre in ["gpt-2", "olmo", "mpt", "phi-2"] {
+            assert_eq!(pieces(pre, "x 12345"), ["x", "Ġ12345"], "{pre}");
+            assert_eq!(pieces(pre, "it's  ok"), ["it", "'s", "Ġ", "Ġok"], "{pre}");
+        }
+        assert_eq!(pieces("dbrx", "x 12345"), pieces("llama3", "x 12345"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 """The architectures interpretability work starts from — GPT-2, Pythia (GPT-NeoX), OLMo 2
-and OLMo 3 — through a real `lantern serve` and the official openai client: the tiny
+and OLMo 3 — and SmolLM3 (layers without RoPE) through a real `lantern serve` and the
+official openai client: the tiny
 checkpoints of tests/fixtures/archs (Hugging Face directories as transformers saves them)
 continue their reference prompts with transformers' greedy tokens, and the attention maps
 a client captures over the wire are transformers' own."""
@@ -26,7 +27,7 @@ def reference(arch):
         yield p, np.load(ARCHS / arch / "ref" / f"{p['id']}.npz")
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3", "smollm3"])
 def test_greedy_tokens_and_captured_maps_equal_transformers(arch):
     srv = start_server(
         "--model", f"tests/fixtures/archs/{arch}/hf",

@@ -105,9 +105,10 @@ const CASES: &[Case] = &[
     // exact GELU) and GPT-2 (learned positions).
     case("gpt_neox", "gguf/gpt_neox.q8_0.gguf", ".q8_0", Quantized),
     case("gpt2", "gguf/gpt2.q8_0.gguf", ".q8_0", Quantized),
+    // SmolLM3: Llama's block, layer 3 without RoPE.
+    case("smollm3", "gguf/smollm3.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
-    case("phi3", "gguf/phi3.f32.gguf", "", Exact),
     case("phi3", "gguf/phi3.q8_0.gguf", ".q8_0", Quantized),
     case("gemma3_text", "gguf/gemma3_text.f32.gguf", "", Exact),
     case(
@@ -149,6 +150,8 @@ const CASES: &[Case] = &[
     case("gpt_neox", "hf", "", Exact),
     // `Conv1D` weights stored `[in, out]`, tied head, `wpe` positions.
     case("gpt2", "hf", "", Exact),
+    // `no_rope_layers` [1, 1, 1, 0].
+    case("smollm3", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

@@ -29,6 +29,7 @@ const ARCHS: &[&str] = &[
     "olmo3",
     "gpt_neox",
     "gpt2",
+    "smollm3",
 ];
 const BACKENDS: &[&str] = &[lantern_cuda::CUDA, lantern_cuda::CUDA_FLASHINFER];
 

@@ -9,13 +9,13 @@ use crate::decoder::{DecoderSpec, LayerPlan, NormPlacement};
 use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
 use crate::rope::RopePairs;
-use crate::source::WeightSource;
+use crate::source::{keys, WeightSource};
 use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
 pub const SUPPORTED: &[&str] = &[
-    "llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma2", "gemma3", "gptneox",
-    "gpt2",
+    "llama", "smollm3", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma2", "gemma3",
+    "gptneox", "gpt2",
 ];
 
 /// The decoder `source` describes.
@@ -26,6 +26,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         // Llama 2/3, SmolLM, Mistral, Mixtral (GGUF writes them as llama; Mixtral's
         // layers have experts): q/k rows permuted so that rotary pairs are adjacent.
         "llama" => Ok(DecoderSpec::plain(params, RopePairs::Adjacent)),
+        "smollm3" => smollm3(source, params),
         // Qwen 2 (q/k/v biases) and Phi-3 (fused qkv and gate_up, partial rotary).
         "qwen2" | "phi3" => Ok(DecoderSpec::plain(params, RopePairs::Halves)),
         // Qwen3-MoE: Qwen 3 whose layers have experts (or not: `mlp_only_layers`).
@@ -154,14 +155,40 @@ fn sliding_and_global_layers(
                 sliding_window: Some(w),
                 rope_base: local_base,
                 rope_scaled: false,
+                rotary: true,
             },
             None => LayerPlan {
                 sliding_window: None,
                 rope_base: params.rope_theta,
                 rope_scaled: true,
+                rotary: true,
             },
         })
         .collect())
+}
+
+/// SmolLM3: Llama whose every 4th layer has no RoPE (NoPE, llama.cpp's fixed step),
+/// unless the source lists which layers rotate (`lantern.rope.rotary_layers`, from
+/// config.json's `no_rope_layers`).
+fn smollm3(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    const NO_ROPE_EVERY: usize = 4;
+    let layers = params.num_layers;
+    let rotary = match source.opt_bool_array(keys::ROTARY_LAYERS)? {
+        Some(list) if list.len() == layers => list,
+        Some(list) => {
+            return Err(ModelError::InvalidConfig(format!(
+                "`{}` has {} entries for {layers} layers",
+                keys::ROTARY_LAYERS,
+                list.len()
+            )))
+        }
+        None => (0..layers).map(|l| (l + 1) % NO_ROPE_EVERY != 0).collect(),
+    };
+    let mut spec = DecoderSpec::plain(params, RopePairs::Adjacent);
+    for (plan, rotary) in spec.layers.iter_mut().zip(rotary) {
+        plan.rotary = rotary;
+    }
+    Ok(spec)
 }
 
 /// LayerNorm with biases (eps `{arch}.attention.layer_norm_epsilon`, default 1e-5) and

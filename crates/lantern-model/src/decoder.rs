@@ -79,6 +79,8 @@ pub struct LayerPlan {
     pub rope_base: f32,
     /// Whether the file's RoPE scaling (`rope.scaling.*`, `rope_freqs.weight`) applies.
     pub rope_scaled: bool,
+    /// Whether the layer rotates q and k at all (SmolLM3's NoPE layers do not).
+    pub rotary: bool,
 }
 
 impl DecoderSpec {
@@ -93,6 +95,7 @@ impl DecoderSpec {
                 sliding_window: params.window().filter(|_| s),
                 rope_base: params.rope_theta,
                 rope_scaled: true,
+                rotary: true,
             })
             .collect();
         let scalar = params
@@ -223,7 +226,7 @@ impl<C: Compute> Decoder<C> {
         let c = &compute;
         if spec.norm == NormKind::Layer && !C::RUNS_LAYER_NORM_MODELS {
             return Err(ModelError::InvalidConfig(format!(
-                "{} models (LayerNorm, un-gated MLPs) run on the CPU only for now",
+                "{} models (LayerNorm, un-gated MLPs) do not run on this device yet",
                 p.architecture
             )));
         }
@@ -279,9 +282,11 @@ impl<C: Compute> Decoder<C> {
         let mut ropes: Vec<Rope> = Vec::new();
         let mut layer_rope = Vec::with_capacity(p.num_layers);
         for plan in &spec.layers {
+            // A layer without RoPE turns no dimensions.
+            let rope_dim = if plan.rotary { p.rope_dim } else { 0 };
             let rope = if plan.rope_scaled {
                 Rope::new(
-                    p.rope_dim,
+                    rope_dim,
                     plan.rope_base,
                     spec.rope_pairs,
                     freq_factors.as_deref(),
@@ -289,7 +294,7 @@ impl<C: Compute> Decoder<C> {
                 )
             } else {
                 Rope::new(
-                    p.rope_dim,
+                    rope_dim,
                     plan.rope_base,
                     spec.rope_pairs,
                     None,

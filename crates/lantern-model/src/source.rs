@@ -63,6 +63,9 @@
 //!   the one the `rope.scaling.*` keys imply.
 //! * `lantern.rope.scaling.yarn_truncate` (bool): `false` keeps YaRN's correction range
 //!   unrounded (transformers' `truncate`); absent: rounded, as llama.cpp does.
+//! * `lantern.rope.rotary_layers` (array of bool, one per layer, `false` = no RoPE): which
+//!   layers rotate q and k (SmolLM3's `no_rope_layers`). Absent: the architecture's default
+//!   (SmolLM3: every layer but each 4th, as llama.cpp; the others all).
 //!
 //! The tokenizer is not part of this contract (a GGUF file carries it in metadata, a
 //! Hugging Face directory in `tokenizer.json`).
@@ -78,6 +81,7 @@ pub mod keys {
     pub const QUERY_PRE_ATTN_SCALAR: &str = "lantern.attention.query_pre_attn_scalar";
     pub const ROPE_ATTENTION_FACTOR: &str = "lantern.rope.scaling.attention_factor";
     pub const ROPE_YARN_TRUNCATE: &str = "lantern.rope.scaling.yarn_truncate";
+    pub const ROTARY_LAYERS: &str = "lantern.rope.rotary_layers";
 }
 
 /// Hyper-parameters and weights of one model, as llama.cpp's GGUF names them.

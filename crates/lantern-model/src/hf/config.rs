@@ -14,6 +14,7 @@ use std::path::Path;
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "mistral",
+    "smollm3",
     "qwen2",
     "qwen3",
     "qwen3_moe",
@@ -49,7 +50,7 @@ pub struct HfConfig {
 impl HfConfig {
     /// q/k rows permuted so rotary pairs are adjacent (GGUF arch `llama`).
     pub fn permutes_qk(&self) -> bool {
-        self.gguf_arch == "llama"
+        matches!(self.gguf_arch, "llama" | "smollm3")
     }
 
     /// RMSNorm weights stored as `1 + w`.
@@ -98,6 +99,7 @@ impl HfConfig {
         let model_type = c.req_str("model_type")?.to_string();
         let gguf_arch: &'static str = match model_type.as_str() {
             "llama" | "mistral" | "mixtral" => "llama",
+            "smollm3" => "smollm3",
             "qwen2" => "qwen2",
             "qwen3" => "qwen3",
             "qwen3_moe" => "qwen3moe",
@@ -218,6 +220,7 @@ impl HfConfig {
             ));
         }
         sliding_window(&c, a, num_layers, &mut m)?;
+        rotary_layers(&c, num_layers, &mut m)?;
         experts(&c, &model_type, a, &mut m)?;
         // The sliding layers' own RoPE base (Gemma 3's default 10000; OLMo 3's the global one).
         let local = c.opt_f64("rope_local_base_freq")?;
@@ -246,6 +249,32 @@ impl HfConfig {
             metadata: m,
         })
     }
+}
+
+/// SmolLM3's `no_rope_layers` (1 where a layer uses RoPE, 0 where not), one per layer.
+fn rotary_layers(c: &Keys, layers: usize, m: &mut HashMap<String, Value>) -> Result<()> {
+    let Some(list) = c.json.get("no_rope_layers").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let flags = list
+        .as_array()
+        .filter(|l| l.len() == layers)
+        .and_then(|l| {
+            l.iter()
+                .map(|v| v.as_u64().filter(|&f| f <= 1).map(|f| f == 1))
+                .collect::<Option<Vec<bool>>>()
+        })
+        .ok_or_else(|| {
+            invalid(
+                c.path,
+                format!("`no_rope_layers` must be {layers} values of 0 or 1, one per layer"),
+            )
+        })?;
+    m.insert(
+        keys::ROTARY_LAYERS.into(),
+        Value::Array(flags.into_iter().map(Value::Bool).collect()),
+    );
+    Ok(())
 }
 
 /// GPT-2's and GPT-NeoX's LayerNorm eps and what else of their blocks the config says:
@@ -363,7 +392,7 @@ fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Valu
         };
     if matches!(
         a,
-        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "olmoe" | "phi3"
+        "llama" | "smollm3" | "qwen2" | "qwen3" | "qwen3moe" | "olmoe" | "phi3"
     ) {
         m.insert(keys::SLIDING_WINDOW.into(), Value::U32(window as u32));
     } else {

@@ -434,14 +434,12 @@ impl<C: Compute> Decoder<C> {
                 None => o,
             };
             let m = if self.parallel_residual {
-                // The MLP reads the layer's input too; both outputs join the residual.
-                let h = match &layer.ffn_norm {
-                    Some(norm) => norm.forward(c, &x)?,
-                    None => {
-                        return Err(ModelError::Compute("a parallel layer without norms".into()))
-                    }
+                // The MLP reads the layer's input too (through its own norm, or the
+                // attention's where the layer has one norm); both outputs join the residual.
+                let m = match &layer.ffn_norm {
+                    Some(norm) => layer.ffn.forward(c, &norm.forward(c, &x)?, tokens)?,
+                    None => layer.ffn.forward(c, h, tokens)?,
                 };
-                let m = layer.ffn.forward(c, &h, tokens)?;
                 c.add(&mut o, &m)?;
                 o
             } else {

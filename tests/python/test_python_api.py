@@ -120,6 +120,20 @@ def test_token_filters_equal_the_servers(llm, srv):
     assert set(out.outputs[0].token_ids) <= set(allowed["allowed_token_ids"])
 
 
+def test_llm_engine_gives_the_tokenizer_and_model_config_as_vllm(llm):
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    # vLLM 0.x scripts: llm.llm_engine.tokenizer.tokenizer is the tokenizer.
+    assert engine.tokenizer.tokenizer is llm.get_tokenizer()
+    assert engine.tokenizer.get_lora_tokenizer(None) is llm.get_tokenizer()
+    config = engine.get_model_config()
+    assert config.max_model_len == llm.model_info["context_length"] > 0
+    assert config.get_vocab_size() == llm.model_info["vocab_size"] == len(llm.get_tokenizer())
+    assert config.model == llm.model_info["model"] == config.tokenizer
+    with pytest.raises(lantern.InvalidRequestError, match="lora_request"):
+        engine.get_tokenizer(lora_request=object())
+
+
 def test_vllm_style_calls_work_as_in_vllm(llm):
     tok = llm.get_tokenizer()
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id in tok.stop_token_ids

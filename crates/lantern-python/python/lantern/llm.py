@@ -442,6 +442,13 @@ class LLM:
         unless ``LLM(generation_config="vllm")``."""
         return SamplingParams(**self._info["sampling_defaults"])
 
+    @property
+    def llm_engine(self) -> "LLMEngine":
+        """What scripts written for vLLM reach through ``llm.llm_engine``: its tokenizer
+        (``get_tokenizer()``, vLLM 0.x's ``tokenizer.tokenizer``) and ``model_config``
+        (``model``, ``tokenizer``, ``max_model_len``, ``get_vocab_size()``)."""
+        return LLMEngine(self)
+
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer and chat template, with the Hugging Face methods code
         written for vLLM calls (``encode``, ``decode``, ``apply_chat_template``,
@@ -517,6 +524,51 @@ class LLM:
         # Submitted now, so that a bad parameter raises here rather than at the first next().
         request = self._submit(batch, kind, body, params, text, capture_json, stream=True)
         return _stream_events(batch, request)
+
+
+class ModelConfig:
+    """vLLM's ``model_config``, the fields scripts read from it."""
+
+    def __init__(self, info: Dict[str, Any]):
+        self.model: str = info["model"]
+        self.tokenizer: str = info["model"]
+        self.max_model_len: int = info["context_length"]
+        self._vocab_size: int = info["vocab_size"]
+        self._num_layers: int = info["num_layers"]
+
+    def get_vocab_size(self) -> int:
+        return self._vocab_size
+
+    def get_num_layers(self, parallel_config: Any = None) -> int:
+        return self._num_layers
+
+
+class _TokenizerGroup:
+    """vLLM 0.x's tokenizer group: ``.tokenizer`` is the tokenizer itself."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def get_lora_tokenizer(self, lora_request: Any = None) -> Tokenizer:
+        _no_lora_nor_priority(lora_request, None)
+        return self.tokenizer
+
+
+class LLMEngine:
+    """``llm.llm_engine``: the engine's tokenizer and model configuration, as vLLM's
+    engine object offers them (generation goes through ``LLM``'s methods)."""
+
+    def __init__(self, llm: LLM):
+        self._llm = llm
+        self.model_config = ModelConfig(llm.model_info)
+        self.tokenizer = _TokenizerGroup(llm.get_tokenizer())
+
+    def get_tokenizer(self, lora_request: Any = None) -> Tokenizer:
+        _no_lora_nor_priority(lora_request, None)
+        return self._llm.get_tokenizer()
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
 
 
 def _stream_events(batch, request: Request) -> Iterator[RequestOutput]:

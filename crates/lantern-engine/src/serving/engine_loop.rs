@@ -297,16 +297,11 @@ impl EngineLoop {
     /// Refuses `new` more sequences with a 429 when they would take the waiting queue
     /// past `max_waiting_requests`, before any work is done for them.
     fn check_waiting_room(&self, new: usize) -> Result<(), ServeError> {
-        let limit = self.engine.config().max_waiting_requests;
-        let waiting = self.engine.num_waiting();
-        if waiting.saturating_add(new) > limit {
-            return Err(ServeError::TooManyWaiting {
-                waiting,
-                new,
-                limit,
-            });
-        }
-        Ok(())
+        waiting_room(
+            self.engine.num_waiting(),
+            new,
+            self.engine.config().max_waiting_requests,
+        )
     }
 
     /// Settles every item's `max_tokens`, then adds them all (or none).
@@ -662,5 +657,34 @@ impl EngineLoop {
                 }),
             });
         }
+    }
+}
+
+/// Whether `new` more sequences fit a waiting queue of `waiting` under `limit`. Items that
+/// add none (a beam search's later steps, counted when the search was taken) always fit,
+/// even where those steps have taken the queue past the limit.
+fn waiting_room(waiting: usize, new: usize, limit: usize) -> Result<(), ServeError> {
+    if new > 0 && waiting.saturating_add(new) > limit {
+        return Err(ServeError::TooManyWaiting {
+            waiting,
+            new,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod waiting_room_tests {
+    use super::*;
+
+    #[test]
+    fn sequences_fit_up_to_the_limit_and_steps_always_fit() {
+        assert!(waiting_room(1, 1, 2).is_ok());
+        assert!(waiting_room(2, 1, 2).is_err());
+        assert!(waiting_room(0, 4, 2).is_err(), "a search of 4 beams");
+        // A beam search's steps (which add none) once they fill the queue past the limit.
+        assert!(waiting_room(3, 0, 2).is_ok());
+        assert!(waiting_room(3, 1, 2).is_err());
     }
 }

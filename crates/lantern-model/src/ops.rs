@@ -32,6 +32,20 @@ fn tanh(x: f32) -> f32 {
     1.0 - 2.0 / (exp(2.0 * x) + 1.0)
 }
 
+/// `silu(x) = x / (1 + e^−x)`.
+#[inline(always)]
+fn silu_of(x: f32) -> f32 {
+    x / (1.0 + exp(-x))
+}
+
+/// PyTorch's `gelu(x, approximate="tanh")`.
+#[inline(always)]
+fn gelu_tanh_of(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * fma(0.044_715 * x, x * x, x);
+    0.5 * x * (1.0 + tanh(inner))
+}
+
 per_level! {
     /// RMS normalization of every row of `x` into `out`, scaled by `weight`.
     fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -54,18 +68,15 @@ per_level! {
     /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
     fn silu_mul_values(gate: &mut [f32], up: &[f32]) {
         for (g, &u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + exp(-*g)) * u;
+            *g = silu_of(*g) * u;
         }
     }
 
     /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's
     /// `gelu(approximate="tanh")`).
     fn gelu_tanh_mul_values(gate: &mut [f32], up: &[f32]) {
-        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
         for (g, &u) in gate.iter_mut().zip(up) {
-            let x = *g;
-            let inner = SQRT_2_OVER_PI * fma(0.044_715 * x, x * x, x);
-            *g = 0.5 * x * (1.0 + tanh(inner)) * u;
+            *g = gelu_tanh_of(*g) * u;
         }
     }
 
@@ -87,11 +98,8 @@ per_level! {
 
     /// `x[i] = gelu_tanh(x[i])` (GPT-2's `gelu_new`).
     fn gelu_tanh_values(x: &mut [f32]) {
-        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
         for g in x.iter_mut() {
-            let v = *g;
-            let inner = SQRT_2_OVER_PI * fma(0.044_715 * v, v * v, v);
-            *g = 0.5 * v * (1.0 + tanh(inner));
+            *g = gelu_tanh_of(*g);
         }
     }
 
@@ -135,7 +143,7 @@ per_level! {
     /// `x[i] = silu(x[i])`.
     fn silu_values(x: &mut [f32]) {
         for g in x.iter_mut() {
-            *g = *g / (1.0 + exp(-*g));
+            *g = silu_of(*g);
         }
     }
 

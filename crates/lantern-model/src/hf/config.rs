@@ -306,16 +306,17 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
         let parallel = c.opt_bool("use_parallel_residual")?.unwrap_or(true);
         m.insert(format!("{a}.use_parallel_residual"), Value::Bool(parallel));
     }
-    for key in ["scale_attn_by_inverse_layer_idx"] {
-        if c.opt_bool(key)? == Some(true) {
-            return Err(invalid(c.path, format!("`{key}` is not supported")));
+    // GPT-2's ways of scaling attention other than 1/sqrt(head_dim).
+    for (key, unsupported) in [
+        ("scale_attn_by_inverse_layer_idx", true),
+        ("scale_attn_weights", false),
+    ] {
+        if c.opt_bool(key)? == Some(unsupported) {
+            return Err(invalid(
+                c.path,
+                format!("`{key}` {unsupported} is not supported"),
+            ));
         }
-    }
-    if c.opt_bool("scale_attn_weights")? == Some(false) {
-        return Err(invalid(
-            c.path,
-            "`scale_attn_weights` false is not supported".into(),
-        ));
     }
     Ok(())
 }

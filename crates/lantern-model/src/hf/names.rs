@@ -5,7 +5,12 @@
 /// the norm after attention, not the one before the MLP.
 pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     let hf = hf.strip_prefix("language_model.").unwrap_or(hf);
-    if let Some(name) = gpt2_name(hf).or_else(|| gpt_neox_name(hf)) {
+    // GPT-2's original checkpoints hold its names without `transformer.`.
+    let gpt2 = match hf.strip_prefix("transformer.") {
+        Some(_) => GPT2.gguf_name(hf),
+        None => GPT2.gguf_name(&format!("transformer.{hf}")),
+    };
+    if let Some(name) = gpt2.or_else(|| GPT_NEOX.gguf_name(hf)) {
         return Some(name);
     }
     match hf {
@@ -55,60 +60,70 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}.{kind}"))
 }
 
-/// GPT-2's names (`transformer.` prefixed as transformers saves them, or bare as the
-/// original checkpoints hold them).
-fn gpt2_name(hf: &str) -> Option<String> {
-    let hf = hf.strip_prefix("transformer.").unwrap_or(hf);
-    match hf {
-        "wte.weight" => return Some("token_embd.weight".into()),
-        "wpe.weight" => return Some("position_embd.weight".into()),
-        "ln_f.weight" => return Some("output_norm.weight".into()),
-        "ln_f.bias" => return Some("output_norm.bias".into()),
-        _ => {}
-    }
-    let (layer, rest) = hf.strip_prefix("h.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (module, kind) = rest.rsplit_once('.')?;
-    if kind != "weight" && kind != "bias" {
-        return None;
-    }
-    let gguf = match module {
-        "ln_1" => "attn_norm",
-        "attn.c_attn" => "attn_qkv",
-        "attn.c_proj" => "attn_output",
-        "ln_2" => "ffn_norm",
-        "mlp.c_fc" => "ffn_up",
-        "mlp.c_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{gguf}.{kind}"))
+/// A checkpoint family whose names are a plain table: its global tensors and, under
+/// `{layer_prefix}.{N}.`, its layer modules, each with its GGUF name (the `.weight` or
+/// `.bias` suffix kept).
+struct NameTable {
+    globals: &'static [(&'static str, &'static str)],
+    layer_prefix: &'static str,
+    layers: &'static [(&'static str, &'static str)],
 }
 
-/// GPT-NeoX's names (Pythia).
-fn gpt_neox_name(hf: &str) -> Option<String> {
-    match hf {
-        "gpt_neox.embed_in.weight" => return Some("token_embd.weight".into()),
-        "gpt_neox.final_layer_norm.weight" => return Some("output_norm.weight".into()),
-        "gpt_neox.final_layer_norm.bias" => return Some("output_norm.bias".into()),
-        "embed_out.weight" => return Some("output.weight".into()),
-        _ => {}
+/// GPT-2, as transformers saves it (`transformer.`; the original checkpoints hold the
+/// same names bare, see [`gguf_name`]).
+const GPT2: NameTable = NameTable {
+    globals: &[
+        ("transformer.wte.weight", "token_embd.weight"),
+        ("transformer.wpe.weight", "position_embd.weight"),
+        ("transformer.ln_f.weight", "output_norm.weight"),
+        ("transformer.ln_f.bias", "output_norm.bias"),
+    ],
+    layer_prefix: "transformer.h",
+    layers: &[
+        ("ln_1", "attn_norm"),
+        ("attn.c_attn", "attn_qkv"),
+        ("attn.c_proj", "attn_output"),
+        ("ln_2", "ffn_norm"),
+        ("mlp.c_fc", "ffn_up"),
+        ("mlp.c_proj", "ffn_down"),
+    ],
+};
+
+/// GPT-NeoX (Pythia).
+const GPT_NEOX: NameTable = NameTable {
+    globals: &[
+        ("gpt_neox.embed_in.weight", "token_embd.weight"),
+        ("gpt_neox.final_layer_norm.weight", "output_norm.weight"),
+        ("gpt_neox.final_layer_norm.bias", "output_norm.bias"),
+        ("embed_out.weight", "output.weight"),
+    ],
+    layer_prefix: "gpt_neox.layers",
+    layers: &[
+        ("input_layernorm", "attn_norm"),
+        ("attention.query_key_value", "attn_qkv"),
+        ("attention.dense", "attn_output"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("mlp.dense_h_to_4h", "ffn_up"),
+        ("mlp.dense_4h_to_h", "ffn_down"),
+    ],
+};
+
+impl NameTable {
+    /// The GGUF name of `hf` by this table, if it names one of its tensors.
+    fn gguf_name(&self, hf: &str) -> Option<String> {
+        if let Some((_, gguf)) = self.globals.iter().find(|(name, _)| *name == hf) {
+            return Some(gguf.to_string());
+        }
+        let rest = hf.strip_prefix(self.layer_prefix)?.strip_prefix('.')?;
+        let (layer, rest) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        let (module, kind) = rest.rsplit_once('.')?;
+        if kind != "weight" && kind != "bias" {
+            return None;
+        }
+        let (_, gguf) = self.layers.iter().find(|(m, _)| *m == module)?;
+        Some(format!("blk.{layer}.{gguf}.{kind}"))
     }
-    let (layer, rest) = hf.strip_prefix("gpt_neox.layers.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (module, kind) = rest.rsplit_once('.')?;
-    if kind != "weight" && kind != "bias" {
-        return None;
-    }
-    let gguf = match module {
-        "input_layernorm" => "attn_norm",
-        "attention.query_key_value" => "attn_qkv",
-        "attention.dense" => "attn_output",
-        "post_attention_layernorm" => "ffn_norm",
-        "mlp.dense_h_to_4h" => "ffn_up",
-        "mlp.dense_4h_to_h" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{gguf}.{kind}"))
 }
 
 /// Expert `e`'s matrices, one tensor each as released checkpoints store them:
@@ -151,24 +166,6 @@ const LAYER_MODULES: [&str; 17] = [
     "block_sparse_moe.gate",
 ];
 
-const GPT2_MODULES: [&str; 6] = [
-    "ln_1",
-    "attn.c_attn",
-    "attn.c_proj",
-    "ln_2",
-    "mlp.c_fc",
-    "mlp.c_proj",
-];
-
-const GPT_NEOX_MODULES: [&str; 6] = [
-    "input_layernorm",
-    "attention.query_key_value",
-    "attention.dense",
-    "post_attention_layernorm",
-    "mlp.dense_h_to_4h",
-    "mlp.dense_4h_to_h",
-];
-
 /// The Hugging Face names [`gguf_name`] maps to `gguf` (a fused and an unfused
 /// checkpoint may hold either of two) in a checkpoint of GGUF architecture `arch`: what to
 /// tell a user whose checkpoint lacks it.
@@ -177,28 +174,18 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
         .strip_prefix("blk.")
         .and_then(|rest| rest.split_once('.'))
         .map(|(l, _)| l);
-    let (globals, layer_prefix, modules): (&[&str], &str, Vec<String>) = match arch {
-        "gpt2" => (
-            &[
-                "transformer.wte.weight",
-                "transformer.wpe.weight",
-                "transformer.ln_f.weight",
-                "transformer.ln_f.bias",
-            ],
-            "transformer.h",
-            GPT2_MODULES.map(String::from).to_vec(),
+    let table = match arch {
+        "gpt2" => Some(&GPT2),
+        "gptneox" => Some(&GPT_NEOX),
+        _ => None,
+    };
+    let (globals, layer_prefix, modules): (Vec<&str>, &str, Vec<String>) = match table {
+        Some(t) => (
+            t.globals.iter().map(|(hf, _)| *hf).collect(),
+            t.layer_prefix,
+            t.layers.iter().map(|(m, _)| m.to_string()).collect(),
         ),
-        "gptneox" => (
-            &[
-                "gpt_neox.embed_in.weight",
-                "gpt_neox.final_layer_norm.weight",
-                "gpt_neox.final_layer_norm.bias",
-                "embed_out.weight",
-            ],
-            "gpt_neox.layers",
-            GPT_NEOX_MODULES.map(String::from).to_vec(),
-        ),
-        _ => {
+        None => {
             // An expert's index, for its candidates (`blk.N.ffn_gate.E.weight`).
             let expert = gguf.split('.').nth(3).and_then(|e| e.parse::<usize>().ok());
             let expert_modules = expert.into_iter().flat_map(|e| {
@@ -208,7 +195,7 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
                     .chain(["w1", "w2", "w3"].map(|m| format!("block_sparse_moe.experts.{e}.{m}")))
             });
             (
-                &[
+                vec![
                     "model.embed_tokens.weight",
                     "model.norm.weight",
                     "lm_head.weight",

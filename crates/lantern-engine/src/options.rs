@@ -139,8 +139,13 @@ pub fn load_engine(
         )))
         .into());
     }
+    // The model sees the context it will serve (LongRoPE picks its factors by it).
+    let weights = lantern_model::LoadOptions {
+        context_length: config.max_model_len,
+        ..load.weights
+    };
     let mut placed =
-        crate::device::load_on(load.device, path, &load.weights).map_err(|e| match e {
+        crate::device::load_on(load.device, path, &weights).map_err(|e| match e {
             EngineError::Model(source) => LoadEngineError::Model {
                 path: path.to_path_buf(),
                 source: Box::new(source),

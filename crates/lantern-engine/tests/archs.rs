@@ -165,6 +165,13 @@ const CASES: &[Case] = &[
     rope_scaling_case("qwen2_yarn", "gguf/qwen2_yarn.bf16.gguf"),
     rope_scaling_case("llama_yarn", "hf"),
     rope_scaling_case("llama_linear", "hf"),
+    // LongRoPE (Phi-3.5 / Phi-4-mini: partial rotary, tied embeddings). The 78-token
+    // prompt is past the 32-token original context, so transformers rotates with the long
+    // factors, as lantern does for a model served with its whole 128-token context; short
+    // factors there move the last logits by 10, the scaling off by 18.
+    rope_scaling_case("phi3_longrope", "hf"),
+    // llama.cpp's converter's file: `rope_factors_long/short.weight`, `rope.scaling.attn_factor`.
+    rope_scaling_case("phi3_longrope", "gguf/phi3_longrope.bf16.gguf"),
 ];
 
 /// Logits, absolute. The arithmetic is the reference's (float32 on the same weights),
@@ -549,5 +556,56 @@ fn quantized_kernels_stay_near_the_reference() {
                 p.id
             );
         }
+    }
+}
+
+/// A LongRoPE model served within its original context (`--max-model-len 32` of 32)
+/// rotates with the short factors, as transformers does for sequences that short: the
+/// last logits of `text_a`'s first 24 tokens equal its reference (`short_context.npz`),
+/// for the Hugging Face directory and llama.cpp's GGUF alike, through the engine's own
+/// loading path. Served with the whole context, the same tokens rotate with the long
+/// factors and land far from it.
+#[test]
+fn longrope_uses_the_short_factors_within_the_original_context() {
+    let dir = fixture("phi3_longrope");
+    let mut npz = npyz::npz::NpzArchive::open(dir.join("ref/short_context.npz")).unwrap();
+    let ids: Vec<u32> = npz
+        .by_name("prompt_ids")
+        .unwrap()
+        .unwrap()
+        .into_vec::<i32>()
+        .unwrap()
+        .into_iter()
+        .map(|i| i as u32)
+        .collect();
+    let reference: Vec<f32> = npz
+        .by_name("last_logits")
+        .unwrap()
+        .unwrap()
+        .into_vec()
+        .unwrap();
+    for model in ["hf", "gguf/phi3_longrope.bf16.gguf"] {
+        let last_logits = |max_model_len: Option<usize>| {
+            let config = EngineConfig {
+                kv_cache_memory: 16 << 20,
+                kv_cache_dtype: KvDtype::F32,
+                max_model_len,
+                ..EngineConfig::default()
+            };
+            let load = lantern_engine::options::ModelLoad::default();
+            let mut engine =
+                lantern_engine::options::load_engine(&dir.join(model), &load, config).unwrap();
+            let params = SamplingParams {
+                prompt_logits: true,
+                ..SamplingParams::greedy(1)
+            };
+            let out = engine.generate(vec![(ids.clone(), params)]).unwrap();
+            let rows = out[0].prompt_logits.clone().unwrap();
+            rows[rows.len() - reference.len()..].to_vec()
+        };
+        let within = common::max_abs_diff(&last_logits(Some(32)), &reference);
+        assert!(within < 1e-4, "{model}: short factors {within} from transformers");
+        let whole = common::max_abs_diff(&last_logits(None), &reference);
+        assert!(whole > 0.1, "{model}: long factors only {whole} from the short reference");
     }
 }

@@ -30,6 +30,10 @@ const ARCHS: &[&str] = &[
     "gpt_neox",
     "gpt2",
     "smollm3",
+    // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
+    // host's RoPE table the step uploads).
+    "qwen2_yarn",
+    "phi3_longrope",
 ];
 const BACKENDS: &[&str] = &[lantern_cuda::CUDA, lantern_cuda::CUDA_FLASHINFER];
 

@@ -20,7 +20,6 @@ pub const SUPPORTED: &[&str] = &[
 
 /// The decoder `source` describes.
 pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
-    refuse_unsupported_rope(source)?;
     let params = HParams::read(source)?;
     match params.architecture.as_str() {
         // Llama 2/3, SmolLM, Mistral, Mixtral (GGUF writes them as llama; Mixtral's
@@ -48,21 +47,6 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gpt2" => gpt2(params),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
-}
-
-/// LongRoPE (Phi-3 128k and Phi-3.5: per-frequency factors, short ones applied from
-/// the first token) is not implemented: without this check such a file would load and
-/// silently compute with the wrong rotations.
-fn refuse_unsupported_rope(source: &dyn WeightSource) -> Result<()> {
-    for tensor in ["rope_factors_long.weight", "rope_factors_short.weight"] {
-        if source.has_tensor(tensor) {
-            return Err(ModelError::InvalidConfig(format!(
-                "tensor `{tensor}`: LongRoPE scaling (Phi-3 128k, Phi-3.5) is not supported; \
-                 use a checkpoint without it (e.g. Phi-3 mini 4k)"
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// Gemma's common shape: sandwich norms, GeGLU, embeddings scaled by `sqrt(hidden)`,

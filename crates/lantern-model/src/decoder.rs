@@ -12,7 +12,7 @@ use crate::compute::{AttentionCall, Compute};
 use crate::error::{ModelError, Result};
 use crate::hparams::HParams;
 use crate::linear::tensor_to_vec;
-use crate::rope::{Rope, RopePairs, RopeScaling};
+use crate::rope::{Rope, RopePairs, RopeScaling, LONG_FACTORS, SHORT_FACTORS};
 use crate::source::WeightSource;
 use crate::{
     CausalLm, ForwardBatch, LoadOptions, LoadProgress, LogitEdit, ModelInfo, RowPick, StepLogitRows,
@@ -272,11 +272,20 @@ impl<C: Compute> Decoder<C> {
         }
         let output_norm = Norm::load(c, &mut loader, ("output_norm", spec.norm), h, eps)?;
         let output = loader.opt_linear(c, "output.weight", p.vocab_size, h)?;
-        let freq_factors = if loader.has("rope_freqs.weight") {
-            let t = loader.tensor("rope_freqs.weight", &[p.rope_dim / 2])?;
-            Some(tensor_to_vec("rope_freqs.weight", &t)?)
-        } else {
-            None
+        let freq_factors = match p.rope_scaling {
+            RopeScaling::LongRope {
+                original_context, ..
+            } => Some(long_rope_factors(
+                &mut loader,
+                p,
+                options.context_length.unwrap_or(p.context_length),
+                original_context,
+            )?),
+            _ if loader.has("rope_freqs.weight") => {
+                let t = loader.tensor("rope_freqs.weight", &[p.rope_dim / 2])?;
+                Some(tensor_to_vec("rope_freqs.weight", &t)?)
+            }
+            _ => None,
         };
         loader.finish();
         let mut ropes: Vec<Rope> = Vec::new();
@@ -586,6 +595,34 @@ impl<C: Compute> CausalLm for Decoder<C> {
             picked,
         })
     }
+}
+
+/// LongRoPE's divisors for a model served with `context` tokens: the long set beyond the
+/// original context, else the short one (llama.cpp's choice; transformers instead switches
+/// per forward by the sequence's length, which a cache of already-rotated keys cannot
+/// follow). Both sets are read, so a file missing either is refused whatever the context.
+fn long_rope_factors(
+    loader: &mut Loader,
+    p: &HParams,
+    context: usize,
+    original_context: usize,
+) -> Result<Vec<f32>> {
+    let mut read = |name: &str| -> Result<Vec<f32>> {
+        if !loader.has(name) {
+            return Err(ModelError::MissingTensor { name: name.into() });
+        }
+        let t = loader.tensor(name, &[p.rope_dim / 2])?;
+        tensor_to_vec(name, &t)
+    };
+    let (long, short) = (read(LONG_FACTORS)?, read(SHORT_FACTORS)?);
+    let use_long = context > original_context;
+    tracing::info!(
+        context,
+        original_context,
+        "LongRoPE: the {} factors",
+        if use_long { "long" } else { "short" }
+    );
+    Ok(if use_long { long } else { short })
 }
 
 /// Whether `rows` are `0..total` in order (the selection would copy everything).

@@ -211,6 +211,10 @@ pub struct LoadOptions {
     /// Hugging Face directories: store every weight matrix in this type at load
     /// (`Q8_0`, ...); `None` keeps each tensor's own f32/f16/bf16. GGUF files ignore it.
     pub quantize: Option<candle_core::quantized::GgmlDType>,
+    /// The context the model will serve (the engine's `--max-model-len`); `None`: the
+    /// model's own. LongRoPE models pick their long-context factors beyond the original
+    /// context by it.
+    pub context_length: Option<usize>,
 }
 
 /// Loads a model: a GGUF file, or a Hugging Face directory (`config.json`, safetensors,

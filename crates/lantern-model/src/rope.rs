@@ -35,13 +35,33 @@ pub enum RopeScaling {
         /// Round the ramp's ends outwards to whole dimensions (both do by default).
         truncate: bool,
     },
+    /// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): one set of per-frequency divisors for
+    /// contexts up to `original_context` tokens and one beyond (`rope_factors_short.weight`,
+    /// `rope_factors_long.weight`; the decoder picks one by the context it serves, as
+    /// llama.cpp does), and cos/sin multiplied by `attention_factor`.
+    LongRope {
+        original_context: usize,
+        attention_factor: f32,
+    },
 }
+
+/// LongRoPE's divisors for contexts beyond the original one.
+pub const LONG_FACTORS: &str = "rope_factors_long.weight";
+/// LongRoPE's divisors for contexts up to the original one.
+pub const SHORT_FACTORS: &str = "rope_factors_short.weight";
 
 impl RopeScaling {
     pub fn read(src: &dyn WeightSource, arch: &str) -> Result<Self> {
         let key = |k: &str| format!("{arch}.rope.scaling.{k}");
         let factor = src.opt_f32(&key("factor"))?;
+        let long_rope = src.has_tensor(LONG_FACTORS) || src.has_tensor(SHORT_FACTORS);
         let scaling = match src.opt_string(&key("type"))? {
+            // llama.cpp's converter writes LongRoPE as the two tensors and
+            // `rope.scaling.attn_factor`, without a type.
+            None | Some("none") if long_rope => Self::LongRope {
+                original_context: src.get_usize(&key("original_context_length"))?,
+                attention_factor: src.opt_f32(&key("attn_factor"))?.unwrap_or(1.0),
+            },
             None | Some("none") => Self::None,
             Some("linear") => Self::Linear(factor.unwrap_or(1.0)),
             Some("yarn") => {
@@ -87,6 +107,10 @@ impl RopeScaling {
             Self::Yarn {
                 original_context: 0,
                 ..
+            }
+            | Self::LongRope {
+                original_context: 0,
+                ..
             } => bad("original_context_length"),
             Self::Yarn {
                 beta_fast,
@@ -94,6 +118,9 @@ impl RopeScaling {
                 ..
             } if !positive(*beta_fast) || !positive(*beta_slow) => bad("beta_fast/beta_slow"),
             Self::Yarn {
+                attention_factor, ..
+            }
+            | Self::LongRope {
                 attention_factor, ..
             } if !positive(*attention_factor) => bad("attention factor"),
             _ => Ok(scaling),
@@ -112,8 +139,8 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// `freq_factors` (Llama 3 style `rope_freqs`) divide the frequencies; `scaling` as
-    /// the file gives it.
+    /// `freq_factors` (Llama 3's `rope_freqs`, LongRoPE's chosen set) divide the
+    /// frequencies; `scaling` as the file gives it.
     pub fn new(
         rotary_dim: usize,
         base: f32,
@@ -134,6 +161,9 @@ impl Rope {
         let (inv_freq, magnitude) = match *scaling {
             RopeScaling::None => (original, 1.0),
             RopeScaling::Linear(factor) => (original.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::LongRope {
+                attention_factor, ..
+            } => (original, attention_factor),
             RopeScaling::Yarn {
                 factor,
                 original_context,

@@ -148,6 +148,10 @@ impl TinyLlama {
                 Value::U32(self.experts_used as u32),
             ));
         }
+        if self.extra_vectors.iter().any(|v| v.starts_with("rope_factors_")) {
+            // LongRoPE's factors come with the context they were trained for.
+            metadata.push((key("rope.scaling.original_context_length"), Value::U32(64)));
+        }
         metadata.retain(|(k, _)| !self.omit_keys.contains(k));
 
         let mut seed = self.seed;

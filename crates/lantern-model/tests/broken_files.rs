@@ -1,5 +1,6 @@
 //! Broken model files give errors that name the problem, never a panic.
 
+use lantern_model::rope::{LONG_FACTORS, SHORT_FACTORS};
 use lantern_model::synthetic::TinyLlama;
 use lantern_model::{load_model, LoadOptions, ModelError};
 use std::path::{Path, PathBuf};
@@ -27,18 +28,34 @@ fn a_whole_tiny_model_loads() {
 }
 
 #[test]
-fn longrope_files_are_refused_naming_the_tensor() {
+fn longrope_files_missing_a_part_are_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
-    for tensor in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+    let both = || vec![LONG_FACTORS.to_string(), SHORT_FACTORS.to_string()];
+    let whole = TinyLlama {
+        extra_vectors: both(),
+        ..TinyLlama::default()
+    };
+    load(&tiny(dir.path(), "longrope.gguf", &whole)).unwrap();
+    for (present, missing) in [(LONG_FACTORS, SHORT_FACTORS), (SHORT_FACTORS, LONG_FACTORS)] {
         let model = TinyLlama {
-            extra_vectors: vec![tensor.to_string()],
+            extra_vectors: vec![present.to_string()],
             ..TinyLlama::default()
         };
-        let err = load(&tiny(dir.path(), "longrope.gguf", &model))
+        let err = load(&tiny(dir.path(), "half.gguf", &model))
             .unwrap_err()
             .to_string();
-        assert!(err.contains(tensor) && err.contains("LongRoPE"), "{err}");
+        assert!(err.contains(missing), "{err}");
     }
+    let key = "llama.rope.scaling.original_context_length";
+    let model = TinyLlama {
+        extra_vectors: both(),
+        omit_keys: vec![key.to_string()],
+        ..TinyLlama::default()
+    };
+    let err = load(&tiny(dir.path(), "no_context.gguf", &model))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(key), "{err}");
 }
 
 #[test]

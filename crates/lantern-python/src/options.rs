@@ -260,6 +260,7 @@ impl EngineOptions {
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
                 f32_weights: self.f32_weights,
                 quantize: self.quantize,
+                context_length: None,
             },
             device: self.device,
             gpu_memory_utilization: self.gpu_memory_utilization,

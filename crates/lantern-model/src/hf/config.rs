@@ -42,8 +42,9 @@ pub struct HfConfig {
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// Llama 3 `rope_scaling`: one divisor per rotary frequency (`rope_freqs.weight`).
-    pub rope_freqs: Option<Vec<f32>>,
+    /// RoPE scaling's per-frequency vectors, named as llama.cpp's converter writes them:
+    /// Llama 3's divisors (`rope_freqs.weight`), LongRoPE's two sets.
+    pub rope_tensors: Vec<(&'static str, Vec<f32>)>,
     pub metadata: HashMap<String, Value>,
 }
 
@@ -204,7 +205,7 @@ impl HfConfig {
             None => head_dim,
         };
         m.insert(k("rope.dimension_count"), u(rotary));
-        let rope_freqs = rope_scaling(&c, a, &mut m, rope_theta, rotary)?;
+        let rope_tensors = rope_scaling(&c, a, &mut m, rope_theta, rotary)?;
         for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
             if let Some(cap) = c.opt_f64(key)? {
                 m.insert(k(key), Value::F32(cap as f32));
@@ -245,7 +246,7 @@ impl HfConfig {
             tie_word_embeddings,
             bos_token_id: c.opt_ids("bos_token_id")?.first().copied(),
             eos_token_ids: c.opt_ids("eos_token_id")?,
-            rope_freqs,
+            rope_tensors,
             metadata: m,
         })
     }

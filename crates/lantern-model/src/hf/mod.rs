@@ -1,7 +1,8 @@
 //! Hugging Face checkpoint directories (`config.json`, safetensors, `tokenizer.json`),
 //! presented through [`WeightSource`] the way llama.cpp's `convert_hf_to_gguf.py` would
 //! write them: GGUF tensor names, q/k rows permuted for GGUF arch `llama`, Gemma norms as
-//! `1 + w`, Llama 3 scaling as `rope_freqs.weight`, tied embeddings without `output.weight`,
+//! `1 + w`, Llama 3 scaling as `rope_freqs.weight` and LongRoPE's as
+//! `rope_factors_long/short.weight`, tied embeddings without `output.weight`,
 //! GPT-2's `Conv1D` weights transposed, GPT-NeoX's q/k/v rows grouped q, k, v.
 
 pub mod config;
@@ -36,9 +37,14 @@ pub struct HfDirectory {
     quantize: Option<GgmlDType>,
 }
 
-const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl HfDirectory {
+    /// A RoPE scaling vector the config implies (no such tensor is stored).
+    fn rope_tensor(&self, name: &str) -> Option<&[f32]> {
+        let (_, values) = self.config.rope_tensors.iter().find(|(n, _)| *n == name)?;
+        Some(values)
+    }
+
     /// Reads `config.json` and the safetensors headers. `quantize`: store every 2-D weight
     /// in this type (rows that are not a multiple of its block stay as they are).
     pub fn open(dir: &Path, quantize: Option<GgmlDType>) -> Result<Self> {
@@ -207,12 +213,8 @@ impl WeightSource for HfDirectory {
     }
 
     fn tensor_info(&self, name: &str) -> Option<(Vec<usize>, GgmlDType)> {
-        if name == ROPE_FREQS {
-            return self
-                .config
-                .rope_freqs
-                .as_ref()
-                .map(|f| (vec![f.len()], GgmlDType::F32));
+        if let Some(values) = self.rope_tensor(name) {
+            return Some((vec![values.len()], GgmlDType::F32));
         }
         let hf = self.by_gguf_name.get(name)?;
         let stored = self.weights.get(hf)?;
@@ -226,9 +228,7 @@ impl WeightSource for HfDirectory {
 
     fn tensor_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.by_gguf_name.keys().cloned().collect();
-        if self.config.rope_freqs.is_some() {
-            names.push(ROPE_FREQS.into());
-        }
+        names.extend(self.config.rope_tensors.iter().map(|(n, _)| n.to_string()));
         names
     }
 
@@ -237,11 +237,9 @@ impl WeightSource for HfDirectory {
             name: name.to_string(),
             source,
         };
-        if name == ROPE_FREQS {
-            if let Some(freqs) = &self.config.rope_freqs {
-                let t = Tensor::from_slice(freqs, freqs.len(), &Device::Cpu).map_err(wrap)?;
-                return QTensor::quantize(&t, GgmlDType::F32).map_err(wrap);
-            }
+        if let Some(values) = self.rope_tensor(name) {
+            let t = Tensor::from_slice(values, values.len(), &Device::Cpu).map_err(wrap)?;
+            return QTensor::quantize(&t, GgmlDType::F32).map_err(wrap);
         }
         let (_, target) = self.tensor_info(name).ok_or_else(|| {
             // Named as the checkpoint would hold it.

@@ -61,17 +61,21 @@ pub(super) fn lift_rope_parameters(path: &Path, config: &Json) -> Result<Json> {
     Ok(Json::Object(lifted))
 }
 
-/// `llama3` becomes `rope_freqs.weight` (written by the tensor reader, as llama.cpp does);
-/// `linear` and `yarn` become `rope.scaling.*` keys.
+/// Vectors the tensor reader presents as tensors, named as llama.cpp's converter writes them.
+pub(super) type RopeTensors = Vec<(&'static str, Vec<f32>)>;
+
+/// `llama3` becomes `rope_freqs.weight` and `longrope` the two factor sets (written by the
+/// tensor reader, as llama.cpp does); `linear`, `yarn` and LongRoPE's other parameters
+/// become `rope.scaling.*` keys.
 pub(super) fn rope_scaling(
     c: &Keys,
     a: &str,
     m: &mut HashMap<String, Value>,
     theta: f64,
     rotary_dim: usize,
-) -> Result<Option<Vec<f32>>> {
+) -> Result<RopeTensors> {
     let Some(scaling) = c.json.get("rope_scaling").filter(|v| !v.is_null()) else {
-        return Ok(None);
+        return Ok(Vec::new());
     };
     let s = Keys {
         path: c.path,
@@ -93,15 +97,20 @@ pub(super) fn rope_scaling(
         "llama3" => {
             let num =
                 |key: &str, default: f64| -> Result<f64> { Ok(s.opt_f64(key)?.unwrap_or(default)) };
-            return Ok(Some(llama3_divisors(
+            return Ok(vec![(
+                "rope_freqs.weight",
+                llama3_divisors(
                 theta,
                 rotary_dim,
                 factor()?,
                 num("low_freq_factor", 1.0)?,
                 num("high_freq_factor", 4.0)?,
-                num("original_max_position_embeddings", 8192.0)?,
-            )));
+                    num("original_max_position_embeddings", 8192.0)?,
+                ),
+            )]);
         }
+        // `su` is LongRoPE's first name (Phi-3's first 128k configs).
+        "longrope" | "su" => return long_rope(c, &s, m, &key, rotary_dim),
         "linear" => {
             m.insert(key("type"), Value::String(kind.into()));
             m.insert(key("factor"), Value::F32(factor()? as f32));
@@ -111,26 +120,18 @@ pub(super) fn rope_scaling(
             return Err(invalid(
                 c.path,
                 format!(
-                "rope_scaling type `{other}` is not supported (supported: llama3, linear, yarn)"
+                "rope_scaling type `{other}` is not supported (supported: llama3, linear, yarn, longrope)"
             ),
             ))
         }
     }
-    Ok(None)
+    Ok(Vec::new())
 }
 
-/// YaRN as transformers' `_compute_yarn_parameters` reads it: the original context from a
-/// top-level `original_max_position_embeddings` (Phi-3 style, which wins), else the
-/// scaling's own, else `max_position_embeddings`; `factor` by default their ratio;
-/// `beta_fast`/`beta_slow` 32/1 when absent or 0; the attention factor given, or
-/// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are given (and
-/// non-zero), or `mscale(factor)`, with `mscale(f, m) = 0.1 m ln(f) + 1` (1 for f <= 1).
-fn yarn(
-    c: &Keys,
-    s: &Keys,
-    m: &mut HashMap<String, Value>,
-    key: &dyn Fn(&str) -> String,
-) -> Result<()> {
+/// The original context as transformers reads it for YaRN and LongRoPE: a top-level
+/// `original_max_position_embeddings` (Phi-3 style, which wins), else the scaling's own,
+/// else `max_position_embeddings`.
+fn original_context(c: &Keys, s: &Keys) -> Result<usize> {
     let original = match c.opt_usize("original_max_position_embeddings")? {
         Some(o) => o,
         None => match s.opt_usize("original_max_position_embeddings")? {
@@ -144,6 +145,72 @@ fn yarn(
             "rope_scaling: the original context length is 0".into(),
         ));
     }
+    Ok(original)
+}
+
+/// LongRoPE as transformers' `_compute_longrope_parameters` reads it: `short_factor` and
+/// `long_factor`, one divisor per rotary frequency each; the attention factor given, or
+/// `sqrt(1 + ln(f) / ln(original))` (1 for f <= 1) with `f` the scaling's `factor` or
+/// `max_position_embeddings / original`.
+fn long_rope(
+    c: &Keys,
+    s: &Keys,
+    m: &mut HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+    rotary_dim: usize,
+) -> Result<RopeTensors> {
+    let original = original_context(c, s)?;
+    let factors = |name: &str| -> Result<Vec<f32>> {
+        let bad = |why: &str| invalid(c.path, format!("rope_scaling `{name}` {why}"));
+        let list = s
+            .json
+            .get(name)
+            .and_then(Json::as_array)
+            .ok_or_else(|| bad("is missing (LongRoPE needs it)"))?;
+        if list.len() != rotary_dim / 2 {
+            return Err(bad(&format!(
+                "has {} values; the {rotary_dim} rotary dimensions need {}",
+                list.len(),
+                rotary_dim / 2
+            )));
+        }
+        list.iter()
+            .map(|v| match v.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f as f32),
+                _ => Err(bad(&format!("holds {v}, not a positive number"))),
+            })
+            .collect()
+    };
+    let (long, short) = (factors("long_factor")?, factors("short_factor")?);
+    let factor = match s.opt_f64("factor")? {
+        Some(f) => f,
+        None => c.opt_usize("max_position_embeddings")?.unwrap_or(2048) as f64 / original as f64,
+    };
+    let attention_factor = match s.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    m.insert(key("original_context_length"), Value::U32(original as u32));
+    m.insert(key("attn_factor"), Value::F32(attention_factor as f32));
+    Ok(vec![
+        (crate::rope::LONG_FACTORS, long),
+        (crate::rope::SHORT_FACTORS, short),
+    ])
+}
+
+/// YaRN as transformers' `_compute_yarn_parameters` reads it: the original context as
+/// [`original_context`] reads it; `factor` by default `max_position_embeddings` over it;
+/// `beta_fast`/`beta_slow` 32/1 when absent or 0; the attention factor given, or
+/// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are given (and
+/// non-zero), or `mscale(factor)`, with `mscale(f, m) = 0.1 m ln(f) + 1` (1 for f <= 1).
+fn yarn(
+    c: &Keys,
+    s: &Keys,
+    m: &mut HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let original = original_context(c, s)?;
     let factor = match s.opt_f64("factor")? {
         Some(f) => f,
         None => c.opt_usize("max_position_embeddings")?.unwrap_or(2048) as f64 / original as f64,
@@ -337,5 +404,70 @@ mod tests {
         let err =
             metadata(json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})).unwrap_err();
         assert!(err.to_string().contains("dynamic"), "{err}");
+    }
+
+    fn long_rope_config(extra: serde_json::Value) -> Result<HfConfig> {
+        // Phi-3.5-mini's shape of config: a top-level original context, the old `type`.
+        let mut config = json!({
+            "model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 128,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5],
+                             "long_factor": [2.0, 3.0]},
+            "partial_rotary_factor": 0.125,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            match (k.as_str(), v) {
+                ("rope_scaling", serde_json::Value::Object(o)) => {
+                    config["rope_scaling"].as_object_mut().unwrap().extend(o.clone())
+                }
+                _ => config[k] = v.clone(),
+            }
+        }
+        HfConfig::from_json(Path::new("config.json"), &config)
+    }
+
+    #[test]
+    fn longrope_becomes_llama_cpp_s_two_factor_sets_and_attention_factor() {
+        let c = long_rope_config(json!({})).unwrap();
+        let tensors: Vec<(&str, Vec<f32>)> = c.rope_tensors.clone();
+        assert_eq!(
+            tensors,
+            vec![
+                ("rope_factors_long.weight", vec![2.0, 3.0]),
+                ("rope_factors_short.weight", vec![1.0, 1.5]),
+            ]
+        );
+        let m = &c.metadata;
+        assert_eq!(
+            number(m, "phi3.rope.scaling.original_context_length"),
+            Some(4096.0)
+        );
+        // sqrt(1 + ln(131072 / 4096) / ln(4096)), as transformers and llama.cpp's converter.
+        let a = number(m, "phi3.rope.scaling.attn_factor").unwrap();
+        assert!((a - 1.190_238_071_423_808).abs() < 1e-6, "{a}");
+        // A given factor or attention factor wins (transformers 5); `rope_type` also names it.
+        let c = long_rope_config(json!({"rope_scaling": {"factor": 8.0}})).unwrap();
+        let a = number(&c.metadata, "phi3.rope.scaling.attn_factor").unwrap();
+        assert!((a - (1.0 + 8f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-6, "{a}");
+        let c = long_rope_config(json!({"rope_scaling": {"rope_type": "longrope",
+            "attention_factor": 1.0}}))
+        .unwrap();
+        assert_eq!(number(&c.metadata, "phi3.rope.scaling.attn_factor"), Some(1.0));
+        // Within the original context: no scaling of cos/sin.
+        let c = long_rope_config(json!({"max_position_embeddings": 4096})).unwrap();
+        assert_eq!(number(&c.metadata, "phi3.rope.scaling.attn_factor"), Some(1.0));
+    }
+
+    #[test]
+    fn longrope_factors_that_do_not_fit_are_refused_naming_the_key() {
+        for (extra, key, what) in [
+            (json!({"rope_scaling": {"long_factor": [1.0]}}), "long_factor", "need 2"),
+            (json!({"rope_scaling": {"short_factor": null}}), "short_factor", "missing"),
+            (json!({"rope_scaling": {"short_factor": [1.0, -1.0]}}), "short_factor", "-1"),
+        ] {
+            let err = long_rope_config(extra).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(what), "{err}");
+        }
     }
 }

@@ -144,14 +144,13 @@ pub fn load_engine(
         context_length: config.max_model_len,
         ..load.weights
     };
-    let mut placed =
-        crate::device::load_on(load.device, path, &weights).map_err(|e| match e {
-            EngineError::Model(source) => LoadEngineError::Model {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            },
-            other => Box::new(other).into(),
-        })?;
+    let mut placed = crate::device::load_on(load.device, path, &weights).map_err(|e| match e {
+        EngineError::Model(source) => LoadEngineError::Model {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        },
+        other => Box::new(other).into(),
+    })?;
     let loaded = &mut placed.loaded;
     if !load.model_sampling_defaults {
         loaded.sampling_defaults = Default::default();

@@ -189,6 +189,21 @@ fn fixture(arch: &str) -> PathBuf {
 }
 
 impl Case {
+    /// The row's model file: in the repository's fixtures, or (the large f32 GGUF files
+    /// left out of the repository to keep it small enough for a GPU machine) in the shared
+    /// reference folder beside it, which CI has.
+    fn model_path(&self) -> PathBuf {
+        let here = fixture(self.arch).join(self.model);
+        let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/reference/archs")
+            .join(self.arch)
+            .join(self.model);
+        match (here.exists(), shared.exists()) {
+            (false, true) => shared,
+            _ => here,
+        }
+    }
+
     fn name(&self) -> String {
         let mut name = format!("{}/{}", self.arch, self.model);
         for (key, _) in self.extra {
@@ -208,7 +223,7 @@ impl Case {
             f32_weights,
             ..Default::default()
         };
-        let path = fixture(self.arch).join(self.model);
+        let path = self.model_path();
         let loaded = if self.extra.is_empty() {
             lantern_model::load_model(&path, &options)
         } else {
@@ -604,8 +619,14 @@ fn longrope_uses_the_short_factors_within_the_original_context() {
             rows[rows.len() - reference.len()..].to_vec()
         };
         let within = common::max_abs_diff(&last_logits(Some(32)), &reference);
-        assert!(within < 1e-4, "{model}: short factors {within} from transformers");
+        assert!(
+            within < 1e-4,
+            "{model}: short factors {within} from transformers"
+        );
         let whole = common::max_abs_diff(&last_logits(None), &reference);
-        assert!(whole > 0.1, "{model}: long factors only {whole} from the short reference");
+        assert!(
+            whole > 0.1,
+            "{model}: long factors only {whole} from the short reference"
+        );
     }
 }

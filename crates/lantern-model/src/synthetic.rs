@@ -148,7 +148,11 @@ impl TinyLlama {
                 Value::U32(self.experts_used as u32),
             ));
         }
-        if self.extra_vectors.iter().any(|v| v.starts_with("rope_factors_")) {
+        if self
+            .extra_vectors
+            .iter()
+            .any(|v| v.starts_with("rope_factors_"))
+        {
             // LongRoPE's factors come with the context they were trained for.
             metadata.push((key("rope.scaling.original_context_length"), Value::U32(64)));
         }

@@ -37,7 +37,6 @@ pub struct HfDirectory {
     quantize: Option<GgmlDType>,
 }
 
-
 impl HfDirectory {
     /// A RoPE scaling vector the config implies (no such tensor is stored).
     fn rope_tensor(&self, name: &str) -> Option<&[f32]> {

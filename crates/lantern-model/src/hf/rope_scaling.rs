@@ -418,9 +418,10 @@ mod tests {
         });
         for (k, v) in extra.as_object().unwrap() {
             match (k.as_str(), v) {
-                ("rope_scaling", serde_json::Value::Object(o)) => {
-                    config["rope_scaling"].as_object_mut().unwrap().extend(o.clone())
-                }
+                ("rope_scaling", serde_json::Value::Object(o)) => config["rope_scaling"]
+                    .as_object_mut()
+                    .unwrap()
+                    .extend(o.clone()),
                 _ => config[k] = v.clone(),
             }
         }
@@ -449,22 +450,43 @@ mod tests {
         // A given factor or attention factor wins (transformers 5); `rope_type` also names it.
         let c = long_rope_config(json!({"rope_scaling": {"factor": 8.0}})).unwrap();
         let a = number(&c.metadata, "phi3.rope.scaling.attn_factor").unwrap();
-        assert!((a - (1.0 + 8f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-6, "{a}");
+        assert!(
+            (a - (1.0 + 8f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-6,
+            "{a}"
+        );
         let c = long_rope_config(json!({"rope_scaling": {"rope_type": "longrope",
             "attention_factor": 1.0}}))
         .unwrap();
-        assert_eq!(number(&c.metadata, "phi3.rope.scaling.attn_factor"), Some(1.0));
+        assert_eq!(
+            number(&c.metadata, "phi3.rope.scaling.attn_factor"),
+            Some(1.0)
+        );
         // Within the original context: no scaling of cos/sin.
         let c = long_rope_config(json!({"max_position_embeddings": 4096})).unwrap();
-        assert_eq!(number(&c.metadata, "phi3.rope.scaling.attn_factor"), Some(1.0));
+        assert_eq!(
+            number(&c.metadata, "phi3.rope.scaling.attn_factor"),
+            Some(1.0)
+        );
     }
 
     #[test]
     fn longrope_factors_that_do_not_fit_are_refused_naming_the_key() {
         for (extra, key, what) in [
-            (json!({"rope_scaling": {"long_factor": [1.0]}}), "long_factor", "need 2"),
-            (json!({"rope_scaling": {"short_factor": null}}), "short_factor", "missing"),
-            (json!({"rope_scaling": {"short_factor": [1.0, -1.0]}}), "short_factor", "-1"),
+            (
+                json!({"rope_scaling": {"long_factor": [1.0]}}),
+                "long_factor",
+                "need 2",
+            ),
+            (
+                json!({"rope_scaling": {"short_factor": null}}),
+                "short_factor",
+                "missing",
+            ),
+            (
+                json!({"rope_scaling": {"short_factor": [1.0, -1.0]}}),
+                "short_factor",
+                "-1",
+            ),
         ] {
             let err = long_rope_config(extra).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains(what), "{err}");

@@ -107,6 +107,11 @@ const CASES: &[Case] = &[
     case("gpt2", "gguf/gpt2.q8_0.gguf", ".q8_0", Quantized),
     // SmolLM3: Llama's block, layer 3 without RoPE.
     case("smollm3", "gguf/smollm3.q8_0.gguf", ".q8_0", Quantized),
+    // Gemma 1 (norms before each block only), Granite (its four multipliers), Phi-2 (one
+    // LayerNorm for both blocks side by side, the LM head's bias).
+    case("gemma", "gguf/gemma.q8_0.gguf", ".q8_0", Quantized),
+    case("granite", "gguf/granite.q8_0.gguf", ".q8_0", Quantized),
+    case("phi", "gguf/phi.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.q8_0.gguf", ".q8_0", Quantized),
@@ -152,6 +157,9 @@ const CASES: &[Case] = &[
     case("gpt2", "hf", "", Exact),
     // `no_rope_layers` [1, 1, 1, 0].
     case("smollm3", "hf", "", Exact),
+    case("gemma", "hf", "", Exact),
+    case("granite", "hf", "", Exact),
+    case("phi", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

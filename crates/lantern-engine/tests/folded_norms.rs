@@ -87,6 +87,9 @@ impl Compute for Folding {
     fn soft_cap(&self, x: &mut Self::Act, cap: f32) -> Result<()> {
         Cpu.soft_cap(x, cap)
     }
+    fn scale(&self, x: &mut Self::Act, factor: f32) -> Result<()> {
+        Cpu.scale(x, factor)
+    }
     fn rope(
         &self,
         table: &Self::RopeTable,

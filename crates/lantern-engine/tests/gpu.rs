@@ -30,6 +30,9 @@ const ARCHS: &[&str] = &[
     "gpt_neox",
     "gpt2",
     "smollm3",
+    "gemma",
+    "granite",
+    "phi",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

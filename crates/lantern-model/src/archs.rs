@@ -14,8 +14,8 @@ use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
 pub const SUPPORTED: &[&str] = &[
-    "llama", "smollm3", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma2", "gemma3",
-    "gptneox", "gpt2",
+    "llama", "smollm3", "granite", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma",
+    "gemma2", "gemma3", "gptneox", "gpt2", "phi2",
 ];
 
 /// The decoder `source` describes.
@@ -26,6 +26,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         // layers have experts): q/k rows permuted so that rotary pairs are adjacent.
         "llama" => Ok(DecoderSpec::plain(params, RopePairs::Adjacent)),
         "smollm3" => smollm3(source, params),
+        "granite" => granite(source, params),
         // Qwen 2 (q/k/v biases) and Phi-3 (fused qkv and gate_up, partial rotary).
         "qwen2" | "phi3" => Ok(DecoderSpec::plain(params, RopePairs::Halves)),
         // Qwen3-MoE: Qwen 3 whose layers have experts (or not: `mlp_only_layers`).
@@ -41,10 +42,16 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             ..DecoderSpec::plain(params, RopePairs::Halves)
         }),
         "olmo2" => olmo2(source, params),
+        // Gemma 1: Gemma's block with norms before each block only.
+        "gemma" => Ok(DecoderSpec {
+            norm_placement: NormPlacement::Pre,
+            ..gemma(params, 0)?
+        }),
         "gemma2" => gemma2(params),
         "gemma3" => gemma3(source, params),
         "gptneox" => gptneox(source, params),
         "gpt2" => gpt2(params),
+        "phi2" => phi2(params),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
 }
@@ -195,6 +202,43 @@ fn gptneox(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
     Ok(DecoderSpec {
         parallel_residual: parallel,
         ..layer_norm_decoder(params, RopePairs::Halves, Activation::GeluErf)
+    })
+}
+
+/// Phi-2: one LayerNorm feeding attention and MLP side by side, partial NeoX-style RoPE,
+/// biases on every projection and on the LM head, tanh GELU.
+fn phi2(params: HParams) -> Result<DecoderSpec> {
+    Ok(DecoderSpec {
+        parallel_residual: true,
+        ..layer_norm_decoder(params, RopePairs::Halves, Activation::GeluTanh)
+    })
+}
+
+/// Granite (IBM Granite 3): Llama's block with four multipliers from the file: the
+/// embeddings', the attention scores' (in place of `1/sqrt(head_dim)`), each block's
+/// output as it joins the residual, and the logits' divisor.
+fn granite(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    let key = |k: &str| format!("{}.{k}", params.architecture);
+    let positive = |k: &str| -> Result<Option<f32>> {
+        match source.opt_f32(&key(k))? {
+            Some(v) if !(v.is_finite() && v > 0.0) => Err(ModelError::InvalidConfig(format!(
+                "`{}` is {v}; it must be positive",
+                key(k)
+            ))),
+            v => Ok(v),
+        }
+    };
+    let embed_scale = positive("embedding_scale")?;
+    let attention_scale = positive("attention.scale")?;
+    let residual_scale = positive("residual_scale")?;
+    let logit_scale = positive("logit_scale")?.map(|s| 1.0 / s);
+    let plain = DecoderSpec::plain(params, RopePairs::Adjacent);
+    Ok(DecoderSpec {
+        embed_scale,
+        attention_scale: attention_scale.unwrap_or(plain.attention_scale),
+        residual_scale,
+        logit_scale,
+        ..plain
     })
 }
 

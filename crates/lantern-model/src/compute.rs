@@ -158,6 +158,8 @@ pub trait Compute: Send + Sync + Sized + 'static {
     fn act_mul(&self, act: Activation, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
     /// `x = cap · tanh(x / cap)`.
     fn soft_cap(&self, x: &mut Self::Act, cap: f32) -> Result<()>;
+    /// `x *= factor` (Granite's residual and logit multipliers).
+    fn scale(&self, x: &mut Self::Act, factor: f32) -> Result<()>;
     /// Rotates `x` (`[tokens, heads, head_dim]`) by the step's table.
     fn rope(
         &self,
@@ -399,6 +401,11 @@ impl Compute for Cpu {
 
     fn soft_cap(&self, x: &mut Vec<f32>, cap: f32) -> Result<()> {
         ops::soft_cap(x, cap);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, factor: f32) -> Result<()> {
+        ops::scale(x, factor);
         Ok(())
     }
 

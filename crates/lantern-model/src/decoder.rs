@@ -43,6 +43,11 @@ pub struct DecoderSpec {
     pub embed_scale: Option<f32>,
     /// Multiplies `q . k`.
     pub attention_scale: f32,
+    /// Multiplies each block's output before it joins the residual stream (Granite's
+    /// `residual_multiplier`).
+    pub residual_scale: Option<f32>,
+    /// Multiplies the logits (Granite: `1 / logits_scaling`).
+    pub logit_scale: Option<f32>,
     /// Mixture-of-experts layers (those with a router, `ffn_gate_inp`) divide the chosen
     /// experts' probabilities by their sum, unless the file says otherwise
     /// (`expert_weights_norm`).
@@ -112,6 +117,8 @@ impl DecoderSpec {
             qk_norm: false,
             embed_scale: None,
             attention_scale: scalar.powf(-0.5),
+            residual_scale: None,
+            logit_scale: None,
             normalize_expert_weights: true,
             layers,
             params,
@@ -206,6 +213,10 @@ pub struct Decoder<C: Compute> {
     output_norm: Norm<C>,
     /// `None` when the output projection is tied to the token embeddings.
     output: Option<C::Matrix>,
+    /// The LM head's bias (Phi-2).
+    output_bias: Option<C::Vector>,
+    residual_scale: Option<f32>,
+    logit_scale: Option<f32>,
     final_soft_cap: Option<f32>,
     /// The distinct rotary embeddings, and which one each layer uses.
     ropes: Vec<Rope>,
@@ -260,18 +271,25 @@ impl<C: Compute> Decoder<C> {
                     .transpose()
             };
             let (before, after) = (spec.norm_placement.before(), spec.norm_placement.after());
+            // Side by side, one norm may feed both blocks (GPT-J, Phi-2).
+            let ffn_norm = before
+                && (!spec.parallel_residual || loader.has(&format!("blk.{l}.ffn_norm.weight")));
             let qk_norm_eps = spec.qk_norm.then_some(eps);
             layers.push(Layer {
                 attn_norm: norm(&mut loader, "attn_norm", before)?,
                 attention: Attention::load(c, &mut loader, l, shape, qk_norm_eps)?,
                 post_attention_norm: norm(&mut loader, "post_attention_norm", after)?,
-                ffn_norm: norm(&mut loader, "ffn_norm", before)?,
+                ffn_norm: norm(&mut loader, "ffn_norm", ffn_norm)?,
                 ffn: Ffn::load(c, &mut loader, &spec, l)?,
                 post_ffn_norm: norm(&mut loader, "post_ffw_norm", after)?,
             });
         }
         let output_norm = Norm::load(c, &mut loader, ("output_norm", spec.norm), h, eps)?;
         let output = loader.opt_linear(c, "output.weight", p.vocab_size, h)?;
+        let output_bias = loader
+            .opt_vector("output.bias", p.vocab_size)?
+            .map(|b| c.vector(b))
+            .transpose()?;
         let freq_factors = match p.rope_scaling {
             RopeScaling::LongRope {
                 original_context, ..
@@ -338,6 +356,9 @@ impl<C: Compute> Decoder<C> {
             layers,
             output_norm,
             output,
+            output_bias,
+            residual_scale: spec.residual_scale,
+            logit_scale: spec.logit_scale,
             final_soft_cap: p.final_logit_softcap,
             ropes,
             layer_rope,
@@ -362,6 +383,14 @@ impl<C: Compute> Layer<C> {
 }
 
 impl<C: Compute> Decoder<C> {
+    /// A block's output scaled as it joins the residual stream, where the model says so.
+    fn scale_residual(&self, c: &C, delta: &mut C::Act) -> Result<()> {
+        match self.residual_scale {
+            Some(s) => c.scale(delta, s),
+            None => Ok(()),
+        }
+    }
+
     /// The logits of `batch.logits_rows`, where the blocks run.
     fn logits(
         &self,
@@ -394,7 +423,8 @@ impl<C: Compute> Decoder<C> {
         // normalizes in one pass where the device fuses them; where it folds norms into
         // products (a decode step on a GPU), the products read and add to `x` instead.
         let mut pending: Option<C::Act> = None;
-        let folds = c.folds_norms(tokens) && !self.parallel_residual;
+        let folds =
+            c.folds_norms(tokens) && !self.parallel_residual && self.residual_scale.is_none();
         for (l, layer) in self.layers.iter().enumerate() {
             let call = AttentionCall {
                 layer: l,
@@ -452,6 +482,7 @@ impl<C: Compute> Decoder<C> {
                 c.add(&mut o, &m)?;
                 o
             } else {
+                self.scale_residual(c, &mut o)?;
                 let normed;
                 let h = match &layer.ffn_norm {
                     Some(norm) => {
@@ -465,10 +496,13 @@ impl<C: Compute> Decoder<C> {
                 };
                 layer.ffn.forward(c, h, tokens)?
             };
-            pending = Some(match &layer.post_ffn_norm {
+            let mut delta = match &layer.post_ffn_norm {
                 Some(norm) => norm.forward(c, &m)?,
                 None => m,
-            });
+            };
+            // Side by side, `delta` holds both blocks' outputs.
+            self.scale_residual(c, &mut delta)?;
+            pending = Some(delta);
         }
         if let Some(delta) = pending {
             c.add(&mut x, &delta)?;
@@ -493,6 +527,12 @@ impl<C: Compute> Decoder<C> {
             let normed = self.output_norm.forward(c, &selected)?;
             c.matmul(output, &normed, rows)?
         };
+        if let Some(bias) = &self.output_bias {
+            c.add_bias(&mut logits, bias)?;
+        }
+        if let Some(scale) = self.logit_scale {
+            c.scale(&mut logits, scale)?;
+        }
         if let Some(cap) = self.final_soft_cap {
             c.soft_cap(&mut logits, cap)?;
         }

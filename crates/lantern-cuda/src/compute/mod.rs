@@ -678,6 +678,10 @@ impl Compute for CudaCompute {
         self.gpu.soft_cap(&mut **x, cap).map_err(model_error)
     }
 
+    fn scale(&self, x: &mut GpuAct, factor: f32) -> Result<()> {
+        self.gpu.scale(&mut **x, factor).map_err(model_error)
+    }
+
     fn rope(
         &self,
         table: &GpuRopeTable,

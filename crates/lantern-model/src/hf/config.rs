@@ -15,6 +15,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "mistral",
     "smollm3",
+    "granite",
     "qwen2",
     "qwen3",
     "qwen3_moe",
@@ -22,9 +23,11 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "olmoe",
     "olmo2",
     "olmo3",
+    "gemma",
     "gemma2",
     "gemma3_text",
     "phi3",
+    "phi",
     "gpt_neox",
     "gpt2",
 ];
@@ -51,18 +54,18 @@ pub struct HfConfig {
 impl HfConfig {
     /// q/k rows permuted so rotary pairs are adjacent (GGUF arch `llama`).
     pub fn permutes_qk(&self) -> bool {
-        matches!(self.gguf_arch, "llama" | "smollm3")
+        matches!(self.gguf_arch, "llama" | "smollm3" | "granite")
     }
 
     /// RMSNorm weights stored as `1 + w`.
     pub fn norms_plus_one(&self) -> bool {
-        matches!(self.gguf_arch, "gemma2" | "gemma3")
+        matches!(self.gguf_arch, "gemma" | "gemma2" | "gemma3")
     }
 
     /// `post_attention_layernorm` is a norm of the attention's output (Gemma's sandwich,
     /// OLMo 2's post-norms), not the pre-FFN norm.
     pub fn sandwich_norms(&self) -> bool {
-        self.norms_plus_one() || self.gguf_arch == "olmo2"
+        matches!(self.gguf_arch, "gemma2" | "gemma3" | "olmo2")
     }
 
     /// GPT-2's `Conv1D` weights are stored `[in, out]`: transposed when read.
@@ -101,6 +104,7 @@ impl HfConfig {
         let gguf_arch: &'static str = match model_type.as_str() {
             "llama" | "mistral" | "mixtral" => "llama",
             "smollm3" => "smollm3",
+            "granite" => "granite",
             "qwen2" => "qwen2",
             "qwen3" => "qwen3",
             "qwen3_moe" => "qwen3moe",
@@ -108,9 +112,11 @@ impl HfConfig {
             "olmo2" | "olmo3" => "olmo2",
             "gpt_neox" => "gptneox",
             "gpt2" => "gpt2",
+            "gemma" => "gemma",
             "gemma2" => "gemma2",
             "gemma3_text" | "gemma3" => "gemma3",
             "phi3" => "phi3",
+            "phi" => "phi2",
             other => {
                 return Err(invalid(
                     path,
@@ -192,6 +198,8 @@ impl HfConfig {
         m.insert(k("rope.freq_base"), Value::F32(rope_theta as f32));
         let partial = match c.opt_f64("partial_rotary_factor")? {
             Some(f) => Some(f),
+            // Phi-2's config class defaults to half the head.
+            None if gguf_arch == "phi2" => Some(0.5),
             None => c.opt_f64("rotary_pct")?,
         };
         let rotary = match partial {
@@ -221,6 +229,9 @@ impl HfConfig {
             ));
         }
         sliding_window(&c, a, num_layers, &mut m)?;
+        if gguf_arch == "granite" {
+            granite_multipliers(&c, a, &mut m)?;
+        }
         rotary_layers(&c, num_layers, &mut m)?;
         experts(&c, &model_type, a, &mut m)?;
         // The sliding layers' own RoPE base (Gemma 3's default 10000; OLMo 3's the global one).
@@ -284,6 +295,11 @@ fn rotary_layers(c: &Keys, layers: usize, m: &mut HashMap<String, Value>) -> Res
 fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
     let (eps_key, act_key, acts): (_, _, &[&str]) = match a {
         "gptneox" => ("layer_norm_eps", "hidden_act", &["gelu"]),
+        "phi2" => (
+            "layer_norm_eps",
+            "hidden_act",
+            &["gelu_new", "gelu_pytorch_tanh"],
+        ),
         "gpt2" => (
             "layer_norm_epsilon",
             "activation_function",
@@ -307,6 +323,12 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
         let parallel = c.opt_bool("use_parallel_residual")?.unwrap_or(true);
         m.insert(format!("{a}.use_parallel_residual"), Value::Bool(parallel));
     }
+    if a == "phi2" && c.opt_bool("qk_layernorm")? == Some(true) {
+        return Err(invalid(
+            c.path,
+            "`qk_layernorm` true is not supported for phi".into(),
+        ));
+    }
     // GPT-2's ways of scaling attention other than 1/sqrt(head_dim).
     for (key, unsupported) in [
         ("scale_attn_by_inverse_layer_idx", true),
@@ -318,6 +340,22 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
                 format!("`{key}` {unsupported} is not supported"),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Granite's multipliers as llama.cpp's keys, with transformers' defaults (1, where
+/// llama.cpp's converter writes only those present: an absent `attention_multiplier` is
+/// 1 there too, not `1/sqrt(head_dim)`).
+fn granite_multipliers(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
+    for (hf, gguf) in [
+        ("embedding_multiplier", "embedding_scale"),
+        ("attention_multiplier", "attention.scale"),
+        ("residual_multiplier", "residual_scale"),
+        ("logits_scaling", "logit_scale"),
+    ] {
+        let value = c.opt_f64(hf)?.unwrap_or(1.0);
+        m.insert(format!("{a}.{gguf}"), Value::F32(value as f32));
     }
     Ok(())
 }
@@ -488,5 +526,66 @@ pub fn token_ids(value: Option<&Json>) -> Option<Vec<u32>> {
         None | Some(Json::Null) => Some(Vec::new()),
         Some(Json::Array(items)) => items.iter().map(id).collect(),
         Some(v) => id(v).map(|x| vec![x]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn config(model_type: &str, extra: Json) -> Result<HfConfig> {
+        let mut config = json!({
+            "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 128,
+        });
+        config
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        HfConfig::from_json(Path::new("config.json"), &config)
+    }
+
+    fn number(c: &HfConfig, key: &str) -> f64 {
+        match &c.metadata[key] {
+            Value::F32(f) => *f as f64,
+            Value::U32(u) => *u as f64,
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn granite_multipliers_default_to_transformers_ones() {
+        let c = config("granite", json!({"embedding_multiplier": 12.0})).unwrap();
+        assert_eq!(number(&c, "granite.embedding_scale"), 12.0);
+        // transformers scores with the multiplier itself: 1 when absent, not 1/sqrt(16).
+        assert_eq!(number(&c, "granite.attention.scale"), 1.0);
+        assert_eq!(number(&c, "granite.residual_scale"), 1.0);
+        assert_eq!(number(&c, "granite.logit_scale"), 1.0);
+        assert!(c.permutes_qk());
+    }
+
+    #[test]
+    fn phi_rotates_half_the_head_by_default_and_refuses_what_it_lacks() {
+        let c = config("phi", json!({})).unwrap();
+        assert_eq!(c.gguf_arch, "phi2");
+        assert_eq!(number(&c, "phi2.rope.dimension_count"), 8.0);
+        let c = config("phi", json!({"partial_rotary_factor": 0.25})).unwrap();
+        assert_eq!(number(&c, "phi2.rope.dimension_count"), 4.0);
+        for (extra, key) in [
+            (json!({"qk_layernorm": true}), "qk_layernorm"),
+            (json!({"hidden_act": "relu"}), "hidden_act"),
+        ] {
+            let err = config("phi", extra).unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+    }
+
+    #[test]
+    fn gemma_norms_are_stored_plus_one_without_sandwich_norms() {
+        let c = config("gemma", json!({})).unwrap();
+        assert!(c.norms_plus_one() && !c.sandwich_norms() && c.tie_word_embeddings);
+        let c = config("gemma2", json!({})).unwrap();
+        assert!(c.norms_plus_one() && c.sandwich_norms());
     }
 }

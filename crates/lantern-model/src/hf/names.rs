@@ -10,7 +10,10 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         Some(_) => GPT2.gguf_name(hf),
         None => GPT2.gguf_name(&format!("transformer.{hf}")),
     };
-    if let Some(name) = gpt2.or_else(|| GPT_NEOX.gguf_name(hf)) {
+    if let Some(name) = gpt2
+        .or_else(|| GPT_NEOX.gguf_name(hf))
+        .or_else(|| PHI2.gguf_name(hf))
+    {
         return Some(name);
     }
     match hf {
@@ -108,6 +111,27 @@ const GPT_NEOX: NameTable = NameTable {
     ],
 };
 
+/// Phi-2 (transformers' `phi`; the names it shares with Llama's map the same).
+const PHI2: NameTable = NameTable {
+    globals: &[
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.final_layernorm.weight", "output_norm.weight"),
+        ("model.final_layernorm.bias", "output_norm.bias"),
+        ("lm_head.weight", "output.weight"),
+        ("lm_head.bias", "output.bias"),
+    ],
+    layer_prefix: "model.layers",
+    layers: &[
+        ("input_layernorm", "attn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.dense", "attn_output"),
+        ("mlp.fc1", "ffn_up"),
+        ("mlp.fc2", "ffn_down"),
+    ],
+};
+
 impl NameTable {
     /// The GGUF name of `hf` by this table, if it names one of its tensors.
     fn gguf_name(&self, hf: &str) -> Option<String> {
@@ -177,6 +201,7 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
     let table = match arch {
         "gpt2" => Some(&GPT2),
         "gptneox" => Some(&GPT_NEOX),
+        "phi2" => Some(&PHI2),
         _ => None,
     };
     let (globals, layer_prefix, modules): (Vec<&str>, &str, Vec<String>) = match table {
@@ -295,6 +320,35 @@ mod tests {
         assert_eq!(
             hf_names("position_embd.weight", "gpt2", false),
             ["transformer.wpe.weight"]
+        );
+    }
+
+    #[test]
+    fn maps_phi2_names() {
+        let n = |s| gguf_name(s, false);
+        assert_eq!(n("model.final_layernorm.bias").unwrap(), "output_norm.bias");
+        assert_eq!(n("lm_head.bias").unwrap(), "output.bias");
+        assert_eq!(
+            n("model.layers.1.self_attn.dense.bias").unwrap(),
+            "blk.1.attn_output.bias"
+        );
+        assert_eq!(
+            n("model.layers.0.mlp.fc1.weight").unwrap(),
+            "blk.0.ffn_up.weight"
+        );
+        assert_eq!(
+            n("model.layers.0.mlp.fc2.bias").unwrap(),
+            "blk.0.ffn_down.bias"
+        );
+        // Shared with Llama's names, mapped the same.
+        assert_eq!(
+            n("model.layers.0.input_layernorm.bias").unwrap(),
+            "blk.0.attn_norm.bias"
+        );
+        assert_eq!(hf_names("output.bias", "phi2", false), ["lm_head.bias"]);
+        assert_eq!(
+            hf_names("blk.3.ffn_down.weight", "phi2", false),
+            ["model.layers.3.mlp.fc2.weight"]
         );
     }
 

@@ -111,6 +111,19 @@ const CASES: &[Case] = &[
     // LayerNorm for both blocks side by side, the LM head's bias).
     case("gemma", "gguf/gemma.q8_0.gguf", ".q8_0", Quantized),
     case("granite", "gguf/granite.q8_0.gguf", ".q8_0", Quantized),
+    // An i-quant file from llama.cpp's llama-quantize (IQ4_NL, widened to Q8_0 at load)
+    // against transformers on gguf-py's dequantization of it.
+    case("granite", "gguf/granite.iq4_nl.gguf", ".iq4_nl", Quantized),
+    // IQ4_XS (blocks of 256, a 6-bit multiplier per 32), every matrix, hidden 256.
+    Case {
+        logit_tolerance: IQ4_XS_TOLERANCE,
+        ..case(
+            "granite_iq4_xs",
+            "gguf/granite.iq4_xs.gguf",
+            ".iq4_xs",
+            Quantized,
+        )
+    },
     case("phi", "gguf/phi.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
@@ -187,6 +200,12 @@ const CASES: &[Case] = &[
 /// to 3e-5 (README). 1e-3 leaves room for that and still catches any real error: each
 /// feature the fixtures exercise moves the last logits by 0.5 to 16 when it is wrong.
 const LOGIT_TOLERANCE: f32 = 1e-3;
+/// IQ4_XS widened to Q8_0: each 32 weights' scale (the block's half-precision scale times
+/// a 6-bit multiplier) is rounded to half precision, which moves a weight by at most 2^-12
+/// of its sub-block's largest; over the hidden-256 fixture the last logits move by 3.4e-3
+/// (against a reference whose scales were rounded so too, by 3.8e-6; a wrong layout moves
+/// them by whole units).
+const IQ4_XS_TOLERANCE: f32 = 5e-3;
 /// Attention probabilities, absolute (the bar for f32 weights).
 const ATTENTION_TOLERANCE: f32 = 1e-4;
 

@@ -17,8 +17,8 @@ pub enum ModelError {
     },
     #[error(
         "{path}: tensor `{tensor}` is of type {type_name}, which lantern does not read yet \
-         (it reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K: a Q4_K_M, \
-         Q5_K_M, Q6_K or Q8_0 file of the same model works)"
+         (it reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL and \
+         IQ4_XS: a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of the same model works)"
     )]
     UnreadGgufType {
         path: PathBuf,

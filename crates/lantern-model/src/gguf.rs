@@ -3,19 +3,23 @@
 //! problem.
 
 use crate::error::{ModelError, Result};
-use crate::gguf_header::{read_header, GgufProblem, HeaderError, TensorPastEnd};
+use crate::gguf_header::{data_bytes, read_header, GgufProblem, HeaderError, TensorPastEnd};
+use crate::iquants::WidenedType;
 use crate::source::WeightSource;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// An opened GGUF file: its parsed header and a reader for tensor data.
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
+    /// Tensors stored as a type lantern widens to Q8_0 as it reads them.
+    widened: HashMap<String, WidenedType>,
     reader: BufReader<File>,
 }
 
@@ -30,7 +34,7 @@ impl GgufFile {
         let file = File::open(path).map_err(open_err)?;
         let file_len = file.metadata().map_err(open_err)?.len();
         let mut reader = BufReader::new(file);
-        let content = read_header(&mut reader, file_len).map_err(|e| match e {
+        let header = read_header(&mut reader, file_len).map_err(|e| match e {
             HeaderError::Invalid(GgufProblem::UnreadType { tensor, type_name }) => {
                 ModelError::UnreadGgufType {
                     path: path.to_path_buf(),
@@ -49,15 +53,46 @@ impl GgufFile {
                 file_len,
             },
         })?;
+        if !header.widened.is_empty() {
+            let mut types: Vec<&str> = header.widened.values().map(|w| w.name()).collect();
+            types.sort_unstable();
+            types.dedup();
+            tracing::info!(
+                tensors = header.widened.len(),
+                "{}: {} tensors widened to Q8_0 as they load (about twice their size in the file)",
+                path.display(),
+                types.join(" and ")
+            );
+        }
         Ok(Self {
             path: path.to_path_buf(),
-            content,
+            content: header.content,
+            widened: header.widened,
             reader,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A tensor stored as `stored`, read and widened to the Q8_0 tensor its entry lists
+    /// (its range was checked to lie inside the file when the header was read).
+    fn widened_tensor(&mut self, name: &str, stored: WidenedType) -> candle_core::Result<QTensor> {
+        let info = &self.content.tensor_infos[name];
+        let len = data_bytes(info, Some(stored)) as usize;
+        let start = self.content.tensor_data_offset + info.offset;
+        let mut bytes = vec![0u8; len];
+        self.reader.seek(SeekFrom::Start(start))?;
+        self.reader.read_exact(&mut bytes)?;
+        let q8_0 = stored.to_q8_0(&bytes);
+        let dims = info.shape.dims().to_vec();
+        candle_core::quantized::ggml_file::qtensor_from_ggml(
+            info.ggml_dtype,
+            &q8_0,
+            dims,
+            &Device::Cpu,
+        )
     }
 }
 
@@ -83,11 +118,16 @@ impl WeightSource for GgufFile {
                 name: name.to_string(),
             });
         }
-        self.content
-            .tensor(&mut self.reader, name, &Device::Cpu)
-            .map_err(|source| ModelError::Tensor {
-                name: name.to_string(),
-                source,
-            })
+        let wrap = |source| ModelError::Tensor {
+            name: name.to_string(),
+            source,
+        };
+        match self.widened.get(name).copied() {
+            Some(stored) => self.widened_tensor(name, stored).map_err(wrap),
+            None => self
+                .content
+                .tensor(&mut self.reader, name, &Device::Cpu)
+                .map_err(wrap),
+        }
     }
 }

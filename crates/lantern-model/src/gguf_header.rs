@@ -8,7 +8,12 @@
 //! unique; a tensor has at most 4 dimensions, rows that are whole blocks of its type, an
 //! offset aligned to `general.alignment` (a power of two), and data inside the file that
 //! overlaps no other tensor's.
+//!
+//! Tensors of a type lantern widens at load ([`WidenedType`]: IQ4_NL, IQ4_XS) are listed
+//! in the [`Content`] as the Q8_0 tensors they become, and in [`Header::widened`] with
+//! their type in the file; their sizes and blocks are checked as the file stores them.
 
+use crate::iquants::WidenedType;
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
@@ -76,12 +81,12 @@ pub enum GgufProblem {
         tensor: String,
         type_name: &'static str,
     },
-    #[error("tensor `{tensor}` has rows of {row} elements, not whole blocks of {block} of its type {dtype:?}")]
+    #[error("tensor `{tensor}` has rows of {row} elements, not whole blocks of {block} of its type {dtype}")]
     PartialBlock {
         tensor: String,
         row: u64,
         block: u64,
-        dtype: GgmlDType,
+        dtype: String,
     },
     #[error(
         "tensor `{tensor}` starts at offset {offset}, not a multiple of the alignment {alignment}"
@@ -119,8 +124,18 @@ impl From<GgufProblem> for HeaderError {
     }
 }
 
+/// A checked header: what candle reads, and the tensors widened at load.
+pub struct Header {
+    pub content: Content,
+    /// Tensors stored as a type lantern widens (listed in `content` as their Q8_0 form).
+    pub widened: HashMap<String, WidenedType>,
+}
+
+/// A tensor's entry: as candle sees it, and its type in the file where widened.
+type Entry = (String, TensorInfo, Option<WidenedType>);
+
 /// Reads and checks the header of a GGUF file of `file_len` bytes from its start.
-pub fn read_header<R: Read>(reader: R, file_len: u64) -> Result<Content, HeaderError> {
+pub fn read_header<R: Read>(reader: R, file_len: u64) -> Result<Header, HeaderError> {
     let mut r = Reader {
         inner: reader,
         pos: 0,
@@ -155,11 +170,11 @@ pub fn read_header<R: Read>(reader: R, file_len: u64) -> Result<Content, HeaderE
             return Err(GgufProblem::DuplicateKey(key).into());
         }
     }
-    let mut entries: Vec<(String, TensorInfo)> = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
     for i in 0..tensor_count {
         let name = r.string(wide, &format!("the name of tensor {i}"))?;
-        let info = r.tensor_info(wide, &name)?;
-        entries.push((name, info));
+        let (info, widened) = r.tensor_info(wide, &name)?;
+        entries.push((name, info, widened));
     }
     let alignment = alignment(&metadata)?;
     let tensor_data_offset = r
@@ -168,17 +183,24 @@ pub fn read_header<R: Read>(reader: R, file_len: u64) -> Result<Content, HeaderE
         .ok_or_else(|| GgufProblem::BadAlignment(alignment.to_string()))?;
     check_tensor_data(&entries, alignment, tensor_data_offset, file_len)?;
     let mut tensor_infos = HashMap::with_capacity(entries.len());
-    for (name, info) in entries {
+    let mut widened = HashMap::new();
+    for (name, info, stored) in entries {
         if tensor_infos.contains_key(&name) {
             return Err(GgufProblem::DuplicateTensor(name).into());
         }
+        if let Some(stored) = stored {
+            widened.insert(name.clone(), stored);
+        }
         tensor_infos.insert(name, info);
     }
-    Ok(Content {
-        magic,
-        metadata,
-        tensor_infos,
-        tensor_data_offset,
+    Ok(Header {
+        content: Content {
+            magic,
+            metadata,
+            tensor_infos,
+            tensor_data_offset,
+        },
+        widened,
     })
 }
 
@@ -199,21 +221,29 @@ fn alignment(metadata: &HashMap<String, Value>) -> Result<u64, GgufProblem> {
     }
 }
 
-/// Bytes of a tensor's data: whole blocks of its type.
-fn data_bytes(info: &TensorInfo) -> u64 {
-    let dtype = info.ggml_dtype;
-    (info.shape.elem_count() as u64 / dtype.block_size() as u64) * dtype.type_size() as u64
+/// Weights per block and bytes per block of a tensor's type in the file.
+fn block_of(dtype: GgmlDType, widened: Option<WidenedType>) -> (u64, u64) {
+    match widened {
+        Some(w) => (w.block_size() as u64, w.type_size() as u64),
+        None => (dtype.block_size() as u64, dtype.type_size() as u64),
+    }
+}
+
+/// Bytes of a tensor's data in the file: whole blocks of its type.
+pub fn data_bytes(info: &TensorInfo, widened: Option<WidenedType>) -> u64 {
+    let (block, size) = block_of(info.ggml_dtype, widened);
+    (info.shape.elem_count() as u64 / block) * size
 }
 
 /// Every tensor aligned, inside the file, and apart from the others.
 fn check_tensor_data(
-    entries: &[(String, TensorInfo)],
+    entries: &[Entry],
     alignment: u64,
     data_start: u64,
     file_len: u64,
 ) -> Result<(), HeaderError> {
     let mut ranges: Vec<(u64, u64, &str)> = Vec::with_capacity(entries.len());
-    for (name, info) in entries {
+    for (name, info, widened) in entries {
         if info.offset % alignment != 0 {
             return Err(GgufProblem::Misaligned {
                 tensor: name.clone(),
@@ -230,13 +260,12 @@ fn check_tensor_data(
                     offset: info.offset,
                 })?;
         // `data_bytes` is at most `i64::MAX` (checked when the dimensions were read).
-        let end =
-            start
-                .checked_add(data_bytes(info))
-                .ok_or_else(|| GgufProblem::OffsetOverflow {
-                    tensor: name.clone(),
-                    offset: info.offset,
-                })?;
+        let end = start
+            .checked_add(data_bytes(info, *widened))
+            .ok_or_else(|| GgufProblem::OffsetOverflow {
+                tensor: name.clone(),
+                offset: info.offset,
+            })?;
         if end > file_len {
             return Err(HeaderError::PastEnd(TensorPastEnd {
                 tensor: name.clone(),
@@ -282,7 +311,7 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
 }
 
 /// The names of ggml's other tensor types (ggml.h), which a valid file may hold but
-/// lantern does not read yet (the i-quants, ternary and MXFP4 types).
+/// lantern does not read yet (the i-quants it does not widen, ternary and MXFP4 types).
 fn ggml_type_name(id: u32) -> Option<&'static str> {
     Some(match id {
         16 => "IQ2_XXS",
@@ -489,7 +518,11 @@ impl<R: Read> Reader<R> {
         })
     }
 
-    fn tensor_info(&mut self, wide: bool, name: &str) -> Result<TensorInfo, GgufProblem> {
+    fn tensor_info(
+        &mut self,
+        wide: bool,
+        name: &str,
+    ) -> Result<(TensorInfo, Option<WidenedType>), GgufProblem> {
         let what = format!("the entry of tensor `{name}`");
         let n_dims = self.u32(&what)?;
         if n_dims > MAX_TENSOR_DIMS {
@@ -504,7 +537,12 @@ impl<R: Read> Reader<R> {
             dims.push(self.length(wide, &what)?);
         }
         let type_id = self.u32(&what)?;
-        let dtype = ggml_dtype(type_id).ok_or_else(|| match ggml_type_name(type_id) {
+        let widened = WidenedType::from_ggml(type_id);
+        let dtype = match widened {
+            Some(_) => Some(GgmlDType::Q8_0),
+            None => ggml_dtype(type_id),
+        };
+        let dtype = dtype.ok_or_else(|| match ggml_type_name(type_id) {
             Some(type_name) => GgufProblem::UnreadType {
                 tensor: name.to_string(),
                 type_name,
@@ -520,8 +558,15 @@ impl<R: Read> Reader<R> {
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .filter(|&n| n <= max && usize::try_from(n).is_ok());
+        // As stored, and as held in memory (a widened type's Q8_0 form is about twice).
+        let (block, type_size) = block_of(dtype, widened);
+        let in_memory = (dtype.block_size() as u64, dtype.type_size() as u64);
         let bytes = elements
-            .and_then(|n| (n / dtype.block_size() as u64).checked_mul(dtype.type_size() as u64))
+            .and_then(|n| {
+                let stored = (n / block).checked_mul(type_size)?;
+                let held = (n / in_memory.0).checked_mul(in_memory.1)?;
+                Some(stored.max(held))
+            })
             .filter(|&b| b <= max);
         if bytes.is_none() {
             return Err(GgufProblem::TooManyElements {
@@ -530,21 +575,21 @@ impl<R: Read> Reader<R> {
             });
         }
         let row = dims.first().copied().unwrap_or(1);
-        let block = dtype.block_size() as u64;
         if row % block != 0 {
             return Err(GgufProblem::PartialBlock {
                 tensor: name.to_string(),
                 row,
                 block,
-                dtype,
+                dtype: widened.map_or_else(|| format!("{dtype:?}"), |w| w.name().to_string()),
             });
         }
         let offset = self.u64(&what)?;
         let shape: Vec<usize> = dims.iter().rev().map(|&d| d as usize).collect();
-        Ok(TensorInfo {
+        let info = TensorInfo {
             ggml_dtype: dtype,
             shape: candle_core::Shape::from(shape),
             offset,
-        })
+        };
+        Ok((info, widened))
     }
 }

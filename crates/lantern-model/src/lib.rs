@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod gguf_header;
 pub mod hf;
 pub mod hparams;
+pub mod iquants;
 pub mod linear;
 pub mod ops;
 pub mod pick;

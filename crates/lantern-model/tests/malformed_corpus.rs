@@ -713,12 +713,12 @@ fn corpus() -> Vec<Case> {
         }
         // A type ggml has and lantern does not read: named, and not called invalid.
         let mut g = base.clone();
-        g.tensor_mut(0).ty = 23;
+        g.tensor_mut(0).ty = 16;
         add(
-            "tensor type IQ4_XS",
+            "tensor type IQ2_XXS",
             g.bytes(),
             err(&[
-                "is of type IQ4_XS, which lantern does not read yet",
+                "is of type IQ2_XXS, which lantern does not read yet",
                 "Q4_K_M",
             ]),
         );

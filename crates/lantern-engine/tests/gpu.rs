@@ -33,6 +33,7 @@ const ARCHS: &[&str] = &[
     "gemma",
     "granite",
     "phi",
+    "cohere",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

@@ -14,8 +14,22 @@ use candle_core::quantized::gguf_file::Value;
 
 /// The architectures [`describe`] knows (`general.architecture`).
 pub const SUPPORTED: &[&str] = &[
-    "llama", "smollm3", "granite", "qwen2", "qwen3", "qwen3moe", "olmoe", "olmo2", "phi3", "gemma",
-    "gemma2", "gemma3", "gptneox", "gpt2", "phi2",
+    "llama",
+    "smollm3",
+    "granite",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "olmoe",
+    "olmo2",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gptneox",
+    "gpt2",
+    "phi2",
+    "command-r",
 ];
 
 /// The decoder `source` describes.
@@ -52,6 +66,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gptneox" => gptneox(source, params),
         "gpt2" => gpt2(params),
         "phi2" => phi2(params),
+        "command-r" => command_r(source, params),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
 }
@@ -211,6 +226,25 @@ fn phi2(params: HParams) -> Result<DecoderSpec> {
     Ok(DecoderSpec {
         parallel_residual: true,
         ..layer_norm_decoder(params, RopePairs::Halves, Activation::GeluTanh)
+    })
+}
+
+/// Command R and Aya (Cohere): one LayerNorm without bias feeding attention and a gated
+/// SiLU MLP side by side, RoPE on adjacent pairs, tied embeddings, logits times the file's
+/// `logit_scale`. Per-head q/k norms (Command R+) are not read: refused.
+fn command_r(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    if source.has_tensor("blk.0.attn_q_norm.weight") {
+        return Err(ModelError::InvalidConfig(
+            "Command R+'s per-head q/k LayerNorms are not supported".into(),
+        ));
+    }
+    let logit_scale = source.opt_f32(&format!("{}.logit_scale", params.architecture))?;
+    Ok(DecoderSpec {
+        norm: NormKind::LayerWithoutBias,
+        norm_eps: params.layer_norm_eps.unwrap_or(1e-5),
+        parallel_residual: true,
+        logit_scale,
+        ..DecoderSpec::plain(params, RopePairs::Adjacent)
     })
 }
 

@@ -235,7 +235,7 @@ impl<C: Compute> Decoder<C> {
         let p = &spec.params;
         let (h, eps) = (p.hidden_size, spec.norm_eps);
         let c = &compute;
-        if spec.norm == NormKind::Layer && !C::RUNS_LAYER_NORM_MODELS {
+        if spec.norm.is_layer_norm() && !C::RUNS_LAYER_NORM_MODELS {
             return Err(ModelError::InvalidConfig(format!(
                 "{} models (LayerNorm, un-gated MLPs) do not run on this device yet",
                 p.architecture

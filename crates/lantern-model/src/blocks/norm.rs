@@ -1,5 +1,5 @@
 //! RMSNorm with a stored multiplier (Gemma's `1 + w` is stored as the sum, see
-//! [`crate::source`]), and LayerNorm with a bias.
+//! [`crate::source`]), and LayerNorm with a bias (or without: Cohere's).
 
 use super::Loader;
 use crate::compute::Compute;
@@ -50,6 +50,15 @@ pub enum Norm<C: Compute> {
 pub enum NormKind {
     Rms,
     Layer,
+    /// LayerNorm with a weight only (Command R, Aya): a bias of zeros, which adds nothing.
+    LayerWithoutBias,
+}
+
+impl NormKind {
+    /// A LayerNorm, with or without a bias.
+    pub fn is_layer_norm(self) -> bool {
+        self != Self::Rms
+    }
 }
 
 impl<C: Compute> Norm<C> {
@@ -66,6 +75,11 @@ impl<C: Compute> Norm<C> {
             NormKind::Layer => Self::Layer {
                 weight: c.vector(loader.vector(&weight, len)?)?,
                 bias: c.vector(loader.vector(&format!("{base}.bias"), len)?)?,
+                eps,
+            },
+            NormKind::LayerWithoutBias => Self::Layer {
+                weight: c.vector(loader.vector(&weight, len)?)?,
+                bias: c.vector(vec![0.0; len])?,
                 eps,
             },
         })

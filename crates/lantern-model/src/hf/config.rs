@@ -30,6 +30,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "phi",
     "gpt_neox",
     "gpt2",
+    "cohere",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -117,6 +118,7 @@ impl HfConfig {
             "gemma3_text" | "gemma3" => "gemma3",
             "phi3" => "phi3",
             "phi" => "phi2",
+            "cohere" => "command-r",
             other => {
                 return Err(invalid(
                     path,
@@ -145,10 +147,10 @@ impl HfConfig {
         }
         let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads);
         let is_gemma = gguf_arch.starts_with("gemma");
-        // transformers' defaults: tied for Gemma and GPT-2, untied for the others.
+        // transformers' defaults: tied for Gemma, GPT-2 and Cohere, untied for the others.
         let tie_word_embeddings = c
             .opt_bool("tie_word_embeddings")?
-            .unwrap_or(is_gemma || gpt2);
+            .unwrap_or(is_gemma || gpt2 || gguf_arch == "command-r");
 
         let mut m = HashMap::new();
         let a = gguf_arch;
@@ -300,6 +302,7 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
             "hidden_act",
             &["gelu_new", "gelu_pytorch_tanh"],
         ),
+        "command-r" => ("layer_norm_eps", "hidden_act", &["silu"]),
         "gpt2" => (
             "layer_norm_epsilon",
             "activation_function",
@@ -322,6 +325,16 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
     if a == "gptneox" {
         let parallel = c.opt_bool("use_parallel_residual")?.unwrap_or(true);
         m.insert(format!("{a}.use_parallel_residual"), Value::Bool(parallel));
+    }
+    if a == "command-r" {
+        if c.opt_bool("use_qk_norm")? == Some(true) {
+            return Err(invalid(
+                c.path,
+                "`use_qk_norm` true (Command R+'s per-head q/k LayerNorms) is not supported".into(),
+            ));
+        }
+        let scale = c.opt_f64("logit_scale")?.unwrap_or(0.0625);
+        m.insert(format!("{a}.logit_scale"), Value::F32(scale as f32));
     }
     if a == "phi2" && c.opt_bool("qk_layernorm")? == Some(true) {
         return Err(invalid(
@@ -579,6 +592,21 @@ mod tests {
             let err = config("phi", extra).unwrap_err().to_string();
             assert!(err.contains(key), "{err}");
         }
+    }
+
+    #[test]
+    fn cohere_reads_its_logit_scale_and_refuses_per_head_qk_norms() {
+        let c = config("cohere", json!({})).unwrap();
+        assert_eq!(c.gguf_arch, "command-r");
+        assert!(c.tie_word_embeddings && !c.permutes_qk());
+        // CohereConfig's default, and a given one.
+        assert_eq!(number(&c, "command-r.logit_scale"), 0.0625);
+        let c = config("cohere", json!({"logit_scale": 0.125})).unwrap();
+        assert_eq!(number(&c, "command-r.logit_scale"), 0.125);
+        let err = config("cohere", json!({"use_qk_norm": true}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("use_qk_norm"), "{err}");
     }
 
     #[test]

@@ -34,6 +34,7 @@ const ARCHS: &[&str] = &[
     "granite",
     "phi",
     "cohere",
+    "glm4",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

@@ -30,6 +30,7 @@ pub const SUPPORTED: &[&str] = &[
     "gpt2",
     "phi2",
     "command-r",
+    "glm4",
 ];
 
 /// The decoder `source` describes.
@@ -67,6 +68,12 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gpt2" => gpt2(params),
         "phi2" => phi2(params),
         "command-r" => command_r(source, params),
+        // GLM-4 (0414): RMSNorms before and after each block, q/k/v biases, gate and up
+        // fused, partial RoPE on adjacent pairs.
+        "glm4" => Ok(DecoderSpec {
+            norm_placement: NormPlacement::Sandwich,
+            ..DecoderSpec::plain(params, RopePairs::Adjacent)
+        }),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
 }

@@ -642,11 +642,12 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         // GPT-2's own split, as llama.cpp names it for GPT-2 (`gpt-2`), Pythia and OLMo 1
         // (`olmo`: the GPT-NeoX-20B tokenizer), MPT and Phi-2.
         "gpt2" | "default" | "gpt-2" | "olmo" | "mpt" | "phi-2" => byte_level(true).into(),
-        // SmolLM, StarCoder and Refact (Granite 3's, as llama.cpp's converter names it):
-        // every digit on its own, then GPT-2's byte-level split.
-        "smollm" | "starcoder" | "refact" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
-        // `dbrx`: OLMo 2's (cl100k) tokenizer, split as Llama 3's.
-        "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "qwen2" => {
+        // SmolLM, StarCoder, Refact (Granite 3's, as llama.cpp's converter names it) and
+        // Command R: every digit on its own, then GPT-2's byte-level split.
+        "smollm" | "starcoder" | "refact" | "command-r" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
+        // `dbrx`: OLMo 2's (cl100k) tokenizer, split as Llama 3's; GLM-4's (`glm4`,
+        // `chatglm-bpe`) too.
+        "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "glm4" | "chatglm-bpe" | "qwen2" => {
             let pattern = if pre == "qwen2" { QWEN2 } else { LLAMA3 };
             let split = Split::new(
                 SplitPattern::Regex(pattern.to_string()),
@@ -658,8 +659,8 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         }
         other => {
             return Err(ModelError::Tokenizer(format!(
-                "pre-tokenizer `{other}` is not supported (supported: gpt2/gpt-2/olmo/mpt/phi-2, smollm/starcoder/refact, \
-                 llama3/llama-bpe/smaug-bpe/dbrx, qwen2)"
+                "pre-tokenizer `{other}` is not supported (supported: gpt2/gpt-2/olmo/mpt/phi-2, smollm/starcoder/refact/command-r, \
+                 llama3/llama-bpe/smaug-bpe/dbrx/glm4/chatglm-bpe, qwen2)"
             )))
         }
     })
@@ -738,9 +739,11 @@ mod tests {
             assert_eq!(pieces(pre, "x 12345"), ["x", "Ġ12345"], "{pre}");
             assert_eq!(pieces(pre, "it's  ok"), ["it", "'s", "Ġ", "Ġok"], "{pre}");
         }
-        assert_eq!(pieces("dbrx", "x 12345"), pieces("llama3", "x 12345"));
+        for pre in ["dbrx", "glm4", "chatglm-bpe"] {
+            assert_eq!(pieces(pre, "x 12345"), pieces("llama3", "x 12345"), "{pre}");
+        }
         // StarCoder's and Refact's (Granite 3's): every digit alone, as SmolLM's.
-        for pre in ["starcoder", "refact"] {
+        for pre in ["starcoder", "refact", "command-r"] {
             assert_eq!(pieces(pre, "x 12345"), pieces("smollm", "x 12345"), "{pre}");
         }
         assert_eq!(pieces("refact", "x 12"), ["x", "Ġ", "1", "2"]);

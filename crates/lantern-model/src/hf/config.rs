@@ -31,6 +31,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gpt_neox",
     "gpt2",
     "cohere",
+    "glm4",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -119,6 +120,7 @@ impl HfConfig {
             "phi3" => "phi3",
             "phi" => "phi2",
             "cohere" => "command-r",
+            "glm4" => "glm4",
             other => {
                 return Err(invalid(
                     path,
@@ -200,8 +202,8 @@ impl HfConfig {
         m.insert(k("rope.freq_base"), Value::F32(rope_theta as f32));
         let partial = match c.opt_f64("partial_rotary_factor")? {
             Some(f) => Some(f),
-            // Phi-2's config class defaults to half the head.
-            None if gguf_arch == "phi2" => Some(0.5),
+            // Phi-2's and GLM-4's config classes default to half the head.
+            None if matches!(gguf_arch, "phi2" | "glm4") => Some(0.5),
             None => c.opt_f64("rotary_pct")?,
         };
         let rotary = match partial {

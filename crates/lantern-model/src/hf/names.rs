@@ -48,6 +48,9 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "self_attn.qkv_proj" => "attn_qkv",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
+        // GLM-4's norms after attention and after the MLP.
+        "post_self_attn_layernorm" => "post_attention_norm",
+        "post_mlp_layernorm" => "post_ffw_norm",
         "post_attention_layernorm" if sandwich_norms => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
         "pre_feedforward_layernorm" => "ffn_norm",
@@ -170,8 +173,10 @@ fn expert_name(module: &str) -> Option<String> {
 
 /// The layer modules [`gguf_name`] maps, for naming a missing tensor as the checkpoint
 /// would hold it.
-const LAYER_MODULES: [&str; 17] = [
+const LAYER_MODULES: [&str; 19] = [
     "input_layernorm",
+    "post_self_attn_layernorm",
+    "post_mlp_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",

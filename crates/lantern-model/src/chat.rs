@@ -179,6 +179,23 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// transformers' `strftime_now(format)`: the local date and time in Python's `strftime`
+/// format (chrono reads the same specifiers, `%-d` and the like included). An unknown
+/// specifier is the template's error, not a panic.
+fn strftime_now(format: String) -> std::result::Result<String, Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item> = StrftimeItems::new(&format).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: `{format}` is not a strftime format lantern reads"),
+        ));
+    }
+    Ok(chrono::Local::now()
+        .format_with_items(items.into_iter())
+        .to_string())
+}
+
 impl ChatTemplate {
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
@@ -191,6 +208,8 @@ impl ChatTemplate {
             },
         );
         env.add_filter("tojson", python_tojson);
+        // transformers gives templates the date (Llama 3.x, Granite 3, SmolLM3 print it).
+        env.add_function("strftime_now", strftime_now);
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -721,6 +740,33 @@ mod tests {
             big.render_bounded(&[], false, 1 << 20).unwrap().len(),
             1_000_000
         );
+    }
+
+    #[test]
+    fn strftime_now_gives_the_date_as_transformers_does() {
+        // Llama 3.2's way of asking for it, which falls back to a fixed date without it.
+        let source = "{%- if strftime_now is defined %}{{ strftime_now('%d %b %Y') }}\
+                      {%- else %}26 Jul 2024{%- endif %}";
+        let t = ChatTemplate::new(source, "", "").unwrap();
+        let out = t.render(&[ChatMessage::new("user", "hi")], true).unwrap();
+        let before = chrono::Local::now();
+        let expect = |at: chrono::DateTime<chrono::Local>| at.format("%d %b %Y").to_string();
+        // The date may turn between the render and `now` here.
+        assert!(
+            out == expect(before) || out == expect(before - chrono::Duration::minutes(1)),
+            "{out}"
+        );
+        let t = ChatTemplate::new("{{ strftime_now('%B %-d, %Y') }}", "", "").unwrap();
+        let out = t.render(&[ChatMessage::new("user", "hi")], true).unwrap();
+        assert!(
+            out.contains(&chrono::Local::now().format("%Y").to_string()),
+            "{out}"
+        );
+        let t = ChatTemplate::new("{{ strftime_now('%Q') }}", "", "").unwrap();
+        let err = t
+            .render(&[ChatMessage::new("user", "hi")], true)
+            .unwrap_err();
+        assert!(err.to_string().contains("strftime"), "{err}");
     }
 
     #[test]

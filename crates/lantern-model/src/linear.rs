@@ -32,6 +32,7 @@ pub fn packed_type(dtype: GgmlDType) -> Option<QuantType> {
         GgmlDType::Q4K => Some(QuantType::Q4K),
         GgmlDType::Q5K => Some(QuantType::Q5K),
         GgmlDType::Q6K => Some(QuantType::Q6K),
+        GgmlDType::Q3K => Some(QuantType::Q3K),
         GgmlDType::F16 => Some(QuantType::F16),
         GgmlDType::BF16 => Some(QuantType::BF16),
         GgmlDType::F32 => Some(QuantType::F32),

@@ -41,6 +41,7 @@ fn random_matrix(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> PackedM
     let scale_at: &[usize] = match ty {
         QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
         QuantType::Q6K => &[208],
+        QuantType::Q3K => &[108],
         _ => &[0, 2],
     };
     for block in bytes.chunks_mut(ty.block_bytes()) {

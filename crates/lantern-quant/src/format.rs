@@ -32,6 +32,9 @@ pub enum QuantType {
     BF16 = 9,
     /// Unquantized f32.
     F32 = 10,
+    /// 256 values in 110 bytes: 3-bit quants (a high-bit mask, 2-bit planes), 16 six-bit
+    /// scales (one per 16 values), `d: f16`; `w = d · (sc_j − 32) · (q − 4)`.
+    Q3K = 11,
 }
 
 /// Bit planes of the repacked quants (per block-panel of 32 values x 16 rows).
@@ -64,7 +67,7 @@ pub(crate) enum Scales {
 
 impl QuantType {
     /// Every type, in `repr` order.
-    pub const ALL: [QuantType; 11] = [
+    pub const ALL: [QuantType; 12] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
@@ -76,10 +79,11 @@ impl QuantType {
         QuantType::F16,
         QuantType::BF16,
         QuantType::F32,
+        QuantType::Q3K,
     ];
 
     /// The quantized types (int8 dot products against quantized activations).
-    pub const QUANTIZED: [QuantType; 8] = [
+    pub const QUANTIZED: [QuantType; 9] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
@@ -88,6 +92,7 @@ impl QuantType {
         QuantType::Q4K,
         QuantType::Q5K,
         QuantType::Q6K,
+        QuantType::Q3K,
     ];
 
     /// Whether the type is unquantized (`F16`, `BF16`, `F32`).
@@ -108,6 +113,7 @@ impl QuantType {
             QuantType::Q4K => 144,
             QuantType::Q5K => 176,
             QuantType::Q6K => 210,
+            QuantType::Q3K => 110,
         }
     }
 
@@ -116,7 +122,7 @@ impl QuantType {
     pub const fn block_values(self) -> usize {
         match self {
             QuantType::F16 | QuantType::BF16 | QuantType::F32 => 1,
-            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
+            QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
             _ => BLOCK,
         }
     }
@@ -131,6 +137,7 @@ impl QuantType {
             QuantType::Q4K => "Q4_K",
             QuantType::Q5K => "Q5_K",
             QuantType::Q6K => "Q6_K",
+            QuantType::Q3K => "Q3_K",
             QuantType::F16 => "F16",
             QuantType::BF16 => "BF16",
             QuantType::F32 => "F32",
@@ -149,13 +156,14 @@ impl QuantType {
             7 => QuantType::Q6K,
             8 => QuantType::F16,
             9 => QuantType::BF16,
+            11 => QuantType::Q3K,
             _ => QuantType::F32,
         }
     }
 
     pub(crate) const fn planes(self) -> Planes {
         match self {
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q4K => Planes::Nibbles,
+            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q4K | QuantType::Q3K => Planes::Nibbles,
             QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5K => Planes::Nibbles1,
             QuantType::Q6K => Planes::Nibbles2,
             // The dense types have their own layout (`dense`); never read as planes.
@@ -169,19 +177,26 @@ impl QuantType {
             QuantType::F16 | QuantType::BF16 | QuantType::F32 => Scales::D,
             QuantType::Q4_1 | QuantType::Q5_1 => Scales::DM,
             QuantType::Q4K | QuantType::Q5K => Scales::SuperDM,
-            QuantType::Q6K => Scales::SuperHalves,
+            QuantType::Q6K | QuantType::Q3K => Scales::SuperHalves,
         }
     }
 
     /// The quants' offset: `w ∝ q − offset` for the unsigned repacked quants `q`.
     pub(crate) const fn offset(self) -> i32 {
         match self {
+            QuantType::Q3K => 4,
             QuantType::Q4_0 => 8,
             QuantType::Q5_0 => 16,
             QuantType::Q6K => 32,
             QuantType::Q8_0 => 128,
             _ => 0,
         }
+    }
+
+    /// Whether each block has two scales, one per 16 values (`Q3_K`, `Q6_K`): the kernels
+    /// keep two integer dots per block.
+    pub(crate) const fn splits(self) -> bool {
+        matches!(self.scales(), Scales::SuperHalves)
     }
 
     /// Quant bytes of one repacked block-panel (16 rows x 32 values).
@@ -395,6 +410,25 @@ pub(crate) fn pack_gguf_block(ty: QuantType, src: &[u8], q: &mut [u8], s: &mut [
         }
         // Packed by `dense::pack_row`.
         QuantType::F16 | QuantType::BF16 | QuantType::F32 => {}
+        QuantType::Q3K => {
+            let (hmask, qs, scales) = (&src[0..32], &src[32..96], &src[96..108]);
+            set_f16(s, r, &src[108..110]);
+            for (i, sc) in q3_k_scales(scales).into_iter().enumerate() {
+                s[32 + i * PANEL + r] = sc as u8;
+            }
+            // Value v: 2 bits of qs[32 n + l] at shift 2 part, and bit (4 n + part) of
+            // hmask[l] (n = v / 128, part = v % 128 / 32, l = v % 32): u = low + 4 · high.
+            for j in 0..8 {
+                let u: [u8; BLOCK] = std::array::from_fn(|l| {
+                    let v = 32 * j + l;
+                    let (n, part, l) = (v / 128, v % 128 / 32, v % 32);
+                    let low = qs[32 * n + l] >> (2 * part) & 3;
+                    let high = hmask[l] >> (4 * n + part) & 1;
+                    low | high << 2
+                });
+                put(j, &u);
+            }
+        }
         QuantType::Q6K => {
             let (ql, qh, sc) = (&src[0..128], &src[128..192], &src[192..208]);
             set_f16(s, r, &src[208..210]);
@@ -413,6 +447,17 @@ pub(crate) fn pack_gguf_block(ty: QuantType, src: &[u8], q: &mut [u8], s: &mut [
             }
         }
     }
+}
+
+/// `Q3_K`'s 16 six-bit scales (ggml's `dequantize_row_q3_K`), less 32: the low 4 bits of
+/// scale `i` are nibble `i % 8` of the first 8 bytes (`i / 8` picks the high nibble), the
+/// high 2 bits are bits `2 (i / 4)` of byte `8 + i % 4`.
+fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|i| {
+        let low = packed[i % 8] >> (4 * (i / 8)) & 0x0F;
+        let high = packed[8 + i % 4] >> (2 * (i / 4)) & 3;
+        (low | high << 4) as i8 - 32
+    })
 }
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j`.

@@ -1,5 +1,5 @@
 //! lantern-quant: fast CPU matrix products for GGUF quantized weights (`Q4_0`, `Q4_1`,
-//! `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) and dense ones (`F16`, `BF16`, `F32`:
+//! `Q5_0`, `Q5_1`, `Q8_0`, `Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`) and dense ones (`F16`, `BF16`, `F32`:
 //! see `dense` for their layout; they take the activations unquantized, and everything
 //! below about activation quantization concerns the quantized types only).
 //!
@@ -51,13 +51,14 @@
 //! | `Q8_0` | `q + 128` | 128 | `d` | — |
 //! | `Q4_K`, `Q5_K` | 4 / 5 bits | 0 | `d · sc_j` | `−dmin · m_j` |
 //! | `Q6_K` | 6 bits | 32 | `d · sc_j`, one per 16 values | — |
+//! | `Q3_K` | 3 bits | 4 | `d · (sc_j − 32)`, one per 16 values | — |
 //!
 //! (`d · sc_j` and `dmin · m_j` are exact in f32: an f16 times an integer below 2^8.)
 //! The integer dot `Σ (q_w − o)·q_a = Σ q_w·q_a − o·Σ q_a` is exact (|Σ| < 2^21): the
 //! unsigned-by-signed products are what `vpdpbusd` and `vpmaddubsw` multiply, and the
 //! correction `−o·Σ q_a` is an exact integer from the activation quantization, used as
-//! the accumulator's initial value. `Q6_K` keeps two integer dots per block (values 0..16
-//! and 16..32), one per scale. The f32 part is, per (output row, token), for blocks
+//! the accumulator's initial value. `Q6_K` and `Q3_K` keep two integer dots per block
+//! (values 0..16 and 16..32), one per scale. The f32 part is, per (output row, token), for blocks
 //! `b = 0, 1, ...` in order (`scalar::update`):
 //! `acc = fma(d_w·d_a, dot as f32, acc)`; for `Q6_K` then
 //! `acc = fma(d_w'·d_a, dot' as f32, acc)` with the second half's scale and dot; for the
@@ -80,7 +81,7 @@
 //! bytes. Its 64-byte chunks hold, in i32 lane `r` (row `16p + r`), 4 consecutive k
 //! values of that row:
 //!
-//! - 4-, 5- and 6-bit types: 4 nibble chunks (256 bytes); lane `r` of chunk `c` holds in
+//! - 3-, 4-, 5- and 6-bit types: 4 nibble chunks (256 bytes); lane `r` of chunk `c` holds in
 //!   byte `j` the low 4 bits of value `4c + j` (low nibble) and of value `16 + 4c + j`
 //!   (high nibble). 5-bit types add one chunk whose byte `j` holds bit 4 of value `4c+j`
 //!   in bit `c` and of value `16+4c+j` in bit `4+c` (R = 320); `Q6_K` adds two chunks
@@ -93,7 +94,7 @@
 //! Scales sit in a separate array, one record per block-panel (`Q4_0`, `Q5_0`, `Q8_0`: 16
 //! `d` as f16; `Q4_1`, `Q5_1`: then 16 `m`) or per super-block-panel of 8 blocks for the
 //! K-quants (`Q4_K`, `Q5_K`: 16 `d`, 16 `dmin` as f16, then `sc[8][16]` and `m[8][16]` as
-//! u8; `Q6_K`: 16 `d`, then `sc[16][16]` as i8). f16 is widened with `vcvtph2ps` (exact).
+//! u8; `Q6_K`, `Q3_K`: 16 `d`, then `sc[16][16]` as i8, `Q3_K`'s less 32). f16 is widened with `vcvtph2ps` (exact).
 //!
 //! With this layout one AVX-512 `vpdpbusd` multiplies 4 k-values of 16 rows by the same
 //! 4 activation bytes (a broadcast dword), with no horizontal reductions and no shuffles;

@@ -50,7 +50,7 @@ pub(crate) unsafe fn run_tile(
     let sbp = ty.packed_scale_bytes();
     let unit = ty.scale_unit();
     let off = ty.offset();
-    let split = ty == crate::QuantType::Q6K;
+    let split = ty.splits();
     let min = matches!(
         ty.scales(),
         crate::format::Scales::DM | crate::format::Scales::SuperDM

@@ -44,7 +44,7 @@ fn random_gguf(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> Vec<u8> {
                 out.extend_from_slice(&f16_bytes(d / 32.0));
                 out.extend_from_slice(&f16_bytes(d / 4.0));
             }
-            QuantType::Q6K => {}
+            QuantType::Q6K | QuantType::Q3K => {}
             QuantType::F16 | QuantType::BF16 | QuantType::F32 => {
                 unreachable!("dense: random_dense")
             }
@@ -52,7 +52,7 @@ fn random_gguf(rng: &mut StdRng, ty: QuantType, n: usize, k: usize) -> Vec<u8> {
         while out.len() < start + ty.block_bytes() {
             out.push(rng.gen());
         }
-        if ty == QuantType::Q6K {
+        if matches!(ty, QuantType::Q6K | QuantType::Q3K) {
             let at = start + ty.block_bytes() - 2;
             out[at..at + 2].copy_from_slice(&f16_bytes(d / 64.0));
         }
@@ -135,6 +135,43 @@ fn parts(ty: QuantType, b: &[u8]) -> Vec<Part> {
                 .collect()
         }
         QuantType::F16 | QuantType::BF16 | QuantType::F32 => unreachable!("not quantized"),
+        QuantType::Q3K => {
+            // ggml's dequantize_row_q3_K, its scale unpacking on u32 words included.
+            let (hm, qs, d) = (&b[0..32], &b[32..96], f16_at(b, 108));
+            let word =
+                |i: usize| u32::from_le_bytes(b[96 + 4 * i..100 + 4 * i].try_into().unwrap());
+            let (a0, a1, tmp) = (word(0), word(1), word(2));
+            let (k1, k2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+            let aux = [
+                (a0 & k2) | ((tmp & k1) << 4),
+                (a1 & k2) | (((tmp >> 2) & k1) << 4),
+                ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+                ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4),
+            ];
+            let scales: Vec<i32> = aux
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .map(|s| s as i8 as i32 - 32)
+                .collect();
+            let mut all = [0i32; 256];
+            let mut m = 1u8;
+            for n in 0..2 {
+                for j in 0..4 {
+                    for l in 0..32 {
+                        let low = (qs[32 * n + l] >> (2 * j) & 3) as i32;
+                        all[128 * n + 32 * j + l] = low - if hm[l] & m != 0 { 0 } else { 4 };
+                    }
+                    m <<= 1;
+                }
+            }
+            (0..8)
+                .map(|j| Part {
+                    q: all[32 * j..32 * j + 32].try_into().unwrap(),
+                    d: [d * scales[2 * j] as f32, d * scales[2 * j + 1] as f32],
+                    m: None,
+                })
+                .collect()
+        }
         QuantType::Q6K => {
             let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16_at(b, 208));
             let mut all = [0i32; 256];

@@ -177,6 +177,7 @@ unsafe fn dispatch(ty: QuantType, a: &PanelArgs, t0: usize, t1: usize) {
         Q::Q4K => panel::<{ Q::Q4K as u8 }>(a, t0, t1),
         Q::Q5K => panel::<{ Q::Q5K as u8 }>(a, t0, t1),
         Q::Q6K => panel::<{ Q::Q6K as u8 }>(a, t0, t1),
+        Q::Q3K => unreachable!("Q3_K runs at avx512 (Kernel::for_type)"),
         Q::F16 | Q::BF16 | Q::F32 => unreachable!("dense types run in x86::dense"),
     }
 }
@@ -452,6 +453,7 @@ mod tests {
             let scales_at: &[usize] = match ty {
                 QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
                 QuantType::Q6K => &[208],
+                QuantType::Q3K => &[108],
                 _ => &[0, 2],
             };
             for block in bytes.chunks_mut(ty.block_bytes()) {

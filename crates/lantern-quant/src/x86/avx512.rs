@@ -211,7 +211,7 @@ unsafe fn tile<const F: u8, const P: usize, const T: usize>(a: TileArgs) {
     let ty = QuantType::from_id(F);
     let planes = ty.planes();
     let scales = ty.scales();
-    let split = ty == QuantType::Q6K;
+    let split = ty.splits();
     let qbp = ty.packed_quant_bytes();
     let sbp = ty.packed_scale_bytes();
     let unit = ty.scale_unit();

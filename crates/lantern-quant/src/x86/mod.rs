@@ -191,6 +191,7 @@ macro_rules! dispatch_shapes {
                     Q::Q4K => $tile::<{ Q::Q4K as u8 }, $p, $t>($args),
                     Q::Q5K => $tile::<{ Q::Q5K as u8 }, $p, $t>($args),
                     Q::Q6K => $tile::<{ Q::Q6K as u8 }, $p, $t>($args),
+                    Q::Q3K => $tile::<{ Q::Q3K as u8 }, $p, $t>($args),
                     Q::F16 | Q::BF16 | Q::F32 => unreachable!("dense types run in x86::dense"),
                 },
             )*

@@ -39,6 +39,7 @@ pub const SOURCES: &[KernelSource] = &[
             "act_mul",
             "activate",
             "scale_f32",
+            "clamp_f32",
             "soft_cap_f32",
             "embed_bf16",
             "embed_f16",
@@ -595,6 +596,14 @@ impl Gpu {
     /// x *= s.
     pub fn scale(&self, x: &mut impl DevicePtrMut<f32>, s: f32) -> Result<()> {
         self.unary("scale_f32", x, s)
+    }
+
+    /// x = min(max(x, -limit), limit); `limit` must be positive.
+    pub fn clamp(&self, x: &mut impl DevicePtrMut<f32>, limit: f32) -> Result<()> {
+        ensure(limit > 0.0, || {
+            format!("clamp: limit {limit} is not positive")
+        })?;
+        self.unary("clamp_f32", x, limit)
     }
 
     /// x = cap * tanh(x / cap); `cap` must be positive.

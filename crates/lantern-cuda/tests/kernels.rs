@@ -1787,6 +1787,7 @@ mod gpu_tests {
             QuantType::Q4K => GgmlDType::Q4K,
             QuantType::Q5K => GgmlDType::Q5K,
             QuantType::Q6K => GgmlDType::Q6K,
+            QuantType::Q3K => GgmlDType::Q3K,
             other => panic!("{other} is not quantized"),
         };
         let q = QTensor::quantize(&t, dtype).unwrap();

@@ -90,6 +90,9 @@ impl Compute for Folding {
     fn scale(&self, x: &mut Self::Act, factor: f32) -> Result<()> {
         Cpu.scale(x, factor)
     }
+    fn clamp(&self, x: &mut Self::Act, limit: f32) -> Result<()> {
+        Cpu.clamp(x, limit)
+    }
     fn rope(
         &self,
         table: &Self::RopeTable,

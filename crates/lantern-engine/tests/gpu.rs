@@ -35,6 +35,7 @@ const ARCHS: &[&str] = &[
     "phi",
     "cohere",
     "glm4",
+    "olmo",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

@@ -31,6 +31,7 @@ pub const SUPPORTED: &[&str] = &[
     "phi2",
     "command-r",
     "glm4",
+    "olmo",
 ];
 
 /// The decoder `source` describes.
@@ -55,6 +56,13 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             qk_norm: true,
             normalize_expert_weights: false,
             ..DecoderSpec::plain(params, RopePairs::Halves)
+        }),
+        // OLMo 1: LayerNorms without weight or bias, q/k/v optionally clipped
+        // (`attention.clamp_kqv`, read for every architecture).
+        "olmo" => Ok(DecoderSpec {
+            norm: NormKind::LayerWithoutParams,
+            norm_eps: params.layer_norm_eps.unwrap_or(1e-5),
+            ..DecoderSpec::plain(params, RopePairs::Adjacent)
         }),
         "olmo2" => olmo2(source, params),
         // Gemma 1: Gemma's block with norms before each block only.

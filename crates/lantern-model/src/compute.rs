@@ -160,6 +160,8 @@ pub trait Compute: Send + Sync + Sized + 'static {
     fn soft_cap(&self, x: &mut Self::Act, cap: f32) -> Result<()>;
     /// `x *= factor` (Granite's residual and logit multipliers).
     fn scale(&self, x: &mut Self::Act, factor: f32) -> Result<()>;
+    /// `x = min(max(x, -limit), limit)` (OLMo's `clip_qkv`).
+    fn clamp(&self, x: &mut Self::Act, limit: f32) -> Result<()>;
     /// Rotates `x` (`[tokens, heads, head_dim]`) by the step's table.
     fn rope(
         &self,
@@ -406,6 +408,11 @@ impl Compute for Cpu {
 
     fn scale(&self, x: &mut Vec<f32>, factor: f32) -> Result<()> {
         ops::scale(x, factor);
+        Ok(())
+    }
+
+    fn clamp(&self, x: &mut Vec<f32>, limit: f32) -> Result<()> {
+        ops::clamp(x, limit);
         Ok(())
     }
 

@@ -261,6 +261,7 @@ impl<C: Compute> Decoder<C> {
             num_heads: p.num_heads,
             num_kv_heads: p.num_kv_heads,
             head_dim: p.head_dim,
+            clamp: p.clamp_kqv,
         };
         let mut layers = Vec::with_capacity(p.num_layers);
         for l in 0..p.num_layers {

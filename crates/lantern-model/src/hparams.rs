@@ -36,6 +36,9 @@ pub struct HParams {
     pub query_pre_attn_scalar: Option<f32>,
     pub attn_logit_softcap: Option<f32>,
     pub final_logit_softcap: Option<f32>,
+    /// q, k and v clamped to `[-c, c]` after their projections (`attention.clamp_kqv`:
+    /// OLMo's `clip_qkv`).
+    pub clamp_kqv: Option<f32>,
     /// The mixture-of-experts layers' shape, when the model has experts.
     pub experts: Option<ExpertParams>,
 }
@@ -187,6 +190,10 @@ impl HParams {
             final_logit_softcap: positive(
                 "final_logit_softcapping",
                 src.opt_f32(&key("final_logit_softcapping"))?,
+            )?,
+            clamp_kqv: positive(
+                "attention.clamp_kqv",
+                src.opt_f32(&key("attention.clamp_kqv"))?,
             )?,
             architecture: arch,
             hidden_size,

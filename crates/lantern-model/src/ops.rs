@@ -246,6 +246,16 @@ pub fn soft_cap(x: &mut [f32], cap: f32) {
     share::for_each_chunk(x, chunk, &|_, x| soft_cap_values(x, cap));
 }
 
+/// `x = min(max(x, -limit), limit)`: q/k/v clipped (OLMo); NaN stays NaN.
+pub fn clamp(x: &mut [f32], limit: f32) {
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| {
+        for v in x {
+            *v = v.clamp(-limit, limit);
+        }
+    });
+}
+
 /// `x *= alpha`.
 pub fn scale(x: &mut [f32], alpha: f32) {
     let chunk = share::chunk_len(x.len(), 1);

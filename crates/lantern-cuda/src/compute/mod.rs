@@ -682,6 +682,10 @@ impl Compute for CudaCompute {
         self.gpu.scale(&mut **x, factor).map_err(model_error)
     }
 
+    fn clamp(&self, x: &mut GpuAct, limit: f32) -> Result<()> {
+        self.gpu.clamp(&mut **x, limit).map_err(model_error)
+    }
+
     fn rope(
         &self,
         table: &GpuRopeTable,

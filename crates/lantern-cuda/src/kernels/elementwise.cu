@@ -38,6 +38,15 @@ extern "C" __global__ void scale_f32(float* __restrict__ x, u64 n, float s) {
         x[i] *= s;
 }
 
+// As Rust's f32::clamp: NaN stays NaN.
+extern "C" __global__ void clamp_f32(float* __restrict__ x, u64 n, float limit) {
+    lt_grid_dependency();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        x[i] = v < -limit ? -limit : (v > limit ? limit : v);
+    }
+}
+
 extern "C" __global__ void soft_cap_f32(float* __restrict__ x, u64 n, float cap) {
     lt_grid_dependency();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

@@ -1,5 +1,5 @@
-//! The attention layer: q/k/v projections (separate or fused, optional biases), optional
-//! per-head QK-norm, RoPE, the backend call, the capture tap, the output projection (and
+//! The attention layer: q/k/v projections (separate or fused, optional biases, optionally
+//! clamped: OLMo's `clip_qkv`), optional per-head QK-norm, RoPE, the backend call, the capture tap, the output projection (and
 //! its optional bias).
 
 use super::{BlockInput, Loader, Projections, RmsNorm};
@@ -7,12 +7,14 @@ use crate::compute::{AttentionCall, Compute};
 use crate::error::{ModelError, Result};
 
 /// Sizes of one attention layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     pub hidden: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// q, k and v clamped to `[-c, c]` after their projections (OLMo's `clip_qkv`).
+    pub clamp: Option<f32>,
 }
 
 impl AttentionShape {
@@ -157,11 +159,16 @@ impl<C: Compute> Attention<C> {
         let s = &self.shape;
         let tokens = call.tokens;
         let mut qkv = self.qkv.forward_input(c, input, tokens)?.into_iter();
-        let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
+        let (Some(mut q), Some(mut k), Some(mut v)) = (qkv.next(), qkv.next(), qkv.next()) else {
             return Err(ModelError::Compute(
                 "q/k/v projections are incomplete".into(),
             ));
         };
+        if let Some(limit) = s.clamp {
+            for x in [&mut q, &mut k, &mut v] {
+                c.clamp(x, limit)?;
+            }
+        }
         let (q, k) = match &self.qk_norm {
             // Rows of `head_dim`: one norm per head.
             Some((q_norm, k_norm)) => (q_norm.forward(c, &q)?, k_norm.forward(c, &k)?),

@@ -52,6 +52,9 @@ pub enum NormKind {
     Layer,
     /// LayerNorm with a weight only (Command R, Aya): a bias of zeros, which adds nothing.
     LayerWithoutBias,
+    /// LayerNorm with neither weight nor bias (OLMo 1): no tensors; ones and zeros, which
+    /// change nothing.
+    LayerWithoutParams,
 }
 
 impl NormKind {
@@ -75,6 +78,11 @@ impl<C: Compute> Norm<C> {
             NormKind::Layer => Self::Layer {
                 weight: c.vector(loader.vector(&weight, len)?)?,
                 bias: c.vector(loader.vector(&format!("{base}.bias"), len)?)?,
+                eps,
+            },
+            NormKind::LayerWithoutParams => Self::Layer {
+                weight: c.vector(vec![1.0; len])?,
+                bias: c.vector(vec![0.0; len])?,
                 eps,
             },
             NormKind::LayerWithoutBias => Self::Layer {

@@ -21,6 +21,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "olmo",
     "olmo2",
     "olmo3",
     "gemma",
@@ -56,7 +57,7 @@ pub struct HfConfig {
 impl HfConfig {
     /// q/k rows permuted so rotary pairs are adjacent (GGUF arch `llama`).
     pub fn permutes_qk(&self) -> bool {
-        matches!(self.gguf_arch, "llama" | "smollm3" | "granite")
+        matches!(self.gguf_arch, "llama" | "smollm3" | "granite" | "olmo")
     }
 
     /// RMSNorm weights stored as `1 + w`.
@@ -111,6 +112,7 @@ impl HfConfig {
             "qwen3" => "qwen3",
             "qwen3_moe" => "qwen3moe",
             "olmoe" => "olmoe",
+            "olmo" => "olmo",
             "olmo2" | "olmo3" => "olmo2",
             "gpt_neox" => "gptneox",
             "gpt2" => "gpt2",
@@ -226,11 +228,19 @@ impl HfConfig {
         if let Some(s) = c.opt_f64("query_pre_attn_scalar")? {
             m.insert(keys::QUERY_PRE_ATTN_SCALAR.into(), Value::F32(s as f32));
         }
-        if c.json.get("clip_qkv").is_some_and(|v| !v.is_null()) {
-            return Err(invalid(
-                path,
-                "`clip_qkv` (OLMo's clipping of q/k/v) is not supported".into(),
-            ));
+        // OLMo's clipping of q/k/v after their projections, as llama.cpp's key.
+        match c.opt_f64("clip_qkv")? {
+            Some(clip) if clip > 0.0 && clip.is_finite() => {
+                m.insert(k("attention.clamp_kqv"), Value::F32(clip as f32));
+            }
+            Some(clip) => {
+                return Err(invalid(path, format!("`clip_qkv` {clip} is not positive")));
+            }
+            None => {}
+        }
+        if gguf_arch == "olmo" {
+            // OlmoLayerNorm's fixed eps.
+            m.insert(k("attention.layer_norm_epsilon"), Value::F32(1e-5));
         }
         sliding_window(&c, a, num_layers, &mut m)?;
         if gguf_arch == "granite" {
@@ -609,6 +619,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("use_qk_norm"), "{err}");
+    }
+
+    #[test]
+    fn clip_qkv_becomes_llama_cpp_s_clamp_key() {
+        let c = config("olmo", json!({"clip_qkv": 8.0})).unwrap();
+        assert_eq!(number(&c, "olmo.attention.clamp_kqv"), 8.0);
+        assert_eq!(
+            number(&c, "olmo.attention.layer_norm_epsilon"),
+            1e-5f32 as f64
+        );
+        assert!(c.permutes_qk());
+        let c = config("olmo", json!({"clip_qkv": null})).unwrap();
+        assert!(!c.metadata.contains_key("olmo.attention.clamp_kqv"));
+        let err = config("olmo", json!({"clip_qkv": -1.0}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("clip_qkv"), "{err}");
     }
 
     #[test]

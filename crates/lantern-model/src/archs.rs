@@ -65,7 +65,8 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             ..DecoderSpec::plain(params, RopePairs::Adjacent)
         }),
         "olmo2" => olmo2(source, params),
-        // Gemma 1: Gemma's block with norms before each block only.
+        // Gemma 1: Gemma's block with norms before each block only (scores by the head
+        // size: no layer count of Gemma 1 is special-cased, hence 0).
         "gemma" => Ok(DecoderSpec {
             norm_placement: NormPlacement::Pre,
             ..gemma(params, 0)?
@@ -253,7 +254,7 @@ fn command_r(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> 
             "Command R+'s per-head q/k LayerNorms are not supported".into(),
         ));
     }
-    let logit_scale = source.opt_f32(&format!("{}.logit_scale", params.architecture))?;
+    let logit_scale = positive(source, &format!("{}.logit_scale", params.architecture))?;
     Ok(DecoderSpec {
         norm: NormKind::LayerWithoutBias,
         norm_eps: params.layer_norm_eps.unwrap_or(1e-5),
@@ -263,24 +264,25 @@ fn command_r(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> 
     })
 }
 
+/// A multiplier the file may give, which must be positive and finite.
+fn positive(source: &dyn WeightSource, key: &str) -> Result<Option<f32>> {
+    match source.opt_f32(key)? {
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(ModelError::InvalidConfig(format!(
+            "`{key}` is {v}; it must be positive"
+        ))),
+        v => Ok(v),
+    }
+}
+
 /// Granite (IBM Granite 3): Llama's block with four multipliers from the file: the
 /// embeddings', the attention scores' (in place of `1/sqrt(head_dim)`), each block's
 /// output as it joins the residual, and the logits' divisor.
 fn granite(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
-    let key = |k: &str| format!("{}.{k}", params.architecture);
-    let positive = |k: &str| -> Result<Option<f32>> {
-        match source.opt_f32(&key(k))? {
-            Some(v) if !(v.is_finite() && v > 0.0) => Err(ModelError::InvalidConfig(format!(
-                "`{}` is {v}; it must be positive",
-                key(k)
-            ))),
-            v => Ok(v),
-        }
-    };
-    let embed_scale = positive("embedding_scale")?;
-    let attention_scale = positive("attention.scale")?;
-    let residual_scale = positive("residual_scale")?;
-    let logit_scale = positive("logit_scale")?.map(|s| 1.0 / s);
+    let multiplier = |k: &str| positive(source, &format!("{}.{k}", params.architecture));
+    let embed_scale = multiplier("embedding_scale")?;
+    let attention_scale = multiplier("attention.scale")?;
+    let residual_scale = multiplier("residual_scale")?;
+    let logit_scale = multiplier("logit_scale")?.map(|s| 1.0 / s);
     let plain = DecoderSpec::plain(params, RopePairs::Adjacent);
     Ok(DecoderSpec {
         embed_scale,

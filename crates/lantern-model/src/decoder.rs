@@ -653,7 +653,14 @@ fn long_rope_factors(
             return Err(ModelError::MissingTensor { name: name.into() });
         }
         let t = loader.tensor(name, &[p.rope_dim / 2])?;
-        tensor_to_vec(name, &t)
+        let factors = tensor_to_vec(name, &t)?;
+        // Divisors of the frequencies: a zero or a NaN would rotate by infinities.
+        match factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+            Some(bad) => Err(ModelError::InvalidConfig(format!(
+                "tensor `{name}` holds {bad}; LongRoPE's factors must be positive"
+            ))),
+            None => Ok(factors),
+        }
     };
     let (long, short) = (read(LONG_FACTORS)?, read(SHORT_FACTORS)?);
     let use_long = context > original_context;

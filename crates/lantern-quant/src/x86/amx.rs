@@ -444,7 +444,8 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(0x7115);
-        for ty in QuantType::QUANTIZED {
+        // Q3_K has no tiles: `Kernel::for_type` runs it at avx512.
+        for ty in QuantType::QUANTIZED.into_iter().filter(|&t| t != QuantType::Q3K) {
             let (n, k, m) = (40, 512, 21);
             let mut bytes: Vec<u8> = (0..n * k / ty.block_values() * ty.block_bytes())
                 .map(|_| rng.gen())
@@ -453,7 +454,6 @@ mod tests {
             let scales_at: &[usize] = match ty {
                 QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
                 QuantType::Q6K => &[208],
-                QuantType::Q3K => &[108],
                 _ => &[0, 2],
             };
             for block in bytes.chunks_mut(ty.block_bytes()) {

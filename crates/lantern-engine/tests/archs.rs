@@ -131,6 +131,8 @@ const CASES: &[Case] = &[
     case("glm4", "gguf/glm4.q8_0.gguf", ".q8_0", Quantized),
     // OLMo 1: LayerNorms without parameters, q/k/v clipped.
     case("olmo", "gguf/olmo.q8_0.gguf", ".q8_0", Quantized),
+    // Command R7B: sliding layers with RoPE, a global one without.
+    case("cohere2", "gguf/cohere2.q8_0.gguf", ".q8_0", Quantized),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.q8_0.gguf", ".q8_0", Quantized),
@@ -182,6 +184,7 @@ const CASES: &[Case] = &[
     case("cohere", "hf", "", Exact),
     case("glm4", "hf", "", Exact),
     case("olmo", "hf", "", Exact),
+    case("cohere2", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

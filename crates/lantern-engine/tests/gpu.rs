@@ -36,6 +36,7 @@ const ARCHS: &[&str] = &[
     "cohere",
     "glm4",
     "olmo",
+    "cohere2",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

@@ -30,6 +30,7 @@ pub const SUPPORTED: &[&str] = &[
     "gpt2",
     "phi2",
     "command-r",
+    "cohere2",
     "glm4",
     "olmo",
 ];
@@ -77,6 +78,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gpt2" => gpt2(params),
         "phi2" => phi2(params),
         "command-r" => command_r(source, params),
+        "cohere2" => cohere2(source, params),
         // GLM-4 (0414): RMSNorms before and after each block, q/k/v biases, gate and up
         // fused, partial RoPE on adjacent pairs.
         "glm4" => Ok(DecoderSpec {
@@ -261,6 +263,26 @@ fn command_r(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> 
         parallel_residual: true,
         logit_scale,
         ..DecoderSpec::plain(params, RopePairs::Adjacent)
+    })
+}
+
+/// Command R7B (Cohere 2): Command R's block whose layers slide, every 4th global unless
+/// the file gives the pattern; only the sliding layers rotate (the global ones use no
+/// position encoding), as llama.cpp and transformers have it.
+fn cohere2(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
+    if params.window().is_none() {
+        return Err(ModelError::InvalidConfig(
+            "Command R7B's layers need a sliding window (`attention.sliding_window`)".into(),
+        ));
+    }
+    let base = params.rope_theta_swa.unwrap_or(params.rope_theta);
+    let mut layers = sliding_and_global_layers(source, &params, 4, base)?;
+    for plan in &mut layers {
+        plan.rotary = plan.sliding_window.is_some();
+    }
+    Ok(DecoderSpec {
+        layers,
+        ..command_r(source, params)?
     })
 }
 

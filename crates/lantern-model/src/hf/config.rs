@@ -32,6 +32,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gpt_neox",
     "gpt2",
     "cohere",
+    "cohere2",
     "glm4",
 ];
 
@@ -122,6 +123,7 @@ impl HfConfig {
             "phi3" => "phi3",
             "phi" => "phi2",
             "cohere" => "command-r",
+            "cohere2" => "cohere2",
             "glm4" => "glm4",
             other => {
                 return Err(invalid(
@@ -154,7 +156,7 @@ impl HfConfig {
         // transformers' defaults: tied for Gemma, GPT-2 and Cohere, untied for the others.
         let tie_word_embeddings = c
             .opt_bool("tie_word_embeddings")?
-            .unwrap_or(is_gemma || gpt2 || gguf_arch == "command-r");
+            .unwrap_or(is_gemma || gpt2 || matches!(gguf_arch, "command-r" | "cohere2"));
 
         let mut m = HashMap::new();
         let a = gguf_arch;
@@ -314,7 +316,7 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
             "hidden_act",
             &["gelu_new", "gelu_pytorch_tanh"],
         ),
-        "command-r" => ("layer_norm_eps", "hidden_act", &["silu"]),
+        "command-r" | "cohere2" => ("layer_norm_eps", "hidden_act", &["silu"]),
         "gpt2" => (
             "layer_norm_epsilon",
             "activation_function",
@@ -338,7 +340,7 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
         let parallel = c.opt_bool("use_parallel_residual")?.unwrap_or(true);
         m.insert(format!("{a}.use_parallel_residual"), Value::Bool(parallel));
     }
-    if a == "command-r" {
+    if matches!(a, "command-r" | "cohere2") {
         if c.opt_bool("use_qk_norm")? == Some(true) {
             return Err(invalid(
                 c.path,
@@ -447,8 +449,12 @@ fn sliding_window(c: &Keys, a: &str, layers: usize, m: &mut HashMap<String, Valu
                     })
                     .collect::<Result<_>>()?,
             )
-        } else if a == "gemma3" {
-            let pattern = c.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+        } else if matches!(a, "gemma3" | "cohere2") {
+            let default = if a == "gemma3" { 6 } else { 4 };
+            let pattern = c
+                .opt_usize("sliding_window_pattern")?
+                .unwrap_or(default)
+                .max(1);
             Some((0..layers).map(|i| (i + 1) % pattern != 0).collect())
         } else if a == "gemma2" {
             Some((0..layers).map(|i| i % 2 == 0).collect())
@@ -619,6 +625,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("use_qk_norm"), "{err}");
+    }
+
+    #[test]
+    fn cohere2_slides_three_layers_of_four_by_default() {
+        let c = config(
+            "cohere2",
+            json!({"sliding_window": 8, "num_hidden_layers": 8}),
+        )
+        .unwrap();
+        let Value::Array(sliding) = &c.metadata[keys::SLIDING_LAYERS] else {
+            panic!("no sliding layers");
+        };
+        let sliding: Vec<bool> = sliding
+            .iter()
+            .map(|v| matches!(v, Value::Bool(true)))
+            .collect();
+        assert_eq!(sliding, [true, true, true, false, true, true, true, false]);
+        assert_eq!(number(&c, "cohere2.attention.sliding_window"), 8.0);
+        assert_eq!(number(&c, "cohere2.logit_scale"), 0.0625);
     }
 
     #[test]

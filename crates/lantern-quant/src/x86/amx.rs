@@ -445,7 +445,10 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(0x7115);
         // Q3_K has no tiles: `Kernel::for_type` runs it at avx512.
-        for ty in QuantType::QUANTIZED.into_iter().filter(|&t| t != QuantType::Q3K) {
+        for ty in QuantType::QUANTIZED
+            .into_iter()
+            .filter(|&t| t != QuantType::Q3K)
+        {
             let (n, k, m) = (40, 512, 21);
             let mut bytes: Vec<u8> = (0..n * k / ty.block_values() * ty.block_bytes())
                 .map(|_| rng.gen())

@@ -171,6 +171,8 @@ pub enum Activation {
     GeluTanh,
     /// gelu(gate) * up with the error function (PyTorch's default gelu).
     GeluErf,
+    /// max(gate, 0) * up (OPT's un-gated MLP takes it alone).
+    Relu,
 }
 
 impl Activation {
@@ -180,6 +182,7 @@ impl Activation {
             Self::Silu => 0,
             Self::GeluTanh => 1,
             Self::GeluErf => 2,
+            Self::Relu => 3,
         }
     }
 }

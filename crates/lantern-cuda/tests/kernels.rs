@@ -133,6 +133,7 @@ mod gpu_tests {
                 0.5 * a * (1.0 + (k * (a + 0.044715 * a * a * a)).tanh())
             }
             Activation::GeluErf => 0.5 * a * (1.0 + libm::erf(a / std::f64::consts::SQRT_2)),
+            Activation::Relu => a.max(0.0),
         }
     }
 
@@ -189,7 +190,12 @@ mod gpu_tests {
         ));
 
         let x = rand_vec(&mut r, 3000, 4.0);
-        for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+        for act in [
+            Activation::Silu,
+            Activation::GeluTanh,
+            Activation::GeluErf,
+            Activation::Relu,
+        ] {
             let mut dx = g.upload(&x).unwrap();
             g.activate(&mut dx, act).unwrap();
             let want: Vec<f64> = x.iter().map(|&a| activation_ref(act, a as f64)).collect();
@@ -233,7 +239,12 @@ mod gpu_tests {
             .collect();
         assert_close(&g.download(&dx).unwrap(), &want, 1e-6, "add_bias");
 
-        for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+        for act in [
+            Activation::Silu,
+            Activation::GeluTanh,
+            Activation::GeluErf,
+            Activation::Relu,
+        ] {
             let mut dg = g.upload(&x).unwrap();
             g.act_mul(&mut dg, &dy, act).unwrap();
             let want: Vec<f64> = x
@@ -1390,7 +1401,12 @@ mod gpu_tests {
         let mut r = rng(22);
         for (rows, width) in [(1usize, 1536usize), (6, 300)] {
             let gu = rand_vec(&mut r, rows * 2 * width, 4.0);
-            for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+            for act in [
+                Activation::Silu,
+                Activation::GeluTanh,
+                Activation::GeluErf,
+                Activation::Relu,
+            ] {
                 let want: Vec<f64> = (0..rows * width)
                     .map(|i| {
                         let (row, c) = (i / width, i % width);
@@ -1623,7 +1639,12 @@ mod gpu_tests {
             let x = rand_vec(&mut r, m * k, 2.0);
             let (w, wf) = bf16_matrix(&mut r, 2 * width * k);
             let both = product_reference(&x, &wf, m, 2 * width, k);
-            for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+            for act in [
+                Activation::Silu,
+                Activation::GeluTanh,
+                Activation::GeluErf,
+                Activation::Relu,
+            ] {
                 let want: Vec<f64> = (0..m * width)
                     .map(|i| {
                         let (row, j) = (i / width, i % width);

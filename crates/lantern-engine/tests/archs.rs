@@ -185,6 +185,8 @@ const CASES: &[Case] = &[
     case("glm4", "hf", "", Exact),
     case("olmo", "hf", "", Exact),
     case("cohere2", "hf", "", Exact),
+    // OPT: learned positions from the table's third row, ReLU; no GGUF (none exists).
+    case("opt", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

@@ -37,6 +37,7 @@ const ARCHS: &[&str] = &[
     "glm4",
     "olmo",
     "cohere2",
+    "opt",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

@@ -33,6 +33,7 @@ pub const SUPPORTED: &[&str] = &[
     "cohere2",
     "glm4",
     "olmo",
+    "opt",
 ];
 
 /// The decoder `source` describes.
@@ -76,6 +77,7 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gemma3" => gemma3(source, params),
         "gptneox" => gptneox(source, params),
         "gpt2" => gpt2(params),
+        "opt" => opt(params),
         "phi2" => phi2(params),
         "command-r" => command_r(source, params),
         "cohere2" => cohere2(source, params),
@@ -236,6 +238,18 @@ fn gptneox(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
         parallel_residual: parallel,
         ..layer_norm_decoder(params, RopePairs::Halves, Activation::GeluErf)
     })
+}
+
+/// OPT: GPT-2's shape (learned positions, LayerNorm with biases, biases on every
+/// projection) with a ReLU MLP. Read from Hugging Face directories only (llama.cpp has
+/// no OPT); the position table's first two rows (OPT's offset) are left out as it is read.
+fn opt(mut params: HParams) -> Result<DecoderSpec> {
+    params.rope_dim = 0;
+    Ok(layer_norm_decoder(
+        params,
+        RopePairs::Halves,
+        Activation::Relu,
+    ))
 }
 
 /// Phi-2: one LayerNorm feeding attention and MLP side by side, partial NeoX-style RoPE,

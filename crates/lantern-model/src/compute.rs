@@ -397,6 +397,10 @@ impl Compute for Cpu {
                 ops::gelu_erf(gate);
                 ops::mul_in_place(gate, up);
             }
+            Activation::Relu => {
+                ops::relu(gate);
+                ops::mul_in_place(gate, up);
+            }
         }
         Ok(())
     }
@@ -481,6 +485,7 @@ impl Compute for Cpu {
             Activation::Silu => ops::silu(x),
             Activation::GeluTanh => ops::gelu_tanh(x),
             Activation::GeluErf => ops::gelu_erf(x),
+            Activation::Relu => ops::relu(x),
         }
         Ok(())
     }

@@ -234,6 +234,18 @@ pub fn gelu_erf(x: &mut [f32]) {
     share::for_each_chunk(x, chunk, &|_, x| gelu_erf_values(x));
 }
 
+/// `x[i] = max(x[i], 0)`, NaN kept as PyTorch's `relu` keeps it (OPT's MLP).
+pub fn relu(x: &mut [f32]) {
+    let chunk = share::chunk_len(x.len(), 1);
+    share::for_each_chunk(x, chunk, &|_, x| {
+        for v in x {
+            if *v < 0.0 {
+                *v = 0.0;
+            }
+        }
+    });
+}
+
 /// `x[i] = silu(x[i])`.
 pub fn silu(x: &mut [f32]) {
     let chunk = share::chunk_len(x.len(), 1);

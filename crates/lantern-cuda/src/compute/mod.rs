@@ -914,6 +914,7 @@ fn activation(act: ModelActivation) -> Activation {
         ModelActivation::Silu => Activation::Silu,
         ModelActivation::GeluTanh => Activation::GeluTanh,
         ModelActivation::GeluErf => Activation::GeluErf,
+        ModelActivation::Relu => Activation::Relu,
     }
 }
 

@@ -71,10 +71,12 @@ template <> __device__ __forceinline__ lt_f16 from_f32<lt_f16>(float v) {
 }
 
 // An MLP's activation of `g`. act 0: SiLU, 1: GELU (tanh approximation, as
-// PyTorch's approximate="tanh"), 2: GELU with the error function (PyTorch's default).
+// PyTorch's approximate="tanh"), 2: GELU with the error function (PyTorch's default),
+// 3: ReLU (NaN kept).
 __device__ __forceinline__ float lt_activation(float g, u32 act) {
     if (act == 0) return g / (1.0f + expf(-g));
     if (act == 2) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+    if (act == 3) return g < 0.0f ? 0.0f : g;
     const float k = 0.7978845608028654f;  // sqrt(2/pi)
     return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
 }

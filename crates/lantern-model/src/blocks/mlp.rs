@@ -18,6 +18,8 @@ pub enum Activation {
     GeluTanh,
     /// PyTorch's exact `gelu` (with the error function): GPT-NeoX.
     GeluErf,
+    /// `max(x, 0)`: OPT.
+    Relu,
 }
 
 impl Activation {
@@ -29,6 +31,10 @@ impl Activation {
             Self::GeluTanh => ops::gelu_tanh_mul(&mut out, up),
             Self::GeluErf => {
                 ops::gelu_erf(&mut out);
+                ops::mul_in_place(&mut out, up);
+            }
+            Self::Relu => {
+                ops::relu(&mut out);
                 ops::mul_in_place(&mut out, up);
             }
         }
@@ -212,6 +218,9 @@ mod tests {
     #[test]
     fn gelu_erf_matches_known_values() {
         // PyTorch: gelu(x) at 1.0, -2.0 and 0.5 (exact, with erf).
+        let relu = Activation::Relu.apply(&[1.5, -2.0, f32::NAN], &[2.0, 3.0, 1.0]);
+        assert_eq!(relu[..2], [3.0, 0.0]);
+        assert!(relu[2].is_nan(), "relu keeps NaN as PyTorch does");
         let out = Activation::GeluErf.apply(&[1.0, -2.0, 0.5], &[1.0, 2.0, 1.0]);
         assert!((out[0] - 0.841_344_7).abs() < 1e-6, "{}", out[0]);
         assert!((out[1] - 2.0 * -0.045_500_26).abs() < 1e-6, "{}", out[1]);

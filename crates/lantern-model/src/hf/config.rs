@@ -10,6 +10,9 @@ use serde_json::Value as Json;
 use std::collections::HashMap;
 use std::path::Path;
 
+/// OPT's learned positions: position `p` is row `p + 2` of `embed_positions`.
+const OPT_POSITION_OFFSET: usize = 2;
+
 /// The `model_type`s lantern reads from a directory.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
@@ -34,6 +37,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "cohere",
     "cohere2",
     "glm4",
+    "opt",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -70,6 +74,14 @@ impl HfConfig {
     /// OLMo 2's post-norms), not the pre-FFN norm.
     pub fn sandwich_norms(&self) -> bool {
         matches!(self.gguf_arch, "gemma2" | "gemma3" | "olmo2")
+    }
+
+    /// Rows of `hf` left out as it is read: OPT's position table starts 2 rows in.
+    pub fn skipped_rows(&self, hf: &str) -> usize {
+        match self.gguf_arch == "opt" && hf.ends_with("embed_positions.weight") {
+            true => OPT_POSITION_OFFSET,
+            false => 0,
+        }
     }
 
     /// GPT-2's `Conv1D` weights are stored `[in, out]`: transposed when read.
@@ -124,6 +136,7 @@ impl HfConfig {
             "phi" => "phi2",
             "cohere" => "command-r",
             "cohere2" => "cohere2",
+            "opt" => "opt",
             "glm4" => "glm4",
             other => {
                 return Err(invalid(
@@ -156,7 +169,7 @@ impl HfConfig {
         // transformers' defaults: tied for Gemma, GPT-2 and Cohere, untied for the others.
         let tie_word_embeddings = c
             .opt_bool("tie_word_embeddings")?
-            .unwrap_or(is_gemma || gpt2 || matches!(gguf_arch, "command-r" | "cohere2"));
+            .unwrap_or(is_gemma || gpt2 || matches!(gguf_arch, "command-r" | "cohere2" | "opt"));
 
         let mut m = HashMap::new();
         let a = gguf_arch;
@@ -176,9 +189,10 @@ impl HfConfig {
         m.insert("general.name".into(), Value::String(name));
         m.insert(k("block_count"), u(num_layers));
         m.insert(k("embedding_length"), u(hidden));
-        let ffn = match gpt2 {
-            true => c.opt_usize("n_inner")?.unwrap_or(4 * hidden),
-            false => c.req_usize("intermediate_size")?,
+        let ffn = match gguf_arch {
+            "gpt2" => c.opt_usize("n_inner")?.unwrap_or(4 * hidden),
+            "opt" => c.req_usize("ffn_dim")?,
+            _ => c.req_usize("intermediate_size")?,
         };
         m.insert(k("feed_forward_length"), u(ffn));
         let context = c
@@ -317,6 +331,7 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
             &["gelu_new", "gelu_pytorch_tanh"],
         ),
         "command-r" | "cohere2" => ("layer_norm_eps", "hidden_act", &["silu"]),
+        "opt" => ("layer_norm_eps", "activation_function", &["relu"]),
         "gpt2" => (
             "layer_norm_epsilon",
             "activation_function",
@@ -349,6 +364,36 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
         }
         let scale = c.opt_f64("logit_scale")?.unwrap_or(0.0625);
         m.insert(format!("{a}.logit_scale"), Value::F32(scale as f32));
+    }
+    if a == "opt" {
+        let hidden = c.req_usize("hidden_size")?;
+        // OPT-350m's shape: norms after each block, embeddings projected in and out.
+        for (key, fine) in [
+            (
+                "do_layer_norm_before",
+                c.opt_bool("do_layer_norm_before")? != Some(false),
+            ),
+            (
+                "word_embed_proj_dim",
+                c.opt_usize("word_embed_proj_dim")?
+                    .is_none_or(|d| d == hidden),
+            ),
+            (
+                "layer_norm_elementwise_affine",
+                c.opt_bool("layer_norm_elementwise_affine")? != Some(false),
+            ),
+            (
+                "_remove_final_layer_norm",
+                c.opt_bool("_remove_final_layer_norm")? != Some(true),
+            ),
+        ] {
+            if !fine {
+                return Err(invalid(
+                    c.path,
+                    format!("OPT with this `{key}` (OPT-350m's shape) is not supported"),
+                ));
+            }
+        }
     }
     if a == "phi2" && c.opt_bool("qk_layernorm")? == Some(true) {
         return Err(invalid(
@@ -644,6 +689,32 @@ mod tests {
         assert_eq!(sliding, [true, true, true, false, true, true, true, false]);
         assert_eq!(number(&c, "cohere2.attention.sliding_window"), 8.0);
         assert_eq!(number(&c, "cohere2.logit_scale"), 0.0625);
+    }
+
+    #[test]
+    fn opt_reads_ffn_dim_and_refuses_opt_350m_s_shape() {
+        let c = config("opt", json!({"ffn_dim": 256})).unwrap();
+        assert_eq!(number(&c, "opt.feed_forward_length"), 256.0);
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.skipped_rows("model.decoder.embed_positions.weight"), 2);
+        assert_eq!(c.skipped_rows("model.decoder.embed_tokens.weight"), 0);
+        for (extra, key) in [
+            (
+                json!({"ffn_dim": 256, "do_layer_norm_before": false}),
+                "do_layer_norm_before",
+            ),
+            (
+                json!({"ffn_dim": 256, "word_embed_proj_dim": 32}),
+                "word_embed_proj_dim",
+            ),
+            (
+                json!({"ffn_dim": 256, "activation_function": "gelu"}),
+                "activation_function",
+            ),
+        ] {
+            let err = config("opt", extra).unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! write them: GGUF tensor names, q/k rows permuted for GGUF arch `llama`, Gemma norms as
 //! `1 + w`, Llama 3 scaling as `rope_freqs.weight` and LongRoPE's as
 //! `rope_factors_long/short.weight`, tied embeddings without `output.weight`,
-//! GPT-2's `Conv1D` weights transposed, GPT-NeoX's q/k/v rows grouped q, k, v.
+//! GPT-2's `Conv1D` weights transposed, GPT-NeoX's q/k/v rows grouped q, k, v, OPT's
+//! position table read from its third row.
 
 pub mod config;
 pub mod generation_config;
@@ -144,6 +145,11 @@ impl HfDirectory {
         if self.config.transposes(hf) {
             t = t.t()?.contiguous()?;
         }
+        let skipped = self.config.skipped_rows(hf);
+        if skipped > 0 {
+            let rows = t.dim(0)?;
+            t = t.narrow(0, skipped.min(rows), rows.saturating_sub(skipped))?;
+        }
         if self.config.regroups_qkv(hf) {
             t = group_qkv(&t, self.config.num_heads)?;
         }
@@ -220,6 +226,9 @@ impl WeightSource for HfDirectory {
         let mut shape = stored.shape.clone();
         if self.config.transposes(hf) {
             shape.reverse();
+        }
+        if let Some(rows) = shape.first_mut() {
+            *rows = rows.saturating_sub(self.config.skipped_rows(hf));
         }
         let dtype = self.stored_type(name, stored.dtype, &shape);
         Some((shape, dtype))

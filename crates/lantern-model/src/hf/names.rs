@@ -10,9 +10,15 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         Some(_) => GPT2.gguf_name(hf),
         None => GPT2.gguf_name(&format!("transformer.{hf}")),
     };
+    // OPT as OPTForCausalLM saves it, or as OPTModel does (without `model.`).
+    let opt = match hf.strip_prefix("decoder.") {
+        Some(_) => OPT.gguf_name(&format!("model.{hf}")),
+        None => OPT.gguf_name(hf),
+    };
     if let Some(name) = gpt2
         .or_else(|| GPT_NEOX.gguf_name(hf))
         .or_else(|| PHI2.gguf_name(hf))
+        .or(opt)
     {
         return Some(name);
     }
@@ -135,6 +141,34 @@ const PHI2: NameTable = NameTable {
     ],
 };
 
+/// OPT (its position table read from row 2, see `HfConfig::skipped_rows`).
+const OPT: NameTable = NameTable {
+    globals: &[
+        ("model.decoder.embed_tokens.weight", "token_embd.weight"),
+        (
+            "model.decoder.embed_positions.weight",
+            "position_embd.weight",
+        ),
+        (
+            "model.decoder.final_layer_norm.weight",
+            "output_norm.weight",
+        ),
+        ("model.decoder.final_layer_norm.bias", "output_norm.bias"),
+        ("lm_head.weight", "output.weight"),
+    ],
+    layer_prefix: "model.decoder.layers",
+    layers: &[
+        ("self_attn_layer_norm", "attn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.out_proj", "attn_output"),
+        ("final_layer_norm", "ffn_norm"),
+        ("fc1", "ffn_up"),
+        ("fc2", "ffn_down"),
+    ],
+};
+
 impl NameTable {
     /// The GGUF name of `hf` by this table, if it names one of its tensors.
     fn gguf_name(&self, hf: &str) -> Option<String> {
@@ -207,6 +241,7 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
         "gpt2" => Some(&GPT2),
         "gptneox" => Some(&GPT_NEOX),
         "phi2" => Some(&PHI2),
+        "opt" => Some(&OPT),
         _ => None,
     };
     let (globals, layer_prefix, modules): (Vec<&str>, &str, Vec<String>) = match table {
@@ -354,6 +389,33 @@ mod tests {
         assert_eq!(
             hf_names("blk.3.ffn_down.weight", "phi2", false),
             ["model.layers.3.mlp.fc2.weight"]
+        );
+    }
+
+    #[test]
+    fn maps_opt_names_with_or_without_model_prefix() {
+        for prefix in ["model.", ""] {
+            let n = |rest: &str| gguf_name(&format!("{prefix}{rest}"), false);
+            assert_eq!(
+                n("decoder.embed_positions.weight").unwrap(),
+                "position_embd.weight"
+            );
+            assert_eq!(
+                n("decoder.layers.1.self_attn.out_proj.bias").unwrap(),
+                "blk.1.attn_output.bias"
+            );
+            assert_eq!(
+                n("decoder.layers.0.final_layer_norm.weight").unwrap(),
+                "blk.0.ffn_norm.weight"
+            );
+            assert_eq!(
+                n("decoder.final_layer_norm.bias").unwrap(),
+                "output_norm.bias"
+            );
+        }
+        assert_eq!(
+            hf_names("blk.0.ffn_up.weight", "opt", false),
+            ["model.decoder.layers.0.fc1.weight"]
         );
     }
 

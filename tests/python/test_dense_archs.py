@@ -27,7 +27,7 @@ def reference(arch):
         yield p, np.load(ARCHS / arch / "ref" / f"{p['id']}.npz")
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3", "smollm3", "gemma", "granite", "phi", "cohere", "cohere2", "glm4", "olmo", "opt"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3", "smollm3", "gemma", "granite", "phi", "cohere", "cohere2", "glm4", "olmo", "opt", "starcoder2"])
 def test_greedy_tokens_and_captured_maps_equal_transformers(arch):
     srv = start_server(
         "--model", f"tests/fixtures/archs/{arch}/hf",

@@ -133,6 +133,12 @@ const CASES: &[Case] = &[
     case("olmo", "gguf/olmo.q8_0.gguf", ".q8_0", Quantized),
     // Command R7B: sliding layers with RoPE, a global one without.
     case("cohere2", "gguf/cohere2.q8_0.gguf", ".q8_0", Quantized),
+    case(
+        "starcoder2",
+        "gguf/starcoder2.q8_0.gguf",
+        ".q8_0",
+        Quantized,
+    ),
     case("gemma2", "gguf/gemma2.f32.gguf", ".gguf", Exact),
     case("gemma2", "gguf/gemma2.q8_0.gguf", ".q8_0", Quantized),
     case("phi3", "gguf/phi3.q8_0.gguf", ".q8_0", Quantized),
@@ -187,6 +193,7 @@ const CASES: &[Case] = &[
     case("cohere2", "hf", "", Exact),
     // OPT: learned positions from the table's third row, ReLU; no GGUF (none exists).
     case("opt", "hf", "", Exact),
+    case("starcoder2", "hf", "", Exact),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),

@@ -38,6 +38,7 @@ const ARCHS: &[&str] = &[
     "olmo",
     "cohere2",
     "opt",
+    "starcoder2",
     // RoPE scaling: YaRN's attention factor, LongRoPE's long factors (both applied in the
     // host's RoPE table the step uploads).
     "qwen2_yarn",

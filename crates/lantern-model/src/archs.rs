@@ -34,6 +34,7 @@ pub const SUPPORTED: &[&str] = &[
     "glm4",
     "olmo",
     "opt",
+    "starcoder2",
 ];
 
 /// The decoder `source` describes.
@@ -78,6 +79,13 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gptneox" => gptneox(source, params),
         "gpt2" => gpt2(params),
         "opt" => opt(params),
+        // StarCoder 2: GPT-2's block (LayerNorm with biases, biases everywhere, tanh
+        // GELU) with RoPE; llama.cpp's files carry no window (transformers' configs do).
+        "starcoder2" => Ok(layer_norm_decoder(
+            params,
+            RopePairs::Halves,
+            Activation::GeluTanh,
+        )),
         "phi2" => phi2(params),
         "command-r" => command_r(source, params),
         "cohere2" => cohere2(source, params),

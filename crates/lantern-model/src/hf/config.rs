@@ -38,6 +38,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "cohere2",
     "glm4",
     "opt",
+    "starcoder2",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -137,6 +138,7 @@ impl HfConfig {
             "cohere" => "command-r",
             "cohere2" => "cohere2",
             "opt" => "opt",
+            "starcoder2" => "starcoder2",
             "glm4" => "glm4",
             other => {
                 return Err(invalid(
@@ -332,6 +334,11 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
         ),
         "command-r" | "cohere2" => ("layer_norm_eps", "hidden_act", &["silu"]),
         "opt" => ("layer_norm_eps", "activation_function", &["relu"]),
+        "starcoder2" => (
+            "norm_epsilon",
+            "hidden_act",
+            &["gelu_pytorch_tanh", "gelu_new"],
+        ),
         "gpt2" => (
             "layer_norm_epsilon",
             "activation_function",

@@ -25,6 +25,8 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
+        // StarCoder 2's final LayerNorm.
+        "model.norm.bias" => return Some("output_norm.bias".into()),
         "lm_head.weight" => return Some("output.weight".into()),
         _ => {}
     }
@@ -65,6 +67,9 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "mlp.up_proj" => "ffn_up",
         "mlp.gate_up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // StarCoder 2's un-gated MLP.
+        "mlp.c_fc" => "ffn_up",
+        "mlp.c_proj" => "ffn_down",
         // A mixture of experts' router: Qwen3-MoE, Mixtral.
         "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
         _ => return None,
@@ -207,7 +212,7 @@ fn expert_name(module: &str) -> Option<String> {
 
 /// The layer modules [`gguf_name`] maps, for naming a missing tensor as the checkpoint
 /// would hold it.
-const LAYER_MODULES: [&str; 19] = [
+const LAYER_MODULES: [&str; 21] = [
     "input_layernorm",
     "post_self_attn_layernorm",
     "post_mlp_layernorm",
@@ -225,6 +230,8 @@ const LAYER_MODULES: [&str; 19] = [
     "mlp.up_proj",
     "mlp.gate_up_proj",
     "mlp.down_proj",
+    "mlp.c_fc",
+    "mlp.c_proj",
     "mlp.gate",
     "block_sparse_moe.gate",
 ];
@@ -263,6 +270,7 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
                 vec![
                     "model.embed_tokens.weight",
                     "model.norm.weight",
+                    "model.norm.bias",
                     "lm_head.weight",
                 ],
                 "model.layers",

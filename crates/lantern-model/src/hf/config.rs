@@ -168,7 +168,7 @@ impl HfConfig {
         }
         let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads);
         let is_gemma = gguf_arch.starts_with("gemma");
-        // transformers' defaults: tied for Gemma, GPT-2 and Cohere, untied for the others.
+        // transformers' defaults: tied for Gemma, GPT-2, Cohere and OPT, untied for the others.
         let tie_word_embeddings = c
             .opt_bool("tie_word_embeddings")?
             .unwrap_or(is_gemma || gpt2 || matches!(gguf_arch, "command-r" | "cohere2" | "opt"));
@@ -321,9 +321,11 @@ fn rotary_layers(c: &Keys, layers: usize, m: &mut HashMap<String, Value>) -> Res
     Ok(())
 }
 
-/// GPT-2's and GPT-NeoX's LayerNorm eps and what else of their blocks the config says:
-/// the activation (only the one each was released with is implemented), GPT-NeoX's
-/// parallel residual; GPT-2 options lantern does not implement are refused.
+/// The LayerNorm families' eps (GPT-2, GPT-NeoX, Phi-2, Command R, OPT, StarCoder 2) and
+/// what else of their blocks the config says: the activation (only the ones each was
+/// released with are implemented), GPT-NeoX's parallel residual, Command R's logit scale;
+/// options lantern does not implement (GPT-2's attention scalings, Phi-2's q/k LayerNorm,
+/// Command R+'s q/k norms, OPT-350m's shape) are refused.
 fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
     let (eps_key, act_key, acts): (_, _, &[&str]) = match a {
         "gptneox" => ("layer_norm_eps", "hidden_act", &["gelu"]),
@@ -423,9 +425,10 @@ fn layer_norm_keys(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<
     Ok(())
 }
 
-/// Granite's multipliers as llama.cpp's keys, with transformers' defaults (1, where
-/// llama.cpp's converter writes only those present: an absent `attention_multiplier` is
-/// 1 there too, not `1/sqrt(head_dim)`).
+/// Granite's multipliers as llama.cpp's keys, each written with transformers' default of 1
+/// where the config lacks it (llama.cpp's converter writes only those present, and a
+/// GGUF without `attention.scale` scores with `1/sqrt(head_dim)`, where transformers uses
+/// the multiplier's 1).
 fn granite_multipliers(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
     for (hf, gguf) in [
         ("embedding_multiplier", "embedding_scale"),

@@ -1,6 +1,6 @@
 //! The attention layer: q/k/v projections (separate or fused, optional biases, optionally
-//! clamped: OLMo's `clip_qkv`), optional per-head QK-norm, RoPE, the backend call, the capture tap, the output projection (and
-//! its optional bias).
+//! clamped: OLMo's `clip_qkv`), optional per-head QK-norm, RoPE, the backend call, the
+//! capture tap, the output projection (and its optional bias).
 
 use super::{BlockInput, Loader, Projections, RmsNorm};
 use crate::compute::{AttentionCall, Compute};

@@ -210,6 +210,9 @@ fn expert_name(module: &str) -> Option<String> {
     Some(format!("{gguf}.{expert}"))
 }
 
+/// StarCoder 2's un-gated MLP.
+const STARCODER2_MLP: [&str; 2] = ["mlp.c_fc", "mlp.c_proj"];
+
 /// The layer modules [`gguf_name`] maps, for naming a missing tensor as the checkpoint
 /// would hold it.
 const LAYER_MODULES: [&str; 21] = [
@@ -276,6 +279,8 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
                 "model.layers",
                 LAYER_MODULES
                     .iter()
+                    // StarCoder 2's MLP names are no other family's.
+                    .filter(|m| arch == "starcoder2" || !STARCODER2_MLP.contains(m))
                     .map(|m| m.to_string())
                     .chain(expert_modules)
                     .collect(),
@@ -397,6 +402,20 @@ mod tests {
         assert_eq!(
             hf_names("blk.3.ffn_down.weight", "phi2", false),
             ["model.layers.3.mlp.fc2.weight"]
+        );
+    }
+
+    #[test]
+    fn maps_starcoder2_names() {
+        let n = |s| gguf_name(s, false);
+        assert_eq!(n("model.layers.1.mlp.c_fc.bias").unwrap(), "blk.1.ffn_up.bias");
+        assert_eq!(n("model.norm.bias").unwrap(), "output_norm.bias");
+        assert_eq!(
+            hf_names("blk.2.ffn_down.weight", "starcoder2", false),
+            [
+                "model.layers.2.mlp.down_proj.weight",
+                "model.layers.2.mlp.c_proj.weight"
+            ]
         );
     }
 

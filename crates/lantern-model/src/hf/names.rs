@@ -408,7 +408,10 @@ mod tests {
     #[test]
     fn maps_starcoder2_names() {
         let n = |s| gguf_name(s, false);
-        assert_eq!(n("model.layers.1.mlp.c_fc.bias").unwrap(), "blk.1.ffn_up.bias");
+        assert_eq!(
+            n("model.layers.1.mlp.c_fc.bias").unwrap(),
+            "blk.1.ffn_up.bias"
+        );
         assert_eq!(n("model.norm.bias").unwrap(), "output_norm.bias");
         assert_eq!(
             hf_names("blk.2.ffn_down.weight", "starcoder2", false),

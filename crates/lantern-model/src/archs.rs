@@ -77,8 +77,8 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
         "gemma2" => gemma2(params),
         "gemma3" => gemma3(source, params),
         "gptneox" => gptneox(source, params),
-        "gpt2" => gpt2(params),
-        "opt" => opt(params),
+        "gpt2" => learned_positions(params, Activation::GeluTanh),
+        "opt" => learned_positions(params, Activation::Relu),
         // StarCoder 2: GPT-2's block (LayerNorm with biases, biases everywhere, tanh
         // GELU) with RoPE; llama.cpp's files carry no window (transformers' configs do).
         "starcoder2" => Ok(layer_norm_decoder(
@@ -248,18 +248,6 @@ fn gptneox(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
     })
 }
 
-/// OPT: GPT-2's shape (learned positions, LayerNorm with biases, biases on every
-/// projection) with a ReLU MLP. Read from Hugging Face directories only (llama.cpp has
-/// no OPT); the position table's first two rows (OPT's offset) are left out as it is read.
-fn opt(mut params: HParams) -> Result<DecoderSpec> {
-    params.rope_dim = 0;
-    Ok(layer_norm_decoder(
-        params,
-        RopePairs::Halves,
-        Activation::Relu,
-    ))
-}
-
 /// Phi-2: one LayerNorm feeding attention and MLP side by side, partial NeoX-style RoPE,
 /// biases on every projection and on the LM head, tanh GELU.
 fn phi2(params: HParams) -> Result<DecoderSpec> {
@@ -337,14 +325,12 @@ fn granite(source: &dyn WeightSource, params: HParams) -> Result<DecoderSpec> {
     })
 }
 
-/// GPT-2: learned absolute positions (`position_embd`) instead of RoPE, tanh GELU.
-fn gpt2(mut params: HParams) -> Result<DecoderSpec> {
+/// GPT-2 (tanh GELU) and OPT (ReLU; read from Hugging Face directories only, llama.cpp
+/// has no OPT, its position table's first two rows, OPT's offset, left out as it is read):
+/// learned absolute positions (`position_embd`) instead of RoPE.
+fn learned_positions(mut params: HParams, act: Activation) -> Result<DecoderSpec> {
     params.rope_dim = 0;
-    Ok(layer_norm_decoder(
-        params,
-        RopePairs::Halves,
-        Activation::GeluTanh,
-    ))
+    Ok(layer_norm_decoder(params, RopePairs::Halves, act))
 }
 
 enum Pattern {

@@ -87,31 +87,6 @@ impl WidenedType {
         }
         out
     }
-
-    /// The weights of `bytes` as llama.cpp's `dequantize_row_iq4_nl` / `_iq4_xs` compute
-    /// them (in f32, from the file's scales): the reference the widening is checked against.
-    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(bytes.len() / self.type_size() * self.block_size());
-        let mut push = |scale: f32, codes: &[u8]| {
-            let level = |c: u8| scale * IQ4_LEVELS[c as usize] as f32;
-            out.extend(codes.iter().map(|&c| level(c & 0xF)));
-            out.extend(codes.iter().map(|&c| level(c >> 4)));
-        };
-        for block in bytes.chunks_exact(self.type_size()) {
-            let d = f32::from(f16::from_le_bytes([block[0], block[1]]));
-            match self {
-                Self::Iq4Nl => push(d, &block[2..18]),
-                Self::Iq4Xs => {
-                    let high = u16::from_le_bytes([block[2], block[3]]);
-                    for sub in 0..8 {
-                        let scale = d * iq4_xs_multiplier(high, &block[4..8], sub) as f32;
-                        push(scale, &block[8 + sub * 16..][..16]);
-                    }
-                }
-            }
-        }
-        out
-    }
 }
 
 /// IQ4_XS's multiplier of sub-block `sub` (of 8): 6 bits, 4 low and 2 high, less 32.
@@ -135,6 +110,31 @@ mod tests {
     use super::*;
     use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
     use candle_core::Device;
+
+    /// The weights of `bytes` as llama.cpp's `dequantize_row_iq4_nl` / `_iq4_xs` compute
+    /// them (in f32, from the file's scales): the reference the widening is checked against.
+    fn dequantize(ty: WidenedType, bytes: &[u8]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(bytes.len() / ty.type_size() * ty.block_size());
+        let mut push = |scale: f32, codes: &[u8]| {
+            let level = |c: u8| scale * IQ4_LEVELS[c as usize] as f32;
+            out.extend(codes.iter().map(|&c| level(c & 0xF)));
+            out.extend(codes.iter().map(|&c| level(c >> 4)));
+        };
+        for block in bytes.chunks_exact(ty.type_size()) {
+            let d = f32::from(f16::from_le_bytes([block[0], block[1]]));
+            match ty {
+                WidenedType::Iq4Nl => push(d, &block[2..18]),
+                WidenedType::Iq4Xs => {
+                    let high = u16::from_le_bytes([block[2], block[3]]);
+                    for sub in 0..8 {
+                        let scale = d * iq4_xs_multiplier(high, &block[4..8], sub) as f32;
+                        push(scale, &block[8 + sub * 16..][..16]);
+                    }
+                }
+            }
+        }
+        out
+    }
 
     /// Random blocks of `ty` with scales of varied magnitude (never zero).
     fn random_blocks(ty: WidenedType, blocks: usize, seed: u64) -> Vec<u8> {
@@ -166,7 +166,7 @@ mod tests {
     #[test]
     fn iq4_nl_widens_exactly() {
         let bytes = random_blocks(WidenedType::Iq4Nl, 64, 7);
-        let reference = WidenedType::Iq4Nl.dequantize(&bytes);
+        let reference = dequantize(WidenedType::Iq4Nl, &bytes);
         assert_eq!(widened_values(WidenedType::Iq4Nl, &bytes), reference);
     }
 
@@ -174,7 +174,7 @@ mod tests {
     fn iq4_xs_widens_within_half_precision_of_each_sub_block_scale() {
         let ty = WidenedType::Iq4Xs;
         let bytes = random_blocks(ty, 16, 11);
-        let reference = ty.dequantize(&bytes);
+        let reference = dequantize(ty, &bytes);
         let widened = widened_values(ty, &bytes);
         let mut exact = 0;
         for (sub, (w, r)) in widened.chunks(32).zip(reference.chunks(32)).enumerate() {

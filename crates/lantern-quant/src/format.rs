@@ -193,6 +193,12 @@ impl QuantType {
         }
     }
 
+    /// Whether `x86::amx` has tile kernels for the type (every quantized type but `Q3_K`,
+    /// whose tiles are not written: it runs the `avx512` code there, the same bits).
+    pub const fn has_tiles(self) -> bool {
+        !self.is_dense() && !matches!(self, QuantType::Q3K)
+    }
+
     /// Whether each block has two scales, one per 16 values (`Q3_K`, `Q6_K`): the kernels
     /// keep two integer dots per block.
     pub(crate) const fn splits(self) -> bool {

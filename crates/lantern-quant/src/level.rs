@@ -86,8 +86,7 @@ impl Kernel {
             Kernel::Avx512Bf16 | Kernel::AmxBf16 if ty == crate::QuantType::BF16 => self,
             Kernel::Avx512Bf16 | Kernel::AmxBf16 | Kernel::Amx if ty.is_dense() => Kernel::Avx512,
             Kernel::Avx512Bf16 | Kernel::AmxBf16 => Kernel::Amx.capped().for_type(ty),
-            // Q3_K's tiles are not written yet: the vector level, the same bits.
-            Kernel::Amx if ty == crate::QuantType::Q3K => Kernel::Avx512,
+            Kernel::Amx if !ty.has_tiles() => Kernel::Avx512,
             level => level,
         }
     }
@@ -271,8 +270,7 @@ mod tests {
                 };
                 assert_eq!(bf16_level.for_type(ty), want);
             }
-            // Q3_K has no tiles yet.
-            let amx = if ty.is_dense() || ty == QuantType::Q3K {
+            let amx = if !ty.has_tiles() {
                 Kernel::Avx512
             } else {
                 Kernel::Amx

@@ -177,7 +177,7 @@ unsafe fn dispatch(ty: QuantType, a: &PanelArgs, t0: usize, t1: usize) {
         Q::Q4K => panel::<{ Q::Q4K as u8 }>(a, t0, t1),
         Q::Q5K => panel::<{ Q::Q5K as u8 }>(a, t0, t1),
         Q::Q6K => panel::<{ Q::Q6K as u8 }>(a, t0, t1),
-        Q::Q3K => unreachable!("Q3_K runs at avx512 (Kernel::for_type)"),
+        Q::Q3K => unreachable!("Q3_K has no tiles (QuantType::has_tiles)"),
         Q::F16 | Q::BF16 | Q::F32 => unreachable!("dense types run in x86::dense"),
     }
 }
@@ -444,11 +444,7 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(0x7115);
-        // Q3_K has no tiles: `Kernel::for_type` runs it at avx512.
-        for ty in QuantType::QUANTIZED
-            .into_iter()
-            .filter(|&t| t != QuantType::Q3K)
-        {
+        for ty in QuantType::QUANTIZED.into_iter().filter(|t| t.has_tiles()) {
             let (n, k, m) = (40, 512, 21);
             let mut bytes: Vec<u8> = (0..n * k / ty.block_values() * ty.block_bytes())
                 .map(|_| rng.gen())

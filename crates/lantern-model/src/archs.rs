@@ -35,6 +35,7 @@ pub const SUPPORTED: &[&str] = &[
     "olmo",
     "opt",
     "starcoder2",
+    "gpt-oss",
 ];
 
 /// The decoder `source` describes.
@@ -95,8 +96,30 @@ pub fn describe(source: &dyn WeightSource) -> Result<DecoderSpec> {
             norm_placement: NormPlacement::Sandwich,
             ..DecoderSpec::plain(params, RopePairs::Adjacent)
         }),
+        "gpt-oss" => Ok(gpt_oss(params)),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
+}
+
+/// gpt-oss: q/k/v/o biases and attention sinks (found by their tensors), sliding layers
+/// alternating with global ones (sliding first), one RoPE (YaRN) for all; experts with
+/// biases, the softmax of the chosen router logits, the clamped SwiGLU; the norm before
+/// the experts stored as `post_attention_norm`.
+fn gpt_oss(mut params: HParams) -> DecoderSpec {
+    // llama.cpp routes gpt-oss so whatever the file's `expert_weights_norm` says.
+    if let Some(experts) = params.experts.as_mut() {
+        experts.normalize_weights = Some(true);
+    }
+    let sliding = params.sliding(|l| l % 2 == 0);
+    let mut spec = DecoderSpec {
+        activation: Activation::SwigluOai,
+        ffn_norm_tensor: "post_attention_norm",
+        ..DecoderSpec::plain(params, RopePairs::Halves)
+    };
+    for (plan, s) in spec.layers.iter_mut().zip(sliding) {
+        plan.sliding_window = spec.params.window().filter(|_| s);
+    }
+    spec
 }
 
 /// Gemma's common shape: sandwich norms, GeGLU, embeddings scaled by `sqrt(hidden)`,

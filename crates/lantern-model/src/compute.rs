@@ -401,6 +401,7 @@ impl Compute for Cpu {
                 ops::relu(gate);
                 ops::mul_in_place(gate, up);
             }
+            Activation::SwigluOai => ops::swiglu_oai_mul(gate, up),
         }
         Ok(())
     }
@@ -486,6 +487,11 @@ impl Compute for Cpu {
             Activation::GeluTanh => ops::gelu_tanh(x),
             Activation::GeluErf => ops::gelu_erf(x),
             Activation::Relu => ops::relu(x),
+            Activation::SwigluOai => {
+                return Err(ModelError::Compute(
+                    "gpt-oss's SwiGLU needs a gate: it is not an un-gated activation".into(),
+                ))
+            }
         }
         Ok(())
     }

@@ -48,6 +48,9 @@ pub struct DecoderSpec {
     pub residual_scale: Option<f32>,
     /// Multiplies the logits (Granite: `1 / logits_scaling`).
     pub logit_scale: Option<f32>,
+    /// The name of the norm before the MLP (`blk.N.{this}.weight`): `ffn_norm`, except
+    /// gpt-oss's `post_attention_norm` (as llama.cpp's converter names it).
+    pub ffn_norm_tensor: &'static str,
     /// Mixture-of-experts layers (those with a router, `ffn_gate_inp`) divide the chosen
     /// experts' probabilities by their sum, unless the file says otherwise
     /// (`expert_weights_norm`).
@@ -120,16 +123,19 @@ impl DecoderSpec {
             residual_scale: None,
             logit_scale: None,
             normalize_expert_weights: true,
+            ffn_norm_tensor: "ffn_norm",
             layers,
             params,
         }
     }
 
-    fn attention_specs(&self) -> Vec<AttentionLayerSpec> {
+    /// Each layer's attention, with its sinks (gpt-oss's `attn_sinks`) where it has them.
+    fn attention_specs(&self, sinks: Vec<Option<Vec<f32>>>) -> Vec<AttentionLayerSpec> {
         let p = &self.params;
         self.layers
             .iter()
-            .map(|plan| AttentionLayerSpec {
+            .zip(sinks)
+            .map(|(plan, sinks)| AttentionLayerSpec {
                 num_heads: p.num_heads,
                 num_kv_heads: p.num_kv_heads,
                 head_dim: p.head_dim,
@@ -137,7 +143,7 @@ impl DecoderSpec {
                 sliding_window: plan.sliding_window,
                 chunk_size: None,
                 logits_soft_cap: p.attn_logit_softcap,
-                sinks: None,
+                sinks,
             })
             .collect()
     }
@@ -264,6 +270,7 @@ impl<C: Compute> Decoder<C> {
             clamp: p.clamp_kqv,
         };
         let mut layers = Vec::with_capacity(p.num_layers);
+        let mut sinks = Vec::with_capacity(p.num_layers);
         for l in 0..p.num_layers {
             let norm = |loader: &mut Loader, t: &str, present: bool| {
                 let base = format!("blk.{l}.{t}");
@@ -273,14 +280,17 @@ impl<C: Compute> Decoder<C> {
             };
             let (before, after) = (spec.norm_placement.before(), spec.norm_placement.after());
             // Side by side, one norm may feed both blocks (GPT-J, Phi-2).
+            let ffn_norm_tensor = spec.ffn_norm_tensor;
             let ffn_norm = before
-                && (!spec.parallel_residual || loader.has(&format!("blk.{l}.ffn_norm.weight")));
+                && (!spec.parallel_residual
+                    || loader.has(&format!("blk.{l}.{ffn_norm_tensor}.weight")));
             let qk_norm_eps = spec.qk_norm.then_some(eps);
+            sinks.push(loader.opt_vector(&format!("blk.{l}.attn_sinks.weight"), p.num_heads)?);
             layers.push(Layer {
                 attn_norm: norm(&mut loader, "attn_norm", before)?,
                 attention: Attention::load(c, &mut loader, l, shape, qk_norm_eps)?,
                 post_attention_norm: norm(&mut loader, "post_attention_norm", after)?,
-                ffn_norm: norm(&mut loader, "ffn_norm", ffn_norm)?,
+                ffn_norm: norm(&mut loader, ffn_norm_tensor, ffn_norm)?,
                 ffn: Ffn::load(c, &mut loader, &spec, l)?,
                 post_ffn_norm: norm(&mut loader, "post_ffw_norm", after)?,
             });
@@ -345,7 +355,7 @@ impl<C: Compute> Decoder<C> {
             hidden_size: h,
             vocab_size: p.vocab_size,
             context_length: p.context_length,
-            attention: spec.attention_specs(),
+            attention: spec.attention_specs(sinks),
         };
         Ok(Self {
             compute,

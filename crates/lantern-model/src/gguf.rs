@@ -85,7 +85,9 @@ impl GgufFile {
         let mut bytes = vec![0u8; len];
         self.reader.seek(SeekFrom::Start(start))?;
         self.reader.read_exact(&mut bytes)?;
-        let q8_0 = stored.to_q8_0(&bytes);
+        let q8_0 = stored
+            .to_q8_0(&bytes)
+            .map_err(|e| candle_core::Error::Msg(format!("tensor `{name}`: {e}")))?;
         let dims = info.shape.dims().to_vec();
         candle_core::quantized::ggml_file::qtensor_from_ggml(
             info.ggml_dtype,

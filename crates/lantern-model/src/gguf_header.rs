@@ -9,7 +9,7 @@
 //! offset aligned to `general.alignment` (a power of two), and data inside the file that
 //! overlaps no other tensor's.
 //!
-//! Tensors of a type lantern widens at load ([`WidenedType`]: IQ4_NL, IQ4_XS) are listed
+//! Tensors of a type lantern widens at load ([`WidenedType`]: IQ4_NL, IQ4_XS, MXFP4) are listed
 //! in the [`Content`] as the Q8_0 tensors they become, and in [`Header::widened`] with
 //! their type in the file; their sizes and blocks are checked as the file stores them.
 
@@ -311,7 +311,7 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
 }
 
 /// The names of ggml's other tensor types (ggml.h), which a valid file may hold but
-/// lantern does not read yet (the i-quants it does not widen, ternary and MXFP4 types).
+/// lantern does not read yet (the i-quants it does not widen, ternary types).
 fn ggml_type_name(id: u32) -> Option<&'static str> {
     Some(match id {
         16 => "IQ2_XXS",
@@ -330,7 +330,6 @@ fn ggml_type_name(id: u32) -> Option<&'static str> {
         29 => "IQ1_M",
         34 => "TQ1_0",
         35 => "TQ2_0",
-        39 => "MXFP4",
         _ => return None,
     })
 }

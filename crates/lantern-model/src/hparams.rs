@@ -82,13 +82,17 @@ impl ExpertParams {
                 key("expert_count")
             )));
         }
-        // Only softmax routers are implemented (llama.cpp: 1 softmax, 2 sigmoid).
-        if let Some(gating) = src.opt_usize(&key("expert_gating_func"))? {
-            if gating != 1 {
+        // Softmax routers only (llama.cpp: 1 softmax, 2 sigmoid, 3 the softmax of the
+        // chosen logits, which is softmax with the chosen weights renormalized).
+        let mut normalize_weights = src.opt_bool(&key("expert_weights_norm"))?;
+        match src.opt_usize(&key("expert_gating_func"))? {
+            None | Some(1) => {}
+            Some(3) => normalize_weights = Some(true),
+            Some(gating) => {
                 return Err(ModelError::InvalidConfig(format!(
-                    "`{}` is {gating}: only softmax routers (1) are supported",
+                    "`{}` is {gating}: only softmax routers (1, 3) are supported",
                     key("expert_gating_func")
-                )));
+                )))
             }
         }
         Ok(Some(Self {
@@ -97,7 +101,7 @@ impl ExpertParams {
             ffn: src
                 .opt_usize(&key("expert_feed_forward_length"))?
                 .unwrap_or(dense_ffn),
-            normalize_weights: src.opt_bool(&key("expert_weights_norm"))?,
+            normalize_weights,
         }))
     }
 }

@@ -1,13 +1,19 @@
-//! The i-quants lantern reads by widening them at load: llama.cpp's non-linear 4-bit
-//! types IQ4_NL and IQ4_XS, whose 4-bit codes each pick one of 16 fixed int8 levels,
-//! become Q8_0 (those levels, one scale per 32 weights), whose kernels lantern has.
-//! Twice the memory of the file's tensors, Q8_0's speed.
+//! The 4-bit types lantern reads by widening them at load: llama.cpp's non-linear
+//! IQ4_NL and IQ4_XS and OCP's MXFP4 (gpt-oss's experts), whose 4-bit codes each pick
+//! one of 16 fixed int8 levels, become Q8_0 (those levels, one scale per 32 weights),
+//! whose kernels lantern has. Twice the memory of the file's tensors, Q8_0's speed.
 //!
 //! IQ4_NL's blocks are Q8_0's shape (a half-precision scale per 32 weights): widened
 //! exactly. IQ4_XS has a half-precision scale per 256 weights and a 6-bit multiplier per
 //! 32; their product, rounded to half precision for Q8_0, moves each weight by at most
 //! 2^-11 of its block's largest (the 4-bit quantization itself moves weights by several
 //! percent).
+//!
+//! MXFP4's blocks hold a power-of-two scale `2^(e - 128)` (llama.cpp's E8M0 halved, so
+//! that the levels are integers) and 32 codes: widened exactly where half precision holds
+//! the scale (`e` from 104 to 143, which covers real weights); a smaller scale becomes
+//! 2^-24 with the levels rounded (values below 3.6e-7, moved by at most 2^-25); a larger
+//! one than Q8_0's levels can reach is an error naming the tensor.
 
 use half::f16;
 
@@ -15,6 +21,9 @@ use half::f16;
 pub const IQ4_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// The 16 levels of llama.cpp's `kvalues_mxfp4` (FP4 E2M1 values, doubled).
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Weights per Q8_0 block, and its bytes (a half-precision scale, 32 int8 values).
 const Q8_0_BLOCK: usize = 32;
@@ -25,6 +34,7 @@ const Q8_0_BYTES: usize = 2 + Q8_0_BLOCK;
 pub enum WidenedType {
     Iq4Nl,
     Iq4Xs,
+    Mxfp4,
 }
 
 impl WidenedType {
@@ -33,6 +43,7 @@ impl WidenedType {
         match id {
             20 => Some(Self::Iq4Nl),
             23 => Some(Self::Iq4Xs),
+            39 => Some(Self::Mxfp4),
             _ => None,
         }
     }
@@ -41,13 +52,14 @@ impl WidenedType {
         match self {
             Self::Iq4Nl => "IQ4_NL",
             Self::Iq4Xs => "IQ4_XS",
+            Self::Mxfp4 => "MXFP4",
         }
     }
 
     /// Weights per block.
     pub fn block_size(self) -> usize {
         match self {
-            Self::Iq4Nl => 32,
+            Self::Iq4Nl | Self::Mxfp4 => 32,
             Self::Iq4Xs => 256,
         }
     }
@@ -60,6 +72,8 @@ impl WidenedType {
             // A half-precision scale, the multipliers' high bits (2 bytes) and low bits
             // (4 bytes), 128 bytes of codes.
             Self::Iq4Xs => 2 + 2 + 4 + 128,
+            // The scale's exponent byte, 16 bytes of codes.
+            Self::Mxfp4 => 1 + 16,
         }
     }
 
@@ -68,24 +82,28 @@ impl WidenedType {
         bytes / self.type_size() * (self.block_size() / Q8_0_BLOCK) * Q8_0_BYTES
     }
 
-    /// The Q8_0 blocks of `bytes` (whole blocks of this type, as the file stores them).
-    pub fn to_q8_0(self, bytes: &[u8]) -> Vec<u8> {
+    /// The Q8_0 blocks of `bytes` (whole blocks of this type, as the file stores them);
+    /// an error where an MXFP4 scale is beyond what Q8_0 holds.
+    pub fn to_q8_0(self, bytes: &[u8]) -> Result<Vec<u8>, String> {
         let mut out = Vec::with_capacity(self.widened_len(bytes.len()));
-        for block in bytes.chunks_exact(self.type_size()) {
+        for (index, block) in bytes.chunks_exact(self.type_size()).enumerate() {
             let d = f16::from_le_bytes([block[0], block[1]]);
             match self {
-                Self::Iq4Nl => push_q8_0(&mut out, d, &block[2..18]),
+                Self::Iq4Nl => push_q8_0(&mut out, d, &IQ4_LEVELS, &block[2..18]),
+                Self::Mxfp4 => push_mxfp4(&mut out, block[0], &block[1..17])
+                    .map_err(|e| format!("MXFP4 block {index}: {e}"))?,
                 Self::Iq4Xs => {
                     let high = u16::from_le_bytes([block[2], block[3]]);
                     let (low, codes) = (&block[4..8], &block[8..]);
                     for sub in 0..8 {
                         let scale = f32::from(d) * (iq4_xs_multiplier(high, low, sub) as f32);
-                        push_q8_0(&mut out, f16::from_f32(scale), &codes[sub * 16..][..16]);
+                        let codes = &codes[sub * 16..][..16];
+                        push_q8_0(&mut out, f16::from_f32(scale), &IQ4_LEVELS, codes);
                     }
                 }
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -96,13 +114,42 @@ fn iq4_xs_multiplier(high: u16, low: &[u8], sub: usize) -> i32 {
     (low_bits | (high_bits << 4)) as i32 - 32
 }
 
-/// One Q8_0 block: scale `d`, then the levels of 16 bytes of codes (low nibbles are the
-/// first 16 weights, high nibbles the next 16, as in both i-quants).
-fn push_q8_0(out: &mut Vec<u8>, d: f16, codes: &[u8]) {
+/// One Q8_0 block: scale `d`, then the `levels` of 16 bytes of codes (low nibbles are the
+/// first 16 weights, high nibbles the next 16, in all three types).
+fn push_q8_0(out: &mut Vec<u8>, d: f16, levels: &[i8; 16], codes: &[u8]) {
     out.extend_from_slice(&d.to_le_bytes());
-    let level = |c: u8| IQ4_LEVELS[c as usize] as u8;
+    let level = |c: u8| levels[c as usize] as u8;
     out.extend(codes.iter().map(|&c| level(c & 0xF)));
     out.extend(codes.iter().map(|&c| level(c >> 4)));
+}
+
+/// Half precision's smallest and largest powers of two (2^-24 is subnormal, exact).
+const F16_MIN_EXP: i32 = -24;
+const F16_MAX_EXP: i32 = 15;
+
+/// One MXFP4 block (scale exponent byte `e`, 16 bytes of codes) as Q8_0: scale
+/// `2^(e - 128)` where half precision holds it, else the nearest power it holds with the
+/// levels shifted to match (rounded below, an error where they would pass ±127 above).
+fn push_mxfp4(out: &mut Vec<u8>, e: u8, codes: &[u8]) -> Result<(), String> {
+    let exp = i32::from(e) - 128;
+    let shift = exp - exp.clamp(F16_MIN_EXP, F16_MAX_EXP);
+    if shift == 0 {
+        push_q8_0(out, f16::from_f32(2f32.powi(exp)), &MXFP4_LEVELS, codes);
+        return Ok(());
+    }
+    let mut levels = [0i8; 16];
+    for (l, &m) in levels.iter_mut().zip(&MXFP4_LEVELS) {
+        let v = (f32::from(m) * 2f32.powi(shift)).round();
+        if v.abs() > 127.0 {
+            return Err(format!(
+                "its scale 2^{exp} puts weights beyond what lantern's Q8_0 form holds"
+            ));
+        }
+        *l = v as i8;
+    }
+    let d = 2f32.powi(exp.clamp(F16_MIN_EXP, F16_MAX_EXP));
+    push_q8_0(out, f16::from_f32(d), &levels, codes);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -115,20 +162,27 @@ mod tests {
     /// them (in f32, from the file's scales): the reference the widening is checked against.
     fn dequantize(ty: WidenedType, bytes: &[u8]) -> Vec<f32> {
         let mut out = Vec::with_capacity(bytes.len() / ty.type_size() * ty.block_size());
-        let mut push = |scale: f32, codes: &[u8]| {
-            let level = |c: u8| scale * IQ4_LEVELS[c as usize] as f32;
+        let mut push = |scale: f32, levels: &[i8; 16], codes: &[u8]| {
+            let level = |c: u8| scale * levels[c as usize] as f32;
             out.extend(codes.iter().map(|&c| level(c & 0xF)));
             out.extend(codes.iter().map(|&c| level(c >> 4)));
         };
         for block in bytes.chunks_exact(ty.type_size()) {
+            if ty == WidenedType::Mxfp4 {
+                // ggml's E8M0 halved: 2^(e - 128), the levels its kvalues_mxfp4.
+                let d = 2f64.powi(i32::from(block[0]) - 128) as f32;
+                push(d, &MXFP4_LEVELS, &block[1..17]);
+                continue;
+            }
             let d = f32::from(f16::from_le_bytes([block[0], block[1]]));
             match ty {
-                WidenedType::Iq4Nl => push(d, &block[2..18]),
+                WidenedType::Iq4Nl => push(d, &IQ4_LEVELS, &block[2..18]),
+                WidenedType::Mxfp4 => unreachable!("handled above"),
                 WidenedType::Iq4Xs => {
                     let high = u16::from_le_bytes([block[2], block[3]]);
                     for sub in 0..8 {
                         let scale = d * iq4_xs_multiplier(high, &block[4..8], sub) as f32;
-                        push(scale, &block[8 + sub * 16..][..16]);
+                        push(scale, &IQ4_LEVELS, &block[8 + sub * 16..][..16]);
                     }
                 }
             }
@@ -156,7 +210,7 @@ mod tests {
 
     /// The widened blocks read by candle's Q8_0 code.
     fn widened_values(ty: WidenedType, bytes: &[u8]) -> Vec<f32> {
-        let q8 = ty.to_q8_0(bytes);
+        let q8 = ty.to_q8_0(bytes).unwrap();
         assert_eq!(q8.len(), ty.widened_len(bytes.len()));
         let n = bytes.len() / ty.type_size() * ty.block_size();
         let t = qtensor_from_ggml(GgmlDType::Q8_0, &q8, vec![n], &Device::Cpu).unwrap();
@@ -190,6 +244,38 @@ mod tests {
         // Most products of a half-precision scale and a 6-bit multiplier need rounding:
         // the comparison is not vacuous.
         assert!(exact < widened.len() / 32, "{exact} sub-blocks exact");
+    }
+
+    /// MXFP4 blocks with exponents in half precision's range, random codes.
+    fn mxfp4_blocks(exponents: &[u8], seed: u64) -> Vec<u8> {
+        let mut bytes = random_blocks(WidenedType::Mxfp4, exponents.len(), seed);
+        for (block, &e) in bytes.chunks_exact_mut(17).zip(exponents) {
+            block[0] = e;
+        }
+        bytes
+    }
+
+    #[test]
+    fn mxfp4_widens_exactly_where_half_precision_holds_the_scale() {
+        let exponents: Vec<u8> = (104..=143).chain([110, 120, 127, 128, 130]).collect();
+        let bytes = mxfp4_blocks(&exponents, 5);
+        let reference = dequantize(WidenedType::Mxfp4, &bytes);
+        assert!(reference.iter().any(|&v| v != 0.0));
+        assert_eq!(widened_values(WidenedType::Mxfp4, &bytes), reference);
+    }
+
+    #[test]
+    fn mxfp4_scales_beyond_half_precision_round_below_and_fail_above() {
+        let ty = WidenedType::Mxfp4;
+        let small = mxfp4_blocks(&[0, 60, 100, 103], 9);
+        let reference = dequantize(ty, &small);
+        for (a, b) in widened_values(ty, &small).iter().zip(&reference) {
+            assert!((a - b).abs() <= 2f32.powi(-25), "{a} vs {b}");
+        }
+        // 2^16 with level 12: 12 * 2 = 24 of 2^15, held; 2^19: 12 * 16 = 192, not.
+        assert!(ty.to_q8_0(&mxfp4_blocks(&[144], 3)).is_ok());
+        let err = ty.to_q8_0(&mxfp4_blocks(&[128, 147], 3)).unwrap_err();
+        assert!(err.contains("block 1") && err.contains("2^19"), "{err}");
     }
 
     #[test]

@@ -38,6 +38,30 @@ fn silu_of(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// gpt-oss's SwiGLU constants (transformers' `swiglu_alpha` / `swiglu_limit` defaults;
+/// llama.cpp fixes the same two).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
+/// `(clamp(up, ±limit) + 1) · g · σ(alpha · g)` with `g = min(gate, limit)`, as
+/// transformers' `GptOssExperts` (NaN kept, as PyTorch's clamp keeps it).
+#[inline(always)]
+fn swiglu_oai_of(gate: f32, up: f32) -> f32 {
+    let g = if gate > SWIGLU_OAI_LIMIT {
+        SWIGLU_OAI_LIMIT
+    } else {
+        gate
+    };
+    let u = if up > SWIGLU_OAI_LIMIT {
+        SWIGLU_OAI_LIMIT
+    } else if up < -SWIGLU_OAI_LIMIT {
+        -SWIGLU_OAI_LIMIT
+    } else {
+        up
+    };
+    (u + 1.0) * (g / (1.0 + exp(-SWIGLU_OAI_ALPHA * g)))
+}
+
 /// PyTorch's `gelu(x, approximate="tanh")`.
 #[inline(always)]
 fn gelu_tanh_of(x: f32) -> f32 {
@@ -69,6 +93,13 @@ per_level! {
     fn silu_mul_values(gate: &mut [f32], up: &[f32]) {
         for (g, &u) in gate.iter_mut().zip(up) {
             *g = silu_of(*g) * u;
+        }
+    }
+
+    /// gpt-oss's clamped SwiGLU (see [`swiglu_oai_mul`]).
+    fn swiglu_oai_mul_values(gate: &mut [f32], up: &[f32]) {
+        for (g, &u) in gate.iter_mut().zip(up) {
+            *g = swiglu_oai_of(*g, u);
         }
     }
 
@@ -200,6 +231,12 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 /// `gate[i] = silu(gate[i]) * up[i]` (SwiGLU).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     zip_chunks(gate, up, silu_mul_values);
+}
+
+/// gpt-oss's clamped SwiGLU: `gate[i] = (clamp(up[i], ±7) + 1) · g · σ(1.702 g)` with
+/// `g = min(gate[i], 7)`.
+pub fn swiglu_oai_mul(gate: &mut [f32], up: &[f32]) {
+    zip_chunks(gate, up, swiglu_oai_mul_values);
 }
 
 /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (GeGLU with PyTorch's

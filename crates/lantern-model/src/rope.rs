@@ -50,6 +50,9 @@ pub const LONG_FACTORS: &str = "rope_factors_long.weight";
 /// LongRoPE's divisors for contexts up to the original one.
 pub const SHORT_FACTORS: &str = "rope_factors_short.weight";
 
+/// The architecture whose YaRN bounds are not rounded by default.
+const GPT_OSS: &str = "gpt-oss";
+
 impl RopeScaling {
     pub fn read(src: &dyn WeightSource, arch: &str) -> Result<Self> {
         let key = |k: &str| format!("{arch}.rope.scaling.{k}");
@@ -87,7 +90,12 @@ impl RopeScaling {
                         Some(a) => a,
                         None => implied()?,
                     },
-                    truncate: src.opt_bool(keys::ROPE_YARN_TRUNCATE)?.unwrap_or(true),
+                    // gpt-oss was trained with YaRN's ramp bounds as computed (its
+                    // config's `truncate: false`), which GGUF files do not say;
+                    // llama.cpp rounds them for every model.
+                    truncate: src
+                        .opt_bool(keys::ROPE_YARN_TRUNCATE)?
+                        .unwrap_or(arch != GPT_OSS),
                 }
             }
             Some(other) => {

@@ -635,6 +635,8 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
 /// `tokenizer.json` files define them.
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // GPT-4o's (o200k: gpt-oss): words split at case changes, with their contractions.
+    const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     // Qwen 2/2.5/3: Llama 3's pattern with every digit on its own.
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
@@ -647,8 +649,13 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" | "command-r" => Sequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into(),
         // `dbrx`: OLMo 2's (cl100k) tokenizer, split as Llama 3's; GLM-4's (`glm4`,
         // `chatglm-bpe`) too.
-        "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "glm4" | "chatglm-bpe" | "qwen2" => {
-            let pattern = if pre == "qwen2" { QWEN2 } else { LLAMA3 };
+        "llama3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "glm4" | "chatglm-bpe" | "qwen2"
+        | "gpt-4o" => {
+            let pattern = match pre {
+                "qwen2" => QWEN2,
+                "gpt-4o" => GPT4O,
+                _ => LLAMA3,
+            };
             let split = Split::new(
                 SplitPattern::Regex(pattern.to_string()),
                 SplitDelimiterBehavior::Isolated,
@@ -660,7 +667,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         other => {
             return Err(ModelError::Tokenizer(format!(
                 "pre-tokenizer `{other}` is not supported (supported: gpt2/gpt-2/olmo/mpt/phi-2, smollm/starcoder/refact/command-r, \
-                 llama3/llama-bpe/smaug-bpe/dbrx/glm4/chatglm-bpe, qwen2)"
+                 llama3/llama-bpe/smaug-bpe/dbrx/glm4/chatglm-bpe, qwen2, gpt-4o)"
             )))
         }
     })
@@ -747,6 +754,27 @@ mod tests {
             assert_eq!(pieces(pre, "x 12345"), pieces("smollm", "x 12345"), "{pre}");
         }
         assert_eq!(pieces("refact", "x 12"), ["x", "Ġ", "1", "2"]);
+    }
+
+    #[test]
+    fn gpt_4o_splits_at_case_changes_and_keeps_contractions() {
+        // As the `tokenizers` library splits with o200k's pattern.
+        assert_eq!(
+            pieces("gpt-4o", "Hello World's CamelCASE x 12345"),
+            [
+                "Hello",
+                "ĠWorld's",
+                "ĠCamel",
+                "CASE",
+                "Ġx",
+                "Ġ",
+                "123",
+                "45"
+            ]
+        );
+        assert_eq!(pieces("gpt-4o", "JSONParser's ok"), ["JSONParser's", "Ġok"]);
+        assert_eq!(pieces("gpt-4o", "a/b\n\n  c"), ["a", "/b", "ĊĊ", "Ġ", "Ġc"]);
+        assert_ne!(pieces("llama3", "World's"), pieces("gpt-4o", "World's"));
     }
 
     #[test]

@@ -664,13 +664,13 @@ impl Compute for CudaCompute {
 
     fn activate(&self, act: ModelActivation, x: &mut GpuAct) -> Result<()> {
         self.gpu
-            .activate(&mut **x, activation(act))
+            .activate(&mut **x, activation(act)?)
             .map_err(model_error)
     }
 
     fn act_mul(&self, act: ModelActivation, gate: &mut GpuAct, up: &GpuAct) -> Result<()> {
         self.gpu
-            .act_mul(&mut **gate, &**up, activation(act))
+            .act_mul(&mut **gate, &**up, activation(act)?)
             .map_err(model_error)
     }
 
@@ -909,13 +909,20 @@ impl CudaCompute {
     }
 }
 
-fn activation(act: ModelActivation) -> Activation {
-    match act {
+/// The kernels' code for `act`; gpt-oss's clamped SwiGLU (experts only, which the GPU
+/// does not run yet) has none.
+pub(crate) fn activation(act: ModelActivation) -> Result<Activation> {
+    Ok(match act {
         ModelActivation::Silu => Activation::Silu,
         ModelActivation::GeluTanh => Activation::GeluTanh,
         ModelActivation::GeluErf => Activation::GeluErf,
         ModelActivation::Relu => Activation::Relu,
-    }
+        ModelActivation::SwigluOai => {
+            return Err(ModelError::Compute(
+                "gpt-oss's clamped SwiGLU does not run on the GPU yet".into(),
+            ))
+        }
+    })
 }
 
 /// The backend as the CUDA one: the GPU model attends on no other.

@@ -216,7 +216,7 @@ impl CudaCompute {
                 ..GemvExtras::default()
             };
             self.gpu
-                .gemv_gated(&**x, weights, rows, k, &mut out, activation(act), extras)
+                .gemv_gated(&**x, weights, rows, k, &mut out, activation(act)?, extras)
                 .map_err(model_error)?;
             return Ok(out);
         }
@@ -226,7 +226,7 @@ impl CudaCompute {
         self.product(w, x, x_bf16.as_deref(), rows, 0..2 * width, &mut gate_up)?;
         let (mut out, mut half) = self.twin(rows * width)?;
         self.gpu
-            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act))
+            .act_mul_split(&gate_up, &mut out, &mut half, width, activation(act)?)
             .map_err(model_error)?;
         Ok(GpuAct::with_bf16(out, half))
     }

@@ -97,6 +97,27 @@ impl<'a> Loader<'a> {
             .collect()
     }
 
+    /// Each of the `count` experts' bias of `len` values for `base` (`blk.N.ffn_gate`),
+    /// from the stacked `{base}_exps.bias` (`[count, len]`), if the source has it.
+    pub fn expert_biases(
+        &mut self,
+        base: &str,
+        count: usize,
+        len: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        let name = format!("{base}_exps.bias");
+        if !self.has(&name) {
+            return Ok(None);
+        }
+        let values = tensor_to_vec(&name, &self.tensor(&name, &[count, len])?)?;
+        if !values.iter().all(|v| v.is_finite()) {
+            return Err(ModelError::InvalidConfig(format!(
+                "tensor `{name}` holds values that are not finite"
+            )));
+        }
+        Ok(Some(values.chunks(len).map(<[f32]>::to_vec).collect()))
+    }
+
     /// A weight matrix `[out, in]` as a product on `c`.
     pub fn linear<C: Compute>(
         &mut self,

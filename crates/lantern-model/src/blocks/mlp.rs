@@ -20,6 +20,9 @@ pub enum Activation {
     GeluErf,
     /// `max(x, 0)`: OPT.
     Relu,
+    /// gpt-oss's SwiGLU: gate clamped above and up on both sides at 7, then
+    /// `(up + 1) · gate · σ(1.702 · gate)` (gated MLPs only).
+    SwigluOai,
 }
 
 impl Activation {
@@ -37,6 +40,7 @@ impl Activation {
                 ops::relu(&mut out);
                 ops::mul_in_place(&mut out, up);
             }
+            Self::SwigluOai => ops::swiglu_oai_mul(&mut out, up),
         }
         out
     }
@@ -45,6 +49,8 @@ impl Activation {
 pub struct Mlp<C: Compute> {
     gate_up: Projections<C>,
     down: C::Matrix,
+    /// The down projection's bias (gpt-oss's experts).
+    down_bias: Option<C::Vector>,
     activation: Activation,
 }
 
@@ -89,6 +95,7 @@ impl<C: Compute> Mlp<C> {
         Ok(Self {
             gate_up: Projections::fused(c, options, &gate_up_name, gate_up, vec![ffn, ffn])?,
             down: c.matrix(options, &down_name, down)?,
+            down_bias: None,
             activation,
         })
     }
@@ -106,17 +113,39 @@ impl<C: Compute> Mlp<C> {
         Ok(Self {
             gate_up: Projections::separate(c, options, vec![gate, up])?,
             down: c.matrix(options, &down_name, down)?,
+            down_bias: None,
             activation,
         })
     }
 
-    pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
-        let hidden = self.hidden(c, &BlockInput::Normed(x), tokens)?;
-        c.matmul(&self.down, &hidden, tokens)
+    /// Biases of gate and up (added before the activation) and of down, each where given
+    /// (`name`: the tensor named in errors).
+    pub fn set_biases(
+        &mut self,
+        c: &C,
+        name: &str,
+        gate_up: Option<(Vec<f32>, Vec<f32>)>,
+        down: Option<Vec<f32>>,
+    ) -> Result<()> {
+        if let Some((gate, up)) = gate_up {
+            self.gate_up.set_bias(c, 0, name, gate)?;
+            self.gate_up.set_bias(c, 1, name, up)?;
+        }
+        self.down_bias = down.map(|b| c.vector(b)).transpose()?;
+        Ok(())
     }
 
-    /// `residual += hidden · Wdownᵀ`: the down projection of [`Self::hidden`]'s output
-    /// added into the residual stream.
+    pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
+        let hidden = self.hidden(c, &BlockInput::Normed(x), tokens)?;
+        let mut out = c.matmul(&self.down, &hidden, tokens)?;
+        if let Some(b) = &self.down_bias {
+            c.add_bias(&mut out, b)?;
+        }
+        Ok(out)
+    }
+
+    /// `residual += hidden · Wdownᵀ (+ b)`: the down projection of [`Self::hidden`]'s
+    /// output added into the residual stream.
     pub fn add_down(
         &self,
         c: &C,
@@ -124,7 +153,14 @@ impl<C: Compute> Mlp<C> {
         tokens: usize,
         residual: &mut C::Act,
     ) -> Result<()> {
-        c.matmul_add(&self.down, hidden, tokens, residual)
+        match &self.down_bias {
+            None => c.matmul_add(&self.down, hidden, tokens, residual),
+            Some(b) => {
+                let mut out = c.matmul(&self.down, hidden, tokens)?;
+                c.add_bias(&mut out, b)?;
+                c.add(residual, &out)
+            }
+        }
     }
 
     /// `act(gate(x)) * up(x)` from `input` (see [`BlockInput`]).
@@ -225,6 +261,37 @@ mod tests {
         assert!((out[0] - 0.841_344_7).abs() < 1e-6, "{}", out[0]);
         assert!((out[1] - 2.0 * -0.045_500_26).abs() < 1e-6, "{}", out[1]);
         assert!((out[2] - 0.345_731_1).abs() < 1e-6, "{}", out[2]);
+    }
+
+    #[test]
+    fn swiglu_oai_matches_transformers_formula_and_clamps() {
+        // transformers' GptOssExperts._apply_gate in f64, on values inside and beyond ±7.
+        let reference = |g: f64, u: f64| {
+            let g = g.min(7.0);
+            let u = u.clamp(-7.0, 7.0);
+            (u + 1.0) * g / (1.0 + (-1.702 * g).exp())
+        };
+        let mut state = 0x9e37_79b9_u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64 * 24.0 - 12.0
+        };
+        let gate: Vec<f32> = (0..257).map(|_| next() as f32).collect();
+        let up: Vec<f32> = (0..257).map(|_| next() as f32).collect();
+        let clamped = gate.iter().chain(&up).filter(|v| v.abs() > 7.0).count();
+        assert!(clamped > 50, "{clamped} values beyond the limit");
+        let out = Activation::SwigluOai.apply(&gate, &up);
+        for ((&o, &g), &u) in out.iter().zip(&gate).zip(&up) {
+            let want = reference(g as f64, u as f64);
+            assert!(
+                (o as f64 - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "gate {g} up {u}: {o} vs {want}"
+            );
+        }
+        let nan = Activation::SwigluOai.apply(&[f32::NAN], &[1.0]);
+        assert!(nan[0].is_nan(), "NaN kept, as PyTorch's clamp keeps it");
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router scores every expert for each
-//! token, the `used` best run on it, and their outputs are summed weighted by the
-//! router's softmax probabilities (divided by the chosen ones' sum where the model says).
+//! The mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, gpt-oss): a router scores every
+//! expert for each token, the `used` best run on it, and their outputs are summed weighted
+//! by the router's softmax probabilities (divided by the chosen ones' sum where the model
+//! says: then they are the softmax of the chosen logits, gpt-oss's routing). gpt-oss adds
+//! biases to the router and to every expert's projections.
 
 use super::{Activation, Loader, Mlp};
 use crate::compute::Compute;
@@ -10,6 +12,8 @@ use crate::hparams::ExpertParams;
 pub struct Moe<C: Compute> {
     /// `[experts, hidden]`: one logit per expert.
     router: C::Matrix,
+    /// Added to the router's logits (gpt-oss).
+    router_bias: Option<Vec<f32>>,
     experts: Vec<Mlp<C>>,
     used: usize,
     normalize_weights: bool,
@@ -38,32 +42,63 @@ impl<C: Compute> Moe<C> {
         let name = |t: &str| format!("blk.{l}.{t}");
         let count = params.count;
         let router = loader.linear(c, &name("ffn_gate_inp.weight"), count, hidden)?;
+        let router_bias = loader.opt_vector(&name("ffn_gate_inp.bias"), count)?;
         let ffn = params.ffn;
+        let down_biases = loader.expert_biases(&name("ffn_down"), count, hidden)?;
         let downs = loader.experts(&name("ffn_down"), count, hidden, ffn)?;
-        let experts = if loader.has(&name("ffn_gate_up_exps.weight")) {
+        let (mut experts, gate_up_biases) = if loader.has(&name("ffn_gate_up_exps.weight")) {
             // Gate and up of each expert in one matrix, gate first.
             let gate_ups = loader.experts(&name("ffn_gate_up"), count, 2 * ffn, hidden)?;
-            gate_ups
+            let biases = loader
+                .expert_biases(&name("ffn_gate_up"), count, 2 * ffn)?
+                .map(|all| {
+                    let halves = |b: Vec<f32>| (b[..ffn].to_vec(), b[ffn..].to_vec());
+                    all.into_iter().map(halves).collect::<Vec<_>>()
+                });
+            let experts = gate_ups
                 .into_iter()
                 .zip(downs)
                 .map(|(gate_up, down)| {
                     Mlp::from_fused(c, loader.options, gate_up, ffn, down, activation)
                 })
-                .collect::<Result<Vec<_>>>()?
+                .collect::<Result<Vec<_>>>()?;
+            (experts, biases)
         } else {
             let gates = loader.experts(&name("ffn_gate"), count, ffn, hidden)?;
             let ups = loader.experts(&name("ffn_up"), count, ffn, hidden)?;
-            gates
+            let gate_biases = loader.expert_biases(&name("ffn_gate"), count, ffn)?;
+            let up_biases = loader.expert_biases(&name("ffn_up"), count, ffn)?;
+            let biases = match (gate_biases, up_biases) {
+                (Some(g), Some(u)) => Some(g.into_iter().zip(u).collect()),
+                (None, None) => None,
+                _ => {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "layer {l}'s experts have a bias on one of gate and up only"
+                    )))
+                }
+            };
+            let experts = gates
                 .into_iter()
                 .zip(ups)
                 .zip(downs)
                 .map(|((gate, up), down)| {
                     Mlp::from_parts(c, loader.options, gate, up, down, activation)
                 })
-                .collect::<Result<Vec<_>>>()?
+                .collect::<Result<Vec<_>>>()?;
+            (experts, biases)
         };
+        if gate_up_biases.is_some() || down_biases.is_some() {
+            let mut gate_up_biases = gate_up_biases.map(Vec::into_iter);
+            let mut down_biases = down_biases.map(Vec::into_iter);
+            for expert in &mut experts {
+                let gate_up = gate_up_biases.as_mut().and_then(Iterator::next);
+                let down = down_biases.as_mut().and_then(Iterator::next);
+                expert.set_biases(c, &name("ffn_*_exps.bias"), gate_up, down)?;
+            }
+        }
         Ok(Self {
             router,
+            router_bias,
             experts,
             used: params.used,
             normalize_weights,
@@ -73,7 +108,12 @@ impl<C: Compute> Moe<C> {
 
     /// The layer's output for the `tokens` rows of `x` (normalized input).
     pub fn forward(&self, c: &C, x: &C::Act, tokens: usize) -> Result<C::Act> {
-        let logits = c.to_host(c.matmul(&self.router, x, tokens)?)?;
+        let mut logits = c.to_host(c.matmul(&self.router, x, tokens)?)?;
+        if let Some(bias) = &self.router_bias {
+            for row in logits.chunks_exact_mut(bias.len()) {
+                row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+            }
+        }
         let routes = route(
             &logits,
             self.experts.len(),

@@ -4,6 +4,7 @@
 
 use super::rope_scaling::{lift_rope_parameters, rope_scaling};
 use crate::error::{ModelError, Result};
+use crate::ops;
 use crate::source::keys;
 use candle_core::quantized::gguf_file::Value;
 use serde_json::Value as Json;
@@ -39,6 +40,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "glm4",
     "opt",
     "starcoder2",
+    "gpt_oss",
 ];
 
 /// What the tensor reader needs to know besides the metadata.
@@ -71,10 +73,11 @@ impl HfConfig {
         matches!(self.gguf_arch, "gemma" | "gemma2" | "gemma3")
     }
 
-    /// `post_attention_layernorm` is a norm of the attention's output (Gemma's sandwich,
-    /// OLMo 2's post-norms), not the pre-FFN norm.
-    pub fn sandwich_norms(&self) -> bool {
-        matches!(self.gguf_arch, "gemma2" | "gemma3" | "olmo2")
+    /// `post_attention_layernorm` is GGUF's `post_attention_norm`: a norm of the
+    /// attention's output (Gemma's sandwich, OLMo 2's post-norms) or, in gpt-oss, the norm
+    /// before the experts that llama.cpp's converter names so; `ffn_norm` elsewhere.
+    pub fn post_attention_norm(&self) -> bool {
+        matches!(self.gguf_arch, "gemma2" | "gemma3" | "olmo2" | "gpt-oss")
     }
 
     /// Rows of `hf` left out as it is read: OPT's position table starts 2 rows in.
@@ -85,8 +88,13 @@ impl HfConfig {
         }
     }
 
-    /// GPT-2's `Conv1D` weights are stored `[in, out]`: transposed when read.
+    /// GPT-2's `Conv1D` weights and gpt-oss's experts (`[experts, in, out]`) are stored
+    /// with their last two axes `[in, out]`: transposed when read.
     pub fn transposes(&self, hf: &str) -> bool {
+        if self.gguf_arch == "gpt-oss" {
+            return hf.ends_with("mlp.experts.gate_up_proj")
+                || hf.ends_with("mlp.experts.down_proj");
+        }
         self.gguf_arch == "gpt2"
             && hf.ends_with(".weight")
             && [
@@ -97,6 +105,14 @@ impl HfConfig {
             ]
             .iter()
             .any(|m| hf.contains(m))
+    }
+
+    /// gpt-oss's experts interleave gate and up outputs (gate at even positions):
+    /// regrouped, gate first, when read (their weights after the transpose).
+    pub fn deinterleaves_gate_up(&self, hf: &str) -> bool {
+        self.gguf_arch == "gpt-oss"
+            && (hf.ends_with("mlp.experts.gate_up_proj")
+                || hf.ends_with("mlp.experts.gate_up_proj_bias"))
     }
 
     /// GPT-NeoX's fused q/k/v rows are grouped by head (`[heads, 3, head_dim]`): regrouped
@@ -140,6 +156,7 @@ impl HfConfig {
             "opt" => "opt",
             "starcoder2" => "starcoder2",
             "glm4" => "glm4",
+            "gpt_oss" => "gpt-oss",
             other => {
                 return Err(invalid(
                     path,
@@ -443,11 +460,14 @@ fn granite_multipliers(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Res
 }
 
 /// The mixture-of-experts keys (`expert_count`, `expert_used_count`,
-/// `expert_feed_forward_length`, `expert_weights_norm`) of Mixtral (`num_local_experts`)
-/// and Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `norm_topk_prob`).
+/// `expert_feed_forward_length`, `expert_weights_norm`) of Mixtral and gpt-oss
+/// (`num_local_experts`) and Qwen3-MoE (`num_experts`, `moe_intermediate_size`,
+/// `norm_topk_prob`). gpt-oss's SwiGLU constants are llama.cpp's fixed ones: others are
+/// refused.
 fn experts(c: &Keys, model_type: &str, a: &str, m: &mut HashMap<String, Value>) -> Result<()> {
     let (count_key, normalize) = match model_type {
-        "mixtral" => ("num_local_experts", Some(true)),
+        // gpt-oss: the softmax of the chosen logits, the same weights.
+        "mixtral" | "gpt_oss" => ("num_local_experts", Some(true)),
         // transformers' default for a config that does not say is false.
         "qwen3_moe" | "olmoe" => (
             "num_experts",
@@ -455,6 +475,19 @@ fn experts(c: &Keys, model_type: &str, a: &str, m: &mut HashMap<String, Value>) 
         ),
         _ => return Ok(()),
     };
+    if model_type == "gpt_oss" {
+        for (key, fixed) in [
+            ("swiglu_limit", ops::SWIGLU_OAI_LIMIT),
+            ("swiglu_alpha", ops::SWIGLU_OAI_ALPHA),
+        ] {
+            if let Some(v) = c.opt_f64(key)?.filter(|&v| v as f32 != fixed) {
+                return Err(invalid(
+                    c.path,
+                    format!("`{key}` is {v}: lantern runs gpt-oss's {fixed} only"),
+                ));
+            }
+        }
+    }
     let count = c.req_usize(count_key)?;
     let used = c.req_usize("num_experts_per_tok")?;
     let u = |v: usize| Value::U32(v as u32);
@@ -632,6 +665,30 @@ mod tests {
         HfConfig::from_json(Path::new("config.json"), &config)
     }
 
+    #[test]
+    fn gpt_oss_routes_by_the_chosen_logits_and_refuses_other_swiglu_constants() {
+        let experts = json!({"num_local_experts": 4, "num_experts_per_tok": 2});
+        let c = config("gpt_oss", experts.clone()).unwrap();
+        assert_eq!(c.gguf_arch, "gpt-oss");
+        assert_eq!(number(&c, "gpt-oss.expert_count"), 4.0);
+        assert!(matches!(
+            c.metadata.get("gpt-oss.expert_weights_norm"),
+            Some(Value::Bool(true))
+        ));
+        assert!(c.post_attention_norm());
+        assert!(c.transposes("model.layers.0.mlp.experts.down_proj"));
+        assert!(!c.transposes("model.layers.0.mlp.experts.down_proj_bias"));
+        assert!(c.deinterleaves_gate_up("model.layers.0.mlp.experts.gate_up_proj_bias"));
+        let mut given = experts.clone();
+        given["swiglu_limit"] = json!(7.0);
+        given["swiglu_alpha"] = json!(1.702);
+        assert!(config("gpt_oss", given).is_ok());
+        let mut other = experts;
+        other["swiglu_limit"] = json!(10.0);
+        let err = config("gpt_oss", other).unwrap_err().to_string();
+        assert!(err.contains("swiglu_limit") && err.contains("10"), "{err}");
+    }
+
     fn number(c: &HfConfig, key: &str) -> f64 {
         match &c.metadata[key] {
             Value::F32(f) => *f as f64,
@@ -745,10 +802,10 @@ mod tests {
     }
 
     #[test]
-    fn gemma_norms_are_stored_plus_one_without_sandwich_norms() {
+    fn gemma_norms_are_stored_plus_one_without_post_attention_norm() {
         let c = config("gemma", json!({})).unwrap();
-        assert!(c.norms_plus_one() && !c.sandwich_norms() && c.tie_word_embeddings);
+        assert!(c.norms_plus_one() && !c.post_attention_norm() && c.tie_word_embeddings);
         let c = config("gemma2", json!({})).unwrap();
-        assert!(c.norms_plus_one() && c.sandwich_norms());
+        assert!(c.norms_plus_one() && c.post_attention_norm());
     }
 }

@@ -62,7 +62,7 @@ impl HfDirectory {
         // A tensor the model uses must be of a type lantern reads; other buffers are
         // left alone.
         for (hf, dtype) in weights.unreadable() {
-            if names::gguf_name(hf, config.sandwich_norms()).is_some() {
+            if names::gguf_name(hf, config.post_attention_norm()).is_some() {
                 return Err(ModelError::UnsupportedTensorType {
                     name: hf.clone(),
                     dtype: dtype.clone(),
@@ -71,7 +71,7 @@ impl HfDirectory {
         }
         let mut by_gguf_name = HashMap::new();
         for hf in weights.names() {
-            let Some(gguf) = names::gguf_name(hf, config.sandwich_norms()) else {
+            let Some(gguf) = names::gguf_name(hf, config.post_attention_norm()) else {
                 continue;
             };
             if gguf == "output.weight" && config.tie_word_embeddings {
@@ -103,7 +103,8 @@ impl HfDirectory {
     }
 
     fn stored_type(&self, gguf: &str, dtype: DType, shape: &[usize]) -> GgmlDType {
-        if shape.len() < 2 {
+        // Vectors, and biases stacked per expert (gpt-oss), stay exact.
+        if shape.len() < 2 || gguf.ends_with(".bias") {
             return GgmlDType::F32;
         }
         // As llama.cpp's quantizer: an expert router stays as it is (its few rows choose
@@ -145,6 +146,9 @@ impl HfDirectory {
         if self.config.transposes(hf) {
             t = t.t()?.contiguous()?;
         }
+        if self.config.deinterleaves_gate_up(hf) {
+            t = gate_first(&t)?;
+        }
         let skipped = self.config.skipped_rows(hf);
         if skipped > 0 {
             let rows = t.dim(0)?;
@@ -153,7 +157,7 @@ impl HfDirectory {
         if self.config.regroups_qkv(hf) {
             t = group_qkv(&t, self.config.num_heads)?;
         }
-        if t.rank() < 2 {
+        if t.rank() < 2 || gguf.ends_with(".bias") {
             t = t.to_dtype(DType::F32)?;
             if self.config.norms_plus_one() && gguf.ends_with("norm.weight") {
                 t = (t + 1.0)?;
@@ -176,6 +180,21 @@ fn quantized_type_for(q: GgmlDType, shape: &[usize]) -> Option<GgmlDType> {
         _ => None,
     };
     std::iter::once(q).chain(fallback).find(|&t| fits(t))
+}
+
+/// gpt-oss's experts' gate/up outputs on axis 1 (`[experts, 2 * ffn, ...]`, gate and
+/// up alternating) as every gate output, then every up output.
+fn gate_first(t: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let (experts, rows) = match dims.as_slice() {
+        [e, r, ..] if r % 2 == 0 => (*e, *r),
+        _ => candle_core::bail!("{dims:?} has no even gate/up axis to regroup"),
+    };
+    let rest: usize = dims[2..].iter().product();
+    t.reshape((experts, rows / 2, 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
 }
 
 /// GPT-NeoX's fused rows (weight or bias), `[heads, 3, head_dim, ...]`, as
@@ -225,7 +244,9 @@ impl WeightSource for HfDirectory {
         let stored = self.weights.get(hf)?;
         let mut shape = stored.shape.clone();
         if self.config.transposes(hf) {
-            shape.reverse();
+            if let [.., a, b] = shape.as_mut_slice() {
+                std::mem::swap(a, b);
+            }
         }
         if let Some(rows) = shape.first_mut() {
             *rows = rows.saturating_sub(self.config.skipped_rows(hf));
@@ -251,7 +272,11 @@ impl WeightSource for HfDirectory {
         }
         let (_, target) = self.tensor_info(name).ok_or_else(|| {
             // Named as the checkpoint would hold it.
-            let held = names::hf_names(name, self.config.gguf_arch, self.config.sandwich_norms());
+            let held = names::hf_names(
+                name,
+                self.config.gguf_arch,
+                self.config.post_attention_norm(),
+            );
             match held.is_empty() {
                 true => ModelError::MissingTensor {
                     name: name.to_string(),
@@ -271,6 +296,26 @@ impl WeightSource for HfDirectory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gate_first_regroups_gpt_oss_interleaved_outputs() {
+        // 2 experts, 3 gate/up pairs, 2 columns: row r of expert e holds 100e + r.
+        let values: Vec<f32> = (0..2)
+            .flat_map(|e| (0..6).flat_map(move |r| [(100 * e + r) as f32; 2]))
+            .collect();
+        let t = Tensor::from_vec(values, (2, 6, 2), &Device::Cpu).unwrap();
+        let rows: Vec<Vec<Vec<f32>>> = gate_first(&t).unwrap().to_vec3().unwrap();
+        let firsts: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|e| e.iter().map(|r| r[0]).collect())
+            .collect();
+        assert_eq!(firsts[0], [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]);
+        assert_eq!(firsts[1], [100.0, 102.0, 104.0, 101.0, 103.0, 105.0]);
+        let bias = Tensor::from_vec(vec![0f32, 1., 2., 3.], (1, 4), &Device::Cpu).unwrap();
+        let bias: Vec<Vec<f32>> = gate_first(&bias).unwrap().to_vec2().unwrap();
+        assert_eq!(bias, [[0.0, 2.0, 1.0, 3.0]]);
+        assert!(gate_first(&Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap()).is_err());
+    }
 
     #[test]
     fn k_quants_fall_back_as_llama_cpp_where_rows_are_not_whole_super_blocks() {

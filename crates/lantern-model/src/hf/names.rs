@@ -1,9 +1,10 @@
 //! Hugging Face tensor names to llama.cpp's GGUF names (as `convert_hf_to_gguf.py` maps them).
 
 /// The GGUF name of a Hugging Face tensor, or `None` for tensors GGUF does not keep
-/// (rotary caches and the like). `sandwich_norms`: Gemma's `post_attention_layernorm` is
-/// the norm after attention, not the one before the MLP.
-pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
+/// (rotary caches and the like). `post_attention_norm`: `post_attention_layernorm` is
+/// GGUF's `post_attention_norm` (Gemma's norm after attention; gpt-oss's norm before the
+/// experts, as llama.cpp's converter names it), not `ffn_norm`.
+pub fn gguf_name(hf: &str, post_attention_norm: bool) -> Option<String> {
     let hf = hf.strip_prefix("language_model.").unwrap_or(hf);
     // GPT-2's original checkpoints hold its names without `transformer.`.
     let gpt2 = match hf.strip_prefix("transformer.") {
@@ -35,10 +36,19 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     // transformers 5's own layout (`save_original_format=False`): every expert's gate
     // and up in one tensor, gate first, and the downs in another.
-    match rest {
-        "mlp.experts.gate_up_proj" => return Some(format!("blk.{layer}.ffn_gate_up_exps.weight")),
-        "mlp.experts.down_proj" => return Some(format!("blk.{layer}.ffn_down_exps.weight")),
-        _ => {}
+    // gpt-oss's are laid out `[experts, in, out]`, gate and up interleaved, with biases
+    // (see `HfConfig::transposes`).
+    let whole = match rest {
+        "mlp.experts.gate_up_proj" => "ffn_gate_up_exps.weight",
+        "mlp.experts.down_proj" => "ffn_down_exps.weight",
+        "mlp.experts.gate_up_proj_bias" => "ffn_gate_up_exps.bias",
+        "mlp.experts.down_proj_bias" => "ffn_down_exps.bias",
+        // gpt-oss's per-head attention sinks.
+        "self_attn.sinks" => "attn_sinks.weight",
+        _ => "",
+    };
+    if !whole.is_empty() {
+        return Some(format!("blk.{layer}.{whole}"));
     }
     let (module, kind) = rest.rsplit_once('.')?;
     if kind != "weight" && kind != "bias" {
@@ -59,7 +69,7 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         // GLM-4's norms after attention and after the MLP.
         "post_self_attn_layernorm" => "post_attention_norm",
         "post_mlp_layernorm" => "post_ffw_norm",
-        "post_attention_layernorm" if sandwich_norms => "post_attention_norm",
+        "post_attention_layernorm" if post_attention_norm => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
         "pre_feedforward_layernorm" => "ffn_norm",
         "post_feedforward_layernorm" => "post_ffw_norm",
@@ -70,8 +80,8 @@ pub fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         // StarCoder 2's un-gated MLP.
         "mlp.c_fc" => "ffn_up",
         "mlp.c_proj" => "ffn_down",
-        // A mixture of experts' router: Qwen3-MoE, Mixtral.
-        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        // A mixture of experts' router: Qwen3-MoE, Mixtral, gpt-oss.
+        "mlp.gate" | "block_sparse_moe.gate" | "mlp.router" => "ffn_gate_inp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf}.{kind}"))
@@ -242,7 +252,7 @@ const LAYER_MODULES: [&str; 21] = [
 /// The Hugging Face names [`gguf_name`] maps to `gguf` (a fused and an unfused
 /// checkpoint may hold either of two) in a checkpoint of GGUF architecture `arch`: what to
 /// tell a user whose checkpoint lacks it.
-pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
+pub fn hf_names(gguf: &str, arch: &str, post_attention_norm: bool) -> Vec<String> {
     let layer = gguf
         .strip_prefix("blk.")
         .and_then(|rest| rest.split_once('.'))
@@ -297,7 +307,7 @@ pub fn hf_names(gguf: &str, arch: &str, sandwich_norms: bool) -> Vec<String> {
         .map(|g| g.to_string())
         .chain(layer_modules.flat_map(|m| ["weight", "bias"].map(|k| format!("{m}.{k}"))));
     candidates
-        .filter(|hf| gguf_name(hf, sandwich_norms).as_deref() == Some(gguf))
+        .filter(|hf| gguf_name(hf, post_attention_norm).as_deref() == Some(gguf))
         .collect()
 }
 
@@ -476,6 +486,25 @@ mod tests {
             n("model.layers.3.mlp.experts.down_proj").unwrap(),
             "blk.3.ffn_down_exps.weight"
         );
+        // gpt-oss: router with a bias, stacked experts with biases, sinks.
+        for (hf, gguf) in [
+            (
+                "model.layers.2.mlp.router.weight",
+                "blk.2.ffn_gate_inp.weight",
+            ),
+            ("model.layers.2.mlp.router.bias", "blk.2.ffn_gate_inp.bias"),
+            (
+                "model.layers.2.mlp.experts.gate_up_proj_bias",
+                "blk.2.ffn_gate_up_exps.bias",
+            ),
+            (
+                "model.layers.2.mlp.experts.down_proj_bias",
+                "blk.2.ffn_down_exps.bias",
+            ),
+            ("model.layers.2.self_attn.sinks", "blk.2.attn_sinks.weight"),
+        ] {
+            assert_eq!(n(hf).as_deref(), Some(gguf), "{hf}");
+        }
         assert_eq!(n("model.layers.0.mlp.experts.x.gate_proj.weight"), None);
         assert_eq!(n("model.layers.0.mlp.experts.1.act.weight"), None);
     }

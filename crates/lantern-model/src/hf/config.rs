@@ -167,6 +167,7 @@ impl HfConfig {
                 ))
             }
         };
+        quantization(&c, gguf_arch)?;
         // GPT-2's config has its own names.
         let gpt2 = gguf_arch == "gpt2";
         let key_of = |usual: &'static str, gpt2_name: &'static str| match gpt2 {
@@ -459,6 +460,29 @@ fn granite_multipliers(c: &Keys, a: &str, m: &mut HashMap<String, Value>) -> Res
     Ok(())
 }
 
+/// Checkpoints quantized for another runtime (GPTQ, AWQ, FP8, bitsandbytes, ...) are
+/// refused by name; gpt-oss's MXFP4 experts are read (see `mxfp4.rs`).
+fn quantization(c: &Keys, gguf_arch: &str) -> Result<()> {
+    let Some(q) = c.json.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(());
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(Json::as_str)
+        .unwrap_or("unnamed");
+    match (method, gguf_arch) {
+        ("mxfp4", "gpt-oss") => Ok(()),
+        _ => Err(invalid(
+            c.path,
+            format!(
+                "`quantization_config` says `{method}`, which lantern does not read (it reads \
+                 gpt-oss's mxfp4 experts; an unquantized checkpoint or a GGUF file of the \
+                 model works, and `--quantize` quantizes at load)"
+            ),
+        )),
+    }
+}
+
 /// The mixture-of-experts keys (`expert_count`, `expert_used_count`,
 /// `expert_feed_forward_length`, `expert_weights_norm`) of Mixtral and gpt-oss
 /// (`num_local_experts`) and Qwen3-MoE (`num_experts`, `moe_intermediate_size`,
@@ -663,6 +687,18 @@ mod tests {
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
         HfConfig::from_json(Path::new("config.json"), &config)
+    }
+
+    #[test]
+    fn quantized_checkpoints_are_refused_by_method_except_gpt_oss_mxfp4() {
+        let gptq = json!({"quantization_config": {"quant_method": "gptq", "bits": 4}});
+        let err = config("llama", gptq).unwrap_err().to_string();
+        assert!(err.contains("`gptq`"), "{err}");
+        let mxfp4 = json!({"quantization_config": {"quant_method": "mxfp4"},
+                           "num_local_experts": 4, "num_experts_per_tok": 2});
+        assert!(config("gpt_oss", mxfp4.clone()).is_ok());
+        assert!(config("mixtral", mxfp4).is_err());
+        assert!(config("llama", json!({"quantization_config": null})).is_ok());
     }
 
     #[test]

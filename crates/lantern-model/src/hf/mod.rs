@@ -4,10 +4,12 @@
 //! `1 + w`, Llama 3 scaling as `rope_freqs.weight` and LongRoPE's as
 //! `rope_factors_long/short.weight`, tied embeddings without `output.weight`,
 //! GPT-2's `Conv1D` weights transposed, GPT-NeoX's q/k/v rows grouped q, k, v, OPT's
-//! position table read from its third row.
+//! position table read from its third row, gpt-oss's experts transposed with gate rows
+//! first (MXFP4 checkpoints' experts widened to Q8_0).
 
 pub mod config;
 pub mod generation_config;
+mod mxfp4;
 pub mod names;
 mod rope_scaling;
 pub mod tokenizer;
@@ -69,6 +71,20 @@ impl HfDirectory {
                 });
             }
         }
+        // Bytes are read as MXFP4 codes only.
+        for hf in weights.names() {
+            let stored = &weights.get(hf).expect("listed").dtype;
+            if *stored == DType::U8
+                && !hf.ends_with("_scales")
+                && !Self::mxfp4_codes(hf, &config)
+                && names::gguf_name(hf, config.post_attention_norm()).is_some()
+            {
+                return Err(ModelError::UnsupportedTensorType {
+                    name: hf.clone(),
+                    dtype: "U8".into(),
+                });
+            }
+        }
         let mut by_gguf_name = HashMap::new();
         for hf in weights.names() {
             let Some(gguf) = names::gguf_name(hf, config.post_attention_norm()) else {
@@ -100,6 +116,33 @@ impl HfDirectory {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// An MXFP4 checkpoint's packed expert codes (gpt-oss's `mlp.experts.*_blocks`).
+    fn mxfp4_codes(hf: &str, config: &HfConfig) -> bool {
+        config.gguf_arch == "gpt-oss" && hf.ends_with("_blocks")
+    }
+
+    /// The Q8_0 tensor of MXFP4 codes `hf` and their `_scales`.
+    fn widened_mxfp4(&self, hf: &str) -> candle_core::Result<QTensor> {
+        let msg = |e: ModelError| candle_core::Error::Msg(e.to_string());
+        let scales_name = format!("{}_scales", hf.trim_end_matches("_blocks"));
+        let (codes, scales) = (
+            self.weights.bytes(hf).map_err(msg)?,
+            self.weights.bytes(&scales_name).map_err(msg)?,
+        );
+        let shape = |n: &str| {
+            self.weights
+                .get(n)
+                .map(|t| t.shape.clone())
+                .unwrap_or_default()
+        };
+        let scales_type = self.weights.get(&scales_name).map(|t| t.dtype);
+        if scales_type != Some(DType::U8) {
+            candle_core::bail!("`{scales_name}` must be bytes (U8), found {scales_type:?}");
+        }
+        let gate_first = hf.ends_with("gate_up_proj_blocks");
+        mxfp4::widen(codes, &shape(hf), scales, &shape(&scales_name), gate_first)
     }
 
     fn stored_type(&self, gguf: &str, dtype: DType, shape: &[usize]) -> GgmlDType {
@@ -242,6 +285,9 @@ impl WeightSource for HfDirectory {
         }
         let hf = self.by_gguf_name.get(name)?;
         let stored = self.weights.get(hf)?;
+        if Self::mxfp4_codes(hf, &self.config) {
+            return mxfp4::unpacked_shape(&stored.shape).map(|shape| (shape, GgmlDType::Q8_0));
+        }
         let mut shape = stored.shape.clone();
         if self.config.transposes(hf) {
             if let [.., a, b] = shape.as_mut_slice() {
@@ -288,6 +334,9 @@ impl WeightSource for HfDirectory {
             }
         })?;
         let hf = &self.by_gguf_name[name];
+        if Self::mxfp4_codes(hf, &self.config) {
+            return self.widened_mxfp4(hf).map_err(wrap);
+        }
         let t = self.converted(name, hf).map_err(wrap)?;
         QTensor::quantize(&t, target).map_err(wrap)
     }

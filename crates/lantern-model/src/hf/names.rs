@@ -42,6 +42,9 @@ pub fn gguf_name(hf: &str, post_attention_norm: bool) -> Option<String> {
         "mlp.experts.gate_up_proj" => "ffn_gate_up_exps.weight",
         "mlp.experts.down_proj" => "ffn_down_exps.weight",
         "mlp.experts.gate_up_proj_bias" => "ffn_gate_up_exps.bias",
+        // MXFP4 checkpoints' packed codes (their `_scales` are read with them).
+        "mlp.experts.gate_up_proj_blocks" => "ffn_gate_up_exps.weight",
+        "mlp.experts.down_proj_blocks" => "ffn_down_exps.weight",
         "mlp.experts.down_proj_bias" => "ffn_down_exps.bias",
         // gpt-oss's per-head attention sinks.
         "self_attn.sinks" => "attn_sinks.weight",

@@ -81,6 +81,9 @@ impl SafetensorsWeights {
                 Dtype::F32 => DType::F32,
                 Dtype::F16 => DType::F16,
                 Dtype::BF16 => DType::BF16,
+                // MXFP4 checkpoints' packed codes and scales (gpt-oss); an error where
+                // another tensor the model needs is of it (see `HfDirectory::open`).
+                Dtype::U8 => DType::U8,
                 other => {
                     self.unreadable.insert(name, format!("{other:?}"));
                     continue;
@@ -129,6 +132,14 @@ impl SafetensorsWeights {
     /// The tensors of types lantern does not read, with their types.
     pub fn unreadable(&self) -> impl Iterator<Item = (&String, &String)> {
         self.unreadable.iter()
+    }
+
+    /// The tensor's bytes as stored.
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        let stored = self.get(name).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+        })?;
+        Ok(&self.shards[stored.shard].1[stored.start..stored.end])
     }
 
     /// The tensor as it is stored (its own dtype), on the CPU.

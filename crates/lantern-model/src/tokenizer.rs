@@ -125,6 +125,7 @@ impl ModelTokenizer {
         ]
         .into_iter()
         .flatten()
+        .chain(harmony_call_stop(&tokenizer.tokens, &tokenizer.special))
         .collect();
         tokenizer.stop_ids.dedup();
         Ok(tokenizer)
@@ -631,6 +632,21 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
     Ok(tokenizer)
 }
 
+/// gpt-oss's vocabulary (o200k_harmony) ends a turn with `<|return|>` or, for a tool call,
+/// `<|call|>`; its files name only the first as EOS, so the second stops generation too
+/// where both are control tokens (llama.cpp's rule).
+fn harmony_call_stop(tokens: &[String], special: &[bool]) -> Option<u32> {
+    let control = |name: &str| {
+        let id = tokens.iter().position(|t| t == name)?;
+        special
+            .get(id)
+            .copied()
+            .unwrap_or(false)
+            .then_some(id as u32)
+    };
+    control("<|return|>").and(control("<|call|>"))
+}
+
 /// The pre-tokenizers of the byte-level BPE vocabularies lantern knows, as their
 /// `tokenizer.json` files define them.
 fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
@@ -775,6 +791,23 @@ mod tests {
         assert_eq!(pieces("gpt-4o", "JSONParser's ok"), ["JSONParser's", "Ġok"]);
         assert_eq!(pieces("gpt-4o", "a/b\n\n  c"), ["a", "/b", "ĊĊ", "Ġ", "Ġc"]);
         assert_ne!(pieces("llama3", "World's"), pieces("gpt-4o", "World's"));
+    }
+
+    #[test]
+    fn harmony_vocabularies_stop_at_tool_calls_too() {
+        let tokens: Vec<String> = ["a", "<|return|>", "b", "<|call|>"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(
+            harmony_call_stop(&tokens, &[false, true, false, true]),
+            Some(3)
+        );
+        // Plain text of the same spelling, or one of the two alone, is no harmony vocabulary.
+        assert_eq!(
+            harmony_call_stop(&tokens, &[false, true, false, false]),
+            None
+        );
+        assert_eq!(harmony_call_stop(&tokens[..3], &[false, true, false]), None);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 """The architectures interpretability work starts from — GPT-2, Pythia (GPT-NeoX), OLMo 2
-and OLMo 3 — and SmolLM3 (layers without RoPE) through a real `lantern serve` and the
+and OLMo 3 — SmolLM3 (layers without RoPE) and gpt-oss (attention sinks) through a real `lantern serve` and the
 official openai client: the tiny
 checkpoints of tests/fixtures/archs (Hugging Face directories as transformers saves them)
 continue their reference prompts with transformers' greedy tokens, and the attention maps
@@ -27,7 +27,7 @@ def reference(arch):
         yield p, np.load(ARCHS / arch / "ref" / f"{p['id']}.npz")
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3", "smollm3", "gemma", "granite", "phi", "cohere", "cohere2", "glm4", "olmo", "opt", "starcoder2"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "olmo2", "olmo3", "smollm3", "gemma", "granite", "phi", "cohere", "cohere2", "glm4", "olmo", "opt", "starcoder2", "gpt_oss"])
 def test_greedy_tokens_and_captured_maps_equal_transformers(arch):
     srv = start_server(
         "--model", f"tests/fixtures/archs/{arch}/hf",

@@ -124,6 +124,10 @@ const CASES: &[Case] = &[
             Quantized,
         )
     },
+    // gpt-oss: sinks, alternating sliding layers, YaRN unrounded, biased experts
+    // through the clamped SwiGLU; MXFP4 experts (widened to Q8_0 at load) and Q8_0
+    // elsewhere, as llama-quantize's MXFP4_MOE writes them.
+    case("gpt_oss", "gguf/gpt_oss.mxfp4.gguf", ".mxfp4", Quantized),
     case("phi", "gguf/phi.q8_0.gguf", ".q8_0", Quantized),
     // Cohere (Command R, Aya): LayerNorm without bias, side by side, logit scale.
     case("cohere", "gguf/cohere.q8_0.gguf", ".q8_0", Quantized),
@@ -194,6 +198,10 @@ const CASES: &[Case] = &[
     // OPT: learned positions from the table's third row, ReLU; no GGUF (none exists).
     case("opt", "hf", "", Exact),
     case("starcoder2", "hf", "", Exact),
+    // gpt-oss as transformers saves it (experts `[experts, in, out]`, gate and up
+    // interleaved), and as released (experts MXFP4 under `quantization_config`).
+    case("gpt_oss", "hf", "", Exact),
+    case("gpt_oss", MXFP4_CHECKPOINT, ".hf_mxfp4", Quantized),
     case("gemma2", "hf", "", Exact),
     case("phi3", "hf", "", Exact),
     case("gemma3_text", "hf", "", Exact),
@@ -230,6 +238,74 @@ const IQ4_XS_TOLERANCE: f32 = 5e-3;
 /// Attention probabilities, absolute (the bar for f32 weights).
 const ATTENTION_TOLERANCE: f32 = 1e-4;
 
+/// The model of a row that is gpt-oss as released, its experts MXFP4 (see
+/// [`mxfp4_checkpoint`]).
+const MXFP4_CHECKPOINT: &str = "hf_mxfp4";
+
+/// `hf/` with its experts replaced by `hf_mxfp4/experts.safetensors` (MXFP4 codes and
+/// scales, made by `make_hf_mxfp4.py`) and `quantization_config` mxfp4, in a temporary
+/// directory: two shards and their index, as `make_hf_mxfp4.py` assembles it for
+/// transformers' reference. Kept in the repository as the experts only.
+fn mxfp4_checkpoint(arch: &str) -> PathBuf {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let (hf, out) = (fixture(arch).join("hf"), tempfile::tempdir().unwrap());
+        for entry in std::fs::read_dir(&hf).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name() != "model.safetensors" {
+                std::fs::copy(entry.path(), out.path().join(entry.file_name())).unwrap();
+            }
+        }
+        let config_path = out.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+        config["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        let experts_path = fixture(arch)
+            .join(MXFP4_CHECKPOINT)
+            .join("experts.safetensors");
+        let experts = std::fs::read(&experts_path).unwrap();
+        let expert_names: Vec<String> = safetensors::SafeTensors::deserialize(&experts)
+            .unwrap()
+            .names()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
+        let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        // Every tensor but the experts' weights (their codes replace them) and biases.
+        let rest: Vec<_> = all
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| !name.ends_with("mlp.experts.gate_up_proj"))
+            .filter(|(name, _)| !name.ends_with("mlp.experts.down_proj"))
+            .filter(|(name, _)| !expert_names.contains(name))
+            .collect();
+        let shards = [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+        ];
+        let mut map = serde_json::Map::new();
+        for (name, _) in &rest {
+            map.insert(name.clone(), shards[0].into());
+        }
+        for name in expert_names {
+            map.insert(name, shards[1].into());
+        }
+        let rest = safetensors::serialize(rest, None).unwrap();
+        std::fs::write(out.path().join(shards[0]), rest).unwrap();
+        std::fs::write(out.path().join(shards[1]), experts).unwrap();
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(
+            out.path().join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .unwrap();
+        out
+    });
+    dir.path().to_path_buf()
+}
+
 fn fixture(arch: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/archs")
@@ -241,6 +317,9 @@ impl Case {
     /// left out of the repository to keep it small enough for a GPU machine) in the shared
     /// reference folder beside it, which CI has.
     fn model_path(&self) -> PathBuf {
+        if self.model == MXFP4_CHECKPOINT {
+            return mxfp4_checkpoint(self.arch);
+        }
         let here = fixture(self.arch).join(self.model);
         let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/reference/archs")

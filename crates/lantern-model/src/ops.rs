@@ -52,13 +52,7 @@ fn swiglu_oai_of(gate: f32, up: f32) -> f32 {
     } else {
         gate
     };
-    let u = if up > SWIGLU_OAI_LIMIT {
-        SWIGLU_OAI_LIMIT
-    } else if up < -SWIGLU_OAI_LIMIT {
-        -SWIGLU_OAI_LIMIT
-    } else {
-        up
-    };
+    let u = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT);
     (u + 1.0) * (g / (1.0 + exp(-SWIGLU_OAI_ALPHA * g)))
 }
 

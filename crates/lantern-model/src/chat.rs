@@ -853,6 +853,58 @@ mod tests {
         );
     }
 
+    /// gpt-oss's template (harmony format) as llama.cpp keeps it
+    /// (`models/templates/openai-gpt-oss-120b.jinja`): strftime_now, namespaces, tools
+    /// written as TypeScript, `reasoning_effort` from the request's kwargs.
+    const GPT_OSS: &str = include_str!("../../../tests/fixtures/chat_templates/gpt_oss.jinja");
+
+    #[test]
+    fn gpt_oss_template_renders_as_transformers_does() {
+        // Expected: transformers' `render_jinja_template` (jinja2) of the same
+        // conversations, with `{date}` for today's date.
+        let header = |effort: &str| {
+            format!(
+                "<|start|>system<|message|>You are ChatGPT, a large language model trained by \
+                 OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: {}\n\nReasoning: {effort}\n\n\
+                 # Valid channels: analysis, commentary, final. Channel must be included for \
+                 every message.",
+                chrono::Local::now().format("%Y-%m-%d")
+            )
+        };
+        let t = ChatTemplate::new(GPT_OSS, "<|startoftext|>", "<|return|>").unwrap();
+        let chat = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Hello!"),
+            ChatMessage::new("user", "Bye"),
+        ];
+        assert_eq!(
+            t.render(&chat, true).unwrap(),
+            header("medium")
+                + "<|end|><|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>\
+                   <|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final\
+                   <|message|>Hello!<|end|><|start|>user<|message|>Bye<|end|><|start|>assistant"
+        );
+        let mut options = ChatRenderOptions {
+            tools: Some(vec![weather("Weather of a city")]),
+            ..ChatRenderOptions::default()
+        };
+        options
+            .kwargs
+            .insert("reasoning_effort".into(), "high".into());
+        let ask = [ChatMessage::new("user", "Weather in Paris?")];
+        let rendered = t.render_parts_with(&ask, &options, usize::MAX).unwrap();
+        assert_eq!(
+            rendered.text,
+            header("high")
+                + "\nCalls to these tools must go to the commentary channel: 'functions'.<|end|>\
+                   <|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions \
+                   {\n\n// Weather of a city\ntype get_weather = (_: {\ncity: string,\n}) => any;\
+                   \n\n} // namespace functions<|end|><|start|>user<|message|>Weather in Paris?\
+                   <|end|><|start|>assistant"
+        );
+    }
+
     const QWEN_TOOLS: &str =
         include_str!("../../../tests/fixtures/chat_templates/qwen2_5_tools.jinja");
 

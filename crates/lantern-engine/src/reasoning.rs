@@ -1,5 +1,7 @@
 //! Reasoning models' thinking, as vLLM's `--reasoning-parser` reads it: the text between
-//! `<think>` and `</think>` is the choice's reasoning, what follows its answer.
+//! `<think>` and `</think>` is the choice's reasoning, what follows its answer; gpt-oss's
+//! harmony messages are split by channel instead, its tool calls among them
+//! ([`harmony`]).
 //!
 //! One rule says where an output starts, for both the text split here and the
 //! structured output that waits for the answer ([`ReasoningParser::thinking_after`]): an
@@ -9,8 +11,12 @@
 //! begins with `<think>`. Tags earlier in the prompt (a user's text, earlier turns) do
 //! not count. Thinking that never closes (an output cut by `max_tokens`) is all reasoning.
 
+mod harmony;
+
 use std::fmt;
 use std::sync::Arc;
+
+use crate::validate::tools::ToolCall;
 
 /// The reasoning parsers lantern knows (`--reasoning-parser`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,11 +27,18 @@ pub enum ReasoningParser {
     /// Qwen3: the model opens `<think>` itself (or the template closes it, with
     /// `enable_thinking: false`).
     Qwen3,
+    /// gpt-oss: harmony messages, whose `analysis` channel is the reasoning and `final`
+    /// the answer, and whose messages to `functions.NAME` are tool calls.
+    OpenaiGptoss,
 }
 
 impl ReasoningParser {
-    const ALL: [Self; 2] = [Self::DeepseekR1, Self::Qwen3];
-    pub const NAMES: [&'static str; 2] = [Self::ALL[0].name(), Self::ALL[1].name()];
+    const ALL: [Self; 3] = [Self::DeepseekR1, Self::Qwen3, Self::OpenaiGptoss];
+    pub const NAMES: [&'static str; 3] = [
+        Self::ALL[0].name(),
+        Self::ALL[1].name(),
+        Self::ALL[2].name(),
+    ];
 
     /// The parser named `name` (vLLM's names).
     pub fn from_name(name: &str) -> Option<Self> {
@@ -36,15 +49,49 @@ impl ReasoningParser {
         match self {
             Self::DeepseekR1 => "deepseek_r1",
             Self::Qwen3 => "qwen3",
+            Self::OpenaiGptoss => "openai_gptoss",
         }
     }
 
-    pub fn start_tag(self) -> &'static str {
-        "<think>"
+    /// The parser a model's vocabulary calls for without being asked: gpt-oss's, whose
+    /// replies are harmony messages, when the harmony markers are control tokens (vLLM
+    /// reads gpt-oss's chat replies so whatever `--reasoning-parser` says).
+    pub fn implied_by(tokenizer: &lantern_model::tokenizer::ModelTokenizer) -> Option<Self> {
+        harmony::MARKERS
+            .iter()
+            .all(|m| is_control_token(tokenizer, m))
+            .then_some(Self::OpenaiGptoss)
     }
 
+    /// Whether the parser reads control tokens in the output's text (which must then be
+    /// decoded with them kept, whatever `skip_special_tokens` says).
+    pub fn reads_control_tokens(self) -> bool {
+        self == Self::OpenaiGptoss
+    }
+
+    /// What begins thinking: in harmony, the end of the prompt's header for the reply.
+    pub fn start_tag(self) -> &'static str {
+        match self {
+            Self::OpenaiGptoss => "<|start|>assistant",
+            _ => "<think>",
+        }
+    }
+
+    /// What ends thinking (structured output waits for it): in harmony, the header of
+    /// the `final` channel's message.
     pub fn end_tag(self) -> &'static str {
-        "</think>"
+        match self {
+            Self::OpenaiGptoss => "<|channel|>final<|message|>",
+            _ => "</think>",
+        }
+    }
+
+    /// How many tokens the end tag takes in a vocabulary made for the parser.
+    fn end_tag_tokens(self) -> usize {
+        match self {
+            Self::OpenaiGptoss => 3,
+            _ => 1,
+        }
     }
 
     /// Whether an output begins thinking when its prompt ends with neither tag.
@@ -105,14 +152,23 @@ impl ThinkTags {
             .ok_or_else(|| {
                 format!("the model's tokenizer cannot write {tag:?}, the end tag of the reasoning parser {parser}")
             })?;
-        if end.len() > 1 {
+        if end.len() > parser.end_tag_tokens() {
             tracing::warn!(
-                "reasoning parser {parser}: this model's tokenizer writes {tag} as {} tokens, not as one of its own: it is likely not a thinking model",
-                end.len()
+                "reasoning parser {parser}: this model's tokenizer writes {tag} as {} tokens where a thinking model's writes it as {}: it is likely not a thinking model",
+                end.len(),
+                parser.end_tag_tokens()
             );
         }
         Ok(Self::new(parser, end))
     }
+}
+
+/// Whether `text` is one control token of `tokenizer`'s.
+fn is_control_token(tokenizer: &lantern_model::tokenizer::ModelTokenizer, text: &str) -> bool {
+    tokenizer.contains_control_text(text)
+        && tokenizer
+            .encode(text, false)
+            .is_ok_and(|ids| ids.len() == 1 && tokenizer.is_special(ids[0]))
 }
 
 /// A piece of an output, split as it arrives.
@@ -120,6 +176,12 @@ impl ThinkTags {
 pub enum ThinkingPiece {
     Reasoning(String),
     Answer(String),
+    /// A tool call begins (harmony's messages to a function); its arguments follow.
+    Call {
+        name: String,
+    },
+    /// More of the open call's arguments (JSON text).
+    Arguments(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,35 +195,36 @@ enum Phase {
     Answer,
 }
 
-/// Splits an output's text into reasoning and answer as it arrives: the tags and the
-/// whitespace right after each are dropped, and text that may be the start of a tag is
-/// held back until it is known. Pushing a text whole or in any pieces gives the same
-/// reasoning and answer.
+/// Splits an output's text into reasoning, answer and (harmony's) tool calls as it
+/// arrives, as its parser reads it. Pushing a text whole or in any pieces gives the same
+/// pieces, joined.
 #[derive(Debug, Clone)]
-pub struct ThinkingSplitter {
-    parser: ReasoningParser,
-    phase: Phase,
-    held: String,
+pub struct ThinkingSplitter(Splitter);
+
+#[derive(Debug, Clone)]
+enum Splitter {
+    Tags(TagSplitter),
+    Harmony(harmony::HarmonySplitter),
 }
 
 impl ThinkingSplitter {
     /// `thinking`: whether the output begins inside thinking
     /// ([`ReasoningParser::thinking_after`]).
     pub fn new(parser: ReasoningParser, thinking: bool) -> Self {
-        Self {
-            parser,
-            phase: if thinking {
-                Phase::ThinkingStart
-            } else {
-                Phase::MayOpen
-            },
-            held: String::new(),
-        }
+        Self(match parser {
+            ReasoningParser::OpenaiGptoss => {
+                Splitter::Harmony(harmony::HarmonySplitter::new(thinking))
+            }
+            _ => Splitter::Tags(TagSplitter::new(parser, thinking)),
+        })
     }
 
     /// Whether the output is inside its thinking now.
     pub fn thinking(&self) -> bool {
-        matches!(self.phase, Phase::ThinkingStart | Phase::Thinking)
+        match &self.0 {
+            Splitter::Tags(s) => s.thinking(),
+            Splitter::Harmony(s) => s.thinking(),
+        }
     }
 
     /// [`Self::push`] of `tokens` tokens' `text`, counting them in `reasoning_tokens`
@@ -182,6 +245,49 @@ impl ThinkingSplitter {
 
     /// The pieces `text` completes.
     pub fn push(&mut self, text: &str) -> Vec<ThinkingPiece> {
+        match &mut self.0 {
+            Splitter::Tags(s) => s.push(text),
+            Splitter::Harmony(s) => s.push(text),
+        }
+    }
+
+    /// The pieces held at the output's end: text that could still have become a tag is
+    /// what it is.
+    pub fn finish(&mut self) -> Vec<ThinkingPiece> {
+        match &mut self.0 {
+            Splitter::Tags(s) => s.finish(),
+            Splitter::Harmony(s) => s.finish(),
+        }
+    }
+}
+
+/// [`ThinkingSplitter`] for `<think>` tags: the tags and the whitespace right after each
+/// are dropped, and text that may be the start of a tag is held back until it is known.
+#[derive(Debug, Clone)]
+struct TagSplitter {
+    parser: ReasoningParser,
+    phase: Phase,
+    held: String,
+}
+
+impl TagSplitter {
+    fn new(parser: ReasoningParser, thinking: bool) -> Self {
+        Self {
+            parser,
+            phase: if thinking {
+                Phase::ThinkingStart
+            } else {
+                Phase::MayOpen
+            },
+            held: String::new(),
+        }
+    }
+
+    fn thinking(&self) -> bool {
+        matches!(self.phase, Phase::ThinkingStart | Phase::Thinking)
+    }
+
+    fn push(&mut self, text: &str) -> Vec<ThinkingPiece> {
         self.held.push_str(text);
         let mut pieces = Vec::new();
         loop {
@@ -233,9 +339,7 @@ impl ThinkingSplitter {
         }
     }
 
-    /// The pieces held at the output's end: text that could still have become a tag is
-    /// what it is.
-    pub fn finish(&mut self) -> Vec<ThinkingPiece> {
+    fn finish(&mut self) -> Vec<ThinkingPiece> {
         let held = self.take_held();
         let piece = match self.phase {
             Phase::MayOpen | Phase::Answer | Phase::AnswerStart => ThinkingPiece::Answer(held),
@@ -254,6 +358,7 @@ impl ThinkingSplitter {
 fn push_piece(pieces: &mut Vec<ThinkingPiece>, piece: ThinkingPiece) {
     let empty = match &piece {
         ThinkingPiece::Reasoning(t) | ThinkingPiece::Answer(t) => t.is_empty(),
+        ThinkingPiece::Call { .. } | ThinkingPiece::Arguments(_) => false,
     };
     if !empty {
         pieces.push(piece);
@@ -271,13 +376,25 @@ fn partial_tag_len(text: &str, tag: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// An output's reasoning and answer gathered as its text arrives (for a response that
-/// is not streamed), its thinking tokens counted as a stream counts them.
+/// A whole output as its parser reads it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SplitOutput {
+    /// The thinking (`None` when the output did not think, or thought nothing).
+    pub reasoning: Option<String>,
+    /// The text after it (harmony: the `final` channel's).
+    pub answer: String,
+    /// Harmony's tool calls (a `<tool_call>` in the answer is not parsed here).
+    pub calls: Vec<ToolCall>,
+}
+
+/// An output's reasoning, answer and calls gathered as its text arrives (for a response
+/// that is not streamed), its thinking tokens counted as a stream counts them.
 #[derive(Debug, Clone)]
 pub struct ThinkingOutput {
     splitter: ThinkingSplitter,
     reasoning: String,
     answer: String,
+    calls: Vec<ToolCall>,
     reasoning_tokens: usize,
 }
 
@@ -288,6 +405,7 @@ impl ThinkingOutput {
             splitter: ThinkingSplitter::new(parser, thinking),
             reasoning: String::new(),
             answer: String::new(),
+            calls: Vec::new(),
             reasoning_tokens: 0,
         }
     }
@@ -305,13 +423,15 @@ impl ThinkingOutput {
         self.reasoning_tokens
     }
 
-    /// The whole output's reasoning (`None` when it did not think, or thought nothing)
-    /// and answer.
-    pub fn finish(mut self) -> (Option<String>, String) {
+    /// The whole output, read.
+    pub fn finish(mut self) -> SplitOutput {
         let held = self.splitter.finish();
         self.gather(held);
-        let reasoning = (!self.reasoning.is_empty()).then_some(self.reasoning);
-        (reasoning, self.answer)
+        SplitOutput {
+            reasoning: (!self.reasoning.is_empty()).then_some(self.reasoning),
+            answer: self.answer,
+            calls: self.calls,
+        }
     }
 
     fn gather(&mut self, pieces: Vec<ThinkingPiece>) {
@@ -319,6 +439,15 @@ impl ThinkingOutput {
             match piece {
                 ThinkingPiece::Reasoning(t) => self.reasoning.push_str(&t),
                 ThinkingPiece::Answer(t) => self.answer.push_str(&t),
+                ThinkingPiece::Call { name } => self.calls.push(ToolCall {
+                    name,
+                    arguments: String::new(),
+                }),
+                ThinkingPiece::Arguments(t) => {
+                    if let Some(call) = self.calls.last_mut() {
+                        call.arguments.push_str(&t);
+                    }
+                }
             }
         }
     }
@@ -341,7 +470,8 @@ mod tests {
         for text in texts {
             output.push(text, 0);
         }
-        output.finish()
+        let split = output.finish();
+        (split.reasoning, split.answer)
     }
 
     fn split(parser: ReasoningParser, thinking: bool, text: &str) -> (Option<String>, String) {
@@ -459,6 +589,13 @@ mod tests {
         }
         assert!(R1.thinking_after("<｜Assistant｜>"));
         assert!(!QWEN3.thinking_after("<|im_start|>assistant\n"));
+        // gpt-oss's template ends the prompt in the reply's header; a prompt that opened
+        // the final channel itself is answered at once.
+        let gptoss = ReasoningParser::OpenaiGptoss;
+        assert!(gptoss.thinking_after("<|end|><|start|>assistant"));
+        assert!(!gptoss.thinking_after("<|start|>assistant<|channel|>final<|message|>"));
+        assert!(!gptoss.thinking_after("<|im_start|>assistant\n"));
+        assert_eq!(ReasoningParser::from_name("openai_gptoss"), Some(gptoss));
         assert_eq!(ReasoningParser::from_name("qwen3"), Some(QWEN3));
         assert_eq!(ReasoningParser::from_name("granite"), None);
     }

@@ -159,8 +159,17 @@ impl AppState {
 /// The server's routes, on an engine already running. Fails only when the capture
 /// worker thread cannot be started or the reasoning parser's end tag cannot be tokenized.
 pub fn router(engine: EngineHandle, config: &ServerConfig) -> std::io::Result<Router> {
+    let tokenizer = engine.prompter().tokenizer();
+    let implied =
+        ReasoningParser::implied_by(tokenizer).filter(|_| config.reasoning_parser.is_none());
+    if let Some(parser) = implied {
+        tracing::info!(
+            "chat replies are read with the reasoning parser {parser}: the vocabulary writes harmony messages"
+        );
+    }
     let reasoning = config
         .reasoning_parser
+        .or(implied)
         .map(|parser| {
             ThinkTags::for_tokenizer(parser, engine.prompter().tokenizer())
                 .map(Arc::new)

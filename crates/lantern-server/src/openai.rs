@@ -19,6 +19,7 @@ use lantern_engine::serving::{
     guided_failure_message, no_token_left_message, Accepted, ChoiceEvent, EndReason, EngineEvent,
     EngineFailure, EngineHandle, Finish, LogprobEntry, PromptLogprobEntry, StopReason,
 };
+use lantern_engine::validate::tools::ToolCall;
 use lantern_engine::validate::{
     self, CaptureRequest, Endpoint, GenerationRequest, ModelLimits, RequestContext,
 };
@@ -332,7 +333,7 @@ async fn generate_parsed(
     let reasoning = state.reasoning.clone().filter(|_| kind == Kind::Chat);
     for item in &mut items {
         item.request_id = Some(log_id.clone());
-        item.reasoning = reasoning.clone();
+        item.read_with(reasoning.clone());
     }
     state.seed_items(&mut items);
     let num_choices = items.len();
@@ -449,11 +450,7 @@ fn call_id(response_id: &str, choice: usize, i: usize) -> String {
 }
 
 /// OpenAI's `tool_calls` list.
-fn tool_calls_json(
-    calls: &[lantern_engine::validate::tools::ToolCall],
-    response_id: &str,
-    choice: usize,
-) -> Value {
+fn tool_calls_json(calls: &[ToolCall], response_id: &str, choice: usize) -> Value {
     calls
         .iter()
         .enumerate()
@@ -486,19 +483,20 @@ fn tool_delta_json(delta: &ToolDelta, response_id: &str, choice: usize) -> Value
 }
 
 /// A chat choice's message, and its finish reason: with a reasoning parser
-/// (`reasoning`: the output's thinking, `text` what follows it), the thinking becomes
-/// `reasoning`; calls in the text become `tool_calls` (finish reason `tool_calls`) when
-/// the request offered tools.
+/// (`reasoning`: the output's thinking, `text` what follows it, `calls` the calls the
+/// parser read), the thinking becomes `reasoning`; those calls, and calls in the text
+/// when the request offered tools, become `tool_calls` (finish reason `tool_calls`).
 fn chat_message(
     text: &str,
     reasoning: Option<Option<&str>>,
+    calls: &[ToolCall],
     finish_reason: Value,
     tools: bool,
     response_id: &str,
     choice: usize,
 ) -> (Value, Value) {
     let (mut message, finish_reason) =
-        answer_message(text, finish_reason, tools, response_id, choice);
+        answer_message(text, calls, finish_reason, tools, response_id, choice);
     if let Some(thought) = reasoning {
         if thought.is_some() && text.is_empty() {
             message["content"] = Value::Null;
@@ -513,32 +511,36 @@ fn chat_message(
 /// [`chat_message`]'s content and calls.
 fn answer_message(
     text: &str,
+    parsed_calls: &[ToolCall],
     finish_reason: Value,
     tools: bool,
     response_id: &str,
     choice: usize,
 ) -> (Value, Value) {
-    if tools {
-        let (calls, rest) = lantern_engine::validate::tools::parse_tool_calls(text);
-        if !calls.is_empty() {
-            let content = if rest.is_empty() {
-                Value::Null
-            } else {
-                json!(rest)
-            };
-            let reason = if finish_reason == json!("stop") {
-                json!("tool_calls")
-            } else {
-                finish_reason
-            };
-            return (
-                json!({"role": "assistant", "content": content,
-                       "tool_calls": tool_calls_json(&calls, response_id, choice)}),
-                reason,
-            );
-        }
+    let (text_calls, rest) = if tools {
+        lantern_engine::validate::tools::parse_tool_calls(text)
+    } else {
+        (Vec::new(), text.to_string())
+    };
+    let calls: Vec<ToolCall> = parsed_calls.iter().cloned().chain(text_calls).collect();
+    if calls.is_empty() {
+        return (json!({"role": "assistant", "content": text}), finish_reason);
     }
-    (json!({"role": "assistant", "content": text}), finish_reason)
+    let content = if rest.is_empty() {
+        Value::Null
+    } else {
+        json!(rest)
+    };
+    let reason = if finish_reason == json!("stop") {
+        json!("tool_calls")
+    } else {
+        finish_reason
+    };
+    (
+        json!({"role": "assistant", "content": content,
+               "tool_calls": tool_calls_json(&calls, response_id, choice)}),
+        reason,
+    )
 }
 
 /// How logprobs name a token: by its text, or as `token_id:{id}` (vLLM's
@@ -821,11 +823,12 @@ impl ResponseBuilder {
     }
 
     /// The whole, non-streamed response (`thoughts`: with a reasoning parser, each
-    /// choice's thinking, `texts` then holding what follows it).
+    /// choice's thinking and the calls the parser read, `texts` then holding what
+    /// follows it).
     fn whole(
         &mut self,
         texts: &[String],
-        thoughts: &[Option<String>],
+        thoughts: &[(Option<String>, Vec<ToolCall>)],
         logprobs: &[Vec<LogprobEntry>],
         prompts: &[Option<Vec<PromptLogprobEntry>>],
     ) -> Value {
@@ -844,12 +847,15 @@ impl ResponseBuilder {
                 let stop_reason = f.map_or(Value::Null, |f| stop_reason_json(&f.stop_reason));
                 match self.kind {
                     Kind::Chat => {
+                        let thought = thoughts.get(i);
                         let reasoning = self
                             .reasoning
-                            .map(|_| thoughts.get(i).and_then(Option::as_deref));
+                            .map(|_| thought.and_then(|(r, _)| r.as_deref()));
+                        let calls = thought.map_or(&[][..], |(_, calls)| calls);
                         let (message, finish_reason) = chat_message(
                             text,
                             reasoning,
+                            calls,
                             finish_reason,
                             self.tool_calls,
                             &self.id,
@@ -985,9 +991,9 @@ async fn whole_response(
     let mut thoughts = Vec::with_capacity(thinking.len());
     for (i, output) in thinking.into_iter().enumerate() {
         response.reasoning_tokens[i] = output.reasoning_tokens();
-        let (thought, answer) = output.finish();
-        thoughts.push(thought);
-        texts[i] = answer;
+        let split = output.finish();
+        thoughts.push((split.reasoning, split.calls));
+        texts[i] = split.answer;
     }
     let mut whole = response.whole(&texts, &thoughts, &logprobs, &prompts);
     if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
@@ -1168,6 +1174,14 @@ impl StreamState {
                     deltas.push(json!({"content": text}))
                 }
                 ThinkingPiece::Answer(_) => {}
+                ThinkingPiece::Call { name } => {
+                    let delta = stream.start_call(name);
+                    deltas.push(tool_delta_json(&delta, &self.response.id, index))
+                }
+                ThinkingPiece::Arguments(text) => {
+                    let delta = stream.call_arguments(text);
+                    deltas.push(tool_delta_json(&delta, &self.response.id, index))
+                }
             }
         }
         if finished && tools {

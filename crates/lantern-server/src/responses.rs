@@ -22,10 +22,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use lantern_engine::lantern_capture::{CaptureFailure, PendingCapture};
-use lantern_engine::reasoning::{ReasoningParser, ThinkingOutput, ThinkingPiece, ThinkingSplitter};
+use lantern_engine::reasoning::{
+    ReasoningParser, SplitOutput, ThinkingOutput, ThinkingPiece, ThinkingSplitter,
+};
 use lantern_engine::serving::prompter::Prompter;
 use lantern_engine::serving::{EngineEvent, Finish, LogprobEntry};
-use lantern_engine::validate::tools::parse_tool_calls;
+use lantern_engine::validate::tools::{parse_tool_calls, ToolCall};
 use lantern_engine::validate::{self, ModelLimits, RequestContext, ResponsesEcho};
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
@@ -244,7 +246,7 @@ async fn respond(
     let log_id: std::sync::Arc<str> = format!("resp_{id}").into();
     for item in &mut items {
         item.request_id = Some(log_id.clone());
-        item.reasoning = state.reasoning.clone();
+        item.read_with(state.reasoning.clone());
     }
     state.seed_items(&mut items);
     let (accepted, events) = state.engine.add(items).await?;
@@ -463,35 +465,35 @@ impl ResponseObject {
         })
     }
 
-    /// A finished output's items: its thinking (`thought`, with a reasoning parser) as
-    /// a reasoning item, the `text` after it as a message (none when tool calls are all
-    /// it holds), then its calls. The tokens' logprobs go with a message that is the
-    /// whole output.
-    fn output(
-        &self,
-        thought: Option<String>,
-        text: &str,
-        logprobs: &[LogprobEntry],
-        finish: &Finish,
-    ) -> Vec<Value> {
-        let status = item_status(finish);
+    /// A finished output's items: its thinking (`split.reasoning`, with a reasoning
+    /// parser) as a reasoning item, the answer after it as a message (none when tool
+    /// calls are all it holds), then its calls (the parser's, then those in the answer).
+    /// The tokens' logprobs go with a message that is the whole output. `status`: the
+    /// items' once the output finished ([`item_status`]).
+    fn output(&self, split: SplitOutput, logprobs: &[LogprobEntry], status: &str) -> Vec<Value> {
+        let SplitOutput {
+            reasoning: thought,
+            answer: text,
+            calls: parsed_calls,
+        } = split;
         let mut output = Vec::new();
         let logprobs = if thought.is_some() { &[] } else { logprobs };
+        let thought_alone = thought.is_some() && text.is_empty();
         if let Some(thought) = thought {
             // Closed thinking is complete even when the answer was cut short.
             let thinking_status = if text.is_empty() { status } else { "completed" };
             output.push(self.reasoning(&thought, thinking_status));
-            if text.is_empty() {
-                return output;
-            }
         }
-        let (calls, rest) = if self.tools {
-            parse_tool_calls(text)
+        let (text_calls, rest) = if self.tools {
+            parse_tool_calls(&text)
         } else {
-            (Vec::new(), text.to_string())
+            (Vec::new(), text.clone())
         };
-        if calls.is_empty() {
-            output.push(self.message(text, logprob_entries(logprobs), status));
+        let calls: Vec<ToolCall> = parsed_calls.into_iter().chain(text_calls).collect();
+        if thought_alone {
+            // No message after the thinking.
+        } else if calls.is_empty() {
+            output.push(self.message(&text, logprob_entries(logprobs), status));
         } else if !rest.is_empty() {
             output.push(self.message(&rest, Vec::new(), status));
         }
@@ -563,16 +565,17 @@ async fn whole_response(
         }
     };
     let pending_capture = finish.capture.take();
-    let thought = match thinking {
+    let split = match thinking {
         Some(output) => {
             object.reasoning_tokens = output.reasoning_tokens();
-            let (thought, answer) = output.finish();
-            text = answer;
-            thought
+            output.finish()
         }
-        None => None,
+        None => SplitOutput {
+            answer: text,
+            ..SplitOutput::default()
+        },
     };
-    let output = object.output(thought, &text, &logprobs, &finish);
+    let output = object.output(split, &logprobs, item_status(&finish));
     let mut whole = object.json(output.clone(), Some(&finish));
     object.keep(&whole, &output);
     if let (Some(capture), Value::Object(obj)) = (&capture, &mut whole) {
@@ -859,6 +862,8 @@ impl ResponseStream {
                     match piece {
                         ThinkingPiece::Reasoning(text) => self.reasoning(&text),
                         ThinkingPiece::Answer(text) => self.answer(&text, Vec::new(), false),
+                        ThinkingPiece::Call { name } => self.call_start(name),
+                        ThinkingPiece::Arguments(text) => self.call_arguments(&text),
                     }
                 }
                 if finished {
@@ -1004,4 +1009,108 @@ fn sse_events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infalli
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(tools: bool) -> ResponseObject {
+        let echo = ResponsesEcho {
+            instructions: Value::Null,
+            max_output_tokens: Value::Null,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_logprobs: Value::Null,
+            tools: Value::Null,
+            tool_choice: Value::Null,
+            parallel_tool_calls: true,
+            text: Value::Null,
+            metadata: Value::Null,
+            user: Value::Null,
+            store: false,
+            reasoning: Value::Null,
+        };
+        ResponseObject {
+            id: "r".into(),
+            created_at: 0,
+            model: "m".into(),
+            echo,
+            tools,
+            previous_response_id: None,
+            keep: None,
+            guide_field: None,
+            reasoning: Some((ReasoningParser::OpenaiGptoss, true)),
+            reasoning_tokens: 0,
+        }
+    }
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// Each item's type and its text (reasoning and message) or name and arguments.
+    fn items(output: &[Value]) -> Vec<(String, String)> {
+        output
+            .iter()
+            .map(|item| {
+                let kind = item["type"].as_str().unwrap_or_default().to_string();
+                let said = match kind.as_str() {
+                    "function_call" => format!("{}{}", item["name"], item["arguments"]),
+                    _ => item["content"][0]["text"].to_string(),
+                };
+                (kind, said)
+            })
+            .collect()
+    }
+
+    fn item(kind: &str, said: &str) -> (String, String) {
+        (kind.to_string(), said.to_string())
+    }
+
+    #[test]
+    fn a_parsers_calls_follow_the_reasoning_and_the_answer() {
+        // Harmony: calls the parser read are items whether or not tools were offered.
+        for tools in [false, true] {
+            let split = SplitOutput {
+                reasoning: Some("Need weather.".into()),
+                answer: String::new(),
+                calls: vec![call("get_weather", "{}")],
+            };
+            assert_eq!(
+                items(&object(tools).output(split, &[], "completed")),
+                vec![
+                    item("reasoning", "\"Need weather.\""),
+                    item("function_call", "\"get_weather\"\"{}\""),
+                ]
+            );
+        }
+        // A preamble as the message, then the parser's call, then a call in the text.
+        let split = SplitOutput {
+            reasoning: None,
+            answer: "Let me look.<tool_call>{\"name\": \"t\", \"arguments\": {}}</tool_call>"
+                .into(),
+            calls: vec![call("f", "{\"a\": 1}")],
+        };
+        assert_eq!(
+            items(&object(true).output(split, &[], "completed")),
+            vec![
+                item("message", "\"Let me look.\""),
+                item("function_call", "\"f\"\"{\\\"a\\\": 1}\""),
+                item("function_call", "\"t\"\"{}\""),
+            ]
+        );
+        // Thinking alone: no message.
+        let split = SplitOutput {
+            reasoning: Some("Hmm".into()),
+            ..SplitOutput::default()
+        };
+        assert_eq!(
+            items(&object(false).output(split, &[], "incomplete")),
+            vec![item("reasoning", "\"Hmm\"")]
+        );
+    }
 }

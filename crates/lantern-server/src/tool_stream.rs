@@ -164,6 +164,22 @@ impl ToolCallStream {
         self.calls > 0
     }
 
+    /// The first delta of a call read outside the text (harmony's messages to a
+    /// function), numbered after the calls before it.
+    pub fn start_call(&mut self, name: String) -> ToolDelta {
+        let index = self.calls;
+        self.calls += 1;
+        ToolDelta::CallStart { index, name }
+    }
+
+    /// More of the arguments of the call [`Self::start_call`] began last.
+    pub fn call_arguments(&self, text: String) -> ToolDelta {
+        ToolDelta::Arguments {
+            index: self.calls.saturating_sub(1),
+            text,
+        }
+    }
+
     /// The deltas that `text`, the output's next text, makes ready.
     pub fn push(&mut self, text: &str) -> Vec<ToolDelta> {
         self.text.push_str(text);
@@ -180,10 +196,9 @@ impl ToolCallStream {
     }
 
     fn call(&mut self, name: String, out: &mut Vec<ToolDelta>) -> usize {
-        let index = self.calls;
-        self.calls += 1;
-        out.push(ToolDelta::CallStart { index, name });
-        index
+        let delta = self.start_call(name);
+        out.push(delta);
+        self.calls - 1
     }
 
     fn advance(&mut self, end: bool, out: &mut Vec<ToolDelta>) {

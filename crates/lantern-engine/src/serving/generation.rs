@@ -106,6 +106,19 @@ impl Origin {
 }
 
 impl GenerationItem {
+    /// The output is read by `tags`' reasoning parser (a server's chat): a parser that
+    /// reads control tokens (harmony's markers) gets them in the output's text, whatever
+    /// `skip_special_tokens` says.
+    pub fn read_with(&mut self, tags: Option<Arc<ThinkTags>>) {
+        if tags
+            .as_ref()
+            .is_some_and(|t| t.parser.reads_control_tokens())
+        {
+            self.params.skip_special_tokens = false;
+        }
+        self.reasoning = tags;
+    }
+
     /// `max_tokens` for a prompt of `prompt_len`: the endpoint's default lowered to the
     /// room the context leaves, the request's own refused past it, and none at all as
     /// many as the context and the KV cache allow (`longest`: the longest sequence the

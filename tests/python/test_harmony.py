@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, start_server, stop_server
+from conftest import ROOT, detokenize, start_server, stop_server, tokenize
 
 FIXTURE = ROOT / "tests/fixtures/archs/gpt_oss/hf"
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
@@ -182,3 +182,28 @@ def test_a_grammar_waits_for_the_final_channel(harmony):
         model=harmony.model, messages=ASK, temperature=0, **kwargs
     ).choices[0]
     assert [t.token for t in guided.logprobs.content] == [t.token for t in plain.logprobs.content]
+
+
+def test_reasoning_given_back_is_written_before_its_call(harmony):
+    # A tool loop's next request: the assistant's reasoning before its call goes back
+    # into gpt-oss's template (as `thinking`), which writes it as the analysis message.
+    first = _chat(harmony, CALL).choices[0].message
+    turns = ASK + [
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"},
+    ]
+    template = (ROOT / "tests/fixtures/chat_templates/gpt_oss.jinja").read_text()
+    ids = tokenize(harmony, messages=turns, chat_template=template)
+    text = detokenize(harmony, ids)
+    assert (
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+        "<|start|>assistant"
+    ) in text, text
+    # The next reply follows it as any other.
+    r = harmony.client().chat.completions.create(
+        model=harmony.model, messages=turns, max_tokens=4, temperature=0,
+        extra_body={"chat_template": template},
+    )
+    assert r.usage.prompt_tokens == len(ids)

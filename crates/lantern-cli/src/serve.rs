@@ -87,9 +87,10 @@ pub struct ServeArgs {
     /// clients on this host that memory-map large captures); enables delivery "file".
     #[arg(long)]
     pub capture_dir: Option<std::path::PathBuf>,
-    /// vLLM's reasoning parser for thinking models (`deepseek_r1`, `qwen3`): a chat
-    /// output's `<think>…</think>` becomes its message's `reasoning`, and structured
-    /// output applies to the answer after it.
+    /// vLLM's reasoning parser for thinking models (`deepseek_r1`, `qwen3`,
+    /// `openai_gptoss`): a chat output's `<think>…</think>` (gpt-oss: its analysis
+    /// channel) becomes its message's `reasoning`, and structured output applies to the
+    /// answer after it. A vocabulary with harmony's markers implies `openai_gptoss`.
     #[arg(long, value_name = "NAME", value_parser = parse_reasoning_parser)]
     pub reasoning_parser: Option<lantern_server::ReasoningParser>,
     /// Do not log a line per finished request (id, tokens, times, finish reason).

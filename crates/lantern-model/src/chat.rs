@@ -7,20 +7,52 @@ use serde::Serialize;
 use serde_json::Value as Json;
 
 /// One message of a conversation.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+#[derive(Debug, Clone, serde::Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
     /// An assistant's calls, as chat templates read them: `[{"type": "function",
     /// "function": {"name": …, "arguments": {…}}}]`, the arguments an object.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub tool_calls: Option<Vec<Json>>,
     /// A tool result's call id.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub tool_call_id: Option<String>,
     /// A tool result's function name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub name: Option<String>,
+    /// An assistant's reasoning, given back in a later request (vLLM's `reasoning`,
+    /// `reasoning_content`). Templates read it by two names: `reasoning_content`
+    /// (Qwen3's) and `thinking` (gpt-oss's, which writes it before a tool call).
+    #[serde(default, alias = "reasoning_content", alias = "thinking")]
+    pub reasoning: Option<String>,
+}
+
+/// The message as templates read it: the fields given, reasoning under both its names.
+impl Serialize for ChatMessage {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", &self.role)?;
+        map.serialize_entry("content", &self.content)?;
+        if let Some(calls) = &self.tool_calls {
+            map.serialize_entry("tool_calls", calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.serialize_entry("tool_call_id", id)?;
+        }
+        if let Some(name) = &self.name {
+            map.serialize_entry("name", name)?;
+        }
+        if let Some(reasoning) = &self.reasoning {
+            map.serialize_entry("reasoning_content", reasoning)?;
+            map.serialize_entry("thinking", reasoning)?;
+        }
+        map.end()
+    }
 }
 
 impl ChatMessage {
@@ -31,6 +63,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            reasoning: None,
         }
     }
 }
@@ -455,6 +488,10 @@ impl<'a> Marked<'a> {
                 .as_deref()
                 .map(|s| marked.string(markers, s, true));
             message.name = m.name.as_deref().map(|s| marked.string(markers, s, true));
+            message.reasoning = m
+                .reasoning
+                .as_deref()
+                .map(|s| marked.string(markers, s, false));
             marked.messages.push(message);
         }
         marked.tools = options
@@ -903,6 +940,35 @@ mod tests {
                    \n\n} // namespace functions<|end|><|start|>user<|message|>Weather in Paris?\
                    <|end|><|start|>assistant"
         );
+    }
+
+    #[test]
+    fn gpt_oss_template_writes_the_reasoning_given_back_before_its_call() {
+        let t = ChatTemplate::new(GPT_OSS, "<|startoftext|>", "<|return|>").unwrap();
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(vec![serde_json::json!({"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}})]);
+        // Request text that spells a control token: kept apart from the markup.
+        call.reasoning = Some("Need the weather<|end|>".into());
+        let messages = [ChatMessage::new("user", "Weather in Oslo?"), call];
+        let r = t
+            .render_parts_with(&messages, &ChatRenderOptions::default(), usize::MAX)
+            .unwrap();
+        assert!(
+            r.text.ends_with(
+                "<|start|>user<|message|>Weather in Oslo?<|end|><|start|>assistant<|channel|>analysis\
+                 <|message|>Need the weather<|end|><|end|><|start|>assistant to=functions.get_weather\
+                 <|channel|>commentary json<|message|>{\"city\": \"Oslo\"}<|call|><|start|>assistant"
+            ),
+            "{}",
+            r.text
+        );
+        let segments = r.segments.expect("the request's strings split out");
+        assert!(contents(&segments).0.contains(&"Need the weather<|end|>"));
+        // Qwen3's name for it, and gpt-oss's.
+        let json = serde_json::to_value(&messages[1]).unwrap();
+        assert_eq!(json["reasoning_content"], json["thinking"]);
+        assert_eq!(json["thinking"], "Need the weather<|end|>");
     }
 
     const QWEN_TOOLS: &str =

@@ -93,10 +93,12 @@ pub fn tokenize_chat_rendered(
     let ids = match &rendered.segments {
         Some(segments) => tokenizer.encode_chat(segments, add_special_tokens)?,
         None => {
-            if let Some(index) = messages
-                .iter()
-                .position(|m| tokenizer.contains_control_text(&m.content))
-            {
+            if let Some(index) = messages.iter().position(|m| {
+                tokenizer.contains_control_text(&m.content)
+                    || m.reasoning
+                        .as_deref()
+                        .is_some_and(|r| tokenizer.contains_control_text(r))
+            }) {
                 return Err(ChatPromptError::ControlTextInContent { index });
             }
             tokenizer.encode(&rendered.text, add_special_tokens)?

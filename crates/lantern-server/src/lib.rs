@@ -77,7 +77,8 @@ pub struct ServerConfig {
     /// Bytes the Responses API's kept responses may take (the oldest go first).
     pub max_stored_response_bytes: usize,
     /// vLLM's `--reasoning-parser`: a chat output's thinking becomes its message's
-    /// `reasoning`, and structured output applies to the answer after it.
+    /// `reasoning`, and structured output applies to the answer after it. Without one,
+    /// a vocabulary with harmony's markers implies `openai_gptoss` ([`router`]).
     pub reasoning_parser: Option<ReasoningParser>,
     /// vLLM's `--seed`: requests that give no seed get one from this seed's sequence.
     pub seed: Option<u64>,

@@ -338,12 +338,19 @@ impl ResponseObject {
 }
 
 /// A response's output items as the chat message that continues its conversation: the
-/// text, and the calls it made.
+/// text, its reasoning (which templates such as gpt-oss's write before a call) and the
+/// calls it made.
 fn assistant_message(output: &[Value]) -> Value {
     let mut text = String::new();
+    let mut reasoning = String::new();
     let mut calls = Vec::new();
     for item in output {
         match item["type"].as_str() {
+            Some("reasoning") => {
+                for part in item["content"].as_array().into_iter().flatten() {
+                    reasoning.push_str(part["text"].as_str().unwrap_or_default());
+                }
+            }
             Some("message") => {
                 for part in item["content"].as_array().into_iter().flatten() {
                     text.push_str(part["text"].as_str().unwrap_or_default());
@@ -360,6 +367,9 @@ fn assistant_message(output: &[Value]) -> Value {
     let mut message = json!({"role": "assistant", "content": text});
     if !calls.is_empty() {
         message["tool_calls"] = Value::Array(calls);
+    }
+    if !reasoning.is_empty() {
+        message["reasoning"] = json!(reasoning);
     }
     message
 }

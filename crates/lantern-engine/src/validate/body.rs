@@ -1227,7 +1227,24 @@ fn parse_message(i: usize, m: &Value) -> Result<ChatMessage, InvalidRequest> {
     };
     let mut message = ChatMessage::new(role, &content);
     super::tools::read_tool_fields(role, obj, &mut message).map_err(|e| at(&e))?;
+    if role == "assistant" {
+        message.reasoning = given_reasoning(obj).map_err(|e| at(&e))?;
+    }
     Ok(message)
+}
+
+/// An assistant message's reasoning given back (vLLM's `reasoning`, or
+/// `reasoning_content`, the older name): templates that write earlier thinking read it.
+fn given_reasoning(obj: &serde_json::Map<String, Value>) -> Result<Option<String>, String> {
+    for field in ["reasoning", "reasoning_content"] {
+        match obj.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s.is_empty() => {}
+            Some(Value::String(s)) => return Ok(Some(s.clone())),
+            Some(_) => return Err(format!("`{field}` must be a string")),
+        }
+    }
+    Ok(None)
 }
 
 /// Validates a `POST /v1/completions` body's own fields (not the capture's: see
@@ -1537,6 +1554,33 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_assistants_reasoning_given_back_goes_to_the_template() {
+        let messages = |assistant: Value| {
+            chat_messages(&json!([{"role": "user", "content": "Hi"}, assistant]))
+                .map(|m| m[1].reasoning.clone())
+                .map_err(|e| Seen::from(e).message)
+        };
+        for field in ["reasoning", "reasoning_content"] {
+            let given = json!({"role": "assistant", "content": "4", field: "2 + 2"});
+            assert_eq!(messages(given), Ok(Some("2 + 2".to_string())));
+        }
+        // vLLM's clients send both names; `reasoning` first.
+        let both =
+            json!({"role": "assistant", "content": "", "reasoning": "a", "reasoning_content": "b"});
+        assert_eq!(messages(both), Ok(Some("a".to_string())));
+        assert_eq!(
+            messages(json!({"role": "assistant", "content": "4", "reasoning": null})),
+            Ok(None)
+        );
+        let err = messages(json!({"role": "assistant", "content": "4", "reasoning": 1}));
+        assert!(
+            err.as_ref()
+                .is_err_and(|e| e.contains("messages[1]: `reasoning` must be a string")),
+            "{err:?}"
+        );
     }
 
     #[test]

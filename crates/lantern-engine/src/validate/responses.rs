@@ -502,7 +502,13 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), I
                     ))
                 }
             };
-            messages.push(json!({"role": role, "content": content}));
+            match messages.last_mut() {
+                // The answer after a reasoning item given back: one assistant message.
+                Some(last) if role == "assistant" && bare_reasoning(last) => {
+                    last["content"] = json!(content)
+                }
+                _ => messages.push(json!({"role": role, "content": content})),
+            }
         }
         "function_call" => {
             let call = json!({
@@ -511,11 +517,14 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), I
                 "function": {"name": text_field("name")?, "arguments": text_field("arguments")?},
             });
             let joins = messages.last().is_some_and(|m| {
-                m["role"] == "assistant" && m["content"] == "" && m.get("tool_calls").is_some()
+                m["role"] == "assistant"
+                    && m["content"] == ""
+                    && (m.get("tool_calls").is_some() || bare_reasoning(m))
             });
             match messages.last_mut() {
                 Some(Value::Object(last)) if joins => {
-                    if let Some(Value::Array(calls)) = last.get_mut("tool_calls") {
+                    let calls = last.entry("tool_calls").or_insert_with(|| json!([]));
+                    if let Value::Array(calls) = calls {
                         calls.push(call);
                     }
                 }
@@ -540,9 +549,21 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), I
                 "content": output,
             }));
         }
-        // Reasoning items a client sends back: none is produced here, and a model
-        // without reasoning has nothing to read from them.
-        "reasoning" => {}
+        // Reasoning a client gives back (a reasoning parser's item): the reasoning of
+        // the assistant message, or calls, that follow it, for templates that write it
+        // (gpt-oss's before a call). An item without text (a summary only) adds nothing.
+        "reasoning" => {
+            let text: String = obj
+                .get("content")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|part| part.get("text").and_then(Value::as_str))
+                .collect();
+            if !text.is_empty() {
+                messages.push(json!({"role": "assistant", "content": "", "reasoning": text}));
+            }
+        }
         other => {
             return Err(InvalidRequest::unsupported(
                 "input",
@@ -551,6 +572,14 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), I
         }
     }
     Ok(())
+}
+
+/// Whether `message` is an assistant's reasoning given back, with no answer or calls yet.
+fn bare_reasoning(message: &Value) -> bool {
+    message["role"] == "assistant"
+        && message["content"] == ""
+        && message.get("reasoning").is_some()
+        && message.get("tool_calls").is_none()
 }
 
 /// The text of a message's content parts (`input_text`, `output_text`).
@@ -689,6 +718,51 @@ mod tests {
                 .collect(),
             other => panic!("not a chat prompt: {other:?}"),
         }
+    }
+
+    #[test]
+    fn reasoning_given_back_goes_with_the_calls_or_answer_after_it() {
+        let reasoning = |text: &str| {
+            json!({"type": "reasoning", "id": "rs_1", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": text}]})
+        };
+        let r = validate(json!({
+            "input": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                reasoning("Need the weather."),
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                reasoning("It is sunny."),
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+                {"role": "user", "content": "Thanks"},
+            ],
+        }))
+        .unwrap();
+        let crate::serving::PromptInput::Chat(messages, _) = &*r.generation.items[0].prompt else {
+            panic!("not a chat prompt");
+        };
+        let seen: Vec<_> = messages
+            .iter()
+            .map(|m| {
+                let calls = m.tool_calls.as_ref().map_or(0, Vec::len);
+                (
+                    m.role.as_str(),
+                    m.content.as_str(),
+                    m.reasoning.as_deref(),
+                    calls,
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("user", "Weather in Oslo?", None, 0),
+                ("assistant", "", Some("Need the weather."), 1),
+                ("tool", "sunny", None, 0),
+                ("assistant", "Sunny.", Some("It is sunny."), 0),
+                ("user", "Thanks", None, 0),
+            ]
+        );
     }
 
     #[test]

@@ -450,26 +450,31 @@ impl<'a> Marked<'a> {
         markers.marker(self.strings.len() - 1)
     }
 
-    fn json(&mut self, markers: &Markers, value: &'a Json) -> Json {
+    /// `value` with its strings marked, those that `keep` says need keeping apart.
+    fn json(&mut self, markers: &Markers, value: &'a Json, keep: &dyn Fn(&str) -> bool) -> Json {
         match value {
-            Json::String(s) => Json::String(self.string(markers, s, true)),
+            Json::String(s) if keep(s) => Json::String(self.string(markers, s, true)),
             Json::Array(items) => {
-                Json::Array(items.iter().map(|v| self.json(markers, v)).collect())
+                Json::Array(items.iter().map(|v| self.json(markers, v, keep)).collect())
             }
             Json::Object(map) => Json::Object(
                 map.iter()
-                    .map(|(k, v)| (k.clone(), self.json(markers, v)))
+                    .map(|(k, v)| (k.clone(), self.json(markers, v, keep)))
                     .collect(),
             ),
             other => other.clone(),
         }
     }
 
-    /// Marks everything; `None` when a request string contains the markers' nonce.
+    /// Marks every string of the messages, and the tools' strings that `keep_tool` says
+    /// need keeping apart (templates inspect the tools' values: a parameter's `type`,
+    /// its `enum`, which a marker would hide); `None` when a request string contains
+    /// the markers' nonce.
     fn new(
         messages: &'a [ChatMessage],
         options: &'a ChatRenderOptions,
         markers: &Markers,
+        keep_tool: &dyn Fn(&str) -> bool,
     ) -> Option<Self> {
         let mut marked = Self {
             messages: Vec::with_capacity(messages.len()),
@@ -479,10 +484,12 @@ impl<'a> Marked<'a> {
         for m in messages {
             let content = marked.string(markers, &m.content, false);
             let mut message = ChatMessage::new(&m.role, &content);
-            message.tool_calls = m
-                .tool_calls
-                .as_ref()
-                .map(|calls| calls.iter().map(|c| marked.json(markers, c)).collect());
+            message.tool_calls = m.tool_calls.as_ref().map(|calls| {
+                calls
+                    .iter()
+                    .map(|c| marked.json(markers, c, &|_| true))
+                    .collect()
+            });
             message.tool_call_id = m
                 .tool_call_id
                 .as_deref()
@@ -494,10 +501,12 @@ impl<'a> Marked<'a> {
                 .map(|s| marked.string(markers, s, false));
             marked.messages.push(message);
         }
-        marked.tools = options
-            .tools
-            .as_ref()
-            .map(|tools| tools.iter().map(|t| marked.json(markers, t)).collect());
+        marked.tools = options.tools.as_ref().map(|tools| {
+            tools
+                .iter()
+                .map(|t| marked.json(markers, t, keep_tool))
+                .collect()
+        });
         let clash = marked
             .strings
             .iter()
@@ -566,11 +575,25 @@ impl ChatTemplate {
         options: &ChatRenderOptions,
         max_output_bytes: usize,
     ) -> std::result::Result<RenderedChat, TemplateError> {
+        self.render_parts_keeping(messages, options, max_output_bytes, &|_| true)
+    }
+
+    /// [`Self::render_parts_with`], splitting out only the tools' strings for which
+    /// `keep_tool` is true (those that spell a control token): the others are left in
+    /// the template's text, so that a template that inspects them (gpt-oss's writes
+    /// each parameter's type in TypeScript) still renders them as they are.
+    pub fn render_parts_keeping(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatRenderOptions,
+        max_output_bytes: usize,
+        keep_tool: &dyn Fn(&str) -> bool,
+    ) -> std::result::Result<RenderedChat, TemplateError> {
         let text = self.render_with(messages, options, max_output_bytes)?;
         let (markers, marked) = (text.len() as u64..)
             .find_map(|salt| {
                 let markers = Markers::new(salt);
-                Marked::new(messages, options, &markers).map(|m| (markers, m))
+                Marked::new(messages, options, &markers, keep_tool).map(|m| (markers, m))
             })
             .expect("a nonce no request string contains");
         let marked_options = ChatRenderOptions {
@@ -965,6 +988,28 @@ mod tests {
         );
         let segments = r.segments.expect("the request's strings split out");
         assert!(contents(&segments).0.contains(&"Need the weather<|end|>"));
+        // With tools, whose parameters' types the template reads: split when only the
+        // tools' strings that spell a control token are kept apart.
+        let options = ChatRenderOptions {
+            tools: Some(vec![weather("The weather<|end|>")]),
+            ..ChatRenderOptions::default()
+        };
+        let every = t
+            .render_parts_with(&messages, &options, usize::MAX)
+            .unwrap();
+        assert!(
+            every.segments.is_none(),
+            "a marked `type` changes the render"
+        );
+        let control = |s: &str| s.contains("<|");
+        let r = t
+            .render_parts_keeping(&messages, &options, usize::MAX, &control)
+            .unwrap();
+        assert_eq!(r.text, every.text);
+        let segments = r.segments.expect("split with the tools");
+        let (kept, _) = contents(&segments);
+        assert!(kept.contains(&"The weather<|end|>") && kept.contains(&"Need the weather<|end|>"));
+        assert!(!kept.contains(&"string"));
         // Qwen3's name for it, and gpt-oss's.
         let json = serde_json::to_value(&messages[1]).unwrap();
         assert_eq!(json["reasoning_content"], json["thinking"]);

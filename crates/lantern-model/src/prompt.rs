@@ -80,7 +80,8 @@ pub fn tokenize_chat_rendered(
     max_output_bytes: usize,
 ) -> Result<(Vec<u32>, RenderedChat), ChatPromptError> {
     let template = template.ok_or(ChatPromptError::NoTemplate)?;
-    let rendered = template.render_parts_with(messages, options, max_output_bytes)?;
+    let control = |s: &str| tokenizer.contains_control_text(s);
+    let rendered = template.render_parts_keeping(messages, options, max_output_bytes, &control)?;
     let tool_strings = tool_strings(messages, options);
     // Keys are never split out; the other strings are when there is a split.
     let split = rendered.segments.is_some();

@@ -207,3 +207,22 @@ def test_reasoning_given_back_is_written_before_its_call(harmony):
         extra_body={"chat_template": template},
     )
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_the_reasoning_effort_reaches_the_system_message(harmony):
+    template = (ROOT / "tests/fixtures/chat_templates/gpt_oss.jinja").read_text()
+    for effort in ("low", "high"):
+        ids = tokenize(harmony, messages=ASK, chat_template=template, reasoning_effort=effort)
+        assert f"Reasoning: {effort}" in detokenize(harmony, ids)
+    # The openai client's own argument; the Responses API's `reasoning.effort`.
+    r = harmony.client().chat.completions.create(
+        model=harmony.model, messages=ASK, max_tokens=1, reasoning_effort="high",
+        extra_body={"chat_template": template},
+    )
+    assert r.usage.prompt_tokens == len(tokenize(harmony, messages=ASK, chat_template=template,
+                                                  reasoning_effort="high"))
+    r = harmony.client().responses.create(
+        model=harmony.model, input=ASK[0]["content"], max_output_tokens=1, reasoning={"effort": "high"},
+        extra_body={"chat_template": template},
+    )
+    assert r.reasoning.effort == "high"

@@ -161,7 +161,7 @@ def test_a_reasoning_message_goes_back_into_the_conversation(qwen3):
 def test_responses_give_a_reasoning_item(r1, qwen3):
     kwargs = dict(input=STORY[0]["content"], max_output_tokens=12, temperature=0)
     r = r1.client().responses.create(model=r1.model, reasoning={"effort": "low"}, **kwargs)
-    assert r.reasoning.effort == "low"  # echoed: lantern has no effort to set
+    assert r.reasoning.effort == "low"  # echoed; the template's `reasoning_effort`
     chat = _chat(r1, messages=STORY, max_tokens=12).choices[0].message.reasoning
     assert [item.type for item in r.output] == ["reasoning"]
     assert r.output[0].content[0].type == "reasoning_text"

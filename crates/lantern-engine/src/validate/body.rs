@@ -28,6 +28,8 @@ const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
 /// Most alternatives per token: completions' `logprobs` (vLLM's default `max_logprobs`;
 /// OpenAI's own limit is 5, and clients written for it never ask for more).
 const MAX_COMPLETION_LOGPROBS: i64 = 20;
+/// `reasoning_effort`'s values (vLLM's, gpt-oss's).
+const REASONING_EFFORTS: [&str; 3] = ["low", "medium", "high"];
 /// Largest `chat_template_kwargs`, as JSON: template variables, not documents.
 pub const MAX_CHAT_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 /// Largest `chat_template` a request may bring (real ones are a few KiB; the longest,
@@ -116,6 +118,7 @@ const CHAT_FIELD_NAMES: &[&str] = &[
     "chat_template_kwargs",
     "chat_template",
     "echo",
+    "reasoning_effort",
 ];
 const COMPLETION_FIELD_NAMES: &[&str] = &["prompt", "logprobs", "echo", "suffix"];
 
@@ -371,6 +374,7 @@ struct ChatFields {
     chat_template_kwargs: Option<Value>,
     chat_template: Option<String>,
     echo: Option<bool>,
+    reasoning_effort: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -819,7 +823,9 @@ fn parse_logit_bias(
 }
 
 /// Chat's rendering options: vLLM's `add_generation_prompt` (default true),
-/// `continue_final_message` and `chat_template_kwargs`.
+/// `continue_final_message` and `chat_template_kwargs`, and OpenAI's `reasoning_effort`
+/// as the template variable of that name (gpt-oss's template writes it in its system
+/// message), unless `chat_template_kwargs` sets it.
 fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, InvalidRequest> {
     let continue_final_message = chat.continue_final_message.unwrap_or(false);
     let add_generation_prompt = chat
@@ -831,7 +837,7 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, InvalidRe
             "continue_final_message and add_generation_prompt cannot both be true",
         ));
     }
-    let kwargs = match &chat.chat_template_kwargs {
+    let mut kwargs = match &chat.chat_template_kwargs {
         None | Some(Value::Null) => serde_json::Map::new(),
         Some(Value::Object(map)) => {
             let size = serde_json::to_vec(map).map_or(usize::MAX, |b| b.len());
@@ -852,6 +858,23 @@ fn chat_render_options(chat: &ChatFields) -> Result<ChatRenderOptions, InvalidRe
             ))
         }
     };
+    match &chat.reasoning_effort {
+        None | Some(Value::Null) => {}
+        Some(Value::String(e)) if REASONING_EFFORTS.contains(&e.as_str()) => {
+            kwargs
+                .entry("reasoning_effort")
+                .or_insert_with(|| Value::String(e.clone()));
+        }
+        Some(other) => {
+            return Err(InvalidRequest::invalid(
+                "reasoning_effort",
+                format!(
+                    "reasoning_effort must be one of {}, not {other}",
+                    REASONING_EFFORTS.join(", ")
+                ),
+            ))
+        }
+    }
     let template = match &chat.chat_template {
         Some(t) if t.len() > MAX_CHAT_TEMPLATE_BYTES => {
             return Err(InvalidRequest::invalid(
@@ -1581,6 +1604,30 @@ mod tests {
                 .is_err_and(|e| e.contains("messages[1]: `reasoning` must be a string")),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn reasoning_effort_is_the_templates_variable() {
+        let kwargs = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Hi"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_request(&body, &LIMITS).map(|r| match &*r.items[0].prompt {
+                PromptInput::Chat(_, options) => options.kwargs.get("reasoning_effort").cloned(),
+                other => panic!("{other:?}"),
+            })
+        };
+        assert_eq!(
+            kwargs(json!({"reasoning_effort": "high"})).unwrap(),
+            Some(json!("high"))
+        );
+        assert_eq!(kwargs(json!({})).unwrap(), None);
+        let both = json!({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}});
+        assert_eq!(kwargs(both).unwrap(), Some(json!("low")));
+        let err = Seen::from(kwargs(json!({"reasoning_effort": "max"})).unwrap_err());
+        assert_eq!(err.param.as_deref(), Some("reasoning_effort"));
+        assert!(err.message.contains("low, medium, high"), "{}", err.message);
     }
 
     #[test]

@@ -41,8 +41,9 @@ const RESPONSES_FIELD_NAMES: &[&str] = &[
     "previous_response_id",
     "conversation",
     "background",
-    // Accepted, with nothing to do: no reasoning, no truncation, one service tier.
+    // Its `effort` goes to the chat template as `reasoning_effort`.
     "reasoning",
+    // Accepted, with nothing to do: no truncation, one service tier.
     "truncation",
     "service_tier",
     "prompt_cache_key",
@@ -91,8 +92,8 @@ pub struct ResponsesEcho {
     pub user: Value,
     /// Whether the response is to be kept (`store`, true unless the request says false).
     pub store: bool,
-    /// `reasoning` as the request gave it (`{"effort": null, "summary": null}` when not):
-    /// lantern has no effort to set, and echoes it as OpenAI's API does.
+    /// `reasoning` as the request gave it (`{"effort": null, "summary": null}` when not),
+    /// echoed as OpenAI's API does; its effort is the template's `reasoning_effort`.
     pub reasoning: Value,
 }
 
@@ -186,6 +187,9 @@ pub fn responses_request(
     }
     if let Some(choice) = present("tool_choice") {
         chat.insert("tool_choice".into(), chat_tool_choice(choice));
+    }
+    if let Some(effort) = present("reasoning").and_then(|r| r.get("effort")) {
+        chat.insert("reasoning_effort".into(), effort.clone());
     }
     let top_logprobs = match present("top_logprobs") {
         None => None,
@@ -293,6 +297,7 @@ fn responses_field(chat_field: &str) -> Option<&'static str> {
         "max_completion_tokens" | "max_tokens" => Some("max_output_tokens"),
         "response_format" => Some("text"),
         "logprobs" => Some("include"),
+        "reasoning_effort" => Some("reasoning.effort"),
         _ => None,
     }
 }
@@ -302,7 +307,11 @@ fn responses_field(chat_field: &str) -> Option<&'static str> {
 /// its message mentions.
 fn renamed(mut e: InvalidRequest) -> InvalidRequest {
     let mention = |message: &mut String| {
-        for chat in ["max_completion_tokens", "response_format"] {
+        for chat in [
+            "max_completion_tokens",
+            "response_format",
+            "reasoning_effort",
+        ] {
             if let Some(name) = responses_field(chat) {
                 *message = message.replace(chat, name);
             }
@@ -763,6 +772,26 @@ mod tests {
                 ("user", "Thanks", None, 0),
             ]
         );
+    }
+
+    #[test]
+    fn the_reasoning_effort_reaches_the_template() {
+        let r = validate(json!({"input": "Hi", "reasoning": {"effort": "low"}})).unwrap();
+        match &*r.generation.items[0].prompt {
+            crate::serving::PromptInput::Chat(_, options) => {
+                assert_eq!(options.kwargs["reasoning_effort"], json!("low"))
+            }
+            other => panic!("not a chat prompt: {other:?}"),
+        }
+        assert_eq!(r.echo.reasoning, json!({"effort": "low"}));
+        let err = validate(json!({"input": "Hi", "reasoning": {"effort": "extreme"}})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("reasoning.effort"));
+        assert!(
+            err.message.starts_with("reasoning.effort must be one of"),
+            "{}",
+            err.message
+        );
+        assert!(validate(json!({"input": "Hi", "reasoning": {"effort": null}})).is_ok());
     }
 
     #[test]

@@ -119,15 +119,16 @@ impl ModelTokenizer {
         tokenizer.add_bos = gguf
             .opt_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(false);
-        tokenizer.stop_ids = [
+        let mut stop_ids: Vec<u32> = [
             id_of("tokenizer.ggml.eos_token_id")?,
             id_of("tokenizer.ggml.eot_token_id")?,
         ]
         .into_iter()
         .flatten()
-        .chain(harmony_call_stop(&tokenizer.tokens, &tokenizer.special))
         .collect();
-        tokenizer.stop_ids.dedup();
+        harmony_stops(&tokenizer.tokens, &tokenizer.special, &mut stop_ids);
+        stop_ids.dedup();
+        tokenizer.stop_ids = stop_ids;
         Ok(tokenizer)
     }
 
@@ -634,8 +635,10 @@ fn sentencepiece_bpe(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) ->
 
 /// gpt-oss's vocabulary (o200k_harmony) ends a turn with `<|return|>` or, for a tool call,
 /// `<|call|>`; its files name only the first as EOS, so the second stops generation too
-/// where both are control tokens (llama.cpp's rule).
-fn harmony_call_stop(tokens: &[String], special: &[bool]) -> Option<u32> {
+/// where both are control tokens. `<|end|>` ends a message but not the reply (the
+/// final channel's message follows the analysis one): a file that names it EOT does
+/// not stop there. Both are llama.cpp's rules.
+fn harmony_stops(tokens: &[String], special: &[bool], stop_ids: &mut Vec<u32>) {
     let control = |name: &str| {
         let id = tokens.iter().position(|t| t == name)?;
         special
@@ -644,7 +647,13 @@ fn harmony_call_stop(tokens: &[String], special: &[bool]) -> Option<u32> {
             .unwrap_or(false)
             .then_some(id as u32)
     };
-    control("<|return|>").and(control("<|call|>"))
+    let Some(call) = control("<|return|>").and(control("<|call|>")) else {
+        return;
+    };
+    stop_ids.push(call);
+    if let Some(end) = control("<|end|>") {
+        stop_ids.retain(|&id| id != end);
+    }
 }
 
 /// The pre-tokenizers of the byte-level BPE vocabularies lantern knows, as their
@@ -794,20 +803,20 @@ mod tests {
     }
 
     #[test]
-    fn harmony_vocabularies_stop_at_tool_calls_too() {
-        let tokens: Vec<String> = ["a", "<|return|>", "b", "<|call|>"]
+    fn harmony_vocabularies_stop_at_tool_calls_but_not_at_a_messages_end() {
+        let tokens: Vec<String> = ["a", "<|return|>", "<|end|>", "<|call|>"]
             .map(String::from)
             .to_vec();
-        assert_eq!(
-            harmony_call_stop(&tokens, &[false, true, false, true]),
-            Some(3)
-        );
+        let stops = |special: &[bool], tokens: &[String]| {
+            // EOS `<|return|>`, and a file that names `<|end|>` its EOT.
+            let mut stop_ids = vec![1, 2];
+            harmony_stops(tokens, special, &mut stop_ids);
+            stop_ids
+        };
+        assert_eq!(stops(&[false, true, true, true], &tokens), [1, 3]);
         // Plain text of the same spelling, or one of the two alone, is no harmony vocabulary.
-        assert_eq!(
-            harmony_call_stop(&tokens, &[false, true, false, false]),
-            None
-        );
-        assert_eq!(harmony_call_stop(&tokens[..3], &[false, true, false]), None);
+        assert_eq!(stops(&[false, true, true, false], &tokens), [1, 2]);
+        assert_eq!(stops(&[false, true, true], &tokens[..3]), [1, 2]);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! overlaps no other tensor's.
 //!
 //! Tensors of a type lantern widens at load ([`WidenedType`]: IQ4_NL, IQ4_XS, MXFP4) are listed
-//! in the [`Content`] as the Q8_0 tensors they become, and in [`Header::widened`] with
+//! in the [`Content`] as the tensors they become (Q8_0, Q5_0), and in [`Header::widened`] with
 //! their type in the file; their sizes and blocks are checked as the file stores them.
 
 use crate::iquants::WidenedType;
@@ -538,7 +538,7 @@ impl<R: Read> Reader<R> {
         let type_id = self.u32(&what)?;
         let widened = WidenedType::from_ggml(type_id);
         let dtype = match widened {
-            Some(_) => Some(GgmlDType::Q8_0),
+            Some(w) => Some(w.target()),
             None => ggml_dtype(type_id),
         };
         let dtype = dtype.ok_or_else(|| match ggml_type_name(type_id) {

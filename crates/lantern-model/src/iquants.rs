@@ -1,7 +1,9 @@
 //! The 4-bit types lantern reads by widening them at load: llama.cpp's non-linear
 //! IQ4_NL and IQ4_XS and OCP's MXFP4 (gpt-oss's experts), whose 4-bit codes each pick
-//! one of 16 fixed int8 levels, become Q8_0 (those levels, one scale per 32 weights),
-//! whose kernels lantern has. Twice the memory of the file's tensors, Q8_0's speed.
+//! one of 16 fixed int8 levels, become a type whose kernels lantern has. IQ4's levels
+//! (-127 to 113) need Q8_0: twice the memory of the file's tensors. MXFP4's, doubled
+//! (-12 to 12), fit Q5_0's 5-bit ones (-16 to 15): 22 bytes per 32 weights where the file
+//! has 17 and Q8_0 would take 34.
 //!
 //! IQ4_NL's blocks are Q8_0's shape (a half-precision scale per 32 weights): widened
 //! exactly. IQ4_XS has a half-precision scale per 256 weights and a 6-bit multiplier per
@@ -13,8 +15,9 @@
 //! that the levels are integers) and 32 codes: widened exactly where half precision holds
 //! the scale (`e` from 104 to 143, which covers real weights); a smaller scale becomes
 //! 2^-24 with the levels rounded (values below 3.6e-7, moved by at most 2^-25); a larger
-//! one than Q8_0's levels can reach is an error naming the tensor.
+//! one (weights of 2^16 and more) is an error naming the tensor.
 
+use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// The 16 levels of llama.cpp's `kvalues_iq4nl`.
@@ -25,11 +28,12 @@ pub const IQ4_LEVELS: [i8; 16] = [
 /// The 16 levels of llama.cpp's `kvalues_mxfp4` (FP4 E2M1 values, doubled).
 pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-/// Weights per Q8_0 block, and its bytes (a half-precision scale, 32 int8 values).
-const Q8_0_BLOCK: usize = 32;
-const Q8_0_BYTES: usize = 2 + Q8_0_BLOCK;
+/// Weights per Q8_0 and Q5_0 block.
+const BLOCK: usize = 32;
+/// Q5_0's levels are `q - 16` for 5-bit `q`.
+const Q5_0_OFFSET: i8 = 16;
 
-/// A ggml type read by widening it to Q8_0.
+/// A ggml type read by widening it to one lantern's kernels take ([`Self::target`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WidenedType {
     Iq4Nl,
@@ -77,14 +81,22 @@ impl WidenedType {
         }
     }
 
-    /// Bytes of Q8_0 blocks for `bytes` of this type (whole blocks).
-    pub fn widened_len(self, bytes: usize) -> usize {
-        bytes / self.type_size() * (self.block_size() / Q8_0_BLOCK) * Q8_0_BYTES
+    /// The type it is widened to.
+    pub fn target(self) -> GgmlDType {
+        match self {
+            Self::Iq4Nl | Self::Iq4Xs => GgmlDType::Q8_0,
+            Self::Mxfp4 => GgmlDType::Q5_0,
+        }
     }
 
-    /// The Q8_0 blocks of `bytes` (whole blocks of this type, as the file stores them);
-    /// an error where an MXFP4 scale is beyond what Q8_0 holds.
-    pub fn to_q8_0(self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+    /// Bytes of the target's blocks for `bytes` of this type (whole blocks).
+    pub fn widened_len(self, bytes: usize) -> usize {
+        bytes / self.type_size() * (self.block_size() / BLOCK) * self.target().type_size()
+    }
+
+    /// The target's blocks of `bytes` (whole blocks of this type, as the file stores
+    /// them); an error where an MXFP4 scale is beyond what Q5_0 holds.
+    pub fn widen(self, bytes: &[u8]) -> Result<Vec<u8>, String> {
         let mut out = Vec::with_capacity(self.widened_len(bytes.len()));
         for (index, block) in bytes.chunks_exact(self.type_size()).enumerate() {
             let d = f16::from_le_bytes([block[0], block[1]]);
@@ -127,28 +139,48 @@ fn push_q8_0(out: &mut Vec<u8>, d: f16, levels: &[i8; 16], codes: &[u8]) {
 const F16_MIN_EXP: i32 = -24;
 const F16_MAX_EXP: i32 = 15;
 
-/// One MXFP4 block (scale exponent byte `e`, 16 bytes of codes) as Q8_0: scale
+/// One Q5_0 block: scale `d`, the 5th bits of the 32 weights (`qh`, weight `j` at bit
+/// `j`), then their low 4 bits paired as Q8_0's halves are (byte `j`: weights `j` and
+/// `j + 16`); `levels` in -16..=15.
+fn push_q5_0(out: &mut Vec<u8>, d: f16, levels: &[i8; 16], codes: &[u8]) {
+    let q = |c: u8| (levels[c as usize] + Q5_0_OFFSET) as u8;
+    let weights: Vec<u8> = codes
+        .iter()
+        .map(|&c| q(c & 0xF))
+        .chain(codes.iter().map(|&c| q(c >> 4)))
+        .collect();
+    let qh = weights
+        .iter()
+        .enumerate()
+        .fold(0u32, |qh, (j, &w)| qh | (u32::from(w >> 4) << j));
+    out.extend_from_slice(&d.to_le_bytes());
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend((0..BLOCK / 2).map(|j| (weights[j] & 0xF) | ((weights[j + 16] & 0xF) << 4)));
+}
+
+/// One MXFP4 block (scale exponent byte `e`, 16 bytes of codes) as Q5_0: scale
 /// `2^(e - 128)` where half precision holds it, else the nearest power it holds with the
-/// levels shifted to match (rounded below, an error where they would pass ±127 above).
+/// levels shifted to match (rounded below, an error where they would leave Q5_0's
+/// -16..=15 above).
 fn push_mxfp4(out: &mut Vec<u8>, e: u8, codes: &[u8]) -> Result<(), String> {
     let exp = i32::from(e) - 128;
     let shift = exp - exp.clamp(F16_MIN_EXP, F16_MAX_EXP);
     if shift == 0 {
-        push_q8_0(out, f16::from_f32(2f32.powi(exp)), &MXFP4_LEVELS, codes);
+        push_q5_0(out, f16::from_f32(2f32.powi(exp)), &MXFP4_LEVELS, codes);
         return Ok(());
     }
     let mut levels = [0i8; 16];
     for (l, &m) in levels.iter_mut().zip(&MXFP4_LEVELS) {
         let v = (f32::from(m) * 2f32.powi(shift)).round();
-        if v.abs() > 127.0 {
+        if !(-16.0..=15.0).contains(&v) {
             return Err(format!(
-                "its scale 2^{exp} puts weights beyond what lantern's Q8_0 form holds"
+                "its scale 2^{exp} puts weights beyond what lantern's Q5_0 form holds"
             ));
         }
         *l = v as i8;
     }
     let d = 2f32.powi(exp.clamp(F16_MIN_EXP, F16_MAX_EXP));
-    push_q8_0(out, f16::from_f32(d), &levels, codes);
+    push_q5_0(out, f16::from_f32(d), &levels, codes);
     Ok(())
 }
 
@@ -208,12 +240,12 @@ mod tests {
         bytes
     }
 
-    /// The widened blocks read by candle's Q8_0 code.
+    /// The widened blocks read by candle's code for the target type (ggml's).
     fn widened_values(ty: WidenedType, bytes: &[u8]) -> Vec<f32> {
-        let q8 = ty.to_q8_0(bytes).unwrap();
-        assert_eq!(q8.len(), ty.widened_len(bytes.len()));
+        let widened = ty.widen(bytes).unwrap();
+        assert_eq!(widened.len(), ty.widened_len(bytes.len()));
         let n = bytes.len() / ty.type_size() * ty.block_size();
-        let t = qtensor_from_ggml(GgmlDType::Q8_0, &q8, vec![n], &Device::Cpu).unwrap();
+        let t = qtensor_from_ggml(ty.target(), &widened, vec![n], &Device::Cpu).unwrap();
         t.dequantize(&Device::Cpu).unwrap().to_vec1().unwrap()
     }
 
@@ -262,6 +294,14 @@ mod tests {
         let reference = dequantize(WidenedType::Mxfp4, &bytes);
         assert!(reference.iter().any(|&v| v != 0.0));
         assert_eq!(widened_values(WidenedType::Mxfp4, &bytes), reference);
+        // Every code, both halves of a block: the 5th bit and the nibble pairing.
+        let every: Vec<u8> = [128u8]
+            .into_iter()
+            .chain((0..16).map(|c| c | (15 - c) << 4))
+            .collect();
+        let values = widened_values(WidenedType::Mxfp4, &every);
+        assert_eq!(values, dequantize(WidenedType::Mxfp4, &every));
+        assert_eq!(values[..8], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]);
     }
 
     #[test]
@@ -272,10 +312,11 @@ mod tests {
         for (a, b) in widened_values(ty, &small).iter().zip(&reference) {
             assert!((a - b).abs() <= 2f32.powi(-25), "{a} vs {b}");
         }
-        // 2^16 with level 12: 12 * 2 = 24 of 2^15, held; 2^19: 12 * 16 = 192, not.
-        assert!(ty.to_q8_0(&mxfp4_blocks(&[144], 3)).is_ok());
-        let err = ty.to_q8_0(&mxfp4_blocks(&[128, 147], 3)).unwrap_err();
-        assert!(err.contains("block 1") && err.contains("2^19"), "{err}");
+        // 2^15 is half precision's largest power; 2^16 with level 12 would be 24 of 2^15,
+        // past Q5_0's 15.
+        assert!(ty.widen(&mxfp4_blocks(&[143], 3)).is_ok());
+        let err = ty.widen(&mxfp4_blocks(&[128, 144], 3)).unwrap_err();
+        assert!(err.contains("block 1") && err.contains("2^16"), "{err}");
     }
 
     #[test]

@@ -3,11 +3,11 @@
 //! blocks, 16]`, two neighbouring weights per byte, the first in the low nibble) and one
 //! power-of-two scale byte each (`{name}_scales`, `[experts, rows, blocks]`, `2^(s - 127)`
 //! times the FP4 value). The codes and scales are llama.cpp's MXFP4 with the nibbles
-//! paired differently, so they are repacked into its blocks and widened to Q8_0 as a GGUF
+//! paired differently, so they are repacked into its blocks and widened to Q5_0 as a GGUF
 //! file's MXFP4 tensors are ([`crate::iquants`]).
 
 use crate::iquants::WidenedType;
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
 use candle_core::Device;
 
 /// Weights per block, and bytes of codes per block.
@@ -22,7 +22,7 @@ pub fn unpacked_shape(blocks_shape: &[usize]) -> Option<Vec<usize>> {
     }
 }
 
-/// The Q8_0 tensor `[experts, rows, columns]` of the codes and scales; `gate_first`:
+/// The widened tensor `[experts, rows, columns]` of the codes and scales; `gate_first`:
 /// the rows alternate gate and up outputs (gpt-oss's `gate_up_proj`) and are regrouped,
 /// every gate row, then every up row.
 pub fn widen(
@@ -62,10 +62,9 @@ pub fn widen(
             }
         }
     }
-    let q8_0 = WidenedType::Mxfp4
-        .to_q8_0(&packed)
-        .map_err(candle_core::Error::Msg)?;
-    qtensor_from_ggml(GgmlDType::Q8_0, &q8_0, shape, &Device::Cpu)
+    let mxfp4 = WidenedType::Mxfp4;
+    let widened = mxfp4.widen(&packed).map_err(candle_core::Error::Msg)?;
+    qtensor_from_ggml(mxfp4.target(), &widened, shape, &Device::Cpu)
 }
 
 /// A block's codes paired as llama.cpp stores them: byte `j` holds weight `j` (low

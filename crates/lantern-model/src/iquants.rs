@@ -187,7 +187,7 @@ fn push_mxfp4(out: &mut Vec<u8>, e: u8, codes: &[u8]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+    use candle_core::quantized::ggml_file::qtensor_from_ggml;
     use candle_core::Device;
 
     /// The weights of `bytes` as llama.cpp's `dequantize_row_iq4_nl` / `_iq4_xs` compute

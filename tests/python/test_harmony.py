@@ -226,3 +226,27 @@ def test_the_reasoning_effort_reaches_the_system_message(harmony):
         extra_body={"chat_template": template},
     )
     assert r.reasoning.effort == "high"
+
+
+def test_responses_give_reasoning_items_back_to_the_template(harmony):
+    # The Responses API's items of a tool loop, given back as input: the reasoning goes
+    # with the call after it, as chat's assistant message with `reasoning` does.
+    template = (ROOT / "tests/fixtures/chat_templates/gpt_oss.jinja").read_text()
+    items = [
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Need the weather."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    r = harmony.client().responses.create(
+        model=harmony.model, input=items, max_output_tokens=1, extra_body={"chat_template": template},
+    )
+    chat = ASK + [
+        {"role": "assistant", "content": "", "reasoning": "Need the weather.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    ids = tokenize(harmony, messages=chat, chat_template=template)
+    assert "<|channel|>analysis<|message|>Need the weather.<|end|>" in detokenize(harmony, ids)
+    assert r.usage.input_tokens == len(ids)

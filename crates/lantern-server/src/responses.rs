@@ -500,10 +500,11 @@ impl ResponseObject {
             (Vec::new(), text.clone())
         };
         let calls: Vec<ToolCall> = parsed_calls.into_iter().chain(text_calls).collect();
-        if thought_alone {
-            // No message after the thinking.
-        } else if calls.is_empty() {
-            output.push(self.message(&text, logprob_entries(logprobs), status));
+        if calls.is_empty() {
+            // Thinking with nothing after it has no message.
+            if !thought_alone {
+                output.push(self.message(&text, logprob_entries(logprobs), status));
+            }
         } else if !rest.is_empty() {
             output.push(self.message(&rest, Vec::new(), status));
         }

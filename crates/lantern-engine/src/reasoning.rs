@@ -478,6 +478,20 @@ mod tests {
         split_texts(parser, thinking, [text])
     }
 
+    /// Every cut of `text` into three pieces at character boundaries (empty ones too).
+    pub(super) fn three_way_cuts(text: &str) -> Vec<[&str; 3]> {
+        let bounds: Vec<usize> = (0..=text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        let mut cuts = Vec::new();
+        for &a in &bounds {
+            for &b in bounds.iter().filter(|&&b| b >= a) {
+                cuts.push([&text[..a], &text[a..b], &text[b..]]);
+            }
+        }
+        cuts
+    }
+
     fn some(text: &str) -> Option<String> {
         Some(text.to_string())
     }
@@ -529,15 +543,9 @@ mod tests {
             for thinking in [false, true] {
                 for text in texts {
                     let whole = split(parser, thinking, text);
-                    let bounds: Vec<usize> = (0..=text.len())
-                        .filter(|&i| text.is_char_boundary(i))
-                        .collect();
-                    for &a in &bounds {
-                        for &b in bounds.iter().filter(|&&b| b >= a) {
-                            let cut = [&text[..a], &text[a..b], &text[b..]];
-                            let (r, t) = split_texts(parser, thinking, cut);
-                            assert_eq!((r, t), whole, "{text:?} cut at {a}, {b}");
-                        }
+                    for cut in three_way_cuts(text) {
+                        let (r, t) = split_texts(parser, thinking, cut);
+                        assert_eq!((r, t), whole, "{text:?} cut as {cut:?}");
                     }
                 }
             }

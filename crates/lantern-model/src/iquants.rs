@@ -144,18 +144,17 @@ const F16_MAX_EXP: i32 = 15;
 /// `j + 16`); `levels` in -16..=15.
 fn push_q5_0(out: &mut Vec<u8>, d: f16, levels: &[i8; 16], codes: &[u8]) {
     let q = |c: u8| (levels[c as usize] + Q5_0_OFFSET) as u8;
-    let weights: Vec<u8> = codes
-        .iter()
-        .map(|&c| q(c & 0xF))
-        .chain(codes.iter().map(|&c| q(c >> 4)))
-        .collect();
-    let qh = weights
-        .iter()
-        .enumerate()
-        .fold(0u32, |qh, (j, &w)| qh | (u32::from(w >> 4) << j));
+    let mut qh = 0u32;
+    let mut low = [0u8; BLOCK / 2];
+    // Code byte `j` holds weights `j` (low nibble) and `j + 16` (high), as Q5_0's byte `j`.
+    for (j, &c) in codes.iter().enumerate() {
+        let (first, second) = (q(c & 0xF), q(c >> 4));
+        qh |= u32::from(first >> 4) << j | u32::from(second >> 4) << (j + 16);
+        low[j] = (first & 0xF) | ((second & 0xF) << 4);
+    }
     out.extend_from_slice(&d.to_le_bytes());
     out.extend_from_slice(&qh.to_le_bytes());
-    out.extend((0..BLOCK / 2).map(|j| (weights[j] & 0xF) | ((weights[j + 16] & 0xF) << 4)));
+    out.extend_from_slice(&low);
 }
 
 /// One MXFP4 block (scale exponent byte `e`, 16 bytes of codes) as Q5_0: scale

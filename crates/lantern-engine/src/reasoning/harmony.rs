@@ -251,6 +251,7 @@ impl HarmonySplitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reasoning::tests::three_way_cuts;
 
     /// Reasoning, answer and calls (name, arguments) of the output `texts` make.
     fn read(in_header: bool, texts: &[&str]) -> (String, String, Vec<(String, String)>) {
@@ -374,14 +375,8 @@ mod tests {
         for in_header in [false, true] {
             for text in texts {
                 let whole = read(in_header, &[text]);
-                let bounds: Vec<usize> = (0..=text.len())
-                    .filter(|&i| text.is_char_boundary(i))
-                    .collect();
-                for &a in &bounds {
-                    for &b in bounds.iter().filter(|&&b| b >= a) {
-                        let cut = [&text[..a], &text[a..b], &text[b..]];
-                        assert_eq!(read(in_header, &cut), whole, "{text:?} cut at {a}, {b}");
-                    }
+                for cut in three_way_cuts(text) {
+                    assert_eq!(read(in_header, &cut), whole, "{text:?} cut as {cut:?}");
                 }
             }
         }
